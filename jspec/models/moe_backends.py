@@ -1,0 +1,111 @@
+"""Expert computation backends for the MoE layer.
+
+Every backend has one signature, so the MoE layer (and the EP shard_map around it) never
+knows which one runs:
+
+    experts(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD) -> y_TD
+
+    y[t] = sum_k topk_weights[t, k] * down_e( silu(x[t] @ w_gate[e]) * (x[t] @ w_up[e]) ),
+    e = topk_ids[t, k]
+
+The weighted sum over the top-k runs in float32 and the result is cast to x's dtype. Ids
+outside [0, E) contribute nothing: expert parallelism passes the ids of experts held by
+another shard as -1 (or any out-of-range value) so that a shard computes its own experts only.
+
+Shape letters: T tokens, K experts per token, E experts, D hidden size, F expert
+intermediate size.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+ExpertsFn = Callable[..., jax.Array]
+
+MOE_BACKENDS = ("auto", "pallas", "ragged_dot", "dense", "reference")
+
+
+def _swiglu(gate, up):
+  return jax.nn.silu(gate) * up
+
+
+def experts_reference(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+  """Gathers each token's K expert weight matrices: simple, exact, memory-hungry at large T."""
+  num_experts = w_gate_EDF.shape[0]
+  valid_TK = (topk_ids_TK >= 0) & (topk_ids_TK < num_experts)
+  ids_TK = jnp.where(valid_TK, topk_ids_TK, 0)
+  hp = jax.lax.Precision.HIGHEST
+  gate_TKF = jnp.einsum("td,tkdf->tkf", x_TD, w_gate_EDF[ids_TK], precision=hp)
+  up_TKF = jnp.einsum("td,tkdf->tkf", x_TD, w_up_EDF[ids_TK], precision=hp)
+  act_TKF = _swiglu(gate_TKF.astype(jnp.float32), up_TKF.astype(jnp.float32)).astype(x_TD.dtype)
+  out_TKD = jnp.einsum("tkf,tkfd->tkd", act_TKF, w_down_EFD[ids_TK], precision=hp)
+  weights_TK = jnp.where(valid_TK, topk_weights_TK, 0.0).astype(jnp.float32)
+  y_TD = jnp.einsum("tkd,tk->td", out_TKD.astype(jnp.float32), weights_TK)
+  return y_TD.astype(x_TD.dtype)
+
+
+def experts_dense(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+  """Runs every expert on every token and masks: reads each weight once, wasteful in FLOPs."""
+  num_experts = w_gate_EDF.shape[0]
+  gate_TEF = jnp.einsum("td,edf->tef", x_TD, w_gate_EDF)
+  up_TEF = jnp.einsum("td,edf->tef", x_TD, w_up_EDF)
+  act_TEF = _swiglu(gate_TEF.astype(jnp.float32), up_TEF.astype(jnp.float32)).astype(x_TD.dtype)
+  out_TED = jnp.einsum("tef,efd->ted", act_TEF, w_down_EFD)
+  # Combine weights as a dense [T, E] matrix; out-of-range ids match no column.
+  onehot_TKE = topk_ids_TK[..., None] == jnp.arange(num_experts)
+  weights_TE = jnp.einsum("tke,tk->te", onehot_TKE.astype(jnp.float32),
+                          topk_weights_TK.astype(jnp.float32))
+  y_TD = jnp.einsum("ted,te->td", out_TED.astype(jnp.float32), weights_TE)
+  return y_TD.astype(x_TD.dtype)
+
+
+def experts_ragged_dot(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+  """Sorts token copies by expert and calls `jax.lax.ragged_dot` (XLA's grouped GEMM)."""
+  num_tokens, top_k = topk_ids_TK.shape
+  num_experts = w_gate_EDF.shape[0]
+  flat_ids_M = topk_ids_TK.reshape(-1)
+  valid_M = (flat_ids_M >= 0) & (flat_ids_M < num_experts)
+  # Invalid copies sort last, into a group of their own that no expert owns.
+  sort_key_M = jnp.where(valid_M, flat_ids_M, num_experts)
+  order_M = jnp.argsort(sort_key_M, stable=True)
+  group_sizes_E = jnp.bincount(sort_key_M, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  x_MD = x_TD[order_M // top_k]
+  gate_MF = jax.lax.ragged_dot(x_MD, w_gate_EDF, group_sizes_E)
+  up_MF = jax.lax.ragged_dot(x_MD, w_up_EDF, group_sizes_E)
+  act_MF = _swiglu(gate_MF.astype(jnp.float32), up_MF.astype(jnp.float32)).astype(x_TD.dtype)
+  out_MD = jax.lax.ragged_dot(act_MF, w_down_EFD, group_sizes_E)
+  weights_M = jnp.where(valid_M, topk_weights_TK.reshape(-1), 0.0)[order_M].astype(jnp.float32)
+  # Rows past the last group are left unwritten by ragged_dot: zero them explicitly.
+  out_MD = jnp.where(valid_M[order_M][:, None], out_MD.astype(jnp.float32), 0.0)
+  y_TD = jnp.zeros((num_tokens, x_TD.shape[1]), jnp.float32)
+  y_TD = y_TD.at[order_M // top_k].add(out_MD * weights_M[:, None])
+  return y_TD.astype(x_TD.dtype)
+
+
+def _on_hopper() -> bool:
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return False
+  capability = getattr(device, "compute_capability", "")
+  return str(capability).startswith("9")
+
+
+def resolve_moe_backend(name: str) -> str:
+  """Maps "auto" to a concrete backend for the current devices; validates the name."""
+  if name not in MOE_BACKENDS:
+    raise ValueError(f"moe_backend={name!r} is not supported; choose one of {MOE_BACKENDS}")
+  if name == "auto":
+    return "pallas" if _on_hopper() else "reference"
+  return name
+
+
+def get_experts_fn(name: str) -> ExpertsFn:
+  name = resolve_moe_backend(name)
+  if name == "pallas":
+    from jspec.pallas_kernels import experts_pallas  # Mosaic GPU; interpret mode off-GPU.
+    return experts_pallas
+  return {"reference": experts_reference, "dense": experts_dense,
+          "ragged_dot": experts_ragged_dot}[name]
