@@ -1,0 +1,181 @@
+"""Frozen configuration dataclasses, validated once at the public boundary.
+
+`ModelConfig` is read through `transformers.AutoConfig`, which normalises the key spellings
+of old and new checkpoints (`rope_theta` vs `rope_parameters`, `num_experts` vs
+`num_local_experts`); jspec reads only the normalised attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype: Any):
+  """Accepts 'bfloat16' / jnp.bfloat16 / 'bf16'-free canonical names; refuses the rest."""
+  name = getattr(dtype, "__name__", None) or getattr(dtype, "name", None) or str(dtype)
+  name = {"float": "float32", "half": "float16"}.get(name, name)
+  if name not in SUPPORTED_DTYPES:
+    raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(SUPPORTED_DTYPES)}")
+  return SUPPORTED_DTYPES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  architecture: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rms_norm_eps: float
+  rope_theta: float
+  tie_word_embeddings: bool
+  max_position_embeddings: int
+  eos_token_ids: tuple[int, ...] = ()
+  # Mixture of experts (Qwen3-MoE); num_experts == 0 means a dense model.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  mlp_only_layers: tuple[int, ...] = ()
+  decoder_sparse_step: int = 1
+  # Multi-token prediction heads declared by the config (their layout is found from weights).
+  num_mtp_layers: int = 0
+
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
+
+  def layer_is_moe(self, layer_index: int) -> bool:
+    """Qwen3-MoE's rule (transformers `Qwen3MoeDecoderLayer`): sparse unless listed as dense."""
+    if not self.is_moe or layer_index in self.mlp_only_layers:
+      return False
+    return (layer_index + 1) % self.decoder_sparse_step == 0
+
+  @classmethod
+  def from_hf(cls, hf_config) -> "ModelConfig":
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+      raise ValueError(f"unsupported architecture {architectures or hf_config.model_type!r}; "
+                       f"jspec supports {list(SUPPORTED_ARCHITECTURES)}")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+      raise ValueError(f"rope_type={rope_type!r} is not supported; jspec supports 'default'")
+    rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if rope_theta is None:
+      raise ValueError("config has neither rope_parameters['rope_theta'] nor rope_theta")
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    eos = getattr(hf_config, "eos_token_id", None)
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    num_mtp = (getattr(hf_config, "num_nextn_predict_layers", None)
+               or getattr(hf_config, "mtp_num_hidden_layers", None) or 0)
+    moe = {}
+    if arch == "Qwen3MoeForCausalLM":
+      moe = dict(num_experts=hf_config.num_experts,
+                 num_experts_per_tok=hf_config.num_experts_per_tok,
+                 moe_intermediate_size=hf_config.moe_intermediate_size,
+                 norm_topk_prob=bool(hf_config.norm_topk_prob),
+                 mlp_only_layers=tuple(hf_config.mlp_only_layers or ()),
+                 decoder_sparse_step=int(hf_config.decoder_sparse_step or 1))
+    return cls(
+        architecture=arch, vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size, num_layers=hf_config.num_hidden_layers,
+        num_heads=num_heads, num_kv_heads=hf_config.num_key_value_heads, head_dim=head_dim,
+        rms_norm_eps=hf_config.rms_norm_eps, rope_theta=float(rope_theta),
+        tie_word_embeddings=bool(hf_config.tie_word_embeddings),
+        max_position_embeddings=hf_config.max_position_embeddings, eos_token_ids=eos_ids,
+        num_mtp_layers=int(num_mtp), **moe)
+
+  @classmethod
+  def from_dir(cls, model_dir: str) -> "ModelConfig":
+    from transformers import AutoConfig  # Imported late: transformers is slow to import.
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+      raise FileNotFoundError(f"{model_dir!r} has no config.json")
+    try:
+      hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, KeyError, json.JSONDecodeError) as err:
+      raise ValueError(f"cannot read {model_dir}/config.json: {err}") from err
+    config = cls.from_hf(hf_config)
+    # generation_config.json may carry extra EOS ids (as Qwen3 instruct checkpoints do).
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen_path):
+      with open(gen_path) as f:
+        eos = json.load(f).get("eos_token_id")
+      extra = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+      config = dataclasses.replace(
+          config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+    return config
+
+
+SPEC_METHODS = ("mtp", "ngram")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+  """Speculative decoding settings; vLLM's `speculative_config` dict maps onto it."""
+  method: str
+  num_speculative_tokens: int
+  prompt_lookup_min: int = 1
+  prompt_lookup_max: int = 3
+  draft_tp: int | None = None  # 1 = replicate the MTP head over tp; None = shard like the target.
+
+  def __post_init__(self):
+    if self.method not in SPEC_METHODS:
+      raise ValueError(f"speculative method {self.method!r} is not supported; "
+                       f"choose one of {SPEC_METHODS}")
+    k = self.num_speculative_tokens
+    if not isinstance(k, int) or k < 1:
+      raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1")
+    if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+      raise ValueError(
+          f"n-gram bounds out of order: need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) "
+          f"<= prompt_lookup_max ({self.prompt_lookup_max})")
+
+  @classmethod
+  def parse(cls, spec: "SpecConfig | dict | None") -> "SpecConfig | None":
+    if spec is None or isinstance(spec, SpecConfig):
+      return spec
+    if not isinstance(spec, dict):
+      raise ValueError(f"speculative_config must be a dict, SpecConfig or None, got {spec!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(spec) - known
+    if unknown:
+      raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(known)}")
+    if "method" not in spec or "num_speculative_tokens" not in spec:
+      raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+    return cls(**spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Per-request sampling settings; names follow vLLM's offline API."""
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  max_tokens: int = 16
+  stop_token_ids: Sequence[int] | None = None
+  seed: int | None = None
+  ignore_eos: bool = False
+
+  def __post_init__(self):
+    if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+      raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+    if not (isinstance(self.top_k, int) and self.top_k >= 0):
+      raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables top-k)")

@@ -1,0 +1,126 @@
+"""Building blocks shared by every model family: RMSNorm, RoPE, attention over a KV cache, MLP.
+
+Every parameter is an `nnx.Param` whose metadata `logical_axes` names each dimension; the
+sharding rules (jspec.sharding.rules) map those names to mesh axes, so no module here mentions
+a mesh axis.
+
+Shape letters: B batch, T query tokens, S cache slots, D hidden, N query heads, K kv heads,
+H head dim, F MLP intermediate, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LayerCache = tuple[jax.Array, jax.Array]  # (keys_BSKH, values_BSKH) of one attention layer.
+
+
+def param(rngs: nnx.Rngs, shape, dtype, logical_axes, scale: float | None = None) -> nnx.Param:
+  """A normal(0, scale) parameter; scale defaults to 1/sqrt(fan_in) (the first axis)."""
+  scale = shape[0] ** -0.5 if scale is None else scale
+  value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+  return nnx.Param(value.astype(dtype), logical_axes=logical_axes)
+
+
+def ones_param(shape, dtype, logical_axes) -> nnx.Param:
+  return nnx.Param(jnp.ones(shape, dtype), logical_axes=logical_axes)
+
+
+class RMSNorm(nnx.Module):
+  """Qwen3RMSNorm: normalise in float32, cast back, then scale in the parameter dtype."""
+
+  def __init__(self, dim: int, eps: float, dtype, axis_name: str = "embed"):
+    self.scale = ones_param((dim,), dtype, (axis_name,))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale.value * x32.astype(x.dtype)
+
+
+def rope(x_BTNH, positions_BT, theta: float):
+  """Rotary embedding in the rotate-half convention of Qwen3 (transformers `apply_rotary_pos_emb`)."""
+  head_dim = x_BTNH.shape[-1]
+  inv_freq_H2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles_BTH2 = positions_BT[..., None].astype(jnp.float32) * inv_freq_H2
+  angles_BTH = jnp.concatenate([angles_BTH2, angles_BTH2], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles_BTH), jnp.sin(angles_BTH)
+  x32 = x_BTNH.astype(jnp.float32)
+  half = head_dim // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  return (x32 * cos + rotated * sin).astype(x_BTNH.dtype)
+
+
+def write_cache(cache_BSKH, new_BTKH, positions_BT):
+  """Scatters the new keys (or values) into each sequence's slots at their absolute positions.
+
+  The caller guarantees positions < S (the loop stops a sequence before its verify window
+  could pass the cache bucket), so no write is ever clamped or dropped.
+  """
+  batch_B1 = jnp.arange(cache_BSKH.shape[0])[:, None]
+  return cache_BSKH.at[batch_B1, positions_BT].set(new_BTKH.astype(cache_BSKH.dtype))
+
+
+class Attention(nnx.Module):
+  """GQA with q/k RMSNorm over head_dim (Qwen3), attending over a contiguous per-slot cache."""
+
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.q_proj = param(rngs, (d, n, h), dtype, ("embed", "q_heads", "head_dim"))
+    self.k_proj = param(rngs, (d, k, h), dtype, ("embed", "kv_heads", "head_dim"))
+    self.v_proj = param(rngs, (d, k, h), dtype, ("embed", "kv_heads", "head_dim"))
+    self.o_proj = param(rngs, (n, h, d), dtype, ("q_heads", "head_dim", "embed"),
+                        scale=(n * h) ** -0.5)
+    self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, "head_dim")
+    self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, "head_dim")
+    self.rope_theta = cfg.rope_theta
+    self.num_kv_heads = k
+
+  def __call__(self, x_BTD, positions_BT, cache: LayerCache, kv_window: int):
+    """Writes this call's keys/values at `positions_BT`, then attends causally.
+
+    A query at position p sees every slot j <= p: slots below the sequence's committed length
+    were written by earlier calls, the rest by this call, so no separate length mask is needed
+    and stale slots past p (rejected drafts, padding) are never read. Only the first
+    `kv_window` slots are read (static): prefill from position 0 needs no more than its bucket.
+    """
+    q_BTNH = self.q_norm(jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj.value))
+    k_BTKH = self.k_norm(jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj.value))
+    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj.value)
+    q_BTNH = rope(q_BTNH, positions_BT, self.rope_theta)
+    k_BTKH = rope(k_BTKH, positions_BT, self.rope_theta)
+    cache_k, cache_v = cache
+    cache_k = write_cache(cache_k, k_BTKH, positions_BT)
+    cache_v = write_cache(cache_v, v_BTKH, positions_BT)
+    keys_BSKH = cache_k[:, :kv_window]
+    values_BSKH = cache_v[:, :kv_window]
+
+    b, t, n, h = q_BTNH.shape
+    group = n // self.num_kv_heads
+    q_BTKGH = q_BTNH.reshape(b, t, self.num_kv_heads, group, h)
+    scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, keys_BSKH,
+                              preferred_element_type=jnp.float32) * (h ** -0.5)
+    visible_BTS = jnp.arange(kv_window)[None, None, :] <= positions_BT[:, :, None]
+    scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, -jnp.inf)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(values_BSKH.dtype)
+    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, values_BSKH)
+    out_BTD = jnp.einsum("btnh,nhd->btd", out_BTKGH.reshape(b, t, n, h), self.o_proj.value)
+    return out_BTD, (cache_k, cache_v)
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+  def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
+    self.gate_proj = param(rngs, (hidden, intermediate), dtype, ("embed", "mlp"))
+    self.up_proj = param(rngs, (hidden, intermediate), dtype, ("embed", "mlp"))
+    self.down_proj = param(rngs, (intermediate, hidden), dtype, ("mlp", "embed"))
+
+  def __call__(self, x_BTD):
+    gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate_proj.value)
+    up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up_proj.value)
+    act_BTF = jax.nn.silu(gate_BTF) * up_BTF
+    return jnp.einsum("btf,fd->btd", act_BTF, self.down_proj.value)

@@ -1,0 +1,151 @@
+"""Loading a local Hugging Face directory into sharded NNX modules.
+
+Modules are first built abstractly (`nnx.eval_shape`: no memory), then each parameter is read
+from safetensors one tensor at a time, converted to jspec's layout on the host, and placed
+straight into its final sharding with `jax.make_array_from_callback`, which hands each device
+only its own slice. The host never holds more than the tensors of one parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import SafetensorError, safe_open
+
+from jspec.config import ModelConfig
+from jspec.models import weights as W
+from jspec.models.mtp import MTPHead, MTPSpec
+from jspec.models.qwen3 import Qwen3CausalLM
+from jspec.progress import progress
+from jspec.sharding.rules import ShardingRules
+
+
+class SafetensorsIndex:
+  """Tensor name -> file for `model.safetensors` or a sharded `model.safetensors.index.json`."""
+
+  def __init__(self, model_dir: str):
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    single_path = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(index_path):
+      with open(index_path) as f:
+        weight_map = json.load(f)["weight_map"]
+      files = {os.path.join(model_dir, fname) for fname in weight_map.values()}
+      missing = sorted(p for p in files if not os.path.isfile(p))
+      if missing:
+        raise FileNotFoundError(f"weight files listed in {index_path} are missing: {missing}")
+      self.file_of = {name: os.path.join(model_dir, fname) for name, fname in weight_map.items()}
+    elif os.path.isfile(single_path):
+      self.file_of = {name: single_path for name in self._keys(single_path)}
+    else:
+      raise FileNotFoundError(
+          f"{model_dir!r} has no model.safetensors or model.safetensors.index.json")
+    self._handles = {}
+
+  @staticmethod
+  def _keys(path):
+    try:
+      with safe_open(path, framework="numpy") as f:
+        return list(f.keys())
+    except (SafetensorError, OSError) as err:
+      raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): "
+                       f"{err}") from err
+
+  @property
+  def names(self) -> set[str]:
+    return set(self.file_of)
+
+  def read(self, name: str) -> np.ndarray:
+    path = self.file_of[name]
+    if path not in self._handles:
+      self._handles[path] = safe_open(path, framework="numpy")
+    try:
+      return self._handles[path].get_tensor(name)
+    except (SafetensorError, OSError) as err:
+      raise ValueError(f"cannot read tensor {name!r} from {path} (truncated or corrupt?): "
+                       f"{err}") from err
+
+
+def _validate_names(index: SafetensorsIndex, rules: dict):
+  wanted = {name for rule in rules.values() for name in rule.names}
+  missing = sorted(wanted - index.names)
+  if missing:
+    shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+    raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+  unexpected = sorted(n for n in index.names - wanted if not W.ignorable(n))
+  if unexpected:
+    shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)"
+                                         if len(unexpected) > 8 else "")
+    raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensors: {shown}")
+
+
+def _materialize(abstract_module, rules: dict, index: SafetensorsIndex, mesh: Mesh,
+                 sharding_rules: ShardingRules, dtype, label: str):
+  graphdef, abstract_state = nnx.split(abstract_module)
+  flat = nnx.to_flat_state(abstract_state)
+  arrays = {}
+  for path, variable in progress(list(flat), description=f"loading {label}"):
+    if path not in rules:
+      raise AssertionError(f"no checkpoint rule for parameter {path}")  # a jspec bug, not input
+    rule = rules[path]
+    hf_arrays = []
+    for name, hf_shape in zip(rule.names, rule.hf_shapes):
+      array = index.read(name)
+      if tuple(array.shape) != hf_shape:
+        raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {hf_shape}")
+      if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
+        raise ValueError(f"tensor {name!r} has dtype {array.dtype}, expected a float type")
+      hf_arrays.append(array)
+    host = rule.build(*hf_arrays).astype(dtype)
+    sharding = sharding_rules.sharding(mesh, variable.get_metadata()["logical_axes"])
+    arrays[path] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+  for path, variable in flat:
+    variable.value = arrays[path]
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_checkpoint(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh,
+                    target_rules: ShardingRules, draft_rules: ShardingRules | None = None):
+  """Returns (target module, MTP head or None, MTPSpec or None), parameters on `mesh`."""
+  index = SafetensorsIndex(model_dir)
+  names = index.names
+  fused = W.uses_fused_experts(names)
+  mtp_spec = W.detect_mtp(cfg, names)
+  rules = W.target_rules(cfg, fused)
+  mtp_rules = W.mtp_rules(cfg, mtp_spec, fused) if mtp_spec else {}
+  _validate_names(index, {**rules, **{("mtp",) + p: r for p, r in mtp_rules.items()}})
+
+  abstract_target = nnx.eval_shape(lambda: Qwen3CausalLM(cfg, dtype, nnx.Rngs(0)))
+  target = _materialize(abstract_target, rules, index, mesh, target_rules, dtype, "target")
+  mtp = None
+  if mtp_spec is not None:
+    abstract_mtp = nnx.eval_shape(lambda: MTPHead(cfg, mtp_spec, dtype, nnx.Rngs(0)))
+    mtp = _materialize(abstract_mtp, mtp_rules, index, mesh, draft_rules or target_rules,
+                       dtype, "MTP head")
+  return target, mtp, mtp_spec
+
+
+def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,
+                target_rules: ShardingRules, draft_rules: ShardingRules | None = None,
+                seed: int = 0):
+  """Random weights born sharded: one jit per module with `out_shardings` from the rules."""
+  def build(make: Callable, sharding_rules: ShardingRules):
+    abstract = nnx.eval_shape(make)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = jax.tree.map(
+        lambda v: sharding_rules.sharding(mesh, v.get_metadata()["logical_axes"]),
+        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+  target = build(lambda: Qwen3CausalLM(cfg, dtype, nnx.Rngs(seed)), target_rules)
+  mtp = None
+  if mtp_spec is not None:
+    mtp = build(lambda: MTPHead(cfg, mtp_spec, dtype, nnx.Rngs(seed + 1)),
+                draft_rules or target_rules)
+  return target, mtp

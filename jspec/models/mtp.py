@@ -1,0 +1,93 @@
+"""Multi-token-prediction (MTP) draft heads, DeepSeek-V3 style, in two checkpoint layouts.
+
+The math (DeepSeek-V3 report section 2.2; vLLM `deepseek_mtp.py` and `qwen3_next_mtp.py`):
+the MTP input at position i pairs the target's hidden state h_i (the one that predicted
+t_{i+1}) with the embedding of t_{i+1}, and predicts t_{i+2}:
+
+    x_i = proj( concat[ norm_e(embed(t_{i+1})), norm_h(h_i) ] )      # embedding FIRST
+    y_i = decoder_layer(x_i)            # causal attention over the head's own KV cache, RoPE position i
+    logits_i = lm_head( norm_f(y_i) )
+
+h_i is the target's final hidden state AFTER its final norm (what vLLM's model runner hands
+to the proposer). `embed` is the target's embedding; `lm_head` is the target's (or, in the
+DeepSeek-V3 layout, `shared_head.head` when the checkpoint has it).
+
+For draft step j > 1 the head is applied again at the next position to its own previous
+output, with layer (j - 1) mod num_layers; the hidden state fed back differs by layout,
+following the reference implementations:
+  - Qwen3-Next / Qwen3.5 (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`): the head's forward
+    returns norm_f(y) and vLLM feeds that back -> POST-norm feedback.
+  - DeepSeek-V3 / GLM-4.5 (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`): the forward returns
+    y (the residual stream) and `shared_head.norm` is applied only for logits -> PRE-norm feedback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jspec.config import ModelConfig
+from jspec.models.layers import LayerCache, RMSNorm, param
+from jspec.models.qwen3 import DecoderLayer, Qwen3CausalLM
+
+MTP_LAYOUTS = ("qwen3_next", "deepseek_v3")
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPSpec:
+  """What a checkpoint's MTP weights look like; found from its tensor names (weights.py)."""
+  layout: str
+  num_layers: int
+  is_moe: bool
+  has_own_head: bool = False  # DeepSeek-V3 `shared_head.head`
+
+  @property
+  def post_norm_feedback(self) -> bool:
+    return self.layout == "qwen3_next"
+
+
+class MTPLayer(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, spec: MTPSpec, dtype, rngs: nnx.Rngs):
+    d = cfg.hidden_size
+    self.embed_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+    self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+    self.proj = param(rngs, (2 * d, d), dtype, ("mtp_concat", "embed"))
+    self.decoder = DecoderLayer(cfg, spec.is_moe, dtype, rngs)
+    self.final_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+    if spec.has_own_head:
+      self.head = param(rngs, (d, cfg.vocab_size), dtype, ("embed", "vocab"))
+    self.post_norm_feedback = spec.post_norm_feedback
+    self.has_own_head = spec.has_own_head
+
+  def __call__(self, target: Qwen3CausalLM, next_tokens_BT, hidden_BTD, positions_BT,
+               cache: LayerCache, kv_window: int, experts_fn: Callable):
+    """Returns (post-norm hidden [B, T, D], feedback hidden [B, T, D], updated cache).
+
+    Logits are a separate call (`logits`) so callers project only the positions they use.
+    """
+    embedded_BTD = self.embed_norm(target.embed_tokens(next_tokens_BT))
+    concat_BT2D = jnp.concatenate([embedded_BTD, self.hidden_norm(hidden_BTD)], axis=-1)
+    x_BTD = jnp.einsum("btc,cd->btd", concat_BT2D, self.proj.value)
+    y_BTD, cache = self.decoder(x_BTD, positions_BT, cache, kv_window, experts_fn)
+    normed_BTD = self.final_norm(y_BTD)
+    feedback_BTD = normed_BTD if self.post_norm_feedback else y_BTD
+    return normed_BTD, feedback_BTD, cache
+
+  def logits(self, target: Qwen3CausalLM, normed_BTD):
+    """float32 logits through `shared_head.head` when the checkpoint has one, else the target's."""
+    if self.has_own_head:
+      return jnp.einsum("btd,dv->btv", normed_BTD, self.head.value,
+                        preferred_element_type=jnp.float32)
+    return target.logits(normed_BTD)
+
+
+class MTPHead(nnx.Module):
+  """The checkpoint's MTP layers; draft step j uses layer (j - 1) mod num_layers."""
+
+  def __init__(self, cfg: ModelConfig, spec: MTPSpec, dtype, rngs: nnx.Rngs):
+    self.spec = spec
+    self.layers = nnx.List([MTPLayer(cfg, spec, dtype, rngs) for _ in range(spec.num_layers)])

@@ -1,0 +1,100 @@
+"""The one table from logical axes to mesh axes, and the mesh itself.
+
+Every PartitionSpec in jspec comes from `ShardingRules.spec(logical_axes)`: parameters carry
+their logical axes as NNX metadata, caches and activations name theirs where they are made.
+Trying another layout means editing this table, nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("dp", "ep", "tp")
+MeshAxes = str | tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  dp: int = 1
+  tp: int = 1
+  ep: int = 1
+
+  def __post_init__(self):
+    for name in ("dp", "tp", "ep"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"MeshConfig.{name}={value!r} must be an integer >= 1")
+
+  @property
+  def size(self) -> int:
+    return self.dp * self.tp * self.ep
+
+  @property
+  def batch_width(self) -> int:
+    """Sequences are split over dp x ep, so batch buckets are multiples of this."""
+    return self.dp * self.ep
+
+  def make_mesh(self, devices=None) -> Mesh:
+    devices = jax.devices() if devices is None else list(devices)
+    if self.size != len(devices):
+      raise ValueError(f"mesh dp*ep*tp = {self.dp}*{self.ep}*{self.tp} = {self.size} must equal "
+                       f"the number of devices ({len(devices)})")
+    grid = np.asarray(devices, dtype=object).reshape(self.dp, self.ep, self.tp)
+    return Mesh(grid, MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+  """Logical axis -> mesh axes. Axes not listed are replicated."""
+  batch: MeshAxes = ("dp", "ep")
+  vocab: MeshAxes = "tp"
+  embed: MeshAxes = None
+  q_heads: MeshAxes = "tp"
+  kv_heads: MeshAxes = "tp"
+  head_dim: MeshAxes = None
+  mlp: MeshAxes = "tp"
+  experts: MeshAxes = "ep"
+  experts_router: MeshAxes = None
+  moe_mlp: MeshAxes = "tp"
+  mtp_concat: MeshAxes = None
+  cache_seq: MeshAxes = None
+  seq: MeshAxes = None
+
+  def spec(self, logical_axes) -> PartitionSpec:
+    """PartitionSpec for a tuple of logical axis names; refuses a mesh axis used twice."""
+    physical, used = [], set()
+    for name in logical_axes:
+      axes = None if name is None else getattr(self, name)
+      flat = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+      if used & set(flat):
+        raise ValueError(f"mesh axes {flat} used twice in logical axes {logical_axes}")
+      used |= set(flat)
+      physical.append(None if not flat else (flat[0] if len(flat) == 1 else flat))
+    return PartitionSpec(*physical)
+
+  def without_tp(self) -> "ShardingRules":
+    """The same table with every 'tp' dropped: a draft head replicated across tensor shards."""
+    def drop(axes):
+      if axes == "tp":
+        return None
+      if isinstance(axes, tuple):
+        kept = tuple(a for a in axes if a != "tp")
+        return kept or None
+      return axes
+    return dataclasses.replace(self, **{f.name: drop(getattr(self, f.name))
+                                        for f in dataclasses.fields(self)})
+
+  def sharding(self, mesh: Mesh, logical_axes) -> NamedSharding:
+    return NamedSharding(mesh, self.spec(logical_axes))
+
+
+def axis_size(mesh: Mesh, axes: MeshAxes) -> int:
+  if axes is None:
+    return 1
+  axes = (axes,) if isinstance(axes, str) else axes
+  return math.prod(mesh.shape[a] for a in axes)

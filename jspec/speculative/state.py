@@ -1,0 +1,60 @@
+"""The decoding state carried by the jitted loop, and the per-request inputs beside it.
+
+Invariant between loop steps, for a running sequence of length L (tokens_BS[b, :L] valid):
+  - the target's KV cache holds positions 0 .. L-2; the last token t_{L-1} is fed by the next
+    verify step together with the drafts;
+  - the MTP head's KV cache holds positions 0 .. L-2, each computed from the target's hidden
+    state (draft extend), and `mtp_logits_BV` / `mtp_feedback_BD` are its outputs at position
+    L-2: the first draft's distribution and the hidden state fed to the second draft step.
+Rejected drafts leave stale cache slots past L-2; they are never read (attention sees slots
+<= the query position, all rewritten first) and are overwritten by later steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+FINISH_REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+
+
+@struct.dataclass
+class RequestInputs:
+  """Per-sequence settings, fixed for the whole generation (padded rows: max_len_B = 0)."""
+  temperature_B: jax.Array
+  top_k_B: jax.Array
+  top_p_B: jax.Array
+  max_len_B: jax.Array     # stop with 'length' once the sequence holds this many tokens
+  stop_ids_BX: jax.Array   # EOS ids (unless ignore_eos) and stop_token_ids, padded with -1
+  seed_keys_B: jax.Array   # one PRNG key per request
+
+
+@struct.dataclass
+class Metrics:
+  num_steps_B: jax.Array        # verify steps taken while running
+  num_drafted_B: jax.Array      # draft tokens proposed
+  num_accepted_B: jax.Array     # draft tokens emitted
+  drafted_at_BK: jax.Array      # steps in which a draft was proposed at position j
+  accepted_at_BK: jax.Array     # steps in which the draft at position j was emitted
+
+  @classmethod
+  def zeros(cls, batch: int, k: int) -> "Metrics":
+    z = jnp.zeros((batch,), jnp.int32)
+    zk = jnp.zeros((batch, max(k, 1)), jnp.int32)
+    return cls(z, z, z, zk, zk)
+
+
+@struct.dataclass
+class DecodeState:
+  tokens_BS: jax.Array
+  lengths_B: jax.Array
+  done_B: jax.Array
+  finish_B: jax.Array
+  target_caches: tuple
+  mtp_caches: tuple
+  mtp_logits_BV: jax.Array | None
+  mtp_feedback_BD: jax.Array | None
+  metrics: Metrics
+  step: jax.Array
