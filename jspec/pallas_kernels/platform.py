@@ -1,0 +1,37 @@
+"""What the kernels need to know about the device they will run on."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+@functools.cache
+def on_gpu() -> bool:
+  return jax.devices()[0].platform == "gpu"
+
+
+def interpret_params() -> plgpu.InterpretGPUParams | None:
+  """None on a GPU (compile with Mosaic GPU); interpret mode elsewhere.
+
+  Interpret mode fills freshly allocated buffers with NaN, so a row a kernel forgot to
+  write shows up in the tests.
+  """
+  return None if on_gpu() else plgpu.InterpretGPUParams()
+
+
+@functools.cache
+def num_sms() -> int:
+  """Streaming multiprocessors of the local GPU: the persistent grid's size.
+
+  The interpreter simulates a single block, so it gets a grid of one.
+  """
+  if not on_gpu():
+    return 1
+  device = jax.local_devices()[0]
+  count = getattr(device, "core_count", None)
+  if not count:
+    raise RuntimeError(f"cannot read the SM count of {device!r}")
+  return int(count)
