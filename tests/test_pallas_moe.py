@@ -1,0 +1,272 @@
+"""The Pallas Mosaic GPU MoE kernels against the pure-jnp reference.
+
+Off-GPU the kernels run in Mosaic GPU interpret mode, which fills every buffer a kernel
+allocates with NaN: a row the kernel should have written and did not fails the comparison.
+On the GPU the tests free a NaN buffer of the output's size just before each run, so that
+the allocator hands the kernel poisoned memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.models.moe_backends import experts_reference, get_experts_fn
+from jspec.pallas_kernels import (Tiling, choose_tilings, down_weighted, experts_pallas,
+                                  gate_up_swiglu, max_tiles, permute_rows, plan_routing,
+                                  unpermute_combine)
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+
+# Relative L2 error allowed: bf16 operands round to ~4e-3; fp32 runs exact in interpret mode.
+TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 1e-4}
+
+
+def _rel_err(got, want):
+  got = np.asarray(got, np.float64)
+  want = np.asarray(want, np.float64)
+  assert np.all(np.isfinite(got)), "output holds NaN/inf: a row was left unwritten"
+  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def _poison(shape, dtype):
+  """Leaves a freed NaN buffer for the next allocation to reuse (GPU); no-op in interpret."""
+  if ON_GPU:
+    jnp.full(shape, jnp.nan, dtype).block_until_ready()
+
+
+def _problem(seed, num_tokens, num_experts, top_k, dim, ffn, dtype, experts_used=None,
+             invalid_fraction=0.0):
+  keys = jax.random.split(jax.random.key(seed), 7)
+  x = jax.random.normal(keys[0], (num_tokens, dim), jnp.float32).astype(dtype)
+  w_gate = (jax.random.normal(keys[1], (num_experts, dim, ffn)) / np.sqrt(dim)).astype(dtype)
+  w_up = (jax.random.normal(keys[2], (num_experts, dim, ffn)) / np.sqrt(dim)).astype(dtype)
+  w_down = (jax.random.normal(keys[3], (num_experts, ffn, dim)) / np.sqrt(ffn)).astype(dtype)
+  pool = np.arange(num_experts) if experts_used is None else np.asarray(experts_used)
+  # Distinct experts per token where the pool allows it, as a router's top-k gives.
+  scores = jax.random.uniform(keys[4], (num_tokens, len(pool)))
+  picks = jnp.argsort(scores, axis=1)[:, :top_k] if top_k <= len(pool) else (
+      jax.random.randint(keys[4], (num_tokens, top_k), 0, len(pool)))
+  ids = jnp.asarray(pool, jnp.int32)[picks]
+  if invalid_fraction:
+    drop = jax.random.uniform(keys[5], ids.shape) < invalid_fraction
+    ids = jnp.where(drop, -1, ids)
+  weights = jax.nn.softmax(jax.random.normal(keys[6], (num_tokens, top_k)), axis=-1)
+  return x, ids, weights, w_gate, w_up, w_down
+
+
+def _reference(x, ids, weights, w_gate, w_up, w_down, chunk=16):
+  """experts_reference, over token chunks when gathering every token's weights would not fit."""
+  num_tokens, top_k = ids.shape
+  if num_tokens <= chunk:
+    return experts_reference(x, ids, weights, w_gate, w_up, w_down)
+  pad = -num_tokens % chunk
+  xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, chunk, x.shape[1])
+  ids_c = jnp.pad(ids, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, chunk, top_k)
+  w_c = jnp.pad(weights, ((0, pad), (0, 0))).reshape(-1, chunk, top_k)
+  ys = jax.jit(lambda xs, ids_c, w_c: jax.lax.map(
+      lambda a: experts_reference(a[0], a[1], a[2], w_gate, w_up, w_down), (xs, ids_c, w_c)))(
+          xs, ids_c, w_c)
+  return ys.reshape(-1, x.shape[1])[:num_tokens]
+
+
+def _check_experts(args, dtype, tolerance=None):
+  x = args[0]
+  _poison(x.shape, x.dtype)
+  got = jax.jit(experts_pallas)(*args)
+  assert got.shape == x.shape and got.dtype == x.dtype
+  assert _rel_err(got, _reference(*args)) < (tolerance or TOLERANCE[dtype])
+
+
+# --- routing metadata ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_rows",
+                         [(1, 8, 16, 8), (37, 2, 8, 16), (50, 4, 4, 64)])
+def test_plan_places_every_copy_in_a_tile_of_its_expert(num_tokens, top_k, num_experts,
+                                                        block_rows):
+  _, ids, weights, *_ = _problem(0, num_tokens, num_experts, top_k, 64, 64, jnp.float32,
+                                 invalid_fraction=0.2)
+  plan = plan_routing(ids, weights, num_experts, block_rows)
+  ids, weights = np.asarray(ids), np.asarray(weights)
+  pos = np.asarray(plan.pos_TK)
+  tile_expert = np.asarray(plan.tile_expert_N)
+  num_tiles = int(plan.num_tiles)
+  assert plan.tile_expert_N.shape[0] == max_tiles(ids.size, num_experts, block_rows)
+  assert np.all(tile_expert[:num_tiles] >= 0) and np.all(tile_expert[num_tiles:] == -1)
+  assert np.all(np.diff(tile_expert[:num_tiles]) >= 0), "tiles are in expert order"
+  valid = (ids >= 0) & (ids < num_experts)
+  assert np.all(pos[~valid] == -1)
+  rows = pos[valid]
+  assert len(set(rows.tolist())) == rows.size, "two copies share a row"
+  np.testing.assert_array_equal(tile_expert[rows // block_rows], ids[valid])
+  np.testing.assert_array_equal(np.asarray(plan.row_token_P)[rows], np.nonzero(valid)[0])
+  np.testing.assert_allclose(np.asarray(plan.row_weight_P)[rows], weights[valid], rtol=1e-6)
+  pad = np.setdiff1d(np.arange(plan.num_rows), rows)
+  assert np.all(np.asarray(plan.row_weight_P)[pad] == 0.0)
+  assert int(np.asarray(plan.tile_rows_N).sum()) == rows.size
+
+
+def test_plan_gives_empty_experts_no_tiles():
+  ids = jnp.array([[3, 3], [3, 5]], jnp.int32)
+  plan = plan_routing(ids, jnp.ones((2, 2)), num_experts=8, block_rows=8)
+  assert int(plan.num_tiles) == 2
+  assert np.asarray(plan.tile_expert_N)[:2].tolist() == [3, 5]
+  assert np.asarray(plan.tile_rows_N)[:2].tolist() == [3, 1]
+
+
+# --- permute / combine -----------------------------------------------------------------------
+
+def test_permute_then_combine_of_weighted_rows_is_the_weighted_sum():
+  x, ids, weights, *_ = _problem(1, 13, 6, 3, 64, 64, jnp.float32, invalid_fraction=0.2)
+  plan = plan_routing(ids, weights, 6, 8)
+  x_PD = permute_rows(x, plan)
+  y = unpermute_combine(x_PD * plan.row_weight_P[:, None], plan, jnp.float32)
+  valid = (ids >= 0) & (ids < 6)
+  want = x * jnp.where(valid, weights, 0.0).sum(axis=1, keepdims=True)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+# --- grouped GEMM kernels --------------------------------------------------------------------
+
+TILINGS = {
+    "swapped8": (Tiling(True, 8, 64, 64, 2), Tiling(True, 8, 64, 64, 2)),
+    "swapped16": (Tiling(True, 16, 64, 128, 2), Tiling(True, 16, 64, 64, 2)),
+    "standard64": (Tiling(False, 64, 64, 64, 2), Tiling(False, 64, 128, 64, 2)),
+}
+
+
+def _kernel_refs(x_PD, plan, w_gate, w_up, w_down):
+  """Per-row jnp versions of both kernels (float32 math, HIGHEST precision)."""
+  hp = jax.lax.Precision.HIGHEST
+  block_rows = plan.block_rows
+  expert_P = jnp.repeat(jnp.maximum(plan.tile_expert_N, 0), block_rows)
+  xf = x_PD.astype(jnp.float32)
+  gate = jnp.einsum("pd,pdf->pf", xf, w_gate[expert_P].astype(jnp.float32), precision=hp)
+  up = jnp.einsum("pd,pdf->pf", xf, w_up[expert_P].astype(jnp.float32), precision=hp)
+  act = jax.nn.silu(gate) * up
+  down = jnp.einsum("pf,pfd->pd", act.astype(x_PD.dtype).astype(jnp.float32),
+                    w_down[expert_P].astype(jnp.float32), precision=hp)
+  used_rows = jnp.repeat(plan.tile_expert_N >= 0, block_rows)
+  return act, down * plan.row_weight_P[:, None], np.asarray(used_rows)
+
+
+@pytest.mark.parametrize("tiling_name", sorted(TILINGS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_grouped_gemm_kernels_match_per_row_reference(tiling_name, dtype):
+  gate_up_tiling, down_tiling = TILINGS[tiling_name]
+  x, ids, weights, w_gate, w_up, w_down = _problem(2, 11, 4, 2, 128, 128, dtype,
+                                                   invalid_fraction=0.1)
+  plan = plan_routing(ids, weights, 4, gate_up_tiling.block_rows)
+  x_PD = permute_rows(x, plan)
+  act = gate_up_swiglu(x_PD, w_gate, w_up, plan.tile_expert_N, gate_up_tiling)
+  out = down_weighted(act, w_down, plan.row_weight_P, plan.tile_expert_N, down_tiling)
+  want_act, want_out, used = _kernel_refs(x_PD, plan, w_gate, w_up, w_down)
+  # Every row of every used tile must be written (pad rows too), and match.
+  assert _rel_err(act[used], want_act[used]) < TOLERANCE[dtype]
+  assert _rel_err(out[used], want_out[used]) < TOLERANCE[dtype]
+
+
+# --- the whole experts function --------------------------------------------------------------
+
+CASES = {
+    # name: (num_tokens, num_experts, top_k, experts_used, invalid_fraction)
+    "one_token_top8": (1, 16, 8, None, 0.0),
+    "odd_tokens_top2": (37, 8, 2, None, 0.0),
+    "empty_experts": (24, 16, 2, [1, 6, 7], 0.0),
+    "all_on_one_expert": (40, 8, 1, [5], 0.0),
+    "top1": (29, 8, 1, None, 0.0),
+    "other_shard_ids": (19, 8, 4, None, 0.3),
+    "standard_tiling": (300, 4, 1, None, 0.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_experts_pallas_matches_reference(case, dtype):
+  num_tokens, num_experts, top_k, used, invalid = CASES[case]
+  if dtype == jnp.float32 and case not in ("odd_tokens_top2", "standard_tiling"):
+    pytest.skip("fp32 covered by two cases to keep interpret-mode CI short")
+  args = _problem(3, num_tokens, num_experts, top_k, 128, 64, dtype, used, invalid)
+  _check_experts(args, dtype)
+
+
+def test_tilings_follow_rows_per_expert():
+  decode, _ = choose_tilings(num_copies=8, num_experts=128, dim=2048, ffn=768)
+  assert decode.swapped and decode.block_rows == 8
+  verify, _ = choose_tilings(num_copies=32 * 8, num_experts=8, dim=2048, ffn=768)
+  assert verify.swapped and verify.block_rows == 32
+  prefill, _ = choose_tilings(num_copies=8192 * 8, num_experts=128, dim=2048, ffn=768)
+  assert not prefill.swapped and prefill.block_rows == 128
+
+
+def test_backend_registry_returns_pallas_kernels():
+  assert get_experts_fn("pallas") is experts_pallas
+
+
+def test_runs_inside_while_loop_and_jit():
+  args = _problem(4, 5, 8, 2, 128, 64, jnp.bfloat16)
+
+  def body(i, y):
+    return y + experts_pallas(*args).astype(jnp.float32)
+
+  got = jax.jit(lambda: jax.lax.fori_loop(0, 2, body, jnp.zeros(args[0].shape)))()
+  want = 2 * experts_reference(*args).astype(jnp.float32)
+  assert _rel_err(got, want) < TOLERANCE[jnp.bfloat16]
+
+
+# --- realistic shapes on the GPU -------------------------------------------------------------
+
+GPU_CASES = {
+    "qwen3_t1": (1, 128, 8, 2048, 768),
+    "qwen3_t37": (37, 128, 8, 2048, 768),
+    "qwen3_t512": (512, 128, 8, 2048, 768),
+    "qwen3_t2049": (2049, 128, 8, 2048, 768),
+    "deepseek_t8": (8, 256, 8, 7168, 2048),
+    "deepseek_t1000": (1000, 256, 8, 7168, 2048),
+}
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_gpu_experts_pallas_matches_reference(case):
+  num_tokens, num_experts, top_k, dim, ffn = GPU_CASES[case]
+  args = _problem(5, num_tokens, num_experts, top_k, dim, ffn, jnp.bfloat16)
+  _check_experts(args, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("case", ["empty_experts", "all_on_one_expert", "other_shard_ids",
+                                  "one_token_top8"])
+def test_gpu_edge_cases(case):
+  num_tokens, num_experts, top_k, used, invalid = CASES[case]
+  args = _problem(6, num_tokens * 8, num_experts, top_k, 256, 128, jnp.bfloat16, used, invalid)
+  _check_experts(args, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("tiling_name", sorted(TILINGS))
+def test_gpu_grouped_gemm_kernels(tiling_name):
+  gate_up_tiling, down_tiling = TILINGS[tiling_name]
+  x, ids, weights, w_gate, w_up, w_down = _problem(7, 300, 16, 4, 512, 256, jnp.bfloat16)
+  plan = plan_routing(ids, weights, 16, gate_up_tiling.block_rows)
+  x_PD = permute_rows(x, plan)
+  _poison((plan.num_rows, 256), jnp.bfloat16)
+  act = gate_up_swiglu(x_PD, w_gate, w_up, plan.tile_expert_N, gate_up_tiling)
+  _poison((plan.num_rows, 512), jnp.bfloat16)
+  out = down_weighted(act, w_down, plan.row_weight_P, plan.tile_expert_N, down_tiling)
+  want_act, want_out, used = _kernel_refs(x_PD, plan, w_gate, w_up, w_down)
+  assert _rel_err(act[used], want_act[used]) < TOLERANCE[jnp.bfloat16]
+  assert _rel_err(out[used], want_out[used]) < TOLERANCE[jnp.bfloat16]
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_float32_falls_back_and_matches():
+  args = _problem(8, 64, 16, 4, 256, 128, jnp.float32)
+  _check_experts(args, jnp.float32, tolerance=1e-2)  # XLA may use tf32 for float32 dots.
