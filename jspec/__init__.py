@@ -1,0 +1,16 @@
+"""jspec: sharded speculative decoding for JAX.
+
+    llm = jspec.LLM(model="path/to/hf_dir", speculative_config={"method": "mtp",
+                                                               "num_speculative_tokens": 3})
+    outs = llm.generate(["Hello"], jspec.SamplingParams(temperature=0.0, max_tokens=64))
+"""
+
+from jspec.api import LLM
+from jspec.config import ModelConfig, SamplingParams, SpecConfig
+from jspec.models.mtp import MTPSpec
+from jspec.outputs import GenerateOutputs, RequestMetrics, RequestOutput
+from jspec.sharding.rules import MeshConfig, ShardingRules
+
+__all__ = ["LLM", "SamplingParams", "SpecConfig", "MeshConfig", "ShardingRules", "ModelConfig",
+           "MTPSpec", "RequestOutput", "RequestMetrics", "GenerateOutputs"]
+__version__ = "0.1.0"

@@ -1,0 +1,174 @@
+"""`jspec.LLM`: load a checkpoint once, then generate in fixed-shape batches on device."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from jspec import engine
+from jspec.config import ModelConfig, SamplingParams, SpecConfig, resolve_dtype
+from jspec.models.loading import init_random, load_checkpoint
+from jspec.models.moe_backends import get_experts_fn, resolve_moe_backend
+from jspec.models.mtp import MTPSpec
+from jspec.outputs import GenerateOutputs, aggregate
+from jspec.progress import stage
+from jspec.sharding.rules import MeshConfig, ShardingRules
+
+Prompt = str | Sequence[int]
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def enable_compilation_cache(directory: str | None):
+  """JAX's persistent cache: a program compiled once is reused by later processes."""
+  directory = directory or os.environ.get("JSPEC_COMPILATION_CACHE",
+                                          os.path.expanduser("~/.cache/jspec/xla"))
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+
+
+class LLM:
+  """A target model (and its MTP head, if any) on a mesh, ready to generate.
+
+  Args mirror vLLM's offline `LLM`: `model` is a local Hugging Face directory (config.json +
+  safetensors, tokenizer files optional); `speculative_config` a dict such as
+  {"method": "mtp", "num_speculative_tokens": 3} or None for plain decoding.
+  """
+
+  def __init__(self, model: str | None = None, *, mesh: MeshConfig | None = None,
+               speculative_config: SpecConfig | dict | None = None, max_model_len: int = 4096,
+               dtype="bfloat16", moe_backend: str = "auto", seed: int = 0,
+               max_num_seqs: int = 256, compilation_cache_dir: str | None = None,
+               _modules=None):
+    self.dtype = resolve_dtype(dtype)
+    self.spec = SpecConfig.parse(speculative_config)
+    self.mesh_config = mesh or MeshConfig()
+    if not isinstance(max_model_len, int) or max_model_len < 2:
+      raise ValueError(f"max_model_len={max_model_len!r} must be an integer >= 2")
+    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+      raise ValueError(f"max_num_seqs={max_num_seqs!r} must be an integer >= 1")
+    self.moe_backend = resolve_moe_backend(moe_backend)
+    self.seed = seed
+    self.max_num_seqs = max_num_seqs
+    self._request_counter = 0
+    enable_compilation_cache(compilation_cache_dir)
+    self.mesh = self.mesh_config.make_mesh()
+    self.rules = ShardingRules()
+    self.draft_rules = (self.rules.without_tp() if self.spec and self.spec.draft_tp == 1
+                        else self.rules)
+
+    if _modules is not None:  # LLM.from_random: benchmark models built on device.
+      self.model_dir, self.config, self.target, self.mtp, self.mtp_spec = _modules
+      self.tokenizer = None
+    else:
+      if model is None:
+        raise ValueError("LLM needs `model`, a local Hugging Face checkpoint directory")
+      if not os.path.isdir(model):
+        raise FileNotFoundError(f"model directory {model!r} does not exist")
+      self.model_dir = model
+      self.config = ModelConfig.from_dir(model)
+      with stage(f"loading {model}"):
+        self.target, self.mtp, self.mtp_spec = load_checkpoint(
+            model, self.config, self.dtype, self.mesh, self.rules, self.draft_rules)
+      self.tokenizer = _load_tokenizer(model)
+    if max_model_len > self.config.max_position_embeddings:
+      raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                       f"max_position_embeddings={self.config.max_position_embeddings}")
+    self.max_model_len = max_model_len
+    if self.spec and self.spec.method == "mtp" and self.mtp is None:
+      raise ValueError("speculative method 'mtp' needs MTP weights, and this checkpoint has "
+                       "none; use {'method': 'ngram', ...} or a checkpoint with an MTP head")
+    self.experts_fn = get_experts_fn(self.moe_backend)
+    self._runner = engine.Runner(self)
+
+  @classmethod
+  def from_random(cls, config: ModelConfig, mtp_spec: MTPSpec | None = None, *,
+                  mesh: MeshConfig | None = None, dtype="bfloat16", seed: int = 0, **kwargs):
+    """Random weights of the given shapes, born sharded on the mesh (benchmarks, tests)."""
+    mesh_config = mesh or MeshConfig()
+    rules = ShardingRules()
+    spec = SpecConfig.parse(kwargs.get("speculative_config"))
+    draft_rules = rules.without_tp() if spec and spec.draft_tp == 1 else rules
+    with stage("initialising random weights"):
+      target, mtp = init_random(config, mtp_spec, resolve_dtype(dtype),
+                                mesh_config.make_mesh(), rules, draft_rules, seed)
+    return cls(mesh=mesh_config, dtype=dtype, seed=seed,
+               _modules=(None, config, target, mtp, mtp_spec), **kwargs)
+
+  # ---- requests -------------------------------------------------------------------------
+
+  def _encode(self, prompts) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))):
+      raise ValueError("prompts must be a list of prompts (strings or token-id lists); "
+                       "wrap a single prompt in a list")
+    prompts = list(prompts)
+    if not prompts:
+      raise ValueError("prompts is empty: pass at least one prompt")
+    encoded = []
+    for i, prompt in enumerate(prompts):
+      if isinstance(prompt, str):
+        if self.tokenizer is None:
+          raise ValueError(f"prompt {i} is text but {self.model_dir!r} has no tokenizer files; "
+                           "pass token ids instead")
+        ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+      else:
+        ids = [int(t) for t in prompt]
+      if not ids:
+        raise ValueError(f"prompt {i} is empty")
+      bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+      if bad:
+        raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary "
+                         f"[0, {self.config.vocab_size})")
+      if len(ids) >= self.max_model_len:
+        raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} "
+                         f"leaves room for prompts of at most {self.max_model_len - 1}")
+      encoded.append(ids)
+    return encoded
+
+  def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+      return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+      return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+      raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    for p in params:
+      if not isinstance(p, SamplingParams):
+        raise ValueError(f"expected SamplingParams, got {type(p).__name__}")
+    return params
+
+  def _seed_for(self, params: SamplingParams) -> int:
+    if params.seed is not None:
+      return int(params.seed)
+    self._request_counter += 1
+    return hash((self.seed, self._request_counter)) & 0x7FFFFFFF
+
+  def generate(self, prompts, sampling_params=None) -> GenerateOutputs:
+    """Generates for every prompt; outputs come back in prompt order."""
+    prompt_ids = self._encode(prompts)
+    params = self._params_list(sampling_params, len(prompt_ids))
+    seeds = [self._seed_for(p) for p in params]
+    # Wall time counts running only: compiling a new bucket is reported by its own progress line.
+    outputs, wall = self._runner.generate(prompt_ids, params, seeds)
+    if self.tokenizer is not None:
+      for out in outputs:
+        out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    k = self.spec.num_speculative_tokens if self.spec else 0
+    return GenerateOutputs(outputs, aggregate(outputs, k, wall))
+
+  def compute_logits(self, token_id_lists) -> list[np.ndarray]:
+    """The target's float32 logits [len, vocab] for each sequence (one forward, no sampling)."""
+    ids = self._encode(token_id_lists)
+    return self._runner.compute_logits(ids)
+
+
+def _load_tokenizer(model_dir: str):
+  if not any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+    return None
+  from transformers import AutoTokenizer
+  return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+

@@ -1,0 +1,33 @@
+"""Fixed shapes for the compiled programs: a handful of buckets serve any request mix.
+
+- batch buckets: multiples of the data-parallel width (dp x ep) times a power of two, so every
+  shard gets the same number of rows;
+- prompt buckets: powers of two from 16;
+- cache buckets: powers of two from 128, large enough for the longest sequence plus one verify
+  window (k + 1 slots), capped at max_model_len + k + 1. The slack guarantees that every cache
+  and token-buffer write of a running sequence lands inside the bucket.
+"""
+
+from __future__ import annotations
+
+MIN_PROMPT_BUCKET = 16
+MIN_CACHE_BUCKET = 128
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def batch_bucket(num_seqs: int, width: int) -> int:
+  return width * next_pow2(-(-num_seqs // width))
+
+
+def prompt_bucket(max_prompt_len: int, cache_len: int) -> int:
+  return min(max(MIN_PROMPT_BUCKET, next_pow2(max_prompt_len)), cache_len)
+
+
+def cache_bucket(max_total_len: int, k: int, max_model_len: int) -> int:
+  """Slots for a sequence of `max_total_len` tokens (<= max_model_len) decoded k drafts a step."""
+  needed = max_total_len + k + 1
+  cap = max_model_len + k + 1
+  return min(max(MIN_CACHE_BUCKET, next_pow2(needed)), cap)

@@ -1,0 +1,251 @@
+"""Prefill and the draft -> verify -> accept loop, as pure functions over `DecodeState`.
+
+One `lax.while_loop` runs the whole generation on device; k = 0 (no drafter) is vanilla
+decoding through the same body. Each step, for every running sequence of length L:
+
+  1. draft k tokens d_1..d_k: MTP (d_1 from the head's stored output at position L-2, then
+     k-1 single-token forwards) or n-gram lookup;
+  2. verify: one target forward over [t_{L-1}, d_1..d_k] at positions L-1..L+k-1;
+  3. accept: greedy prefix match or lossless rejection sampling -> accept_len in 0..k, plus
+     the target's own token after the accepted run;
+  4. update: stop exactly where vanilla decoding would (EOS / stop id / max length inside the
+     accepted run), append the emitted tokens, advance the length (rejected drafts roll back
+     by length alone), then "draft extend": rerun the MTP head's first layer over the k+1
+     verified positions from the target's hidden states, so its cache always holds
+     target-derived entries for every committed position (SGLang / vLLM draft extend).
+
+With several MTP layers, draft step j uses layer (j-1) mod n; only layer 0 is refreshed by
+draft extend (it is the layer that consumes target hidden states), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jspec.models.qwen3 import empty_caches
+from jspec.speculative import sampling, verify
+from jspec.speculative.ngram import ngram_propose
+from jspec.speculative.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState,
+                                     Metrics, RequestInputs)
+
+_TARGET_STREAM, _DRAFT_STREAM = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+  """Everything static about one compiled program (hashable: it keys the jit cache)."""
+  batch: int
+  cache_len: int
+  method: str | None       # None, "mtp" or "ngram"
+  k: int                   # drafts per step; 0 without speculation
+  all_greedy: bool         # every request has temperature 0: argmax paths only
+  ngram_min: int = 1
+  ngram_max: int = 3
+
+
+def _stream_keys(req: RequestInputs, stream: int):
+  return jax.vmap(lambda key: jax.random.fold_in(key, stream))(req.seed_keys_B)
+
+
+def _choose(logits_NV, temperature_N, top_k_N, top_p_N, keys_N, all_greedy: bool):
+  """Token and the distribution it was drawn from (None when every row is greedy)."""
+  if all_greedy:
+    return jnp.argmax(logits_NV, axis=-1).astype(jnp.int32), None
+  probs_NV = sampling.processed_probs(logits_NV, temperature_N, top_k_N, top_p_N)
+  return sampling.sample(probs_NV, keys_N), probs_NV
+
+
+def _is_stop(tokens_BT, stop_ids_BX):
+  return jnp.any(tokens_BT[..., None] == stop_ids_BX[:, None, :], axis=-1)
+
+
+def _take_rows(x_BT, index_B):
+  return jnp.take_along_axis(x_BT, index_B[:, None, *([None] * (x_BT.ndim - 2))],
+                             axis=1)[:, 0]
+
+
+def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: LoopPlan,
+            experts_fn: Callable, dtype) -> DecodeState:
+  """Runs the prompts, samples each sequence's first token, fills both KV caches."""
+  batch, prompt_bucket = tokens_BP.shape
+  cfg = target.cfg
+  positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
+  caches = empty_caches(cfg, cfg.num_layers, batch, plan.cache_len, dtype)
+  hidden_BPD, caches = target(tokens_BP, positions_BP, caches, prompt_bucket, experts_fn)
+  last_B = prompt_lens_B - 1
+  logits_BV = target.logits(_take_rows(hidden_BPD, last_B)[:, None])[:, 0]
+  keys_B = sampling.position_keys(_stream_keys(req, _TARGET_STREAM), prompt_lens_B[:, None])[:, 0]
+  first_B, _ = _choose(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B, keys_B,
+                       plan.all_greedy)
+
+  rows_B = jnp.arange(batch)
+  tokens_BS = jnp.zeros((batch, plan.cache_len), jnp.int32).at[:, :prompt_bucket].set(tokens_BP)
+  tokens_BS = tokens_BS.at[rows_B, prompt_lens_B].set(first_B)
+  lengths_B = prompt_lens_B + 1
+  stop_B = _is_stop(first_B[:, None], req.stop_ids_BX)[:, 0]
+  finish_B = jnp.where(stop_B, FINISH_STOP,
+                       jnp.where(lengths_B >= req.max_len_B, FINISH_LENGTH, FINISH_NONE))
+
+  mtp_caches, mtp_logits_BV, mtp_feedback_BD = (), None, None
+  if plan.method == "mtp":
+    # MTP position i pairs h_i with t_{i+1}: the prompt shifted left, the new token at the end.
+    next_BP = jnp.concatenate([tokens_BP[:, 1:], tokens_BP[:, :1]], axis=1)
+    next_BP = next_BP.at[rows_B, last_B].set(first_B)
+    mtp_caches = empty_caches(cfg, len(mtp.layers), batch, plan.cache_len, dtype)
+    layer = mtp.layers[0]
+    normed_BPD, feedback_BPD, cache0 = layer(target, next_BP, hidden_BPD, positions_BP,
+                                             mtp_caches[0], prompt_bucket, experts_fn)
+    mtp_caches = (cache0,) + mtp_caches[1:]
+    mtp_logits_BV = layer.logits(target, _take_rows(normed_BPD, last_B)[:, None])[:, 0]
+    mtp_feedback_BD = _take_rows(feedback_BPD, last_B)
+
+  return DecodeState(tokens_BS=tokens_BS, lengths_B=lengths_B, done_B=finish_B != FINISH_NONE,
+                     finish_B=finish_B, target_caches=caches, mtp_caches=mtp_caches,
+                     mtp_logits_BV=mtp_logits_BV, mtp_feedback_BD=mtp_feedback_BD,
+                     metrics=Metrics.zeros(batch, plan.k), step=jnp.int32(0))
+
+
+def _draft_mtp(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopPlan,
+               experts_fn: Callable):
+  """k drafts from the MTP head: d_1 from the stored logits, then k-1 chained forwards."""
+  k, lengths_B = plan.k, state.lengths_B
+  draft_keys_BK = sampling.position_keys(
+      _stream_keys(req, _DRAFT_STREAM), lengths_B[:, None] + jnp.arange(k, dtype=jnp.int32))
+  token_B, probs_BV = _choose(state.mtp_logits_BV, req.temperature_B, req.top_k_B, req.top_p_B,
+                              draft_keys_BK[:, 0], plan.all_greedy)
+  drafts, probs = [token_B], [probs_BV]
+  feedback_BD, caches = state.mtp_feedback_BD, list(state.mtp_caches)
+  for j in range(2, k + 1):
+    layer_index = (j - 1) % len(mtp.layers)
+    layer = mtp.layers[layer_index]
+    positions_B1 = (lengths_B + j - 3)[:, None]
+    normed_B1D, feedback_B1D, caches[layer_index] = layer(
+        target, token_B[:, None], feedback_BD[:, None], positions_B1, caches[layer_index],
+        plan.cache_len, experts_fn)
+    logits_BV = layer.logits(target, normed_B1D)[:, 0]
+    token_B, probs_BV = _choose(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B,
+                                draft_keys_BK[:, j - 1], plan.all_greedy)
+    feedback_BD = feedback_B1D[:, 0]
+    drafts.append(token_B)
+    probs.append(probs_BV)
+  draft_probs_BKV = None if plan.all_greedy else jnp.stack(probs, axis=1)
+  return jnp.stack(drafts, axis=1), draft_probs_BKV, tuple(caches)
+
+
+def _accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, req, plan):
+  k = plan.k
+  if plan.all_greedy:
+    return verify.greedy_verify(drafts_BK, draft_len_B, target_logits_BTV)
+  batch, width, vocab = target_logits_BTV.shape
+  repeat = lambda x_B: jnp.repeat(x_B, width)
+  target_probs_BTV = sampling.processed_probs(
+      target_logits_BTV.reshape(batch * width, vocab), repeat(req.temperature_B),
+      repeat(req.top_k_B), repeat(req.top_p_B)).reshape(batch, width, vocab)
+  keys_BT = sampling.position_keys(_stream_keys(req, _TARGET_STREAM),
+                                   state.lengths_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32))
+  if k == 0:  # Vanilla sampling: the "bonus" token is the only token.
+    return jnp.zeros((batch,), jnp.int32), sampling.sample(
+        target_probs_BTV[:, 0], keys_BT[:, 0])[:, None]
+  return verify.rejection_verify(drafts_BK, draft_len_B, draft_probs_BKV, target_probs_BTV,
+                                 keys_BT)
+
+
+def decode_step(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopPlan,
+                experts_fn: Callable) -> DecodeState:
+  k, batch, lengths_B = plan.k, plan.batch, state.lengths_B
+  rows_B = jnp.arange(batch)
+  running_B = ~state.done_B
+  last_token_B = state.tokens_BS[rows_B, lengths_B - 1]
+
+  mtp_caches, draft_probs_BKV = state.mtp_caches, None
+  if plan.method == "mtp":
+    drafts_BK, draft_probs_BKV, mtp_caches = _draft_mtp(target, mtp, state, req, plan,
+                                                        experts_fn)
+    draft_len_B = jnp.full((batch,), k, jnp.int32)
+  elif plan.method == "ngram":
+    drafts_BK, draft_len_B = ngram_propose(state.tokens_BS, lengths_B, k, plan.ngram_min,
+                                           plan.ngram_max)
+  else:
+    drafts_BK, draft_len_B = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32)
+
+  verify_tokens_BT = jnp.concatenate([last_token_B[:, None], drafts_BK], axis=1)
+  positions_BT = lengths_B[:, None] - 1 + jnp.arange(k + 1, dtype=jnp.int32)
+  hidden_BTD, target_caches = target(verify_tokens_BT, positions_BT, state.target_caches,
+                                     plan.cache_len, experts_fn)
+  logits_BTV = target.logits(hidden_BTD)
+  accept_len_B, out_tokens_BT = _accept(logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV,
+                                        state, req, plan)
+
+  # Stop exactly where one-token-at-a-time decoding would: the first emitted token that is a
+  # stop id, or that brings the sequence to its maximum length, ends it.
+  offsets_T = jnp.arange(k + 1, dtype=jnp.int32)
+  emitted_BT = offsets_T[None, :] <= accept_len_B[:, None]
+  stop_tok_BT = _is_stop(out_tokens_BT, req.stop_ids_BX)
+  full_BT = lengths_B[:, None] + offsets_T + 1 >= req.max_len_B[:, None]
+  ends_BT = emitted_BT & (stop_tok_BT | full_BT)
+  any_end_B = jnp.any(ends_BT, axis=1)
+  first_end_B = jnp.argmax(ends_BT, axis=1).astype(jnp.int32)
+  num_emit_B = jnp.where(any_end_B, first_end_B + 1, accept_len_B + 1)
+  end_reason_B = jnp.where(_take_rows(stop_tok_BT, first_end_B), FINISH_STOP, FINISH_LENGTH)
+  finish_B = jnp.where(running_B & any_end_B, end_reason_B, state.finish_B)
+
+  # Slots past the new length hold garbage that is never read; a finished row writes there too.
+  write_positions_BT = lengths_B[:, None] + offsets_T
+  tokens_BS = state.tokens_BS.at[rows_B[:, None], write_positions_BT].set(out_tokens_BT)
+  new_lengths_B = jnp.where(running_B, lengths_B + num_emit_B, lengths_B)
+
+  mtp_logits_BV, mtp_feedback_BD = state.mtp_logits_BV, state.mtp_feedback_BD
+  if plan.method == "mtp":
+    layer = mtp.layers[0]
+    normed_BTD, feedback_BTD, cache0 = layer(target, out_tokens_BT, hidden_BTD, positions_BT,
+                                             mtp_caches[0], plan.cache_len, experts_fn)
+    mtp_caches = (cache0,) + tuple(mtp_caches[1:])
+    last_B = num_emit_B - 1
+    mtp_logits_BV = layer.logits(target, _take_rows(normed_BTD, last_B)[:, None])[:, 0]
+    mtp_feedback_BD = _take_rows(feedback_BTD, last_B)
+
+  m = state.metrics
+  run_i = running_B.astype(jnp.int32)
+  if k > 0:
+    positions_K = jnp.arange(k, dtype=jnp.int32)
+    drafted_BK = (positions_K[None] < draft_len_B[:, None]).astype(jnp.int32) * run_i[:, None]
+    accepted_BK = (positions_K[None] < (num_emit_B - 1)[:, None]).astype(jnp.int32)
+    accepted_BK = accepted_BK * run_i[:, None]
+  else:
+    drafted_BK = accepted_BK = jnp.zeros_like(m.drafted_at_BK)
+  metrics = Metrics(num_steps_B=m.num_steps_B + run_i,
+                    num_drafted_B=m.num_drafted_B + jnp.sum(drafted_BK, axis=1),
+                    num_accepted_B=m.num_accepted_B + run_i * (num_emit_B - 1),
+                    drafted_at_BK=m.drafted_at_BK + drafted_BK,
+                    accepted_at_BK=m.accepted_at_BK + accepted_BK)
+  return DecodeState(tokens_BS=tokens_BS, lengths_B=new_lengths_B,
+                     done_B=state.done_B | (running_B & any_end_B), finish_B=finish_B,
+                     target_caches=target_caches, mtp_caches=mtp_caches,
+                     mtp_logits_BV=mtp_logits_BV, mtp_feedback_BD=mtp_feedback_BD,
+                     metrics=metrics, step=state.step + 1)
+
+
+def decode_loop(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopPlan,
+                experts_fn: Callable) -> DecodeState:
+  """Steps until every sequence is done; the step bound only guards against a logic error."""
+  def cond(s: DecodeState):
+    return jnp.any(~s.done_B) & (s.step < plan.cache_len)
+
+  def body(s: DecodeState):
+    return decode_step(target, mtp, s, req, plan, experts_fn)
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+def split_module(module):
+  """(graphdef, state) for a module or None; graphdefs are static, states are jit arguments."""
+  return (None, None) if module is None else nnx.split(module)
+
+
+def merge_module(graphdef, state):
+  return None if graphdef is None else nnx.merge(graphdef, state)
