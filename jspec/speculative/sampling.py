@@ -1,0 +1,105 @@
+"""Per-request sampling distributions, categorical sampling and position-keyed randomness.
+
+Shape letters: N rows (any flattening of batch x positions), V vocabulary, B batch,
+T positions per sequence.
+
+Why one function produces the distribution for both target and draft: lossless speculative
+sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling")
+preserves whatever distribution the target is sampled from, provided the acceptance ratio
+p(x)/q(x) is computed on the *processed* distributions (after temperature, top-k and top-p)
+of both models. Sharing `processed_probs` is what makes the two consistent.
+
+Greedy decoding is not a special case anywhere downstream: a row with temperature 0 becomes
+the one-hot of its argmax, and with one-hot target rows the rejection rule accepts a draft
+exactly when it equals the argmax and otherwise emits the argmax (see `verify.py`). A batch
+that mixes greedy and sampled requests therefore runs one code path.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def processed_probs(logits_NV, temperature_N, top_k_N, top_p_N):
+    """The float32 distribution a request samples from, row by row.
+
+    Order (as in Hugging Face's logits warpers and vLLM's sampler): divide by temperature,
+    keep the top-k tokens (``top_k <= 0`` = off), renormalise, keep the smallest set of the
+    highest-probability tokens whose mass reaches ``top_p`` (``top_p >= 1`` = off; the top
+    token is always kept), renormalise.
+
+    Tie rule: tokens are ranked by (logit descending, index ascending), so top-k keeps exactly
+    k tokens and, among equal logits, the lower indices. Rows with ``temperature <= 0`` return
+    the one-hot of ``jnp.argmax(logits)`` (lowest index among ties) so that greedy rows give
+    bit-identical results to `verify.greedy_verify`.
+
+    Args:
+      logits_NV: [N, V] logits (any float dtype; computed in float32).
+      temperature_N: [N] float; 0 means greedy.
+      top_k_N: [N] int32; 0 means off.
+      top_p_N: [N] float in (0, 1]; 1.0 means off.
+    Returns:
+      probs_NV: [N, V] float32, each row sums to 1.
+    """
+    logits_NV = logits_NV.astype(jnp.float32)
+    N, V = logits_NV.shape
+    temperature_N = jnp.asarray(temperature_N, jnp.float32)
+    top_k_N = jnp.asarray(top_k_N, jnp.int32)
+    top_p_N = jnp.asarray(top_p_N, jnp.float32)
+
+    greedy_N = temperature_N <= 0.0
+    scaled_NV = logits_NV / jnp.where(greedy_N, 1.0, temperature_N)[:, None]
+
+    # One stable sort of the negated logits ranks by (logit desc, index asc); top-k and
+    # top-p are both prefixes of that order, so they become one mask in sorted space.
+    order_NV = jnp.argsort(-scaled_NV, axis=-1, stable=True)
+    sorted_NV = jnp.take_along_axis(scaled_NV, order_NV, axis=-1)
+    rank_V = jnp.arange(V, dtype=jnp.int32)
+    k_N = jnp.where(top_k_N <= 0, V, jnp.minimum(top_k_N, V))
+    in_top_k_NV = rank_V[None, :] < k_N[:, None]
+    sorted_probs_NV = jax.nn.softmax(jnp.where(in_top_k_NV, sorted_NV, -jnp.inf), axis=-1)
+    # A token is in the nucleus if the mass strictly before it is still short of top_p:
+    # this is the smallest prefix with mass >= top_p, and always contains rank 0.
+    mass_before_NV = jnp.cumsum(sorted_probs_NV, axis=-1) - sorted_probs_NV
+    in_top_p_NV = (mass_before_NV < top_p_N[:, None]) | (top_p_N[:, None] >= 1.0)
+    kept_NV = jnp.where(in_top_k_NV & in_top_p_NV, sorted_probs_NV, 0.0)
+    kept_NV = kept_NV / jnp.sum(kept_NV, axis=-1, keepdims=True)
+    rows_N1 = jnp.arange(N)[:, None]
+    probs_NV = jnp.zeros_like(kept_NV).at[rows_N1, order_NV].set(kept_NV)
+
+    onehot_NV = jax.nn.one_hot(jnp.argmax(logits_NV, axis=-1), V, dtype=jnp.float32)
+    return jnp.where(greedy_N[:, None], onehot_NV, probs_NV)
+
+
+def sample(probs_NV, keys_N):
+    """One categorical draw per row, each with its own key.
+
+    Gumbel-max on log-probabilities (`jax.random.categorical`): zero-probability tokens get
+    log 0 = -inf and can never win, so a one-hot row returns its index exactly, whatever the
+    key. Keys may be typed (`jax.random.key`) or raw uint32 keys.
+
+    Returns:
+      tokens_N: [N] int32.
+    """
+    logp_NV = jnp.log(probs_NV.astype(jnp.float32))
+    draw = lambda key, logp_V: jax.random.categorical(key, logp_V)
+    return jax.vmap(draw)(keys_N, logp_NV).astype(jnp.int32)
+
+
+def position_keys(seed_keys_B, positions_BT):
+    """Per-token keys: each sequence's seed key folded with the absolute position sampled.
+
+    The randomness a request sees depends only on its own seed and on where in its sequence a
+    token is drawn, never on its batch slot, batch bucket or on how many tokens a step
+    emits, so a seeded request reproduces across batch compositions (the same discipline as
+    vLLM's per-request generators). Callers that need several independent streams at one
+    position (e.g. a drafter's sample vs. the verifier's uniform) fold a further constant.
+
+    Args:
+      seed_keys_B: [B] keys (typed, or raw [B, 2] uint32).
+      positions_BT: [B, T] int positions of the tokens to be sampled.
+    Returns:
+      keys_BT: [B, T] keys (typed, or raw [B, T, 2]).
+    """
+    fold_T = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+    return jax.vmap(fold_T)(seed_keys_B, positions_BT.astype(jnp.uint32))
