@@ -9,8 +9,9 @@ from jspec.api import LLM
 from jspec.config import ModelConfig, SamplingParams, SpecConfig
 from jspec.models.mtp import MTPSpec
 from jspec.outputs import GenerateOutputs, RequestMetrics, RequestOutput
+from jspec.assets import demo_model_path
 from jspec.sharding.rules import MeshConfig, ShardingRules
 
 __all__ = ["LLM", "SamplingParams", "SpecConfig", "MeshConfig", "ShardingRules", "ModelConfig",
-           "MTPSpec", "RequestOutput", "RequestMetrics", "GenerateOutputs"]
+           "MTPSpec", "RequestOutput", "RequestMetrics", "GenerateOutputs", "demo_model_path"]
 __version__ = "0.1.0"

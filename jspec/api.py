@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jspec import engine
+from jspec.checkpoint import is_converted, restore_converted
 from jspec.config import ModelConfig, SamplingParams, SpecConfig, resolve_dtype
 from jspec.models.loading import init_random, load_checkpoint
 from jspec.models.moe_backends import get_experts_fn, resolve_moe_backend
@@ -69,8 +70,9 @@ class LLM:
         raise FileNotFoundError(f"model directory {model!r} does not exist")
       self.model_dir = model
       self.config = ModelConfig.from_dir(model)
+      load = restore_converted if is_converted(model) else load_checkpoint
       with stage(f"loading {model}"):
-        self.target, self.mtp, self.mtp_spec = load_checkpoint(
+        self.target, self.mtp, self.mtp_spec = load(
             model, self.config, self.dtype, self.mesh, self.rules, self.draft_rules)
       self.tokenizer = _load_tokenizer(model)
     if max_model_len > self.config.max_position_embeddings:

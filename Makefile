@@ -1,0 +1,33 @@
+# `make demo` and `make test` create or refresh .venv with a Python >= 3.12, install jspec, run.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
+export JSPEC_COMPILATION_CACHE ?= $(CURDIR)/.cache/xla
+
+.PHONY: demo test test-gpu venv clean
+
+$(STAMP): pyproject.toml scripts/find_python.sh
+	@python=$$(scripts/find_python.sh) || exit 1; \
+	if [ ! -x $(PY) ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then \
+	  echo "creating $(VENV) with $$python"; rm -rf $(VENV); $$python -m venv $(VENV) || exit 1; \
+	fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench,train]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/jspec demo
+
+# CPU suite: 8 fake devices so that every mesh shape runs on one machine.
+test: $(STAMP)
+	$(CPU_DEVICES) JSPEC_PROGRESS=0 $(PY) -m pytest -q -n 2 -m "not gpu" tests
+
+# On a GPU runner that already has jax (no registry access): run the checkout as it is.
+test-gpu:
+	PYTHONPATH=. JSPEC_PROGRESS=0 python3 -m pytest -q -m gpu tests
+
+clean:
+	rm -rf $(VENV) .cache

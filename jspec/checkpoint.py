@@ -1,0 +1,74 @@
+"""Converted checkpoints: jspec's own parameter tree saved with orbax.
+
+`jspec convert` reads a Hugging Face directory once (name mapping, transposes, expert
+stacking) and writes the result with orbax next to a copy of config.json and the tokenizer
+files. `LLM(model=converted_dir)` restores it straight into the sharding the rules give,
+skipping the conversion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jspec.models.mtp import MTPHead, MTPSpec
+from jspec.models.qwen3 import Qwen3CausalLM
+
+PARAMS_DIR = "jspec_params"
+MTP_SPEC_FILE = "jspec_mtp.json"
+_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+           "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def is_converted(model_dir: str) -> bool:
+  return os.path.isdir(os.path.join(model_dir, PARAMS_DIR))
+
+
+def save_converted(llm, out_dir: str):
+  """Writes llm's parameters (target and MTP head) with orbax, plus config and tokenizer."""
+  if os.path.exists(out_dir) and os.listdir(out_dir):
+    raise FileExistsError(f"output directory {out_dir!r} exists and is not empty")
+  os.makedirs(out_dir, exist_ok=True)
+  for name in _COPIED:
+    src = os.path.join(llm.model_dir, name)
+    if os.path.isfile(src):
+      shutil.copy(src, os.path.join(out_dir, name))
+  tree = {"target": nnx.state(llm.target)}
+  if llm.mtp is not None:
+    tree["mtp"] = nnx.state(llm.mtp)
+  with open(os.path.join(out_dir, MTP_SPEC_FILE), "w") as f:
+    json.dump(None if llm.mtp_spec is None else dataclasses.asdict(llm.mtp_spec), f)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(os.path.abspath(os.path.join(out_dir, PARAMS_DIR)), tree)
+
+
+def restore_converted(model_dir: str, cfg, dtype, mesh, target_rules, draft_rules=None):
+  """(target, MTP head or None, MTPSpec or None), each array restored into its sharding."""
+  with open(os.path.join(model_dir, MTP_SPEC_FILE)) as f:
+    spec_dict = json.load(f)
+  mtp_spec = None if spec_dict is None else MTPSpec(**spec_dict)
+  modules = {"target": (nnx.eval_shape(lambda: Qwen3CausalLM(cfg, dtype, nnx.Rngs(0))),
+                        target_rules)}
+  if mtp_spec is not None:
+    modules["mtp"] = (nnx.eval_shape(lambda: MTPHead(cfg, mtp_spec, dtype, nnx.Rngs(0))),
+                      draft_rules or target_rules)
+  abstract_tree, graphdefs = {}, {}
+  for name, (module, rules) in modules.items():
+    graphdef, state = nnx.split(module)
+    graphdefs[name] = graphdef
+    abstract_tree[name] = jax.tree.map(
+        lambda v, r=rules: v.replace(jax.ShapeDtypeStruct(
+            v.value.shape, dtype, sharding=r.sharding(mesh, v.get_metadata()["logical_axes"]))),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(os.path.abspath(os.path.join(model_dir, PARAMS_DIR)),
+                                    abstract_tree)
+  target = nnx.merge(graphdefs["target"], restored["target"])
+  mtp = nnx.merge(graphdefs["mtp"], restored["mtp"]) if mtp_spec is not None else None
+  return target, mtp, mtp_spec

@@ -1,0 +1,110 @@
+"""`jspec generate | demo | convert | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_model_args(parser, model_required: bool):
+  parser.add_argument("--model", required=model_required, default=None,
+                      help="local Hugging Face checkpoint directory"
+                      + ("" if model_required else " (default: the built-in demo model)"))
+  parser.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16")
+  parser.add_argument("--max-model-len", type=int, default=4096)
+  parser.add_argument("--moe-backend", default="auto",
+                      help="auto | pallas | ragged_dot | dense | reference")
+  parser.add_argument("--dp", type=int, default=1)
+  parser.add_argument("--tp", type=int, default=1)
+  parser.add_argument("--ep", type=int, default=1)
+
+
+def _add_spec_args(parser):
+  parser.add_argument("--spec", default="none", choices=["none", "mtp", "ngram"],
+                      help="drafter: the checkpoint's MTP head, n-gram lookup, or none")
+  parser.add_argument("--k", type=int, default=3, help="draft tokens per step")
+  parser.add_argument("--prompt-lookup-min", type=int, default=1)
+  parser.add_argument("--prompt-lookup-max", type=int, default=3)
+
+
+def _spec_config(args):
+  if args.spec == "none":
+    return None
+  spec = {"method": args.spec, "num_speculative_tokens": args.k}
+  if args.spec == "ngram":
+    spec.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+  return spec
+
+
+def _build_llm(args, model_dir):
+  import jspec
+  return jspec.LLM(model=model_dir, mesh=jspec.MeshConfig(dp=args.dp, tp=args.tp, ep=args.ep),
+                   speculative_config=_spec_config(args), max_model_len=args.max_model_len,
+                   dtype=args.dtype, moe_backend=args.moe_backend)
+
+
+def cmd_generate(args):
+  import jspec
+  from jspec.assets import demo_model_path
+  llm = _build_llm(args, args.model or demo_model_path())
+  prompt = args.prompt
+  if args.token_ids:
+    prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
+  params = jspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                max_tokens=args.max_tokens, seed=args.seed)
+  out = llm.generate([prompt], params)
+  result = out[0]
+  print(result.text if result.text is not None else result.token_ids)
+  print(f"[finish: {result.finish_reason}] {out.metrics.summary()}", file=sys.stderr)
+
+
+def cmd_demo(args):
+  from jspec.demo import run_demo
+  run_demo(args)
+
+
+def cmd_convert(args):
+  from jspec.checkpoint import save_converted
+  llm = _build_llm(args, args.model)
+  save_converted(llm, args.out)
+  print(f"wrote {args.out}")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="jspec", description=__doc__)
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  gen = sub.add_parser("generate", help="generate from one prompt")
+  _add_model_args(gen, model_required=False)
+  _add_spec_args(gen)
+  gen.add_argument("--prompt", required=True)
+  gen.add_argument("--token-ids", action="store_true",
+                   help="read --prompt as token ids (for checkpoints without a tokenizer)")
+  gen.add_argument("--max-tokens", type=int, default=64)
+  gen.add_argument("--temperature", type=float, default=0.0)
+  gen.add_argument("--top-k", type=int, default=0)
+  gen.add_argument("--top-p", type=float, default=1.0)
+  gen.add_argument("--seed", type=int, default=None)
+  gen.set_defaults(func=cmd_generate)
+
+  demo = sub.add_parser("demo", help="the built-in model: text, acceptance and tokens/s")
+  demo.add_argument("--k", type=int, default=3)
+  demo.add_argument("--max-tokens", type=int, default=96)
+  demo.set_defaults(func=cmd_demo)
+
+  conv = sub.add_parser("convert", help="convert a HF checkpoint to jspec's orbax format")
+  _add_model_args(conv, model_required=True)
+  conv.add_argument("--out", required=True)
+  conv.set_defaults(func=cmd_convert)
+
+  args = parser.parse_args(argv)
+  try:
+    args.func(args)
+  except (ValueError, FileNotFoundError) as err:
+    print(f"jspec: error: {err}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
