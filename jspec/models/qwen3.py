@@ -55,7 +55,9 @@ class Qwen3CausalLM(nnx.Module):
       self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, ("embed", "vocab"))
 
   def embed_tokens(self, tokens_BT):
-    return jnp.take(self.embed.value, tokens_BT, axis=0)
+    # Clip, not fill: placeholder ids (-1) in rejected slots must embed to finite garbage,
+    # since stale cache slots are masked by -inf scores but still multiplied by 0 probabilities.
+    return jnp.take(self.embed.value, tokens_BT, axis=0, mode="clip")
 
   def logits(self, hidden_BTD):
     """float32 logits from post-norm hidden states, through the (possibly tied) lm_head."""
