@@ -45,7 +45,7 @@ class LLM:
                _modules=None):
     self.dtype = resolve_dtype(dtype)
     self.spec = SpecConfig.parse(speculative_config)
-    self.mesh_config = mesh or MeshConfig()
+    self.mesh_config = mesh or MeshConfig(num_devices=1)
     if not isinstance(max_model_len, int) or max_model_len < 2:
       raise ValueError(f"max_model_len={max_model_len!r} must be an integer >= 2")
     if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -89,7 +89,7 @@ class LLM:
   def from_random(cls, config: ModelConfig, mtp_spec: MTPSpec | None = None, *,
                   mesh: MeshConfig | None = None, dtype="bfloat16", seed: int = 0, **kwargs):
     """Random weights of the given shapes, born sharded on the mesh (benchmarks, tests)."""
-    mesh_config = mesh or MeshConfig()
+    mesh_config = mesh or MeshConfig(num_devices=1)
     rules = ShardingRules()
     spec = SpecConfig.parse(kwargs.get("speculative_config"))
     draft_rules = rules.without_tp() if spec and spec.draft_tp == 1 else rules

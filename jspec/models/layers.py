@@ -38,7 +38,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale.value * x32.astype(x.dtype)
+    return self.scale[...] * x32.astype(x.dtype)
 
 
 def rope(x_BTNH, positions_BT, theta: float):
@@ -87,9 +87,9 @@ class Attention(nnx.Module):
     and stale slots past p (rejected drafts, padding) are never read. Only the first
     `kv_window` slots are read (static): prefill from position 0 needs no more than its bucket.
     """
-    q_BTNH = self.q_norm(jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj.value))
-    k_BTKH = self.k_norm(jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj.value))
-    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj.value)
+    q_BTNH = self.q_norm(jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...]))
+    k_BTKH = self.k_norm(jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...]))
+    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...])
     q_BTNH = rope(q_BTNH, positions_BT, self.rope_theta)
     k_BTKH = rope(k_BTKH, positions_BT, self.rope_theta)
     cache_k, cache_v = cache
@@ -107,7 +107,7 @@ class Attention(nnx.Module):
     scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, -jnp.inf)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(values_BSKH.dtype)
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, values_BSKH)
-    out_BTD = jnp.einsum("btnh,nhd->btd", out_BTKGH.reshape(b, t, n, h), self.o_proj.value)
+    out_BTD = jnp.einsum("btnh,nhd->btd", out_BTKGH.reshape(b, t, n, h), self.o_proj[...])
     return out_BTD, (cache_k, cache_v)
 
 
@@ -120,7 +120,7 @@ class MLP(nnx.Module):
     self.down_proj = param(rngs, (intermediate, hidden), dtype, ("mlp", "embed"))
 
   def __call__(self, x_BTD):
-    gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate_proj.value)
-    up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up_proj.value)
+    gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate_proj[...])
+    up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up_proj[...])
     act_BTF = jax.nn.silu(gate_BTF) * up_BTF
-    return jnp.einsum("btf,fd->btd", act_BTF, self.down_proj.value)
+    return jnp.einsum("btf,fd->btd", act_BTF, self.down_proj[...])

@@ -105,7 +105,7 @@ def _materialize(abstract_module, rules: dict, index: SafetensorsIndex, mesh: Me
     sharding = sharding_rules.sharding(mesh, variable.get_metadata()["logical_axes"])
     arrays[path] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
   for path, variable in flat:
-    variable.value = arrays[path]
+    variable.set_value(arrays[path])
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

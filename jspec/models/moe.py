@@ -40,8 +40,8 @@ class MoE(nnx.Module):
   def __call__(self, x_BTD, experts_fn: Callable):
     b, t, d = x_BTD.shape
     x_TD = x_BTD.reshape(b * t, d)
-    router_logits_TE = jnp.einsum("td,de->te", x_TD, self.router.value)
+    router_logits_TE = jnp.einsum("td,de->te", x_TD, self.router[...])
     ids_TK, weights_TK = route(router_logits_TE, self.top_k, self.norm_topk_prob, x_TD.dtype)
-    y_TD = experts_fn(x_TD, ids_TK, weights_TK, self.w_gate.value, self.w_up.value,
-                      self.w_down.value)
+    y_TD = experts_fn(x_TD, ids_TK, weights_TK, self.w_gate[...], self.w_up[...],
+                      self.w_down[...])
     return y_TD.reshape(b, t, d)

@@ -71,7 +71,7 @@ class MTPLayer(nnx.Module):
     """
     embedded_BTD = self.embed_norm(target.embed_tokens(next_tokens_BT))
     concat_BT2D = jnp.concatenate([embedded_BTD, self.hidden_norm(hidden_BTD)], axis=-1)
-    x_BTD = jnp.einsum("btc,cd->btd", concat_BT2D, self.proj.value)
+    x_BTD = jnp.einsum("btc,cd->btd", concat_BT2D, self.proj[...])
     y_BTD, cache = self.decoder(x_BTD, positions_BT, cache, kv_window, experts_fn)
     normed_BTD = self.final_norm(y_BTD)
     feedback_BTD = normed_BTD if self.post_norm_feedback else y_BTD
@@ -80,7 +80,7 @@ class MTPLayer(nnx.Module):
   def logits(self, target: Qwen3CausalLM, normed_BTD):
     """float32 logits through `shared_head.head` when the checkpoint has one, else the target's."""
     if self.has_own_head:
-      return jnp.einsum("btd,dv->btv", normed_BTD, self.head.value,
+      return jnp.einsum("btd,dv->btv", normed_BTD, self.head[...],
                         preferred_element_type=jnp.float32)
     return target.logits(normed_BTD)
 

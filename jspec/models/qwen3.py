@@ -57,14 +57,14 @@ class Qwen3CausalLM(nnx.Module):
   def embed_tokens(self, tokens_BT):
     # Clip, not fill: placeholder ids (-1) in rejected slots must embed to finite garbage,
     # since stale cache slots are masked by -inf scores but still multiplied by 0 probabilities.
-    return jnp.take(self.embed.value, tokens_BT, axis=0, mode="clip")
+    return jnp.take(self.embed[...], tokens_BT, axis=0, mode="clip")
 
   def logits(self, hidden_BTD):
     """float32 logits from post-norm hidden states, through the (possibly tied) lm_head."""
     if self.cfg.tie_word_embeddings:
-      return jnp.einsum("btd,vd->btv", hidden_BTD, self.embed.value,
+      return jnp.einsum("btd,vd->btv", hidden_BTD, self.embed[...],
                         preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", hidden_BTD, self.lm_head.value,
+    return jnp.einsum("btd,dv->btv", hidden_BTD, self.lm_head[...],
                       preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_BT, positions_BT, caches: Sequence[LayerCache], kv_window: int,

@@ -20,9 +20,12 @@ MeshAxes = str | tuple[str, ...] | None
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
+  """dp x ep x tp must equal the devices used: all (global) devices unless `num_devices`
+  names how many of the first ones to use (`LLM(mesh=None)` uses one device)."""
   dp: int = 1
   tp: int = 1
   ep: int = 1
+  num_devices: int | None = None
 
   def __post_init__(self):
     for name in ("dp", "tp", "ep"):
@@ -41,9 +44,15 @@ class MeshConfig:
 
   def make_mesh(self, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else list(devices)
+    if self.num_devices is not None:
+      if not 1 <= self.num_devices <= len(devices):
+        raise ValueError(f"MeshConfig.num_devices={self.num_devices} must be in "
+                         f"[1, {len(devices)}] (the devices present)")
+      devices = devices[:self.num_devices]
     if self.size != len(devices):
       raise ValueError(f"mesh dp*ep*tp = {self.dp}*{self.ep}*{self.tp} = {self.size} must equal "
-                       f"the number of devices ({len(devices)})")
+                       f"the number of devices used ({len(devices)}); set num_devices to use "
+                       "fewer than all")
     grid = np.asarray(devices, dtype=object).reshape(self.dp, self.ep, self.tp)
     return Mesh(grid, MESH_AXES)
 
