@@ -1,0 +1,157 @@
+"""Loading a checkpoint directory: sharded indexes, converted checkpoints, and clear errors."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import jspec
+from helpers import cached_llm, fixture_dir
+
+DENSE = "qwen3_dense"
+
+
+def _copy_fixture(tmp_path, name=DENSE):
+  out = tmp_path / name
+  shutil.copytree(fixture_dir(name), out, symlinks=False)
+  return out
+
+
+def _rewrite_tensors(model_dir, edit):
+  path = os.path.join(model_dir, "model.safetensors")
+  tensors = load_file(path)
+  edit(tensors)
+  save_file(tensors, path)
+
+
+def _load(model_dir, **kwargs):
+  return jspec.LLM(model=str(model_dir), dtype="float32", max_model_len=64, **kwargs)
+
+
+def test_sharded_index_loads_like_single_file(tmp_path):
+  out = _copy_fixture(tmp_path)
+  tensors = load_file(os.path.join(out, "model.safetensors"))
+  os.remove(os.path.join(out, "model.safetensors"))
+  names = sorted(tensors)
+  halves = {"model-00001-of-00002.safetensors": names[::2],
+            "model-00002-of-00002.safetensors": names[1::2]}
+  weight_map = {}
+  for fname, part in halves.items():
+    save_file({n: tensors[n] for n in part}, os.path.join(out, fname))
+    weight_map.update({n: fname for n in part})
+  with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {}, "weight_map": weight_map}, f)
+  seq = [[1, 2, 3, 4, 5]]
+  np.testing.assert_array_equal(_load(out).compute_logits(seq)[0],
+                                cached_llm(DENSE).compute_logits(seq)[0])
+
+
+def test_converted_checkpoint_round_trip(tmp_path):
+  from jspec.checkpoint import save_converted
+  original = cached_llm("qwen3_moe")
+  save_converted(original, str(tmp_path / "converted"))
+  restored = _load(tmp_path / "converted", speculative_config={"method": "mtp",
+                                                               "num_speculative_tokens": 2})
+  assert restored.mtp_spec == original.mtp_spec
+  seq = [[5, 6, 7, 8]]
+  np.testing.assert_array_equal(restored.compute_logits(seq)[0], original.compute_logits(seq)[0])
+  with pytest.raises(FileExistsError):
+    save_converted(original, str(tmp_path / "converted"))
+
+
+def test_missing_directory():
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    _load("/nonexistent/model")
+
+
+def test_missing_config(tmp_path):
+  out = _copy_fixture(tmp_path)
+  os.remove(out / "config.json")
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    _load(out)
+
+
+def test_missing_weights(tmp_path):
+  out = _copy_fixture(tmp_path)
+  os.remove(out / "model.safetensors")
+  with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    _load(out)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+  out = _copy_fixture(tmp_path)
+  config = json.loads((out / "config.json").read_text())
+  config["architectures"] = ["LlamaForCausalLM"]
+  config["model_type"] = "llama"
+  (out / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="unsupported architecture.*Qwen3ForCausalLM"):
+    _load(out)
+
+
+def test_missing_tensor_is_named(tmp_path):
+  out = _copy_fixture(tmp_path)
+  _rewrite_tensors(out, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+  with pytest.raises(ValueError, match=r"missing 1 tensors: model\.layers\.1\.self_attn\.k_proj"):
+    _load(out)
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+  out = _copy_fixture(tmp_path)
+  _rewrite_tensors(out, lambda t: t.update({"model.layers.0.extra.weight": np.zeros(3, np.float32)}))
+  with pytest.raises(ValueError, match=r"unexpected tensors: model\.layers\.0\.extra\.weight"):
+    _load(out)
+
+
+def test_shape_mismatch_is_named(tmp_path):
+  out = _copy_fixture(tmp_path)
+  def edit(t):
+    t["model.norm.weight"] = np.ones(63, np.float32)
+  _rewrite_tensors(out, edit)
+  with pytest.raises(ValueError, match=r"model\.norm\.weight.*shape \(63,\), expected \(64,\)"):
+    _load(out)
+
+
+def test_dtype_mismatch_is_named(tmp_path):
+  out = _copy_fixture(tmp_path)
+  def edit(t):
+    t["model.norm.weight"] = np.ones(64, np.int32)
+  _rewrite_tensors(out, edit)
+  with pytest.raises(ValueError, match=r"model\.norm\.weight.*dtype int32"):
+    _load(out)
+
+
+def test_truncated_safetensors(tmp_path):
+  out = _copy_fixture(tmp_path)
+  path = out / "model.safetensors"
+  data = path.read_bytes()
+  path.write_bytes(data[: len(data) // 2])
+  with pytest.raises(ValueError, match="truncated or corrupt"):
+    _load(out)
+
+
+def test_corrupt_header(tmp_path):
+  out = _copy_fixture(tmp_path)
+  (out / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+  with pytest.raises(ValueError, match="truncated or corrupt"):
+    _load(out)
+
+
+def test_no_tokenizer_means_token_ids_only():
+  llm = cached_llm(DENSE)
+  assert llm.tokenizer is None
+  with pytest.raises(ValueError, match="has no tokenizer files; pass token ids"):
+    llm.generate(["hello"])
+
+
+def test_mtp_requested_without_mtp_weights():
+  with pytest.raises(ValueError, match="needs MTP weights.*ngram"):
+    _load(fixture_dir("qwen3_dense_tied_legacy"),
+          speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+
+
+def test_bad_dtype():
+  with pytest.raises(ValueError, match="dtype='int8' is not supported"):
+    jspec.LLM(model=fixture_dir(DENSE), dtype="int8")

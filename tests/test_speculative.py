@@ -1,0 +1,140 @@
+"""Speculative decoding is exact: greedy speculative output == greedy vanilla output, token for
+token, for every drafter, k and batch size; stops land exactly where vanilla decoding stops."""
+
+import numpy as np
+import pytest
+
+import jspec
+from helpers import cached_llm, greedy
+
+DENSE, MOE = "qwen3_dense", "qwen3_moe"
+RNG = np.random.default_rng(20261122)
+# Ragged prompts; some repetitive so that n-gram lookup finds matches.
+PROMPTS = [RNG.integers(0, 384, size=n).tolist() for n in (3, 9, 1, 14, 6, 2, 11, 5, 8)]
+PROMPTS[1] = [10, 11, 12, 10, 11, 12, 10, 11, 12]
+PROMPTS[4] = [7, 8, 7, 8, 7, 8]
+MAX_TOKENS = 24
+
+
+def _vanilla(name, prompts, **kwargs):
+  return [o.token_ids for o in cached_llm(name).generate(prompts, greedy(MAX_TOKENS, **kwargs))]
+
+
+@pytest.mark.parametrize("name", [DENSE, MOE])
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_greedy_speculative_equals_vanilla(name, method, k):
+  want = _vanilla(name, PROMPTS)
+  llm = cached_llm(name, method, k)
+  for batch_size in (1, 9):
+    outs = llm.generate(PROMPTS[:batch_size], greedy(MAX_TOKENS))
+    assert [o.token_ids for o in outs] == want[:batch_size]
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+@pytest.mark.parametrize("batch_size", range(1, 10))
+def test_every_batch_size_from_1_to_9(method, batch_size):
+  prompts = PROMPTS[-batch_size:]
+  want = _vanilla(DENSE, prompts, ignore_eos=True)
+  outs = cached_llm(DENSE, method, 3).generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
+  assert [o.token_ids for o in outs] == want
+
+
+def _steps(llm, prompt, params):
+  return llm.generate([prompt], params)[0].metrics.num_steps
+
+
+def test_max_tokens_inside_an_accepted_run():
+  """For every max_tokens m, output == vanilla[:m]; and some m fall strictly inside a step
+  that emitted several tokens (m and m+1 take the same number of steps)."""
+  llm = cached_llm(DENSE, "ngram", 3)
+  prompt = PROMPTS[1]
+  full = _vanilla(DENSE, [prompt], ignore_eos=True)[0]
+  inside = 0
+  for m in range(1, MAX_TOKENS):
+    out = llm.generate([prompt], greedy(m, ignore_eos=True))[0]
+    assert out.token_ids == full[:m] and out.finish_reason == "length"
+    inside += _steps(llm, prompt, greedy(m, ignore_eos=True)) == _steps(
+        llm, prompt, greedy(m + 1, ignore_eos=True))
+  assert inside > 0
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_every_stop_id_ends_where_vanilla_ends(method):
+  """Each token of the continuation, used as a stop id, ends the output at its first
+  occurrence, whatever was drafted after it. (Stops strictly inside multi-token steps are
+  shown on the trained demo model, whose MTP head drafts first occurrences: test_demo_model.)"""
+  llm = cached_llm(DENSE, method, 3)
+  for prompt in PROMPTS[:5]:
+    full = _vanilla(DENSE, [prompt], ignore_eos=True)[0]
+    for stop in dict.fromkeys(full):
+      out = llm.generate([prompt], greedy(MAX_TOKENS, ignore_eos=True, stop_token_ids=[stop]))[0]
+      first = full.index(stop)
+      assert out.token_ids == full[:first + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_eos_from_the_config_stops_like_vanilla(method):
+  from helpers import reference
+  ref = reference(DENSE)
+  prompts = [ref[f"prompt_{i}"].tolist() for i in range(3)]
+  outs = cached_llm(DENSE, method, 3).generate(prompts, greedy(24))
+  for i, out in enumerate(outs):
+    assert out.token_ids == ref[f"gen_{i}"].tolist()
+    assert out.finish_reason == ("stop" if bool(ref[f"gen_stopped_on_eos_{i}"]) else "length")
+
+
+@pytest.mark.parametrize("method, k", [("mtp", 3), ("ngram", 3), ("ngram", 5)])
+def test_metrics_are_consistent(method, k):
+  outs = cached_llm(DENSE, method, k).generate(PROMPTS, greedy(MAX_TOKENS, ignore_eos=True))
+  for o in outs:
+    m = o.metrics
+    assert m.num_accepted_tokens <= m.num_draft_tokens
+    assert len(o.token_ids) == 1 + m.num_accepted_tokens + m.num_steps
+    assert len(m.acceptance_rate_per_position) == k
+    # Greedy chains: position j+1 is accepted only if position j was.
+    assert all(a >= b for a, b in zip(m.num_accepted_per_position,
+                                      m.num_accepted_per_position[1:]))
+    assert m.mean_acceptance_length == pytest.approx((m.num_accepted_tokens + m.num_steps)
+                                                     / m.num_steps)
+  agg = outs.metrics
+  assert agg.num_generated_tokens == sum(len(o.token_ids) for o in outs)
+  assert agg.num_accepted_tokens == sum(o.metrics.num_accepted_tokens for o in outs)
+  if method == "ngram":
+    assert agg.num_accepted_tokens > 0  # the repetitive prompts do get accepted drafts
+
+
+def test_speculative_sampling_is_lossless_end_to_end():
+  """With temperature, the second generated token (the first decided by verification) has the
+  same distribution with and without speculation: a two-sample chi-square on the top tokens."""
+  params = [jspec.SamplingParams(temperature=1.0, max_tokens=2, seed=s, ignore_eos=True)
+            for s in range(1500)]
+  prompt = [PROMPTS[4]] * len(params)
+  second = lambda llm: np.array([o.token_ids[1] for o in llm.generate(prompt, params)])
+  a, b = second(cached_llm(DENSE)), second(cached_llm(DENSE, "mtp", 2))
+  tokens = [t for t, c in zip(*np.unique(np.concatenate([a, b]), return_counts=True)) if c >= 20]
+  ca = np.array([np.sum(a == t) for t in tokens] + [np.sum(~np.isin(a, tokens))], float)
+  cb = np.array([np.sum(b == t) for t in tokens] + [np.sum(~np.isin(b, tokens))], float)
+  expected_a = (ca + cb) * ca.sum() / (ca.sum() + cb.sum())
+  expected_b = (ca + cb) * cb.sum() / (ca.sum() + cb.sum())
+  keep = expected_a > 0
+  stat = np.sum((ca - expected_a)[keep] ** 2 / expected_a[keep]
+                + (cb - expected_b)[keep] ** 2 / expected_b[keep])
+  dof = keep.sum() - 1
+  # Wilson-Hilferty upper 1e-4 quantile of chi-square(dof).
+  z = 3.719
+  critical = dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
+  assert dof >= 3 and stat < critical, (stat, critical, dof)
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not supported.*mtp"),
+    ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens=0 must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, "n-gram bounds out of order"),
+    ({"method": "ngram"}, "needs 'method' and 'num_speculative_tokens'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "depth": 3}, "unknown speculative_config"),
+])
+def test_bad_speculative_configs(config, match):
+  with pytest.raises(ValueError, match=match):
+    jspec.LLM(model=cached_llm(DENSE).model_dir, dtype="float32", speculative_config=config)
