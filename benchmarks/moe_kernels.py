@@ -108,13 +108,13 @@ def time_fn(fn, arg_sets, min_batch_s=5e-3):
   return statistics.median(samples)
 
 
-def hbm_copy_bandwidth(num_bytes=2 << 30):
-  """Bytes read + written per second by a large elementwise pass (the copy ceiling)."""
+def hbm_bandwidths(num_bytes=2 << 30):
+  """(copy, read) bytes per second: a large elementwise pass (read + write) and a sum (read)."""
   a = jax.random.normal(jax.random.key(0), (num_bytes // 2,), jnp.bfloat16)
   b = a + 1
-  f = jax.jit(lambda a: a * 2)
-  seconds = time_fn(f, [(a,), (b,)])
-  return 2 * num_bytes / seconds
+  copy_s = time_fn(jax.jit(lambda a: a * 2), [(a,), (b,)])
+  read_s = time_fn(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), [(a,), (b,)])
+  return 2 * num_bytes / copy_s, num_bytes / read_s
 
 
 def _kernels_only(tilings):
@@ -199,7 +199,7 @@ def _fmt_us(seconds):
 
 
 def table(rows, hbm_bw):
-  lines = [f"HBM copy bandwidth measured: {hbm_bw / 1e12:.2f} TB/s (read + write)", "",
+  lines = [f"% HBM BW is against {hbm_bw / 1e12:.2f} TB/s, measured in this run", "",
            "| model | T | tiling | experts used | pallas us | kernels us | % HBM BW | TFLOP/s "
            "| ragged_dot us | dense us | tokamax us | x ragged_dot | x tokamax |",
            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
@@ -230,14 +230,18 @@ def main():
   else:
     models = {m: MODELS[m] for m in args.models.split(",")}
     tokens = tuple(int(t) for t in args.tokens.split(","))
-  hbm_bw = hbm_copy_bandwidth(8 << 20 if args.tiny else 2 << 30)
+  copy_bw, read_bw = hbm_bandwidths(8 << 20 if args.tiny else 2 << 30)
+  # The kernels mostly stream weights in: the faster of the two passes is the ceiling.
+  hbm_bw = max(copy_bw, read_bw)
   tokamax_rd = None if args.tiny else _tokamax_ragged_dot()
   rows = []
   for name, shape in models.items():
     rows += bench_model(name, *shape, tokens, hbm_bw, tokamax_rd, args.check)
   with open(args.json, "w") as f:
-    json.dump({"device": str(jax.devices()[0].device_kind), "hbm_copy_bw": hbm_bw,
+    json.dump({"device": str(jax.devices()[0].device_kind), "hbm_copy_bw": copy_bw,
+               "hbm_read_bw": read_bw, "hbm_ceiling": hbm_bw,
                "rows": rows}, f, indent=1)
+  print(f"HBM copy (read + write) {copy_bw / 1e12:.2f} TB/s, read-only {read_bw / 1e12:.2f} TB/s")
   print(table(rows, hbm_bw))
 
 

@@ -90,7 +90,8 @@ def plan_routing(topk_ids_TK: jax.Array, topk_weights_TK: jax.Array, num_experts
       jnp.where(sorted_valid_M, padded_row_M, -1))
 
   tile_N = jnp.arange(num_tiles_max, dtype=jnp.int32)
-  tile_expert_N = jnp.searchsorted(tile_ends_E, tile_N, side="right").astype(jnp.int32)
+  # A compare-and-count is one fused kernel; searchsorted lowers to a loop of launches.
+  tile_expert_N = jnp.sum(tile_ends_E[None, :] <= tile_N[:, None], axis=1, dtype=jnp.int32)
   in_use_N = tile_N < num_tiles
   safe_tile_e_N = jnp.minimum(tile_expert_N, num_experts - 1)
   rows_N = jnp.clip(sizes_E[safe_tile_e_N] - (tile_N - tile_starts_E[safe_tile_e_N]) * block_rows,
