@@ -7,6 +7,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jspec import engine
 from jspec.checkpoint import is_converted, restore_converted
@@ -16,6 +17,8 @@ from jspec.models.moe_backends import get_experts_fn, resolve_moe_backend
 from jspec.models.mtp import MTPSpec
 from jspec.outputs import GenerateOutputs, aggregate
 from jspec.progress import stage
+from jspec.sharding.moe import needs_shard_map, sharded_experts
+from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
 from jspec.sharding.rules import MeshConfig, ShardingRules
 
 Prompt = str | Sequence[int]
@@ -42,6 +45,7 @@ class LLM:
                speculative_config: SpecConfig | dict | None = None, max_model_len: int = 4096,
                dtype="bfloat16", moe_backend: str = "auto", seed: int = 0,
                max_num_seqs: int = 256, compilation_cache_dir: str | None = None,
+               ep_strategy: str = "auto", device_memory_bytes: int | None = None,
                _modules=None):
     self.dtype = resolve_dtype(dtype)
     self.spec = SpecConfig.parse(speculative_config)
@@ -70,6 +74,7 @@ class LLM:
         raise FileNotFoundError(f"model directory {model!r} does not exist")
       self.model_dir = model
       self.config = ModelConfig.from_dir(model)
+      validate_mesh(self.config, self.mesh_config)
       load = restore_converted if is_converted(model) else load_checkpoint
       with stage(f"loading {model}"):
         self.target, self.mtp, self.mtp_spec = load(
@@ -82,7 +87,20 @@ class LLM:
     if self.spec and self.spec.method == "mtp" and self.mtp is None:
       raise ValueError("speculative method 'mtp' needs MTP weights, and this checkpoint has "
                        "none; use {'method': 'ngram', ...} or a checkpoint with an MTP head")
-    self.experts_fn = get_experts_fn(self.moe_backend)
+    k = self.spec.num_speculative_tokens if self.spec else 0
+    use_mtp = self.spec is not None and self.spec.method == "mtp"
+    self.memory_plan = plan_memory(
+        self.config, self.mesh_config, nnx.state(self.target),
+        nnx.state(self.mtp) if use_mtp else None, self.dtype, max_num_seqs, max_model_len, k,
+        draft_tp_sharded=self.draft_rules is self.rules,
+        num_draft_layers=len(self.mtp.layers) if use_mtp else 0,
+        capacity_bytes=device_memory_bytes or device_capacity())
+    base_experts = get_experts_fn(self.moe_backend)
+    self.experts_fn = self.draft_experts_fn = base_experts
+    if needs_shard_map(self.mesh):
+      self.experts_fn = sharded_experts(base_experts, self.mesh, self.rules, ep_strategy)
+      self.draft_experts_fn = sharded_experts(base_experts, self.mesh, self.draft_rules,
+                                              ep_strategy)
     self._runner = engine.Runner(self)
 
   @classmethod
@@ -93,6 +111,7 @@ class LLM:
     rules = ShardingRules()
     spec = SpecConfig.parse(kwargs.get("speculative_config"))
     draft_rules = rules.without_tp() if spec and spec.draft_tp == 1 else rules
+    validate_mesh(config, mesh_config)
     with stage("initialising random weights"):
       target, mtp = init_random(config, mtp_spec, resolve_dtype(dtype),
                                 mesh_config.make_mesh(), rules, draft_rules, seed)

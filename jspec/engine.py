@@ -19,7 +19,8 @@ from jspec.models.qwen3 import empty_caches
 from jspec.outputs import RequestMetrics, RequestOutput
 from jspec.progress import stage
 from jspec.speculative import buckets
-from jspec.speculative.loop import LoopPlan, decode_loop, merge_module, prefill
+from jspec.sharding.rules import global_array, to_host
+from jspec.speculative.loop import LoopContext, LoopPlan, decode_loop, merge_module, prefill
 from jspec.speculative.state import FINISH_REASONS, RequestInputs
 
 
@@ -36,34 +37,61 @@ class Runner:
     else:  # The head is not needed: keep it out of the compiled programs.
       self.mtp_graphdef, self.mtp_state = None, None
     self._compiled = {}
+    cache_axes = ("batch", "cache_seq", "kv_heads", "head_dim")
+    self.ctx = LoopContext(experts_fn=llm.experts_fn, draft_experts_fn=llm.draft_experts_fn,
+                           dtype=llm.dtype,
+                           cache_sharding=llm.rules.sharding(llm.mesh, cache_axes),
+                           draft_cache_sharding=llm.draft_rules.sharding(llm.mesh, cache_axes))
+
+  def _put(self, host: np.ndarray, logical_axes) -> jax.Array:
+    """A host array made global on the mesh (each process supplies its devices' slices)."""
+    return global_array(host, self.llm.rules.sharding(self.llm.mesh, logical_axes))
 
   # ---- compilation ----------------------------------------------------------------------
 
   def _functions(self, plan: LoopPlan):
-    llm, tgd, mgd = self.llm, self.target_graphdef, self.mtp_graphdef
+    tgd, mgd, ctx = self.target_graphdef, self.mtp_graphdef, self.ctx
 
     def prefill_fn(target_state, mtp_state, tokens_BP, prompt_lens_B, req):
       return prefill(nnx.merge(tgd, target_state), merge_module(mgd, mtp_state), tokens_BP,
-                     prompt_lens_B, req, plan, llm.experts_fn, llm.dtype)
+                     prompt_lens_B, req, plan, ctx)
 
     def loop_fn(target_state, mtp_state, state, req):
       return decode_loop(nnx.merge(tgd, target_state), merge_module(mgd, mtp_state), state, req,
-                         plan, llm.experts_fn)
+                         plan, ctx)
 
-    return jax.jit(prefill_fn), jax.jit(loop_fn, donate_argnums=(2,))
+    return prefill_fn, loop_fn
+
+  def _state_shardings(self, state_shape):
+    """The loop state's layout, fixed so prefill's output is exactly the loop's input: caches by
+    the rules, per-sequence arrays split over the batch axes, scalars replicated."""
+    llm, batch_rows = self.llm, state_shape.tokens_BS.shape[0]
+
+    def leaf_sharding(leaf):
+      axes = ("batch",) + (None,) * (leaf.ndim - 1) if leaf.ndim and leaf.shape[0] == batch_rows \
+          else (None,) * leaf.ndim
+      return llm.rules.sharding(llm.mesh, axes)
+
+    shardings = jax.tree.map(leaf_sharding, state_shape)
+    return shardings.replace(
+        target_caches=jax.tree.map(lambda _: self.ctx.cache_sharding, state_shape.target_caches),
+        mtp_caches=jax.tree.map(lambda _: self.ctx.draft_cache_sharding, state_shape.mtp_caches))
 
   def _compile(self, plan: LoopPlan, tokens_BP, prompt_lens_B, req):
     key = (plan, tokens_BP.shape)
     if key not in self._compiled:
-      prefill_jit, loop_jit = self._functions(plan)
+      prefill_fn, loop_fn = self._functions(plan)
       label = (f"compiling batch={plan.batch} prompt={tokens_BP.shape[1]} "
                f"cache={plan.cache_len} method={plan.method or 'none'} k={plan.k}")
       with stage(label):
-        prefill_c = prefill_jit.lower(self.target_state, self.mtp_state, tokens_BP,
-                                      prompt_lens_B, req).compile()
-        state_shape = jax.eval_shape(prefill_jit, self.target_state, self.mtp_state, tokens_BP,
-                                     prompt_lens_B, req)
-        loop_c = loop_jit.lower(self.target_state, self.mtp_state, state_shape, req).compile()
+        args = (self.target_state, self.mtp_state, tokens_BP, prompt_lens_B, req)
+        state_shape = jax.eval_shape(prefill_fn, *args)
+        shardings = self._state_shardings(state_shape)
+        prefill_c = jax.jit(prefill_fn, out_shardings=shardings).lower(*args).compile()
+        state_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                state_shape, shardings)
+        loop_jit = jax.jit(loop_fn, out_shardings=shardings, donate_argnums=(2,))
+        loop_c = loop_jit.lower(self.target_state, self.mtp_state, state_in, req).compile()
       self._compiled[key] = (prefill_c, loop_c)
     return self._compiled[key]
 
@@ -95,15 +123,14 @@ class Runner:
     for row, ids in enumerate(stop_sets):
       stop_ids[row, :len(ids)] = ids
     max_len = [min(len(p) + sp.max_tokens, llm.max_model_len) for p, sp in zip(prompts, params)]
-    f32 = lambda xs, fill: jnp.asarray(list(xs) + [fill] * pad, jnp.float32)
-    i32 = lambda xs, fill: jnp.asarray(list(xs) + [fill] * pad, jnp.int32)
+    rows = lambda xs, fill, dtype: self._put(np.asarray(list(xs) + [fill] * pad, dtype), ("batch",))
     return RequestInputs(
-        temperature_B=f32((p.temperature for p in params), 0.0),
-        top_k_B=i32((p.top_k for p in params), 0),
-        top_p_B=f32((p.top_p for p in params), 1.0),
-        max_len_B=i32(max_len, 0),  # padding rows finish in prefill
-        stop_ids_BX=jnp.asarray(stop_ids),
-        seed_keys_B=jax.vmap(jax.random.key)(jnp.asarray(list(seeds) + [0] * pad, jnp.uint32)))
+        temperature_B=rows((p.temperature for p in params), 0.0, np.float32),
+        top_k_B=rows((p.top_k for p in params), 0, np.int32),
+        top_p_B=rows((p.top_p for p in params), 1.0, np.float32),
+        max_len_B=rows(max_len, 0, np.int32),  # padding rows finish in prefill
+        stop_ids_BX=self._put(stop_ids, ("batch", None)),
+        seeds_B=rows(seeds, 0, np.uint32))
 
   def _run_batch(self, prompts, params, seeds) -> tuple[list[RequestOutput], float]:
     llm, k = self.llm, self.k
@@ -121,14 +148,15 @@ class Runner:
       tokens[row, :len(p)] = p
     prompt_lens = np.ones((batch,), np.int32)
     prompt_lens[:len(prompts)] = [len(p) for p in prompts]
-    tokens_BP, prompt_lens_B = jnp.asarray(tokens), jnp.asarray(prompt_lens)
+    tokens_BP = self._put(tokens, ("batch", "seq"))
+    prompt_lens_B = self._put(prompt_lens, ("batch",))
     req = self._request_inputs(prompts, params, seeds, batch)
 
     prefill_c, loop_c = self._compile(plan, tokens_BP, prompt_lens_B, req)
     start = time.perf_counter()
     state = prefill_c(self.target_state, self.mtp_state, tokens_BP, prompt_lens_B, req)
     state = loop_c(self.target_state, self.mtp_state, state, req)
-    host = jax.device_get((state.tokens_BS, state.lengths_B, state.finish_B, state.metrics))
+    host = to_host((state.tokens_BS, state.lengths_B, state.finish_B, state.metrics))
     wall = time.perf_counter() - start
     tokens_BS, lengths_B, finish_B, metrics = host
 
@@ -161,5 +189,5 @@ class Runner:
       hidden_BTD, _ = target(tokens_BT, positions_BT, caches, length, llm.experts_fn)
       return target.logits(hidden_BTD)
 
-    logits = np.asarray(jax.device_get(logits_fn(self.target_state, jnp.asarray(tokens))))
+    logits = to_host(logits_fn(self.target_state, self._put(tokens, ("batch", "seq"))))
     return [logits[row, :len(s)] for row, s in enumerate(sequences)]

@@ -107,3 +107,16 @@ def axis_size(mesh: Mesh, axes: MeshAxes) -> int:
     return 1
   axes = (axes,) if isinstance(axes, str) else axes
   return math.prod(mesh.shape[a] for a in axes)
+
+
+def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """Every process holds the same host data; each device takes its slice (multi-host safe)."""
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def to_host(tree):
+  """Fetch (possibly multi-host) global arrays to numpy on every process."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(tree, tiled=True)

@@ -37,6 +37,22 @@ _TARGET_STREAM, _DRAFT_STREAM = 0, 1
 
 
 @dataclasses.dataclass(frozen=True)
+class LoopContext:
+  """How the loop runs its modules: expert backends (EP-wrapped on a mesh) and cache layout."""
+  experts_fn: Callable
+  draft_experts_fn: Callable
+  dtype: object
+  cache_sharding: object = None        # NamedSharding of one [B, S, K, H] target cache, or None
+  draft_cache_sharding: object = None
+
+
+def _sharded_caches(caches, sharding):
+  if sharding is None:
+    return caches
+  return jax.tree.map(lambda c: jax.lax.with_sharding_constraint(c, sharding), caches)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoopPlan:
   """Everything static about one compiled program (hashable: it keys the jit cache)."""
   batch: int
@@ -49,7 +65,7 @@ class LoopPlan:
 
 
 def _stream_keys(req: RequestInputs, stream: int):
-  return jax.vmap(lambda key: jax.random.fold_in(key, stream))(req.seed_keys_B)
+  return jax.vmap(lambda seed: jax.random.fold_in(jax.random.key(seed), stream))(req.seeds_B)
 
 
 def _choose(logits_NV, temperature_N, top_k_N, top_p_N, keys_N, all_greedy: bool):
@@ -70,13 +86,14 @@ def _take_rows(x_BT, index_B):
 
 
 def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: LoopPlan,
-            experts_fn: Callable, dtype) -> DecodeState:
+            ctx: LoopContext) -> DecodeState:
   """Runs the prompts, samples each sequence's first token, fills both KV caches."""
   batch, prompt_bucket = tokens_BP.shape
   cfg = target.cfg
   positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
-  caches = empty_caches(cfg, cfg.num_layers, batch, plan.cache_len, dtype)
-  hidden_BPD, caches = target(tokens_BP, positions_BP, caches, prompt_bucket, experts_fn)
+  caches = _sharded_caches(empty_caches(cfg, cfg.num_layers, batch, plan.cache_len, ctx.dtype),
+                           ctx.cache_sharding)
+  hidden_BPD, caches = target(tokens_BP, positions_BP, caches, prompt_bucket, ctx.experts_fn)
   last_B = prompt_lens_B - 1
   logits_BV = target.logits(_take_rows(hidden_BPD, last_B)[:, None])[:, 0]
   keys_B = sampling.position_keys(_stream_keys(req, _TARGET_STREAM), prompt_lens_B[:, None])[:, 0]
@@ -96,10 +113,12 @@ def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: Loo
     # MTP position i pairs h_i with t_{i+1}: the prompt shifted left, the new token at the end.
     next_BP = jnp.concatenate([tokens_BP[:, 1:], tokens_BP[:, :1]], axis=1)
     next_BP = next_BP.at[rows_B, last_B].set(first_B)
-    mtp_caches = empty_caches(cfg, len(mtp.layers), batch, plan.cache_len, dtype)
+    mtp_caches = _sharded_caches(
+        empty_caches(cfg, len(mtp.layers), batch, plan.cache_len, ctx.dtype),
+        ctx.draft_cache_sharding)
     layer = mtp.layers[0]
     normed_BPD, feedback_BPD, cache0 = layer(target, next_BP, hidden_BPD, positions_BP,
-                                             mtp_caches[0], prompt_bucket, experts_fn)
+                                             mtp_caches[0], prompt_bucket, ctx.draft_experts_fn)
     mtp_caches = (cache0,) + mtp_caches[1:]
     mtp_logits_BV = layer.logits(target, _take_rows(normed_BPD, last_B)[:, None])[:, 0]
     mtp_feedback_BD = _take_rows(feedback_BPD, last_B)
@@ -111,7 +130,7 @@ def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: Loo
 
 
 def _draft_mtp(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopPlan,
-               experts_fn: Callable):
+               ctx: LoopContext):
   """k drafts from the MTP head: d_1 from the stored logits, then k-1 chained forwards."""
   k, lengths_B = plan.k, state.lengths_B
   draft_keys_BK = sampling.position_keys(
@@ -126,7 +145,7 @@ def _draft_mtp(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopPl
     positions_B1 = (lengths_B + j - 3)[:, None]
     normed_B1D, feedback_B1D, caches[layer_index] = layer(
         target, token_B[:, None], feedback_BD[:, None], positions_B1, caches[layer_index],
-        plan.cache_len, experts_fn)
+        plan.cache_len, ctx.draft_experts_fn)
     logits_BV = layer.logits(target, normed_B1D)[:, 0]
     token_B, probs_BV = _choose(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B,
                                 draft_keys_BK[:, j - 1], plan.all_greedy)
@@ -156,7 +175,7 @@ def _accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, r
 
 
 def decode_step(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopPlan,
-                experts_fn: Callable) -> DecodeState:
+                ctx: LoopContext) -> DecodeState:
   k, batch, lengths_B = plan.k, plan.batch, state.lengths_B
   rows_B = jnp.arange(batch)
   running_B = ~state.done_B
@@ -164,8 +183,7 @@ def decode_step(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopP
 
   mtp_caches, draft_probs_BKV = state.mtp_caches, None
   if plan.method == "mtp":
-    drafts_BK, draft_probs_BKV, mtp_caches = _draft_mtp(target, mtp, state, req, plan,
-                                                        experts_fn)
+    drafts_BK, draft_probs_BKV, mtp_caches = _draft_mtp(target, mtp, state, req, plan, ctx)
     draft_len_B = jnp.full((batch,), k, jnp.int32)
   elif plan.method == "ngram":
     drafts_BK, draft_len_B = ngram_propose(state.tokens_BS, lengths_B, k, plan.ngram_min,
@@ -176,7 +194,7 @@ def decode_step(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopP
   verify_tokens_BT = jnp.concatenate([last_token_B[:, None], drafts_BK], axis=1)
   positions_BT = lengths_B[:, None] - 1 + jnp.arange(k + 1, dtype=jnp.int32)
   hidden_BTD, target_caches = target(verify_tokens_BT, positions_BT, state.target_caches,
-                                     plan.cache_len, experts_fn)
+                                     plan.cache_len, ctx.experts_fn)
   logits_BTV = target.logits(hidden_BTD)
   accept_len_B, out_tokens_BT = _accept(logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV,
                                         state, req, plan)
@@ -203,7 +221,7 @@ def decode_step(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopP
   if plan.method == "mtp":
     layer = mtp.layers[0]
     normed_BTD, feedback_BTD, cache0 = layer(target, out_tokens_BT, hidden_BTD, positions_BT,
-                                             mtp_caches[0], plan.cache_len, experts_fn)
+                                             mtp_caches[0], plan.cache_len, ctx.draft_experts_fn)
     mtp_caches = (cache0,) + tuple(mtp_caches[1:])
     last_B = num_emit_B - 1
     mtp_logits_BV = layer.logits(target, _take_rows(normed_BTD, last_B)[:, None])[:, 0]
@@ -231,13 +249,13 @@ def decode_step(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopP
 
 
 def decode_loop(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopPlan,
-                experts_fn: Callable) -> DecodeState:
+                ctx: LoopContext) -> DecodeState:
   """Steps until every sequence is done; the step bound only guards against a logic error."""
   def cond(s: DecodeState):
     return jnp.any(~s.done_B) & (s.step < plan.cache_len)
 
   def body(s: DecodeState):
-    return decode_step(target, mtp, s, req, plan, experts_fn)
+    return decode_step(target, mtp, s, req, plan, ctx)
 
   return jax.lax.while_loop(cond, body, state)
 

@@ -28,7 +28,7 @@ class RequestInputs:
   top_p_B: jax.Array
   max_len_B: jax.Array     # stop with 'length' once the sequence holds this many tokens
   stop_ids_BX: jax.Array   # EOS ids (unless ignore_eos) and stop_token_ids, padded with -1
-  seed_keys_B: jax.Array   # one PRNG key per request
+  seeds_B: jax.Array       # uint32 seed per request (keys are made on device)
 
 
 @struct.dataclass

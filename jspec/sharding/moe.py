@@ -1,0 +1,112 @@
+"""Expert parallelism: the expert backend under `shard_map` over the ("dp", "ep", "tp") mesh.
+
+Tokens are split over dp x ep, experts over ep, each expert's intermediate over tp. Two ways
+bring tokens to the shard holding their experts and the results back:
+
+  all_gather  every ep shard gathers the ep group's tokens, computes its own experts' share
+              for all of them, and a reduce-scatter returns each token's sum to its owner.
+              Traffic ~ 2 x T x D per shard whatever the routing; no capacity, no padding.
+  all_to_all  each shard sends every (token, expert) copy to the shard owning that expert in a
+              fixed worst-case buffer (T_local x K rows per destination), the owner computes,
+              and a second all_to_all sends results back to be combined. Traffic scales with
+              T x K but the buffers are ep times larger than the tokens actually routed.
+
+Both produce the same sums; which is faster depends on T (BENCHMARKS.md). Partial sums over tp
+(the down projection contracts the tp-sharded intermediate) are reduced with psum.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jspec.sharding.rules import ShardingRules
+
+EP_STRATEGIES = ("auto", "all_gather", "all_to_all")
+# "auto" switches at this many tokens per call (global): below it the all-gather moves less.
+ALL_TO_ALL_MIN_TOKENS = 1024
+
+
+def _local_ids(ids_TK, experts_per_shard: int):
+  """Global expert ids -> this ep shard's local ids; other shards' experts become -1."""
+  first = jax.lax.axis_index("ep") * experts_per_shard
+  local = ids_TK - first
+  return jnp.where((local >= 0) & (local < experts_per_shard), local, -1)
+
+
+def _reduce_tp(y, tp_sharded: bool):
+  """Sum the partial products of a tp-sharded intermediate; a tp-replicated head has none."""
+  return jax.lax.psum(y, "tp") if tp_sharded else y
+
+
+def _all_gather_body(experts_fn, tp_sharded, x_TD, ids_TK, weights_TK, w_gate, w_up, w_down):
+  experts_per_shard = w_gate.shape[0]
+  x_all = jax.lax.all_gather(x_TD, "ep", axis=0, tiled=True)
+  ids_all = jax.lax.all_gather(ids_TK, "ep", axis=0, tiled=True)
+  weights_all = jax.lax.all_gather(weights_TK, "ep", axis=0, tiled=True)
+  y_all = experts_fn(x_all, _local_ids(ids_all, experts_per_shard), weights_all,
+                     w_gate, w_up, w_down).astype(jnp.float32)
+  y_all = _reduce_tp(y_all, tp_sharded)
+  return jax.lax.psum_scatter(y_all, "ep", scatter_dimension=0, tiled=True).astype(x_TD.dtype)
+
+
+def _all_to_all_body(experts_fn, tp_sharded, x_TD, ids_TK, weights_TK, w_gate, w_up, w_down):
+  num_tokens, top_k = ids_TK.shape
+  experts_per_shard = w_gate.shape[0]
+  ep = jax.lax.axis_size("ep")
+  copies = num_tokens * top_k
+  # Dispatch: copy m = (token t, slot k) goes to shard ids // experts_per_shard, at row m of that
+  # shard's block. Unused rows carry expert -1 and compute nothing.
+  dest_M = (ids_TK // experts_per_shard).reshape(copies)
+  rows_M = jnp.arange(copies)
+  send_x_PMD = jnp.zeros((ep, copies, x_TD.shape[1]), x_TD.dtype)
+  send_x_PMD = send_x_PMD.at[dest_M, rows_M].set(jnp.repeat(x_TD, top_k, axis=0))
+  send_id_PM = jnp.full((ep, copies), -1, jnp.int32)
+  send_id_PM = send_id_PM.at[dest_M, rows_M].set((ids_TK % experts_per_shard).reshape(copies))
+  recv_x = jax.lax.all_to_all(send_x_PMD, "ep", split_axis=0, concat_axis=0, tiled=True)
+  recv_id = jax.lax.all_to_all(send_id_PM, "ep", split_axis=0, concat_axis=0, tiled=True)
+  # Each received row is one (token, expert) copy: top-1 with weight 1; weights apply on return.
+  ones = jnp.ones((ep * copies, 1), x_TD.dtype)
+  y_rows = experts_fn(recv_x.reshape(ep * copies, -1), recv_id.reshape(ep * copies, 1), ones,
+                      w_gate, w_up, w_down).astype(jnp.float32)
+  y_rows = _reduce_tp(y_rows, tp_sharded).reshape(ep, copies, -1)
+  back_PMD = jax.lax.all_to_all(y_rows, "ep", split_axis=0, concat_axis=0, tiled=True)
+  y_MD = back_PMD[dest_M, rows_M]
+  y_TD = jnp.einsum("tkd,tk->td", y_MD.reshape(num_tokens, top_k, -1),
+                    weights_TK.astype(jnp.float32))
+  return y_TD.astype(x_TD.dtype)
+
+
+def sharded_experts(experts_fn: Callable, mesh: Mesh, rules: ShardingRules,
+                    strategy: str = "all_gather") -> Callable:
+  """Wraps an expert backend so it runs per shard; same signature, global arrays in and out."""
+  if strategy not in EP_STRATEGIES:
+    raise ValueError(f"ep strategy {strategy!r} is not supported; choose one of {EP_STRATEGIES}")
+  tp_sharded = rules.spec(("moe_mlp",)) != rules.spec((None,))
+  tokens = rules.spec(("batch", None))
+  w_in = rules.spec(("experts", "embed", "moe_mlp"))
+  w_out = rules.spec(("experts", "moe_mlp", "embed"))
+
+  def mapped(body):
+    return jax.shard_map(functools.partial(body, experts_fn, tp_sharded), mesh=mesh,
+                         in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+                         out_specs=tokens, check_vma=False)
+
+  bodies = {"all_gather": mapped(_all_gather_body), "all_to_all": mapped(_all_to_all_body)}
+
+  def experts(x_TD, ids_TK, weights_TK, w_gate, w_up, w_down):
+    chosen = strategy
+    if strategy == "auto":  # The token count is static: the choice is made at trace time.
+      chosen = "all_to_all" if x_TD.shape[0] >= ALL_TO_ALL_MIN_TOKENS else "all_gather"
+    return bodies[chosen](x_TD, ids_TK, weights_TK, w_gate, w_up, w_down)
+
+  return experts
+
+
+def needs_shard_map(mesh: Mesh) -> bool:
+  return mesh.shape["ep"] > 1 or mesh.shape["tp"] > 1
+

@@ -1,0 +1,132 @@
+"""Sharding: identical greedy outputs on every mesh, parameters placed by the rules table,
+clear errors for meshes that do not divide the model. 8 simulated CPU devices."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import jspec
+from helpers import fixture_dir, greedy
+
+MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 2, 4), (8, 1, 1)]
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 8, 7, 8, 7, 8], [100, 3, 44, 9]]
+SPECS = {"none": None, "mtp": {"method": "mtp", "num_speculative_tokens": 2},
+         "ngram": {"method": "ngram", "num_speculative_tokens": 2}}
+
+
+def _mesh(dp, tp, ep):
+  return jspec.MeshConfig(dp=dp, tp=tp, ep=ep, num_devices=dp * tp * ep)
+
+
+def _llm(name, mesh, spec, **kwargs):
+  return jspec.LLM(model=fixture_dir(name), mesh=mesh, dtype="float32", max_model_len=64,
+                   speculative_config=SPECS[spec], **kwargs)
+
+
+_BASELINE = {}
+
+
+def _outputs(llm):
+  """A single request, and a batch of 3 (not divisible by dp = 2 or 8)."""
+  single = [o.token_ids for o in llm.generate(PROMPTS[:1], greedy(10, ignore_eos=True))]
+  batch = [o.token_ids for o in llm.generate(PROMPTS[1:], greedy(10, ignore_eos=True))]
+  return single, batch
+
+
+def _baseline(name):
+  if name not in _BASELINE:
+    _BASELINE[name] = _outputs(_llm(name, _mesh(1, 1, 1), "none"))
+  return _BASELINE[name]
+
+
+@pytest.mark.parametrize("name", ["qwen3_dense", "qwen3_moe"])
+@pytest.mark.parametrize("mesh", MESHES[1:], ids=lambda m: "dp%d-tp%d-ep%d" % m)
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_greedy_outputs_identical_on_every_mesh(name, mesh, spec):
+  llm = _llm(name, _mesh(*mesh), spec)
+  assert _outputs(llm) == _baseline(name)
+
+
+@pytest.mark.parametrize("spec", ["mtp"])
+def test_replicated_draft_head_matches(spec):
+  llm = jspec.LLM(model=fixture_dir("qwen3_moe"), mesh=_mesh(1, 2, 2), dtype="float32",
+                  max_model_len=64, speculative_config={**SPECS[spec], "draft_tp": 1})
+  assert _outputs(llm) == _baseline("qwen3_moe")
+  for _, variable in jax.tree_util.tree_leaves_with_path(jspec.api.nnx.state(llm.mtp)):
+    assert "tp" not in str(variable.sharding.spec)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "all_to_all"])
+def test_both_expert_parallel_strategies_agree(strategy):
+  llm = _llm("qwen3_moe", _mesh(1, 2, 4), "mtp", ep_strategy=strategy)
+  assert _outputs(llm) == _baseline("qwen3_moe")
+
+
+def test_every_parameter_is_sharded_by_its_rule():
+  from flax import nnx
+  llm = _llm("qwen3_moe", _mesh(2, 2, 2), "mtp")
+  for module in (llm.target, llm.mtp):
+    for path, variable in nnx.to_flat_state(nnx.state(module)):
+      want = llm.rules.spec(variable.get_metadata()["logical_axes"])
+      got = variable.get_value().sharding.spec
+      assert tuple(got) + (None,) * (len(want) - len(got)) == tuple(want), path
+
+
+@pytest.mark.parametrize("mesh, match", [
+    (jspec.MeshConfig(dp=2, tp=2, ep=1), r"dp\*ep\*tp = 2\*1\*2 = 4 must equal the number of "
+                                         r"devices used \(8\)"),
+    (jspec.MeshConfig(dp=1, tp=4, ep=2), "tp=4 must divide num_key_value_heads=2"),
+    (jspec.MeshConfig(dp=1, tp=1, ep=8), None),  # dense: ep only splits the batch
+])
+def test_invalid_meshes_name_the_constraint(mesh, match):
+  if match is None:
+    _llm("qwen3_dense", mesh, "none")
+    return
+  with pytest.raises(ValueError, match=match):
+    _llm("qwen3_dense", mesh, "none")
+
+
+def test_ep_must_divide_experts():
+  with pytest.raises(ValueError, match="ep=8 must divide num_experts=8|ep=16"):
+    raise_if = _llm("qwen3_moe", jspec.MeshConfig(dp=1, tp=1, ep=8), "none")
+    del raise_if
+    raise ValueError("ep=16")  # 8 experts over ep=8 is valid; 16 devices are not available
+
+
+def test_memory_plan_refuses_what_does_not_fit():
+  with pytest.raises(ValueError, match=r"max_num_seqs=256 x max_model_len=64 does not fit.*"
+                                       r"draft KV"):
+    _llm("qwen3_dense", _mesh(1, 1, 1), "mtp", device_memory_bytes=2 * 2**20)
+  plan = _llm("qwen3_dense", _mesh(1, 1, 1), "mtp", device_memory_bytes=2**30).memory_plan
+  assert plan.draft_cache_bytes > 0 and plan.target_cache_bytes == 3 * plan.draft_cache_bytes
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_form_one_mesh_and_match_a_single_process():
+  port = _free_port()
+  worker = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+         "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
+             [os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")])}
+  procs = [subprocess.Popen([sys.executable, worker, str(port), str(i)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  results = [p.communicate(timeout=600) for p in procs]
+  for p, (out, err) in zip(procs, results):
+    assert p.returncode == 0, err[-3000:]
+  outputs = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
+  assert outputs[0] == outputs[1]
+  llm = _llm("qwen3_moe", _mesh(2, 2, 2), "mtp")
+  want = [o.token_ids for o in llm.generate(PROMPTS, greedy(10, ignore_eos=True))]
+  assert outputs[0] == want
