@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from jspec.config import ModelConfig
 from jspec.models.mtp import MTPHead, MTPSpec
 from jspec.models.qwen3 import Qwen3CausalLM
+from jspec.progress import enabled as progress_enabled
 from jspec.train import objective
 
 QWEN3_NEXT_HEAD = MTPSpec(layout="qwen3_next", num_layers=1, is_moe=False)
@@ -120,7 +121,7 @@ def _loop(step_fn: Callable, params, opt_state, sampler: WindowSampler, tc: Trai
     total = 10 ** 9  # fixed after the timing steps
   history = []
   bar = tqdm(total=None if tc.steps is None else total, desc="training", file=sys.stderr,
-             mininterval=2.0, dynamic_ncols=True)
+             mininterval=2.0, dynamic_ncols=True, disable=not progress_enabled())
   start = time.perf_counter()
   timing_start = None
   step = 0
@@ -179,7 +180,7 @@ def train_joint(cfg: ModelConfig, streams: dict[str, np.ndarray], tc: TrainConfi
   def step_fn(p, opt_state, windows_BW):
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, windows_BW)
     updates, opt_state = tx.update(grads, opt_state, p)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     return optax.apply_updates(p, updates), opt_state, metrics
 
   sampler = WindowSampler(streams, tc.seq_len + 2, tc.source_weights, tc.seed)
