@@ -17,11 +17,10 @@ def run_demo(args):
   baseline = jspec.LLM(model=path, dtype="float32", max_model_len=512)
   speculative = jspec.LLM(model=path, dtype="float32", max_model_len=512,
                           speculative_config={"method": "mtp", "num_speculative_tokens": args.k})
-  # One warm-up call each compiles the buckets, so the timed calls measure decoding alone.
-  baseline.generate(list(DEMO_PROMPTS), params)
-  speculative.generate(list(DEMO_PROMPTS), params)
   rows = []
   for prompt in DEMO_PROMPTS:
+    for llm in (baseline, speculative):  # warm-up: compiles this prompt's bucket
+      llm.generate([prompt], params)
     plain = baseline.generate([prompt], params)
     spec = speculative.generate([prompt], params)
     assert spec[0].token_ids == plain[0].token_ids, "greedy speculation must not change the text"

@@ -21,11 +21,11 @@ def param(rngs: nnx.Rngs, shape, dtype, logical_axes, scale: float | None = None
   """A normal(0, scale) parameter; scale defaults to 1/sqrt(fan_in) (the first axis)."""
   scale = shape[0] ** -0.5 if scale is None else scale
   value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
-  return nnx.Param(value.astype(dtype), logical_axes=logical_axes)
+  return nnx.Param(value.astype(dtype), logical_axes=logical_axes, init_scale=scale)
 
 
 def ones_param(shape, dtype, logical_axes) -> nnx.Param:
-  return nnx.Param(jnp.ones(shape, dtype), logical_axes=logical_axes)
+  return nnx.Param(jnp.ones(shape, dtype), logical_axes=logical_axes, init_scale=None)
 
 
 class RMSNorm(nnx.Module):

@@ -13,6 +13,7 @@ import os
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -133,19 +134,36 @@ def load_checkpoint(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh,
 def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,
                 target_rules: ShardingRules, draft_rules: ShardingRules | None = None,
                 seed: int = 0):
-  """Random weights born sharded: one jit per module with `out_shardings` from the rules."""
-  def build(make: Callable, sharding_rules: ShardingRules):
-    abstract = nnx.eval_shape(make)
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = jax.tree.map(
-        lambda v: sharding_rules.sharding(mesh, v.get_metadata()["logical_axes"]),
-        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+  """Random weights born sharded: each parameter drawn on device by a small jitted generator
+  with `out_shardings` from the rules (one compile per distinct shape, so 36 identical layers
+  cost one), scaled as the module's initialiser says (`init_scale` metadata; None = ones)."""
+  generators = {}
 
-  target = build(lambda: Qwen3CausalLM(cfg, dtype, nnx.Rngs(seed)), target_rules)
+  def generator(shape, dtype_, sharding, scale):
+    key = (shape, dtype_, sharding, scale)
+    if key not in generators:
+      def draw(rng):
+        if scale is None:
+          return jnp.ones(shape, dtype_)
+        return (scale * jax.random.normal(rng, shape, jnp.float32)).astype(dtype_)
+      generators[key] = jax.jit(draw, out_shardings=sharding)
+    return generators[key]
+
+  def build(make: Callable, sharding_rules: ShardingRules, stream: int):
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
+    flat = nnx.to_flat_state(abstract_state)
+    base = jax.random.fold_in(jax.random.key(seed), stream)
+    for index, (path, variable) in enumerate(progress(list(flat), "initialising")):
+      meta = variable.get_metadata()
+      abstract = variable.get_value()
+      sharding = sharding_rules.sharding(mesh, meta["logical_axes"])
+      draw = generator(abstract.shape, abstract.dtype, sharding, meta["init_scale"])
+      variable.set_value(draw(jax.random.fold_in(base, index)))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+  target = build(lambda: Qwen3CausalLM(cfg, dtype, nnx.Rngs(seed)), target_rules, 0)
   mtp = None
   if mtp_spec is not None:
-    mtp = build(lambda: MTPHead(cfg, mtp_spec, dtype, nnx.Rngs(seed + 1)),
-                draft_rules or target_rules)
+    mtp = build(lambda: MTPHead(cfg, mtp_spec, dtype, nnx.Rngs(seed)),
+                draft_rules or target_rules, 1)
   return target, mtp
