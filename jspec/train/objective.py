@@ -64,8 +64,7 @@ def distill_loss(target, mtp, windows_BW, experts_fn=None):
   logits at position i+1 (it has seen t_0..t_{i+1}); the head sees only h_i and t_{i+1}. Returns
   (cross-entropy to the soft labels, agreement of the head's argmax with the target's).
   """
-  tokens_BT = windows_BW[:, :-1]
-  t = tokens_BT.shape[1]
+  t = windows_BW.shape[1] - 1
   hidden_BTD = jax.lax.stop_gradient(target_forward(target, windows_BW, experts_fn))
   teacher_logits_BTV = jax.lax.stop_gradient(target.logits(hidden_BTD[:, 1:]))
   student_logits_BTV = mtp_forward(target, mtp, hidden_BTD[:, :t], windows_BW[:, 1:],
