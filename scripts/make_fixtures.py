@@ -115,7 +115,7 @@ def spec_qwen3_moe():
         vocab_size=384,
         hidden_size=64,
         intermediate_size=128,  # used by the dense (mlp_only) layer
-        moe_intermediate_size=32,
+        moe_intermediate_size=64,  # a multiple of 64: the Pallas kernels run on it too
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,

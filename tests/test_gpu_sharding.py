@@ -1,0 +1,34 @@
+"""On real GPUs: greedy outputs identical on every mesh the machine's GPUs allow, for each
+drafter, dense and MoE (the MoE through the Pallas kernels where bf16 makes them run)."""
+
+import jax
+import pytest
+
+import jspec
+from helpers import fixture_dir, greedy
+
+GPUS = sum(d.platform == "gpu" for d in jax.devices())
+MESHES = [(2, 1, 1), (1, 2, 1), (1, 1, 2),                                 # 2 GPUs
+          (2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 4, 1), (4, 1, 1),           # 4 GPUs
+          (2, 2, 2), (1, 4, 2), (8, 1, 1), (1, 8, 1)]                      # 8 GPUs
+SPECS = {"none": None, "mtp": {"method": "mtp", "num_speculative_tokens": 3},
+         "ngram": {"method": "ngram", "num_speculative_tokens": 3}}
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 8, 7, 8, 7, 8]]
+
+
+def _outputs(name, mesh, spec):
+  dp, tp, ep = mesh
+  llm = jspec.LLM(model=fixture_dir(name), dtype="float32", max_model_len=64,
+                  mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep, num_devices=dp * tp * ep),
+                  speculative_config=SPECS[spec])
+  return [o.token_ids for o in llm.generate(PROMPTS, greedy(16, ignore_eos=True))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_dense", "qwen3_moe"])
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "dp%d-tp%d-ep%d" % m)
+def test_gpu_meshes_give_identical_greedy_outputs(name, spec, mesh):
+  if mesh[0] * mesh[1] * mesh[2] > GPUS:
+    pytest.skip(f"mesh needs {mesh[0] * mesh[1] * mesh[2]} GPUs, this machine has {GPUS}")
+  assert _outputs(name, mesh, spec) == _outputs(name, (1, 1, 1), "none")
