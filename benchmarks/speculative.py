@@ -104,7 +104,11 @@ def main():
         params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                                       ignore_eos=True)
         start = time.perf_counter()
-        result = run_one(llm, prompts, params, args.repeats)
+        try:
+          result = run_one(llm, prompts, params, args.repeats)
+        except Exception as err:  # Record and go on: one failing row must not hide the rest.
+          print(f"FAILED {mesh_text} {method} batch={batch}: {err!r}"[:2000], flush=True)
+          continue
         row = dict(model=label, mesh=mesh_text, method=method, k=args.k if spec else 0,
                    batch=batch, device=jax.devices()[0].device_kind,
                    bench_seconds=time.perf_counter() - start, **result)

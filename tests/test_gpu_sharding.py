@@ -1,6 +1,8 @@
 """On real GPUs: greedy outputs identical on every mesh the machine's GPUs allow, for each
 drafter, dense and MoE (the MoE through the Pallas kernels where bf16 makes them run)."""
 
+import functools
+
 import jax
 import pytest
 
@@ -16,6 +18,7 @@ SPECS = {"none": None, "mtp": {"method": "mtp", "num_speculative_tokens": 3},
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 8, 7, 8, 7, 8]]
 
 
+@functools.lru_cache(maxsize=None)
 def _outputs(name, mesh, spec):
   dp, tp, ep = mesh
   llm = jspec.LLM(model=fixture_dir(name), dtype="float32", max_model_len=64,
