@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-pytest.importorskip("optax")
 
 import jspec  # noqa: E402
 from jspec.config import ModelConfig, SamplingParams  # noqa: E402
