@@ -22,6 +22,7 @@ from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
 from jspec.sharding.rules import MeshConfig, ShardingRules
 
 Prompt = str | Sequence[int]
+DEFAULT_MAX_MODEL_LEN = 4096
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -30,7 +31,13 @@ def enable_compilation_cache(directory: str | None):
   directory = directory or os.environ.get("JSPEC_COMPILATION_CACHE",
                                           os.path.expanduser("~/.cache/jspec/xla"))
   os.makedirs(directory, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", directory)
+  if jax.config.jax_compilation_cache_dir != directory:
+    # JAX opens its cache once per process; a new directory needs the old one closed first.
+    from jax.experimental.compilation_cache import compilation_cache
+    compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", directory)
+  # jspec's programs are few and reused across processes: cache every one, however quick.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 class LLM:
@@ -42,7 +49,8 @@ class LLM:
   """
 
   def __init__(self, model: str | None = None, *, mesh: MeshConfig | None = None,
-               speculative_config: SpecConfig | dict | None = None, max_model_len: int = 4096,
+               speculative_config: SpecConfig | dict | None = None,
+               max_model_len: int | None = None,
                dtype="bfloat16", moe_backend: str = "auto", seed: int = 0,
                max_num_seqs: int = 256, compilation_cache_dir: str | None = None,
                ep_strategy: str = "auto", device_memory_bytes: int | None = None,
@@ -50,7 +58,7 @@ class LLM:
     self.dtype = resolve_dtype(dtype)
     self.spec = SpecConfig.parse(speculative_config)
     self.mesh_config = mesh or MeshConfig(num_devices=1)
-    if not isinstance(max_model_len, int) or max_model_len < 2:
+    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
       raise ValueError(f"max_model_len={max_model_len!r} must be an integer >= 2")
     if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
       raise ValueError(f"max_num_seqs={max_num_seqs!r} must be an integer >= 1")
@@ -80,6 +88,8 @@ class LLM:
         self.target, self.mtp, self.mtp_spec = load(
             model, self.config, self.dtype, self.mesh, self.rules, self.draft_rules)
       self.tokenizer = _load_tokenizer(model)
+    if max_model_len is None:  # Default: the model's context, capped to keep caches modest.
+      max_model_len = min(DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings)
     if max_model_len > self.config.max_position_embeddings:
       raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                        f"max_position_embeddings={self.config.max_position_embeddings}")

@@ -11,7 +11,8 @@ def _add_model_args(parser, model_required: bool):
                       help="local Hugging Face checkpoint directory"
                       + ("" if model_required else " (default: the built-in demo model)"))
   parser.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16")
-  parser.add_argument("--max-model-len", type=int, default=4096)
+  parser.add_argument("--max-model-len", type=int, default=None,
+                      help="default: the model's max_position_embeddings, at most 4096")
   parser.add_argument("--moe-backend", default="auto",
                       help="auto | pallas | ragged_dot | dense | reference")
   parser.add_argument("--dp", type=int, default=1)
@@ -28,7 +29,7 @@ def _add_spec_args(parser):
 
 
 def _spec_config(args):
-  if args.spec == "none":
+  if getattr(args, "spec", "none") == "none":
     return None
   spec = {"method": args.spec, "num_speculative_tokens": args.k}
   if args.spec == "ngram":
@@ -38,7 +39,10 @@ def _spec_config(args):
 
 def _build_llm(args, model_dir):
   import jspec
-  return jspec.LLM(model=model_dir, mesh=jspec.MeshConfig(dp=args.dp, tp=args.tp, ep=args.ep),
+  # The CLI uses as many devices as the mesh asks for (the first dp*tp*ep of them).
+  mesh = jspec.MeshConfig(dp=args.dp, tp=args.tp, ep=args.ep,
+                          num_devices=args.dp * args.tp * args.ep)
+  return jspec.LLM(model=model_dir, mesh=mesh,
                    speculative_config=_spec_config(args), max_model_len=args.max_model_len,
                    dtype=args.dtype, moe_backend=args.moe_backend)
 
@@ -46,12 +50,14 @@ def _build_llm(args, model_dir):
 def cmd_generate(args):
   import jspec
   from jspec.assets import demo_model_path
-  llm = _build_llm(args, args.model or demo_model_path())
+  # Everything the request says is checked before the model is loaded.
+  params = jspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                max_tokens=args.max_tokens, seed=args.seed)
+  jspec.SpecConfig.parse(_spec_config(args))
   prompt = args.prompt
   if args.token_ids:
     prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
-  params = jspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                max_tokens=args.max_tokens, seed=args.seed)
+  llm = _build_llm(args, args.model or demo_model_path())
   out = llm.generate([prompt], params)
   result = out[0]
   print(result.text if result.text is not None else result.token_ids)

@@ -57,3 +57,50 @@ def test_demo_model_generates_text(demo_outputs):
 def test_demo_model_mtp_acceptance_floor(demo_outputs):
   measured = demo_outputs.metrics.mean_acceptance_length
   assert measured >= MEASURED_MEAN_ACCEPTANCE_LENGTH - FLOOR_MARGIN, measured
+
+
+@pytest.fixture(scope="module")
+def demo_pair():
+  """(vanilla, MTP k=3) on the trained model, float32: its head drafts tokens that appear in
+  the text for the first time, so stops land inside multi-token accepted runs."""
+  def make(spec):
+    return jspec.LLM(model=demo_model_path(), dtype="float32", max_model_len=256,
+                     speculative_config=spec)
+  return make(None), make({"method": "mtp", "num_speculative_tokens": 3})
+
+
+def _greedy(max_tokens, **kwargs):
+  return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def test_mtp_stops_exactly_like_vanilla_inside_accepted_runs(demo_pair):
+  """Every token of the continuation used as a stop id, and every max_tokens: the MTP output
+  equals vanilla decoding cut at the same place. A stop at index j lies strictly inside a
+  multi-token step when the runs for j+1 and j+2 tokens take the same number of steps;
+  the test requires such cases to occur, so it exercises the discard-after-stop path."""
+  vanilla, mtp = demo_pair
+  prompt = PROMPTS[2]
+  full = vanilla.generate([prompt], _greedy(40))[0].token_ids
+  steps = {m: mtp.generate([prompt], _greedy(m))[0].metrics.num_steps for m in range(1, 42)}
+  inside_stop = inside_length = 0
+  for m in range(1, 40):
+    out = mtp.generate([prompt], _greedy(m))[0]
+    assert out.token_ids == full[:m] and out.finish_reason == "length"
+    inside_length += steps[m] == steps[m + 1]
+  for j, stop in enumerate(full):
+    if full.index(stop) != j:
+      continue
+    out = mtp.generate([prompt], _greedy(40, stop_token_ids=[stop]))[0]
+    assert out.token_ids == full[:j + 1] and out.finish_reason == "stop"
+    inside_stop += steps[j + 1] == steps[j + 2]
+  assert inside_length > 0 and inside_stop > 0, (inside_length, inside_stop)
+
+
+def test_mtp_eos_inside_an_accepted_run_ends_like_vanilla(demo_pair):
+  """With EOS honoured (no ignore_eos), MTP and vanilla agree on text and finish reason."""
+  vanilla, mtp = demo_pair
+  params = SamplingParams(temperature=0.0, max_tokens=200)
+  want = vanilla.generate(PROMPTS, params)
+  got = mtp.generate(PROMPTS, params)
+  assert [o.token_ids for o in got] == [o.token_ids for o in want]
+  assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
