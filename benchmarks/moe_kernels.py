@@ -13,6 +13,7 @@ TFLOP/s counts the useful FLOPs, 6 * T * K * D * F.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -50,31 +51,6 @@ def _tokamax_ragged_dot():
   except Exception as e:  # Not installed: the column stays empty.
     print(f"tokamax unavailable: {type(e).__name__}: {e}", file=sys.stderr)
     return None
-
-
-def _experts_with(ragged_dot):
-  """experts_ragged_dot's algorithm with another grouped-GEMM implementation."""
-
-  def experts(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
-    num_tokens, top_k = topk_ids_TK.shape
-    num_experts = w_gate_EDF.shape[0]
-    flat_ids_M = topk_ids_TK.reshape(-1)
-    valid_M = (flat_ids_M >= 0) & (flat_ids_M < num_experts)
-    key_M = jnp.where(valid_M, flat_ids_M, num_experts)
-    order_M = jnp.argsort(key_M, stable=True)
-    sizes_E = jnp.bincount(key_M, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    x_MD = x_TD[order_M // top_k]
-    gate_MF = ragged_dot(x_MD, w_gate_EDF, sizes_E)
-    up_MF = ragged_dot(x_MD, w_up_EDF, sizes_E)
-    act_MF = (jax.nn.silu(gate_MF.astype(jnp.float32)) * up_MF.astype(jnp.float32)).astype(
-        x_TD.dtype)
-    out_MD = ragged_dot(act_MF, w_down_EFD, sizes_E).astype(jnp.float32)
-    w_M = jnp.where(valid_M, topk_weights_TK.reshape(-1), 0.0)[order_M].astype(jnp.float32)
-    out_MD = jnp.where(valid_M[order_M][:, None], out_MD, 0.0) * w_M[:, None]
-    y_TD = jnp.zeros((num_tokens, x_TD.shape[1]), jnp.float32).at[order_M // top_k].add(out_MD)
-    return y_TD.astype(x_TD.dtype)
-
-  return experts
 
 
 def skewed_routing(key, num_tokens, num_experts, top_k, zipf_s=1.0):
@@ -137,7 +113,7 @@ def bench_model(name, num_experts, top_k, dim, ffn, tokens, hbm_bw, tokamax_rd, 
   backends = {"pallas": jax.jit(experts_pallas), "ragged_dot": jax.jit(experts_ragged_dot),
               "dense": jax.jit(experts_dense)}
   if tokamax_rd is not None:
-    backends["tokamax"] = jax.jit(_experts_with(tokamax_rd))
+    backends["tokamax"] = jax.jit(functools.partial(experts_ragged_dot, ragged_dot=tokamax_rd))
   rows = []
   for num_tokens in tokens:
     arg_sets = []

@@ -62,8 +62,10 @@ def experts_dense(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_do
   return y_TD.astype(x_TD.dtype)
 
 
-def experts_ragged_dot(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
-  """Sorts token copies by expert and calls `jax.lax.ragged_dot` (XLA's grouped GEMM)."""
+def experts_ragged_dot(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
+                       ragged_dot=jax.lax.ragged_dot):
+  """Sorts token copies by expert and calls a grouped GEMM with `jax.lax.ragged_dot`'s
+  signature: XLA's by default; benchmarks pass others (tokamax) through `ragged_dot`."""
   num_tokens, top_k = topk_ids_TK.shape
   num_experts = w_gate_EDF.shape[0]
   flat_ids_M = topk_ids_TK.reshape(-1)
@@ -73,10 +75,10 @@ def experts_ragged_dot(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF,
   order_M = jnp.argsort(sort_key_M, stable=True)
   group_sizes_E = jnp.bincount(sort_key_M, length=num_experts + 1)[:num_experts].astype(jnp.int32)
   x_MD = x_TD[order_M // top_k]
-  gate_MF = jax.lax.ragged_dot(x_MD, w_gate_EDF, group_sizes_E)
-  up_MF = jax.lax.ragged_dot(x_MD, w_up_EDF, group_sizes_E)
+  gate_MF = ragged_dot(x_MD, w_gate_EDF, group_sizes_E)
+  up_MF = ragged_dot(x_MD, w_up_EDF, group_sizes_E)
   act_MF = _swiglu(gate_MF.astype(jnp.float32), up_MF.astype(jnp.float32)).astype(x_TD.dtype)
-  out_MD = jax.lax.ragged_dot(act_MF, w_down_EFD, group_sizes_E)
+  out_MD = ragged_dot(act_MF, w_down_EFD, group_sizes_E)
   weights_M = jnp.where(valid_M, topk_weights_TK.reshape(-1), 0.0)[order_M].astype(jnp.float32)
   # Rows past the last group are left unwritten by ragged_dot: zero them explicitly.
   out_MD = jnp.where(valid_M[order_M][:, None], out_MD.astype(jnp.float32), 0.0)
