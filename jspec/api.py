@@ -52,7 +52,7 @@ class LLM:
                speculative_config: SpecConfig | dict | None = None,
                max_model_len: int | None = None,
                dtype="bfloat16", moe_backend: str = "auto", seed: int = 0,
-               max_num_seqs: int = 256, compilation_cache_dir: str | None = None,
+               max_num_seqs: int = 64, compilation_cache_dir: str | None = None,
                ep_strategy: str = "auto", device_memory_bytes: int | None = None,
                _modules=None):
     self.dtype = resolve_dtype(dtype)
