@@ -36,7 +36,8 @@ class Runner:
       self.mtp_graphdef, self.mtp_state = nnx.split(llm.mtp)
     else:  # The head is not needed: keep it out of the compiled programs.
       self.mtp_graphdef, self.mtp_state = None, None
-    self._compiled = {}
+    self._compiled = {}         # (LoopPlan, prompt shape) -> (prefill, loop) executables
+    self._logits_compiled = {}  # (batch, length) -> jitted full-sequence logits
     cache_axes = ("batch", "cache_seq", "kv_heads", "head_dim")
     self.ctx = LoopContext(experts_fn=llm.experts_fn, draft_experts_fn=llm.draft_experts_fn,
                            dtype=llm.dtype,
@@ -174,20 +175,33 @@ class Runner:
   # ---- logits ---------------------------------------------------------------------------
 
   def compute_logits(self, sequences: list[list[int]]) -> list[np.ndarray]:
-    llm, tgd = self.llm, self.target_graphdef
+    """Full-sequence target logits, in batches of at most max_num_seqs, one program per bucket."""
+    results = []
+    for start in range(0, len(sequences), self.llm.max_num_seqs):
+      results += self._logits_batch(sequences[start:start + self.llm.max_num_seqs])
+    return results
+
+  def _logits_batch(self, sequences: list[list[int]]) -> list[np.ndarray]:
+    llm = self.llm
     batch = buckets.batch_bucket(len(sequences), llm.mesh_config.batch_width)
     length = buckets.prompt_bucket(max(len(s) for s in sequences), llm.max_model_len)
     tokens = np.zeros((batch, length), np.int32)
     for row, s in enumerate(sequences):
       tokens[row, :len(s)] = s
+    if (batch, length) not in self._logits_compiled:
+      self._logits_compiled[batch, length] = jax.jit(self._logits_fn(batch, length))
+    logits_fn = self._logits_compiled[batch, length]
+    logits = to_host(logits_fn(self.target_state, self._put(tokens, ("batch", "seq"))))
+    return [logits[row, :len(s)] for row, s in enumerate(sequences)]
 
-    @jax.jit
+  def _logits_fn(self, batch: int, length: int):
+    tgd, ctx = self.target_graphdef, self.ctx
+
     def logits_fn(target_state, tokens_BT):
       target = nnx.merge(tgd, target_state)
       positions_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BT.shape)
-      caches = empty_caches(target.cfg, target.cfg.num_layers, batch, length, llm.dtype)
-      hidden_BTD, _ = target(tokens_BT, positions_BT, caches, length, llm.experts_fn)
+      caches = empty_caches(target.cfg, target.cfg.num_layers, batch, length, ctx.dtype)
+      hidden_BTD, _ = target(tokens_BT, positions_BT, caches, length, ctx.experts_fn)
       return target.logits(hidden_BTD)
 
-    logits = to_host(logits_fn(self.target_state, self._put(tokens, ("batch", "seq"))))
-    return [logits[row, :len(s)] for row, s in enumerate(sequences)]
+    return logits_fn
