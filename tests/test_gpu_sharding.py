@@ -33,5 +33,5 @@ def _outputs(name, mesh, spec):
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "dp%d-tp%d-ep%d" % m)
 def test_gpu_meshes_give_identical_greedy_outputs(name, spec, mesh):
   if mesh[0] * mesh[1] * mesh[2] > GPUS:
-    pytest.skip(f"mesh needs {mesh[0] * mesh[1] * mesh[2]} GPUs, this machine has {GPUS}")
+    pytest.skip(f"mesh needs {mesh[0] * mesh[1] * mesh[2]} gpu devices, this machine has {GPUS}")
   assert _outputs(name, mesh, spec) == _outputs(name, (1, 1, 1), "none")
