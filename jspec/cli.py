@@ -76,6 +76,11 @@ def cmd_convert(args):
   print(f"wrote {args.out}")
 
 
+def cmd_bench(args):
+  from jspec.bench.report import run_bench
+  run_bench(args)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(prog="jspec", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +107,25 @@ def main(argv=None):
   _add_model_args(conv, model_required=True)
   conv.add_argument("--out", required=True)
   conv.set_defaults(func=cmd_convert)
+
+  bench = sub.add_parser("bench", help="step costs vs the HBM roofline on real-size random "
+                                       "models (run on a GPU)")
+  bench.add_argument("--models", nargs="+", default=["qwen3-8b", "qwen3-30b-a3b"],
+                     help="presets: qwen3-8b, qwen3-30b-a3b, tiny-moe")
+  bench.add_argument("--layers", type=int, default=0, help="override the presets' layer count")
+  bench.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
+  bench.add_argument("--context", type=int, nargs="+", default=[512, 8192])
+  bench.add_argument("--k", type=int, default=3)
+  bench.add_argument("--acceptance", type=float, nargs="+", default=[2.0, 2.5, 3.0],
+                     help="mean acceptance lengths for the derived speedup")
+  bench.add_argument("--dtype", default="bfloat16")
+  bench.add_argument("--moe-backend", default="auto")
+  bench.add_argument("--repeats", type=int, default=20)
+  bench.add_argument("--bandwidth-bytes", type=int, default=2 << 30)
+  bench.add_argument("--proof", action="store_true",
+                     help="also time the trained demo model with and without MTP")
+  bench.add_argument("--out", default="benchmarks/results")
+  bench.set_defaults(func=cmd_bench)
 
   args = parser.parse_args(argv)
   try:

@@ -1,0 +1,1 @@
+"""`jspec bench`: step costs against the HBM roofline, on real-size random-weight models."""

@@ -1,0 +1,163 @@
+"""`jspec bench`: the step-cost table against the roofline, as JSON, PNG plots and a table.
+
+For each model preset, batch and context:
+  decode      one-token step time and (least bytes / read bandwidth) / time = % of roofline
+  verify      k+1 = 2, 4, 6 token steps relative to the one-token step
+  draft       MTP cost per drafted token (k-1 single steps + the k+1 extend, over k) relative
+              to a target step
+  derived     the speculative speedup these costs imply at a given mean acceptance length A:
+              A x t_decode / (t_verify(k+1) + t_draft_steps)   -- labelled derived
+plus prefill tokens/s and compile time per program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+
+import jspec
+from jspec.bench.presets import PRESETS
+from jspec.bench.roofline import hbm_bandwidth, step_bytes
+from jspec.bench.steps import StepTimer
+from jspec.progress import stage
+from jspec.sharding.plan import device_capacity
+
+VERIFY_WIDTHS = (2, 4, 6)
+
+
+def _fits(cfg, batch, context, weight_bytes, capacity):
+  kv = 2 * batch * (context + 8) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+  return capacity is None or weight_bytes + 2.5 * kv < 0.85 * capacity
+
+
+def bench_model(name: str, args) -> dict:
+  cfg = PRESETS[name]
+  if args.layers:
+    cfg = dataclasses.replace(cfg, num_layers=args.layers)
+  k = args.k
+  max_context = max(args.context) + max(VERIFY_WIDTHS) + k + 2
+  cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings,
+                                                              max_context))
+  llm = jspec.LLM.from_random(
+      cfg, jspec.MTPSpec("qwen3_next", 1, is_moe=cfg.is_moe), dtype=args.dtype,
+      max_model_len=max_context, max_num_seqs=max(args.batch), moe_backend=args.moe_backend,
+      speculative_config={"method": "mtp", "num_speculative_tokens": k})
+  with stage("measuring HBM bandwidth"):
+    bandwidth = hbm_bandwidth(args.bandwidth_bytes)
+  timer = StepTimer(llm, repeats=args.repeats)
+  capacity = device_capacity()
+  weight_bytes = llm.memory_plan.weight_bytes
+  rows = []
+  for batch in args.batch:
+    for context in args.context:
+      if not _fits(cfg, batch, context, weight_bytes, capacity):
+        rows.append(dict(batch=batch, context=context, skipped="KV cache does not fit"))
+        continue
+      with stage(f"{name}: batch {batch}, context {context}"):
+        width_s = {w: timer.target_forward(batch, context, w)
+                   for w in sorted({1, k + 1, *VERIFY_WIDTHS})}
+        draft_s = timer.mtp_forward(batch, context, 1)
+        extend_s = timer.mtp_forward(batch, context, k + 1)
+      decode_s = width_s[1]
+      verify = {w: width_s[w] / decode_s for w in VERIFY_WIDTHS}
+      floor_s = step_bytes(cfg, batch, 1, context) / bandwidth["read"]
+      spec_step_s = width_s[k + 1] + (k - 1) * draft_s + extend_s
+      rows.append(dict(
+          batch=batch, context=context, decode_ms=1e3 * decode_s,
+          roofline_fraction=floor_s / decode_s,
+          decode_tokens_per_second=batch / decode_s,
+          verify_relative={str(w): r for w, r in verify.items()},
+          draft_per_token_relative=(extend_s + (k - 1) * draft_s) / k / decode_s,
+          spec_step_relative=spec_step_s / decode_s,
+          derived_speedup={str(a): a * decode_s / spec_step_s for a in args.acceptance}))
+  prefill = []
+  for batch, prompt in ((1, 512), (1, 8192), (8, 512)):
+    if prompt > max_context or (capacity and batch * prompt * prompt * cfg.num_heads * 4
+                                > 0.3 * capacity):
+      continue
+    seconds = timer.prefill(batch, prompt)
+    prefill.append(dict(batch=batch, prompt=prompt, tokens_per_second=batch * prompt / seconds))
+  start = time.perf_counter()
+  llm.generate([[1] * min(128, max_context // 2)],
+               jspec.SamplingParams(temperature=0.0, max_tokens=4))
+  warmup_s = time.perf_counter() - start
+  return dict(model=name, layers=cfg.num_layers, k=k, device=jax.devices()[0].device_kind,
+              bandwidth=bandwidth, rows=rows, prefill=prefill,
+              warmup_seconds_generate=warmup_s, compile_seconds=timer.compile_seconds)
+
+
+def proof_model_speedups(ks=(1, 2, 3, 4), max_tokens: int = 256) -> dict:
+  """Real acceptance: the trained demo model at batch 1, with and without MTP."""
+  from jspec.train.evaluation import batch1_speed
+  prompt = "Psa23:1 The LORD is my shepherd; I shall not want.\n"
+  speed = batch1_speed(jspec.demo_model_path(), prompt, (0,) + tuple(ks), max_tokens=max_tokens,
+                       log=lambda *_: None)
+  base = speed[0]["tokens_per_second"]
+  return {str(k): dict(tokens_per_second=v["tokens_per_second"],
+                       speedup=v["tokens_per_second"] / base,
+                       mean_acceptance_length=v["mean_acceptance_length"])
+          for k, v in speed.items()}
+
+
+def table(results: list[dict], proof: dict | None) -> str:
+  lines = [f"{'model':16s} {'B':>4s} {'ctx':>6s} {'decode ms':>9s} {'%roof':>6s} "
+           + " ".join(f"{'v' + str(w):>5s}" for w in VERIFY_WIDTHS)
+           + f" {'draft/tok':>9s} {'spec step':>9s}  derived speedup"]
+  for result in results:
+    for r in result["rows"]:
+      if "skipped" in r:
+        lines.append(f"{result['model']:16s} {r['batch']:4d} {r['context']:6d}  {r['skipped']}")
+        continue
+      derived = " ".join(f"A={a}:{s:.2f}x" for a, s in r["derived_speedup"].items())
+      lines.append(f"{result['model']:16s} {r['batch']:4d} {r['context']:6d} "
+                   f"{r['decode_ms']:9.3f} {100 * r['roofline_fraction']:5.1f}% "
+                   + " ".join(f"{r['verify_relative'][str(w)]:5.2f}" for w in VERIFY_WIDTHS)
+                   + f" {r['draft_per_token_relative']:9.2f} {r['spec_step_relative']:9.2f}  "
+                   + derived)
+    for p in result["prefill"]:
+      lines.append(f"{result['model']:16s} prefill B={p['batch']} P={p['prompt']}: "
+                   f"{p['tokens_per_second']:.0f} tokens/s")
+    lines.append(f"{result['model']:16s} warm-up (compile + first generate): "
+                 f"{result['warmup_seconds_generate']:.1f} s; read bandwidth "
+                 f"{result['bandwidth']['read'] / 1e12:.2f} TB/s, copy "
+                 f"{result['bandwidth']['copy'] / 1e12:.2f} TB/s")
+  if proof:
+    lines.append("demo model, batch 1 (real acceptance): " + ", ".join(
+        f"k={k}: {v['tokens_per_second']:.0f} tok/s ({v['speedup']:.2f}x, A={v['mean_acceptance_length']:.2f})"
+        for k, v in proof.items()))
+  return "\n".join(lines)
+
+
+def plot(results: list[dict], out_dir: str):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for result in results:
+    for context in sorted({r["context"] for r in result["rows"] if "skipped" not in r}):
+      rows = [r for r in result["rows"] if "skipped" not in r and r["context"] == context]
+      batches = [r["batch"] for r in rows]
+      label = f"{result['model']} ctx {context}"
+      axes[0].plot(batches, [r["decode_tokens_per_second"] for r in rows], "o-", label=label)
+      axes[1].plot(batches, [100 * r["roofline_fraction"] for r in rows], "o-", label=label)
+  for ax, title in zip(axes, ("decode tokens/s", "% of HBM roofline")):
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "bench.png"), dpi=120)
+
+
+def run_bench(args):
+  results = [bench_model(name, args) for name in args.models]
+  proof = proof_model_speedups() if args.proof else None
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "bench.json"), "w") as f:
+    json.dump({"results": results, "proof_model": proof}, f, indent=1)
+  plot(results, args.out)
+  print(table(results, proof))

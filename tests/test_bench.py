@@ -1,0 +1,67 @@
+"""`jspec bench` on a CPU smoke scale: the roofline byte count and the report's structure.
+(Timings on a CPU mean nothing; the GPU figures live in BENCHMARKS.md.)"""
+
+import dataclasses
+import json
+
+import numpy as np
+from flax import nnx
+
+import jspec
+from jspec import cli
+from jspec.bench.presets import PRESETS
+from jspec.bench.roofline import expected_experts_used, step_bytes
+
+
+def _param_count(module):
+  return sum(int(np.prod(v.shape)) for v in __import__("jax").tree.leaves(nnx.state(module)))
+
+
+def test_step_bytes_counts_every_weight_a_step_reads():
+  """Dense: all parameters but the embedding table (only B rows of it are read), plus KV."""
+  cfg = dataclasses.replace(PRESETS["tiny-moe"], num_experts=0, architecture="Qwen3ForCausalLM")
+  llm = jspec.LLM.from_random(cfg, dtype="float32", max_model_len=64)
+  weights = _param_count(llm.target) - cfg.vocab_size * cfg.hidden_size
+  kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+  for batch, context in ((1, 0), (3, 40)):
+    assert step_bytes(cfg, batch, 1, context, itemsize=4) == 4 * (
+        weights + batch * (context + 1) * kv_per_token)
+
+
+def test_moe_step_reads_only_the_experts_that_get_tokens():
+  cfg = PRESETS["tiny-moe"]
+  one, many = step_bytes(cfg, 1, 1, 0), step_bytes(cfg, 1024, 1, 0)
+  expert_bytes = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_layers
+  kv = 2 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+  assert expected_experts_used(8, 2, 1) == 2.0
+  assert abs(expected_experts_used(8, 2, 1024) - 8) < 1e-6
+  assert abs((many - 1024 * kv) - (one - kv) - 6 * expert_bytes) <= 2
+
+
+def test_bench_cli_writes_json_plot_and_table(tmp_path, capsys):
+  code = cli.main(["bench", "--models", "tiny-moe", "--batch", "1", "2", "--context", "32",
+                   "--repeats", "2", "--bandwidth-bytes", str(1 << 22), "--out", str(tmp_path)])
+  assert code == 0
+  report = json.loads((tmp_path / "bench.json").read_text())
+  rows = report["results"][0]["rows"]
+  assert [(r["batch"], r["context"]) for r in rows] == [(1, 32), (2, 32)]
+  for r in rows:
+    assert r["decode_ms"] > 0 and 0 < r["roofline_fraction"]
+    assert set(r["verify_relative"]) == {"2", "4", "6"} and r["draft_per_token_relative"] > 0
+  assert (tmp_path / "bench.png").stat().st_size > 0
+  assert "derived speedup" in capsys.readouterr().out
+
+
+def test_peer_benchmark_builds_transformers_configs_of_the_same_shapes():
+  """benchmarks/peers_transformers.py gives transformers exactly the preset's shapes."""
+  import importlib.util
+  import os
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "peers_transformers.py")
+  spec = importlib.util.spec_from_file_location("peers_transformers", path)
+  peers = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(peers)
+  for name in ("qwen3-8b", "qwen3-30b-a3b"):
+    preset = PRESETS[name]
+    hf = peers.hf_config(preset)
+    hf.architectures = [preset.architecture]
+    assert dataclasses.replace(jspec.ModelConfig.from_hf(hf), eos_token_ids=()) == preset
