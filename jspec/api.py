@@ -54,6 +54,7 @@ class LLM:
                dtype="bfloat16", moe_backend: str = "auto", seed: int = 0,
                max_num_seqs: int = 64, compilation_cache_dir: str | None = None,
                ep_strategy: str = "auto", device_memory_bytes: int | None = None,
+               prefill_chunk_size: int = 1024,
                _modules=None):
     self.dtype = resolve_dtype(dtype)
     self.spec = SpecConfig.parse(speculative_config)
@@ -62,6 +63,10 @@ class LLM:
       raise ValueError(f"max_model_len={max_model_len!r} must be an integer >= 2")
     if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
       raise ValueError(f"max_num_seqs={max_num_seqs!r} must be an integer >= 1")
+    if not (isinstance(prefill_chunk_size, int) and prefill_chunk_size >= 16
+            and prefill_chunk_size & (prefill_chunk_size - 1) == 0):
+      raise ValueError(f"prefill_chunk_size={prefill_chunk_size!r} must be a power of two >= 16")
+    self.prefill_chunk_size = prefill_chunk_size
     self.moe_backend = resolve_moe_backend(moe_backend)
     self.seed = seed
     self.max_num_seqs = max_num_seqs

@@ -141,6 +141,7 @@ class Runner:
     cache_len = buckets.cache_bucket(max_total, k, llm.max_model_len)
     prompt_len = buckets.prompt_bucket(max(len(p) for p in prompts), cache_len)
     plan = LoopPlan(batch=batch, cache_len=cache_len, method=self.method, k=k,
+                    prefill_chunk=llm.prefill_chunk_size,
                     all_greedy=all(sp.temperature == 0 for sp in params),
                     ngram_min=self.spec.prompt_lookup_min if self.spec else 1,
                     ngram_max=self.spec.prompt_lookup_max if self.spec else 1)

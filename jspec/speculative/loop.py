@@ -62,6 +62,7 @@ class LoopPlan:
   all_greedy: bool         # every request has temperature 0: argmax paths only
   ngram_min: int = 1
   ngram_max: int = 3
+  prefill_chunk: int = 1024  # prompt tokens per sequence per prefill pass (bounds attention memory)
 
 
 def _stream_keys(req: RequestInputs, stream: int):
@@ -85,6 +86,29 @@ def _take_rows(x_BT, index_B):
                              axis=1)[:, 0]
 
 
+def _in_chunks(forward, inputs, caches, chunk: int):
+  """forward(*inputs, caches) -> (outputs, caches), run over the prompt `chunk` tokens at a time.
+
+  Each chunk writes its keys/values before attending, and attends causally over the whole
+  prompt bucket, so the result is the one-pass result; only the [chunk x bucket] score
+  matrix exists at a time instead of [bucket x bucket]. A scan keeps one copy of the model in
+  the program.
+  """
+  length = inputs[0].shape[1]
+  if length <= chunk:
+    return forward(*inputs, caches)
+  num = length // chunk  # Buckets and chunks are powers of two.
+  split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], num, chunk, *x.shape[2:]), 1, 0)
+  merge = lambda y: jnp.moveaxis(y, 0, 1).reshape(y.shape[1], length, *y.shape[3:])
+
+  def body(caches, chunk_inputs):
+    outputs, caches = forward(*chunk_inputs, caches)
+    return caches, outputs
+
+  caches, outputs = jax.lax.scan(body, caches, tuple(split(x) for x in inputs))
+  return jax.tree.map(merge, outputs), caches
+
+
 def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: LoopPlan,
             ctx: LoopContext) -> DecodeState:
   """Runs the prompts, samples each sequence's first token, fills both KV caches."""
@@ -93,7 +117,9 @@ def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: Loo
   positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
   caches = _sharded_caches(empty_caches(cfg, cfg.num_layers, batch, plan.cache_len, ctx.dtype),
                            ctx.cache_sharding)
-  hidden_BPD, caches = target(tokens_BP, positions_BP, caches, prompt_bucket, ctx.experts_fn)
+  hidden_BPD, caches = _in_chunks(
+      lambda t, p, c: target(t, p, c, prompt_bucket, ctx.experts_fn),
+      (tokens_BP, positions_BP), caches, plan.prefill_chunk)
   last_B = prompt_lens_B - 1
   logits_BV = target.logits(_take_rows(hidden_BPD, last_B)[:, None])[:, 0]
   keys_B = sampling.position_keys(_stream_keys(req, _TARGET_STREAM), prompt_lens_B[:, None])[:, 0]
@@ -117,8 +143,13 @@ def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: Loo
         empty_caches(cfg, len(mtp.layers), batch, plan.cache_len, ctx.dtype),
         ctx.draft_cache_sharding)
     layer = mtp.layers[0]
-    normed_BPD, feedback_BPD, cache0 = layer(target, next_BP, hidden_BPD, positions_BP,
-                                             mtp_caches[0], prompt_bucket, ctx.draft_experts_fn)
+    def extend(next_tokens, hidden, positions, cache):
+      normed, feedback, cache = layer(target, next_tokens, hidden, positions, cache,
+                                      prompt_bucket, ctx.draft_experts_fn)
+      return (normed, feedback), cache
+
+    (normed_BPD, feedback_BPD), cache0 = _in_chunks(
+        extend, (next_BP, hidden_BPD, positions_BP), mtp_caches[0], plan.prefill_chunk)
     mtp_caches = (cache0,) + mtp_caches[1:]
     mtp_logits_BV = layer.logits(target, _take_rows(normed_BPD, last_B)[:, None])[:, 0]
     mtp_feedback_BD = _take_rows(feedback_BPD, last_B)
