@@ -20,7 +20,8 @@ from jspec.outputs import RequestMetrics, RequestOutput
 from jspec.progress import stage
 from jspec.speculative import buckets
 from jspec.sharding.rules import global_array, to_host
-from jspec.speculative.loop import LoopContext, LoopPlan, decode_loop, merge_module, prefill
+from jspec.speculative.loop import (LoopContext, LoopPlan, in_chunks, decode_loop, merge_module,
+                                    prefill)
 from jspec.speculative.state import FINISH_REASONS, RequestInputs
 
 
@@ -196,13 +197,14 @@ class Runner:
     return [logits[row, :len(s)] for row, s in enumerate(sequences)]
 
   def _logits_fn(self, batch: int, length: int):
-    tgd, ctx = self.target_graphdef, self.ctx
+    tgd, ctx, chunk = self.target_graphdef, self.ctx, self.llm.prefill_chunk_size
 
     def logits_fn(target_state, tokens_BT):
       target = nnx.merge(tgd, target_state)
       positions_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BT.shape)
       caches = empty_caches(target.cfg, target.cfg.num_layers, batch, length, ctx.dtype)
-      hidden_BTD, _ = target(tokens_BT, positions_BT, caches, length, ctx.experts_fn)
+      hidden_BTD, _ = in_chunks(lambda t, p, c: target(t, p, c, length, ctx.experts_fn),
+                                 (tokens_BT, positions_BT), caches, chunk)
       return target.logits(hidden_BTD)
 
     return logits_fn

@@ -86,11 +86,12 @@ def _take_rows(x_BT, index_B):
                              axis=1)[:, 0]
 
 
-def _in_chunks(forward, inputs, caches, chunk: int):
+def in_chunks(forward, inputs, caches, chunk: int):
   """forward(*inputs, caches) -> (outputs, caches), run over the prompt `chunk` tokens at a time.
 
   Each chunk writes its keys/values before attending, and attends causally over the whole
-  prompt bucket, so the result is the one-pass result; only the [chunk x bucket] score
+  prompt bucket: the same computation as one pass (equal up to float rounding, since the
+  matmul shapes differ); only the [chunk x bucket] score
   matrix exists at a time instead of [bucket x bucket]. A scan keeps one copy of the model in
   the program.
   """
@@ -117,7 +118,7 @@ def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: Loo
   positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
   caches = _sharded_caches(empty_caches(cfg, cfg.num_layers, batch, plan.cache_len, ctx.dtype),
                            ctx.cache_sharding)
-  hidden_BPD, caches = _in_chunks(
+  hidden_BPD, caches = in_chunks(
       lambda t, p, c: target(t, p, c, prompt_bucket, ctx.experts_fn),
       (tokens_BP, positions_BP), caches, plan.prefill_chunk)
   last_B = prompt_lens_B - 1
@@ -148,7 +149,7 @@ def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: Loo
                                       prompt_bucket, ctx.draft_experts_fn)
       return (normed, feedback), cache
 
-    (normed_BPD, feedback_BPD), cache0 = _in_chunks(
+    (normed_BPD, feedback_BPD), cache0 = in_chunks(
         extend, (next_BP, hidden_BPD, positions_BP), mtp_caches[0], plan.prefill_chunk)
     mtp_caches = (cache0,) + mtp_caches[1:]
     mtp_logits_BV = layer.logits(target, _take_rows(normed_BPD, last_B)[:, None])[:, 0]
