@@ -32,10 +32,16 @@ _BASELINE = {}
 
 
 def _outputs(llm):
-  """A single request, and a batch of 3 (not divisible by dp = 2 or 8)."""
-  single = [o.token_ids for o in llm.generate(PROMPTS[:1], greedy(10, ignore_eos=True))]
-  batch = [o.token_ids for o in llm.generate(PROMPTS[1:], greedy(10, ignore_eos=True))]
-  return single, batch
+  """A single request, and a batch of 3 (not divisible by dp = 2 or 8). Padding rows (idle
+  shards) must not show up in the outputs or in the aggregate metrics."""
+  results = []
+  for prompts in (PROMPTS[:1], PROMPTS[1:]):
+    outs = llm.generate(prompts, greedy(10, ignore_eos=True))
+    assert len(outs) == len(prompts)
+    assert outs.metrics.num_generated_tokens == 10 * len(prompts)
+    assert outs.metrics.num_steps == sum(o.metrics.num_steps for o in outs)
+    results.append([o.token_ids for o in outs])
+  return tuple(results)
 
 
 def _baseline(name):

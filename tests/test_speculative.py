@@ -158,3 +158,19 @@ def test_chunked_prefill_gives_the_one_pass_result(name):
 def test_prefill_chunk_size_is_validated():
   with pytest.raises(ValueError, match="prefill_chunk_size=100 must be a power of two >= 16"):
     jspec.LLM(model=cached_llm(DENSE).model_dir, dtype="float32", prefill_chunk_size=100)
+
+
+@pytest.mark.parametrize("method, k", [("mtp", 5), ("ngram", 5)])
+def test_reaching_max_model_len_mid_run_finishes_like_vanilla(method, k):
+  """At the cap bucket (max_model_len + k + 1 slots) a verify window can reach past
+  max_model_len: the sequence must stop exactly at max_model_len, as vanilla decoding does."""
+  max_model_len = 21
+  make = lambda spec: jspec.LLM(model=cached_llm(DENSE).model_dir, dtype="float32",
+                                max_model_len=max_model_len, speculative_config=spec)
+  prompts = [PROMPTS[4], PROMPTS[1], PROMPTS[3]]
+  want = make(None).generate(prompts, greedy(100, ignore_eos=True))
+  got = make({"method": method, "num_speculative_tokens": k}).generate(
+      prompts, greedy(100, ignore_eos=True))
+  for p, w, g in zip(prompts, want, got):
+    assert len(p) + len(g.token_ids) == max_model_len and g.finish_reason == "length"
+    assert g.token_ids == w.token_ids
