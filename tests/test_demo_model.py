@@ -96,11 +96,27 @@ def test_mtp_stops_exactly_like_vanilla_inside_accepted_runs(demo_pair):
   assert inside_length > 0 and inside_stop > 0, (inside_length, inside_stop)
 
 
-def test_mtp_eos_inside_an_accepted_run_ends_like_vanilla(demo_pair):
-  """With EOS honoured (no ignore_eos), MTP and vanilla agree on text and finish reason."""
+def test_eos_inside_an_accepted_run_ends_like_vanilla(demo_pair, tmp_path):
+  """A copy of the demo model whose EOS id is a token that MTP emits strictly inside a
+  multi-token step: generation (EOS honoured) stops right after it, with finish 'stop',
+  exactly where vanilla decoding stops."""
+  import shutil
   vanilla, mtp = demo_pair
-  params = SamplingParams(temperature=0.0, max_tokens=200)
-  want = vanilla.generate(PROMPTS, params)
-  got = mtp.generate(PROMPTS, params)
-  assert [o.token_ids for o in got] == [o.token_ids for o in want]
-  assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+  prompt = PROMPTS[0]
+  full = vanilla.generate([prompt], _greedy(40))[0].token_ids
+  steps = {m: mtp.generate([prompt], _greedy(m))[0].metrics.num_steps for m in range(1, 42)}
+  inside = [j for j, t in enumerate(full) if full.index(t) == j and steps[j + 1] == steps[j + 2]]
+  assert inside, "no first-occurrence token inside a multi-token step"
+  j = inside[len(inside) // 2]
+  model_dir = tmp_path / "demo_eos"
+  shutil.copytree(demo_model_path(), model_dir)
+  for name in ("config.json", "generation_config.json"):
+    config = json.loads((model_dir / name).read_text())
+    config["eos_token_id"] = full[j]
+    (model_dir / name).write_text(json.dumps(config))
+  params = SamplingParams(temperature=0.0, max_tokens=40)
+  for spec in (None, {"method": "mtp", "num_speculative_tokens": 3}):
+    llm = jspec.LLM(model=str(model_dir), dtype="float32", max_model_len=256,
+                    speculative_config=spec)
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == full[:j + 1] and out.finish_reason == "stop"
