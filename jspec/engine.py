@@ -144,6 +144,8 @@ class Runner:
     plan = LoopPlan(batch=batch, cache_len=cache_len, method=self.method, k=k,
                     prefill_chunk=llm.prefill_chunk_size,
                     all_greedy=all(sp.temperature == 0 for sp in params),
+                    any_filtered=any(sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1)
+                                     for sp in params),
                     ngram_min=self.spec.prompt_lookup_min if self.spec else 1,
                     ngram_max=self.spec.prompt_lookup_max if self.spec else 1)
     tokens = np.zeros((batch, prompt_len), np.int32)

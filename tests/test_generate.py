@@ -117,3 +117,14 @@ def test_outputs_are_in_prompt_order_with_metrics():
   for o in outs:
     assert o.metrics.num_steps == 5 and o.metrics.mean_acceptance_length == 1.0
     assert o.metrics.acceptance_rate_per_position == []
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 2}])
+def test_temperature_only_request_is_reproducible_beside_top_p_requests(spec):
+  llm = jspec.LLM(model=cached_llm(DENSE).model_dir, dtype="float32", max_model_len=64,
+                  speculative_config=spec)
+  plain = jspec.SamplingParams(temperature=0.9, max_tokens=12, seed=11, ignore_eos=True)
+  nucleus = jspec.SamplingParams(temperature=0.9, top_p=0.7, max_tokens=12, seed=5)
+  alone = llm.generate([PROMPTS[0]], plain)[0].token_ids
+  mixed = llm.generate([PROMPTS[1], PROMPTS[0]], [nucleus, plain])[1].token_ids
+  assert alone == mixed

@@ -116,3 +116,20 @@ def test_position_keys_accept_raw_uint32_keys():
     raw = jax.random.split(jax.random.PRNGKey(0), 2)
     keys = position_keys(raw, jnp.array([[0, 1], [2, 3]], jnp.int32))
     assert keys.shape == (2, 2, 2) and keys.dtype == jnp.uint32
+
+
+def test_unfiltered_rows_do_not_depend_on_their_batch_mates():
+    """A temperature-only row gets bit-identical probabilities whether or not another row of
+    the batch uses top-k/top-p (the sorted path) and whether the sort runs at all."""
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.normal(size=(4, 301)) * 3, jnp.float32)
+    temperature = jnp.asarray([0.7, 1.3, 0.0, 1.0], jnp.float32)
+    plain_k, plain_p = jnp.zeros(4, jnp.int32), jnp.ones(4, jnp.float32)
+    mixed_k = plain_k.at[3].set(20)
+    mixed_p = plain_p.at[3].set(0.8)
+    alone = processed_probs(logits, temperature, plain_k, plain_p, any_filtered=False)
+    sorted_path = processed_probs(logits, temperature, plain_k, plain_p)
+    mixed = processed_probs(logits, temperature, mixed_k, mixed_p)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(sorted_path))
+    np.testing.assert_array_equal(np.asarray(alone)[:3], np.asarray(mixed)[:3])
+    assert np.count_nonzero(np.asarray(mixed)[3]) <= 20

@@ -60,6 +60,7 @@ class LoopPlan:
   method: str | None       # None, "mtp" or "ngram"
   k: int                   # drafts per step; 0 without speculation
   all_greedy: bool         # every request has temperature 0: argmax paths only
+  any_filtered: bool = True  # some request uses top-k or top-p (the sampling path sorts)
   ngram_min: int = 1
   ngram_max: int = 3
   prefill_chunk: int = 1024  # prompt tokens per sequence per prefill pass (bounds attention memory)
@@ -69,11 +70,12 @@ def _stream_keys(req: RequestInputs, stream: int):
   return jax.vmap(lambda seed: jax.random.fold_in(jax.random.key(seed), stream))(req.seeds_B)
 
 
-def _choose(logits_NV, temperature_N, top_k_N, top_p_N, keys_N, all_greedy: bool):
+def _choose(logits_NV, temperature_N, top_k_N, top_p_N, keys_N, plan: "LoopPlan"):
   """Token and the distribution it was drawn from (None when every row is greedy)."""
-  if all_greedy:
+  if plan.all_greedy:
     return jnp.argmax(logits_NV, axis=-1).astype(jnp.int32), None
-  probs_NV = sampling.processed_probs(logits_NV, temperature_N, top_k_N, top_p_N)
+  probs_NV = sampling.processed_probs(logits_NV, temperature_N, top_k_N, top_p_N,
+                                      plan.any_filtered)
   return sampling.sample(probs_NV, keys_N), probs_NV
 
 
@@ -125,7 +127,7 @@ def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: Loo
   logits_BV = target.logits(_take_rows(hidden_BPD, last_B)[:, None])[:, 0]
   keys_B = sampling.position_keys(_stream_keys(req, _TARGET_STREAM), prompt_lens_B[:, None])[:, 0]
   first_B, _ = _choose(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B, keys_B,
-                       plan.all_greedy)
+                       plan)
 
   rows_B = jnp.arange(batch)
   tokens_BS = jnp.zeros((batch, plan.cache_len), jnp.int32).at[:, :prompt_bucket].set(tokens_BP)
@@ -168,7 +170,7 @@ def _draft_mtp(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopPl
   draft_keys_BK = sampling.position_keys(
       _stream_keys(req, _DRAFT_STREAM), lengths_B[:, None] + jnp.arange(k, dtype=jnp.int32))
   token_B, probs_BV = _choose(state.mtp_logits_BV, req.temperature_B, req.top_k_B, req.top_p_B,
-                              draft_keys_BK[:, 0], plan.all_greedy)
+                              draft_keys_BK[:, 0], plan)
   drafts, probs = [token_B], [probs_BV]
   feedback_BD, caches = state.mtp_feedback_BD, list(state.mtp_caches)
   for j in range(2, k + 1):
@@ -180,7 +182,7 @@ def _draft_mtp(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopPl
         plan.cache_len, ctx.draft_experts_fn)
     logits_BV = layer.logits(target, normed_B1D)[:, 0]
     token_B, probs_BV = _choose(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B,
-                                draft_keys_BK[:, j - 1], plan.all_greedy)
+                                draft_keys_BK[:, j - 1], plan)
     feedback_BD = feedback_B1D[:, 0]
     drafts.append(token_B)
     probs.append(probs_BV)
@@ -196,7 +198,7 @@ def _accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, r
   repeat = lambda x_B: jnp.repeat(x_B, width)
   target_probs_BTV = sampling.processed_probs(
       target_logits_BTV.reshape(batch * width, vocab), repeat(req.temperature_B),
-      repeat(req.top_k_B), repeat(req.top_p_B)).reshape(batch, width, vocab)
+      repeat(req.top_k_B), repeat(req.top_p_B), plan.any_filtered).reshape(batch, width, vocab)
   keys_BT = sampling.position_keys(_stream_keys(req, _TARGET_STREAM),
                                    state.lengths_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32))
   if k == 0:  # Vanilla sampling: the "bonus" token is the only token.

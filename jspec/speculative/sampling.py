@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 
-def processed_probs(logits_NV, temperature_N, top_k_N, top_p_N):
+def processed_probs(logits_NV, temperature_N, top_k_N, top_p_N, any_filtered: bool = True):
     """The float32 distribution a request samples from, row by row.
 
     Order (as in Hugging Face's logits warpers and vLLM's sampler): divide by temperature,
@@ -33,11 +33,17 @@ def processed_probs(logits_NV, temperature_N, top_k_N, top_p_N):
     the one-hot of ``jnp.argmax(logits)`` (lowest index among ties) so that greedy rows give
     bit-identical results to `verify.greedy_verify`.
 
+    Rows with neither top-k nor top-p get a plain softmax in vocabulary order, never the
+    sorted path, so their probabilities are bit-identical whatever the other rows ask for (a
+    seeded request samples the same tokens in any batch). `any_filtered=False` (static: no row
+    uses top-k or top-p) skips the sort altogether, which costs a sort of V per row.
+
     Args:
       logits_NV: [N, V] logits (any float dtype; computed in float32).
       temperature_N: [N] float; 0 means greedy.
       top_k_N: [N] int32; 0 means off.
       top_p_N: [N] float in (0, 1]; 1.0 means off.
+      any_filtered: static; False promises every row has top_k <= 0 and top_p >= 1.
     Returns:
       probs_NV: [N, V] float32, each row sums to 1.
     """
@@ -49,6 +55,11 @@ def processed_probs(logits_NV, temperature_N, top_k_N, top_p_N):
 
     greedy_N = temperature_N <= 0.0
     scaled_NV = logits_NV / jnp.where(greedy_N, 1.0, temperature_N)[:, None]
+    onehot_NV = jax.nn.one_hot(jnp.argmax(logits_NV, axis=-1), V, dtype=jnp.float32)
+    plain_NV = jax.nn.softmax(scaled_NV, axis=-1)
+    if not any_filtered:
+        return jnp.where(greedy_N[:, None], onehot_NV, plain_NV)
+    filtered_N = (top_k_N > 0) | (top_p_N < 1.0)
 
     # One stable sort of the negated logits ranks by (logit desc, index asc); top-k and
     # top-p are both prefixes of that order, so they become one mask in sorted space.
@@ -66,8 +77,7 @@ def processed_probs(logits_NV, temperature_N, top_k_N, top_p_N):
     kept_NV = kept_NV / jnp.sum(kept_NV, axis=-1, keepdims=True)
     rows_N1 = jnp.arange(N)[:, None]
     probs_NV = jnp.zeros_like(kept_NV).at[rows_N1, order_NV].set(kept_NV)
-
-    onehot_NV = jax.nn.one_hot(jnp.argmax(logits_NV, axis=-1), V, dtype=jnp.float32)
+    probs_NV = jnp.where(filtered_N[:, None], probs_NV, plain_NV)
     return jnp.where(greedy_N[:, None], onehot_NV, probs_NV)
 
 
