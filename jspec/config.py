@@ -179,3 +179,5 @@ class SamplingParams:
       raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
     if not (isinstance(self.top_k, int) and self.top_k >= 0):
       raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables top-k)")
+    if self.seed is not None and not isinstance(self.seed, int):
+      raise ValueError(f"seed={self.seed!r} must be an integer or None")

@@ -132,7 +132,7 @@ class Runner:
         top_p_B=rows((p.top_p for p in params), 1.0, np.float32),
         max_len_B=rows(max_len, 0, np.int32),  # padding rows finish in prefill
         stop_ids_BX=self._put(stop_ids, ("batch", None)),
-        seeds_B=rows(seeds, 0, np.uint32))
+        seeds_B=rows((seed % 2**32 for seed in seeds), 0, np.uint32))  # any int seed
 
   def _run_batch(self, prompts, params, seeds) -> tuple[list[RequestOutput], float]:
     llm, k = self.llm, self.k

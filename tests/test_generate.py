@@ -128,3 +128,12 @@ def test_temperature_only_request_is_reproducible_beside_top_p_requests(spec):
   alone = llm.generate([PROMPTS[0]], plain)[0].token_ids
   mixed = llm.generate([PROMPTS[1], PROMPTS[0]], [nucleus, plain])[1].token_ids
   assert alone == mixed
+
+
+def test_any_integer_seed_works_and_others_are_refused():
+  llm = cached_llm(DENSE)
+  sample = lambda seed: llm.generate([PROMPTS[0]], jspec.SamplingParams(
+      temperature=1.0, max_tokens=6, seed=seed, ignore_eos=True))[0].token_ids
+  assert sample(-1) == sample(2**32 - 1) and sample(2**40 + 3) == sample(3)
+  with pytest.raises(ValueError, match="seed='7' must be an integer or None"):
+    jspec.SamplingParams(seed="7")

@@ -110,6 +110,11 @@ def test_memory_plan_refuses_what_does_not_fit():
     _llm("qwen3_dense", _mesh(1, 1, 1), "mtp", device_memory_bytes=2**19)
   plan = _llm("qwen3_dense", _mesh(1, 1, 1), "mtp", device_memory_bytes=2**30).memory_plan
   assert plan.draft_cache_bytes > 0 and plan.target_cache_bytes == 3 * plan.draft_cache_bytes
+  # 33 sequences are padded to a 64-row bucket: the plan counts the rows really allocated.
+  plan = _llm("qwen3_dense", _mesh(1, 1, 1), "none", max_num_seqs=33).memory_plan
+  cfg = jspec.ModelConfig.from_dir(fixture_dir("qwen3_dense"))
+  assert plan.target_cache_bytes == (cfg.num_layers * 2 * 64 * (64 + 0 + 1) * cfg.num_kv_heads
+                                     * cfg.head_dim * 4)
 
 
 def _free_port():

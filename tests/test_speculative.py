@@ -140,14 +140,16 @@ def test_bad_speculative_configs(config, match):
     jspec.LLM(model=cached_llm(DENSE).model_dir, dtype="float32", speculative_config=config)
 
 
-@pytest.mark.parametrize("name", [DENSE, MOE])
-def test_chunked_prefill_gives_the_one_pass_result(name):
+@pytest.mark.parametrize("name, max_model_len", [(DENSE, 128), (MOE, 128), (DENSE, 100)])
+def test_chunked_prefill_gives_the_one_pass_result(name, max_model_len):
   """Prompts longer than prefill_chunk_size are prefilled in chunks (target and MTP extend):
-  the same tokens as one pass over the bucket."""
-  prompts = [RNG.integers(0, 384, size=n).tolist() for n in (40, 23, 61)]
+  the same tokens as one pass over the bucket. max_model_len=100 caps the prompt bucket at
+  103 slots, which 16-token chunks do not divide (a shorter last pass)."""
+  prompts = [RNG.integers(0, 384, size=n).tolist() for n in (40, 23, 70)]
   runs = []
   for chunk in (16, 1024):
-    llm = jspec.LLM(model=cached_llm(name).model_dir, dtype="float32", max_model_len=128,
+    llm = jspec.LLM(model=cached_llm(name).model_dir, dtype="float32",
+                    max_model_len=max_model_len,
                     speculative_config={"method": "mtp", "num_speculative_tokens": 2},
                     prefill_chunk_size=chunk)
     outs = llm.generate(prompts, greedy(12, ignore_eos=True))

@@ -10,6 +10,7 @@ import numpy as np
 
 from jspec.config import ModelConfig
 from jspec.sharding.rules import MeshConfig
+from jspec.speculative.buckets import batch_bucket
 
 
 def validate_mesh(cfg: ModelConfig, mesh: MeshConfig):
@@ -63,7 +64,8 @@ def plan_memory(cfg: ModelConfig, mesh: MeshConfig, target_state, mtp_state, dty
                 num_draft_layers: int, capacity_bytes: int | None,
                 usable_fraction: float = 0.9) -> MemoryPlan:
   """Raises ValueError, before any cache exists, when the worst-case batch cannot fit."""
-  batch_per_device = -(-max_num_seqs // mesh.batch_width)
+  # The engine pads a batch to its bucket: count the rows it will really allocate.
+  batch_per_device = batch_bucket(max_num_seqs, mesh.batch_width) // mesh.batch_width
   slots = max_model_len + k + 1
   kv_heads_target = cfg.num_kv_heads // mesh.tp
   kv_heads_draft = kv_heads_target if draft_tp_sharded else cfg.num_kv_heads
