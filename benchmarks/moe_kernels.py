@@ -22,7 +22,6 @@ import types
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jspec.models.moe_backends import experts_dense, experts_ragged_dot
 from jspec.pallas_kernels import (choose_tilings, down_weighted, experts_pallas,

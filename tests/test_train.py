@@ -1,7 +1,6 @@
 """Training: both objectives fall, the HF saver round-trips, and `train_mtp_head` learns."""
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +82,6 @@ def test_train_mtp_head_beats_untrained_head(tmp_path, trained_tiny):
   _, untrained = trainer.init_models(TINY, seed=5)
   model_dir = str(tmp_path / "target")
   saver.save_pretrained(model_dir, TINY, target, untrained, dtype="float32")
-  rng = np.random.default_rng(0)
   prompts = [list(_pattern_stream(seed=s, length=12)[:6]) for s in range(1, 9)]
   held_out = [list(_pattern_stream(seed=s, length=12)[:6]) for s in range(20, 24)]
   llm = jspec.LLM(model=model_dir, dtype="float32", max_model_len=128)

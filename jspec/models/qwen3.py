@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

@@ -8,7 +8,6 @@ Same signature and semantics as `jspec.models.moe_backends.experts_reference`.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jspec.pallas_kernels import grouped_gemm, permute, platform, routing
