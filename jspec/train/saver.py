@@ -67,7 +67,7 @@ def _hf_tensors(module, rules: dict, prefix: tuple = ()) -> dict:
     rule = rules[path]
     if len(rule.names) != 1:
       raise ValueError(f"parameter {path} maps to several HF tensors (MoE); not supported")
-    ours = np.asarray(jax.device_get(variable.value)).astype(np.float32)
+    ours = np.asarray(jax.device_get(variable.get_value())).astype(np.float32)
     theirs = _to_hf(path, ours, rule.hf_shapes[0])
     if not np.array_equal(rule.build(theirs), ours):  # the loader must read back what we wrote
       raise AssertionError(f"saver/loader mismatch for {prefix + path} -> {rule.names[0]}")

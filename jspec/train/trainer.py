@@ -103,8 +103,8 @@ def init_models(cfg: ModelConfig, seed: int, embed_std: float = 0.02):
   at std 0.02 (GPT-2's choice) rather than the inference default of 1, so initial logits are
   small and the first loss is near log(V)."""
   target = Qwen3CausalLM(cfg, jnp.float32, nnx.Rngs(seed))
-  target.embed.value = embed_std * jax.random.normal(jax.random.key(seed + 1000),
-                                                     target.embed.value.shape, jnp.float32)
+  target.embed.set_value(embed_std * jax.random.normal(jax.random.key(seed + 1000),
+                                                       target.embed[...].shape, jnp.float32))
   mtp = MTPHead(cfg, QWEN3_NEXT_HEAD, jnp.float32, nnx.Rngs(seed + 1))
   return target, mtp
 
