@@ -54,14 +54,17 @@ def cmd_generate(args):
   params = jspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 max_tokens=args.max_tokens, seed=args.seed)
   jspec.SpecConfig.parse(_spec_config(args))
-  prompt = args.prompt
+  prompts = args.prompt
   if args.token_ids:
-    prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
+    prompts = [[int(t) for t in p.replace(",", " ").split()] for p in prompts]
   llm = _build_llm(args, args.model or demo_model_path())
-  out = llm.generate([prompt], params)
-  result = out[0]
-  print(result.text if result.text is not None else result.token_ids)
-  print(f"[finish: {result.finish_reason}] {out.metrics.summary()}", file=sys.stderr)
+  outs = llm.generate(prompts, params)  # one batch: repeated --prompt run together
+  for i, result in enumerate(outs):
+    if len(outs) > 1:
+      print(f"--- prompt {i} [finish: {result.finish_reason}]")
+    print(result.text if result.text is not None else result.token_ids)
+  finish = f"[finish: {outs[0].finish_reason}] " if len(outs) == 1 else ""
+  print(f"{finish}{outs.metrics.summary()}", file=sys.stderr)
 
 
 def cmd_demo(args):
@@ -85,10 +88,11 @@ def main(argv=None):
   parser = argparse.ArgumentParser(prog="jspec", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
 
-  gen = sub.add_parser("generate", help="generate from one prompt")
+  gen = sub.add_parser("generate", help="generate from one or more prompts (one batch)")
   _add_model_args(gen, model_required=False)
   _add_spec_args(gen)
-  gen.add_argument("--prompt", required=True)
+  gen.add_argument("--prompt", required=True, action="append",
+                   help="repeat for several prompts, generated as one batch")
   gen.add_argument("--token-ids", action="store_true",
                    help="read --prompt as token ids (for checkpoints without a tokenizer)")
   gen.add_argument("--max-tokens", type=int, default=64)

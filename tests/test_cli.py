@@ -52,3 +52,11 @@ def test_compiled_programs_land_in_the_persistent_cache(tmp_path):
                   compilation_cache_dir=str(tmp_path))
   llm.generate([[3, 4, 5]], jspec.SamplingParams(temperature=0.0, max_tokens=3))
   assert os.listdir(tmp_path)
+
+
+def test_repeated_prompts_run_as_one_batch(capsys):
+  code = cli.main(["generate", "--prompt", "In the beginning", "--prompt", "def main():",
+                   "--dtype", "float32", "--max-model-len", "64", "--max-tokens", "5"])
+  out, err = capsys.readouterr()
+  assert code == 0 and out.count("--- prompt") == 2
+  assert "10 tokens" in err
