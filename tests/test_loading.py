@@ -105,21 +105,14 @@ def test_unexpected_tensor_is_named(tmp_path):
     _load(out)
 
 
-def test_shape_mismatch_is_named(tmp_path):
+@pytest.mark.parametrize("bad, match", [
+    (np.ones(63, np.float32), r"model\.norm\.weight.*shape \(63,\), expected \(64,\)"),
+    (np.ones(64, np.int32), r"model\.norm\.weight.*dtype int32"),
+])
+def test_shape_or_dtype_mismatch_is_named(tmp_path, bad, match):
   out = _copy_fixture(tmp_path)
-  def edit(t):
-    t["model.norm.weight"] = np.ones(63, np.float32)
-  _rewrite_tensors(out, edit)
-  with pytest.raises(ValueError, match=r"model\.norm\.weight.*shape \(63,\), expected \(64,\)"):
-    _load(out)
-
-
-def test_dtype_mismatch_is_named(tmp_path):
-  out = _copy_fixture(tmp_path)
-  def edit(t):
-    t["model.norm.weight"] = np.ones(64, np.int32)
-  _rewrite_tensors(out, edit)
-  with pytest.raises(ValueError, match=r"model\.norm\.weight.*dtype int32"):
+  _rewrite_tensors(out, lambda t: t.update({"model.norm.weight": bad}))
+  with pytest.raises(ValueError, match=match):
     _load(out)
 
 
