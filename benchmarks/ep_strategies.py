@@ -6,8 +6,8 @@ One MoE layer of the preset's shapes (default Qwen3-30B-A3B: 128 experts, top-8,
 expert intermediate 768), random bf16 weights sharded by jspec's rules over a (dp=1, ep, tp)
 mesh, tokens split over ep, routing from a random router (softmax top-k). Both strategies run
 the same expert backend (`--moe-backend`, "auto" = the Pallas kernels on Hopper) through
-`jspec.sharding.moe.sharded_experts`; each figure is the median of --repeats calls after
-warm-up. The faster strategy per token count is what `ep_strategy="auto"` should pick.
+`jspec.sharding.moe.sharded_experts`; each figure is the median time per call over queued batches
+of calls after warm-up. The faster strategy per token count is what `ep_strategy="auto"` should pick.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.bench.presets import PRESETS
-from jspec.bench.roofline import median_seconds
+from jspec.bench.roofline import seconds_per_call
 from jspec.models.moe import route
 from jspec.models.moe_backends import get_experts_fn
 from jspec.sharding.moe import sharded_experts
@@ -35,7 +35,6 @@ def main():
   parser.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128, 512, 2048, 8192])
   parser.add_argument("--moe-backend", default="auto")
   parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--out", default="")
   args = parser.parse_args()
 
@@ -64,7 +63,7 @@ def main():
     put = lambda a, axes: global_array(jax.device_get(a), rules.sharding(mesh, axes))
     inputs = (put(x.astype(dtype), ("batch", None)), put(ids, ("batch", None)),
               put(w, ("batch", None)), w_gate, w_up, w_down)
-    times = {name: median_seconds(fn, *inputs, repeats=args.repeats)
+    times = {name: seconds_per_call(fn, [inputs])
              for name, fn in strategies.items()}
     row = dict(tokens=tokens, ep=args.ep, tp=args.tp, device=jax.devices()[0].device_kind,
                **{f"{name}_us": 1e6 * s for name, s in times.items()},

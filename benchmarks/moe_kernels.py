@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
-import time
 import types
 
 import jax
 import jax.numpy as jnp
 
+from jspec.bench.roofline import hbm_bandwidth, seconds_per_call
 from jspec.models.moe_backends import experts_dense, experts_ragged_dot
 from jspec.pallas_kernels import (choose_tilings, down_weighted, experts_pallas,
                                   gate_up_swiglu, permute_rows, plan_routing)
@@ -63,33 +62,10 @@ def skewed_routing(key, num_tokens, num_experts, top_k, zipf_s=1.0):
   return ids.astype(jnp.int32), weights
 
 
-def time_fn(fn, arg_sets, min_batch_s=5e-3):
-  """Median seconds per call; calls are queued in batches to hide dispatch latency."""
-  for args in arg_sets[:2]:
-    jax.block_until_ready(fn(*args))
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*arg_sets[0]))
-  first = time.perf_counter() - t0
-  per_batch = int(min(50, max(1, min_batch_s / max(first, 1e-6))))
-  num_batches = 3 if first > 0.05 else 9
-  samples = []
-  for b in range(num_batches):
-    t0 = time.perf_counter()
-    out = None
-    for i in range(per_batch):
-      out = fn(*arg_sets[(b * per_batch + i) % len(arg_sets)])
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / per_batch)
-  return statistics.median(samples)
-
-
 def hbm_bandwidths(num_bytes=2 << 30):
-  """(copy, read) bytes per second: a large elementwise pass (read + write) and a sum (read)."""
-  a = jax.random.normal(jax.random.key(0), (num_bytes // 2,), jnp.bfloat16)
-  b = a + 1
-  copy_s = time_fn(jax.jit(lambda a: a * 2), [(a,), (b,)])
-  read_s = time_fn(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), [(a,), (b,)])
-  return 2 * num_bytes / copy_s, num_bytes / read_s
+  """(copy, read) bytes per second, as `jspec bench` measures them."""
+  bandwidth = hbm_bandwidth(num_bytes)
+  return bandwidth["copy"], bandwidth["read"]
 
 
 def _kernels_only(tilings):
@@ -139,7 +115,7 @@ def bench_model(name, num_experts, top_k, dim, ffn, tokens, hbm_bw, tokamax_rd, 
         row[backend] = None
         continue
       try:
-        row[backend] = time_fn(fn, arg_sets)
+        row[backend] = seconds_per_call(fn, arg_sets)
       except Exception as e:  # Record and go on: one failure must not hide the rest.
         print(f"{name} T={num_tokens} {backend}: {type(e).__name__}: {str(e)[:300]}",
               file=sys.stderr)
@@ -156,7 +132,7 @@ def bench_model(name, num_experts, top_k, dim, ffn, tokens, hbm_bw, tokamax_rd, 
         plan = plan_routing(ids, weights, num_experts, tilings[0].block_rows)
         plan_sets.append((permute_rows(x, plan), plan.tile_expert_N, plan.row_weight_P,
                           w_gate, w_up, w_down))
-      row["pallas_kernels"] = time_fn(_kernels_only(tilings), plan_sets)
+      row["pallas_kernels"] = seconds_per_call(_kernels_only(tilings), plan_sets)
     except Exception as e:
       print(f"{name} T={num_tokens} check/kernels: {type(e).__name__}: {str(e)[:300]}",
             file=sys.stderr)

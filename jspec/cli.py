@@ -124,7 +124,6 @@ def main(argv=None):
                      help="mean acceptance lengths for the derived speedup")
   bench.add_argument("--dtype", default="bfloat16")
   bench.add_argument("--moe-backend", default="auto")
-  bench.add_argument("--repeats", type=int, default=20)
   bench.add_argument("--bandwidth-bytes", type=int, default=2 << 30)
   bench.add_argument("--proof", action="store_true",
                      help="also time the trained demo model with and without MTP")

@@ -39,7 +39,7 @@ class Runner:
       self.mtp_graphdef, self.mtp_state = None, None
     self._compiled = {}         # (LoopPlan, prompt shape) -> (prefill, loop) executables
     self._logits_compiled = {}  # (batch, length) -> jitted full-sequence logits
-    cache_axes = ("batch", "cache_seq", "kv_heads", "head_dim")
+    cache_axes = ("batch", "kv_heads", "cache_seq", "head_dim")
     self.ctx = LoopContext(experts_fn=llm.experts_fn, draft_experts_fn=llm.draft_experts_fn,
                            dtype=llm.dtype,
                            cache_sharding=llm.rules.sharding(llm.mesh, cache_axes),

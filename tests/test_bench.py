@@ -40,7 +40,7 @@ def test_moe_step_reads_only_the_experts_that_get_tokens():
 
 def test_bench_cli_writes_json_plot_and_table(tmp_path, capsys):
   code = cli.main(["bench", "--models", "tiny-moe", "--batch", "1", "2", "--context", "32",
-                   "--repeats", "2", "--bandwidth-bytes", str(1 << 22), "--out", str(tmp_path)])
+                   "--bandwidth-bytes", str(1 << 22), "--out", str(tmp_path)])
   assert code == 0
   report = json.loads((tmp_path / "bench.json").read_text())
   rows = report["results"][0]["rows"]

@@ -48,7 +48,7 @@ def bench_model(name: str, args) -> dict:
       speculative_config={"method": "mtp", "num_speculative_tokens": k})
   with stage("measuring HBM bandwidth"):
     bandwidth = hbm_bandwidth(args.bandwidth_bytes)
-  timer = StepTimer(llm, repeats=args.repeats)
+  timer = StepTimer(llm)
   capacity = device_capacity()
   weight_bytes = llm.memory_plan.weight_bytes
   rows = []
@@ -58,10 +58,9 @@ def bench_model(name: str, args) -> dict:
         rows.append(dict(batch=batch, context=context, skipped="KV cache does not fit"))
         continue
       with stage(f"{name}: batch {batch}, context {context}"):
-        width_s = {w: timer.target_forward(batch, context, w)
-                   for w in sorted({1, k + 1, *VERIFY_WIDTHS})}
-        draft_s = timer.mtp_forward(batch, context, 1)
-        extend_s = timer.mtp_forward(batch, context, k + 1)
+        seconds = timer.measure(batch, context, {1, k + 1, *VERIFY_WIDTHS}, {1, k + 1})
+        width_s = {w: s for (kind, w), s in seconds.items() if kind == "target"}
+        draft_s, extend_s = seconds[("mtp", 1)], seconds[("mtp", k + 1)]
       decode_s = width_s[1]
       verify = {w: width_s[w] / decode_s for w in VERIFY_WIDTHS}
       floor_s = step_bytes(cfg, batch, 1, context) / bandwidth["read"]
@@ -74,6 +73,7 @@ def bench_model(name: str, args) -> dict:
           draft_per_token_relative=(extend_s + (k - 1) * draft_s) / k / decode_s,
           spec_step_relative=spec_step_s / decode_s,
           derived_speedup={str(a): a * decode_s / spec_step_s for a in args.acceptance}))
+      print(row_line(name, rows[-1]), flush=True)
   prefill = []
   for batch, prompt in ((1, 512), (1, 8192), (8, 512)):
     if prompt > max_context or (capacity and batch * prompt * prompt * cfg.num_heads * 4
@@ -90,17 +90,35 @@ def bench_model(name: str, args) -> dict:
               warmup_seconds_generate=warmup_s, compile_seconds=timer.compile_seconds)
 
 
-def proof_model_speedups(ks=(1, 2, 3, 4), max_tokens: int = 256) -> dict:
-  """Real acceptance: the trained demo model at batch 1, with and without MTP."""
+def proof_model_speedups(ks=(1, 2, 3, 4), max_tokens: int = 512, pieces_k: int = 3) -> dict:
+  """Real acceptance: the trained demo model at batch 1, with and without MTP; plus its step
+  pieces timed in isolation (decode, verify of k+1, a draft step, the extend), which say how
+  much of a speculative step is the target, how much the head, and how much the loop."""
   from jspec.train.evaluation import batch1_speed
   prompt = "Psa23:1 The LORD is my shepherd; I shall not want.\n"
   speed = batch1_speed(jspec.demo_model_path(), prompt, (0,) + tuple(ks), max_tokens=max_tokens,
-                       log=lambda *_: None)
+                       repeats=5, log=lambda *_: None)
   base = speed[0]["tokens_per_second"]
-  return {str(k): dict(tokens_per_second=v["tokens_per_second"],
-                       speedup=v["tokens_per_second"] / base,
-                       mean_acceptance_length=v["mean_acceptance_length"])
-          for k, v in speed.items()}
+  result = {str(k): dict(tokens_per_second=v["tokens_per_second"],
+                         speedup=v["tokens_per_second"] / base,
+                         mean_acceptance_length=v["mean_acceptance_length"])
+            for k, v in speed.items()}
+  llm = jspec.LLM(model=jspec.demo_model_path(), dtype="bfloat16", max_model_len=1024,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": pieces_k})
+  seconds = StepTimer(llm).measure(1, 64, {1, pieces_k + 1}, {1, pieces_k + 1})
+  pieces = {f"{kind}_{w}_us": 1e6 * s for (kind, w), s in seconds.items()}
+  pieces["loop_step_us"] = 1e6 / base  # the whole k = 0 loop step, measured end to end
+  return {"speed": result, "pieces": pieces, "pieces_k": pieces_k}
+
+
+def row_line(model: str, r: dict) -> str:
+  if "skipped" in r:
+    return f"{model:16s} {r['batch']:4d} {r['context']:6d}  {r['skipped']}"
+  derived = " ".join(f"A={a}:{s:.2f}x" for a, s in r["derived_speedup"].items())
+  return (f"{model:16s} {r['batch']:4d} {r['context']:6d} "
+          f"{r['decode_ms']:9.3f} {100 * r['roofline_fraction']:5.1f}% "
+          + " ".join(f"{r['verify_relative'][str(w)]:5.2f}" for w in VERIFY_WIDTHS)
+          + f" {r['draft_per_token_relative']:9.2f} {r['spec_step_relative']:9.2f}  " + derived)
 
 
 def table(results: list[dict], proof: dict | None) -> str:
@@ -108,16 +126,7 @@ def table(results: list[dict], proof: dict | None) -> str:
            + " ".join(f"{'v' + str(w):>5s}" for w in VERIFY_WIDTHS)
            + f" {'draft/tok':>9s} {'spec step':>9s}  derived speedup"]
   for result in results:
-    for r in result["rows"]:
-      if "skipped" in r:
-        lines.append(f"{result['model']:16s} {r['batch']:4d} {r['context']:6d}  {r['skipped']}")
-        continue
-      derived = " ".join(f"A={a}:{s:.2f}x" for a, s in r["derived_speedup"].items())
-      lines.append(f"{result['model']:16s} {r['batch']:4d} {r['context']:6d} "
-                   f"{r['decode_ms']:9.3f} {100 * r['roofline_fraction']:5.1f}% "
-                   + " ".join(f"{r['verify_relative'][str(w)]:5.2f}" for w in VERIFY_WIDTHS)
-                   + f" {r['draft_per_token_relative']:9.2f} {r['spec_step_relative']:9.2f}  "
-                   + derived)
+    lines.extend(row_line(result["model"], r) for r in result["rows"])
     for p in result["prefill"]:
       lines.append(f"{result['model']:16s} prefill B={p['batch']} P={p['prompt']}: "
                    f"{p['tokens_per_second']:.0f} tokens/s")
@@ -127,8 +136,11 @@ def table(results: list[dict], proof: dict | None) -> str:
                  f"{result['bandwidth']['copy'] / 1e12:.2f} TB/s")
   if proof:
     lines.append("demo model, batch 1 (real acceptance): " + ", ".join(
-        f"k={k}: {v['tokens_per_second']:.0f} tok/s ({v['speedup']:.2f}x, A={v['mean_acceptance_length']:.2f})"
-        for k, v in proof.items()))
+        f"k={k}: {v['tokens_per_second']:.0f} tok/s ({v['speedup']:.2f}x, "
+        f"A={v['mean_acceptance_length']:.2f}, {v['speedup'] / v['mean_acceptance_length']:.2f} A)"
+        for k, v in proof["speed"].items()))
+    lines.append(f"demo model pieces (k={proof['pieces_k']}, us): " + ", ".join(
+        f"{name[:-3]} {us:.0f}" for name, us in proof["pieces"].items()))
   return "\n".join(lines)
 
 

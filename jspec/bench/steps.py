@@ -1,26 +1,32 @@
 """Timing the pieces of a speculative step in isolation, on caches filled with random values.
 
-Each measurement jits one piece exactly as the decoding loop runs it (same modules, same
-cache bucket, kv_window = the whole bucket) and times it with the KV cache donated and fed
-back, so nothing is copied between calls:
+Each piece runs exactly as the decoding loop runs it (same modules, same cache bucket,
+kv_window = the whole bucket), `STEPS_PER_CALL` times inside one `lax.fori_loop` whose carry
+is the KV cache (donated, updated in place) and the previous step's argmax token: as in the
+engine's while loop, no host work or argument dispatch happens between steps. The time of a
+piece is the time of one call over `STEPS_PER_CALL`.
   - target forward of `width` tokens per sequence at a context (width 1: a decode step;
     width k+1: a verify step), logits and argmax included;
   - one MTP draft step (the head on one token, its logits and argmax) and the draft extend
     over k+1 positions;
-  - prefill of a prompt bucket.
+  - prefill of a prompt bucket (one call, no loop).
+The programs of one (batch, context) are compiled concurrently (XLA compiles off the GIL).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jspec.bench.roofline import median_seconds
+from jspec.bench.roofline import seconds_per_call
 from jspec.models.qwen3 import empty_caches
 from jspec.speculative import buckets
+
+STEPS_PER_CALL = 8
 
 
 def _random_caches(llm, num_layers: int, batch: int, cache_len: int, sharding, seed: int):
@@ -35,6 +41,10 @@ def _random_caches(llm, num_layers: int, batch: int, cache_len: int, sharding, s
   return tuple((draw(k), draw(v)) for k, v in shapes)
 
 
+def _abstract(tree, sharding):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
 def _positions(batch: int, context: int, width: int):
   return jnp.broadcast_to(context - 1 + jnp.arange(width, dtype=jnp.int32), (batch, width))
 
@@ -42,9 +52,8 @@ def _positions(batch: int, context: int, width: int):
 class StepTimer:
   """Times target and MTP pieces of one LLM (`jspec.LLM`, e.g. from `LLM.from_random`)."""
 
-  def __init__(self, llm, repeats: int = 20):
+  def __init__(self, llm):
     self.llm = llm
-    self.repeats = repeats
     self.target_graphdef, self.target_state = nnx.split(llm.target)
     self.mtp_graphdef, self.mtp_state = (nnx.split(llm.mtp) if llm.mtp is not None
                                          else (None, None))
@@ -53,66 +62,106 @@ class StepTimer:
     self.cache_sharding = runner.ctx.cache_sharding
     self.draft_cache_sharding = runner.ctx.draft_cache_sharding
 
-  def _timed_compile(self, label, fn, *args, donate=()):
+  # --- programs ------------------------------------------------------------------------------
+
+  def _target_steps(self, cache_len: int):
+    llm, tgd = self.llm, self.target_graphdef
+
+    def steps(state, caches, tokens_BT, positions_BT):
+      target = nnx.merge(tgd, state)
+
+      def body(_, carry):
+        caches, tokens_BT = carry
+        hidden, caches = target(tokens_BT, positions_BT, caches, cache_len, llm.experts_fn)
+        next_BT = jnp.argmax(target.logits(hidden), axis=-1).astype(jnp.int32)
+        return caches, next_BT
+
+      caches, tokens_BT = jax.lax.fori_loop(0, STEPS_PER_CALL, body, (caches, tokens_BT))
+      return tokens_BT, caches
+
+    return steps
+
+  def _mtp_steps(self, cache_len: int):
+    llm, tgd, mgd = self.llm, self.target_graphdef, self.mtp_graphdef
+
+    def steps(t_state, m_state, cache, tokens_BT, hidden_BTD, positions_BT):
+      target, mtp = nnx.merge(tgd, t_state), nnx.merge(mgd, m_state)
+      layer = mtp.layers[0]
+
+      def body(_, carry):
+        cache, tokens_BT, hidden_BTD = carry
+        normed, feedback, cache = layer(target, tokens_BT, hidden_BTD, positions_BT, cache,
+                                        cache_len, llm.draft_experts_fn)
+        draft_B1 = jnp.argmax(layer.logits(target, normed[:, -1:]), axis=-1).astype(jnp.int32)
+        # The next call drafts from this one's output, as chained draft steps do.
+        tokens_BT = jnp.broadcast_to(draft_B1, tokens_BT.shape)
+        return cache, tokens_BT, jnp.broadcast_to(feedback[:, -1:], hidden_BTD.shape)
+
+      cache, tokens_BT, _ = jax.lax.fori_loop(0, STEPS_PER_CALL, body,
+                                              (cache, tokens_BT, hidden_BTD))
+      return tokens_BT, cache
+
+    return steps
+
+  def _compile(self, label, fn, args, donate):
     start = time.perf_counter()
     compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
     self.compile_seconds[label] = time.perf_counter() - start
+    print(f"  compiled {label} in {self.compile_seconds[label]:.1f} s", flush=True)
     return compiled
 
-  def target_forward(self, batch: int, context: int, width: int) -> float:
-    """Seconds for one target forward of `width` tokens per sequence after `context` tokens."""
-    llm, tgd = self.llm, self.target_graphdef
-    cache_len = buckets.cache_bucket(context + width, 0, llm.max_model_len)
-    caches = _random_caches(llm, llm.config.num_layers, batch, cache_len, self.cache_sharding, 1)
-    tokens = jnp.ones((batch, width), jnp.int32)
-    positions = _positions(batch, context, width)
+  # --- measurements --------------------------------------------------------------------------
 
-    def forward(state, caches, tokens_BT, positions_BT):
-      target = nnx.merge(tgd, state)
-      hidden, caches = target(tokens_BT, positions_BT, caches, cache_len, llm.experts_fn)
-      return jnp.argmax(target.logits(hidden), axis=-1), caches
-
-    step = self._timed_compile(f"target B={batch} S={cache_len} T={width}", forward,
-                               self.target_state, caches, tokens, positions, donate=(1,))
-    holder = {"caches": caches}
-
-    def run():
-      out, holder["caches"] = step(self.target_state, holder["caches"], tokens, positions)
-      return out
-
-    return median_seconds(run, repeats=self.repeats)
-
-  def mtp_forward(self, batch: int, context: int, width: int) -> float:
-    """Seconds for the MTP head over `width` positions (1: a draft step; k+1: draft extend),
-    logits and argmax at one position per sequence, as the loop computes them."""
-    llm, tgd, mgd = self.llm, self.target_graphdef, self.mtp_graphdef
-    if mgd is None:
+  def measure(self, batch: int, context: int, target_widths, mtp_widths=()) -> dict:
+    """Seconds per step for each target width and each MTP width at this batch and context:
+    {("target", w): s, ("mtp", w): s}."""
+    llm = self.llm
+    if mtp_widths and self.mtp_graphdef is None:
       raise ValueError("this model has no MTP head to time")
-    cache_len = buckets.cache_bucket(context + width, 0, llm.max_model_len)
-    caches = _random_caches(llm, 1, batch, cache_len, self.draft_cache_sharding, 2)[0]
-    tokens = jnp.ones((batch, width), jnp.int32)
-    hidden = jnp.ones((batch, width, llm.config.hidden_size), llm.dtype)
-    positions = _positions(batch, context, width)
+    widths = sorted(set(target_widths) | set(mtp_widths))
+    cache_len = buckets.cache_bucket(context + max(widths), 0, llm.max_model_len)
+    target_caches = jax.eval_shape(lambda: empty_caches(llm.config, llm.config.num_layers, batch,
+                                                        cache_len, llm.dtype))
+    draft_cache = jax.eval_shape(lambda: empty_caches(llm.config, 1, batch, cache_len,
+                                                      llm.dtype)[0])
+    inputs = {w: (jnp.ones((batch, w), jnp.int32),
+                  jnp.ones((batch, w, llm.config.hidden_size), llm.dtype),
+                  _positions(batch, context, w)) for w in widths}
+    jobs = {}
+    for w in sorted(set(target_widths)):
+      tokens, _, positions = inputs[w]
+      jobs[("target", w)] = (
+          f"target B={batch} S={cache_len} T={w}", self._target_steps(cache_len),
+          (self.target_state, _abstract(target_caches, self.cache_sharding), tokens, positions),
+          (1,))
+    for w in sorted(set(mtp_widths)):
+      jobs[("mtp", w)] = (
+          f"mtp B={batch} S={cache_len} T={w}", self._mtp_steps(cache_len),
+          (self.target_state, self.mtp_state, _abstract(draft_cache, self.draft_cache_sharding),
+           *inputs[w]), (2,))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+      futures = {key: pool.submit(self._compile, *job) for key, job in jobs.items()}
+      programs = {key: f.result() for key, f in futures.items()}
 
-    def forward(t_state, m_state, cache, tokens_BT, hidden_BTD, positions_BT):
-      target, mtp = nnx.merge(tgd, t_state), nnx.merge(mgd, m_state)
-      layer = mtp.layers[0]
-      normed, feedback, cache = layer(target, tokens_BT, hidden_BTD, positions_BT, cache,
-                                      cache_len, llm.draft_experts_fn)
-      logits = layer.logits(target, normed[:, -1:])
-      return jnp.argmax(logits, axis=-1), feedback[:, -1], cache
+    holder = {"target": _random_caches(llm, llm.config.num_layers, batch, cache_len,
+                                       self.cache_sharding, 1)}
+    if mtp_widths:
+      holder["mtp"] = _random_caches(llm, 1, batch, cache_len, self.draft_cache_sharding, 2)[0]
+    seconds = {}
+    for key, program in programs.items():
+      kind, w = key
+      tokens, hidden, positions = inputs[w]
 
-    step = self._timed_compile(f"mtp B={batch} S={cache_len} T={width}", forward,
-                               self.target_state, self.mtp_state, caches, tokens, hidden,
-                               positions, donate=(2,))
-    holder = {"cache": caches}
+      def run(program=program, kind=kind, tokens=tokens, hidden=hidden, positions=positions):
+        if kind == "target":
+          out, holder[kind] = program(self.target_state, holder[kind], tokens, positions)
+        else:
+          out, holder[kind] = program(self.target_state, self.mtp_state, holder[kind], tokens,
+                                      hidden, positions)
+        return out
 
-    def run():
-      out, _, holder["cache"] = step(self.target_state, self.mtp_state, holder["cache"], tokens,
-                                     hidden, positions)
-      return out
-
-    return median_seconds(run, repeats=self.repeats)
+      seconds[key] = seconds_per_call(run, [()]) / STEPS_PER_CALL
+    return seconds
 
   def prefill(self, batch: int, prompt_len: int) -> float:
     """Seconds to run the target over a prompt bucket from position 0 (no sampling)."""
@@ -129,7 +178,6 @@ class StepTimer:
       hidden, caches = target(tokens_BP, positions_BP, caches, prompt_len, llm.experts_fn)
       return jnp.argmax(target.logits(hidden[:, -1:]), axis=-1), caches
 
-    step = self._timed_compile(f"prefill B={batch} P={prompt_len}", forward, self.target_state,
-                               tokens, positions)
-    return median_seconds(step, self.target_state, tokens, positions,
-                          repeats=max(3, self.repeats // 4))
+    step = self._compile(f"prefill B={batch} P={prompt_len}", forward,
+                         (self.target_state, tokens, positions), ())
+    return seconds_per_call(step, [(self.target_state, tokens, positions)])

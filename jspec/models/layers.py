@@ -5,7 +5,7 @@ sharding rules (jspec.sharding.rules) map those names to mesh axes, so no module
 a mesh axis.
 
 Shape letters: B batch, T query tokens, S cache slots, D hidden, N query heads, K kv heads,
-H head dim, F MLP intermediate, V vocabulary.
+G query heads per kv head, H head dim, F MLP intermediate, V vocabulary.
 """
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-LayerCache = tuple[jax.Array, jax.Array]  # (keys_BSKH, values_BSKH) of one attention layer.
+# (keys_BKSH, values_BKSH) of one attention layer. Heads before slots: each (sequence, kv head)
+# is one contiguous [S, H] matrix, so both attention products are plain batched GEMMs over
+# the cache as stored (a [B, S, K, H] cache makes XLA transpose all of it, every layer, every
+# step).
+LayerCache = tuple[jax.Array, jax.Array]
 
 
 def param(rngs: nnx.Rngs, shape, dtype, logical_axes, scale: float | None = None) -> nnx.Param:
@@ -54,14 +58,15 @@ def rope(x_BTNH, positions_BT, theta: float):
   return (x32 * cos + rotated * sin).astype(x_BTNH.dtype)
 
 
-def write_cache(cache_BSKH, new_BTKH, positions_BT):
+def write_cache(cache_BKSH, new_BTKH, positions_BT):
   """Scatters the new keys (or values) into each sequence's slots at their absolute positions.
 
   The caller guarantees positions < S (the loop stops a sequence before its verify window
   could pass the cache bucket), so no write is ever clamped or dropped.
   """
-  batch_B1 = jnp.arange(cache_BSKH.shape[0])[:, None]
-  return cache_BSKH.at[batch_B1, positions_BT].set(new_BTKH.astype(cache_BSKH.dtype))
+  batch_B1 = jnp.arange(cache_BKSH.shape[0])[:, None]
+  # Advanced indices around a slice: the indexed view is [B, T, K, H], the new rows' layout.
+  return cache_BKSH.at[batch_B1, :, positions_BT].set(new_BTKH.astype(cache_BKSH.dtype))
 
 
 class Attention(nnx.Module):
@@ -95,19 +100,20 @@ class Attention(nnx.Module):
     cache_k, cache_v = cache
     cache_k = write_cache(cache_k, k_BTKH, positions_BT)
     cache_v = write_cache(cache_v, v_BTKH, positions_BT)
-    keys_BSKH = cache_k[:, :kv_window]
-    values_BSKH = cache_v[:, :kv_window]
+    keys_BKSH = cache_k[:, :, :kv_window]
+    values_BKSH = cache_v[:, :, :kv_window]
 
     b, t, n, h = q_BTNH.shape
     group = n // self.num_kv_heads
-    q_BTKGH = q_BTNH.reshape(b, t, self.num_kv_heads, group, h)
-    scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, keys_BSKH,
+    q_BKGTH = q_BTNH.reshape(b, t, self.num_kv_heads, group, h).transpose(0, 2, 3, 1, 4)
+    scores_BKGTS = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, keys_BKSH,
                               preferred_element_type=jnp.float32) * (h ** -0.5)
     visible_BTS = jnp.arange(kv_window)[None, None, :] <= positions_BT[:, :, None]
     scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, -jnp.inf)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(values_BSKH.dtype)
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, values_BSKH)
-    out_BTD = jnp.einsum("btnh,nhd->btd", out_BTKGH.reshape(b, t, n, h), self.o_proj[...])
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(values_BKSH.dtype)
+    out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS, values_BKSH)
+    out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...])
     return out_BTD, (cache_k, cache_v)
 
 

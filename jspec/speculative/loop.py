@@ -42,7 +42,7 @@ class LoopContext:
   experts_fn: Callable
   draft_experts_fn: Callable
   dtype: object
-  cache_sharding: object = None        # NamedSharding of one [B, S, K, H] target cache, or None
+  cache_sharding: object = None        # NamedSharding of one [B, K, S, H] target cache, or None
   draft_cache_sharding: object = None
 
 
