@@ -42,9 +42,11 @@ def bench_model(name: str, args) -> dict:
   max_context = max(args.context) + max(VERIFY_WIDTHS) + k + 2
   cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings,
                                                               max_context))
+  # The LLM itself serves only the batch-1 warm-up generate; the step timer allocates each
+  # batch's caches (checked against the device by `_fits`), so its memory plan is for 1 row.
   llm = jspec.LLM.from_random(
       cfg, jspec.MTPSpec("qwen3_next", 1, is_moe=cfg.is_moe), dtype=args.dtype,
-      max_model_len=max_context, max_num_seqs=max(args.batch), moe_backend=args.moe_backend,
+      max_model_len=max_context, max_num_seqs=1, moe_backend=args.moe_backend,
       speculative_config={"method": "mtp", "num_speculative_tokens": k})
   with stage("measuring HBM bandwidth"):
     bandwidth = hbm_bandwidth(args.bandwidth_bytes)
