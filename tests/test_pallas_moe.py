@@ -67,9 +67,11 @@ def _reference(x, ids, weights, w_gate, w_up, w_down, chunk=16):
   xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, chunk, x.shape[1])
   ids_c = jnp.pad(ids, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, chunk, top_k)
   w_c = jnp.pad(weights, ((0, pad), (0, 0))).reshape(-1, chunk, top_k)
-  ys = jax.jit(lambda xs, ids_c, w_c: jax.lax.map(
+  # The weights are arguments, not closed-over constants: a DeepSeek-sized constant would be
+  # embedded in (and hashed with) the program.
+  ys = jax.jit(lambda xs, ids_c, w_c, w_gate, w_up, w_down: jax.lax.map(
       lambda a: experts_reference(a[0], a[1], a[2], w_gate, w_up, w_down), (xs, ids_c, w_c)))(
-          xs, ids_c, w_c)
+          xs, ids_c, w_c, w_gate, w_up, w_down)
   return ys.reshape(-1, x.shape[1])[:num_tokens]
 
 
