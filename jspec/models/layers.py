@@ -15,9 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 # (keys_BKSH, values_BKSH) of one attention layer. Heads before slots: each (sequence, kv head)
-# is one contiguous [S, H] matrix, so both attention products are plain batched GEMMs over
-# the cache as stored (a [B, S, K, H] cache makes XLA transpose all of it, every layer, every
-# step).
+# is one contiguous [S, H] matrix, so both attention products are batched GEMMs over the cache
+# exactly as stored, with no layout change left to XLA.
 LayerCache = tuple[jax.Array, jax.Array]
 
 

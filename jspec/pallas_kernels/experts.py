@@ -8,6 +8,7 @@ Same signature and semantics as `jspec.models.moe_backends.experts_reference`.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jspec.pallas_kernels import grouped_gemm, permute, platform, routing
@@ -41,6 +42,9 @@ def choose_tilings(num_copies: int, num_experts: int, dim: int, ffn: int):
   return (Tiling(False, block_rows, 64, 64, 4), Tiling(False, block_rows, 128, 64, 3))
 
 
+# Jitted so that a model's identical MoE layers trace and lower once: the program then calls one
+# lowered function per layer instead of holding (and building) a copy of the kernels per layer.
+@jax.jit
 def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
   """y[t] = sum_k w[t,k] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)); ids outside [0,E) skip."""
   num_tokens, top_k = topk_ids_TK.shape

@@ -27,8 +27,12 @@ from jax.sharding import Mesh
 from jspec.sharding.rules import ShardingRules
 
 EP_STRATEGIES = ("auto", "all_gather", "all_to_all")
-# "auto" switches at this many tokens per call (global): below it the all-gather moves less.
-ALL_TO_ALL_MIN_TOKENS = 1024
+# "auto" = all-gather + reduce-scatter: on 2 NVLink-connected H200s (ep = 2, Qwen3-30B-A3B
+# shapes, Pallas experts) it tied all-to-all at 8 tokens per call and beat it at every size from
+# 32 to 8192 tokens, by 1.2x to 2x (BENCHMARKS.md, "Expert parallelism"). Meshes with ep > 2,
+# where all-to-all moves relatively less data, were not measured; pick `ep_strategy` explicitly
+# there to compare.
+AUTO_STRATEGY = "all_gather"
 
 
 def _local_ids(ids_TK, experts_per_shard: int):
@@ -99,9 +103,7 @@ def sharded_experts(experts_fn: Callable, mesh: Mesh, rules: ShardingRules,
   bodies = {"all_gather": mapped(_all_gather_body), "all_to_all": mapped(_all_to_all_body)}
 
   def experts(x_TD, ids_TK, weights_TK, w_gate, w_up, w_down):
-    chosen = strategy
-    if strategy == "auto":  # The token count is static: the choice is made at trace time.
-      chosen = "all_to_all" if x_TD.shape[0] >= ALL_TO_ALL_MIN_TOKENS else "all_gather"
+    chosen = AUTO_STRATEGY if strategy == "auto" else strategy
     return bodies[chosen](x_TD, ids_TK, weights_TK, w_gate, w_up, w_down)
 
   return experts
