@@ -19,7 +19,7 @@ from jspec.outputs import GenerateOutputs, aggregate
 from jspec.progress import stage
 from jspec.sharding.moe import needs_shard_map, sharded_experts
 from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
-from jspec.sharding.rules import MeshConfig, ShardingRules
+from jspec.sharding.rules import MeshConfig, ShardingRules, axis_size, global_array
 
 Prompt = str | Sequence[int]
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -104,6 +104,8 @@ class LLM:
                        "none; use {'method': 'ngram', ...} or a checkpoint with an MTP head")
     k = self.spec.num_speculative_tokens if self.spec else 0
     use_mtp = self.spec is not None and self.spec.method == "mtp"
+    if use_mtp and self.spec.draft_vocab is not None:
+      self._restrict_draft_vocab(self.spec.draft_vocab)
     self.memory_plan = plan_memory(
         self.config, self.mesh_config, nnx.state(self.target),
         nnx.state(self.mtp) if use_mtp else None, self.dtype, max_num_seqs, max_model_len, k,
@@ -117,6 +119,20 @@ class LLM:
       self.draft_experts_fn = sharded_experts(base_experts, self.mesh, self.draft_rules,
                                               ep_strategy)
     self._runner = engine.Runner(self)
+
+  def _restrict_draft_vocab(self, ids):
+    vocab = self.config.vocab_size
+    if max(ids) >= vocab:
+      raise ValueError(f"draft_vocab has token id {max(ids)} outside the vocabulary [0, {vocab})")
+    shards = axis_size(self.mesh, self.draft_rules.vocab)
+    if len(ids) % shards:
+      raise ValueError(f"draft_vocab has {len(ids)} tokens; the draft head's vocabulary is "
+                       f"split over {shards} tp shards, so the count must be a multiple of it "
+                       "(or set draft_tp=1)")
+    ids_N = global_array(np.asarray(ids, np.int32), self.draft_rules.sharding(self.mesh, (None,)))
+    head_sharding = self.draft_rules.sharding(self.mesh, ("embed", "vocab"))
+    for layer in self.mtp.layers:
+      layer.restrict_vocab(self.target, ids_N, head_sharding)
 
   @classmethod
   def from_random(cls, config: ModelConfig, mtp_spec: MTPSpec | None = None, *,

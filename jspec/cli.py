@@ -122,6 +122,8 @@ def main(argv=None):
   bench.add_argument("--k", type=int, default=3)
   bench.add_argument("--acceptance", type=float, nargs="+", default=[2.0, 2.5, 3.0],
                      help="mean acceptance lengths for the derived speedup")
+  bench.add_argument("--draft-vocab-size", type=int, default=0,
+                     help="time the MTP head over a reduced draft vocabulary of this many tokens")
   bench.add_argument("--dtype", default="bfloat16")
   bench.add_argument("--moe-backend", default="auto")
   bench.add_argument("--bandwidth-bytes", type=int, default=2 << 30)

@@ -131,6 +131,8 @@ class SpecConfig:
   prompt_lookup_min: int = 1
   prompt_lookup_max: int = 3
   draft_tp: int | None = None  # 1 = replicate the MTP head over tp; None = shard like the target.
+  # MTP only: token ids the head may draft (a reduced draft vocabulary; outputs are unchanged).
+  draft_vocab: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if self.method not in SPEC_METHODS:
@@ -139,6 +141,13 @@ class SpecConfig:
     k = self.num_speculative_tokens
     if not isinstance(k, int) or k < 1:
       raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1")
+    if self.draft_vocab is not None:
+      if self.method != "mtp":
+        raise ValueError(f"draft_vocab restricts an MTP head's drafts; method is {self.method!r}")
+      ids = tuple(int(t) for t in self.draft_vocab)
+      if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise ValueError("draft_vocab must hold at least one token id, each >= 0 and distinct")
+      object.__setattr__(self, "draft_vocab", ids)
     if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
       raise ValueError(
           f"n-gram bounds out of order: need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) "

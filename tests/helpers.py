@@ -30,3 +30,22 @@ def cached_llm(name: str, method: str | None = None, k: int = 0, max_model_len: 
 
 def greedy(max_tokens: int, **kwargs) -> jspec.SamplingParams:
   return jspec.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def two_sample_chi2(a: np.ndarray, b: np.ndarray, min_count: int = 20):
+  """Chi-square statistic that samples a and b share one distribution, over the tokens seen at
+  least `min_count` times (the rest pooled), with its upper 1e-4 critical value and the
+  degrees of freedom: (stat, critical, dof)."""
+  tokens = [t for t, c in zip(*np.unique(np.concatenate([a, b]), return_counts=True))
+            if c >= min_count]
+  ca = np.array([np.sum(a == t) for t in tokens] + [np.sum(~np.isin(a, tokens))], float)
+  cb = np.array([np.sum(b == t) for t in tokens] + [np.sum(~np.isin(b, tokens))], float)
+  expected_a = (ca + cb) * ca.sum() / (ca.sum() + cb.sum())
+  expected_b = (ca + cb) * cb.sum() / (ca.sum() + cb.sum())
+  keep = expected_a > 0
+  stat = np.sum((ca - expected_a)[keep] ** 2 / expected_a[keep]
+                + (cb - expected_b)[keep] ** 2 / expected_b[keep])
+  dof = int(keep.sum() - 1)
+  z = 3.719  # Wilson-Hilferty upper 1e-4 quantile of chi-square(dof).
+  critical = dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
+  return stat, critical, dof

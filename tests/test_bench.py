@@ -43,6 +43,7 @@ def test_bench_cli_writes_json_plot_and_table(tmp_path, capsys):
                    "--bandwidth-bytes", str(1 << 22), "--out", str(tmp_path)])
   assert code == 0
   report = json.loads((tmp_path / "bench.json").read_text())
+  assert report["partial"] is None  # the run finished: no half-measured model is left
   rows = report["results"][0]["rows"]
   assert [(r["batch"], r["context"]) for r in rows] == [(1, 32), (2, 32)]
   for r in rows:
@@ -50,6 +51,15 @@ def test_bench_cli_writes_json_plot_and_table(tmp_path, capsys):
     assert set(r["verify_relative"]) == {"2", "4", "6"} and r["draft_per_token_relative"] > 0
   assert (tmp_path / "bench.png").stat().st_size > 0
   assert "derived speedup" in capsys.readouterr().out
+
+
+def test_bench_times_a_reduced_draft_vocabulary(tmp_path):
+  code = cli.main(["bench", "--models", "tiny-moe", "--batch", "1", "--context", "32",
+                   "--draft-vocab-size", "64", "--bandwidth-bytes", str(1 << 22),
+                   "--out", str(tmp_path)])
+  assert code == 0
+  result = json.loads((tmp_path / "bench.json").read_text())["results"][0]
+  assert result["draft_vocab_size"] == 64 and result["rows"][0]["draft_per_token_relative"] > 0
 
 
 def test_peer_benchmark_builds_transformers_configs_of_the_same_shapes():

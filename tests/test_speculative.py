@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jspec
-from helpers import cached_llm, greedy
+from helpers import cached_llm, greedy, two_sample_chi2
 
 DENSE, MOE = "qwen3_dense", "qwen3_moe"
 RNG = np.random.default_rng(20261122)
@@ -112,18 +112,7 @@ def test_speculative_sampling_is_lossless_end_to_end():
   prompt = [PROMPTS[4]] * len(params)
   second = lambda llm: np.array([o.token_ids[1] for o in llm.generate(prompt, params)])
   a, b = second(cached_llm(DENSE)), second(cached_llm(DENSE, "mtp", 2))
-  tokens = [t for t, c in zip(*np.unique(np.concatenate([a, b]), return_counts=True)) if c >= 20]
-  ca = np.array([np.sum(a == t) for t in tokens] + [np.sum(~np.isin(a, tokens))], float)
-  cb = np.array([np.sum(b == t) for t in tokens] + [np.sum(~np.isin(b, tokens))], float)
-  expected_a = (ca + cb) * ca.sum() / (ca.sum() + cb.sum())
-  expected_b = (ca + cb) * cb.sum() / (ca.sum() + cb.sum())
-  keep = expected_a > 0
-  stat = np.sum((ca - expected_a)[keep] ** 2 / expected_a[keep]
-                + (cb - expected_b)[keep] ** 2 / expected_b[keep])
-  dof = keep.sum() - 1
-  # Wilson-Hilferty upper 1e-4 quantile of chi-square(dof).
-  z = 3.719
-  critical = dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
+  stat, critical, dof = two_sample_chi2(a, b)
   assert dof >= 3 and stat < critical, (stat, critical, dof)
 
 

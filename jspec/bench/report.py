@@ -34,7 +34,9 @@ def _fits(cfg, batch, context, weight_bytes, capacity):
   return capacity is None or weight_bytes + 2.5 * kv < 0.85 * capacity
 
 
-def bench_model(name: str, args) -> dict:
+def bench_model(name: str, args, save_partial=lambda rows: None) -> dict:
+  """One preset's rows; `save_partial(rows)` runs after each, so a run stopped midway keeps
+  what it measured."""
   cfg = PRESETS[name]
   if args.layers:
     cfg = dataclasses.replace(cfg, num_layers=args.layers)
@@ -47,7 +49,10 @@ def bench_model(name: str, args) -> dict:
   llm = jspec.LLM.from_random(
       cfg, jspec.MTPSpec("qwen3_next", 1, is_moe=cfg.is_moe), dtype=args.dtype,
       max_model_len=max_context, max_num_seqs=1, moe_backend=args.moe_backend,
-      speculative_config={"method": "mtp", "num_speculative_tokens": k})
+      speculative_config={"method": "mtp", "num_speculative_tokens": k,
+                          # Timing only: on random weights which ids are kept does not matter.
+                          "draft_vocab": (tuple(range(args.draft_vocab_size))
+                                          if args.draft_vocab_size else None)})
   with stage("measuring HBM bandwidth"):
     bandwidth = hbm_bandwidth(args.bandwidth_bytes)
   timer = StepTimer(llm)
@@ -76,6 +81,7 @@ def bench_model(name: str, args) -> dict:
           spec_step_relative=spec_step_s / decode_s,
           derived_speedup={str(a): a * decode_s / spec_step_s for a in args.acceptance}))
       print(row_line(name, rows[-1]), flush=True)
+      save_partial(rows)
   prefill = []
   for batch, prompt in ((1, 512), (1, 8192), (8, 512)):
     if prompt > max_context or (capacity and batch * prompt * prompt * cfg.num_heads * 4
@@ -87,7 +93,8 @@ def bench_model(name: str, args) -> dict:
   llm.generate([[1] * min(128, max_context // 2)],
                jspec.SamplingParams(temperature=0.0, max_tokens=4))
   warmup_s = time.perf_counter() - start
-  return dict(model=name, layers=cfg.num_layers, k=k, device=jax.devices()[0].device_kind,
+  return dict(model=name, layers=cfg.num_layers, k=k, draft_vocab_size=args.draft_vocab_size,
+              device=jax.devices()[0].device_kind,
               bandwidth=bandwidth, rows=rows, prefill=prefill,
               warmup_seconds_generate=warmup_s, compile_seconds=timer.compile_seconds)
 
@@ -168,10 +175,19 @@ def plot(results: list[dict], out_dir: str):
 
 
 def run_bench(args):
-  results = [bench_model(name, args) for name in args.models]
-  proof = proof_model_speedups() if args.proof else None
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "bench.json"), "w") as f:
-    json.dump({"results": results, "proof_model": proof}, f, indent=1)
+  path = os.path.join(args.out, "bench.json")
+
+  def save(results, proof=None, partial=None):
+    with open(path, "w") as f:
+      json.dump({"results": results, "proof_model": proof, "partial": partial}, f, indent=1)
+
+  results = []
+  for name in args.models:
+    results.append(bench_model(name, args, lambda rows, name=name: save(
+        results, partial={"model": name, "rows": rows})))
+    save(results)
+  proof = proof_model_speedups() if args.proof else None
+  save(results, proof)
   plot(results, args.out)
   print(table(results, proof))

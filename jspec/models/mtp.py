@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -62,6 +63,9 @@ class MTPLayer(nnx.Module):
       self.head = param(rngs, (d, cfg.vocab_size), dtype, ("embed", "vocab"))
     self.post_norm_feedback = spec.post_norm_feedback
     self.has_own_head = spec.has_own_head
+    # Set by restrict_vocab (data, not static: they become arrays of the module's state).
+    self.draft_head = nnx.data(None)  # [D, N] columns of the head
+    self.draft_ids = nnx.data(None)   # [N] the token ids of those columns
 
   def __call__(self, target: Qwen3CausalLM, next_tokens_BT, hidden_BTD, positions_BT,
                cache: LayerCache, kv_window: int, experts_fn: Callable):
@@ -77,8 +81,33 @@ class MTPLayer(nnx.Module):
     feedback_BTD = normed_BTD if self.post_norm_feedback else y_BTD
     return normed_BTD, feedback_BTD, cache
 
+  def restrict_vocab(self, target: Qwen3CausalLM, ids_N: jax.Array, head_sharding):
+    """Drafts only among the tokens `ids_N` (a reduced draft vocabulary, as in FR-Spec and
+    EAGLE-3): each draft step reads an [D, N] slice of the head instead of all [D, V], and the
+    other tokens get -inf logits. Verification still scores the full vocabulary, so outputs
+    are unchanged: greedy drafts outside the set are simply never proposed, and a sampled
+    draft's distribution q is zero outside it, which rejection sampling accounts for exactly.
+    `ids_N` must be replicated; the slice is placed with `head_sharding` ("embed", "vocab")."""
+    if self.has_own_head:
+      weight, axis = self.head[...], 1
+    elif target.cfg.tie_word_embeddings:
+      weight, axis = target.embed[...], 0
+    else:
+      weight, axis = target.lm_head[...], 1
+    take = jax.jit(lambda w, ids: jnp.take(w, ids, axis=axis) if axis == 1
+                   else jnp.take(w, ids, axis=0).T, out_shardings=head_sharding)
+    self.draft_head = nnx.Param(take(weight, ids_N), logical_axes=("embed", "vocab"),
+                                init_scale=None)
+    self.draft_ids = nnx.Variable(ids_N)
+
   def logits(self, target: Qwen3CausalLM, normed_BTD):
-    """float32 logits through `shared_head.head` when the checkpoint has one, else the target's."""
+    """float32 logits through `shared_head.head` when the checkpoint has one, else the target's
+    (over the draft vocabulary only, -inf elsewhere, after `restrict_vocab`)."""
+    if self.draft_ids is not None:
+      kept_BTN = jnp.einsum("btd,dn->btn", normed_BTD, self.draft_head[...],
+                            preferred_element_type=jnp.float32)
+      full_BTV = jnp.full(kept_BTN.shape[:-1] + (target.cfg.vocab_size,), -jnp.inf, jnp.float32)
+      return full_BTV.at[..., self.draft_ids[...]].set(kept_BTN)
     if self.has_own_head:
       return jnp.einsum("btd,dv->btv", normed_BTD, self.head[...],
                         preferred_element_type=jnp.float32)

@@ -1,0 +1,119 @@
+"""A reduced draft vocabulary changes what the MTP head proposes, never what is generated:
+greedy output equals vanilla output, sampled output keeps the target's distribution, and the
+restricted head's logits are the full head's logits on the kept tokens, -inf elsewhere."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from helpers import cached_llm, fixture_dir, greedy, two_sample_chi2
+from jspec.speculative.draft_vocab import coverage, most_frequent_tokens
+
+DENSE, MOE = "qwen3_dense", "qwen3_moe"
+RNG = np.random.default_rng(7)
+PROMPTS = [RNG.integers(0, 384, size=n).tolist() for n in (4, 11, 2, 7, 9)]
+
+
+def _subset(name: str, size: int, seed: int) -> tuple[int, ...]:
+  vocab = cached_llm(name).config.vocab_size
+  return tuple(int(t) for t in np.random.default_rng(seed).permutation(vocab)[:size])
+
+
+@functools.lru_cache(maxsize=None)
+def _head_llm(name: str, draft_vocab=None) -> jspec.LLM:
+  """The fixtures (untied lm_head; DeepSeek layout) and the demo model (tied embeddings)."""
+  path = jspec.demo_model_path() if name == "demo" else fixture_dir(name)
+  return jspec.LLM(model=path, dtype="float32", max_model_len=64, speculative_config={
+      "method": "mtp", "num_speculative_tokens": 2, "draft_vocab": draft_vocab})
+
+
+@pytest.mark.parametrize("name", [DENSE, MOE, "demo"])
+def test_restricted_logits_are_the_full_logits_on_kept_tokens(name):
+  full = _head_llm(name)
+  ids = tuple(int(t) for t in np.random.default_rng(1).permutation(full.config.vocab_size)[:40])
+  restricted = _head_llm(name, ids)
+  normed = jax.random.normal(jax.random.key(3), (3, 5, full.config.hidden_size), jnp.float32)
+  want = np.asarray(full.mtp.layers[0].logits(full.target, normed))
+  got = np.asarray(restricted.mtp.layers[0].logits(restricted.target, normed))
+  kept = np.zeros(full.config.vocab_size, bool)
+  kept[list(ids)] = True
+  np.testing.assert_allclose(got[..., kept], want[..., kept], rtol=1e-6, atol=1e-6)
+  assert np.all(got[..., ~kept] == -np.inf)
+  # The head now holds only the kept columns: that slice is what a draft step reads.
+  assert restricted.mtp.layers[0].draft_head[...].shape == (full.config.hidden_size, len(ids))
+
+
+@pytest.mark.parametrize("name", [DENSE, MOE])
+@pytest.mark.parametrize("size", [1, 50, 300])
+def test_greedy_output_equals_vanilla(name, size):
+  want = [o.token_ids for o in cached_llm(name).generate(PROMPTS, greedy(20, ignore_eos=True))]
+  llm = cached_llm(name, "mtp", 3, draft_vocab=_subset(name, size, size))
+  outs = llm.generate(PROMPTS, greedy(20, ignore_eos=True))
+  assert [o.token_ids for o in outs] == want
+
+
+def test_drafts_come_only_from_the_draft_vocabulary():
+  """With a vocabulary that excludes every token vanilla decoding emits, no draft can be
+  accepted; with one that holds them all, the head proposes as freely as without one."""
+  vanilla = cached_llm(DENSE).generate(PROMPTS, greedy(20, ignore_eos=True))
+  emitted = {t for o in vanilla for t in o.token_ids}
+  vocab = cached_llm(DENSE).config.vocab_size
+  outside = tuple(t for t in range(vocab) if t not in emitted)
+  outs = cached_llm(DENSE, "mtp", 2, draft_vocab=outside).generate(
+      PROMPTS, greedy(20, ignore_eos=True))
+  assert outs.metrics.num_accepted_tokens == 0
+  assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla]
+
+
+def test_sampling_with_a_draft_vocabulary_is_lossless():
+  """The second token (the first decided by verification) has the same distribution with and
+  without speculation when the head drafts from half the vocabulary."""
+  params = [jspec.SamplingParams(temperature=1.0, max_tokens=2, seed=s, ignore_eos=True)
+            for s in range(1500)]
+  prompt = [[7, 8, 7, 8, 7, 8]] * len(params)
+  second = lambda llm: np.array([o.token_ids[1] for o in llm.generate(prompt, params)])
+  ids = _subset(DENSE, 224, 5)
+  a, b = second(cached_llm(DENSE)), second(cached_llm(DENSE, "mtp", 2, draft_vocab=ids))
+  stat, critical, dof = two_sample_chi2(a, b)
+  assert dof >= 3 and stat < critical, (stat, critical, dof)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"method": "ngram", "draft_vocab": (1, 2)}, "draft_vocab restricts an MTP head"),
+    ({"method": "mtp", "draft_vocab": ()}, "at least one token id"),
+    ({"method": "mtp", "draft_vocab": (3, 3)}, "distinct"),
+    ({"method": "mtp", "draft_vocab": (-1, 2)}, ">= 0"),
+    ({"method": "mtp", "draft_vocab": (1, 448)}, r"token id 448 outside the vocabulary \[0, 448\)"),
+])
+def test_bad_draft_vocabularies_are_refused(spec, match):
+  with pytest.raises(ValueError, match=match):
+    jspec.LLM(model=fixture_dir(DENSE), dtype="float32", max_model_len=64,
+              speculative_config={"num_speculative_tokens": 2, **spec})
+
+
+def test_draft_vocabulary_must_split_over_tp_shards():
+  mesh = jspec.MeshConfig(dp=1, tp=2, ep=1, num_devices=2)
+  spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_vocab": tuple(range(7))}
+  with pytest.raises(ValueError, match="multiple of it.*draft_tp=1"):
+    jspec.LLM(model=fixture_dir(DENSE), dtype="float32", max_model_len=64, mesh=mesh,
+              speculative_config=spec)
+  # Replicated over tp, any count works, and greedy output is still vanilla's.
+  llm = jspec.LLM(model=fixture_dir(DENSE), dtype="float32", max_model_len=64, mesh=mesh,
+                  speculative_config={**spec, "draft_tp": 1})
+  want = cached_llm(DENSE).generate(PROMPTS[:2], greedy(12))
+  assert [o.token_ids for o in llm.generate(PROMPTS[:2], greedy(12))] == [
+      o.token_ids for o in want]
+
+
+def test_most_frequent_tokens_and_coverage():
+  streams = [[5, 5, 5, 2, 2, 9], np.array([[2, 5], [7, 5]])]
+  assert most_frequent_tokens(streams, 3, 10) == (5, 2, 7)  # 7 and 9 tie: lower id first
+  assert coverage(streams, (5, 2)) == pytest.approx(8 / 10)
+  with pytest.raises(ValueError, match="outside"):
+    most_frequent_tokens([[10]], 2, 10)
+  with pytest.raises(ValueError, match="size=0"):
+    most_frequent_tokens(streams, 0, 10)
