@@ -44,6 +44,7 @@ def test_bench_cli_writes_json_plot_and_table(tmp_path, capsys):
   assert code == 0
   report = json.loads((tmp_path / "bench.json").read_text())
   assert report["partial"] is None  # the run finished: no half-measured model is left
+  assert report["results"][0]["draft_vocab_size"] == PRESETS["tiny-moe"].vocab_size
   rows = report["results"][0]["rows"]
   assert [(r["batch"], r["context"]) for r in rows] == [(1, 32), (2, 32)]
   for r in rows:

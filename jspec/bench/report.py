@@ -93,7 +93,9 @@ def bench_model(name: str, args, save_partial=lambda rows: None) -> dict:
   llm.generate([[1] * min(128, max_context // 2)],
                jspec.SamplingParams(temperature=0.0, max_tokens=4))
   warmup_s = time.perf_counter() - start
-  return dict(model=name, layers=cfg.num_layers, k=k, draft_vocab_size=args.draft_vocab_size,
+  draft_ids = llm.mtp.layers[0].draft_ids  # what the timed head really drafts from
+  return dict(model=name, layers=cfg.num_layers, k=k,
+              draft_vocab_size=cfg.vocab_size if draft_ids is None else draft_ids.shape[0],
               device=jax.devices()[0].device_kind,
               bandwidth=bandwidth, rows=rows, prefill=prefill,
               warmup_seconds_generate=warmup_s, compile_seconds=timer.compile_seconds)

@@ -88,14 +88,13 @@ class MTPLayer(nnx.Module):
     are unchanged: greedy drafts outside the set are simply never proposed, and a sampled
     draft's distribution q is zero outside it, which rejection sampling accounts for exactly.
     `ids_N` must be replicated; the slice is placed with `head_sharding` ("embed", "vocab")."""
-    if self.has_own_head:
-      weight, axis = self.head[...], 1
-    elif target.cfg.tie_word_embeddings:
-      weight, axis = target.embed[...], 0
-    else:
-      weight, axis = target.lm_head[...], 1
-    take = jax.jit(lambda w, ids: jnp.take(w, ids, axis=axis) if axis == 1
-                   else jnp.take(w, ids, axis=0).T, out_shardings=head_sharding)
+    if self.has_own_head or not target.cfg.tie_word_embeddings:
+      weight = self.head[...] if self.has_own_head else target.lm_head[...]  # [D, V]
+      columns = lambda w, ids: jnp.take(w, ids, axis=1)
+    else:  # Tied: the head is the [V, D] embedding table; take rows, then transpose.
+      weight = target.embed[...]  # [V, D]
+      columns = lambda w, ids: jnp.take(w, ids, axis=0).T
+    take = jax.jit(columns, out_shardings=head_sharding)
     self.draft_head = nnx.Param(take(weight, ids_N), logical_axes=("embed", "vocab"),
                                 init_scale=None)
     self.draft_ids = nnx.Variable(ids_N)
