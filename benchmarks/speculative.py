@@ -78,7 +78,11 @@ def main():
     dp, tp, ep = (int(x) for x in mesh_text.split(","))
     mesh = jspec.MeshConfig(dp=dp, tp=tp, ep=ep, num_devices=dp * tp * ep)
     start = time.perf_counter()
-    label, make = build_models(args, mesh)
+    try:
+      label, make = build_models(args, mesh)
+    except Exception as err:  # e.g. a mesh the model does not divide over: say so, go on.
+      print(f"FAILED {mesh_text}: {err!r}"[:2000], flush=True)
+      continue
     print(f"[{mesh_text}] weights ready in {time.perf_counter() - start:.1f} s", flush=True)
     for method in args.methods:
       spec = None if method == "none" else {"method": method, "num_speculative_tokens": args.k}
@@ -99,9 +103,9 @@ def main():
                    bench_seconds=time.perf_counter() - start, **result)
         rows.append(row)
         print(json.dumps(row), flush=True)
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(rows, f, indent=1)
+        if args.out:  # after every row: a run stopped by a time limit keeps what it measured
+          with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
   base = {(r["model"], r["method"], r["batch"]): r["tokens_per_second"]
           for r in rows if r["mesh"] == "1,1,1"}
   print(f"\n{'model':26s} {'mesh':7s} {'method':6s} {'B':>3s} {'tok/s':>9s} {'step ms':>8s} "

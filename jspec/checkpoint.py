@@ -19,6 +19,7 @@ from flax import nnx
 
 from jspec.models.mtp import MTPHead, MTPSpec
 from jspec.models.qwen3 import Qwen3CausalLM
+from jspec.sharding.plan import sharded_config
 
 PARAMS_DIR = "jspec_params"
 MTP_SPEC_FILE = "jspec_mtp.json"
@@ -53,11 +54,13 @@ def restore_converted(model_dir: str, cfg, dtype, mesh, target_rules, draft_rule
   with open(os.path.join(model_dir, MTP_SPEC_FILE)) as f:
     spec_dict = json.load(f)
   mtp_spec = None if spec_dict is None else MTPSpec(**spec_dict)
-  modules = {"target": (nnx.eval_shape(lambda: Qwen3CausalLM(cfg, dtype, nnx.Rngs(0))),
+  draft_rules = draft_rules or target_rules
+  target_cfg, draft_cfg = (sharded_config(cfg, mesh, r) for r in (target_rules, draft_rules))
+  modules = {"target": (nnx.eval_shape(lambda: Qwen3CausalLM(target_cfg, dtype, nnx.Rngs(0))),
                         target_rules)}
   if mtp_spec is not None:
-    modules["mtp"] = (nnx.eval_shape(lambda: MTPHead(cfg, mtp_spec, dtype, nnx.Rngs(0))),
-                      draft_rules or target_rules)
+    modules["mtp"] = (nnx.eval_shape(lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(0))),
+                      draft_rules)
   abstract_tree, graphdefs = {}, {}
   for name, (module, rules) in modules.items():
     graphdef, state = nnx.split(module)

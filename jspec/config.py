@@ -51,10 +51,29 @@ class ModelConfig:
   decoder_sparse_step: int = 1
   # Multi-token prediction heads declared by the config (their layout is found from weights).
   num_mtp_layers: int = 0
+  # Not read from the checkpoint: how many copies of each KV head the cache holds. 1 unless
+  # tensor parallelism is wider than num_kv_heads; then every tp shard keeps the one KV head
+  # its query heads read (vLLM's rule), and this is tp / num_kv_heads (`for_kv_shards`).
+  kv_head_replicas: int = 1
 
   @property
   def is_moe(self) -> bool:
     return self.num_experts > 0
+
+  @property
+  def cache_kv_heads(self) -> int:
+    """KV heads in the cache (and in attention): num_kv_heads, times the replicas."""
+    return self.num_kv_heads * self.kv_head_replicas
+
+  def for_kv_shards(self, shards: int) -> "ModelConfig":
+    """This config with the KV-head copies that splitting heads over `shards` needs:
+    none while shards divides num_kv_heads, shards / num_kv_heads when it is a multiple."""
+    k = self.num_kv_heads
+    if k % shards == 0:
+      return dataclasses.replace(self, kv_head_replicas=1)
+    if shards % k:
+      raise ValueError(f"tp={shards} must divide num_key_value_heads={k} or be a multiple of it")
+    return dataclasses.replace(self, kv_head_replicas=shards // k)
 
   def layer_is_moe(self, layer_index: int) -> bool:
     """Qwen3-MoE's rule (transformers `Qwen3MoeDecoderLayer`): sparse unless listed as dense."""

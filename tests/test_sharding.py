@@ -68,6 +68,22 @@ def test_replicated_draft_head_matches(spec):
     assert "tp" not in str(array.sharding.spec)
 
 
+@pytest.mark.parametrize("name, mesh, spec", [("qwen3_moe", (1, 4, 2), "mtp"),
+                                               ("qwen3_dense_tied_legacy", (2, 4, 1), "ngram")])
+def test_tp_wider_than_kv_heads_gives_each_shard_its_head(name, mesh, spec):
+  """tp = 4 over 2 KV heads (and over 1): each KV head is stored on the tp/K shards whose query
+  heads read it. The k/v projections are replicated; each shard's cache holds one head."""
+  llm = _llm(name, _mesh(*mesh), spec)
+  assert _outputs(llm) == _baseline(name)
+  kv_heads = llm.config.num_kv_heads
+  assert llm.target.cfg.kv_head_replicas == 4 // kv_heads
+  assert llm.target.cfg.cache_kv_heads // 4 == 1
+  k_proj = llm.target.layers[0].attn.k_proj.get_value()
+  assert k_proj.shape[1] == kv_heads and "tp" not in str(k_proj.sharding.spec)
+  untouched = _llm(name, _mesh(mesh[0], 1, mesh[2]), spec)
+  assert llm.memory_plan.target_cache_bytes * kv_heads == untouched.memory_plan.target_cache_bytes
+
+
 @pytest.mark.parametrize("strategy", ["all_gather", "all_to_all"])
 def test_both_expert_parallel_strategies_agree(strategy):
   llm = _llm("qwen3_moe", _mesh(1, 2, 4), "mtp", ep_strategy=strategy)
@@ -86,7 +102,9 @@ def test_every_parameter_is_sharded_by_its_rule():
 @pytest.mark.parametrize("mesh, match", [
     (jspec.MeshConfig(dp=2, tp=2, ep=1), r"dp\*ep\*tp = 2\*1\*2 = 4 must equal the number of "
                                          r"devices used \(8\)"),
-    (jspec.MeshConfig(dp=1, tp=4, ep=2), "tp=4 must divide num_key_value_heads=2"),
+    (jspec.MeshConfig(tp=3, num_devices=3),
+     "tp=3 must divide num_key_value_heads=2 or be a multiple of it"),
+    (jspec.MeshConfig(dp=1, tp=8, ep=1), "tp=8 must divide num_attention_heads=4"),
     (jspec.MeshConfig(dp=1, tp=1, ep=8), None),  # dense: ep only splits the batch
 ])
 def test_invalid_meshes_name_the_constraint(mesh, match):

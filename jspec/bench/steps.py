@@ -29,8 +29,8 @@ from jspec.speculative import buckets
 STEPS_PER_CALL = 8
 
 
-def _random_caches(llm, num_layers: int, batch: int, cache_len: int, sharding, seed: int):
-  shapes = empty_caches(llm.config, num_layers, batch, cache_len, llm.dtype)
+def _random_caches(cfg, num_layers: int, batch: int, cache_len: int, dtype, sharding, seed: int):
+  shapes = jax.eval_shape(lambda: empty_caches(cfg, num_layers, batch, cache_len, dtype))
   keys = iter(jax.random.split(jax.random.key(seed), 2 * num_layers))
 
   def draw(zero):
@@ -120,9 +120,11 @@ class StepTimer:
       raise ValueError("this model has no MTP head to time")
     widths = sorted(set(target_widths) | set(mtp_widths))
     cache_len = buckets.cache_bucket(context + max(widths), 0, llm.max_model_len)
-    target_caches = jax.eval_shape(lambda: empty_caches(llm.config, llm.config.num_layers, batch,
+    target_cfg = llm.target.cfg
+    target_caches = jax.eval_shape(lambda: empty_caches(target_cfg, target_cfg.num_layers, batch,
                                                         cache_len, llm.dtype))
-    draft_cache = jax.eval_shape(lambda: empty_caches(llm.config, 1, batch, cache_len,
+    draft_cfg = llm.mtp.cfg if llm.mtp is not None else target_cfg
+    draft_cache = jax.eval_shape(lambda: empty_caches(draft_cfg, 1, batch, cache_len,
                                                       llm.dtype)[0])
     inputs = {w: (jnp.ones((batch, w), jnp.int32),
                   jnp.ones((batch, w, llm.config.hidden_size), llm.dtype),
@@ -143,10 +145,11 @@ class StepTimer:
       futures = {key: pool.submit(self._compile, *job) for key, job in jobs.items()}
       programs = {key: f.result() for key, f in futures.items()}
 
-    holder = {"target": _random_caches(llm, llm.config.num_layers, batch, cache_len,
-                                       self.cache_sharding, 1)}
+    holder = {"target": _random_caches(target_cfg, target_cfg.num_layers, batch, cache_len,
+                                       llm.dtype, self.cache_sharding, 1)}
     if mtp_widths:
-      holder["mtp"] = _random_caches(llm, 1, batch, cache_len, self.draft_cache_sharding, 2)[0]
+      holder["mtp"] = _random_caches(draft_cfg, 1, batch, cache_len, llm.dtype,
+                                     self.draft_cache_sharding, 2)[0]
     seconds = {}
     for key, program in programs.items():
       kind, w = key

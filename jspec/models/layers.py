@@ -73,15 +73,20 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    # With more tp shards than KV heads, k/v projections are replicated (every shard computes
+    # the K heads, a few MB per layer) and their outputs repeated into the cache's K*R heads,
+    # which are split over tp like the query heads: each shard then holds its own group's head.
+    self.kv_replicas = cfg.kv_head_replicas
+    kv_axis = "kv_heads" if self.kv_replicas == 1 else None
     self.q_proj = param(rngs, (d, n, h), dtype, ("embed", "q_heads", "head_dim"))
-    self.k_proj = param(rngs, (d, k, h), dtype, ("embed", "kv_heads", "head_dim"))
-    self.v_proj = param(rngs, (d, k, h), dtype, ("embed", "kv_heads", "head_dim"))
+    self.k_proj = param(rngs, (d, k, h), dtype, ("embed", kv_axis, "head_dim"))
+    self.v_proj = param(rngs, (d, k, h), dtype, ("embed", kv_axis, "head_dim"))
     self.o_proj = param(rngs, (n, h, d), dtype, ("q_heads", "head_dim", "embed"),
                         scale=(n * h) ** -0.5)
     self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, "head_dim")
     self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, "head_dim")
     self.rope_theta = cfg.rope_theta
-    self.num_kv_heads = k
+    self.num_kv_heads = cfg.cache_kv_heads
 
   def __call__(self, x_BTD, positions_BT, cache: LayerCache, kv_window: int):
     """Writes this call's keys/values at `positions_BT`, then attends causally.
@@ -96,6 +101,9 @@ class Attention(nnx.Module):
     v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...])
     q_BTNH = rope(q_BTNH, positions_BT, self.rope_theta)
     k_BTKH = rope(k_BTKH, positions_BT, self.rope_theta)
+    if self.kv_replicas > 1:  # copy r of head j at r*j .. r*j+r-1: query group order is kept
+      k_BTKH = jnp.repeat(k_BTKH, self.kv_replicas, axis=2)
+      v_BTKH = jnp.repeat(v_BTKH, self.kv_replicas, axis=2)
     cache_k, cache_v = cache
     cache_k = write_cache(cache_k, k_BTKH, positions_BT)
     cache_v = write_cache(cache_v, v_BTKH, positions_BT)

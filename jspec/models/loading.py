@@ -24,6 +24,7 @@ from jspec.models import weights as W
 from jspec.models.mtp import MTPHead, MTPSpec
 from jspec.models.qwen3 import Qwen3CausalLM
 from jspec.progress import progress
+from jspec.sharding.plan import sharded_config
 from jspec.sharding.rules import ShardingRules
 
 
@@ -121,13 +122,14 @@ def load_checkpoint(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh,
   mtp_rules = W.mtp_rules(cfg, mtp_spec, fused) if mtp_spec else {}
   _validate_names(index, {**rules, **{("mtp",) + p: r for p, r in mtp_rules.items()}})
 
-  abstract_target = nnx.eval_shape(lambda: Qwen3CausalLM(cfg, dtype, nnx.Rngs(0)))
+  draft_rules = draft_rules or target_rules
+  target_cfg, draft_cfg = (sharded_config(cfg, mesh, r) for r in (target_rules, draft_rules))
+  abstract_target = nnx.eval_shape(lambda: Qwen3CausalLM(target_cfg, dtype, nnx.Rngs(0)))
   target = _materialize(abstract_target, rules, index, mesh, target_rules, dtype, "target")
   mtp = None
   if mtp_spec is not None:
-    abstract_mtp = nnx.eval_shape(lambda: MTPHead(cfg, mtp_spec, dtype, nnx.Rngs(0)))
-    mtp = _materialize(abstract_mtp, mtp_rules, index, mesh, draft_rules or target_rules,
-                       dtype, "MTP head")
+    abstract_mtp = nnx.eval_shape(lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(0)))
+    mtp = _materialize(abstract_mtp, mtp_rules, index, mesh, draft_rules, dtype, "MTP head")
   return target, mtp, mtp_spec
 
 
@@ -161,9 +163,10 @@ def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,
       variable.set_value(draw(jax.random.fold_in(base, index)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
-  target = build(lambda: Qwen3CausalLM(cfg, dtype, nnx.Rngs(seed)), target_rules, 0)
+  draft_rules = draft_rules or target_rules
+  target_cfg, draft_cfg = (sharded_config(cfg, mesh, r) for r in (target_rules, draft_rules))
+  target = build(lambda: Qwen3CausalLM(target_cfg, dtype, nnx.Rngs(seed)), target_rules, 0)
   mtp = None
   if mtp_spec is not None:
-    mtp = build(lambda: MTPHead(cfg, mtp_spec, dtype, nnx.Rngs(seed)),
-                draft_rules or target_rules, 1)
+    mtp = build(lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(seed)), draft_rules, 1)
   return target, mtp

@@ -117,5 +117,6 @@ class MTPHead(nnx.Module):
   """The checkpoint's MTP layers; draft step j uses layer (j - 1) mod num_layers."""
 
   def __init__(self, cfg: ModelConfig, spec: MTPSpec, dtype, rngs: nnx.Rngs):
+    self.cfg = cfg  # its own: a draft replicated over tp keeps KV heads uncopied
     self.spec = spec
     self.layers = nnx.List([MTPLayer(cfg, spec, dtype, rngs) for _ in range(spec.num_layers)])

@@ -79,5 +79,5 @@ class Qwen3CausalLM(nnx.Module):
 
 def empty_caches(cfg: ModelConfig, num_layers: int, batch: int, cache_len: int, dtype):
   """Zeroed per-layer (keys, values) of shape [B, K, S, H]."""
-  shape = (batch, cfg.num_kv_heads, cache_len, cfg.head_dim)
+  shape = (batch, cfg.cache_kv_heads, cache_len, cfg.head_dim)
   return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers))

@@ -9,14 +9,15 @@ import jax
 import numpy as np
 
 from jspec.config import ModelConfig
-from jspec.sharding.rules import MeshConfig
+from jspec.sharding.rules import MeshConfig, ShardingRules, axis_size
 from jspec.speculative.buckets import batch_bucket
 
 
 def validate_mesh(cfg: ModelConfig, mesh: MeshConfig):
-  """Every sharded dimension must divide evenly; the error names the constraint."""
-  checks = [("tp", mesh.tp, "num_key_value_heads", cfg.num_kv_heads),
-            ("tp", mesh.tp, "num_attention_heads", cfg.num_heads),
+  """Every sharded dimension must divide evenly; the error names the constraint. KV heads
+  may also be fewer than tp, if tp is a multiple of them (each is then stored tp/K times)."""
+  cfg.for_kv_shards(mesh.tp)
+  checks = [("tp", mesh.tp, "num_attention_heads", cfg.num_heads),
             ("tp", mesh.tp, "intermediate_size", cfg.intermediate_size),
             ("tp", mesh.tp, "vocab_size", cfg.vocab_size)]
   if cfg.is_moe:
@@ -25,6 +26,12 @@ def validate_mesh(cfg: ModelConfig, mesh: MeshConfig):
   for axis, size, name, value in checks:
     if value % size:
       raise ValueError(f"{axis}={size} must divide {name}={value}")
+
+
+def sharded_config(cfg: ModelConfig, mesh, rules: ShardingRules) -> ModelConfig:
+  """The config a module placed on `mesh` by `rules` is built with: KV heads copied as often
+  as splitting them over the mesh axes of "kv_heads" needs (a tp-replicated draft: none)."""
+  return cfg.for_kv_shards(axis_size(mesh, rules.kv_heads))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +74,7 @@ def plan_memory(cfg: ModelConfig, mesh: MeshConfig, target_state, mtp_state, dty
   # The engine pads a batch to its bucket: count the rows it will really allocate.
   batch_per_device = batch_bucket(max_num_seqs, mesh.batch_width) // mesh.batch_width
   slots = max_model_len + k + 1
-  kv_heads_target = cfg.num_kv_heads // mesh.tp
+  kv_heads_target = cfg.for_kv_shards(mesh.tp).cache_kv_heads // mesh.tp
   kv_heads_draft = kv_heads_target if draft_tp_sharded else cfg.num_kv_heads
   per_layer = lambda heads: 2 * batch_per_device * slots * heads * cfg.head_dim * np.dtype(
       dtype).itemsize

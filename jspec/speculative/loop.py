@@ -149,7 +149,7 @@ def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: Loo
     next_BP = jnp.concatenate([tokens_BP[:, 1:], tokens_BP[:, :1]], axis=1)
     next_BP = next_BP.at[rows_B, last_B].set(first_B)
     mtp_caches = _sharded_caches(
-        empty_caches(cfg, len(mtp.layers), batch, plan.cache_len, ctx.dtype),
+        empty_caches(mtp.cfg, len(mtp.layers), batch, plan.cache_len, ctx.dtype),
         ctx.draft_cache_sharding)
     layer = mtp.layers[0]
     def extend(next_tokens, hidden, positions, cache):

@@ -1,0 +1,54 @@
+"""Where one `generate` call's device time goes, per mesh and batch: a profiler trace summed by
+XLA op on GPU 0 (collectives, matmuls, fusions; the top ops), after a warm-up call.
+
+    python benchmarks/profile_generate.py --model qwen3-8b --mesh 1,1,1 1,4,1 --batch 1 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import numpy as np
+
+import jspec
+from jspec.bench.presets import PRESETS
+from jspec.bench.profile import profile, summary
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default="qwen3-8b", choices=list(PRESETS))
+  parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+  parser.add_argument("--mesh", nargs="+", default=["1,1,1"], help="dp,tp,ep triples")
+  parser.add_argument("--batch", type=int, nargs="+", default=[1])
+  parser.add_argument("--prompt-len", type=int, default=128)
+  parser.add_argument("--max-tokens", type=int, default=32)
+  parser.add_argument("--top", type=int, default=12)
+  args = parser.parse_args()
+
+  config = PRESETS[args.model]
+  if args.layers:
+    config = dataclasses.replace(config, num_layers=args.layers)
+  rng = np.random.default_rng(0)
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+  for mesh_text in args.mesh:
+    dp, tp, ep = (int(x) for x in mesh_text.split(","))
+    llm = jspec.LLM.from_random(config, None, max_model_len=1024, max_num_seqs=max(args.batch),
+                                mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep,
+                                                      num_devices=dp * tp * ep))
+    for batch in args.batch:
+      prompts = [rng.integers(0, config.vocab_size, args.prompt_len).tolist()
+                 for _ in range(batch)]
+      llm.generate(prompts, params)  # compiles
+      outputs = []
+      wall, times = profile(lambda: outputs.append(llm.generate(prompts, params)))
+      steps = max(o.metrics.num_steps for o in outputs[0])
+      print(f"\n== {args.model} mesh {mesh_text} batch {batch}: {steps} steps, "
+            f"{1e3 * wall / steps:.2f} ms/step (prefill included, profiler on)")
+      print(summary(wall, times, args.top), flush=True)
+
+
+if __name__ == "__main__":
+  main()

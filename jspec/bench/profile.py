@@ -1,0 +1,94 @@
+"""Where a program's device time goes: a `jax.profiler` trace, read back with
+`jax.profiler.ProfileData`, summed per XLA op on one device.
+
+Used by `benchmarks/profile_generate.py` to explain a step time (collectives vs matmuls vs
+attention, and how much of the wall time the device was idle).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import tempfile
+import time
+from typing import Callable
+
+import jax
+from jax.profiler import ProfileData
+
+# Op-name prefixes of collectives in XLA's GPU op names ("all-reduce-start.3", "all-gather.1").
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def category(op_name: str) -> str:
+  name = op_name.lower()
+  if name.startswith(COLLECTIVES) or "nccl" in name:
+    return "collective"
+  if any(key in name for key in ("gemm", "gemv", "cublas", "cutlass", "dot", "matmul", "triton")):
+    return "matmul"
+  if name.startswith(("fusion", "loop_", "input_", "wrapped_")):
+    return "fusion"
+  return "other"
+
+
+def _device_plane(space: ProfileData, device_index: int):
+  wanted = f"/device:GPU:{device_index}"
+  for plane in space.planes:
+    if plane.name == wanted:
+      return plane
+  names = [plane.name for plane in space.planes]
+  raise ValueError(f"trace has no plane {wanted!r}; planes: {names}")
+
+
+def op_times(trace_dir: str, device_index: int = 0) -> dict:
+  """{op name: (count, total ns)} on one GPU, from its "XLA Ops" line (HLO-level names), or,
+  where the trace has no such line, by kernel name from its stream lines. Key None holds the
+  kernels' summed time on the stream lines."""
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+  if not paths:
+    raise ValueError(f"no .xplane.pb under {trace_dir}")
+  plane = _device_plane(ProfileData.from_file(paths[-1]), device_index)
+  xla_ops = collections.defaultdict(lambda: [0, 0])
+  kernels = collections.defaultdict(lambda: [0, 0])
+  for line in plane.lines:
+    target = xla_ops if line.name == "XLA Ops" else (
+        kernels if line.name.startswith("Stream") else None)
+    if target is None:
+      continue
+    for event in line.events:
+      target[event.name][0] += 1
+      target[event.name][1] += event.duration_ns
+  kernel_ns = sum(ns for _, ns in kernels.values())
+  result = {name: tuple(v) for name, v in (xla_ops or kernels).items()}
+  result[None] = (0, kernel_ns)
+  return result
+
+
+def profile(fn: Callable[[], object], device_index: int = 0) -> tuple[float, dict]:
+  """Runs `fn` (already compiled) once under the profiler: (wall seconds, op_times)."""
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir)
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    wall = time.perf_counter() - start
+    jax.profiler.stop_trace()
+    return wall, op_times(trace_dir, device_index)
+
+
+def summary(wall_s: float, times: dict, top: int = 12) -> str:
+  """A short table: time by category, then the `top` ops, each as a share of the wall time."""
+  kernel_ns = times.get(None, (0, 0))[1]
+  ops = {name: v for name, v in times.items() if name is not None}
+  by_category = collections.Counter()
+  for name, (_, ns) in ops.items():
+    by_category[category(name)] += ns
+  wall_ns = wall_s * 1e9
+  lines = [f"wall {wall_s * 1e3:.2f} ms; GPU kernels {kernel_ns / 1e6:.2f} ms "
+           f"({100 * kernel_ns / wall_ns:.0f}% of wall)"]
+  for cat, ns in by_category.most_common():
+    lines.append(f"  {cat:11s} {ns / 1e6:8.2f} ms {100 * ns / wall_ns:5.1f}%")
+  lines.append(f"  {'op':40s} {'count':>6s} {'ms':>8s} {'% wall':>7s}")
+  for name, (count, ns) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:top]:
+    lines.append(f"  {name[:40]:40s} {count:6d} {ns / 1e6:8.2f} {100 * ns / wall_ns:6.1f}%")
+  return "\n".join(lines)
