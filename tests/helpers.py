@@ -1,11 +1,13 @@
 """Shared test utilities: fixture paths, cached LLMs (compiles are the slow part on CPU)."""
 
+import dataclasses
 import functools
 import os
 
 import numpy as np
 
 import jspec
+from jspec.bench.presets import PRESETS
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 FIXTURE_NAMES = ("qwen3_dense", "qwen3_dense_tied_legacy", "qwen3_moe", "qwen3_moe_legacy")
@@ -49,3 +51,16 @@ def two_sample_chi2(a: np.ndarray, b: np.ndarray, min_count: int = 20):
   z = 3.719  # Wilson-Hilferty upper 1e-4 quantile of chi-square(dof).
   critical = dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
   return stat, critical, dof
+
+
+# 8 query heads over 2 KV heads, 8 experts: divides over tp = 8 (the fixtures' 4 heads do not).
+WIDE_MOE = dataclasses.replace(PRESETS["tiny-moe"], num_heads=8)
+
+
+def wide_moe_llm(dp: int, tp: int, ep: int, spec=None) -> jspec.LLM:
+  """A random-weight MoE with an MTP layer on the (dp, tp, ep) mesh; the same weights on every
+  mesh (each parameter is drawn from its own key, whatever its sharding)."""
+  return jspec.LLM.from_random(
+      WIDE_MOE, jspec.MTPSpec("qwen3_next", 1, is_moe=True), dtype="float32", max_model_len=64,
+      mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep, num_devices=dp * tp * ep),
+      speculative_config=spec)

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import jspec
-from helpers import fixture_dir, greedy
+from helpers import fixture_dir, greedy, wide_moe_llm
 
 MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 2, 4), (8, 1, 1)]
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 8, 7, 8, 7, 8], [100, 3, 44, 9]]
@@ -82,6 +82,17 @@ def test_tp_wider_than_kv_heads_gives_each_shard_its_head(name, mesh, spec):
   assert k_proj.shape[1] == kv_heads and "tp" not in str(k_proj.sharding.spec)
   untouched = _llm(name, _mesh(mesh[0], 1, mesh[2]), spec)
   assert llm.memory_plan.target_cache_bytes * kv_heads == untouched.memory_plan.target_cache_bytes
+
+
+def test_tp_of_eight_over_two_kv_heads():
+  """tp = 8 on a model with 8 query heads and 2 KV heads (each KV head on 4 shards), MoE with
+  an MTP draft: the same greedy tokens as on one device, plain and speculative."""
+  want = [o.token_ids for o in wide_moe_llm(1, 1, 1).generate(PROMPTS, greedy(10, ignore_eos=True))]
+  for mesh, spec in (((1, 8, 1), None), ((1, 8, 1), SPECS["mtp"]), ((1, 4, 2), SPECS["mtp"])):
+    llm = wide_moe_llm(*mesh, spec)
+    assert llm.target.cfg.kv_head_replicas == mesh[1] // 2
+    got = [o.token_ids for o in llm.generate(PROMPTS, greedy(10, ignore_eos=True))]
+    assert got == want, (mesh, spec)
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "all_to_all"])
