@@ -1,0 +1,67 @@
+"""The profile summary reads a trace's device plane: kernels summed by name, the "XLA Ops"
+line preferred when the trace has one, categories by name, shares of the wall time."""
+
+import pytest
+from jax.profiler import ProfileData
+
+from jspec.bench.profile import category, op_times, summary
+
+NAMES = {1: "ncclDevKernel_AllGather_RING_LL", 2: "gemm_fusion_dot_1", 3: "loop_add_fusion",
+         4: "all-gather-start.2", 5: "fusion.7"}
+
+
+def _line(line_id, name, events):
+  body = " ".join(f"events {{ metadata_id: {m} offset_ps: {i * 10**7} duration_ps: {ps} }}"
+                  for i, (m, ps) in enumerate(events))
+  return f'lines {{ id: {line_id} name: "{name}" {body} }}'
+
+
+def _write_trace(tmp_path, lines, plane="/device:GPU:0"):
+  metadata = " ".join(f'event_metadata {{ key: {k} value {{ id: {k} name: "{v}" }} }}'
+                      for k, v in NAMES.items())
+  text = f'planes {{ id: 1 name: "{plane}" {" ".join(lines)} {metadata} }}'
+  (tmp_path / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(text))
+  return str(tmp_path)
+
+
+def test_kernels_are_summed_by_name_when_there_is_no_op_line(tmp_path):
+  trace = _write_trace(tmp_path, [_line(1, "Stream #1(compute)",
+                                        [(1, 2_000_000), (2, 1_000_000), (1, 3_000_000)]),
+                                  _line(2, "Stream #2(nccl)", [(3, 500_000)])])
+  times = op_times(trace)
+  assert times["ncclDevKernel_AllGather_RING_LL"] == (2, 5_000)
+  assert times["gemm_fusion_dot_1"] == (1, 1_000)
+  assert times["loop_add_fusion"] == (1, 500)
+  assert times[None] == (0, 6_500)  # every stream kernel
+
+
+def test_the_xla_ops_line_is_preferred(tmp_path):
+  trace = _write_trace(tmp_path, [_line(1, "Stream #1(compute)", [(1, 4_000_000)]),
+                                  _line(2, "XLA Ops", [(4, 4_000_000), (5, 1_000_000)])])
+  times = op_times(trace)
+  assert set(times) == {"all-gather-start.2", "fusion.7", None}
+  assert times[None] == (0, 4_000)
+
+
+def test_a_trace_without_the_device_names_what_it_has(tmp_path):
+  trace = _write_trace(tmp_path, [], plane="/host:CPU")
+  with pytest.raises(ValueError, match=r"no plane '/device:GPU:0'.*/host:CPU"):
+    op_times(trace)
+
+
+@pytest.mark.parametrize("name, want", [
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "collective"), ("all-reduce-start.3", "collective"),
+    ("gemm_fusion_dot_1445", "matmul"), ("sm90_xmma_gemm_bf16", "matmul"),
+    ("input_reduce_fusion_94", "fusion"), ("loop_select_fusion", "fusion"),
+    ("memcpy", "other")])
+def test_categories(name, want):
+  assert category(name) == want
+
+
+def test_summary_shares_add_up_to_the_kernel_time():
+  times = {"ncclDevKernel_AllGather": (2, 3_000_000), "gemm_fusion_dot": (4, 1_000_000),
+           None: (0, 4_000_000)}
+  text = summary(0.010, times)  # 10 ms of wall
+  assert "GPU kernels 4.00 ms (40% of wall)" in text
+  assert "collective      3.00 ms  30.0%" in text
+  assert text.index("ncclDevKernel_AllGather") < text.index("gemm_fusion_dot")
