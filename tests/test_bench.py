@@ -11,6 +11,7 @@ import jspec
 from jspec import cli
 from jspec.bench.presets import PRESETS
 from jspec.bench.roofline import expected_experts_used, step_bytes
+from jspec.bench.report import row_line
 
 
 def _param_count(module):
@@ -51,7 +52,12 @@ def test_bench_cli_writes_json_plot_and_table(tmp_path, capsys):
     assert r["decode_ms"] > 0 and 0 < r["roofline_fraction"]
     assert set(r["verify_relative"]) == {"2", "4", "6"} and r["draft_per_token_relative"] > 0
   assert (tmp_path / "bench.png").stat().st_size > 0
-  assert "derived speedup" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "derived speedup" in out
+  # Warm-up is measured first, so a run stopped during the grid still reports it.
+  result = report["results"][0]
+  assert result["warmup_seconds_generate"] > 0 and result["weights_seconds"] > 0
+  assert 0 <= out.index("warm-up (compile + first generate)") < out.index(row_line("tiny-moe", rows[0]))
 
 
 def test_bench_times_a_reduced_draft_vocabulary(tmp_path):

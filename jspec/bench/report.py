@@ -34,9 +34,9 @@ def _fits(cfg, batch, context, weight_bytes, capacity):
   return capacity is None or weight_bytes + 2.5 * kv < 0.85 * capacity
 
 
-def bench_model(name: str, args, save_partial=lambda rows: None) -> dict:
-  """One preset's rows; `save_partial(rows)` runs after each, so a run stopped midway keeps
-  what it measured."""
+def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
+  """One preset's rows; `save_partial({rows, warm-up})` runs after each row, so a run stopped
+  midway keeps what it measured."""
   cfg = PRESETS[name]
   if args.layers:
     cfg = dataclasses.replace(cfg, num_layers=args.layers)
@@ -46,6 +46,7 @@ def bench_model(name: str, args, save_partial=lambda rows: None) -> dict:
                                                               max_context))
   # The LLM itself serves only the batch-1 warm-up generate; the step timer allocates each
   # batch's caches (checked against the device by `_fits`), so its memory plan is for 1 row.
+  start = time.perf_counter()
   llm = jspec.LLM.from_random(
       cfg, jspec.MTPSpec("qwen3_next", 1, is_moe=cfg.is_moe), dtype=args.dtype,
       max_model_len=max_context, max_num_seqs=1, moe_backend=args.moe_backend,
@@ -53,6 +54,14 @@ def bench_model(name: str, args, save_partial=lambda rows: None) -> dict:
                           # Timing only: on random weights which ids are kept does not matter.
                           "draft_vocab": (tuple(range(args.draft_vocab_size))
                                           if args.draft_vocab_size else None)})
+  weights_s = time.perf_counter() - start
+  # Warm-up first: the figure a user waits for, kept even if a long run is stopped later.
+  start = time.perf_counter()
+  llm.generate([[1] * min(128, max_context // 2)],
+               jspec.SamplingParams(temperature=0.0, max_tokens=4))
+  warmup_s = time.perf_counter() - start
+  print(f"{name:16s} warm-up (compile + first generate): {warmup_s:.1f} s, after {weights_s:.1f} s "
+        "building the weights", flush=True)
   with stage("measuring HBM bandwidth"):
     bandwidth = hbm_bandwidth(args.bandwidth_bytes)
   timer = StepTimer(llm)
@@ -81,7 +90,7 @@ def bench_model(name: str, args, save_partial=lambda rows: None) -> dict:
           spec_step_relative=spec_step_s / decode_s,
           derived_speedup={str(a): a * decode_s / spec_step_s for a in args.acceptance}))
       print(row_line(name, rows[-1]), flush=True)
-      save_partial(rows)
+      save_partial(dict(rows=rows, warmup_seconds_generate=warmup_s))
   prefill = []
   for batch, prompt in ((1, 512), (1, 8192), (8, 512)):
     if prompt > max_context or (capacity and batch * prompt * prompt * cfg.num_heads * 4
@@ -89,16 +98,13 @@ def bench_model(name: str, args, save_partial=lambda rows: None) -> dict:
       continue
     seconds = timer.prefill(batch, prompt)
     prefill.append(dict(batch=batch, prompt=prompt, tokens_per_second=batch * prompt / seconds))
-  start = time.perf_counter()
-  llm.generate([[1] * min(128, max_context // 2)],
-               jspec.SamplingParams(temperature=0.0, max_tokens=4))
-  warmup_s = time.perf_counter() - start
   draft_ids = llm.mtp.layers[0].draft_ids  # what the timed head really drafts from
   return dict(model=name, layers=cfg.num_layers, k=k,
               draft_vocab_size=cfg.vocab_size if draft_ids is None else draft_ids.shape[0],
               device=jax.devices()[0].device_kind,
               bandwidth=bandwidth, rows=rows, prefill=prefill,
-              warmup_seconds_generate=warmup_s, compile_seconds=timer.compile_seconds)
+              warmup_seconds_generate=warmup_s, weights_seconds=weights_s,
+              compile_seconds=timer.compile_seconds)
 
 
 def proof_model_speedups(ks=(1, 2, 3, 4), max_tokens: int = 512, pieces_k: int = 3) -> dict:
@@ -186,8 +192,8 @@ def run_bench(args):
 
   results = []
   for name in args.models:
-    results.append(bench_model(name, args, lambda rows, name=name: save(
-        results, partial={"model": name, "rows": rows})))
+    results.append(bench_model(name, args, lambda done, name=name: save(
+        results, partial={"model": name, **done})))
     save(results)
   proof = proof_model_speedups() if args.proof else None
   save(results, proof)
