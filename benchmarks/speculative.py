@@ -26,7 +26,8 @@ from jspec.bench.presets import PRESETS
 def build_models(args, mesh: jspec.MeshConfig):
   """(model label, LLM kwargs that share one set of weights)."""
   common = dict(mesh=mesh, dtype=args.dtype, max_model_len=args.max_model_len,
-                moe_backend=args.moe_backend, max_num_seqs=max(args.batch))
+                moe_backend=args.moe_backend, max_num_seqs=max(args.batch),
+                attention_backend=args.attention_backend)
   if args.model in PRESETS:
     config = PRESETS[args.model]
     if args.layers:
@@ -68,6 +69,7 @@ def main():
   parser.add_argument("--max-model-len", type=int, default=1024)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--moe-backend", default="auto")
+  parser.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"])
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default="")
   args = parser.parse_args()

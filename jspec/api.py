@@ -12,6 +12,8 @@ from flax import nnx
 from jspec import engine
 from jspec.checkpoint import is_converted, restore_converted
 from jspec.config import ModelConfig, SamplingParams, SpecConfig, resolve_dtype
+from jspec.models.decode_attention import ATTENTION_BACKENDS, sharded_decode_attention
+from jspec.models.layers import Attention
 from jspec.models.loading import init_random, load_checkpoint
 from jspec.models.moe_backends import get_experts_fn, resolve_moe_backend
 from jspec.models.mtp import MTPSpec
@@ -54,9 +56,13 @@ class LLM:
                dtype="bfloat16", moe_backend: str = "auto", seed: int = 0,
                max_num_seqs: int = 64, compilation_cache_dir: str | None = None,
                ep_strategy: str = "auto", device_memory_bytes: int | None = None,
-               prefill_chunk_size: int = 1024,
+               prefill_chunk_size: int = 1024, attention_backend: str = "xla",
                _modules=None):
     self.dtype = resolve_dtype(dtype)
+    if attention_backend not in ATTENTION_BACKENDS:
+      raise ValueError(f"attention_backend={attention_backend!r} is not supported; choose one "
+                       f"of {ATTENTION_BACKENDS}")
+    self.attention_backend = attention_backend
     self.spec = SpecConfig.parse(speculative_config)
     self.mesh_config = mesh or MeshConfig(num_devices=1)
     if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
@@ -118,7 +124,21 @@ class LLM:
       self.experts_fn = sharded_experts(base_experts, self.mesh, self.rules, ep_strategy)
       self.draft_experts_fn = sharded_experts(base_experts, self.mesh, self.draft_rules,
                                               ep_strategy)
+    if attention_backend == "pallas":
+      self._use_decode_attention()
     self._runner = engine.Runner(self)
+
+  def _use_decode_attention(self):
+    """One-token forwards of the target and the draft attend through the split-S kernel, laid
+    out like their caches (interpreted off GPU, where Triton cannot compile it)."""
+    interpret = jax.devices()[0].platform != "gpu"
+    for module, rules in ((self.target, self.rules), (self.mtp, self.draft_rules)):
+      if module is None:
+        continue
+      kernel = sharded_decode_attention(self.mesh, rules, interpret)
+      for _, node in nnx.iter_graph(module):
+        if isinstance(node, Attention):
+          node.decode_attention = kernel
 
   def _restrict_draft_vocab(self, ids):
     vocab = self.config.vocab_size

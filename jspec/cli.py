@@ -15,6 +15,8 @@ def _add_model_args(parser, model_required: bool):
                       help="default: the model's max_position_embeddings, at most 4096")
   parser.add_argument("--moe-backend", default="auto",
                       help="auto | pallas | ragged_dot | dense | reference")
+  parser.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"],
+                      help="one-token attention: XLA, or the split-S Pallas kernel")
   parser.add_argument("--dp", type=int, default=1)
   parser.add_argument("--tp", type=int, default=1)
   parser.add_argument("--ep", type=int, default=1)
@@ -44,7 +46,8 @@ def _build_llm(args, model_dir):
                           num_devices=args.dp * args.tp * args.ep)
   return jspec.LLM(model=model_dir, mesh=mesh,
                    speculative_config=_spec_config(args), max_model_len=args.max_model_len,
-                   dtype=args.dtype, moe_backend=args.moe_backend)
+                   dtype=args.dtype, moe_backend=args.moe_backend,
+                   attention_backend=args.attention_backend)
 
 
 def cmd_generate(args):
@@ -126,6 +129,8 @@ def main(argv=None):
                      help="time the MTP head over a reduced draft vocabulary of this many tokens")
   bench.add_argument("--dtype", default="bfloat16")
   bench.add_argument("--moe-backend", default="auto")
+  bench.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"],
+                     help="one-token attention: XLA, or the split-S Pallas kernel")
   bench.add_argument("--bandwidth-bytes", type=int, default=2 << 30)
   bench.add_argument("--proof", action="store_true",
                      help="also time the trained demo model with and without MTP")

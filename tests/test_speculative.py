@@ -153,8 +153,9 @@ def test_prefill_chunk_size_is_validated():
 
 @pytest.mark.parametrize("method, k", [("mtp", 5), ("ngram", 5)])
 def test_reaching_max_model_len_mid_run_finishes_like_vanilla(method, k):
-  """At the cap bucket (max_model_len + k + 1 slots) a verify window can reach past
-  max_model_len: the sequence must stop exactly at max_model_len, as vanilla decoding does."""
+  """At the cap bucket (max_model_len + k + 1 slots, rounded up to 16) a verify window can
+  reach past max_model_len: the sequence must stop exactly at max_model_len, as vanilla
+  decoding does."""
   max_model_len = 21
   make = lambda spec: jspec.LLM(model=cached_llm(DENSE).model_dir, dtype="float32",
                                 max_model_len=max_model_len, speculative_config=spec)

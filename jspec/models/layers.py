@@ -87,6 +87,9 @@ class Attention(nnx.Module):
     self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, "head_dim")
     self.rope_theta = cfg.rope_theta
     self.num_kv_heads = cfg.cache_kv_heads
+    # Optional kernel for one-token forwards (jspec.models.decode_attention), set by the LLM:
+    # (q [B, N, H], keys, values [B, K, S, H], lengths [B]) -> [B, N, H]. None: XLA's attention.
+    self.decode_attention = None
 
   def __call__(self, x_BTD, positions_BT, cache: LayerCache, kv_window: int):
     """Writes this call's keys/values at `positions_BT`, then attends causally.
@@ -107,10 +110,14 @@ class Attention(nnx.Module):
     cache_k, cache_v = cache
     cache_k = write_cache(cache_k, k_BTKH, positions_BT)
     cache_v = write_cache(cache_v, v_BTKH, positions_BT)
+    b, t, n, h = q_BTNH.shape
+    if t == 1 and self.decode_attention is not None:  # reads only slots <= each position
+      out_BNH = self.decode_attention(q_BTNH[:, 0], cache_k, cache_v,
+                                      jnp.maximum(positions_BT[:, 0] + 1, 1))
+      out_BTD = jnp.einsum("bnh,nhd->bd", out_BNH, self.o_proj[...])[:, None]
+      return out_BTD, (cache_k, cache_v)
     keys_BKSH = cache_k[:, :, :kv_window]
     values_BKSH = cache_v[:, :, :kv_window]
-
-    b, t, n, h = q_BTNH.shape
     group = n // self.num_kv_heads
     q_BKGTH = q_BTNH.reshape(b, t, self.num_kv_heads, group, h).transpose(0, 2, 3, 1, 4)
     scores_BKGTS = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, keys_BKSH,

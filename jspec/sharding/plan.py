@@ -10,7 +10,7 @@ import numpy as np
 
 from jspec.config import ModelConfig
 from jspec.sharding.rules import MeshConfig, ShardingRules, axis_size
-from jspec.speculative.buckets import batch_bucket
+from jspec.speculative.buckets import batch_bucket, max_cache_slots
 
 
 def validate_mesh(cfg: ModelConfig, mesh: MeshConfig):
@@ -37,7 +37,7 @@ def sharded_config(cfg: ModelConfig, mesh, rules: ShardingRules) -> ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
   weight_bytes: int         # per device
-  target_cache_bytes: int   # per device, at max_num_seqs x (max_model_len + k + 1)
+  target_cache_bytes: int   # per device, at max_num_seqs x max_cache_slots(max_model_len, k)
   draft_cache_bytes: int
   capacity_bytes: int | None
 
@@ -73,7 +73,7 @@ def plan_memory(cfg: ModelConfig, mesh: MeshConfig, target_state, mtp_state, dty
   """Raises ValueError, before any cache exists, when the worst-case batch cannot fit."""
   # The engine pads a batch to its bucket: count the rows it will really allocate.
   batch_per_device = batch_bucket(max_num_seqs, mesh.batch_width) // mesh.batch_width
-  slots = max_model_len + k + 1
+  slots = max_cache_slots(max_model_len, k)
   kv_heads_target = cfg.for_kv_shards(mesh.tp).cache_kv_heads // mesh.tp
   kv_heads_draft = kv_heads_target if draft_tp_sharded else cfg.num_kv_heads
   per_layer = lambda heads: 2 * batch_per_device * slots * heads * cfg.head_dim * np.dtype(

@@ -4,14 +4,16 @@
   shard gets the same number of rows;
 - prompt buckets: powers of two from 16;
 - cache buckets: powers of two from 128, large enough for the longest sequence plus one verify
-  window (k + 1 slots), capped at max_model_len + k + 1. The slack guarantees that every cache
-  and token-buffer write of a running sequence lands inside the bucket.
+  window (k + 1 slots), capped at max_model_len + k + 1 rounded up to a multiple of 16 (the
+  tile of the split-S decode-attention kernel). The slack guarantees that every cache and
+  token-buffer write of a running sequence lands inside the bucket.
 """
 
 from __future__ import annotations
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 128
+CACHE_SLOT_MULTIPLE = 16
 
 
 def next_pow2(n: int) -> int:
@@ -26,8 +28,12 @@ def prompt_bucket(max_prompt_len: int, cache_len: int) -> int:
   return min(max(MIN_PROMPT_BUCKET, next_pow2(max_prompt_len)), cache_len)
 
 
+def max_cache_slots(max_model_len: int, k: int) -> int:
+  """The largest cache bucket: max_model_len + k + 1, rounded up to a multiple of 16."""
+  return -(-(max_model_len + k + 1) // CACHE_SLOT_MULTIPLE) * CACHE_SLOT_MULTIPLE
+
+
 def cache_bucket(max_total_len: int, k: int, max_model_len: int) -> int:
   """Slots for a sequence of `max_total_len` tokens (<= max_model_len) decoded k drafts a step."""
   needed = max_total_len + k + 1
-  cap = max_model_len + k + 1
-  return min(max(MIN_CACHE_BUCKET, next_pow2(needed)), cap)
+  return min(max(MIN_CACHE_BUCKET, next_pow2(needed)), max_cache_slots(max_model_len, k))
