@@ -12,7 +12,7 @@ from flax import nnx
 from jspec import engine
 from jspec.checkpoint import is_converted, restore_converted
 from jspec.config import ModelConfig, SamplingParams, SpecConfig, resolve_dtype
-from jspec.models.decode_attention import ATTENTION_BACKENDS, sharded_decode_attention
+from jspec.models.decode_attention import ATTENTION_BACKENDS, sharded_window_attention
 from jspec.models.layers import Attention
 from jspec.models.loading import init_random, load_checkpoint
 from jspec.models.moe_backends import get_experts_fn, resolve_moe_backend
@@ -129,16 +129,16 @@ class LLM:
     self._runner = engine.Runner(self)
 
   def _use_decode_attention(self):
-    """One-token forwards of the target and the draft attend through the split-S kernel, laid
-    out like their caches (interpreted off GPU, where Triton cannot compile it)."""
+    """Decode, verify and draft steps of the target and the draft attend through the split-S
+    kernel, laid out like their caches (interpreted off GPU, where Triton cannot compile it)."""
     interpret = jax.devices()[0].platform != "gpu"
     for module, rules in ((self.target, self.rules), (self.mtp, self.draft_rules)):
       if module is None:
         continue
-      kernel = sharded_decode_attention(self.mesh, rules, interpret)
+      kernel = sharded_window_attention(self.mesh, rules, interpret)
       for _, node in nnx.iter_graph(module):
         if isinstance(node, Attention):
-          node.decode_attention = kernel
+          node.window_attention = kernel
 
   def _restrict_draft_vocab(self, ids):
     vocab = self.config.vocab_size

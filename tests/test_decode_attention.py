@@ -1,6 +1,6 @@
-"""Split-S decode attention (the Pallas kernel, interpreted on CPU) against a NumPy reference,
-and `LLM(attention_backend="pallas")` against XLA's attention: the same greedy tokens, on one
-device and sharded."""
+"""Split-S decode/verify attention (the Pallas kernel, interpreted on CPU) against a NumPy
+reference, and `LLM(attention_backend="pallas")` against XLA's attention: the same greedy
+tokens and steps, on one device and sharded."""
 
 import numpy as np
 import pytest
@@ -8,41 +8,45 @@ import pytest
 import jax.numpy as jnp
 import jspec
 from helpers import fixture_dir, greedy
-from jspec.models.decode_attention import decode_attention, split_plan
+from jspec.models.decode_attention import split_plan, window_attention
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 8, 7, 8, 7, 8], [100, 3, 44, 9]]
 
 
-def _reference(q_BNH, keys_BKSH, values_BKSH, lengths_B):
-  b, n, h = q_BNH.shape
-  k = keys_BKSH.shape[1]
-  out = np.zeros((b, n, h))
-  for i in range(b):
-    for head in range(n):
-      kv = head // (n // k)
-      keys, values = keys_BKSH[i, kv, :lengths_B[i]], values_BKSH[i, kv, :lengths_B[i]]
-      scores = keys.astype(np.float64) @ q_BNH[i, head] / np.sqrt(h)
-      p = np.exp(scores - scores.max())
-      out[i, head] = p @ values / p.sum()
+def _reference(q_BTNH, keys_BKSH, values_BKSH, start_B):
+  """Token t of sequence b sees cache slots 0 .. start_b + t (its window already written)."""
+  b, t, n, h = q_BTNH.shape
+  group = n // keys_BKSH.shape[1]
+  out = np.zeros((b, t, n, h))
+  for i, j, head in np.ndindex(b, t, n):
+    visible = start_B[i] + j + 1
+    keys = keys_BKSH[i, head // group, :visible].astype(np.float64)
+    scores = keys @ q_BTNH[i, j, head] / np.sqrt(h)
+    p = np.exp(scores - scores.max())
+    out[i, j, head] = p @ values_BKSH[i, head // group, :visible] / p.sum()
   return out
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_kernel_matches_the_reference_and_reads_only_valid_slots(seed):
   rng = np.random.default_rng(seed)
   b, k, g = rng.integers(1, 4), rng.choice([1, 2]), rng.choice([1, 2, 4])
+  t = rng.choice([1, 2, 4])  # decode, and verify windows
   s, h = rng.choice([16, 48, 80, 128, 256]), rng.choice([16, 32])
-  q = rng.standard_normal((b, k * g, h)).astype(np.float32)
+  q = rng.standard_normal((b, t, k * g, h)).astype(np.float32)
   keys = rng.standard_normal((b, k, s, h)).astype(np.float32)
   values = rng.standard_normal((b, k, s, h)).astype(np.float32)
-  lengths = rng.integers(1, s + 1, b)
-  want = _reference(q, keys, values, lengths)
-  # Slots at or past a sequence's length hold garbage (stale drafts, padding): ignored.
-  past = np.arange(s)[None, None, :, None] >= lengths[:, None, None, None]
+  start = rng.integers(0, s - t + 1, b)  # 0: a window with no cached prefix
+  window = start[:, None] + np.arange(t)  # the step's slots, already written
+  new_keys = np.stack([keys[i, :, window[i]] for i in range(b)])  # [B, T, K, H]
+  new_values = np.stack([values[i, :, window[i]] for i in range(b)])
+  want = _reference(q, keys, values, start)
+  # Slots past the window hold garbage (stale drafts, padding): they must be ignored.
+  past = np.arange(s)[None, None, :, None] >= (start + t)[:, None, None, None]
   keys, values = np.where(past, 1e3, keys), np.where(past, -1e3, values)
-  got = decode_attention(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values),
-                         jnp.asarray(lengths), interpret=True)
-  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  got = window_attention(*(jnp.asarray(a) for a in (q, new_keys, new_values, keys, values)),
+                         jnp.asarray(start), interpret=True)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("slots, plan", [(16, (1, 16)), (80, (1, 16)), (128, (8, 16)),

@@ -1,12 +1,13 @@
-"""Split-S decode attention: one query token per sequence, through JAX's Pallas GPU kernel
-(`jax.experimental.pallas.ops.gpu.decode_attention.gqa`, flash decoding).
+"""Attention for decode and verify steps through JAX's Pallas GPU flash-decoding kernel
+(`jax.experimental.pallas.ops.gpu.decode_attention.gqa`).
 
 Why: XLA runs decode attention as batched matrix-vector products over the whole cache bucket,
 ~1.7 TB/s on an H200 at context 8192 (BENCHMARKS.md). The kernel splits each (sequence, KV
 head)'s slots into `k_splits` ranges processed in parallel and stops each range at the
-sequence's length, so only valid slots are read. Selected with `LLM(attention_backend=
-"pallas")` for one-token forwards (plain decode steps, MTP draft steps); multi-token forwards
-(prefill, verify, draft extend) keep XLA's attention.
+sequence's length, so only valid slots are read. A step of T new tokens (1 for decode, k+1 for
+verify and draft extend) attends to the cached prefix through the kernel and to itself in
+XLA, and the two softmaxes are merged. Selected with `LLM(attention_backend="pallas")` for
+steps of at most 64 query rows per KV head; prefill keeps XLA's attention.
 
 The kernel is not partitionable by XLA, so it runs under `shard_map`: sequences split over the
 batch axes, heads over tp, exactly as the cache is stored; no collective is needed.
@@ -44,27 +45,63 @@ def split_plan(num_slots: int) -> tuple[int, int]:
   return k_splits, block_k
 
 
-def decode_attention(q_BNH, keys_BKSH, values_BKSH, lengths_B, *, interpret: bool = False):
-  """softmax(q k^T / sqrt(H)) v over the first `lengths_B[b]` slots of each sequence's cache.
+MAX_ROWS_PER_KV_HEAD = 64  # G x T query rows the kernel holds at once; wider calls use XLA
 
-  q_BNH: one query per sequence, N = K * G heads in KV-group order; keys/values [B, K, S, H]
-  as jspec stores them; lengths_B >= 1. Returns [B, N, H] in q's dtype.
+
+def _rows_block(rows: int) -> int:
+  """Triton blocks are powers of two, and its dot needs >= 16 rows (padding rows are masked)."""
+  return max(16, 1 << (rows - 1).bit_length())
+
+
+def window_attention(q_BTNH, k_BTKH, v_BTKH, keys_BKSH, values_BKSH, start_B, *,
+                     interpret: bool = False):
+  """Causal attention of T new tokens at positions start .. start+T-1 of each sequence.
+
+  The cached prefix (slots < start) goes through the kernel, which reads only those slots and
+  returns its softmax statistics; the window attends to itself causally, from the new keys
+  and values (k_BTKH, v_BTKH, already written to the cache); the two are merged exactly, as
+  flash attention merges blocks. q_BTNH has N = K * G heads in KV-group order; the cache is
+  [B, K, S, H]. Returns [B, T, N, H] in q's dtype.
   """
+  b, t, n, h = q_BTNH.shape
+  kv_heads = keys_BKSH.shape[1]
+  group = n // kv_heads
   k_splits, block_k = split_plan(keys_BKSH.shape[2])
-  num_heads = q_BNH.shape[1]
+  # Rows of one KV head contiguous: (head, token) -> head * T + token, so the kernel sees G*T
+  # query rows per KV head, all with the same prefix.
+  q_BRH = q_BTNH.transpose(0, 2, 1, 3).reshape(b, n * t, h)
   # The kernel takes [B, S, K, H] and swaps it back to [B, K, S, H] itself: XLA folds the two
   # transposes, so the cache is read in place.
-  return _pallas_decode.gqa(
-      q_BNH, jnp.swapaxes(keys_BKSH, 1, 2), jnp.swapaxes(values_BKSH, 1, 2),
-      kv_seq_len=lengths_B.astype(jnp.int32), k_splits=k_splits, block_k=block_k,
-      block_h=max(16, min(64, num_heads // keys_BKSH.shape[1])), interpret=interpret)
+  prefix_BRH, (sum_BR, max_BR) = _pallas_decode.gqa(
+      q_BRH, jnp.swapaxes(keys_BKSH, 1, 2), jnp.swapaxes(values_BKSH, 1, 2),
+      kv_seq_len=start_B.astype(jnp.int32), k_splits=k_splits, block_k=block_k,
+      block_h=_rows_block(group * t), normalize_output=False, return_residuals=True,
+      interpret=interpret)
+  prefix_BKGTH = prefix_BRH.reshape(b, kv_heads, group, t, h).astype(jnp.float32)
+  prefix_sum_BKGT = sum_BR.reshape(b, kv_heads, group, t)
+  prefix_max_BKGT = max_BR.reshape(b, kv_heads, group, t)
+
+  q_BKGTH = q_BTNH.transpose(0, 2, 1, 3).reshape(b, kv_heads, group, t, h)
+  scores_BKGTU = jnp.einsum("bkgth,bukh->bkgtu", q_BKGTH, k_BTKH,
+                            preferred_element_type=jnp.float32) * (h ** -0.5)
+  causal_TU = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  scores_BKGTU = jnp.where(causal_TU, scores_BKGTU, -jnp.inf)
+  top_BKGT = jnp.maximum(prefix_max_BKGT, scores_BKGTU.max(axis=-1))
+  prefix_scale_BKGT = jnp.exp(prefix_max_BKGT - top_BKGT)
+  probs_BKGTU = jnp.exp(scores_BKGTU - top_BKGT[..., None])
+  total_BKGT = prefix_sum_BKGT * prefix_scale_BKGT + probs_BKGTU.sum(axis=-1)
+  window_BKGTH = jnp.einsum("bkgtu,bukh->bkgth", probs_BKGTU, v_BTKH.astype(jnp.float32))
+  out_BKGTH = (prefix_BKGTH * prefix_scale_BKGT[..., None] + window_BKGTH) / total_BKGT[..., None]
+  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_BTNH.dtype)
 
 
-def sharded_decode_attention(mesh: Mesh, rules: ShardingRules, interpret: bool = False):
-  """`decode_attention` per shard of `mesh`, laid out by `rules` (the target's, or a draft's
-  without tp): global arrays in and out."""
-  q = rules.spec(("batch", "q_heads", "head_dim"))
+def sharded_window_attention(mesh: Mesh, rules: ShardingRules, interpret: bool = False):
+  """`window_attention` per shard of `mesh`, laid out by `rules` (the target's, or a draft's
+  without tp): global arrays in and out, no collective."""
+  q = rules.spec(("batch", "seq", "q_heads", "head_dim"))
+  new = rules.spec(("batch", "seq", "kv_heads", "head_dim"))
   cache = rules.spec(("batch", "kv_heads", "cache_seq", "head_dim"))
-  lengths = rules.spec(("batch",))
-  return jax.shard_map(functools.partial(decode_attention, interpret=interpret), mesh=mesh,
-                       in_specs=(q, cache, cache, lengths), out_specs=q, check_vma=False)
+  start = rules.spec(("batch",))
+  return jax.shard_map(functools.partial(window_attention, interpret=interpret), mesh=mesh,
+                       in_specs=(q, new, new, cache, cache, start), out_specs=q,
+                       check_vma=False)

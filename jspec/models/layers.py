@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
+
 # (keys_BKSH, values_BKSH) of one attention layer. Heads before slots: each (sequence, kv head)
 # is one contiguous [S, H] matrix, so both attention products are batched GEMMs over the cache
 # exactly as stored, with no layout change left to XLA.
@@ -87,9 +89,10 @@ class Attention(nnx.Module):
     self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, "head_dim")
     self.rope_theta = cfg.rope_theta
     self.num_kv_heads = cfg.cache_kv_heads
-    # Optional kernel for one-token forwards (jspec.models.decode_attention), set by the LLM:
-    # (q [B, N, H], keys, values [B, K, S, H], lengths [B]) -> [B, N, H]. None: XLA's attention.
-    self.decode_attention = None
+    # Optional kernel for decode/verify steps (jspec.models.decode_attention), set by the LLM:
+    # (q [B,T,N,H], new k, v [B,T,K,H], cache k, v [B,K,S,H], first position [B]) -> [B,T,N,H],
+    # for steps of at most MAX_ROWS_PER_KV_HEAD query rows per KV head. None: XLA's attention.
+    self.window_attention = None
 
   def __call__(self, x_BTD, positions_BT, cache: LayerCache, kv_window: int):
     """Writes this call's keys/values at `positions_BT`, then attends causally.
@@ -111,14 +114,15 @@ class Attention(nnx.Module):
     cache_k = write_cache(cache_k, k_BTKH, positions_BT)
     cache_v = write_cache(cache_v, v_BTKH, positions_BT)
     b, t, n, h = q_BTNH.shape
-    if t == 1 and self.decode_attention is not None:  # reads only slots <= each position
-      out_BNH = self.decode_attention(q_BTNH[:, 0], cache_k, cache_v,
-                                      jnp.maximum(positions_BT[:, 0] + 1, 1))
-      out_BTD = jnp.einsum("bnh,nhd->bd", out_BNH, self.o_proj[...])[:, None]
-      return out_BTD, (cache_k, cache_v)
+    group = n // self.num_kv_heads
+    if self.window_attention is not None and group * t <= MAX_ROWS_PER_KV_HEAD:
+      # Reads only the slots below the step's first position, plus the step's own tokens
+      # (positions within a step are consecutive).
+      out_BTNH = self.window_attention(q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v,
+                                       positions_BT[:, 0])
+      return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), (cache_k, cache_v)
     keys_BKSH = cache_k[:, :, :kv_window]
     values_BKSH = cache_v[:, :, :kv_window]
-    group = n // self.num_kv_heads
     q_BKGTH = q_BTNH.reshape(b, t, self.num_kv_heads, group, h).transpose(0, 2, 3, 1, 4)
     scores_BKGTS = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, keys_BKSH,
                               preferred_element_type=jnp.float32) * (h ** -0.5)
