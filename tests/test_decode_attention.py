@@ -87,3 +87,25 @@ def test_pallas_attention_gives_the_same_greedy_tokens(name, mesh, spec):
 def test_unknown_attention_backend_is_refused():
   with pytest.raises(ValueError, match=r"attention_backend='flash' is not supported"):
     jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", attention_backend="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_compiled_kernel_on_gpu_matches_the_reference(t):
+  """The same check with Triton compiling the kernel (bf16 cache, as served), at a cache of
+  8192 slots split 16 ways."""
+  rng = np.random.default_rng(t)
+  b, k, g, s, h = 4, 8, 4, 8192, 128
+  q = rng.standard_normal((b, t, k * g, h)).astype(np.float32)
+  keys = rng.standard_normal((b, k, s, h)).astype(np.float32)
+  values = rng.standard_normal((b, k, s, h)).astype(np.float32)
+  start = np.array([0, 100, 4000, s - t])
+  window = start[:, None] + np.arange(t)
+  as_bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
+  q, keys, values = as_bf16(q), as_bf16(keys), as_bf16(values)
+  want = _reference(q, keys, values, start)
+  new_keys = np.stack([keys[i, :, window[i]] for i in range(b)])
+  new_values = np.stack([values[i, :, window[i]] for i in range(b)])
+  got = window_attention(*(jnp.asarray(a, jnp.bfloat16)
+                           for a in (q, new_keys, new_values, keys, values)), jnp.asarray(start))
+  np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=0.03, atol=0.03)
