@@ -125,10 +125,10 @@ class LLM:
       self.draft_experts_fn = sharded_experts(base_experts, self.mesh, self.draft_rules,
                                               ep_strategy)
     if attention_backend == "pallas":
-      self._use_decode_attention()
+      self._use_pallas_attention()
     self._runner = engine.Runner(self)
 
-  def _use_decode_attention(self):
+  def _use_pallas_attention(self):
     """Decode, verify and draft steps of the target and the draft attend through the split-S
     kernel, laid out like their caches (interpreted off GPU, where Triton cannot compile it)."""
     interpret = jax.devices()[0].platform != "gpu"
