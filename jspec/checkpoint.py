@@ -19,7 +19,7 @@ from flax import nnx
 
 from jspec.models.mtp import MTPHead, MTPSpec
 from jspec.models.qwen3 import Qwen3CausalLM
-from jspec.sharding.plan import sharded_config
+from jspec.sharding.plan import sharded_configs
 
 PARAMS_DIR = "jspec_params"
 MTP_SPEC_FILE = "jspec_mtp.json"
@@ -55,7 +55,7 @@ def restore_converted(model_dir: str, cfg, dtype, mesh, target_rules, draft_rule
     spec_dict = json.load(f)
   mtp_spec = None if spec_dict is None else MTPSpec(**spec_dict)
   draft_rules = draft_rules or target_rules
-  target_cfg, draft_cfg = (sharded_config(cfg, mesh, r) for r in (target_rules, draft_rules))
+  target_cfg, draft_cfg = sharded_configs(cfg, mesh, target_rules, draft_rules)
   modules = {"target": (nnx.eval_shape(lambda: Qwen3CausalLM(target_cfg, dtype, nnx.Rngs(0))),
                         target_rules)}
   if mtp_spec is not None:

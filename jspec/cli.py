@@ -16,7 +16,7 @@ def _add_model_args(parser, model_required: bool):
   parser.add_argument("--moe-backend", default="auto",
                       help="auto | pallas | ragged_dot | dense | reference")
   parser.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"],
-                      help="one-token attention: XLA, or the split-S Pallas kernel")
+                      help="decode/verify attention: XLA, or the split-S Pallas kernel")
   parser.add_argument("--dp", type=int, default=1)
   parser.add_argument("--tp", type=int, default=1)
   parser.add_argument("--ep", type=int, default=1)
@@ -130,7 +130,7 @@ def main(argv=None):
   bench.add_argument("--dtype", default="bfloat16")
   bench.add_argument("--moe-backend", default="auto")
   bench.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"],
-                     help="one-token attention: XLA, or the split-S Pallas kernel")
+                     help="decode/verify attention: XLA, or the split-S Pallas kernel")
   bench.add_argument("--bandwidth-bytes", type=int, default=2 << 30)
   bench.add_argument("--proof", action="store_true",
                      help="also time the trained demo model with and without MTP")

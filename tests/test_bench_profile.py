@@ -50,7 +50,8 @@ def test_a_trace_without_the_device_names_what_it_has(tmp_path):
 
 
 @pytest.mark.parametrize("name, want", [
-    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "collective"), ("all-reduce-start.3", "collective"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "collective"),
+    ("all-reduce-start.3", "collective"),
     ("gemm_fusion_dot_1445", "matmul"), ("sm90_xmma_gemm_bf16", "matmul"),
     ("input_reduce_fusion_94", "fusion"), ("loop_select_fusion", "fusion"),
     ("memcpy", "other")])

@@ -31,7 +31,8 @@ def _llm(name, mesh, spec):
 
 @functools.lru_cache(maxsize=None)
 def _outputs(name, mesh, spec):
-  return [o.token_ids for o in _llm(name, mesh, spec).generate(PROMPTS, greedy(16, ignore_eos=True))]
+  outputs = _llm(name, mesh, spec).generate(PROMPTS, greedy(16, ignore_eos=True))
+  return [o.token_ids for o in outputs]
 
 
 @pytest.mark.gpu

@@ -61,8 +61,8 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
   llm.generate([[1] * min(128, max_context // 2)],
                jspec.SamplingParams(temperature=0.0, max_tokens=4))
   warmup_s = time.perf_counter() - start
-  print(f"{name:16s} warm-up (compile + first generate): {warmup_s:.1f} s, after {weights_s:.1f} s "
-        "building the weights", flush=True)
+  print(f"{name:16s} warm-up (compile + first generate): {warmup_s:.1f} s, after "
+        f"{weights_s:.1f} s building the weights", flush=True)
   with stage("measuring HBM bandwidth"):
     bandwidth = hbm_bandwidth(args.bandwidth_bytes)
   timer = StepTimer(llm)

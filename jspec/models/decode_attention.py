@@ -7,7 +7,7 @@ head)'s slots into `k_splits` ranges processed in parallel and stops each range 
 sequence's length, so only valid slots are read. A step of T new tokens (1 for decode, k+1 for
 verify and draft extend) attends to the cached prefix through the kernel and to itself in
 XLA, and the two softmaxes are merged. Selected with `LLM(attention_backend="pallas")` for
-steps of at most 64 query rows per KV head; prefill keeps XLA's attention.
+steps of at most 64 query rows per KV head; wider prefill chunks keep XLA's attention.
 
 The kernel is not partitionable by XLA, so it runs under `shard_map`: sequences split over the
 batch axes, heads over tp, exactly as the cache is stored; no collective is needed.
@@ -23,13 +23,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jspec.sharding.rules import ShardingRules
+from jspec.speculative.buckets import CACHE_SLOT_MULTIPLE as SLOT_MULTIPLE
 
 with warnings.catch_warnings():  # the module warns that its home may move; the API is stable
   warnings.simplefilter("ignore", DeprecationWarning)
   from jax.experimental.pallas.ops.gpu import decode_attention as _pallas_decode
 
 ATTENTION_BACKENDS = ("xla", "pallas")
-SLOT_MULTIPLE = 16  # the kernel's smallest block: cache buckets are multiples of it
 
 
 def split_plan(num_slots: int) -> tuple[int, int]:

@@ -24,7 +24,7 @@ from jspec.models import weights as W
 from jspec.models.mtp import MTPHead, MTPSpec
 from jspec.models.qwen3 import Qwen3CausalLM
 from jspec.progress import progress
-from jspec.sharding.plan import sharded_config
+from jspec.sharding.plan import sharded_configs
 from jspec.sharding.rules import ShardingRules
 
 
@@ -123,7 +123,7 @@ def load_checkpoint(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh,
   _validate_names(index, {**rules, **{("mtp",) + p: r for p, r in mtp_rules.items()}})
 
   draft_rules = draft_rules or target_rules
-  target_cfg, draft_cfg = (sharded_config(cfg, mesh, r) for r in (target_rules, draft_rules))
+  target_cfg, draft_cfg = sharded_configs(cfg, mesh, target_rules, draft_rules)
   abstract_target = nnx.eval_shape(lambda: Qwen3CausalLM(target_cfg, dtype, nnx.Rngs(0)))
   target = _materialize(abstract_target, rules, index, mesh, target_rules, dtype, "target")
   mtp = None
@@ -164,7 +164,7 @@ def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
   draft_rules = draft_rules or target_rules
-  target_cfg, draft_cfg = (sharded_config(cfg, mesh, r) for r in (target_rules, draft_rules))
+  target_cfg, draft_cfg = sharded_configs(cfg, mesh, target_rules, draft_rules)
   target = build(lambda: Qwen3CausalLM(target_cfg, dtype, nnx.Rngs(seed)), target_rules, 0)
   mtp = None
   if mtp_spec is not None:

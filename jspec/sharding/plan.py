@@ -28,10 +28,13 @@ def validate_mesh(cfg: ModelConfig, mesh: MeshConfig):
       raise ValueError(f"{axis}={size} must divide {name}={value}")
 
 
-def sharded_config(cfg: ModelConfig, mesh, rules: ShardingRules) -> ModelConfig:
-  """The config a module placed on `mesh` by `rules` is built with: KV heads copied as often
-  as splitting them over the mesh axes of "kv_heads" needs (a tp-replicated draft: none)."""
-  return cfg.for_kv_shards(axis_size(mesh, rules.kv_heads))
+def sharded_configs(cfg: ModelConfig, mesh, target_rules: ShardingRules,
+                    draft_rules: ShardingRules) -> tuple[ModelConfig, ModelConfig]:
+  """The configs the target and the draft placed on `mesh` are built with: KV heads copied as
+  often as splitting them over each one's "kv_heads" mesh axes needs (a tp-replicated draft:
+  none)."""
+  return tuple(cfg.for_kv_shards(axis_size(mesh, rules.kv_heads))
+               for rules in (target_rules, draft_rules))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 128
-CACHE_SLOT_MULTIPLE = 16
+CACHE_SLOT_MULTIPLE = 16  # the decode-attention kernel's smallest block of slots
 
 
 def next_pow2(n: int) -> int:
