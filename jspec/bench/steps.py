@@ -58,6 +58,9 @@ class StepTimer:
     self.mtp_graphdef, self.mtp_state = (nnx.split(llm.mtp) if llm.mtp is not None
                                          else (None, None))
     self.compile_seconds = {}
+    # {("target" | "mtp", width): zero-argument call of the last measured program}, for
+    # profiling a piece after timing it (benchmarks/decode_step.py).
+    self.runs = {}
     runner = llm._runner
     self.cache_sharding = runner.ctx.cache_sharding
     self.draft_cache_sharding = runner.ctx.draft_cache_sharding
@@ -164,6 +167,7 @@ class StepTimer:
         return out
 
       seconds[key] = seconds_per_call(run, [()]) / STEPS_PER_CALL
+      self.runs[key] = run
     return seconds
 
   def prefill(self, batch: int, prompt_len: int) -> float:
