@@ -29,6 +29,7 @@ from jspec.bench.presets import PRESETS
 from jspec.bench.profile import profile
 from jspec.bench.roofline import hbm_bandwidth, seconds_per_call, step_bytes
 from jspec.bench.steps import STEPS_PER_CALL, StepTimer
+from jspec.speculative import buckets
 
 
 def matrix_shapes(cfg) -> dict:
@@ -48,8 +49,10 @@ def time_matrix_products(cfg, rows: int, dtype=jnp.bfloat16) -> list[dict]:
   for name, (k, n, count) in matrix_shapes(cfg).items():
     keys = jax.random.split(key, count + 2)
     weights = [jax.random.normal(keys[i], (k, n), dtype) for i in range(count)]
-    xs = [(jax.random.normal(keys[count + j], (rows, k), dtype),) for j in range(2)]
-    chain = jax.jit(lambda x, ws: [x @ w for w in ws])
+    # A different input per weight: products sharing an input would be merged by XLA (its dot
+    # merger concatenates their weights), which is not what a layer stack runs.
+    xs = [(jax.random.normal(keys[count + j], (count, rows, k), dtype),) for j in range(2)]
+    chain = jax.jit(lambda x, ws: [x[i] @ w for i, w in enumerate(ws)])
     seconds = seconds_per_call(lambda x: chain(x, weights), xs) / count
     results.append(dict(name=name, k=k, n=n, count=count, us=1e6 * seconds,
                         bytes_per_second=k * n * jnp.dtype(dtype).itemsize / seconds))
@@ -78,21 +81,27 @@ def main():
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--context", type=int, default=512)
   parser.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"])
+  parser.add_argument("--max-model-len", type=int, default=0,
+                      help="default context + 16; sets the largest cache bucket, which a "
+                           "long context's steps use")
   parser.add_argument("--no-products", action="store_true", help="skip part 3")
   parser.add_argument("--json", default=None, help="also write the results here")
   args = parser.parse_args()
 
+  max_model_len = args.max_model_len or args.context + 16
   cfg = PRESETS[args.model]
   cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings,
-                                                              args.context + 16))
+                                                              max_model_len))
   bandwidth = hbm_bandwidth()
-  llm = jspec.LLM.from_random(cfg, None, max_model_len=args.context + 16, max_num_seqs=1,
+  llm = jspec.LLM.from_random(cfg, None, max_model_len=max_model_len, max_num_seqs=1,
                               attention_backend=args.attention_backend)
   timer = StepTimer(llm)
   seconds = timer.measure(args.batch, args.context, {1, 2})
+  cache_slots = buckets.cache_bucket(args.context + 2, 0, max_model_len)
   decode_s = seconds[("target", 1)]
   floor_s = step_bytes(cfg, args.batch, 1, args.context) / bandwidth["read"]
   result = dict(model=args.model, batch=args.batch, context=args.context,
+                cache_slots=cache_slots,
                 attention_backend=args.attention_backend,
                 xla_flags=os.environ.get("XLA_FLAGS", ""), device=jax.devices()[0].device_kind,
                 read_bytes_per_second=bandwidth["read"], decode_ms=1e3 * decode_s,
@@ -107,7 +116,8 @@ def main():
     with open(args.json, "w") as f:
       json.dump(result, f, indent=1)
   read = bandwidth["read"]
-  print(f"\n{args.model} B={args.batch} context={args.context} attention={args.attention_backend} "
+  print(f"\n{args.model} B={args.batch} context={args.context} ({cache_slots} slots) "
+        f"attention={args.attention_backend} "
         f"XLA_FLAGS={result['xla_flags']!r} on {result['device']}")
   print(f"decode {result['decode_ms']:.3f} ms = {100 * result['roofline_fraction']:.1f}% of the "
         f"roofline (read {read / 1e12:.2f} TB/s); 2 tokens: {result['two_token_relative']:.2f}x")

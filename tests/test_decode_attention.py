@@ -32,7 +32,7 @@ def test_kernel_matches_the_reference_and_reads_only_valid_slots(seed):
   rng = np.random.default_rng(seed)
   b, k, g = rng.integers(1, 4), rng.choice([1, 2]), rng.choice([1, 2, 4])
   t = rng.choice([1, 2, 4])  # decode, and verify windows
-  s, h = rng.choice([16, 48, 80, 128, 256]), rng.choice([16, 32])
+  s, h = rng.choice([16, 48, 80, 128, 272, 384]), rng.choice([16, 32])
   q = rng.standard_normal((b, t, k * g, h)).astype(np.float32)
   keys = rng.standard_normal((b, k, s, h)).astype(np.float32)
   values = rng.standard_normal((b, k, s, h)).astype(np.float32)
@@ -49,8 +49,10 @@ def test_kernel_matches_the_reference_and_reads_only_valid_slots(seed):
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("slots, plan", [(16, (1, 16)), (80, (1, 16)), (128, (8, 16)),
-                                         (1024, (16, 64)), (8192, (16, 128)), (8208, (1, 16))])
+@pytest.mark.parametrize("slots, plan", [
+    (16, (1, 16)), (80, (5, 16)), (128, (1, 128)), (1024, (8, 128)), (8192, (16, 128)),
+    (8208, (19, 16)), (8320, (65, 128)),  # capped buckets: 16 or more splits, not 1
+    (16768, (131, 128))])  # 131 blocks, a prime: one block per split
 def test_split_plan_tiles_the_cache(slots, plan):
   assert split_plan(slots) == plan
   k_splits, block_k = plan
@@ -90,12 +92,12 @@ def test_unknown_attention_backend_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 4])
-def test_compiled_kernel_on_gpu_matches_the_reference(t):
+@pytest.mark.parametrize("t, s", [(1, 8192), (4, 8192), (1, 8320), (4, 8320)])
+def test_compiled_kernel_on_gpu_matches_the_reference(t, s):
   """The same check with Triton compiling the kernel (bf16 cache, as served), at a cache of
-  8192 slots split 16 ways."""
+  8192 slots split 16 ways and a capped bucket of 8320 split 65 ways."""
   rng = np.random.default_rng(t)
-  b, k, g, s, h = 4, 8, 4, 8192, 128
+  b, k, g, h = 4, 8, 4, 128
   q = rng.standard_normal((b, t, k * g, h)).astype(np.float32)
   keys = rng.standard_normal((b, k, s, h)).astype(np.float32)
   values = rng.standard_normal((b, k, s, h)).astype(np.float32)

@@ -23,25 +23,30 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jspec.sharding.rules import ShardingRules
-from jspec.speculative.buckets import CACHE_SLOT_MULTIPLE as SLOT_MULTIPLE
 
 with warnings.catch_warnings():  # the module warns that its home may move; the API is stable
   warnings.simplefilter("ignore", DeprecationWarning)
   from jax.experimental.pallas.ops.gpu import decode_attention as _pallas_decode
 
 ATTENTION_BACKENDS = ("xla", "pallas")
+SLOT_MULTIPLE = 16  # the kernel's smallest block of slots (Triton's dot needs 16 rows)
 
 
 def split_plan(num_slots: int) -> tuple[int, int]:
-  """(k_splits, block_k) for a cache of `num_slots`: as many parallel ranges as possible (up
-  to 16, each >= 16 slots), then the largest block (<= 128) that tiles a range."""
+  """(k_splits, block_k) for a cache of `num_slots`: the largest block (<= 128 slots) that
+  tiles the cache, then the fewest splits, each a whole number of blocks, that give at least
+  16 parallel ranges per (sequence, KV head) -- one per block when there are fewer blocks.
+
+  The splits need not be a power of two: a capped bucket such as 8320 slots (65 blocks of
+  128) is split 65 ways rather than falling back to one range of 16-slot blocks, which left
+  most of the GPU idle.
+  """
   if num_slots % SLOT_MULTIPLE:
     raise ValueError(f"decode attention needs a cache of a multiple of {SLOT_MULTIPLE} slots, "
                      f"got {num_slots}")
-  k_splits = next(s for s in (16, 8, 4, 2, 1)
-                  if num_slots % (s * SLOT_MULTIPLE) == 0 and num_slots // s >= SLOT_MULTIPLE)
-  split = num_slots // k_splits
-  block_k = next(b for b in (128, 64, 32, 16) if split % b == 0)
+  block_k = next(b for b in (128, 64, 32, 16) if num_slots % b == 0)
+  blocks = num_slots // block_k
+  k_splits = next(d for d in range(min(blocks, 16), blocks + 1) if blocks % d == 0)
   return k_splits, block_k
 
 
