@@ -23,6 +23,11 @@ from jspec.sharding.plan import sharded_configs
 
 PARAMS_DIR = "jspec_params"
 MTP_SPEC_FILE = "jspec_mtp.json"
+LAYOUT_FILE = "jspec_layout.json"
+# Version of the saved parameter tree; raised whenever a module's parameters change shape or
+# name, so an older directory is refused with a reason instead of an orbax tree mismatch.
+# 2: dense MLPs store gate and up as one gate_up_proj [D, 2, F].
+PARAM_LAYOUT = 2
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -45,12 +50,23 @@ def save_converted(llm, out_dir: str):
     tree["mtp"] = nnx.state(llm.mtp)
   with open(os.path.join(out_dir, MTP_SPEC_FILE), "w") as f:
     json.dump(None if llm.mtp_spec is None else dataclasses.asdict(llm.mtp_spec), f)
+  with open(os.path.join(out_dir, LAYOUT_FILE), "w") as f:
+    json.dump({"param_layout": PARAM_LAYOUT}, f)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(os.path.abspath(os.path.join(out_dir, PARAMS_DIR)), tree)
 
 
 def restore_converted(model_dir: str, cfg, dtype, mesh, target_rules, draft_rules=None):
   """(target, MTP head or None, MTPSpec or None), each array restored into its sharding."""
+  layout_path = os.path.join(model_dir, LAYOUT_FILE)
+  layout = None
+  if os.path.isfile(layout_path):
+    with open(layout_path) as f:
+      layout = json.load(f).get("param_layout")
+  if layout != PARAM_LAYOUT:
+    raise ValueError(f"{model_dir!r} was converted with parameter layout {layout or 1}; this "
+                     f"jspec reads layout {PARAM_LAYOUT}: run `jspec convert` again from the "
+                     "Hugging Face checkpoint")
   with open(os.path.join(model_dir, MTP_SPEC_FILE)) as f:
     spec_dict = json.load(f)
   mtp_spec = None if spec_dict is None else MTPSpec(**spec_dict)

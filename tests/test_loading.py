@@ -62,6 +62,19 @@ def test_converted_checkpoint_round_trip(tmp_path):
     save_converted(original, str(tmp_path / "converted"))
 
 
+def test_converted_checkpoint_of_an_older_layout_is_refused(tmp_path):
+  from jspec.checkpoint import LAYOUT_FILE, save_converted
+  original = cached_llm(DENSE)  # dense MLPs: the fused gate_up parameter round-trips
+  save_converted(original, str(tmp_path / "converted"))
+  seq = [[5, 6, 7, 8]]
+  np.testing.assert_array_equal(_load(tmp_path / "converted").compute_logits(seq)[0],
+                                original.compute_logits(seq)[0])
+  os.remove(tmp_path / "converted" / LAYOUT_FILE)  # as written before the layout was recorded
+  with pytest.raises(ValueError, match="converted with parameter layout 1; .* run `jspec "
+                                       "convert` again"):
+    _load(tmp_path / "converted")
+
+
 def test_missing_directory():
   with pytest.raises(FileNotFoundError, match="does not exist"):
     _load("/nonexistent/model")

@@ -136,15 +136,19 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+  """SwiGLU: down(silu(x @ gate) * (x @ up)), gate and up stored as one [D, 2, F] matrix.
+
+  Why fused: at batch 1 a projection is a matrix-vector product, and one product over both
+  matrices reads them faster than two (Qwen3-8B on an H200: 47.6 us per layer for the pair,
+  against 2 x 27.5 us; BENCHMARKS.md). The middle axis is not sharded, so a tp shard holds
+  the gate and up columns of its own slice of F and needs no communication.
+  """
 
   def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
-    self.gate_proj = param(rngs, (hidden, intermediate), dtype, ("embed", "mlp"))
-    self.up_proj = param(rngs, (hidden, intermediate), dtype, ("embed", "mlp"))
+    self.gate_up_proj = param(rngs, (hidden, 2, intermediate), dtype, ("embed", None, "mlp"))
     self.down_proj = param(rngs, (intermediate, hidden), dtype, ("mlp", "embed"))
 
   def __call__(self, x_BTD):
-    gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate_proj[...])
-    up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up_proj[...])
-    act_BTF = jax.nn.silu(gate_BTF) * up_BTF
+    gate_up_BTCF = jnp.einsum("btd,dcf->btcf", x_BTD, self.gate_up_proj[...])
+    act_BTF = jax.nn.silu(gate_up_BTCF[:, :, 0]) * gate_up_BTCF[:, :, 1]
     return jnp.einsum("btf,fd->btd", act_BTF, self.down_proj[...])

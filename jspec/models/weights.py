@@ -59,8 +59,10 @@ def decoder_rules(cfg: ModelConfig, prefix: str, is_moe: bool, fused_experts: bo
   if not is_moe:
     f = cfg.intermediate_size
     rules.update({
-        ("mlp", "gate_proj"): _rule(p + "mlp.gate_proj.weight", (f, d), _linear_t((d, f))),
-        ("mlp", "up_proj"): _rule(p + "mlp.up_proj.weight", (f, d), _linear_t((d, f))),
+        # gate and up as one [D, 2, F] matrix (jspec.models.layers.MLP says why).
+        ("mlp", "gate_up_proj"): TensorRule(
+            (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), ((f, d), (f, d)),
+            lambda gate, up: np.ascontiguousarray(np.stack([gate.T, up.T], axis=1))),
         ("mlp", "down_proj"): _rule(p + "mlp.down_proj.weight", (d, f), _linear_t((f, d))),
     })
     return rules
