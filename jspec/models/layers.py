@@ -139,7 +139,7 @@ class MLP(nnx.Module):
   """SwiGLU: down(silu(x @ gate) * (x @ up)), gate and up stored as one [D, 2, F] matrix.
 
   Why fused: at batch 1 a projection is a matrix-vector product, and one product over both
-  matrices reads them faster than two (Qwen3-8B on an H200: 47.6 us per layer for the pair,
+  matrices reads them faster than two (Qwen3-8B on an H200: 46.9 us per layer for the pair,
   against 2 x 27.5 us; BENCHMARKS.md). The middle axis is not sharded, so a tp shard holds
   the gate and up columns of its own slice of F and needs no communication.
   """
