@@ -3,7 +3,8 @@
   1. the step timed exactly as `jspec bench` times it (8 steps in an on-device loop), at 1 and
      2 tokens per sequence;
   2. the same program once under the profiler: kernels per step, their summed time, what is
-     left of the step between kernels, and the top kernels;
+     left of the timed step between kernels (kernels run a little longer under the profiler,
+     so a small negative figure means the kernels fill the step), and the top kernels;
   3. the model's matrix products alone at this batch, each weight shape chained over all
      layers (so no weight is served from L2), as read bandwidth: separate q / k / v and
      gate / up, and the fused shapes (qkv, gate_up) a fused projection would run.
