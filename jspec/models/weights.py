@@ -24,6 +24,9 @@ class TensorRule:
   names: tuple[str, ...]                  # HF tensor names read, in order
   hf_shapes: tuple[tuple[int, ...], ...]  # the shape each must have
   build: Callable[..., np.ndarray]        # HF arrays -> the jspec parameter
+  # jspec parameter -> HF arrays, for rules that read several tensors into one parameter; the
+  # saver derives the inverse of single-tensor rules from their shapes.
+  split: Callable[[np.ndarray], list[np.ndarray]] | None = None
 
 
 def _copy(shape):
@@ -62,7 +65,8 @@ def decoder_rules(cfg: ModelConfig, prefix: str, is_moe: bool, fused_experts: bo
         # gate and up as one [D, 2, F] matrix (jspec.models.layers.MLP says why).
         ("mlp", "gate_up_proj"): TensorRule(
             (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), ((f, d), (f, d)),
-            lambda gate, up: np.ascontiguousarray(np.stack([gate.T, up.T], axis=1))),
+            lambda gate, up: np.ascontiguousarray(np.stack([gate.T, up.T], axis=1)),
+            split=lambda gate_up: [np.ascontiguousarray(gate_up[:, i].T) for i in range(2)]),
         ("mlp", "down_proj"): _rule(p + "mlp.down_proj.weight", (d, f), _linear_t((f, d))),
     })
     return rules

@@ -52,15 +52,15 @@ def hf_config_dict(cfg: ModelConfig, num_mtp_layers: int, dtype: str) -> dict:
   return config
 
 
-def _to_hf(path, array: np.ndarray, hf_shapes) -> list[np.ndarray]:
-  """jspec layout -> the HF tensors of one rule: vectors and the embedding as they are,
-  projections transposed back to nn.Linear's [out, in] (q_proj [D, N, H] -> [N*H, D], o_proj
-  [N, H, D] -> [D, N*H]); the fused gate_up [D, 2, F] -> gate [F, D] and up [F, D]."""
+def _to_hf(path, array: np.ndarray, rule) -> list[np.ndarray]:
+  """jspec layout -> the HF tensors of one rule: the rule's own `split` where it has one (the
+  fused gate_up), else vectors and the embedding as they are and projections transposed back
+  to nn.Linear's [out, in] (q_proj [D, N, H] -> [N*H, D], o_proj [N, H, D] -> [D, N*H])."""
+  if rule.split is not None:
+    return rule.split(array)
   if array.ndim == 1 or path[-1] == "embed":
-    return [array.reshape(hf_shapes[0])]
-  if path[-1] == "gate_up_proj":
-    return [np.ascontiguousarray(array[:, i].T) for i in range(2)]
-  out_dim, in_dim = hf_shapes[0]
+    return [array.reshape(rule.hf_shapes[0])]
+  out_dim, in_dim = rule.hf_shapes[0]
   return [np.ascontiguousarray(array.reshape(in_dim, out_dim).T)]
 
 
@@ -68,11 +68,11 @@ def _hf_tensors(module, rules: dict, prefix: tuple = ()) -> dict:
   tensors = {}
   for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Param)):
     rule = rules[path]
-    if len(rule.names) != (2 if path[-1] == "gate_up_proj" else 1):
+    if len(rule.names) != 1 and rule.split is None:
       raise ValueError(f"parameter {path} maps to {len(rule.names)} HF tensors (MoE experts); "
                        "not supported")
     ours = np.asarray(jax.device_get(variable.get_value())).astype(np.float32)
-    theirs = _to_hf(path, ours, rule.hf_shapes)
+    theirs = _to_hf(path, ours, rule)
     if not np.array_equal(rule.build(*theirs), ours):  # the loader must read back what we wrote
       raise AssertionError(f"saver/loader mismatch for {prefix + path} -> {rule.names}")
     tensors.update(zip(rule.names, theirs))
