@@ -12,7 +12,9 @@ from flax import nnx
 from jspec import engine
 from jspec.checkpoint import is_converted, restore_converted
 from jspec.config import ModelConfig, SamplingParams, SpecConfig, resolve_dtype
+from jspec.models.caches import RECURRENT_COMMIT_MODES
 from jspec.models.decode_attention import ATTENTION_BACKENDS, sharded_window_attention
+from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import Attention
 from jspec.models.loading import init_random, load_checkpoint
 from jspec.models.moe_backends import get_experts_fn, resolve_moe_backend
@@ -57,12 +59,15 @@ class LLM:
                max_num_seqs: int = 64, compilation_cache_dir: str | None = None,
                ep_strategy: str = "auto", device_memory_bytes: int | None = None,
                prefill_chunk_size: int = 1024, attention_backend: str = "xla",
-               _modules=None):
+               recurrent_commit: str = "replay", _modules=None):
     self.dtype = resolve_dtype(dtype)
     if attention_backend not in ATTENTION_BACKENDS:
       raise ValueError(f"attention_backend={attention_backend!r} is not supported; choose one "
                        f"of {ATTENTION_BACKENDS}")
     self.attention_backend = attention_backend
+    if recurrent_commit not in RECURRENT_COMMIT_MODES:
+      raise ValueError(f"recurrent_commit={recurrent_commit!r} is not supported; choose one of "
+                       f"{RECURRENT_COMMIT_MODES}")
     self.spec = SpecConfig.parse(speculative_config)
     self.mesh_config = mesh or MeshConfig(num_devices=1)
     if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
@@ -112,11 +117,10 @@ class LLM:
     use_mtp = self.spec is not None and self.spec.method == "mtp"
     if use_mtp and self.spec.draft_vocab is not None:
       self._restrict_draft_vocab(self.spec.draft_vocab)
+    self._set_recurrent_commit(recurrent_commit)
     self.memory_plan = plan_memory(
-        self.config, self.mesh_config, nnx.state(self.target),
-        nnx.state(self.mtp) if use_mtp else None, self.dtype, max_num_seqs, max_model_len, k,
-        draft_tp_sharded=self.draft_rules is self.rules,
-        num_draft_layers=len(self.mtp.layers) if use_mtp else 0,
+        self.mesh_config, self.mesh, self.target, self.mtp if use_mtp else None, self.rules,
+        self.draft_rules, self.dtype, max_num_seqs, max_model_len, k,
         capacity_bytes=device_memory_bytes or device_capacity())
     base_experts = get_experts_fn(self.moe_backend)
     self.experts_fn = self.draft_experts_fn = base_experts
@@ -127,6 +131,15 @@ class LLM:
     if attention_backend == "pallas":
       self._use_pallas_attention()
     self._runner = engine.Runner(self)
+
+  def _set_recurrent_commit(self, mode: str):
+    """How linear-attention layers keep a verify window until commit (jspec.models.caches):
+    "replay" reruns the emitted positions from the state before the window, "store" keeps
+    the state after every position and picks one."""
+    self.recurrent_commit = mode
+    for _, node in nnx.iter_graph(self.target):
+      if isinstance(node, GatedDeltaNet):
+        node.commit_mode = mode
 
   def _use_pallas_attention(self):
     """Decode, verify and draft steps of the target and the draft attend through the split-S
@@ -180,7 +193,13 @@ class LLM:
     if not prompts:
       raise ValueError("prompts is empty: pass at least one prompt")
     encoded = []
+    media = set(self.config.multimodal_token_ids)
     for i, prompt in enumerate(prompts):
+      if isinstance(prompt, dict):
+        kinds = sorted(set(prompt) & {"multi_modal_data", "images", "image", "videos", "video"})
+        raise ValueError(f"prompt {i} is a dict{' with ' + ', '.join(kinds) if kinds else ''}: "
+                         "jspec generates from text only (no image or video inputs); pass a "
+                         "string or a list of token ids")
       if isinstance(prompt, str):
         if self.tokenizer is None:
           raise ValueError(f"prompt {i} is text but {self.model_dir!r} has no tokenizer files; "
@@ -190,6 +209,10 @@ class LLM:
         ids = [int(t) for t in prompt]
       if not ids:
         raise ValueError(f"prompt {i} is empty")
+      placeholders = sorted(media.intersection(ids))
+      if placeholders:
+        raise ValueError(f"prompt {i} holds image/video placeholder token ids {placeholders}: "
+                         "jspec generates from text only (no image or video inputs)")
       bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
       if bad:
         raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary "

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jspec.models.mtp import MTPHead, MTPSpec
-from jspec.models.qwen3 import Qwen3CausalLM
+from jspec.models.registry import family_of
 from jspec.sharding.plan import sharded_configs
 
 PARAMS_DIR = "jspec_params"
@@ -72,11 +72,12 @@ def restore_converted(model_dir: str, cfg, dtype, mesh, target_rules, draft_rule
   mtp_spec = None if spec_dict is None else MTPSpec(**spec_dict)
   draft_rules = draft_rules or target_rules
   target_cfg, draft_cfg = sharded_configs(cfg, mesh, target_rules, draft_rules)
-  modules = {"target": (nnx.eval_shape(lambda: Qwen3CausalLM(target_cfg, dtype, nnx.Rngs(0))),
+  model = family_of(cfg).model
+  modules = {"target": (nnx.eval_shape(lambda: model(target_cfg, dtype, nnx.Rngs(0))),
                         target_rules)}
   if mtp_spec is not None:
-    modules["mtp"] = (nnx.eval_shape(lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(0))),
-                      draft_rules)
+    modules["mtp"] = (nnx.eval_shape(lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(0),
+                                                     model)), draft_rules)
   abstract_tree, graphdefs = {}, {}
   for name, (module, rules) in modules.items():
     graphdef, state = nnx.split(module)

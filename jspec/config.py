@@ -14,7 +14,6 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -51,6 +50,20 @@ class ModelConfig:
   decoder_sparse_step: int = 1
   # Multi-token prediction heads declared by the config (their layout is found from weights).
   num_mtp_layers: int = 0
+  # Hybrid models (Qwen3-Next / Qwen3.5): each layer's token mixer, "full_attention" or
+  # "linear_attention" (Gated DeltaNet); empty means every layer is full attention.
+  layer_types: tuple[str, ...] = ()
+  partial_rotary_factor: float = 1.0
+  linear_num_key_heads: int = 0
+  linear_num_value_heads: int = 0
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_conv_kernel: int = 0
+  shared_expert_intermediate_size: int = 0  # 0: no shared expert
+  # Where the text model's tensors live: "model." or, in multimodal layouts, "model.language_model.".
+  weight_prefix: str = "model."
+  # Token ids that stand for image / video content: refused in prompts (text-only).
+  multimodal_token_ids: tuple[int, ...] = ()
   # Not read from the checkpoint: how many copies of each KV head the cache holds. 1 unless
   # tensor parallelism is wider than num_kv_heads; then every tp shard keeps the one KV head
   # its query heads read (vLLM's rule), and this is tp / num_kv_heads (`for_kv_shards`).
@@ -59,6 +72,14 @@ class ModelConfig:
   @property
   def is_moe(self) -> bool:
     return self.num_experts > 0
+
+  def layer_type(self, layer_index: int) -> str:
+    return self.layer_types[layer_index] if self.layer_types else "full_attention"
+
+  @property
+  def rotary_dim(self) -> int:
+    """RoPE covers the first head_dim * partial_rotary_factor dims of each head."""
+    return int(self.head_dim * self.partial_rotary_factor)
 
   @property
   def cache_kv_heads(self) -> int:
@@ -83,40 +104,9 @@ class ModelConfig:
 
   @classmethod
   def from_hf(cls, hf_config) -> "ModelConfig":
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-      raise ValueError(f"unsupported architecture {architectures or hf_config.model_type!r}; "
-                       f"jspec supports {list(SUPPORTED_ARCHITECTURES)}")
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
-      raise ValueError(f"rope_type={rope_type!r} is not supported; jspec supports 'default'")
-    rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if rope_theta is None:
-      raise ValueError("config has neither rope_parameters['rope_theta'] nor rope_theta")
-    num_heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    eos = getattr(hf_config, "eos_token_id", None)
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-    num_mtp = (getattr(hf_config, "num_nextn_predict_layers", None)
-               or getattr(hf_config, "mtp_num_hidden_layers", None) or 0)
-    moe = {}
-    if arch == "Qwen3MoeForCausalLM":
-      moe = dict(num_experts=hf_config.num_experts,
-                 num_experts_per_tok=hf_config.num_experts_per_tok,
-                 moe_intermediate_size=hf_config.moe_intermediate_size,
-                 norm_topk_prob=bool(hf_config.norm_topk_prob),
-                 mlp_only_layers=tuple(hf_config.mlp_only_layers or ()),
-                 decoder_sparse_step=int(hf_config.decoder_sparse_step or 1))
-    return cls(
-        architecture=arch, vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size, num_layers=hf_config.num_hidden_layers,
-        num_heads=num_heads, num_kv_heads=hf_config.num_key_value_heads, head_dim=head_dim,
-        rms_norm_eps=hf_config.rms_norm_eps, rope_theta=float(rope_theta),
-        tie_word_embeddings=bool(hf_config.tie_word_embeddings),
-        max_position_embeddings=hf_config.max_position_embeddings, eos_token_ids=eos_ids,
-        num_mtp_layers=int(num_mtp), **moe)
+    """The config of a supported architecture, read by its family (jspec.models.registry)."""
+    from jspec.models.registry import read_config  # families import this module
+    return read_config(hf_config)
 
   @classmethod
   def from_dir(cls, model_dir: str) -> "ModelConfig":

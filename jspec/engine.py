@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jspec.config import SamplingParams
-from jspec.models.qwen3 import empty_caches
+from jspec.models import caches as cache_lib
 from jspec.outputs import RequestMetrics, RequestOutput
 from jspec.progress import stage
 from jspec.speculative import buckets
@@ -39,11 +39,12 @@ class Runner:
       self.mtp_graphdef, self.mtp_state = None, None
     self._compiled = {}         # (LoopPlan, prompt shape) -> (prefill, loop) executables
     self._logits_compiled = {}  # (batch, length) -> jitted full-sequence logits
-    cache_axes = ("batch", "kv_heads", "cache_seq", "head_dim")
-    self.ctx = LoopContext(experts_fn=llm.experts_fn, draft_experts_fn=llm.draft_experts_fn,
-                           dtype=llm.dtype,
-                           cache_sharding=llm.rules.sharding(llm.mesh, cache_axes),
-                           draft_cache_sharding=llm.draft_rules.sharding(llm.mesh, cache_axes))
+    self.ctx = LoopContext(
+        experts_fn=llm.experts_fn, draft_experts_fn=llm.draft_experts_fn, dtype=llm.dtype,
+        cache_shardings=module_cache_shardings(llm.target, llm.rules, llm.mesh, llm.dtype),
+        draft_cache_shardings=(module_cache_shardings(llm.mtp, llm.draft_rules, llm.mesh,
+                                                      llm.dtype)
+                               if self.method == "mtp" else None))
 
   def _put(self, host: np.ndarray, logical_axes) -> jax.Array:
     """A host array made global on the mesh (each process supplies its devices' slices)."""
@@ -75,9 +76,8 @@ class Runner:
       return llm.rules.sharding(llm.mesh, axes)
 
     shardings = jax.tree.map(leaf_sharding, state_shape)
-    return shardings.replace(
-        target_caches=jax.tree.map(lambda _: self.ctx.cache_sharding, state_shape.target_caches),
-        mtp_caches=jax.tree.map(lambda _: self.ctx.draft_cache_sharding, state_shape.mtp_caches))
+    return shardings.replace(target_caches=self.ctx.cache_shardings,
+                             mtp_caches=self.ctx.draft_cache_shardings or ())
 
   def _compile(self, plan: LoopPlan, tokens_BP, prompt_lens_B, req):
     key = (plan, tokens_BP.shape)
@@ -204,9 +204,19 @@ class Runner:
     def logits_fn(target_state, tokens_BT):
       target = nnx.merge(tgd, target_state)
       positions_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens_BT.shape)
-      caches = empty_caches(target.cfg, target.cfg.num_layers, batch, length, ctx.dtype)
-      hidden_BTD, _ = in_chunks(lambda t, p, c: target(t, p, c, length, ctx.experts_fn),
-                                 (tokens_BT, positions_BT), caches, chunk)
+      caches = cache_lib.constrain(target.init_caches(batch, length, ctx.dtype),
+                                   ctx.cache_shardings)
+      # Every position is "valid": padding after a sequence cannot reach its logits.
+      full_B = jnp.full((batch,), length, jnp.int32)
+      hidden_BTD, _ = in_chunks(
+          lambda t, p, c: target(t, p, c, length, ctx.experts_fn, seq_lens_B=full_B),
+          (tokens_BT, positions_BT), caches, chunk)
       return target.logits(hidden_BTD)
 
     return logits_fn
+
+
+def module_cache_shardings(module, rules, mesh, dtype) -> tuple:
+  """The sharding of each of a module's per-layer caches (independent of their sizes)."""
+  shapes = jax.eval_shape(lambda: module.init_caches(1, 1, dtype))
+  return cache_lib.shardings(shapes, rules, mesh)

@@ -9,7 +9,6 @@ import pytest
 
 from helpers import FIXTURE_NAMES, cached_llm, greedy, reference
 from jspec.models.moe_backends import experts_reference
-from jspec.models.qwen3 import empty_caches
 
 TOL = 1e-4
 
@@ -52,7 +51,7 @@ def test_mtp_head_matches_torch_reference(name):
     next_T = jnp.asarray(seq[1:], jnp.int32)[None]          # t_1 .. t_n
     n = next_T.shape[1]
     positions = jnp.arange(n, dtype=jnp.int32)[None]
-    cache = empty_caches(llm.config, 1, 1, n, jnp.float32)[0]
+    cache = llm.mtp.init_caches(1, n, jnp.float32)[0]
     normed, feedback, _ = layer(llm.target, next_T, hidden_TD, positions, cache, n,
                                 experts_reference)
     logits = np.asarray(layer.logits(llm.target, normed))[0]

@@ -23,26 +23,31 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.bench.roofline import seconds_per_call
-from jspec.models.qwen3 import empty_caches
+from jspec.models import caches as cache_lib
 from jspec.speculative import buckets
 
 STEPS_PER_CALL = 8
 
 
-def _random_caches(cfg, num_layers: int, batch: int, cache_len: int, dtype, sharding, seed: int):
-  shapes = jax.eval_shape(lambda: empty_caches(cfg, num_layers, batch, cache_len, dtype))
-  keys = iter(jax.random.split(jax.random.key(seed), 2 * num_layers))
+def _random_caches(shapes, shardings, seed: int):
+  """Caches of these shapes filled with random values (recurrent states scaled small, as
+  trained states are bounded), each born in its sharding."""
+  leaves, treedef = jax.tree.flatten(shapes)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
 
-  def draw(zero):
-    fill = jax.jit(lambda key: jax.random.normal(key, zero.shape, jnp.float32).astype(zero.dtype),
-                   out_shardings=sharding)
-    return fill(next(keys))
+  def draw(zero, sharding, key):
+    scale = 0.05 if zero.dtype == jnp.float32 else 1.0
+    fill = jax.jit(lambda k: (scale * jax.random.normal(k, zero.shape, jnp.float32)
+                              ).astype(zero.dtype), out_shardings=sharding)
+    return fill(key)
 
-  return tuple((draw(k), draw(v)) for k, v in shapes)
+  return jax.tree.unflatten(treedef, [draw(z, sh, k) for z, sh, k in
+                                      zip(leaves, jax.tree.leaves(shardings), keys)])
 
 
-def _abstract(tree, sharding):
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree,
+                      shardings)
 
 
 def _positions(batch: int, context: int, width: int):
@@ -62,8 +67,11 @@ class StepTimer:
     # profiling a piece after timing it (benchmarks/decode_step.py).
     self.runs = {}
     runner = llm._runner
-    self.cache_sharding = runner.ctx.cache_sharding
-    self.draft_cache_sharding = runner.ctx.draft_cache_sharding
+    self.cache_shardings = runner.ctx.cache_shardings
+    self.draft_cache_shardings = (runner.ctx.draft_cache_shardings if llm.mtp is None else
+                                  cache_lib.shardings(jax.eval_shape(
+                                      lambda: llm.mtp.init_caches(1, 1, llm.dtype)),
+                                      llm.draft_rules, llm.mesh))
 
   # --- programs ------------------------------------------------------------------------------
 
@@ -75,9 +83,11 @@ class StepTimer:
 
       def body(_, carry):
         caches, tokens_BT = carry
-        hidden, caches = target(tokens_BT, positions_BT, caches, cache_len, llm.experts_fn)
+        hidden, window = target(tokens_BT, positions_BT, caches, cache_len, llm.experts_fn)
         next_BT = jnp.argmax(target.logits(hidden), axis=-1).astype(jnp.int32)
-        return caches, next_BT
+        # As the loop does: commit the window (all of it; recurrent layers pay their commit).
+        num_emit_B = jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)
+        return cache_lib.commit(window, num_emit_B), next_BT
 
       caches, tokens_BT = jax.lax.fori_loop(0, STEPS_PER_CALL, body, (caches, tokens_BT))
       return tokens_BT, caches
@@ -123,12 +133,9 @@ class StepTimer:
       raise ValueError("this model has no MTP head to time")
     widths = sorted(set(target_widths) | set(mtp_widths))
     cache_len = buckets.cache_bucket(context + max(widths), 0, llm.max_model_len)
-    target_cfg = llm.target.cfg
-    target_caches = jax.eval_shape(lambda: empty_caches(target_cfg, target_cfg.num_layers, batch,
-                                                        cache_len, llm.dtype))
-    draft_cfg = llm.mtp.cfg if llm.mtp is not None else target_cfg
-    draft_cache = jax.eval_shape(lambda: empty_caches(draft_cfg, 1, batch, cache_len,
-                                                      llm.dtype)[0])
+    target_caches = jax.eval_shape(lambda: llm.target.init_caches(batch, cache_len, llm.dtype))
+    draft_cache = (jax.eval_shape(lambda: llm.mtp.init_caches(batch, cache_len, llm.dtype)[0])
+                   if llm.mtp is not None else None)
     inputs = {w: (jnp.ones((batch, w), jnp.int32),
                   jnp.ones((batch, w, llm.config.hidden_size), llm.dtype),
                   _positions(batch, context, w)) for w in widths}
@@ -137,22 +144,21 @@ class StepTimer:
       tokens, _, positions = inputs[w]
       jobs[("target", w)] = (
           f"target B={batch} S={cache_len} T={w}", self._target_steps(cache_len),
-          (self.target_state, _abstract(target_caches, self.cache_sharding), tokens, positions),
+          (self.target_state, _abstract(target_caches, self.cache_shardings), tokens, positions),
           (1,))
     for w in sorted(set(mtp_widths)):
       jobs[("mtp", w)] = (
           f"mtp B={batch} S={cache_len} T={w}", self._mtp_steps(cache_len),
-          (self.target_state, self.mtp_state, _abstract(draft_cache, self.draft_cache_sharding),
+          (self.target_state, self.mtp_state,
+           _abstract(draft_cache, self.draft_cache_shardings[0]),
            *inputs[w]), (2,))
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
       futures = {key: pool.submit(self._compile, *job) for key, job in jobs.items()}
       programs = {key: f.result() for key, f in futures.items()}
 
-    holder = {"target": _random_caches(target_cfg, target_cfg.num_layers, batch, cache_len,
-                                       llm.dtype, self.cache_sharding, 1)}
+    holder = {"target": _random_caches(target_caches, self.cache_shardings, 1)}
     if mtp_widths:
-      holder["mtp"] = _random_caches(draft_cfg, 1, batch, cache_len, llm.dtype,
-                                     self.draft_cache_sharding, 2)[0]
+      holder["mtp"] = _random_caches(draft_cache, self.draft_cache_shardings[0], 2)
     seconds = {}
     for key, program in programs.items():
       kind, w = key
@@ -179,10 +185,10 @@ class StepTimer:
 
     def forward(state, tokens_BP, positions_BP):
       target = nnx.merge(tgd, state)
-      caches = jax.tree.map(lambda c: jax.lax.with_sharding_constraint(c, self.cache_sharding),
-                            empty_caches(target.cfg, target.cfg.num_layers, batch, cache_len,
-                                         llm.dtype))
-      hidden, caches = target(tokens_BP, positions_BP, caches, prompt_len, llm.experts_fn)
+      caches = cache_lib.constrain(target.init_caches(batch, cache_len, llm.dtype),
+                                   self.cache_shardings)
+      hidden, caches = target(tokens_BP, positions_BP, caches, prompt_len, llm.experts_fn,
+                              seq_lens_B=jnp.full((batch,), prompt_len, jnp.int32))
       return jnp.argmax(target.logits(hidden[:, -1:]), axis=-1), caches
 
     step = self._compile(f"prefill B={batch} P={prompt_len}", forward,

@@ -1,4 +1,4 @@
-"""Building blocks shared by every model family: RMSNorm, RoPE, attention over a KV cache, MLP.
+"""Building blocks shared by every model family: RMSNorms, RoPE, attention over a KV cache, MLP.
 
 Every parameter is an `nnx.Param` whose metadata `logical_axes` names each dimension; the
 sharding rules (jspec.sharding.rules) map those names to mesh axes, so no module here mentions
@@ -14,12 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jspec.models.caches import KVCache
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
-
-# (keys_BKSH, values_BKSH) of one attention layer. Heads before slots: each (sequence, kv head)
-# is one contiguous [S, H] matrix, so both attention products are batched GEMMs over the cache
-# exactly as stored, with no layout change left to XLA.
-LayerCache = tuple[jax.Array, jax.Array]
 
 
 def param(rngs: nnx.Rngs, shape, dtype, logical_axes, scale: float | None = None) -> nnx.Param:
@@ -33,6 +29,16 @@ def ones_param(shape, dtype, logical_axes) -> nnx.Param:
   return nnx.Param(jnp.ones(shape, dtype), logical_axes=logical_axes, init_scale=None)
 
 
+def zeros_param(shape, dtype, logical_axes) -> nnx.Param:
+  # init_scale 0: random initialisation (loading.init_random) draws 0 * normal = 0.
+  return nnx.Param(jnp.zeros(shape, dtype), logical_axes=logical_axes, init_scale=0.0)
+
+
+def _normalized_f32(x, eps):
+  x32 = x.astype(jnp.float32)
+  return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 class RMSNorm(nnx.Module):
   """Qwen3RMSNorm: normalise in float32, cast back, then scale in the parameter dtype."""
 
@@ -41,22 +47,51 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x):
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale[...] * x32.astype(x.dtype)
+    return self.scale[...] * _normalized_f32(x, self.eps).astype(x.dtype)
 
 
-def rope(x_BTNH, positions_BT, theta: float):
-  """Rotary embedding in the rotate-half convention of Qwen3 (transformers `apply_rotary_pos_emb`)."""
+class ZeroCenteredRMSNorm(nnx.Module):
+  """Scale by (1 + w), in float32 before the cast (Qwen3-Next / Qwen3.5 `Qwen3NextRMSNorm`,
+  Gemma3's norm): the stored weight is centred on 0, so a checkpoint's zeros mean identity."""
+
+  def __init__(self, dim: int, eps: float, dtype, axis_name: str = "embed"):
+    self.scale = zeros_param((dim,), dtype, (axis_name,))
+    self.eps = eps
+
+  def __call__(self, x):
+    scale = 1.0 + self.scale[...].astype(jnp.float32)
+    return (_normalized_f32(x, self.eps) * scale).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+  """RMSNorm(x) * silu(gate) over the last axis, plain w (Qwen3-Next `Qwen3NextRMSNormGated`,
+  the linear-attention output norm): normalise in float32, cast, scale, gate in float32."""
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.scale = ones_param((dim,), dtype, (None,))
+    self.eps = eps
+
+  def __call__(self, x, gate):
+    normed = self.scale[...] * _normalized_f32(x, self.eps).astype(x.dtype)
+    return (normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope(x_BTNH, positions_BT, theta: float, rotary_dim: int | None = None):
+  """Rotary embedding in the rotate-half convention of Qwen3 (transformers `apply_rotary_pos_emb`),
+  over the first `rotary_dim` dims of each head (partial RoPE, as Qwen3-Next / Qwen3.5 and
+  bamba's `apply_rotary_pos_emb` do); the rest pass through. Frequencies are over rotary_dim."""
   head_dim = x_BTNH.shape[-1]
-  inv_freq_H2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  dim = head_dim if rotary_dim is None else rotary_dim
+  inv_freq_H2 = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
   angles_BTH2 = positions_BT[..., None].astype(jnp.float32) * inv_freq_H2
   angles_BTH = jnp.concatenate([angles_BTH2, angles_BTH2], axis=-1)[:, :, None, :]
   cos, sin = jnp.cos(angles_BTH), jnp.sin(angles_BTH)
   x32 = x_BTNH.astype(jnp.float32)
-  half = head_dim // 2
-  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-  return (x32 * cos + rotated * sin).astype(x_BTNH.dtype)
+  rot, rest = x32[..., :dim], x32[..., dim:]
+  half = dim // 2
+  rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+  out = jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)
+  return out.astype(x_BTNH.dtype)
 
 
 def write_cache(cache_BKSH, new_BTKH, positions_BT):
@@ -71,7 +106,13 @@ def write_cache(cache_BKSH, new_BTKH, positions_BT):
 
 
 class Attention(nnx.Module):
-  """GQA with q/k RMSNorm over head_dim (Qwen3), attending over a contiguous per-slot cache."""
+  """GQA with q/k RMSNorm over head_dim (Qwen3), attending over a contiguous per-slot cache.
+
+  Subclasses change the projections (`_project`) and the output gate; the cache handling and
+  the attention itself (`_attend`) are shared by every family with a KV cache.
+  """
+
+  norm_cls = RMSNorm
 
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -80,21 +121,33 @@ class Attention(nnx.Module):
     # which are split over tp like the query heads: each shard then holds its own group's head.
     self.kv_replicas = cfg.kv_head_replicas
     kv_axis = "kv_heads" if self.kv_replicas == 1 else None
-    self.q_proj = param(rngs, (d, n, h), dtype, ("embed", "q_heads", "head_dim"))
+    self._init_query(cfg, dtype, rngs)
     self.k_proj = param(rngs, (d, k, h), dtype, ("embed", kv_axis, "head_dim"))
     self.v_proj = param(rngs, (d, k, h), dtype, ("embed", kv_axis, "head_dim"))
     self.o_proj = param(rngs, (n, h, d), dtype, ("q_heads", "head_dim", "embed"),
                         scale=(n * h) ** -0.5)
-    self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, "head_dim")
-    self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, "head_dim")
+    self.q_norm = self.norm_cls(h, cfg.rms_norm_eps, dtype, "head_dim")
+    self.k_norm = self.norm_cls(h, cfg.rms_norm_eps, dtype, "head_dim")
     self.rope_theta = cfg.rope_theta
+    self.rotary_dim = cfg.rotary_dim
     self.num_kv_heads = cfg.cache_kv_heads
     # Optional kernel for decode/verify steps (jspec.models.decode_attention), set by the LLM:
     # (q [B,T,N,H], new k, v [B,T,K,H], cache k, v [B,K,S,H], first position [B]) -> [B,T,N,H],
     # for steps of at most MAX_ROWS_PER_KV_HEAD query rows per KV head. None: XLA's attention.
     self.window_attention = None
 
-  def __call__(self, x_BTD, positions_BT, cache: LayerCache, kv_window: int):
+  def _init_query(self, cfg, dtype, rngs):
+    d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    self.q_proj = param(rngs, (d, n, h), dtype, ("embed", "q_heads", "head_dim"))
+
+  def _project(self, x_BTD):
+    """(queries [B,T,N,H], keys, values [B,T,K,H], output gate [B,T,N,H] or None)."""
+    q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...])
+    k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...])
+    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...])
+    return q_BTNH, k_BTKH, v_BTKH, None
+
+  def __call__(self, x_BTD, positions_BT, cache: KVCache, kv_window: int):
     """Writes this call's keys/values at `positions_BT`, then attends causally.
 
     A query at position p sees every slot j <= p: slots below the sequence's committed length
@@ -102,17 +155,21 @@ class Attention(nnx.Module):
     and stale slots past p (rejected drafts, padding) are never read. Only the first
     `kv_window` slots are read (static): prefill from position 0 needs no more than its bucket.
     """
-    q_BTNH = self.q_norm(jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...]))
-    k_BTKH = self.k_norm(jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...]))
-    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...])
-    q_BTNH = rope(q_BTNH, positions_BT, self.rope_theta)
-    k_BTKH = rope(k_BTKH, positions_BT, self.rope_theta)
+    q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project(x_BTD)
+    q_BTNH = rope(self.q_norm(q_BTNH), positions_BT, self.rope_theta, self.rotary_dim)
+    k_BTKH = rope(self.k_norm(k_BTKH), positions_BT, self.rope_theta, self.rotary_dim)
+    out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window)
+    if gate_BTNH is not None:
+      out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
+    return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), cache
+
+  def _attend(self, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache: KVCache, kv_window: int):
     if self.kv_replicas > 1:  # copy r of head j at r*j .. r*j+r-1: query group order is kept
       k_BTKH = jnp.repeat(k_BTKH, self.kv_replicas, axis=2)
       v_BTKH = jnp.repeat(v_BTKH, self.kv_replicas, axis=2)
-    cache_k, cache_v = cache
-    cache_k = write_cache(cache_k, k_BTKH, positions_BT)
-    cache_v = write_cache(cache_v, v_BTKH, positions_BT)
+    cache_k = write_cache(cache.keys, k_BTKH, positions_BT)
+    cache_v = write_cache(cache.values, v_BTKH, positions_BT)
+    cache = KVCache(cache_k, cache_v)
     b, t, n, h = q_BTNH.shape
     group = n // self.num_kv_heads
     if self.window_attention is not None and group * t <= MAX_ROWS_PER_KV_HEAD:
@@ -120,7 +177,7 @@ class Attention(nnx.Module):
       # (positions within a step are consecutive).
       out_BTNH = self.window_attention(q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v,
                                        positions_BT[:, 0])
-      return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), (cache_k, cache_v)
+      return out_BTNH, cache
     keys_BKSH = cache_k[:, :, :kv_window]
     values_BKSH = cache_v[:, :, :kv_window]
     q_BKGTH = q_BTNH.reshape(b, t, self.num_kv_heads, group, h).transpose(0, 2, 3, 1, 4)
@@ -130,9 +187,25 @@ class Attention(nnx.Module):
     scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, -jnp.inf)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(values_BKSH.dtype)
     out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS, values_BKSH)
-    out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-    out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...])
-    return out_BTD, (cache_k, cache_v)
+    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), cache
+
+
+class GatedAttention(Attention):
+  """Qwen3-Next / Qwen3.5 full attention: q_proj emits a query and an output gate per head
+  (stored [D, N, 2, H], query first, as the checkpoint's per-head [q | gate] rows), the
+  attention output is multiplied by sigmoid(gate) before o_proj, and q/k norms are (1 + w)."""
+
+  norm_cls = ZeroCenteredRMSNorm
+
+  def _init_query(self, cfg, dtype, rngs):
+    d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    self.q_proj = param(rngs, (d, n, 2, h), dtype, ("embed", "q_heads", None, "head_dim"))
+
+  def _project(self, x_BTD):
+    qg_BTNCH = jnp.einsum("btd,dnch->btnch", x_BTD, self.q_proj[...])
+    k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...])
+    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...])
+    return qg_BTNCH[:, :, :, 0], k_BTKH, v_BTKH, qg_BTNCH[:, :, :, 1]
 
 
 class MLP(nnx.Module):

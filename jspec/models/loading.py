@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from jspec.config import ModelConfig
 from jspec.models import weights as W
 from jspec.models.mtp import MTPHead, MTPSpec
-from jspec.models.qwen3 import Qwen3CausalLM
+from jspec.models.registry import family_of
 from jspec.progress import progress
 from jspec.sharding.plan import sharded_configs
 from jspec.sharding.rules import ShardingRules
@@ -73,13 +73,19 @@ class SafetensorsIndex:
                        f"{err}") from err
 
 
-def _validate_names(index: SafetensorsIndex, rules: dict):
+def _validate_names(index: SafetensorsIndex, rules: dict, skipped: tuple[str, ...] = ()):
+  """Every tensor a rule reads exists, and every tensor is read, ignorable or skipped: a
+  tensor nobody reads is a layout jspec misunderstands, not something to drop silently."""
   wanted = {name for rule in rules.values() for name in rule.names}
   missing = sorted(wanted - index.names)
   if missing:
     shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
     raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
-  unexpected = sorted(n for n in index.names - wanted if not W.ignorable(n))
+  skipped_names = {n for n in index.names if n.startswith(skipped)} if skipped else set()
+  if skipped_names:
+    print(f"jspec: skipping {len(skipped_names)} tensors under {', '.join(skipped)} "
+          "(vision tower; jspec generates text only)", flush=True)
+  unexpected = sorted(n for n in index.names - wanted - skipped_names if not W.ignorable(n))
   if unexpected:
     shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)"
                                          if len(unexpected) > 8 else "")
@@ -116,19 +122,22 @@ def load_checkpoint(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh,
   """Returns (target module, MTP head or None, MTPSpec or None), parameters on `mesh`."""
   index = SafetensorsIndex(model_dir)
   names = index.names
-  fused = W.uses_fused_experts(names)
+  family = family_of(cfg)
   mtp_spec = W.detect_mtp(cfg, names)
-  rules = W.target_rules(cfg, fused)
-  mtp_rules = W.mtp_rules(cfg, mtp_spec, fused) if mtp_spec else {}
-  _validate_names(index, {**rules, **{("mtp",) + p: r for p, r in mtp_rules.items()}})
+  rules = family.target_rules(cfg, names)
+  mtp_rules = (W.mtp_rules(cfg, mtp_spec, family.decoder_rules(cfg, names)) if mtp_spec
+               else {})
+  _validate_names(index, {**rules, **{("mtp",) + p: r for p, r in mtp_rules.items()}},
+                  family.skipped_prefixes(cfg))
 
   draft_rules = draft_rules or target_rules
   target_cfg, draft_cfg = sharded_configs(cfg, mesh, target_rules, draft_rules)
-  abstract_target = nnx.eval_shape(lambda: Qwen3CausalLM(target_cfg, dtype, nnx.Rngs(0)))
+  abstract_target = nnx.eval_shape(lambda: family.model(target_cfg, dtype, nnx.Rngs(0)))
   target = _materialize(abstract_target, rules, index, mesh, target_rules, dtype, "target")
   mtp = None
   if mtp_spec is not None:
-    abstract_mtp = nnx.eval_shape(lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(0)))
+    abstract_mtp = nnx.eval_shape(
+        lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(0), family.model))
     mtp = _materialize(abstract_mtp, mtp_rules, index, mesh, draft_rules, dtype, "MTP head")
   return target, mtp, mtp_spec
 
@@ -165,8 +174,10 @@ def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,
 
   draft_rules = draft_rules or target_rules
   target_cfg, draft_cfg = sharded_configs(cfg, mesh, target_rules, draft_rules)
-  target = build(lambda: Qwen3CausalLM(target_cfg, dtype, nnx.Rngs(seed)), target_rules, 0)
+  model = family_of(cfg).model
+  target = build(lambda: model(target_cfg, dtype, nnx.Rngs(seed)), target_rules, 0)
   mtp = None
   if mtp_spec is not None:
-    mtp = build(lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(seed)), draft_rules, 1)
+    mtp = build(lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(seed), model),
+                draft_rules, 1)
   return target, mtp

@@ -1,4 +1,5 @@
-"""Qwen3-MoE sparse block: softmax router, top-k, optional renormalisation, expert backend.
+"""Qwen3-MoE sparse block: softmax router, top-k, optional renormalisation, expert backend,
+and (Qwen3-Next / Qwen3.5, transformers' `Qwen2MoeSparseMoeBlock`) a shared expert.
 
 Routing follows transformers' `Qwen3MoeSparseMoeBlock`: softmax over all experts in float32,
 top-k, renormalise the k weights when `norm_topk_prob`, cast to the activation dtype. The
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jspec.models.layers import param
+from jspec.models.layers import MLP, param
 
 
 def route(router_logits_TE, top_k: int, norm_topk_prob: bool, dtype):
@@ -36,6 +37,11 @@ class MoE(nnx.Module):
     self.w_down = param(rngs, (e, f, d), dtype, ("experts", "moe_mlp", "embed"), scale=f ** -0.5)
     self.top_k = cfg.num_experts_per_tok
     self.norm_topk_prob = cfg.norm_topk_prob
+    self.has_shared_expert = cfg.shared_expert_intermediate_size > 0
+    if self.has_shared_expert:
+      # Every token also goes through one dense SwiGLU, scaled by sigmoid(x @ gate).
+      self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size, dtype, rngs)
+      self.shared_expert_gate = param(rngs, (d, 1), dtype, ("embed", None))
 
   def __call__(self, x_BTD, experts_fn: Callable):
     b, t, d = x_BTD.shape
@@ -44,4 +50,8 @@ class MoE(nnx.Module):
     ids_TK, weights_TK = route(router_logits_TE, self.top_k, self.norm_topk_prob, x_TD.dtype)
     y_TD = experts_fn(x_TD, ids_TK, weights_TK, self.w_gate[...], self.w_up[...],
                       self.w_down[...])
-    return y_TD.reshape(b, t, d)
+    y_BTD = y_TD.reshape(b, t, d)
+    if self.has_shared_expert:
+      gate_BT1 = jax.nn.sigmoid(jnp.einsum("btd,do->bto", x_BTD, self.shared_expert_gate[...]))
+      y_BTD = y_BTD + gate_BT1 * self.shared_expert(x_BTD)
+    return y_BTD

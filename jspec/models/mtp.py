@@ -9,7 +9,10 @@ t_{i+1}) with the embedding of t_{i+1}, and predicts t_{i+2}:
     logits_i = lm_head( norm_f(y_i) )
 
 h_i is the target's final hidden state AFTER its final norm (what vLLM's model runner hands
-to the proposer). `embed` is the target's embedding; `lm_head` is the target's (or, in the
+to the proposer). The norms and the decoder layer are the target family's own (`make_norm`,
+`make_mtp_decoder` of its model class): plain RMSNorm and a Qwen3 layer for Qwen3, (1 + w)
+norms and a gated-attention layer for Qwen3-Next / Qwen3.5 (vLLM `qwen3_5_mtp.py`). The MTP
+layer is always full attention, so its cache is a KV cache. `embed` is the target's embedding; `lm_head` is the target's (or, in the
 DeepSeek-V3 layout, `shared_head.head` when the checkpoint has it).
 
 For draft step j > 1 the head is applied again at the next position to its own previous
@@ -31,8 +34,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.config import ModelConfig
-from jspec.models.layers import LayerCache, RMSNorm, param
-from jspec.models.qwen3 import DecoderLayer, Qwen3CausalLM
+from jspec.models.caches import KVCache
+from jspec.models.layers import param
 
 MTP_LAYOUTS = ("qwen3_next", "deepseek_v3")
 
@@ -52,13 +55,13 @@ class MTPSpec:
 
 class MTPLayer(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, spec: MTPSpec, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, spec: MTPSpec, dtype, rngs: nnx.Rngs, family):
     d = cfg.hidden_size
-    self.embed_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-    self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+    self.embed_norm = family.make_norm(d, cfg.rms_norm_eps, dtype)
+    self.hidden_norm = family.make_norm(d, cfg.rms_norm_eps, dtype)
     self.proj = param(rngs, (2 * d, d), dtype, ("mtp_concat", "embed"))
-    self.decoder = DecoderLayer(cfg, spec.is_moe, dtype, rngs)
-    self.final_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+    self.decoder = family.make_mtp_decoder(cfg, spec.is_moe, dtype, rngs)
+    self.final_norm = family.make_norm(d, cfg.rms_norm_eps, dtype)
     if spec.has_own_head:
       self.head = param(rngs, (d, cfg.vocab_size), dtype, ("embed", "vocab"))
     self.post_norm_feedback = spec.post_norm_feedback
@@ -67,8 +70,8 @@ class MTPLayer(nnx.Module):
     self.draft_head = nnx.data(None)  # [D, N] columns of the head
     self.draft_ids = nnx.data(None)   # [N] the token ids of those columns
 
-  def __call__(self, target: Qwen3CausalLM, next_tokens_BT, hidden_BTD, positions_BT,
-               cache: LayerCache, kv_window: int, experts_fn: Callable):
+  def __call__(self, target, next_tokens_BT, hidden_BTD, positions_BT,
+               cache: KVCache, kv_window: int, experts_fn: Callable):
     """Returns (post-norm hidden [B, T, D], feedback hidden [B, T, D], updated cache).
 
     Logits are a separate call (`logits`) so callers project only the positions they use.
@@ -81,7 +84,7 @@ class MTPLayer(nnx.Module):
     feedback_BTD = normed_BTD if self.post_norm_feedback else y_BTD
     return normed_BTD, feedback_BTD, cache
 
-  def restrict_vocab(self, target: Qwen3CausalLM, ids_N: jax.Array, head_sharding):
+  def restrict_vocab(self, target, ids_N: jax.Array, head_sharding):
     """Drafts only among the tokens `ids_N` (a reduced draft vocabulary, as in FR-Spec and
     EAGLE-3): each draft step reads an [D, N] slice of the head instead of all [D, V], and the
     other tokens get -inf logits. Verification still scores the full vocabulary, so outputs
@@ -99,7 +102,7 @@ class MTPLayer(nnx.Module):
                                 init_scale=None)
     self.draft_ids = nnx.Variable(ids_N)
 
-  def logits(self, target: Qwen3CausalLM, normed_BTD):
+  def logits(self, target, normed_BTD):
     """float32 logits through `shared_head.head` when the checkpoint has one, else the target's
     (over the draft vocabulary only, -inf elsewhere, after `restrict_vocab`)."""
     if self.draft_ids is not None:
@@ -116,7 +119,14 @@ class MTPLayer(nnx.Module):
 class MTPHead(nnx.Module):
   """The checkpoint's MTP layers; draft step j uses layer (j - 1) mod num_layers."""
 
-  def __init__(self, cfg: ModelConfig, spec: MTPSpec, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, spec: MTPSpec, dtype, rngs: nnx.Rngs, family):
+    """`family`: the target's model class, whose blocks the head is built from."""
     self.cfg = cfg  # its own: a draft replicated over tp keeps KV heads uncopied
     self.spec = spec
-    self.layers = nnx.List([MTPLayer(cfg, spec, dtype, rngs) for _ in range(spec.num_layers)])
+    self.layers = nnx.List([MTPLayer(cfg, spec, dtype, rngs, family)
+                            for _ in range(spec.num_layers)])
+
+  def init_caches(self, batch: int, slots: int, dtype) -> tuple:
+    cfg = self.cfg
+    return tuple(KVCache.zeros(batch, cfg.cache_kv_heads, slots, cfg.head_dim, dtype)
+                 for _ in self.layers)

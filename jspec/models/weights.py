@@ -46,67 +46,77 @@ def _rule(name, hf_shape, build) -> TensorRule:
   return TensorRule((name,), (tuple(hf_shape),), build)
 
 
-def decoder_rules(cfg: ModelConfig, prefix: str, is_moe: bool, fused_experts: bool) -> dict:
+def norm_rule(name: str, dim: int) -> TensorRule:
+  return _rule(name, (dim,), _copy((dim,)))
+
+
+def attention_rules(cfg: ModelConfig, p: str, gated: bool = False) -> dict:
+  """`{p}self_attn.*` -> an Attention (or GatedAttention: q_proj rows are per head [q | gate])."""
   d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  p = prefix
-  rules = {
-      ("input_norm", "scale"): _rule(p + "input_layernorm.weight", (d,), _copy((d,))),
-      ("post_attn_norm", "scale"): _rule(p + "post_attention_layernorm.weight", (d,), _copy((d,))),
-      ("attn", "q_proj"): _rule(p + "self_attn.q_proj.weight", (n * h, d), _linear_t((d, n, h))),
-      ("attn", "k_proj"): _rule(p + "self_attn.k_proj.weight", (k * h, d), _linear_t((d, k, h))),
-      ("attn", "v_proj"): _rule(p + "self_attn.v_proj.weight", (k * h, d), _linear_t((d, k, h))),
-      ("attn", "o_proj"): _rule(p + "self_attn.o_proj.weight", (d, n * h), _linear_t((n, h, d))),
-      ("attn", "q_norm", "scale"): _rule(p + "self_attn.q_norm.weight", (h,), _copy((h,))),
-      ("attn", "k_norm", "scale"): _rule(p + "self_attn.k_norm.weight", (h,), _copy((h,))),
+  q_rows, q_shape = (2 * n * h, (d, n, 2, h)) if gated else (n * h, (d, n, h))
+  return {
+      ("q_proj",): _rule(p + "self_attn.q_proj.weight", (q_rows, d), _linear_t(q_shape)),
+      ("k_proj",): _rule(p + "self_attn.k_proj.weight", (k * h, d), _linear_t((d, k, h))),
+      ("v_proj",): _rule(p + "self_attn.v_proj.weight", (k * h, d), _linear_t((d, k, h))),
+      ("o_proj",): _rule(p + "self_attn.o_proj.weight", (d, n * h), _linear_t((n, h, d))),
+      ("q_norm", "scale"): norm_rule(p + "self_attn.q_norm.weight", h),
+      ("k_norm", "scale"): norm_rule(p + "self_attn.k_norm.weight", h),
   }
-  if not is_moe:
-    f = cfg.intermediate_size
-    rules.update({
-        # gate and up as one [D, 2, F] matrix (jspec.models.layers.MLP says why).
-        ("mlp", "gate_up_proj"): TensorRule(
-            (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), ((f, d), (f, d)),
-            lambda gate, up: np.ascontiguousarray(np.stack([gate.T, up.T], axis=1)),
-            split=lambda gate_up: [np.ascontiguousarray(gate_up[:, i].T) for i in range(2)]),
-        ("mlp", "down_proj"): _rule(p + "mlp.down_proj.weight", (d, f), _linear_t((f, d))),
-    })
-    return rules
-  e, f = cfg.num_experts, cfg.moe_intermediate_size
-  rules[("mlp", "router")] = _rule(p + "mlp.gate.weight", (e, d), _linear_t((d, e)))
-  if fused_experts:
-    # transformers >= 5 saves experts fused: gate_up_proj [E, 2F, D], down_proj [E, D, F].
-    gate_up = p + "mlp.experts.gate_up_proj"
-    rules[("mlp", "w_gate")] = _rule(gate_up, (e, 2 * f, d),
-                                     lambda a: np.ascontiguousarray(a[:, :f].transpose(0, 2, 1)))
-    rules[("mlp", "w_up")] = _rule(gate_up, (e, 2 * f, d),
-                                   lambda a: np.ascontiguousarray(a[:, f:].transpose(0, 2, 1)))
-    rules[("mlp", "w_down")] = _rule(p + "mlp.experts.down_proj", (e, d, f),
-                                     lambda a: np.ascontiguousarray(a.transpose(0, 2, 1)))
+
+
+def dense_mlp_rules(p: str, d: int, f: int) -> dict:
+  """`{p}{gate,up,down}_proj.weight` -> an MLP, gate and up as one [D, 2, F] matrix
+  (jspec.models.layers.MLP says why)."""
+  return {
+      ("gate_up_proj",): TensorRule(
+          (p + "gate_proj.weight", p + "up_proj.weight"), ((f, d), (f, d)),
+          lambda gate, up: np.ascontiguousarray(np.stack([gate.T, up.T], axis=1)),
+          split=lambda gate_up: [np.ascontiguousarray(gate_up[:, i].T) for i in range(2)]),
+      ("down_proj",): _rule(p + "down_proj.weight", (d, f), _linear_t((f, d))),
+  }
+
+
+def expert_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
+  """`{p}mlp.gate` and `{p}mlp.experts.*` -> a MoE block's router and stacked experts, from
+  per-expert keys (`experts.{e}.gate_proj.weight`, the Qwen3-MoE / Qwen3-Next Hub layout) or
+  fused 3-D keys (`experts.gate_up_proj` [E, 2F, D], gate rows first, and `experts.down_proj`
+  [E, D, F]: transformers >= 5 and Qwen3.5-MoE), whichever this layer has."""
+  d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  rules = {("router",): _rule(p + "mlp.gate.weight", (e, d), _linear_t((d, e)))}
+  gate_up = p + "mlp.experts.gate_up_proj"
+  if gate_up in names:
+    rules[("w_gate",)] = _rule(gate_up, (e, 2 * f, d),
+                               lambda a: np.ascontiguousarray(a[:, :f].transpose(0, 2, 1)))
+    rules[("w_up",)] = _rule(gate_up, (e, 2 * f, d),
+                             lambda a: np.ascontiguousarray(a[:, f:].transpose(0, 2, 1)))
+    rules[("w_down",)] = _rule(p + "mlp.experts.down_proj", (e, d, f),
+                               lambda a: np.ascontiguousarray(a.transpose(0, 2, 1)))
     return rules
   for ours, theirs, hf_shape, shape in (("w_gate", "gate_proj", (f, d), (e, d, f)),
                                         ("w_up", "up_proj", (f, d), (e, d, f)),
                                         ("w_down", "down_proj", (d, f), (e, f, d))):
-    names = tuple(f"{p}mlp.experts.{i}.{theirs}.weight" for i in range(e))
-    rules[("mlp", ours)] = TensorRule(names, (hf_shape,) * e, _stack_t(shape))
+    expert_names = tuple(f"{p}mlp.experts.{i}.{theirs}.weight" for i in range(e))
+    rules[(ours,)] = TensorRule(expert_names, (hf_shape,) * e, _stack_t(shape))
   return rules
 
 
-def _prefixed(prefix: Path, rules: dict) -> dict:
+def prefixed(prefix: Path, rules: dict) -> dict:
   return {prefix + path: rule for path, rule in rules.items()}
 
 
-def target_rules(cfg: ModelConfig, fused_experts: bool) -> dict:
-  d, v = cfg.hidden_size, cfg.vocab_size
-  rules = {("embed",): _rule("model.embed_tokens.weight", (v, d), _copy((v, d))),
-           ("final_norm", "scale"): _rule("model.norm.weight", (d,), _copy((d,)))}
+def embedding_rules(cfg: ModelConfig, final_norm: str) -> dict:
+  """Embedding, final norm and (untied) lm_head of a causal LM at `cfg.weight_prefix`."""
+  d, v, p = cfg.hidden_size, cfg.vocab_size, cfg.weight_prefix
+  rules = {("embed",): _rule(p + "embed_tokens.weight", (v, d), _copy((v, d))),
+           ("final_norm", "scale"): norm_rule(p + final_norm, d)}
   if not cfg.tie_word_embeddings:
     rules[("lm_head",)] = _rule("lm_head.weight", (v, d), _linear_t((d, v)))
-  for i in range(cfg.num_layers):
-    rules.update(_prefixed(("layers", i), decoder_rules(
-        cfg, f"model.layers.{i}.", cfg.layer_is_moe(i), fused_experts)))
   return rules
 
 
-def mtp_rules(cfg: ModelConfig, spec: MTPSpec, fused_experts: bool) -> dict:
+def mtp_rules(cfg: ModelConfig, spec: MTPSpec, decoder_rules: Callable) -> dict:
+  """The MTP head's rules; `decoder_rules(prefix, is_moe)` is the family's full-attention
+  decoder layer (the MTP layer is one)."""
   d, v = cfg.hidden_size, cfg.vocab_size
   rules = {}
   for j in range(spec.num_layers):
@@ -114,23 +124,22 @@ def mtp_rules(cfg: ModelConfig, spec: MTPSpec, fused_experts: bool) -> dict:
       norms = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight")
       proj, decoder_prefix = "mtp.fc.weight", f"mtp.layers.{j}."
     else:
-      q = f"model.layers.{cfg.num_layers + j}."
+      q = f"{cfg.weight_prefix}layers.{cfg.num_layers + j}."
       norms = (q + "enorm.weight", q + "hnorm.weight", q + "shared_head.norm.weight")
       proj, decoder_prefix = q + "eh_proj.weight", q
       if spec.has_own_head:
         rules[("layers", j, "head")] = _rule(q + "shared_head.head.weight", (v, d),
                                              _linear_t((d, v)))
     for ours, name in zip(("embed_norm", "hidden_norm", "final_norm"), norms):
-      rules[("layers", j, ours, "scale")] = _rule(name, (d,), _copy((d,)))
+      rules[("layers", j, ours, "scale")] = norm_rule(name, d)
     rules[("layers", j, "proj")] = _rule(proj, (d, 2 * d), _linear_t((2 * d, d)))
-    rules.update(_prefixed(("layers", j, "decoder"),
-                           decoder_rules(cfg, decoder_prefix, spec.is_moe, fused_experts)))
+    rules.update(prefixed(("layers", j, "decoder"), decoder_rules(decoder_prefix, spec.is_moe)))
   return rules
 
 
 # Names a checkpoint may carry that jspec has no use for.
 _IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),
-            re.compile(r"^model\.layers\.\d+\.embed_tokens\.weight$"))  # DeepSeek MTP's copy
+            re.compile(r"^model\.(language_model\.)?layers\.\d+\.embed_tokens\.weight$"))  # DeepSeek MTP's copy
 
 
 def ignorable(name: str) -> bool:
@@ -140,8 +149,8 @@ def ignorable(name: str) -> bool:
 def detect_mtp(cfg: ModelConfig, names: set[str]) -> MTPSpec | None:
   """Finds the MTP layout and layer count from tensor names; None if the checkpoint has none."""
   qwen_layers = {int(m.group(1)) for n in names if (m := re.match(r"^mtp\.layers\.(\d+)\.", n))}
-  ds_layers = {int(m.group(1)) - cfg.num_layers for n in names
-               if (m := re.match(r"^model\.layers\.(\d+)\.eh_proj\.weight$", n))}
+  ds_pattern = "^" + re.escape(cfg.weight_prefix) + r"layers\.(\d+)\.eh_proj\.weight$"
+  ds_layers = {int(m.group(1)) - cfg.num_layers for n in names if (m := re.match(ds_pattern, n))}
   if qwen_layers and ds_layers:
     raise ValueError("checkpoint has MTP weights in both the Qwen3-Next and DeepSeek-V3 layouts")
   if not qwen_layers and not ds_layers:
@@ -153,14 +162,12 @@ def detect_mtp(cfg: ModelConfig, names: set[str]) -> MTPSpec | None:
   if cfg.num_mtp_layers and cfg.num_mtp_layers != len(found):
     raise ValueError(f"config declares {cfg.num_mtp_layers} MTP layers but the weights hold "
                      f"{len(found)}")
-  first = "mtp.layers.0." if layout == "qwen3_next" else f"model.layers.{cfg.num_layers}."
+  first = ("mtp.layers.0." if layout == "qwen3_next"
+           else f"{cfg.weight_prefix}layers.{cfg.num_layers}.")
   is_moe = first + "mlp.gate.weight" in names
   if is_moe and not cfg.is_moe:
     raise ValueError("MTP layer is MoE but the model config declares no experts")
   has_own_head = (layout == "deepseek_v3"
-                  and f"model.layers.{cfg.num_layers}.shared_head.head.weight" in names)
+                  and f"{first}shared_head.head.weight" in names)
   return MTPSpec(layout=layout, num_layers=len(found), is_moe=is_moe, has_own_head=has_own_head)
 
-
-def uses_fused_experts(names: set[str]) -> bool:
-  return any(n.endswith("mlp.experts.gate_up_proj") for n in names)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jspec.config import ModelConfig
 from jspec.sharding.rules import MeshConfig, ShardingRules, axis_size
@@ -23,6 +25,12 @@ def validate_mesh(cfg: ModelConfig, mesh: MeshConfig):
   if cfg.is_moe:
     checks += [("ep", mesh.ep, "num_experts", cfg.num_experts),
                ("tp", mesh.tp, "moe_intermediate_size", cfg.moe_intermediate_size)]
+    if cfg.shared_expert_intermediate_size:
+      checks.append(("tp", mesh.tp, "shared_expert_intermediate_size",
+                     cfg.shared_expert_intermediate_size))
+  if "linear_attention" in cfg.layer_types:
+    # Linear-attention heads are split by key head; each key head's value heads go with it.
+    checks.append(("tp", mesh.tp, "linear_num_key_heads", cfg.linear_num_key_heads))
   for axis, size, name, value in checks:
     if value % size:
       raise ValueError(f"{axis}={size} must divide {name}={value}")
@@ -40,20 +48,27 @@ def sharded_configs(cfg: ModelConfig, mesh, target_rules: ShardingRules,
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
   weight_bytes: int         # per device
-  target_cache_bytes: int   # per device, at max_num_seqs x max_cache_slots(max_model_len, k)
+  target_cache_bytes: int   # per device, at max_num_seqs x max_cache_slots(max_model_len, k):
+                            # KV caches, and recurrent layers' conv windows and states
   draft_cache_bytes: int
   capacity_bytes: int | None
+  # Recurrent layers' verify windows kept until commit: the state after each of the k+1
+  # positions ("store") or the recurrence's per-position inputs ("replay"), per device.
+  verify_window_bytes: int = 0
 
   @property
   def total_bytes(self) -> int:
-    return self.weight_bytes + self.target_cache_bytes + self.draft_cache_bytes
+    return (self.weight_bytes + self.target_cache_bytes + self.draft_cache_bytes
+            + self.verify_window_bytes)
 
   def describe(self) -> str:
     gib = lambda b: f"{b / 2**30:.2f} GiB"
     cap = "unknown" if self.capacity_bytes is None else gib(self.capacity_bytes)
-    return (f"weights {gib(self.weight_bytes)} + target KV {gib(self.target_cache_bytes)} + "
-            f"draft KV {gib(self.draft_cache_bytes)} = {gib(self.total_bytes)} per device "
-            f"(capacity {cap})")
+    window = (f" + recurrent verify window {gib(self.verify_window_bytes)}"
+              if self.verify_window_bytes else "")
+    return (f"weights {gib(self.weight_bytes)} + target caches {gib(self.target_cache_bytes)} + "
+            f"draft KV {gib(self.draft_cache_bytes)}{window} = {gib(self.total_bytes)} per "
+            f"device (capacity {cap})")
 
 
 def _bytes_per_device(tree) -> int:
@@ -64,29 +79,63 @@ def _bytes_per_device(tree) -> int:
   return total
 
 
+def _abstract_bytes_per_device(shapes, shardings) -> int:
+  """Bytes per device of abstract arrays (jax.eval_shape) placed with `shardings`."""
+  leaves = jax.tree.leaves(shapes)
+  placements = jax.tree.leaves(shardings)
+  return sum(int(np.prod(sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+             for leaf, sharding in zip(leaves, placements))
+
+
 def device_capacity() -> int | None:
   stats = jax.local_devices()[0].memory_stats() or {}
   return stats.get("bytes_limit")
 
 
-def plan_memory(cfg: ModelConfig, mesh: MeshConfig, target_state, mtp_state, dtype,
-                max_num_seqs: int, max_model_len: int, k: int, draft_tp_sharded: bool,
-                num_draft_layers: int, capacity_bytes: int | None,
-                usable_fraction: float = 0.9) -> MemoryPlan:
-  """Raises ValueError, before any cache exists, when the worst-case batch cannot fit."""
+def _cache_bytes(module, rules, mesh, batch: int, slots: int, dtype, window: int = 0):
+  """(cache bytes, verify-window bytes) per device of a module's caches at this size. The
+  window is what its recurrent layers hold between a `window`-token verify and its commit."""
+  from jspec.models import caches as cache_lib  # models import this package
+  shapes = jax.eval_shape(lambda: module.init_caches(batch, slots, dtype))
+  cache = _abstract_bytes_per_device(shapes, cache_lib.shardings(shapes, rules, mesh))
+  if not window or not any(isinstance(c, cache_lib.RecurrentCache) for c in shapes):
+    return cache, 0
+  tokens = jax.ShapeDtypeStruct((batch, window), jnp.int32)
+  positions = jax.ShapeDtypeStruct((batch, window), jnp.int32)
+  windows = jax.eval_shape(lambda t, p: module(t, p, module.init_caches(batch, slots, dtype),
+                                               slots, _no_experts)[1], tokens, positions)
+  extra = 0
+  for w in windows:
+    if isinstance(w, cache_lib.RecurrentWindow):
+      # Every window array is [B, T, G, ...]: batch and key heads split as the state is.
+      for leaf in jax.tree.leaves(w.replace(start=None)):
+        axes = ("batch", None, "linear_heads") + (None,) * (leaf.ndim - 3)
+        extra += _abstract_bytes_per_device([leaf], [rules.sharding(mesh, axes)])
+  return cache, extra
+
+
+def _no_experts(x_TD, *args):  # shapes only: the MoE output has x's shape
+  return x_TD
+
+
+def plan_memory(mesh: MeshConfig, jax_mesh, target, mtp, target_rules: ShardingRules,
+                draft_rules: ShardingRules, dtype, max_num_seqs: int, max_model_len: int, k: int,
+                capacity_bytes: int | None, usable_fraction: float = 0.9) -> MemoryPlan:
+  """Raises ValueError, before any cache exists, when the worst-case batch cannot fit. Counts
+  the caches the modules really allocate (jax.eval_shape of their init_caches) as placed by
+  the rules: KV caches, recurrent state, and what a verify window keeps until commit."""
   # The engine pads a batch to its bucket: count the rows it will really allocate.
-  batch_per_device = batch_bucket(max_num_seqs, mesh.batch_width) // mesh.batch_width
+  batch = batch_bucket(max_num_seqs, mesh.batch_width)
   slots = max_cache_slots(max_model_len, k)
-  kv_heads_target = cfg.for_kv_shards(mesh.tp).cache_kv_heads // mesh.tp
-  kv_heads_draft = kv_heads_target if draft_tp_sharded else cfg.num_kv_heads
-  per_layer = lambda heads: 2 * batch_per_device * slots * heads * cfg.head_dim * np.dtype(
-      dtype).itemsize
+  target_cache, window = _cache_bytes(target, target_rules, jax_mesh, batch, slots, dtype,
+                                      k + 1)
+  draft_cache = 0 if mtp is None else _cache_bytes(mtp, draft_rules, jax_mesh, batch, slots,
+                                                   dtype)[0]
   plan = MemoryPlan(
-      weight_bytes=_bytes_per_device(target_state) + (
-          _bytes_per_device(mtp_state) if mtp_state is not None else 0),
-      target_cache_bytes=cfg.num_layers * per_layer(kv_heads_target),
-      draft_cache_bytes=num_draft_layers * per_layer(kv_heads_draft),
-      capacity_bytes=capacity_bytes)
+      weight_bytes=_bytes_per_device(nnx.state(target)) + (
+          _bytes_per_device(nnx.state(mtp)) if mtp is not None else 0),
+      target_cache_bytes=target_cache, draft_cache_bytes=draft_cache,
+      capacity_bytes=capacity_bytes, verify_window_bytes=window)
   if capacity_bytes is not None and plan.total_bytes > usable_fraction * capacity_bytes:
     raise ValueError(
         f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len} does not fit: "

@@ -71,6 +71,7 @@ class ShardingRules:
   experts_router: MeshAxes = None
   moe_mlp: MeshAxes = "tp"
   mtp_concat: MeshAxes = None
+  linear_heads: MeshAxes = "tp"   # linear-attention key heads (their value heads follow)
   cache_seq: MeshAxes = None
   seq: MeshAxes = None
 

@@ -9,8 +9,10 @@ decoding through the same body. Each step, for every running sequence of length 
   3. accept: greedy prefix match or lossless rejection sampling -> accept_len in 0..k, plus
      the target's own token after the accepted run;
   4. update: stop exactly where vanilla decoding would (EOS / stop id / max length inside the
-     accepted run), append the emitted tokens, advance the length (rejected drafts roll back
-     by length alone), then "draft extend": rerun the MTP head's first layer over the k+1
+     accepted run), append the emitted tokens, advance the length, commit the target's caches
+     to the emitted tokens (KV caches roll back by length alone; recurrent layers keep the
+     state after the last emitted token: jspec.models.caches), then "draft extend": rerun
+     the MTP head's first layer over the k+1
      verified positions from the target's hidden states, so its cache always holds
      target-derived entries for every committed position (SGLang / vLLM draft extend).
 
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jspec.models.qwen3 import empty_caches
+from jspec.models import caches as cache_lib
 from jspec.speculative import sampling, verify
 from jspec.speculative.ngram import ngram_propose
 from jspec.speculative.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState,
@@ -42,14 +44,10 @@ class LoopContext:
   experts_fn: Callable
   draft_experts_fn: Callable
   dtype: object
-  cache_sharding: object = None        # NamedSharding of one [B, K, S, H] target cache, or None
-  draft_cache_sharding: object = None
-
-
-def _sharded_caches(caches, sharding):
-  if sharding is None:
-    return caches
-  return jax.tree.map(lambda c: jax.lax.with_sharding_constraint(c, sharding), caches)
+  # Per-layer cache shardings (jspec.models.caches.shardings) of the target and the draft, or
+  # None (no constraint).
+  cache_shardings: tuple | None = None
+  draft_cache_shardings: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,12 +120,11 @@ def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: Loo
             ctx: LoopContext) -> DecodeState:
   """Runs the prompts, samples each sequence's first token, fills both KV caches."""
   batch, prompt_bucket = tokens_BP.shape
-  cfg = target.cfg
   positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
-  caches = _sharded_caches(empty_caches(cfg, cfg.num_layers, batch, plan.cache_len, ctx.dtype),
-                           ctx.cache_sharding)
+  caches = cache_lib.constrain(target.init_caches(batch, plan.cache_len, ctx.dtype),
+                               ctx.cache_shardings)
   hidden_BPD, caches = in_chunks(
-      lambda t, p, c: target(t, p, c, prompt_bucket, ctx.experts_fn),
+      lambda t, p, c: target(t, p, c, prompt_bucket, ctx.experts_fn, seq_lens_B=prompt_lens_B),
       (tokens_BP, positions_BP), caches, plan.prefill_chunk)
   last_B = prompt_lens_B - 1
   logits_BV = target.logits(_take_rows(hidden_BPD, last_B)[:, None])[:, 0]
@@ -148,9 +145,8 @@ def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: Loo
     # MTP position i pairs h_i with t_{i+1}: the prompt shifted left, the new token at the end.
     next_BP = jnp.concatenate([tokens_BP[:, 1:], tokens_BP[:, :1]], axis=1)
     next_BP = next_BP.at[rows_B, last_B].set(first_B)
-    mtp_caches = _sharded_caches(
-        empty_caches(mtp.cfg, len(mtp.layers), batch, plan.cache_len, ctx.dtype),
-        ctx.draft_cache_sharding)
+    mtp_caches = cache_lib.constrain(mtp.init_caches(batch, plan.cache_len, ctx.dtype),
+                                     ctx.draft_cache_shardings)
     layer = mtp.layers[0]
     def extend(next_tokens, hidden, positions, cache):
       normed, feedback, cache = layer(target, next_tokens, hidden, positions, cache,
@@ -233,7 +229,7 @@ def decode_step(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopP
 
   verify_tokens_BT = jnp.concatenate([last_token_B[:, None], drafts_BK], axis=1)
   positions_BT = lengths_B[:, None] - 1 + jnp.arange(k + 1, dtype=jnp.int32)
-  hidden_BTD, target_caches = target(verify_tokens_BT, positions_BT, state.target_caches,
+  hidden_BTD, window_caches = target(verify_tokens_BT, positions_BT, state.target_caches,
                                      plan.cache_len, ctx.experts_fn)
   logits_BTV = target.logits(hidden_BTD)
   accept_len_B, out_tokens_BT = _accept(logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV,
@@ -256,6 +252,8 @@ def decode_step(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopP
   write_positions_BT = lengths_B[:, None] + offsets_T
   tokens_BS = state.tokens_BS.at[rows_B[:, None], write_positions_BT].set(out_tokens_BT)
   new_lengths_B = jnp.where(running_B, lengths_B + num_emit_B, lengths_B)
+  # A finished row keeps its caches as they were: none of its window is committed.
+  target_caches = cache_lib.commit(window_caches, jnp.where(running_B, num_emit_B, 0))
 
   mtp_logits_BV, mtp_feedback_BD = state.mtp_logits_BV, state.mtp_feedback_BD
   if plan.method == "mtp":

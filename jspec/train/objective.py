@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jspec.models.qwen3 import empty_caches
 
 
 def _positions(tokens_BT):
@@ -28,8 +27,9 @@ def _positions(tokens_BT):
 def target_forward(target, tokens_BT, experts_fn=None):
   """Post-final-norm hidden states [B, T, D] of one full-window prefill."""
   b, t = tokens_BT.shape
-  caches = empty_caches(target.cfg, target.cfg.num_layers, b, t, target.embed[...].dtype)
-  hidden_BTD, _ = target(tokens_BT, _positions(tokens_BT), caches, t, experts_fn)
+  caches = target.init_caches(b, t, target.embed[...].dtype)
+  hidden_BTD, _ = target(tokens_BT, _positions(tokens_BT), caches, t, experts_fn,
+                         seq_lens_B=jnp.full((b,), t, jnp.int32))
   return hidden_BTD
 
 
@@ -37,7 +37,7 @@ def mtp_forward(target, mtp, hidden_BTD, next_tokens_BT, experts_fn=None):
   """float32 logits [B, T, V] of the head's first layer: position i predicts t_{i+2}."""
   b, t = next_tokens_BT.shape
   layer = mtp.layers[0]
-  cache = empty_caches(target.cfg, 1, b, t, layer.proj[...].dtype)[0]
+  cache = mtp.init_caches(b, t, layer.proj[...].dtype)[0]
   normed_BTD, _, _ = layer(target, next_tokens_BT, hidden_BTD, _positions(next_tokens_BT), cache,
                            t, experts_fn)
   return layer.logits(target, normed_BTD)

@@ -23,6 +23,7 @@ from safetensors.numpy import save_file
 from jspec.config import ModelConfig
 from jspec.models import weights as W
 from jspec.models.mtp import MTPSpec
+from jspec.models.registry import family_of
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -84,7 +85,8 @@ def mtp_tensors(cfg: ModelConfig, mtp) -> dict:
   spec = MTPSpec(layout="qwen3_next", num_layers=len(mtp.layers), is_moe=False)
   if mtp.spec.layout != "qwen3_next":
     raise ValueError(f"the saver writes the Qwen3-Next MTP layout; this head is {mtp.spec.layout}")
-  return _hf_tensors(mtp, W.mtp_rules(cfg, spec, fused_experts=False), ("mtp",))
+  family = family_of(cfg)
+  return _hf_tensors(mtp, W.mtp_rules(cfg, spec, family.decoder_rules(cfg, set())), ("mtp",))
 
 
 def save_pretrained(out_dir: str, cfg: ModelConfig, target, mtp=None, *, dtype: str = "bfloat16",
@@ -93,7 +95,7 @@ def save_pretrained(out_dir: str, cfg: ModelConfig, target, mtp=None, *, dtype: 
   if dtype not in _NP_DTYPES:
     raise ValueError(f"dtype={dtype!r}; choose one of {sorted(_NP_DTYPES)}")
   os.makedirs(out_dir, exist_ok=True)
-  tensors = _hf_tensors(target, W.target_rules(cfg, fused_experts=False))
+  tensors = _hf_tensors(target, family_of(cfg).target_rules(cfg, set()))
   num_mtp = 0
   if mtp is not None:
     tensors.update(mtp_tensors(cfg, mtp))

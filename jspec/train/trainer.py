@@ -105,7 +105,7 @@ def init_models(cfg: ModelConfig, seed: int, embed_std: float = 0.02):
   target = Qwen3CausalLM(cfg, jnp.float32, nnx.Rngs(seed))
   target.embed.set_value(embed_std * jax.random.normal(jax.random.key(seed + 1000),
                                                        target.embed[...].shape, jnp.float32))
-  mtp = MTPHead(cfg, QWEN3_NEXT_HEAD, jnp.float32, nnx.Rngs(seed + 1))
+  mtp = MTPHead(cfg, QWEN3_NEXT_HEAD, jnp.float32, nnx.Rngs(seed + 1), Qwen3CausalLM)
   return target, mtp
 
 
@@ -197,7 +197,8 @@ def train_joint(cfg: ModelConfig, streams: dict[str, np.ndarray], tc: TrainConfi
 def train_head_distill(target, streams: dict[str, np.ndarray], tc: TrainConfig,
                        log: Callable | None = None, mtp=None):
   """Trains a (fresh or given) one-layer MTP head on a frozen target by self-distillation."""
-  mtp = mtp or MTPHead(target.cfg, QWEN3_NEXT_HEAD, jnp.float32, nnx.Rngs(tc.seed + 1))
+  mtp = mtp or MTPHead(target.cfg, QWEN3_NEXT_HEAD, jnp.float32, nnx.Rngs(tc.seed + 1),
+                        type(target))
   dtype = jnp.dtype(tc.compute_dtype)
   graph_t, params_t = nnx.split(target)
   frozen_t = _cast(params_t, dtype)

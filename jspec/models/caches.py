@@ -1,0 +1,131 @@
+"""Per-layer caches: what each kind of token mixer keeps between forward passes, how it is
+sharded, and how a verify window is committed once the loop knows how many tokens it emits.
+
+The speculative loop never looks inside a cache. It asks a model for `init_caches`, runs
+forwards, and calls `commit(caches, num_emit_B)` after acceptance; each cache kind decides
+what committing means:
+
+  KVCache         keys and values by absolute position. A verify window writes its k+1
+                  positions; rejected ones lie past the new length and are never read, so
+                  the cache rolls back by length alone and commit returns it unchanged.
+  RecurrentCache  a linear-attention layer's state after the last committed token (the
+                  causal-conv window of pre-conv inputs, and the delta-rule state). It cannot
+                  roll back by length, so a verify window returns a `RecurrentWindow` instead,
+                  and commit turns it into the state after exactly `num_emit` positions.
+
+`RecurrentWindow` keeps either the state after every window position (STORE: commit picks
+one) or the per-position inputs of the recurrence (REPLAY: commit reruns the first num_emit
+steps from the state before the window). Both are exact; which is cheaper is a question of
+bytes (BENCHMARKS.md, "Recurrent state in verify windows").
+
+Shape letters: B batch, S cache slots, K kv heads, H head dim, W conv window (kernel - 1),
+G linear-attention key heads, R value heads per key head, C conv channels per key head
+(2 key dims + R value dims), Dk key dim, Dv value dim, T window positions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+RECURRENT_COMMIT_MODES = ("replay", "store")
+
+
+@struct.dataclass
+class KVCache:
+  keys: jax.Array    # [B, K, S, H]
+  values: jax.Array  # [B, K, S, H]
+
+  AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+
+  @classmethod
+  def zeros(cls, batch: int, kv_heads: int, slots: int, head_dim: int, dtype) -> "KVCache":
+    shape = (batch, kv_heads, slots, head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+  def shardings(self, rules, mesh) -> "KVCache":
+    sharding = rules.sharding(mesh, self.AXES)
+    return KVCache(sharding, sharding)
+
+  def commit(self, num_emit_B) -> "KVCache":
+    del num_emit_B  # Rolls back by length: slots past the new length are never read.
+    return self
+
+
+@struct.dataclass
+class RecurrentCache:
+  conv: jax.Array   # [B, W, G, C] the last W pre-conv inputs, oldest first
+  state: jax.Array  # [B, G, R, Dk, Dv] float32 delta-rule state
+
+  CONV_AXES = ("batch", None, "linear_heads", None)
+  STATE_AXES = ("batch", "linear_heads", None, None, None)
+
+  @classmethod
+  def zeros(cls, batch: int, window: int, heads: int, channels: int, per_key: int, key_dim: int,
+            value_dim: int, dtype) -> "RecurrentCache":
+    return cls(jnp.zeros((batch, window, heads, channels), dtype),
+               jnp.zeros((batch, heads, per_key, key_dim, value_dim), jnp.float32))
+
+  def shardings(self, rules, mesh) -> "RecurrentCache":
+    return RecurrentCache(rules.sharding(mesh, self.CONV_AXES),
+                          rules.sharding(mesh, self.STATE_AXES))
+
+  def commit(self, num_emit_B) -> "RecurrentCache":
+    del num_emit_B  # Already committed (a prefill pass masks its padding itself).
+    return self
+
+
+def conv_window_after(conv_BWGC, inputs_BTGC, num_B):
+  """The last W pre-conv inputs once the first num_B of `inputs_BTGC` have been consumed:
+  rows num_B .. num_B + W - 1 of concat[window, inputs] (num_B = 0 keeps the window)."""
+  window = conv_BWGC.shape[1]
+  full_BXGC = jnp.concatenate([conv_BWGC, inputs_BTGC.astype(conv_BWGC.dtype)], axis=1)
+  rows_BW = num_B[:, None] + jnp.arange(window)
+  return jnp.take_along_axis(full_BXGC, rows_BW[:, :, None, None], axis=1)
+
+
+@struct.dataclass
+class RecurrentWindow:
+  """A recurrent layer's verify window, before the loop knows how much of it to keep."""
+  start: RecurrentCache
+  conv_inputs: jax.Array        # [B, T, G, C] the window's pre-conv inputs
+  # STORE: states_after [B, T, G, R, Dk, Dv] (state after each position); REPLAY: the
+  # recurrence's per-position inputs (keys [B,T,G,Dk], values [B,T,G,R,Dv], log decay and
+  # beta [B,T,G,R]), all float32.
+  states_after: jax.Array | None = None
+  keys: jax.Array | None = None
+  values: jax.Array | None = None
+  log_decay: jax.Array | None = None
+  beta: jax.Array | None = None
+
+  def commit(self, num_emit_B) -> RecurrentCache:
+    """The cache after the first num_emit_B window positions (0: the state before it)."""
+    conv = conv_window_after(self.start.conv, self.conv_inputs, num_emit_B)
+    if self.states_after is not None:
+      index_B = jnp.maximum(num_emit_B - 1, 0)
+      picked = jnp.take_along_axis(self.states_after,
+                                   index_B[:, None, None, None, None, None], axis=1)[:, 0]
+      state = jnp.where((num_emit_B > 0)[:, None, None, None, None], picked, self.start.state)
+      return RecurrentCache(conv, state)
+    from jspec.models.gated_deltanet import delta_rule_steps  # the recurrence, one definition
+    live_BT = jnp.arange(self.keys.shape[1])[None, :] < num_emit_B[:, None]
+    state, _, _ = delta_rule_steps(self.start.state, None, self.keys, self.values, self.log_decay,
+                                self.beta, live_BT=live_BT)
+    return RecurrentCache(conv, state)
+
+
+def commit(caches: tuple, num_emit_B) -> tuple:
+  """Each layer's cache once the verify window's first num_emit_B positions are kept."""
+  return tuple(cache.commit(num_emit_B) for cache in caches)
+
+
+def shardings(caches: tuple, rules, mesh) -> tuple:
+  """The NamedSharding of every cache array (caches may be abstract: jax.eval_shape)."""
+  return tuple(cache.shardings(rules, mesh) for cache in caches)
+
+
+def constrain(caches: tuple, cache_shardings) -> tuple:
+  if cache_shardings is None:
+    return caches
+  return jax.tree.map(jax.lax.with_sharding_constraint, caches, cache_shardings)

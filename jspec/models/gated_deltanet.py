@@ -1,0 +1,197 @@
+"""Gated DeltaNet, the linear-attention token mixer of Qwen3-Next and Qwen3.5
+(transformers `Qwen3NextGatedDeltaNet` / `Qwen3_5GatedDeltaNet`; Yang et al. 2024).
+
+Per token: project to q, k (G key heads of Dk), v, z (G*R value heads of Dv) and b, a (one per
+value head); run q, k, v through a causal depthwise conv1d (kernel X) and SiLU; L2-normalise
+q and k, scale q by Dk^-1/2; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias). Each
+value head keeps a [Dk, Dv] state S, updated by the gated delta rule with its key head's k:
+
+    S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   out = S^T q
+
+then out is normalised per head with a plain-w RMSNorm gated by silu(z), and projected back.
+
+Layout: value heads are grouped under their key head (value head j reads key head j // R,
+transformers' repeat_interleave), so every parameter, the conv window and the state have the
+key-head axis G first, and splitting G over tp keeps each group's q, k, v, z and state on one
+shard with no communication inside the layer. The projections of q, k, v, z, b, a are one
+[D, G, P] matrix (a single read of the weights at decode) with per-head columns
+[q (Dk) | k (Dk) | v (R*Dv) | z (R*Dv) | b (R) | a (R)], the conv channels are [q | k | v].
+
+Two forms of the same recurrence: `chunked_delta_rule` for prefill (the UT transform over
+chunks of 64 positions, as transformers' `torch_chunk_gated_delta_rule`), and
+`delta_rule_steps` one position at a time for decode and verify windows.
+
+Shape letters: B batch, T positions, D hidden, G key heads, R value heads per key head,
+Dk/Dv key/value dims (K, V in einsums), C conv channels per key head, X conv kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jspec.models.caches import RecurrentCache, RecurrentWindow, conv_window_after
+from jspec.models.layers import GatedRMSNorm, param
+
+CHUNK = 64
+
+
+def l2_normalize(x, eps: float = 1e-6):
+  """x / sqrt(sum(x^2) + eps), in float32 (transformers' `l2norm`, as the FLA kernels)."""
+  x32 = x.astype(jnp.float32)
+  return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def causal_conv(window_BWGC, inputs_BTGC, weight_XGC):
+  """Depthwise causal conv1d + SiLU: output t sums weight[j] * input[t - (X-1) + j], the
+  inputs before this call coming from the window of the last X-1 (zeros at the start)."""
+  kernel = weight_XGC.shape[0]
+  length = inputs_BTGC.shape[1]
+  full_BYGC = jnp.concatenate([window_BWGC, inputs_BTGC], axis=1).astype(jnp.float32)
+  weight32 = weight_XGC.astype(jnp.float32)
+  out_BTGC = sum(full_BYGC[:, j:j + length] * weight32[j] for j in range(kernel))
+  return jax.nn.silu(out_BTGC).astype(inputs_BTGC.dtype)
+
+
+def delta_rule_steps(state_BGRKV, q_BTGK, k_BTGK, v_BTGRV, g_BTGR, beta_BTGR, *, live_BT=None,
+                     keep_states: bool = False):
+  """The recurrence one position at a time (float32). Returns (final state, outputs
+  [B,T,G,R,Dv] or None when q is None, states after each position [B,T,G,R,Dk,Dv] or None).
+  Positions where `live_BT` is False leave the state as it was (a commit's rejected tail)."""
+  outs, states = [], []
+  state = state_BGRKV
+  for t in range(k_BTGK.shape[1]):
+    decayed = state * jnp.exp(g_BTGR[:, t])[..., None, None]
+    k_BGK = k_BTGK[:, t]
+    memory_BGRV = jnp.einsum("bgrkv,bgk->bgrv", decayed, k_BGK)
+    delta_BGRV = (v_BTGRV[:, t] - memory_BGRV) * beta_BTGR[:, t][..., None]
+    updated = decayed + jnp.einsum("bgk,bgrv->bgrkv", k_BGK, delta_BGRV)
+    if live_BT is not None:
+      updated = jnp.where(live_BT[:, t][:, None, None, None, None], updated, state)
+    state = updated
+    if q_BTGK is not None:
+      outs.append(jnp.einsum("bgrkv,bgk->bgrv", state, q_BTGK[:, t]))
+    if keep_states:
+      states.append(state)
+  out = jnp.stack(outs, axis=1) if outs else None
+  return state, out, (jnp.stack(states, axis=1) if keep_states else None)
+
+
+def chunked_delta_rule(state_BGRKV, q_BTGK, k_BTGK, v_BTGRV, g_BTGR, beta_BTGR,
+                       chunk: int = CHUNK):
+  """The same recurrence over chunks: within a chunk the delta-rule updates are condensed by
+  the UT transform (a unit lower-triangular solve) into matrix products, and the state is
+  carried from chunk to chunk. Positions padded to a multiple of `chunk` get g = 0 and
+  beta = 0, which leave the state untouched (so do a prompt's padding positions, which the
+  caller masks the same way). Returns (final state, outputs [B,T,G,R,Dv]), float32."""
+  batch, length, heads, key_dim = k_BTGK.shape
+  per_key, value_dim = v_BTGRV.shape[3:]
+  pad = (-length) % chunk
+  num_chunks = (length + pad) // chunk
+
+  def chunks(x, fill=0.0):  # [B,T,G,R,...] -> [N, B, G, R, chunk, ...], padded
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    x = x.reshape(batch, num_chunks, chunk, *x.shape[2:])
+    return jnp.moveaxis(x, (1, 2), (0, 4))
+
+  expand = lambda x: jnp.broadcast_to(x[:, :, :, None], (batch, length, heads, per_key, key_dim))
+  q = chunks(expand(q_BTGK) * key_dim ** -0.5)   # [N, B, G, R, c, Dk]
+  k = chunks(expand(k_BTGK))
+  v = chunks(v_BTGRV)                             # [N, B, G, R, c, Dv]
+  g = chunks(g_BTGR)                              # [N, B, G, R, c]
+  beta = chunks(beta_BTGR)
+  k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+  cum = jnp.cumsum(g, axis=-1)
+  lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+  # exp(cum_i - cum_j) for j <= i: the decay between positions j and i; 0 above the diagonal.
+  pairwise = jnp.where(lower, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], 0.)),
+                       0.)
+  ut_system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * pairwise
+  intra = jnp.einsum("...ik,...jk->...ij", q, k) * pairwise
+  solve = lambda rhs: jax.scipy.linalg.solve_triangular(ut_system, rhs, lower=True,
+                                                        unit_diagonal=True)
+  new_values = solve(v_beta)
+  k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])
+  q_decayed = q * jnp.exp(cum)[..., None]
+  k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+  chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
+
+  def body(state, xs):
+    new_v, k_cd, q_d, k_d, intra_c, decay = xs
+    v_new = new_v - jnp.einsum("bgrck,bgrkv->bgrcv", k_cd, state)
+    out = (jnp.einsum("bgrck,bgrkv->bgrcv", q_d, state)
+           + jnp.einsum("bgrij,bgrjv->bgriv", intra_c, v_new))
+    state = state * decay + jnp.einsum("bgrck,bgrcv->bgrkv", k_d, v_new)
+    return state, out
+
+  state, out = jax.lax.scan(body, state_BGRKV.astype(jnp.float32),
+                            (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay))
+  # [N, B, G, R, c, Dv] -> [B, T, G, R, Dv]
+  out = jnp.moveaxis(out, (0, 4), (1, 2)).reshape(batch, num_chunks * chunk, heads, per_key,
+                                                  value_dim)
+  return state, out[:, :length]
+
+
+class GatedDeltaNet(nnx.Module):
+
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+    d = cfg.hidden_size
+    self.heads = cfg.linear_num_key_heads
+    self.per_key = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    self.key_dim, self.value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    self.kernel = cfg.linear_conv_kernel
+    g, r, dk, dv = self.heads, self.per_key, self.key_dim, self.value_dim
+    self.channels = 2 * dk + r * dv
+    width = self.channels + r * dv + 2 * r
+    self.in_proj = param(rngs, (d, g, width), dtype, ("embed", "linear_heads", None))
+    self.conv = param(rngs, (self.kernel, g, self.channels), dtype,
+                      (None, "linear_heads", None), scale=self.kernel ** -0.5)
+    self.a_log = param(rngs, (g, r), dtype, ("linear_heads", None), scale=0.5)
+    self.dt_bias = param(rngs, (g, r), dtype, ("linear_heads", None), scale=0.5)
+    self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps, dtype)
+    self.out_proj = param(rngs, (g, r, dv, d), dtype, ("linear_heads", None, None, "embed"),
+                          scale=(g * r * dv) ** -0.5)
+    # How a verify window is kept until commit (jspec.models.caches): "replay" or "store".
+    # Set by the LLM (`recurrent_commit`); static, so it is part of the compiled program.
+    self.commit_mode = "replay"
+
+  def empty_cache(self, batch: int, dtype) -> RecurrentCache:
+    return RecurrentCache.zeros(batch, self.kernel - 1, self.heads, self.channels, self.per_key,
+                                self.key_dim, self.value_dim, dtype)
+
+  def __call__(self, x_BTD, cache: RecurrentCache, valid_BT=None):
+    """(output [B,T,D], cache). valid_BT given (prefill): the chunked form, padding masked,
+    the cache committed at each row's last valid position. None: the recurrent form over a
+    decode/verify window, returned as a RecurrentWindow for the loop to commit."""
+    b, t, _ = x_BTD.shape
+    g, r, dk, dv, c = self.heads, self.per_key, self.key_dim, self.value_dim, self.channels
+    proj_BTGP = jnp.einsum("btd,dgp->btgp", x_BTD, self.in_proj[...])
+    conv_in_BTGC = proj_BTGP[..., :c]
+    z_BTGRV = proj_BTGP[..., c:c + r * dv].reshape(b, t, g, r, dv)
+    b_BTGR = proj_BTGP[..., c + r * dv:c + r * dv + r]
+    a_BTGR = proj_BTGP[..., c + r * dv + r:]
+    mixed_BTGC = causal_conv(cache.conv, conv_in_BTGC, self.conv[...])
+    q_BTGK = l2_normalize(mixed_BTGC[..., :dk])
+    k_BTGK = l2_normalize(mixed_BTGC[..., dk:2 * dk])
+    v_BTGRV = mixed_BTGC[..., 2 * dk:].reshape(b, t, g, r, dv).astype(jnp.float32)
+    beta_BTGR = jax.nn.sigmoid(b_BTGR).astype(jnp.float32)
+    g_BTGR = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(
+        a_BTGR.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+
+    if valid_BT is not None:
+      live = valid_BT[:, :, None, None]
+      g_BTGR, beta_BTGR = jnp.where(live, g_BTGR, 0.0), jnp.where(live, beta_BTGR, 0.0)
+      state, out_BTGRV = chunked_delta_rule(cache.state, q_BTGK, k_BTGK, v_BTGRV, g_BTGR,
+                                            beta_BTGR)
+      num_valid_B = jnp.sum(valid_BT, axis=1).astype(jnp.int32)
+      new_cache = RecurrentCache(conv_window_after(cache.conv, conv_in_BTGC, num_valid_B), state)
+    else:
+      store = self.commit_mode == "store"
+      _, out_BTGRV, states = delta_rule_steps(cache.state, q_BTGK * dk ** -0.5, k_BTGK, v_BTGRV,
+                                              g_BTGR, beta_BTGR, keep_states=store)
+      new_cache = (RecurrentWindow(cache, conv_in_BTGC, states_after=states) if store else
+                   RecurrentWindow(cache, conv_in_BTGC, keys=k_BTGK, values=v_BTGRV,
+                                   log_decay=g_BTGR, beta=beta_BTGR))
+    normed_BTGRV = self.norm(out_BTGRV.astype(x_BTD.dtype), z_BTGRV)
+    return jnp.einsum("btgrv,grvd->btd", normed_BTGRV, self.out_proj[...]), new_cache

@@ -1,0 +1,219 @@
+"""Qwen3.5 / Qwen3.6 (dense and MoE) and Qwen3-Next: hybrid models whose layers are either
+gated full attention or Gated DeltaNet linear attention, as `layer_types` says (transformers
+`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`, `Qwen3_5ForCausalLM`,
+`Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`). Text generation only.
+
+  - Norms are (1 + w) RMSNorms (`Qwen3NextRMSNorm`), including q/k norms and the MTP head's.
+  - Full attention: GQA whose q_proj also emits a per-head output gate; partial RoPE over the
+    first `partial_rotary_factor` of each head. Qwen3.5's mRoPE gives text tokens the same
+    position on its three (temporal, height, width) axes, and then every frequency sees that
+    one position: for text it is exactly 1-D RoPE, which is what runs here.
+  - Linear attention: jspec.models.gated_deltanet.
+  - MLP: dense SwiGLU, or MoE (softmax top-k, renormalised; Qwen3.5-MoE always renormalises)
+    with a shared expert behind a sigmoid gate.
+The multimodal layouts keep the text model under `model.language_model.*`; their vision tower
+(`model.visual.*`) is never read.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from flax import nnx
+
+from jspec.config import ModelConfig
+from jspec.models import weights as W
+from jspec.models.caches import KVCache
+from jspec.models.gated_deltanet import GatedDeltaNet
+from jspec.models.layers import MLP, GatedAttention, ZeroCenteredRMSNorm
+from jspec.models.moe import MoE
+from jspec.models.qwen3 import CausalLM, common_fields
+
+LAYER_TYPES = ("full_attention", "linear_attention")
+MULTIMODAL = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+
+
+class DecoderLayer(nnx.Module):
+  """x + mixer(norm(x)), then h + mlp(norm(h)); the mixer is gated attention or Gated DeltaNet."""
+
+  def __init__(self, cfg: ModelConfig, layer_type: str, is_moe: bool, dtype, rngs: nnx.Rngs):
+    self.input_norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    self.layer_type = layer_type
+    if layer_type == "full_attention":
+      self.attn = GatedAttention(cfg, dtype, rngs)
+    else:
+      self.linear_attn = GatedDeltaNet(cfg, dtype, rngs)
+    self.post_attn_norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    self.is_moe = is_moe
+    self.mlp = (MoE(cfg, dtype, rngs) if is_moe
+                else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs))
+
+  def __call__(self, x_BTD, positions_BT, cache, kv_window: int, experts_fn: Callable,
+               valid_BT=None):
+    normed_BTD = self.input_norm(x_BTD)
+    if self.layer_type == "full_attention":
+      mixed_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
+    else:
+      mixed_BTD, cache = self.linear_attn(normed_BTD, cache, valid_BT)
+    h_BTD = x_BTD + mixed_BTD
+    normed_BTD = self.post_attn_norm(h_BTD)
+    mlp_out_BTD = self.mlp(normed_BTD, experts_fn) if self.is_moe else self.mlp(normed_BTD)
+    return h_BTD + mlp_out_BTD, cache
+
+
+class Qwen35CausalLM(CausalLM):
+
+  make_norm = ZeroCenteredRMSNorm
+
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    self._init_embeddings(cfg, dtype, rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, cfg.layer_type(i), cfg.layer_is_moe(i), dtype, rngs)
+                            for i in range(cfg.num_layers)])
+
+  def layer_cache(self, layer_index: int, batch: int, slots: int, dtype):
+    layer = self.layers[layer_index]
+    if layer.layer_type == "linear_attention":
+      return layer.linear_attn.empty_cache(batch, dtype)
+    return KVCache.zeros(batch, self.cfg.cache_kv_heads, slots, self.cfg.head_dim, dtype)
+
+  @staticmethod
+  def make_mtp_decoder(cfg: ModelConfig, is_moe: bool, dtype, rngs: nnx.Rngs):
+    # vLLM qwen3_5_mtp.py: the MTP layer is a full-attention decoder layer of the family.
+    return DecoderLayer(cfg, "full_attention", is_moe, dtype, rngs)
+
+
+# ---- configuration --------------------------------------------------------------------------
+
+def read_config(hf_config, arch: str) -> ModelConfig:
+  text = getattr(hf_config, "text_config", None) if arch in MULTIMODAL else hf_config
+  if text is None:
+    raise ValueError(f"{arch} config has no text_config")
+  rope = dict(getattr(text, "rope_parameters", None) or {})
+  layer_types = tuple(text.layer_types)
+  unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+  if unknown:
+    raise ValueError(f"layer_types has unknown kinds {unknown}; jspec supports {list(LAYER_TYPES)}")
+  if len(layer_types) != text.num_hidden_layers:
+    raise ValueError(f"layer_types lists {len(layer_types)} layers but num_hidden_layers is "
+                     f"{text.num_hidden_layers}")
+  fields = common_fields(text, rope)
+  if arch in MULTIMODAL:  # the wrapper's tie_word_embeddings decides, as in transformers
+    fields["tie_word_embeddings"] = bool(getattr(hf_config, "tie_word_embeddings", False))
+  moe = {}
+  num_experts = int(getattr(text, "num_experts", 0) or 0)
+  if num_experts:
+    moe = dict(num_experts=num_experts, num_experts_per_tok=text.num_experts_per_tok,
+               moe_intermediate_size=text.moe_intermediate_size,
+               # Qwen3.5-MoE's router always renormalises (Qwen3VLMoeTextTopKRouter).
+               norm_topk_prob=bool(getattr(text, "norm_topk_prob", True)),
+               mlp_only_layers=tuple(getattr(text, "mlp_only_layers", None) or ()),
+               decoder_sparse_step=int(getattr(text, "decoder_sparse_step", None) or 1),
+               shared_expert_intermediate_size=int(
+                   getattr(text, "shared_expert_intermediate_size", 0) or 0))
+  partial = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0))
+  media = tuple(int(t) for name in ("image_token_id", "video_token_id")
+                if (t := getattr(hf_config, name, None)) is not None)
+  return ModelConfig(
+      architecture=arch, **fields, **moe, layer_types=layer_types,
+      partial_rotary_factor=float(partial),
+      linear_num_key_heads=text.linear_num_key_heads,
+      linear_num_value_heads=text.linear_num_value_heads,
+      linear_key_head_dim=text.linear_key_head_dim,
+      linear_value_head_dim=text.linear_value_head_dim,
+      linear_conv_kernel=text.linear_conv_kernel_dim,
+      weight_prefix="model.language_model." if arch in MULTIMODAL else "model.",
+      multimodal_token_ids=media)
+
+
+def skipped_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
+  return ("model.visual.",) if cfg.architecture in MULTIMODAL else ()
+
+
+# ---- checkpoint layout ----------------------------------------------------------------------
+
+def _linear_attention_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
+  """`{p}linear_attn.*` -> GatedDeltaNet, from Qwen3.5's separate in_proj_{qkv,z,b,a} or
+  Qwen3-Next's per-key-head fused in_proj_qkvz / in_proj_ba (transformers'
+  `fix_query_key_value_ordering`), whichever the layer has."""
+  d, g = cfg.hidden_size, cfg.linear_num_key_heads
+  r = cfg.linear_num_value_heads // g
+  dk, dv, x = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel
+  q = p + "linear_attn."
+  channels = 2 * g * dk + g * r * dv
+
+  def heads_last(a, width):  # HF [rows, D] with rows grouped by head -> [D, G, width]
+    return a.T.reshape(d, g, width)
+
+  if q + "in_proj_qkvz.weight" in names:  # rows per key head: [q | k | v | z], then [b | a]
+    in_proj = W.TensorRule(
+        (q + "in_proj_qkvz.weight", q + "in_proj_ba.weight"),
+        ((g * (2 * dk + 2 * r * dv), d), (g * 2 * r, d)),
+        lambda qkvz, ba: np.concatenate([heads_last(qkvz, 2 * dk + 2 * r * dv),
+                                         heads_last(ba, 2 * r)], axis=-1))
+  else:  # rows: [q (all heads) | k | v], z, b, a each by value head
+
+    def build(qkv, z, b, a):
+      qkv = qkv.T
+      parts = (qkv[:, :g * dk].reshape(d, g, dk), qkv[:, g * dk:2 * g * dk].reshape(d, g, dk),
+               qkv[:, 2 * g * dk:].reshape(d, g, r * dv), heads_last(z, r * dv),
+               heads_last(b, r), heads_last(a, r))
+      return np.concatenate(parts, axis=-1)
+
+    in_proj = W.TensorRule(
+        tuple(q + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")),
+        ((channels, d), (g * r * dv, d), (g * r, d), (g * r, d)), build)
+
+  def conv(w):  # [channels, 1, X], channels [q all | k all | v all] -> [X, G, q_g | k_g | v_g]
+    w = w[:, 0, :].T
+    return np.concatenate([w[:, :g * dk].reshape(x, g, dk),
+                           w[:, g * dk:2 * g * dk].reshape(x, g, dk),
+                           w[:, 2 * g * dk:].reshape(x, g, r * dv)], axis=-1)
+
+  return {
+      ("in_proj",): in_proj,
+      ("conv",): W.TensorRule((q + "conv1d.weight",), ((channels, 1, x),), conv),
+      ("a_log",): W.TensorRule((q + "A_log",), ((g * r,),), lambda a: a.reshape(g, r)),
+      ("dt_bias",): W.TensorRule((q + "dt_bias",), ((g * r,),), lambda a: a.reshape(g, r)),
+      ("norm", "scale"): W.norm_rule(q + "norm.weight", dv),
+      ("out_proj",): W.TensorRule((q + "out_proj.weight",), ((d, g * r * dv),),
+                                  lambda a: np.ascontiguousarray(a.T).reshape(g, r, dv, d)),
+  }
+
+
+def _moe_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
+  rules = W.expert_rules(cfg, p, names)
+  if cfg.shared_expert_intermediate_size:
+    d = cfg.hidden_size
+    rules.update(W.prefixed(("shared_expert",), W.dense_mlp_rules(
+        p + "mlp.shared_expert.", d, cfg.shared_expert_intermediate_size)))
+    rules[("shared_expert_gate",)] = W.TensorRule(
+        (p + "mlp.shared_expert_gate.weight",), ((1, d),), lambda a: np.ascontiguousarray(a.T))
+  return rules
+
+
+def _layer_rules(cfg: ModelConfig, p: str, layer_type: str, is_moe: bool, names: set[str]) -> dict:
+  d = cfg.hidden_size
+  rules = {("input_norm", "scale"): W.norm_rule(p + "input_layernorm.weight", d),
+           ("post_attn_norm", "scale"): W.norm_rule(p + "post_attention_layernorm.weight", d)}
+  if layer_type == "full_attention":
+    rules.update(W.prefixed(("attn",), W.attention_rules(cfg, p, gated=True)))
+  else:
+    rules.update(W.prefixed(("linear_attn",), _linear_attention_rules(cfg, p, names)))
+  mlp = (_moe_rules(cfg, p, names) if is_moe
+         else W.dense_mlp_rules(p + "mlp.", d, cfg.intermediate_size))
+  rules.update(W.prefixed(("mlp",), mlp))
+  return rules
+
+
+def decoder_rules(cfg: ModelConfig, names: set[str]) -> Callable[[str, bool], dict]:
+  """(prefix, is_moe) -> the rules of a full-attention decoder layer (an MTP layer)."""
+  return lambda p, is_moe: _layer_rules(cfg, p, "full_attention", is_moe, names)
+
+
+def target_rules(cfg: ModelConfig, names: set[str]) -> dict:
+  rules = W.embedding_rules(cfg, "norm.weight")
+  for i in range(cfg.num_layers):
+    rules.update(W.prefixed(("layers", i), _layer_rules(
+        cfg, f"{cfg.weight_prefix}layers.{i}.", cfg.layer_type(i), cfg.layer_is_moe(i), names)))
+  return rules

@@ -1,0 +1,64 @@
+"""Model families: a config's `architectures` name -> how to read it, build it and load it.
+
+A family is one file under jspec/models/ (qwen3.py, qwen3_5.py, ...) providing
+  - `read_config(hf_config, arch) -> ModelConfig`,
+  - a model class with the surface the loop uses (`__call__`, `logits`, `embed_tokens`,
+    `init_caches`; `make_norm` / `make_mtp_decoder` for its MTP heads),
+  - `target_rules(cfg, names)` and `decoder_rules(cfg, names)`: checkpoint tensor names ->
+    parameters (jspec.models.weights), for the target and for an MTP head's decoder layer,
+  - optionally `skipped_prefixes(cfg)`: tensors present in published checkpoints that are
+    never read (a multimodal model's vision tower).
+Nothing outside jspec/models/ names a family; the speculative loop sees only the surface.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from jspec.config import ModelConfig
+from jspec.models import qwen3, qwen3_5
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  name: str
+  read_config: Callable
+  model: type
+  target_rules: Callable
+  decoder_rules: Callable
+  skipped_prefixes: Callable[[ModelConfig], tuple[str, ...]] = lambda cfg: ()
+
+
+_QWEN3 = Family("qwen3", qwen3.read_config, qwen3.Qwen3CausalLM, qwen3.target_rules,
+                qwen3.decoder_rules)
+_QWEN3_5 = Family("qwen3_5", qwen3_5.read_config, qwen3_5.Qwen35CausalLM, qwen3_5.target_rules,
+                  qwen3_5.decoder_rules, qwen3_5.skipped_prefixes)
+
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": _QWEN3,
+    "Qwen3MoeForCausalLM": _QWEN3,
+    "Qwen3_5ForConditionalGeneration": _QWEN3_5,
+    "Qwen3_5MoeForConditionalGeneration": _QWEN3_5,
+    "Qwen3_5ForCausalLM": _QWEN3_5,
+    "Qwen3_5MoeForCausalLM": _QWEN3_5,
+    "Qwen3NextForCausalLM": _QWEN3_5,
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+
+
+def family_of(cfg_or_arch: ModelConfig | str) -> Family:
+  arch = getattr(cfg_or_arch, "architecture", cfg_or_arch)
+  if arch not in ARCHITECTURES:
+    raise ValueError(f"unsupported architecture {arch!r}; jspec supports "
+                     f"{list(SUPPORTED_ARCHITECTURES)}")
+  return ARCHITECTURES[arch]
+
+
+def read_config(hf_config) -> ModelConfig:
+  architectures = list(getattr(hf_config, "architectures", None) or [])
+  arch = next((a for a in architectures if a in ARCHITECTURES), None)
+  if arch is None:
+    raise ValueError(f"unsupported architecture {architectures or hf_config.model_type!r}; "
+                     f"jspec supports {list(SUPPORTED_ARCHITECTURES)}")
+  return ARCHITECTURES[arch].read_config(hf_config, arch)
