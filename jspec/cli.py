@@ -118,7 +118,7 @@ def main(argv=None):
   bench = sub.add_parser("bench", help="step costs vs the HBM roofline on real-size random "
                                        "models (run on a GPU)")
   bench.add_argument("--models", nargs="+", default=["qwen3-8b", "qwen3-30b-a3b"],
-                     help="presets: qwen3-8b, qwen3-30b-a3b, tiny-moe")
+                     help="presets: qwen3-8b, qwen3-30b-a3b, qwen3.5-9b, qwen3.5-35b-a3b, tiny-moe")
   bench.add_argument("--layers", type=int, default=0, help="override the presets' layer count")
   bench.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
   bench.add_argument("--context", type=int, nargs="+", default=[512, 8192])
@@ -131,6 +131,8 @@ def main(argv=None):
   bench.add_argument("--moe-backend", default="auto")
   bench.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"],
                      help="decode/verify attention: XLA, or the split-S Pallas kernel")
+  bench.add_argument("--recurrent-commit", default="replay", choices=["replay", "store"],
+                     help="hybrid models: how verify windows of linear-attention layers commit")
   bench.add_argument("--bandwidth-bytes", type=int, default=2 << 30)
   bench.add_argument("--proof", action="store_true",
                      help="also time the trained demo model with and without MTP")

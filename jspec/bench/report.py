@@ -39,7 +39,8 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
   midway keeps what it measured."""
   cfg = PRESETS[name]
   if args.layers:
-    cfg = dataclasses.replace(cfg, num_layers=args.layers)
+    cfg = dataclasses.replace(cfg, num_layers=args.layers,
+                              layer_types=cfg.layer_types[:args.layers])
   k = args.k
   max_context = max(args.context) + max(VERIFY_WIDTHS) + k + 2
   cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings,
@@ -51,6 +52,7 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
       cfg, jspec.MTPSpec("qwen3_next", 1, is_moe=cfg.is_moe), dtype=args.dtype,
       max_model_len=max_context, max_num_seqs=1, moe_backend=args.moe_backend,
       attention_backend=args.attention_backend,
+      recurrent_commit=getattr(args, "recurrent_commit", "replay"),
       speculative_config={"method": "mtp", "num_speculative_tokens": k,
                           # Timing only: on random weights which ids are kept does not matter.
                           "draft_vocab": (tuple(range(args.draft_vocab_size))
@@ -101,6 +103,7 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
     prefill.append(dict(batch=batch, prompt=prompt, tokens_per_second=batch * prompt / seconds))
   draft_ids = llm.mtp.layers[0].draft_ids  # what the timed head really drafts from
   return dict(model=name, layers=cfg.num_layers, k=k,
+              recurrent_commit=llm.recurrent_commit if cfg.layer_types else None,
               draft_vocab_size=cfg.vocab_size if draft_ids is None else draft_ids.shape[0],
               device=jax.devices()[0].device_kind,
               bandwidth=bandwidth, rows=rows, prefill=prefill,

@@ -80,17 +80,30 @@ def expected_experts_used(num_experts: int, top_k: int, num_tokens: int) -> floa
 def step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize: int = 2) -> int:
   """Least bytes one forward of `width` tokens per sequence must read at this context:
   every weight it uses once (the embedding rows are negligible; experts that receive tokens
-  under uniform routing) plus each sequence's valid keys and values."""
+  under uniform routing) plus each sequence's valid keys and values in full-attention layers,
+  and each sequence's float32 state in linear-attention layers, read once and written once."""
   d, h = cfg.hidden_size, cfg.head_dim
-  attention = d * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * h + 2 * d
-  weights = 0
+  hybrid = bool(cfg.layer_types)
+  query = (2 if hybrid else 1) * cfg.num_heads  # gated attention: a query and a gate per head
+  attention = d * h * (query + cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * h + 2 * d
+  g, r = cfg.linear_num_key_heads, cfg.linear_num_value_heads // max(cfg.linear_num_key_heads, 1)
+  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  linear = d * g * (2 * dk + 2 * r * dv + 2 * r) + g * r * dv * d + 2 * d + dv
+  weights, kv_layers, state_bytes = 0, 0, 0
   for layer in range(cfg.num_layers):
-    weights += attention
+    if cfg.layer_type(layer) == "linear_attention":
+      weights += linear
+      state_bytes += 2 * batch * g * r * dk * dv * 4
+    else:
+      weights += attention
+      kv_layers += 1
     if cfg.layer_is_moe(layer):
       used = expected_experts_used(cfg.num_experts, cfg.num_experts_per_tok, batch * width)
       weights += d * cfg.num_experts + used * 3 * d * cfg.moe_intermediate_size
+      weights += 3 * d * cfg.shared_expert_intermediate_size + d * bool(
+          cfg.shared_expert_intermediate_size)
     else:
       weights += 3 * d * cfg.intermediate_size
   weights += d * cfg.vocab_size + d  # lm_head (tied or not, it is read once) and final norm
-  kv = batch * (context + width) * cfg.num_layers * 2 * cfg.num_kv_heads * h
-  return int(np.ceil((weights + kv) * itemsize))
+  kv = batch * (context + width) * kv_layers * 2 * cfg.num_kv_heads * h
+  return int(np.ceil((weights + kv) * itemsize)) + state_bytes
