@@ -59,7 +59,7 @@ class LLM:
                max_num_seqs: int = 64, compilation_cache_dir: str | None = None,
                ep_strategy: str = "auto", device_memory_bytes: int | None = None,
                prefill_chunk_size: int = 1024, attention_backend: str = "xla",
-               recurrent_commit: str = "replay", _modules=None):
+               recurrent_commit: str = "store", _modules=None):
     self.dtype = resolve_dtype(dtype)
     if attention_backend not in ATTENTION_BACKENDS:
       raise ValueError(f"attention_backend={attention_backend!r} is not supported; choose one "

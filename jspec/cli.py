@@ -131,7 +131,7 @@ def main(argv=None):
   bench.add_argument("--moe-backend", default="auto")
   bench.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"],
                      help="decode/verify attention: XLA, or the split-S Pallas kernel")
-  bench.add_argument("--recurrent-commit", default="replay", choices=["replay", "store"],
+  bench.add_argument("--recurrent-commit", default="store", choices=["replay", "store"],
                      help="hybrid models: how verify windows of linear-attention layers commit")
   bench.add_argument("--bandwidth-bytes", type=int, default=2 << 30)
   bench.add_argument("--proof", action="store_true",

@@ -7,6 +7,10 @@ HOW TO RUN (needs torch and transformers 5.17; NOT the jspec environment -- CI h
     /tmp/torchenv/bin/pip install torch==2.13.0 transformers==5.17.0 safetensors numpy tokenizers
     /tmp/torchenv/bin/python scripts/make_fixtures.py            # writes tests/fixtures/*
     /tmp/torchenv/bin/python scripts/make_fixtures.py --check    # only re-verify the saved fixtures
+    /tmp/torchenv/bin/python scripts/make_fixtures.py --only qwen3_5_moe qwen3_next   # rebuild some
+
+The hybrid Qwen3.5 / Qwen3-Next fixtures (qwen3_5_dense, qwen3_5_moe, qwen3_5_text, qwen3_5_moe_text,
+qwen3_next) are specified, built and checked in scripts/fixture_hybrid.py; this file dispatches to it.
 
 Every fixture directory under tests/fixtures/ gets:
     config.json, generation_config.json, model.safetensors   (a loadable HF checkpoint, float32)
@@ -48,6 +52,8 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fixture_mtp import (DeepSeekMTPLayer, QwenNextMTP, mtp_forward,  # noqa: E402
                          mtp_forward_crosscheck, mtp_state_dict, split_experts)
+from fixture_hybrid import HYBRID_NAMES, HYBRID_SPECS, build_hybrid, check_hybrid  # noqa: E402
+from fixture_hybrid import NearTie as HybridNearTie  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_ROOT = os.path.join(REPO, "tests", "fixtures")
@@ -468,11 +474,16 @@ def main():
     if not transformers.__version__.startswith("5.17"):
         print(f"warning: fixtures were made with transformers 5.17, this is {transformers.__version__}",
               file=sys.stderr)
-    specs = [s() for s in SPECS]
+    known = [s()["name"] for s in SPECS] + ["qwen3_moe_legacy"] + HYBRID_NAMES
+    unknown = sorted(set(args.only or []) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown fixture(s) {unknown}; known: {known}")
+    # Qwen3 fixtures (this file) and the hybrid Qwen3.5 / Qwen3-Next fixtures (fixture_hybrid.py)
+    specs = [(s(), build, check) for s in SPECS] + [(s(), build_hybrid, check_hybrid) for s in HYBRID_SPECS]
     if args.only:
-        specs = [s for s in specs if s["name"] in args.only]
+        specs = [t for t in specs if t[0]["name"] in args.only]
     os.makedirs(args.out, exist_ok=True)
-    for s in specs:
+    for s, build_fn, check_fn in specs:
         d = os.path.join(args.out, s["name"])
         if not args.check:
             # deterministic seed search: the first seed without near-ties wins (recorded in reference.json)
@@ -480,13 +491,13 @@ def main():
             for attempt in range(20):
                 s["seed"] = base + 100 * attempt
                 try:
-                    build(s, args.out)
+                    build_fn(s, args.out)
                     break
-                except NearTie as e:
+                except (NearTie, HybridNearTie) as e:
                     print(f"  {e}; trying next seed")
             else:
                 raise SystemExit(f"{s['name']}: no seed without near-ties")
-        check(d)
+        check_fn(d)
     if not args.only or "qwen3_moe" in args.only or "qwen3_moe_legacy" in args.only:
         d = os.path.join(args.out, "qwen3_moe_legacy")
         if not args.check:

@@ -19,7 +19,11 @@ ARCHITECTURES = {"qwen3_5_dense": "Qwen3_5ForConditionalGeneration",
                  "qwen3_5_text": "Qwen3_5ForCausalLM",
                  "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                  "qwen3_next": "Qwen3NextForCausalLM"}
-TOL = 1e-4
+# Logits: absolute 2e-4. These fixtures' logits reach ~10-20 over 100-token sequences through
+# the chunked delta rule, where float32 rounding alone moves a few of 38400 by up to 1.5e-4
+# (transformers reloading the same weights moves them 2.6e-5). MTP outputs hold to 1e-4.
+TOL, RTOL = 1e-4, 0.0
+LOGITS_TOL = 2e-4
 MAX_TOKENS = 24
 
 
@@ -57,7 +61,7 @@ def test_logits_match_transformers(name):
   ref = reference(name)
   seqs = [ref[f"seq_{i}"].tolist() for i in range(3)]
   for i, logits in enumerate(cached_llm(name).compute_logits(seqs)):
-    np.testing.assert_allclose(logits, ref[f"logits_{i}"], atol=TOL, rtol=0)
+    np.testing.assert_allclose(logits, ref[f"logits_{i}"], atol=LOGITS_TOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("name", HYBRID)
@@ -118,43 +122,57 @@ def _vanilla(name, prompts, **kwargs):
   return [o.token_ids for o in cached_llm(name).generate(prompts, greedy(MAX_TOKENS, **kwargs))]
 
 
+def _drafted_prompts(name, count: int):
+  """Seeded prompts whose greedy continuations repeat themselves, so that n-gram drafts are
+  accepted and verify windows are committed part-way: the first `count` of 96 candidates
+  (random weights rarely copy, so the test picks where they do)."""
+  candidates = _prompts(name, [12] * 96, 18)
+  outs = cached_llm(name, "ngram", 3).generate(candidates, greedy(MAX_TOKENS, ignore_eos=True))
+  chosen = [p for p, o in zip(candidates, outs) if o.metrics.num_accepted_tokens > 0]
+  assert len(chosen) >= count, "no candidate prompt gets accepted n-gram drafts"
+  return chosen[:count]
+
+
 @pytest.mark.parametrize("name, method, k", [
-    ("qwen3_5_moe", "mtp", 1), ("qwen3_5_moe", "mtp", 2), ("qwen3_5_moe", "mtp", 3),
-    ("qwen3_5_moe", "mtp", 5), ("qwen3_5_moe", "ngram", 3),
-    ("qwen3_next", "mtp", 3), ("qwen3_next", "ngram", 5), ("qwen3_5_text", "mtp", 2)])
+    ("qwen3_5_moe", "mtp", 3), ("qwen3_5_text", "mtp", 1), ("qwen3_5_text", "mtp", 2),
+    ("qwen3_5_text", "mtp", 5), ("qwen3_5_text", "ngram", 3), ("qwen3_next", "ngram", 5)])
 def test_greedy_speculative_equals_vanilla(name, method, k):
-  """Batch 1 and 9 with ragged prompts (one crossing the 64-token chunk): every token equal."""
+  """Batch 1 and 9 with ragged prompts (one crossing the 64-token chunk): every token equal.
+  The published multimodal MoE layout runs with its own MTP head."""
   prompts = _prompts(name, PROMPT_LENGTHS, 14)
+  if method == "ngram":  # some rows with accepted drafts: windows committed part-way
+    prompts[2:4] = _drafted_prompts(name, 2)
   want = _vanilla(name, prompts, ignore_eos=True)
   llm = cached_llm(name, method, k)
   for batch_size in (1, 9):
     outs = llm.generate(prompts[:batch_size], greedy(MAX_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outs] == want[:batch_size]
   if method == "ngram":
-    assert outs.metrics.num_accepted_tokens > 0  # windows really were cut short and committed
+    assert outs.metrics.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("batch_size", range(1, 10))
-def test_every_batch_size_from_1_to_9(batch_size):
-  name = "qwen3_5_moe"
-  prompts = _prompts(name, PROMPT_LENGTHS, 15)[-batch_size:]
+def test_every_batch_size_from_1_to_9():
+  name = "qwen3_5_text"
+  prompts = _prompts(name, PROMPT_LENGTHS, 15)
   want = _vanilla(name, prompts)
-  outs = cached_llm(name, "mtp", 3).generate(prompts, greedy(MAX_TOKENS))
-  assert [o.token_ids for o in outs] == want
+  llm = cached_llm(name, "mtp", 3)
+  for batch_size in range(1, 10):
+    outs = llm.generate(prompts[-batch_size:], greedy(MAX_TOKENS))
+    assert [o.token_ids for o in outs] == want[-batch_size:], batch_size
 
 
 def test_eos_and_max_tokens_inside_accepted_runs():
   """The checkpoint's EOS ends outputs as transformers' do; every max_tokens m gives
   vanilla[:m], some m falling strictly inside a multi-token step; every stop id ends the
   output at its first occurrence, whatever was drafted after it."""
-  name = "qwen3_5_moe"
+  name = "qwen3_5_text"
   ref = reference(name)
   prompts = [ref[f"prompt_{i}"].tolist() for i in range(3)]
   outs = cached_llm(name, "mtp", 3).generate(prompts, greedy(MAX_TOKENS))
   for i, out in enumerate(outs):
     assert out.token_ids == ref[f"gen_{i}"].tolist()
   llm = cached_llm(name, "ngram", 3)
-  prompt = _prompts(name, PROMPT_LENGTHS, 14)[1]
+  prompt = _drafted_prompts(name, 1)[0]
   full = _vanilla(name, [prompt], ignore_eos=True)[0]
   steps = lambda m: llm.generate([prompt], greedy(m, ignore_eos=True))[0].metrics.num_steps
   inside = 0
@@ -172,6 +190,7 @@ def test_store_and_replay_commits_give_the_same_tokens():
   name = "qwen3_next"
   prompts = _prompts(name, PROMPT_LENGTHS, 16)
   spec = {"method": "ngram", "num_speculative_tokens": 4}
+  prompts[:2] = _drafted_prompts(name, 2)
   runs = [[o.token_ids for o in jspec.LLM(
       model=fixture_dir(name), dtype="float32", max_model_len=128, speculative_config=spec,
       recurrent_commit=mode).generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))]

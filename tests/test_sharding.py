@@ -171,3 +171,18 @@ def test_two_processes_form_one_mesh_and_match_a_single_process():
   llm = _llm("qwen3_moe", _mesh(2, 2, 2), "mtp")
   want = [o.token_ids for o in llm.generate(PROMPTS, greedy(10, ignore_eos=True))]
   assert outputs[0] == want
+
+
+@pytest.mark.parametrize("mesh", [(8, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)],
+                         ids=lambda m: "dp%d-tp%d-ep%d" % m)
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_hybrid_moe_greedy_outputs_identical_on_every_mesh(mesh, spec):
+  """Qwen3.5-MoE (published multimodal layout): linear-attention key heads and their value
+  heads, conv channels and recurrent state over tp, experts over ep, sequences over dp x ep.
+  dp = 8 with 1 and 3 requests leaves dp shards idle (padding rows)."""
+  name = "qwen3_5_moe"
+  llm = _llm(name, _mesh(*mesh), spec)
+  assert _outputs(llm) == _baseline(name)
+  if mesh[1] > 1:
+    in_proj = llm.target.layers[0].linear_attn.in_proj.get_value()
+    assert "tp" in str(in_proj.sharding.spec)

@@ -52,7 +52,7 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
       cfg, jspec.MTPSpec("qwen3_next", 1, is_moe=cfg.is_moe), dtype=args.dtype,
       max_model_len=max_context, max_num_seqs=1, moe_backend=args.moe_backend,
       attention_backend=args.attention_backend,
-      recurrent_commit=getattr(args, "recurrent_commit", "replay"),
+      recurrent_commit=getattr(args, "recurrent_commit", "store"),
       speculative_config={"method": "mtp", "num_speculative_tokens": k,
                           # Timing only: on random weights which ids are kept does not matter.
                           "draft_vocab": (tuple(range(args.draft_vocab_size))

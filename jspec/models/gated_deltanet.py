@@ -154,7 +154,7 @@ class GatedDeltaNet(nnx.Module):
                           scale=(g * r * dv) ** -0.5)
     # How a verify window is kept until commit (jspec.models.caches): "replay" or "store".
     # Set by the LLM (`recurrent_commit`); static, so it is part of the compiled program.
-    self.commit_mode = "replay"
+    self.commit_mode = "store"
 
   def empty_cache(self, batch: int, dtype) -> RecurrentCache:
     return RecurrentCache.zeros(batch, self.kernel - 1, self.heads, self.channels, self.per_key,
