@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.bench.roofline import seconds_per_call
+from jspec.engine import module_cache_shardings
 from jspec.models import caches as cache_lib
 from jspec.speculative import buckets
 
@@ -68,10 +69,9 @@ class StepTimer:
     self.runs = {}
     runner = llm._runner
     self.cache_shardings = runner.ctx.cache_shardings
-    self.draft_cache_shardings = (runner.ctx.draft_cache_shardings if llm.mtp is None else
-                                  cache_lib.shardings(jax.eval_shape(
-                                      lambda: llm.mtp.init_caches(1, 1, llm.dtype)),
-                                      llm.draft_rules, llm.mesh))
+    # The head's layout even when the runner's method needs none (timing an MTP step anyway).
+    self.draft_cache_shardings = (None if llm.mtp is None else module_cache_shardings(
+        llm.mtp, llm.draft_rules, llm.mesh, llm.dtype))
 
   # --- programs ------------------------------------------------------------------------------
 

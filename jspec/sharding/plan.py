@@ -71,20 +71,17 @@ class MemoryPlan:
             f"device (capacity {cap})")
 
 
-def _bytes_per_device(tree) -> int:
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    shard_shape = leaf.sharding.shard_shape(leaf.shape)
-    total += int(np.prod(shard_shape)) * leaf.dtype.itemsize
-  return total
-
-
 def _abstract_bytes_per_device(shapes, shardings) -> int:
-  """Bytes per device of abstract arrays (jax.eval_shape) placed with `shardings`."""
+  """Bytes per device of arrays (or abstract ones: jax.eval_shape) placed with `shardings`."""
   leaves = jax.tree.leaves(shapes)
   placements = jax.tree.leaves(shardings)
   return sum(int(np.prod(sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
              for leaf, sharding in zip(leaves, placements))
+
+
+def _bytes_per_device(tree) -> int:
+  leaves = jax.tree.leaves(tree)
+  return _abstract_bytes_per_device(leaves, [leaf.sharding for leaf in leaves])
 
 
 def device_capacity() -> int | None:
