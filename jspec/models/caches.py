@@ -8,6 +8,8 @@ what committing means:
   KVCache         keys and values by absolute position. A verify window writes its k+1
                   positions; rejected ones lie past the new length and are never read, so
                   the cache rolls back by length alone and commit returns it unchanged.
+  MLACache        multi-head latent attention's per-token latent and rope key (jspec.models.mla),
+                  shared by every head; by position, so it rolls back by length as KVCache does.
   RecurrentCache  a linear-attention layer's state after the last committed token (the
                   causal-conv window of pre-conv inputs, and the delta-rule state). It cannot
                   roll back by length, so a verify window returns a `RecurrentWindow` instead,
@@ -52,6 +54,29 @@ class KVCache:
 
   def commit(self, num_emit_B) -> "KVCache":
     del num_emit_B  # Rolls back by length: slots past the new length are never read.
+    return self
+
+
+@struct.dataclass
+class MLACache:
+  """Per token, [normalised latent (kv_lora_rank) | roped key (qk_rope_head_dim)] in one row,
+  read whole by the absorbed attention's scores and (its latent part) for the output.
+
+  One row per token serves every query head, so the cache is replicated over tp (as vLLM and
+  SGLang keep it) and split over the batch axes only."""
+  latent: jax.Array  # [B, S, kv_lora_rank + qk_rope_head_dim]
+
+  AXES = ("batch", "cache_seq", "latent")
+
+  @classmethod
+  def zeros(cls, batch: int, slots: int, width: int, dtype) -> "MLACache":
+    return cls(jnp.zeros((batch, slots, width), dtype))
+
+  def shardings(self, rules, mesh) -> "MLACache":
+    return MLACache(rules.sharding(mesh, self.AXES))
+
+  def commit(self, num_emit_B) -> "MLACache":
+    del num_emit_B  # Rolls back by length, as KVCache.
     return self
 
 
@@ -110,10 +135,9 @@ class RecurrentWindow:
                                    index_B[:, None, None, None, None, None], axis=1)[:, 0]
       state = jnp.where((num_emit_B > 0)[:, None, None, None, None], picked, self.start.state)
       return RecurrentCache(conv, state)
-    from jspec.models.gated_deltanet import delta_rule_steps  # the recurrence, one definition
-    live_BT = jnp.arange(self.keys.shape[1])[None, :] < num_emit_B[:, None]
-    state, _, _ = delta_rule_steps(self.start.state, None, self.keys, self.values, self.log_decay,
-                                self.beta, live_BT=live_BT)
+    from jspec.models.gated_deltanet import advance_state  # the recurrence, one definition
+    state = advance_state(self.start.state, self.keys, self.values, self.log_decay, self.beta,
+                          num_emit_B)
     return RecurrentCache(conv, state)
 
 
