@@ -60,6 +60,17 @@ class ModelConfig:
   linear_value_head_dim: int = 0
   linear_conv_kernel: int = 0
   shared_expert_intermediate_size: int = 0  # 0: no shared expert
+  # Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash; jspec.models.mla); kv_lora_rank 0:
+  # not MLA. q_lora_rank 0: queries through one q_proj instead of q_a_proj -> norm -> q_b_proj.
+  q_lora_rank: int = 0
+  kv_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  # RoPE beyond rope_theta (jspec.models.rope): YaRN's parameters as sorted (key, value) items,
+  # empty for plain RoPE; `rope_interleave`: rotary dims in interleaved pairs (DeepSeek-V3).
+  rope_scaling: tuple[tuple[str, Any], ...] = ()
+  rope_interleave: bool = False
   # Where the text model's tensors live: "model." or, in multimodal layouts, "model.language_model.".
   weight_prefix: str = "model."
   # Token ids that stand for image / video content: refused in prompts (text-only).
@@ -72,6 +83,10 @@ class ModelConfig:
   @property
   def is_moe(self) -> bool:
     return self.num_experts > 0
+
+  @property
+  def is_mla(self) -> bool:
+    return self.kv_lora_rank > 0
 
   def layer_type(self, layer_index: int) -> str:
     return self.layer_types[layer_index] if self.layer_types else "full_attention"
@@ -90,7 +105,7 @@ class ModelConfig:
     """This config with the KV-head copies that splitting heads over `shards` needs:
     none while shards divides num_kv_heads, shards / num_kv_heads when it is a multiple."""
     k = self.num_kv_heads
-    if k % shards == 0:
+    if k % shards == 0 or self.is_mla:  # MLA has no KV heads: its latent serves every head
       return dataclasses.replace(self, kv_head_replicas=1)
     if shards % k:
       raise ValueError(f"tp={shards} must divide num_key_value_heads={k} or be a multiple of it")

@@ -73,6 +73,7 @@ class ShardingRules:
   mtp_concat: MeshAxes = None
   linear_heads: MeshAxes = "tp"   # linear-attention key heads (their value heads follow)
   cache_seq: MeshAxes = None
+  latent: MeshAxes = None         # MLA's per-token latent: shared by all heads, so not over tp
   seq: MeshAxes = None
 
   def spec(self, logical_axes) -> PartitionSpec:

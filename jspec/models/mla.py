@@ -1,0 +1,144 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash; transformers `DeepseekV3Attention`)
+over a latent cache.
+
+Projections (transformers names):
+  queries  q_a_proj -> q_a_layernorm -> q_b_proj, or one q_proj when q_lora_rank is absent;
+           per head [nope (P) | rope (R)]
+  latent   kv_a_proj_with_mqa -> [latent (C) | rope key (R)]; kv_a_layernorm on the latent;
+           the rope key is one head shared by all query heads
+  kv_b     the latent -> per head [key nope (P) | value (V)]: W_UK [N, P, C], W_UV [N, V, C]
+  o_proj   per head values -> hidden
+The cache (jspec.models.caches.MLACache) keeps per token the normalised latent and the roped
+key, C + R values shared by every head, instead of N keys and values.
+
+Two exact forms of the same attention (vLLM `vllm/v1/attention/backends/mla/common.py`):
+  absorbed  for decode and verify windows (T <= ABSORBED_MAX_TOKENS): the query's nope part
+            goes through W_UK into latent space, q_lat = q_nope W_UK [N, C]; scores are
+            q_lat . latent + q_rope . k_rope, i.e. one product of [q_lat | q_rope] with the
+            cached row; the probabilities weight the latent rows, and W_UV maps the result
+            to each head's value space before o_proj. Only the cache is read per slot.
+  expanded  for prefill: every cached latent is expanded to per-head keys and values through
+            kv_b (as transformers does), then ordinary attention; cheaper when the window is as
+            long as the context.
+Queries and every per-head weight split over tp ("q_heads"); the latent and its projection
+are the same on every tp shard (replicated, as vLLM and SGLang keep them).
+
+Caching conventions are the KV cache's (jspec.models.layers.Attention): the window's rows
+are written at their absolute positions before attending, a query at position p sees slots
+j <= p, and only the first `kv_window` slots are read.
+
+Shape letters: B batch, T query tokens, S cache slots, D hidden, N heads, Q q_lora_rank,
+C kv_lora_rank, P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, L = C + R.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jspec.config import ModelConfig
+from jspec.models import rope as rope_lib
+from jspec.models.caches import MLACache
+from jspec.models.layers import RMSNorm, param
+
+# transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not the
+# config's rms_norm_eps (DeepseekV3RMSNorm(q_lora_rank), Glm4MoeLiteRMSNorm(kv_lora_rank)).
+LATENT_NORM_EPS = 1e-6
+# Windows of at most this many tokens per sequence attend in the absorbed form (decode,
+# verify, draft steps and extends); longer ones (prefill chunks) in the expanded form.
+ABSORBED_MAX_TOKENS = 64
+
+
+def mla_cache(cfg: ModelConfig, batch: int, slots: int, dtype) -> MLACache:
+  return MLACache.zeros(batch, slots, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype)
+
+
+class MLAttention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    d, n = cfg.hidden_size, cfg.num_heads
+    p, r, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    self.q_lora_rank = cfg.q_lora_rank
+    if self.q_lora_rank:
+      self.q_a_proj = param(rngs, (d, self.q_lora_rank), dtype, ("embed", None))
+      self.q_a_norm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, dtype, axis_name=None)
+      self.q_b_proj = param(rngs, (self.q_lora_rank, n, p + r), dtype,
+                            (None, "q_heads", "head_dim"))
+    else:
+      self.q_proj = param(rngs, (d, n, p + r), dtype, ("embed", "q_heads", "head_dim"))
+    self.kv_a_proj = param(rngs, (d, c + r), dtype, ("embed", "latent"))
+    self.kv_a_norm = RMSNorm(c, LATENT_NORM_EPS, dtype, axis_name="latent")
+    self.w_uk = param(rngs, (n, p, c), dtype, ("q_heads", "head_dim", "latent"), scale=c ** -0.5)
+    self.w_uv = param(rngs, (n, v, c), dtype, ("q_heads", "head_dim", "latent"), scale=c ** -0.5)
+    self.o_proj = param(rngs, (n, v, d), dtype, ("q_heads", "head_dim", "embed"),
+                        scale=(n * v) ** -0.5)
+    self.nope_dim, self.rope_dim, self.latent_dim = p, r, c
+    inv_freq, self.rope_attention_factor = rope_lib.inv_frequencies(r, cfg.rope_theta,
+                                                                    cfg.rope_scaling)
+    self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a constant of the program
+    self.rope_interleave = cfg.rope_interleave
+    self.scale = rope_lib.softmax_scale(p + r, cfg.rope_scaling)
+
+  def _rope(self, x, positions_BT):
+    return rope_lib.apply_rope(x, positions_BT, jnp.asarray(self.inv_freq, jnp.float32),
+                               self.rope_attention_factor, self.rope_interleave)
+
+  def project(self, x_BTD, positions_BT):
+    """(q_nope [B,T,N,P], roped q_rope [B,T,N,R], the window's cache rows [B,T,L])."""
+    if self.q_lora_rank:
+      q_BTQ = self.q_a_norm(jnp.einsum("btd,dq->btq", x_BTD, self.q_a_proj[...]))
+      q_BTNH = jnp.einsum("btq,qnh->btnh", q_BTQ, self.q_b_proj[...])
+    else:
+      q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...])
+    q_nope_BTNP = q_BTNH[..., :self.nope_dim]
+    q_rope_BTNR = self._rope(q_BTNH[..., self.nope_dim:], positions_BT)
+    kv_BTL = jnp.einsum("btd,dl->btl", x_BTD, self.kv_a_proj[...])
+    latent_BTC = self.kv_a_norm(kv_BTL[..., :self.latent_dim])
+    k_rope_BTR = self._rope(kv_BTL[..., self.latent_dim:], positions_BT)
+    return q_nope_BTNP, q_rope_BTNR, jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
+
+  def __call__(self, x_BTD, positions_BT, cache: MLACache, kv_window: int,
+               absorbed: bool | None = None):
+    """Writes the window's latent rows at `positions_BT`, attends causally over the first
+    `kv_window` slots; `absorbed` None: by the window's length (ABSORBED_MAX_TOKENS)."""
+    q_nope_BTNP, q_rope_BTNR, rows_BTL = self.project(x_BTD, positions_BT)
+    batch_B1 = jnp.arange(rows_BTL.shape[0])[:, None]
+    cache = MLACache(cache.latent.at[batch_B1, positions_BT].set(
+        rows_BTL.astype(cache.latent.dtype)))
+    cache_BSL = cache.latent[:, :kv_window]
+    if absorbed is None:
+      absorbed = x_BTD.shape[1] <= ABSORBED_MAX_TOKENS
+    attend = self.attend_absorbed if absorbed else self.attend_expanded
+    out_BTNV = attend(q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT)
+    return jnp.einsum("btnv,nvd->btd", out_BTNV, self.o_proj[...]), cache
+
+  def _softmax(self, scores_BNTS, positions_BT, dtype):
+    visible_BTS = jnp.arange(scores_BNTS.shape[-1])[None, None, :] <= positions_BT[:, :, None]
+    scores_BNTS = jnp.where(visible_BTS[:, None], scores_BNTS * self.scale, -jnp.inf)
+    return jax.nn.softmax(scores_BNTS, axis=-1).astype(dtype)
+
+  def attend_absorbed(self, q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT):
+    """Attention in latent space: reads each cached row once per product, never per head."""
+    q_latent_BTNC = jnp.einsum("btnp,npc->btnc", q_nope_BTNP, self.w_uk[...])
+    q_BTNL = jnp.concatenate([q_latent_BTNC, q_rope_BTNR.astype(q_latent_BTNC.dtype)], axis=-1)
+    scores_BNTS = jnp.einsum("btnl,bsl->bnts", q_BTNL, cache_BSL,
+                             preferred_element_type=jnp.float32)
+    probs_BNTS = self._softmax(scores_BNTS, positions_BT, cache_BSL.dtype)
+    # Weights the whole rows and drops the R rope-key columns after: the cache stays one
+    # operand of both products (no sliced copy of it), for R / L more multiply-adds.
+    context_BTNL = jnp.einsum("bnts,bsl->btnl", probs_BNTS, cache_BSL)
+    return jnp.einsum("btnc,nvc->btnv", context_BTNL[..., :self.latent_dim], self.w_uv[...])
+
+  def attend_expanded(self, q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT):
+    """transformers' form: per-head keys and values from every cached latent, then attention."""
+    latent_BSC, k_rope_BSR = cache_BSL[..., :self.latent_dim], cache_BSL[..., self.latent_dim:]
+    k_nope_BSNP = jnp.einsum("bsc,npc->bsnp", latent_BSC, self.w_uk[...])
+    values_BSNV = jnp.einsum("bsc,nvc->bsnv", latent_BSC, self.w_uv[...])
+    scores_BNTS = (
+        jnp.einsum("btnp,bsnp->bnts", q_nope_BTNP, k_nope_BSNP,
+                   preferred_element_type=jnp.float32)
+        + jnp.einsum("btnr,bsr->bnts", q_rope_BTNR, k_rope_BSR,
+                     preferred_element_type=jnp.float32))
+    probs_BNTS = self._softmax(scores_BNTS, positions_BT, values_BSNV.dtype)
+    return jnp.einsum("bnts,bsnv->btnv", probs_BNTS, values_BSNV)
