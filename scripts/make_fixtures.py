@@ -10,7 +10,8 @@ HOW TO RUN (needs torch and transformers 5.17; NOT the jspec environment -- CI h
     /tmp/torchenv/bin/python scripts/make_fixtures.py --only qwen3_5_moe qwen3_next   # rebuild some
 
 The hybrid Qwen3.5 / Qwen3-Next fixtures (qwen3_5_dense, qwen3_5_moe, qwen3_5_text, qwen3_5_moe_text,
-qwen3_next) are specified, built and checked in scripts/fixture_hybrid.py; this file dispatches to it.
+qwen3_next) are specified, built and checked in scripts/fixture_hybrid.py, the DeepSeek-V3 / GLM-4.5 family
+fixtures (glm4_moe, deepseek_v3, glm4_moe_lite) in scripts/fixture_deepseek.py; this file dispatches to them.
 
 Every fixture directory under tests/fixtures/ gets:
     config.json, generation_config.json, model.safetensors   (a loadable HF checkpoint, float32)
@@ -54,6 +55,8 @@ from fixture_mtp import (DeepSeekMTPLayer, QwenNextMTP, mtp_forward,  # noqa: E4
                          mtp_forward_crosscheck, mtp_state_dict, split_experts)
 from fixture_hybrid import HYBRID_NAMES, HYBRID_SPECS, build_hybrid, check_hybrid  # noqa: E402
 from fixture_hybrid import NearTie as HybridNearTie  # noqa: E402
+from fixture_deepseek import DEEPSEEK_NAMES, DEEPSEEK_SPECS, build_deepseek, check_deepseek  # noqa: E402
+from fixture_deepseek import NearTie as DeepSeekNearTie  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_ROOT = os.path.join(REPO, "tests", "fixtures")
@@ -474,12 +477,13 @@ def main():
     if not transformers.__version__.startswith("5.17"):
         print(f"warning: fixtures were made with transformers 5.17, this is {transformers.__version__}",
               file=sys.stderr)
-    known = [s()["name"] for s in SPECS] + ["qwen3_moe_legacy"] + HYBRID_NAMES
+    known = [s()["name"] for s in SPECS] + ["qwen3_moe_legacy"] + HYBRID_NAMES + DEEPSEEK_NAMES
     unknown = sorted(set(args.only or []) - set(known))
     if unknown:
         raise SystemExit(f"unknown fixture(s) {unknown}; known: {known}")
     # Qwen3 fixtures (this file) and the hybrid Qwen3.5 / Qwen3-Next fixtures (fixture_hybrid.py)
     specs = [(s(), build, check) for s in SPECS] + [(s(), build_hybrid, check_hybrid) for s in HYBRID_SPECS]
+    specs += [(s(), build_deepseek, check_deepseek) for s in DEEPSEEK_SPECS]
     if args.only:
         specs = [t for t in specs if t[0]["name"] in args.only]
     os.makedirs(args.out, exist_ok=True)
@@ -493,7 +497,7 @@ def main():
                 try:
                     build_fn(s, args.out)
                     break
-                except (NearTie, HybridNearTie) as e:
+                except (NearTie, HybridNearTie, DeepSeekNearTie) as e:
                     print(f"  {e}; trying next seed")
             else:
                 raise SystemExit(f"{s['name']}: no seed without near-ties")

@@ -3,7 +3,7 @@
 A family is one file under jspec/models/ (qwen3.py, qwen3_5.py, ...) providing
   - `read_config(hf_config, arch) -> ModelConfig`,
   - a model class with the surface the loop uses (`__call__`, `logits`, `embed_tokens`,
-    `init_caches`; `make_norm` / `make_mtp_decoder` for its MTP heads),
+    `init_caches`; `make_norm` / `make_mtp_decoder` / `make_mtp_cache` for its MTP heads),
   - `target_rules(cfg, names)` and `decoder_rules(cfg, names)`: checkpoint tensor names ->
     parameters (jspec.models.weights), for the target and for an MTP head's decoder layer,
   - optionally `skipped_prefixes(cfg)`: tensors present in published checkpoints that are
@@ -17,7 +17,7 @@ import dataclasses
 from typing import Callable
 
 from jspec.config import ModelConfig
-from jspec.models import qwen3, qwen3_5
+from jspec.models import glm4_moe, qwen3, qwen3_5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,8 @@ _QWEN3 = Family("qwen3", qwen3.read_config, qwen3.Qwen3CausalLM, qwen3.target_ru
                 qwen3.decoder_rules)
 _QWEN3_5 = Family("qwen3_5", qwen3_5.read_config, qwen3_5.Qwen35CausalLM, qwen3_5.target_rules,
                   qwen3_5.decoder_rules, qwen3_5.skipped_prefixes)
+_GLM4_MOE = Family("glm4_moe", glm4_moe.read_config, glm4_moe.Glm4MoeCausalLM,
+                   glm4_moe.target_rules, glm4_moe.decoder_rules)
 
 ARCHITECTURES = {
     "Qwen3ForCausalLM": _QWEN3,
@@ -43,6 +45,7 @@ ARCHITECTURES = {
     "Qwen3_5ForCausalLM": _QWEN3_5,
     "Qwen3_5MoeForCausalLM": _QWEN3_5,
     "Qwen3NextForCausalLM": _QWEN3_5,
+    "Glm4MoeForCausalLM": _GLM4_MOE,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
