@@ -83,8 +83,9 @@ def restore_converted(model_dir: str, cfg, dtype, mesh, target_rules, draft_rule
     graphdef, state = nnx.split(module)
     graphdefs[name] = graphdef
     abstract_tree[name] = jax.tree.map(
-        lambda v, r=rules: v.replace(jax.ShapeDtypeStruct(
-            v.get_value().shape, dtype, sharding=r.sharding(mesh, v.get_metadata()["logical_axes"]))),
+        lambda v, r=rules: v.replace(jax.ShapeDtypeStruct(  # the module's dtype per parameter
+            v.get_value().shape, v.get_value().dtype,
+            sharding=r.sharding(mesh, v.get_metadata()["logical_axes"]))),
         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   with ocp.StandardCheckpointer() as checkpointer:
     restored = checkpointer.restore(os.path.abspath(os.path.join(model_dir, PARAMS_DIR)),

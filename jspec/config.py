@@ -60,6 +60,23 @@ class ModelConfig:
   linear_value_head_dim: int = 0
   linear_conv_kernel: int = 0
   shared_expert_intermediate_size: int = 0  # 0: no shared expert
+  # DeepSeek-V3 / GLM-4.5 routing (jspec.models.moe): "softmax" (Qwen) or "sigmoid" scores;
+  # with sigmoid, an optional per-expert correction bias used only to choose experts, top-k
+  # within the best `topk_group` of `n_group` expert groups, weights times
+  # `routed_scaling_factor`; `num_shared_experts` ungated SwiGLU experts of width
+  # moe_intermediate_size each (one MLP of their total width), and dense MLPs in the first
+  # `first_k_dense_replace` layers.
+  router_scoring: str = "softmax"
+  router_correction_bias: bool = False
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
+  num_shared_experts: int = 0
+  first_k_dense_replace: int = 0
+  # Attention: biases on the q/k/v projections (GLM-4.5); q/k RMSNorms over head_dim (Qwen3
+  # always, GLM-4.5 optionally).
+  attention_bias: bool = False
+  use_qk_norm: bool = True
   # Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash; jspec.models.mla); kv_lora_rank 0:
   # not MLA. q_lora_rank 0: queries through one q_proj instead of q_a_proj -> norm -> q_b_proj.
   q_lora_rank: int = 0
@@ -112,8 +129,10 @@ class ModelConfig:
     return dataclasses.replace(self, kv_head_replicas=shards // k)
 
   def layer_is_moe(self, layer_index: int) -> bool:
-    """Qwen3-MoE's rule (transformers `Qwen3MoeDecoderLayer`): sparse unless listed as dense."""
-    if not self.is_moe or layer_index in self.mlp_only_layers:
+    """Qwen3-MoE's rule (transformers `Qwen3MoeDecoderLayer`): sparse unless listed as dense;
+    and DeepSeek-V3 / GLM-4.5's: the first `first_k_dense_replace` layers are dense."""
+    if (not self.is_moe or layer_index in self.mlp_only_layers
+        or layer_index < self.first_k_dense_replace):
       return False
     return (layer_index + 1) % self.decoder_sparse_step == 0
 

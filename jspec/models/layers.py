@@ -78,8 +78,9 @@ class GatedRMSNorm(nnx.Module):
 
 def rope(x_BTNH, positions_BT, theta: float, rotary_dim: int | None = None):
   """Rotary embedding in the rotate-half convention of Qwen3 (transformers `apply_rotary_pos_emb`),
-  over the first `rotary_dim` dims of each head (partial RoPE, as Qwen3-Next / Qwen3.5 and
-  bamba's `apply_rotary_pos_emb` do); the rest pass through. Frequencies are over rotary_dim."""
+  over the first `rotary_dim` dims of each head (partial RoPE, as Qwen3-Next / Qwen3.5, GLM-4.5's
+  `Glm4MoeAttention` and bamba's `apply_rotary_pos_emb` do: the two halves of the rotated part,
+  not interleaved pairs); the rest pass through. Frequencies are over rotary_dim."""
   head_dim = x_BTNH.shape[-1]
   dim = head_dim if rotary_dim is None else rotary_dim
   inv_freq_H2 = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
@@ -106,7 +107,9 @@ def write_cache(cache_BKSH, new_BTKH, positions_BT):
 
 
 class Attention(nnx.Module):
-  """GQA with q/k RMSNorm over head_dim (Qwen3), attending over a contiguous per-slot cache.
+  """GQA with q/k RMSNorm over head_dim (Qwen3; optional where `cfg.use_qk_norm` is False) and
+  biases on the q/k/v projections where `cfg.attention_bias` (GLM-4.5), attending over a
+  contiguous per-slot cache.
 
   Subclasses change the projections (`_project`) and the output gate; the cache handling and
   the attention itself (`_attend`) are shared by every family with a KV cache.
@@ -126,8 +129,15 @@ class Attention(nnx.Module):
     self.v_proj = param(rngs, (d, k, h), dtype, ("embed", kv_axis, "head_dim"))
     self.o_proj = param(rngs, (n, h, d), dtype, ("q_heads", "head_dim", "embed"),
                         scale=(n * h) ** -0.5)
-    self.q_norm = self.norm_cls(h, cfg.rms_norm_eps, dtype, "head_dim")
-    self.k_norm = self.norm_cls(h, cfg.rms_norm_eps, dtype, "head_dim")
+    self.use_qk_norm = cfg.use_qk_norm
+    if self.use_qk_norm:
+      self.q_norm = self.norm_cls(h, cfg.rms_norm_eps, dtype, "head_dim")
+      self.k_norm = self.norm_cls(h, cfg.rms_norm_eps, dtype, "head_dim")
+    self.has_bias = cfg.attention_bias
+    if self.has_bias:
+      self.q_bias = param(rngs, (n, h), dtype, ("q_heads", "head_dim"), scale=0.1)
+      self.k_bias = param(rngs, (k, h), dtype, (kv_axis, "head_dim"), scale=0.1)
+      self.v_bias = param(rngs, (k, h), dtype, (kv_axis, "head_dim"), scale=0.1)
     self.rope_theta = cfg.rope_theta
     self.rotary_dim = cfg.rotary_dim
     self.num_kv_heads = cfg.cache_kv_heads
@@ -145,6 +155,9 @@ class Attention(nnx.Module):
     q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...])
     k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...])
     v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...])
+    if self.has_bias:
+      q_BTNH, k_BTKH, v_BTKH = (q_BTNH + self.q_bias[...], k_BTKH + self.k_bias[...],
+                                v_BTKH + self.v_bias[...])
     return q_BTNH, k_BTKH, v_BTKH, None
 
   def __call__(self, x_BTD, positions_BT, cache: KVCache, kv_window: int):
@@ -156,8 +169,10 @@ class Attention(nnx.Module):
     `kv_window` slots are read (static): prefill from position 0 needs no more than its bucket.
     """
     q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project(x_BTD)
-    q_BTNH = rope(self.q_norm(q_BTNH), positions_BT, self.rope_theta, self.rotary_dim)
-    k_BTKH = rope(self.k_norm(k_BTKH), positions_BT, self.rope_theta, self.rotary_dim)
+    if self.use_qk_norm:
+      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+    q_BTNH = rope(q_BTNH, positions_BT, self.rope_theta, self.rotary_dim)
+    k_BTKH = rope(k_BTKH, positions_BT, self.rope_theta, self.rotary_dim)
     out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window)
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)

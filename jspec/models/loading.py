@@ -8,6 +8,7 @@ only its own slice. The host never holds more than the tensors of one parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Callable
@@ -72,10 +73,36 @@ class SafetensorsIndex:
       raise ValueError(f"cannot read tensor {name!r} from {path} (truncated or corrupt?): "
                        f"{err}") from err
 
+  def _slice(self, name: str):
+    path = self.file_of[name]
+    if path not in self._handles:
+      self._handles[path] = safe_open(path, framework="numpy")
+    return self._handles[path].get_slice(name)
 
-def _validate_names(index: SafetensorsIndex, rules: dict, skipped: tuple[str, ...] = ()):
-  """Every tensor a rule reads exists, and every tensor is read, ignorable or skipped: a
-  tensor nobody reads is a layout jspec misunderstands, not something to drop silently."""
+  def same_bytes(self, a: str, b: str, chunk_bytes: int = 1 << 26) -> bool:
+    """Whether tensors a and b hold the same shape, dtype and bytes, compared a block of rows
+    at a time: the host holds two blocks, never two whole vocabulary tables."""
+    if a not in self.file_of or b not in self.file_of:
+      return False
+    slice_a, slice_b = self._slice(a), self._slice(b)
+    shape = tuple(slice_a.get_shape())
+    if shape != tuple(slice_b.get_shape()) or slice_a.get_dtype() != slice_b.get_dtype():
+      return False
+    if not shape or not shape[0]:
+      return self.read(a).tobytes() == self.read(b).tobytes()
+    step = max(1, chunk_bytes // max(1, np.asarray(slice_a[0:1]).nbytes))
+    for start in range(0, shape[0], step):
+      rows = slice(start, min(shape[0], start + step))
+      if np.asarray(slice_a[rows]).tobytes() != np.asarray(slice_b[rows]).tobytes():
+        return False
+    return True
+
+
+def _validate_names(index: SafetensorsIndex, rules: dict, skipped: tuple[str, ...] = (),
+                    duplicates: frozenset[str] = frozenset()):
+  """Every tensor a rule reads exists, and every tensor is read, ignorable, skipped or a
+  checked duplicate: a tensor nobody reads is a layout jspec misunderstands, not something to
+  drop silently."""
   wanted = {name for rule in rules.values() for name in rule.names}
   missing = sorted(wanted - index.names)
   if missing:
@@ -85,7 +112,8 @@ def _validate_names(index: SafetensorsIndex, rules: dict, skipped: tuple[str, ..
   if skipped_names:
     print(f"jspec: skipping {len(skipped_names)} tensors under {', '.join(skipped)} "
           "(vision tower; jspec generates text only)", flush=True)
-  unexpected = sorted(n for n in index.names - wanted - skipped_names if not W.ignorable(n))
+  unexpected = sorted(n for n in index.names - wanted - skipped_names - duplicates
+                      if not W.ignorable(n))
   if unexpected:
     shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)"
                                          if len(unexpected) > 8 else "")
@@ -109,7 +137,8 @@ def _materialize(abstract_module, rules: dict, index: SafetensorsIndex, mesh: Me
       if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
         raise ValueError(f"tensor {name!r} has dtype {array.dtype}, expected a float type")
       hf_arrays.append(array)
-    host = rule.build(*hf_arrays).astype(dtype)
+    # The module's own dtype for each parameter: `dtype`, except what it keeps in float32.
+    host = rule.build(*hf_arrays).astype(variable.get_value().dtype)
     sharding = sharding_rules.sharding(mesh, variable.get_metadata()["logical_axes"])
     arrays[path] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
   for path, variable in flat:
@@ -124,11 +153,14 @@ def load_checkpoint(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh,
   names = index.names
   family = family_of(cfg)
   mtp_spec = W.detect_mtp(cfg, names)
+  duplicates = frozenset()
+  if mtp_spec is not None:
+    mtp_spec, duplicates = _shared_with_target(cfg, mtp_spec, index)
   rules = family.target_rules(cfg, names)
   mtp_rules = (W.mtp_rules(cfg, mtp_spec, family.decoder_rules(cfg, names)) if mtp_spec
                else {})
   _validate_names(index, {**rules, **{("mtp",) + p: r for p, r in mtp_rules.items()}},
-                  family.skipped_prefixes(cfg))
+                  family.skipped_prefixes(cfg), duplicates)
 
   draft_rules = draft_rules or target_rules
   target_cfg, draft_cfg = sharded_configs(cfg, mesh, target_rules, draft_rules)
@@ -140,6 +172,27 @@ def load_checkpoint(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh,
         lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(0), family.model))
     mtp = _materialize(abstract_mtp, mtp_rules, index, mesh, draft_rules, dtype, "MTP head")
   return target, mtp, mtp_spec
+
+
+def _shared_with_target(cfg: ModelConfig, spec: MTPSpec, index: SafetensorsIndex):
+  """(spec, duplicates): a DeepSeek-layout MTP layer's `embed_tokens` / `shared_head.head` are
+  loaded only where they differ from the target's embedding / head (byte for byte); equal
+  copies are the `duplicates`, read for the comparison and never loaded."""
+  duplicates, own = set(), {}
+  for kind, (target_name, copies) in W.mtp_copies(cfg, spec).items():
+    present = [c for c in copies if c in index.names]
+    differing = [c for c in present if not index.same_bytes(c, target_name)]
+    own[kind] = bool(differing)
+    if not differing:
+      duplicates.update(present)
+    elif len(present) < len(copies):
+      raise ValueError(f"MTP tensor {differing[0]!r} differs from {target_name!r}, but "
+                       f"{sorted(set(copies) - set(present))} are missing: every MTP layer "
+                       "needs its own copy then")
+  if not own:
+    return spec, frozenset()
+  return (dataclasses.replace(spec, has_own_embed=own["embed"], has_own_head=own["head"]),
+          frozenset(duplicates))
 
 
 def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,

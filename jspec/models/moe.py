@@ -1,11 +1,22 @@
-"""Qwen3-MoE sparse block: softmax router, top-k, optional renormalisation, expert backend,
-and (Qwen3-Next / Qwen3.5, transformers' `Qwen2MoeSparseMoeBlock`) a shared expert.
+"""Sparse MoE blocks: a router, the routed experts through a pluggable backend, shared experts.
 
-Routing follows transformers' `Qwen3MoeSparseMoeBlock`: softmax over all experts in float32,
-top-k, renormalise the k weights when `norm_topk_prob`, cast to the activation dtype. The
-expert computation itself is a pluggable function (jspec.models.moe_backends) so the same layer
-runs the jnp reference, XLA's ragged_dot or the Pallas kernels, and the expert-parallel
-shard_map (jspec.sharding) wraps exactly that function.
+Two routers, as `cfg.router_scoring` says:
+  softmax  Qwen3-MoE / Qwen3.5 (transformers `Qwen3MoeSparseMoeBlock`): softmax over all
+           experts in float32, top-k, the k weights renormalised when `norm_topk_prob`.
+  sigmoid  DeepSeek-V3 / GLM-4.5 (transformers `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`;
+           DeepSeek's "noaux_tc"): router logits and sigmoid scores in float32; the correction
+           bias is added to the scores only to CHOOSE experts; each of `n_group` groups is
+           scored by the sum of its two best biased scores, the best `topk_group` groups are
+           kept and the top-k experts are chosen inside them; the weights are the chosen
+           experts' UNBIASED scores, renormalised (sum + 1e-20) when `norm_topk_prob`, times
+           `routed_scaling_factor`.
+Shared experts: Qwen's one `shared_expert` behind a sigmoid gate, or DeepSeek / GLM's
+`shared_experts` (`num_shared_experts` of them as one dense SwiGLU, ungated), added to the
+routed output.
+
+The routed experts are a pluggable function (jspec.models.moe_backends) so the same layer runs
+the jnp reference, XLA's ragged_dot or the Pallas kernels, and the expert-parallel shard_map
+(jspec.sharding) wraps exactly that function; routing runs before it, on every shard alike.
 """
 
 from __future__ import annotations
@@ -18,8 +29,15 @@ from flax import nnx
 
 from jspec.models.layers import MLP, param
 
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+# What DeepSeek-style configs may say, and what jspec implements exactly of it.
+SCORING_FUNCS = ("sigmoid",)
+TOPK_METHODS = ("noaux_tc",)
+_NORM_EPSILON = 1e-20  # transformers' denominator guard when renormalising sigmoid weights
+
 
 def route(router_logits_TE, top_k: int, norm_topk_prob: bool, dtype):
+  """Softmax routing: (expert ids [T, K] int32, weights [T, K] in `dtype`)."""
   probs_TE = jax.nn.softmax(router_logits_TE.astype(jnp.float32), axis=-1)
   weights_TK, ids_TK = jax.lax.top_k(probs_TE, top_k)
   if norm_topk_prob:
@@ -27,31 +45,133 @@ def route(router_logits_TE, top_k: int, norm_topk_prob: bool, dtype):
   return ids_TK.astype(jnp.int32), weights_TK.astype(dtype)
 
 
+def route_sigmoid(router_logits_TE, correction_bias_E, top_k: int, n_group: int,
+                  topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float, dtype):
+  """Sigmoid group-limited routing: (expert ids [T, K] int32, weights [T, K] in `dtype`).
+
+  `correction_bias_E` may be None (no bias). Ties go to the lower expert (and group) index,
+  as `jax.lax.top_k` breaks them.
+  """
+  scores_TE = jax.nn.sigmoid(router_logits_TE.astype(jnp.float32))
+  choice_TE = scores_TE
+  if correction_bias_E is not None:
+    choice_TE = scores_TE + correction_bias_E.astype(jnp.float32)
+  if topk_group < n_group:  # keeping every group changes nothing: skip the group scores
+    t, e = choice_TE.shape
+    grouped_TGX = choice_TE.reshape(t, n_group, e // n_group)
+    group_scores_TG = jnp.sum(jax.lax.top_k(grouped_TGX, 2)[0], axis=-1)
+    _, groups_TS = jax.lax.top_k(group_scores_TG, topk_group)
+    kept_TG = jnp.any(groups_TS[:, :, None] == jnp.arange(n_group), axis=1)
+    kept_TE = jnp.repeat(kept_TG, e // n_group, axis=1)
+    choice_TE = jnp.where(kept_TE, choice_TE, -jnp.inf)
+  _, ids_TK = jax.lax.top_k(choice_TE, top_k)
+  weights_TK = jnp.take_along_axis(scores_TE, ids_TK, axis=1)
+  if norm_topk_prob:
+    weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + _NORM_EPSILON)
+  weights_TK = weights_TK * routed_scaling_factor
+  return ids_TK.astype(jnp.int32), weights_TK.astype(dtype)
+
+
 class MoE(nnx.Module):
+  """The sparse block `cfg` describes: its router, routed experts and shared experts."""
 
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    if cfg.router_scoring not in ROUTER_SCORINGS:
+      raise ValueError(f"router_scoring={cfg.router_scoring!r} is not supported; jspec "
+                       f"supports {list(ROUTER_SCORINGS)}")
     self.router = param(rngs, (d, e), dtype, ("embed", "experts_router"))
     self.w_gate = param(rngs, (e, d, f), dtype, ("experts", "embed", "moe_mlp"), scale=d ** -0.5)
     self.w_up = param(rngs, (e, d, f), dtype, ("experts", "embed", "moe_mlp"), scale=d ** -0.5)
     self.w_down = param(rngs, (e, f, d), dtype, ("experts", "moe_mlp", "embed"), scale=f ** -0.5)
     self.top_k = cfg.num_experts_per_tok
     self.norm_topk_prob = cfg.norm_topk_prob
+    self.scoring = cfg.router_scoring
+    self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+    self.routed_scaling_factor = cfg.routed_scaling_factor
+    self.has_correction_bias = cfg.router_correction_bias
+    if self.has_correction_bias:
+      # float32 whatever the model dtype, as transformers and vLLM keep it: biases of similar
+      # experts differ below bfloat16's resolution, and they decide which experts run.
+      self.correction_bias = param(rngs, (e,), jnp.float32, ("experts_router",), scale=0.1)
     self.has_shared_expert = cfg.shared_expert_intermediate_size > 0
     if self.has_shared_expert:
       # Every token also goes through one dense SwiGLU, scaled by sigmoid(x @ gate).
       self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size, dtype, rngs)
       self.shared_expert_gate = param(rngs, (d, 1), dtype, ("embed", None))
+    self.has_shared_experts = cfg.num_shared_experts > 0
+    if self.has_shared_experts:
+      self.shared_experts = MLP(d, f * cfg.num_shared_experts, dtype, rngs)
+
+  def _route(self, x_TD):
+    if self.scoring == "softmax":
+      router_logits_TE = jnp.einsum("td,de->te", x_TD, self.router[...])
+      return route(router_logits_TE, self.top_k, self.norm_topk_prob, x_TD.dtype)
+    # transformers computes these logits from float32 copies of x and the router weight.
+    router_logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
+                                  self.router[...].astype(jnp.float32),
+                                  precision=jax.lax.Precision.HIGHEST)
+    bias_E = self.correction_bias[...] if self.has_correction_bias else None
+    return route_sigmoid(router_logits_TE, bias_E, self.top_k, self.n_group, self.topk_group,
+                         self.norm_topk_prob, self.routed_scaling_factor, x_TD.dtype)
 
   def __call__(self, x_BTD, experts_fn: Callable):
     b, t, d = x_BTD.shape
     x_TD = x_BTD.reshape(b * t, d)
-    router_logits_TE = jnp.einsum("td,de->te", x_TD, self.router[...])
-    ids_TK, weights_TK = route(router_logits_TE, self.top_k, self.norm_topk_prob, x_TD.dtype)
+    ids_TK, weights_TK = self._route(x_TD)
     y_TD = experts_fn(x_TD, ids_TK, weights_TK, self.w_gate[...], self.w_up[...],
                       self.w_down[...])
     y_BTD = y_TD.reshape(b, t, d)
     if self.has_shared_expert:
       gate_BT1 = jax.nn.sigmoid(jnp.einsum("btd,do->bto", x_BTD, self.shared_expert_gate[...]))
       y_BTD = y_BTD + gate_BT1 * self.shared_expert(x_BTD)
+    if self.has_shared_experts:
+      y_BTD = y_BTD + self.shared_experts(x_BTD)
     return y_BTD
+
+
+# ---- DeepSeek-V3 / GLM-4.5 configuration keys -------------------------------------------------
+
+def read_sigmoid_moe_fields(hf_config) -> dict:
+  """The ModelConfig fields of a DeepSeek-V3 / GLM-4.5 style MoE config, validated.
+
+  `scoring_func` and `topk_method` (DeepSeek's config.json keys; GLM's configs omit them and
+  mean sigmoid / noaux_tc, the only routing transformers implements for either) must name what
+  jspec implements: another routing is refused, never replaced by this one.
+  """
+  scoring = getattr(hf_config, "scoring_func", None) or "sigmoid"
+  if scoring not in SCORING_FUNCS:
+    raise ValueError(f"scoring_func={scoring!r} is not supported; jspec supports "
+                     f"{list(SCORING_FUNCS)}")
+  method = getattr(hf_config, "topk_method", None) or "noaux_tc"
+  if method not in TOPK_METHODS:
+    raise ValueError(f"topk_method={method!r} is not supported; jspec supports "
+                     f"{list(TOPK_METHODS)}")
+  freq = getattr(hf_config, "moe_layer_freq", None) or 1
+  if freq != 1:
+    raise ValueError(f"moe_layer_freq={freq!r} is not supported; jspec supports 1 (every "
+                     "layer from first_k_dense_replace on is MoE, as in transformers)")
+  num_experts = int(getattr(hf_config, "n_routed_experts", None)
+                    or getattr(hf_config, "num_local_experts", 0) or 0)
+  top_k = int(hf_config.num_experts_per_tok)
+  n_group = int(getattr(hf_config, "n_group", None) or 1)
+  topk_group = int(getattr(hf_config, "topk_group", None) or 1)
+  if num_experts < 1 or num_experts % n_group:
+    raise ValueError(f"n_group={n_group} must divide n_routed_experts={num_experts}")
+  if not 1 <= topk_group <= n_group:
+    raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+  per_group = num_experts // n_group
+  if n_group > 1 and per_group < 2:
+    raise ValueError(f"group-limited routing scores each group by its top-2 experts; "
+                     f"n_routed_experts={num_experts} / n_group={n_group} leaves {per_group}")
+  if not 1 <= top_k <= topk_group * per_group:
+    raise ValueError(f"num_experts_per_tok={top_k} must be in [1, topk_group * experts per "
+                     f"group = {topk_group * per_group}]")
+  return dict(
+      num_experts=num_experts, num_experts_per_tok=top_k,
+      moe_intermediate_size=int(hf_config.moe_intermediate_size),
+      norm_topk_prob=bool(hf_config.norm_topk_prob), router_scoring="sigmoid",
+      router_correction_bias=True, n_group=n_group, topk_group=topk_group,
+      routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", None) or 1.0),
+      num_shared_experts=int(getattr(hf_config, "n_shared_experts", None) or 0),
+      first_k_dense_replace=int(getattr(hf_config, "first_k_dense_replace", None) or 0))

@@ -10,10 +10,18 @@ t_{i+1}) with the embedding of t_{i+1}, and predicts t_{i+2}:
 
 h_i is the target's final hidden state AFTER its final norm (what vLLM's model runner hands
 to the proposer). The norms and the decoder layer are the target family's own (`make_norm`,
-`make_mtp_decoder` of its model class): plain RMSNorm and a Qwen3 layer for Qwen3, (1 + w)
-norms and a gated-attention layer for Qwen3-Next / Qwen3.5 (vLLM `qwen3_5_mtp.py`). The MTP
-layer is always full attention, so its cache is a KV cache. `embed` is the target's embedding; `lm_head` is the target's (or, in the
-DeepSeek-V3 layout, `shared_head.head` when the checkpoint has it).
+`make_mtp_decoder` of its model class): plain RMSNorm and a Qwen3 layer for Qwen3 and GLM-4.5,
+(1 + w) norms and a gated-attention layer for Qwen3-Next / Qwen3.5 (vLLM `qwen3_5_mtp.py`).
+The layer's cache is the family's too (`make_mtp_cache`: a KV cache, or MLA's latent cache).
+`embed` and `lm_head` are the target's, except in the DeepSeek-V3 layout where the layer's own
+`embed_tokens` / `shared_head.head` differ from them (loading compares the bytes and keeps one
+copy of what is equal).
+
+DeepSeek-V3 / GLM-4.5 layout only: the embedding at RoPE position 0 is zeroed before `enorm`,
+as vLLM `deepseek_mtp.py` (`DeepSeekMultiTokenPredictorLayer.forward`) does for every model
+with this layout ("masking inputs at position 0, as not needed by MTP"). Position 0 pairs the
+first prompt token's hidden state with the second token; the Qwen3-Next layout
+(`qwen3_next_mtp.py`) keeps that embedding.
 
 For draft step j > 1 the head is applied again at the next position to its own previous
 output, with layer (j - 1) mod num_layers; the hidden state fed back differs by layout,
@@ -46,11 +54,16 @@ class MTPSpec:
   layout: str
   num_layers: int
   is_moe: bool
-  has_own_head: bool = False  # DeepSeek-V3 `shared_head.head`
+  has_own_head: bool = False   # DeepSeek-V3 `shared_head.head`, unequal to the target's head
+  has_own_embed: bool = False  # DeepSeek-V3 `embed_tokens`, unequal to the target's embedding
 
   @property
   def post_norm_feedback(self) -> bool:
     return self.layout == "qwen3_next"
+
+  @property
+  def zeroes_first_embedding(self) -> bool:
+    return self.layout == "deepseek_v3"
 
 
 class MTPLayer(nnx.Module):
@@ -64,8 +77,12 @@ class MTPLayer(nnx.Module):
     self.final_norm = family.make_norm(d, cfg.rms_norm_eps, dtype)
     if spec.has_own_head:
       self.head = param(rngs, (d, cfg.vocab_size), dtype, ("embed", "vocab"))
+    if spec.has_own_embed:
+      self.embed = param(rngs, (cfg.vocab_size, d), dtype, ("vocab", "embed"), scale=1.0)
     self.post_norm_feedback = spec.post_norm_feedback
+    self.zeroes_first_embedding = spec.zeroes_first_embedding
     self.has_own_head = spec.has_own_head
+    self.has_own_embed = spec.has_own_embed
     # Set by restrict_vocab (data, not static: they become arrays of the module's state).
     self.draft_head = nnx.data(None)  # [D, N] columns of the head
     self.draft_ids = nnx.data(None)   # [N] the token ids of those columns
@@ -76,7 +93,13 @@ class MTPLayer(nnx.Module):
 
     Logits are a separate call (`logits`) so callers project only the positions they use.
     """
-    embedded_BTD = self.embed_norm(target.embed_tokens(next_tokens_BT))
+    if self.has_own_embed:  # clipped like the target's lookup (CausalLM.embed_tokens says why)
+      embedded_BTD = jnp.take(self.embed[...], next_tokens_BT, axis=0, mode="clip")
+    else:
+      embedded_BTD = target.embed_tokens(next_tokens_BT)
+    if self.zeroes_first_embedding:
+      embedded_BTD = jnp.where((positions_BT == 0)[..., None], 0, embedded_BTD)
+    embedded_BTD = self.embed_norm(embedded_BTD)
     concat_BT2D = jnp.concatenate([embedded_BTD, self.hidden_norm(hidden_BTD)], axis=-1)
     x_BTD = jnp.einsum("btc,cd->btd", concat_BT2D, self.proj[...])
     y_BTD, cache = self.decoder(x_BTD, positions_BT, cache, kv_window, experts_fn)
@@ -120,13 +143,14 @@ class MTPHead(nnx.Module):
   """The checkpoint's MTP layers; draft step j uses layer (j - 1) mod num_layers."""
 
   def __init__(self, cfg: ModelConfig, spec: MTPSpec, dtype, rngs: nnx.Rngs, family):
-    """`family`: the target's model class, whose blocks the head is built from."""
+    """`family`: the target's model class, whose blocks (and caches) the head is built from."""
     self.cfg = cfg  # its own: a draft replicated over tp keeps KV heads uncopied
     self.spec = spec
+    self.family = family
     self.layers = nnx.List([MTPLayer(cfg, spec, dtype, rngs, family)
                             for _ in range(spec.num_layers)])
 
   def init_caches(self, batch: int, slots: int, dtype) -> tuple:
-    cfg = self.cfg
-    return tuple(KVCache.zeros(batch, cfg.cache_kv_heads, slots, cfg.head_dim, dtype)
-                 for _ in self.layers)
+    """One cache per layer, of the family's kind (`make_mtp_cache`); the memory plan counts
+    these same caches (jax.eval_shape of this method)."""
+    return tuple(self.family.make_mtp_cache(self.cfg, batch, slots, dtype) for _ in self.layers)

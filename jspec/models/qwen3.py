@@ -46,7 +46,8 @@ class DecoderLayer(nnx.Module):
 class CausalLM(nnx.Module):
   """What every family's model offers the loop: embedding, the layer stack over per-layer
   caches, the final norm, float32 logits, and `init_caches`. Families set `layers`,
-  `final_norm` and `make_norm` / `make_mtp_decoder` (the blocks of their MTP heads)."""
+  `final_norm` and `make_norm` / `make_mtp_decoder` / `make_mtp_cache` (the blocks and cache
+  of their MTP heads)."""
 
   def _init_embeddings(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -90,6 +91,12 @@ class CausalLM(nnx.Module):
 
   def layer_cache(self, layer_index: int, batch: int, slots: int, dtype):
     cfg = self.cfg
+    return KVCache.zeros(batch, cfg.cache_kv_heads, slots, cfg.head_dim, dtype)
+
+  @staticmethod
+  def make_mtp_cache(cfg: ModelConfig, batch: int, slots: int, dtype):
+    """The cache of one MTP layer (a `make_mtp_decoder` layer) of a head built with `cfg`:
+    a KV cache here; families whose MTP layer keeps another kind override this."""
     return KVCache.zeros(batch, cfg.cache_kv_heads, slots, cfg.head_dim, dtype)
 
 

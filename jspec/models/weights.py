@@ -51,17 +51,25 @@ def norm_rule(name: str, dim: int) -> TensorRule:
 
 
 def attention_rules(cfg: ModelConfig, p: str, gated: bool = False) -> dict:
-  """`{p}self_attn.*` -> an Attention (or GatedAttention: q_proj rows are per head [q | gate])."""
+  """`{p}self_attn.*` -> an Attention (or GatedAttention: q_proj rows are per head [q | gate]),
+  with q/k norms where `cfg.use_qk_norm` and q/k/v biases where `cfg.attention_bias`."""
   d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   q_rows, q_shape = (2 * n * h, (d, n, 2, h)) if gated else (n * h, (d, n, h))
-  return {
-      ("q_proj",): _rule(p + "self_attn.q_proj.weight", (q_rows, d), _linear_t(q_shape)),
-      ("k_proj",): _rule(p + "self_attn.k_proj.weight", (k * h, d), _linear_t((d, k, h))),
-      ("v_proj",): _rule(p + "self_attn.v_proj.weight", (k * h, d), _linear_t((d, k, h))),
-      ("o_proj",): _rule(p + "self_attn.o_proj.weight", (d, n * h), _linear_t((n, h, d))),
-      ("q_norm", "scale"): norm_rule(p + "self_attn.q_norm.weight", h),
-      ("k_norm", "scale"): norm_rule(p + "self_attn.k_norm.weight", h),
+  a = p + "self_attn."
+  rules = {
+      ("q_proj",): _rule(a + "q_proj.weight", (q_rows, d), _linear_t(q_shape)),
+      ("k_proj",): _rule(a + "k_proj.weight", (k * h, d), _linear_t((d, k, h))),
+      ("v_proj",): _rule(a + "v_proj.weight", (k * h, d), _linear_t((d, k, h))),
+      ("o_proj",): _rule(a + "o_proj.weight", (d, n * h), _linear_t((n, h, d))),
   }
+  if cfg.use_qk_norm:
+    rules[("q_norm", "scale")] = norm_rule(a + "q_norm.weight", h)
+    rules[("k_norm", "scale")] = norm_rule(a + "k_norm.weight", h)
+  if cfg.attention_bias:
+    for ours, theirs, heads in (("q_bias", "q_proj", n), ("k_bias", "k_proj", k),
+                                ("v_bias", "v_proj", k)):
+      rules[(ours,)] = _rule(a + theirs + ".bias", (heads * h,), _copy((heads, h)))
+  return rules
 
 
 def dense_mlp_rules(p: str, d: int, f: int) -> dict:
@@ -100,6 +108,22 @@ def expert_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
   return rules
 
 
+def sigmoid_moe_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
+  """A DeepSeek-V3 / GLM-4.5 MoE block (jspec.models.moe.MoE with sigmoid routing): the router
+  `{p}mlp.gate.weight` and its `e_score_correction_bias`, the routed experts (per-expert or
+  fused keys, as `expert_rules`), and the ungated `{p}mlp.shared_experts.*`."""
+  rules = expert_rules(cfg, p, names)
+  e = cfg.num_experts
+  if cfg.router_correction_bias:
+    rules[("correction_bias",)] = _rule(p + "mlp.gate.e_score_correction_bias", (e,),
+                                        _copy((e,)))
+  if cfg.num_shared_experts:
+    rules.update(prefixed(("shared_experts",), dense_mlp_rules(
+        p + "mlp.shared_experts.", cfg.hidden_size,
+        cfg.moe_intermediate_size * cfg.num_shared_experts)))
+  return rules
+
+
 def prefixed(prefix: Path, rules: dict) -> dict:
   return {prefix + path: rule for path, rule in rules.items()}
 
@@ -130,6 +154,8 @@ def mtp_rules(cfg: ModelConfig, spec: MTPSpec, decoder_rules: Callable) -> dict:
       if spec.has_own_head:
         rules[("layers", j, "head")] = _rule(q + "shared_head.head.weight", (v, d),
                                              _linear_t((d, v)))
+      if spec.has_own_embed:
+        rules[("layers", j, "embed")] = _rule(q + "embed_tokens.weight", (v, d), _copy((v, d)))
     for ours, name in zip(("embed_norm", "hidden_norm", "final_norm"), norms):
       rules[("layers", j, ours, "scale")] = norm_rule(name, d)
     rules[("layers", j, "proj")] = _rule(proj, (d, 2 * d), _linear_t((2 * d, d)))
@@ -137,9 +163,9 @@ def mtp_rules(cfg: ModelConfig, spec: MTPSpec, decoder_rules: Callable) -> dict:
   return rules
 
 
-# Names a checkpoint may carry that jspec has no use for.
-_IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),
-            re.compile(r"^model\.(language_model\.)?layers\.\d+\.embed_tokens\.weight$"))  # DeepSeek MTP's copy
+# Names a checkpoint may carry that jspec has no use for. (A DeepSeek-layout MTP layer's copies
+# of the embedding and head are not among them: loading compares them with the target's.)
+_IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
 
 
 def ignorable(name: str) -> bool:
@@ -167,7 +193,23 @@ def detect_mtp(cfg: ModelConfig, names: set[str]) -> MTPSpec | None:
   is_moe = first + "mlp.gate.weight" in names
   if is_moe and not cfg.is_moe:
     raise ValueError("MTP layer is MoE but the model config declares no experts")
-  has_own_head = (layout == "deepseek_v3"
-                  and f"{first}shared_head.head.weight" in names)
-  return MTPSpec(layout=layout, num_layers=len(found), is_moe=is_moe, has_own_head=has_own_head)
+  # Where the layer carries its own embedding / head, assume it is its own; loading keeps the
+  # target's instead where the copies are byte-equal to it (`mtp_copies`).
+  has = lambda suffix: layout == "deepseek_v3" and any(
+      f"{cfg.weight_prefix}layers.{cfg.num_layers + j}.{suffix}" in names for j in found)
+  return MTPSpec(layout=layout, num_layers=len(found), is_moe=is_moe,
+                 has_own_head=has("shared_head.head.weight"),
+                 has_own_embed=has("embed_tokens.weight"))
+
+
+def mtp_copies(cfg: ModelConfig, spec: MTPSpec) -> dict[str, tuple[str, tuple[str, ...]]]:
+  """DeepSeek layout: what each MTP layer's `embed_tokens` / `shared_head.head` may duplicate,
+  as {"embed" | "head": (the target's tensor, the MTP layers' names of their copies)}."""
+  if spec.layout != "deepseek_v3":
+    return {}
+  p = cfg.weight_prefix
+  layers = [f"{p}layers.{cfg.num_layers + j}." for j in range(spec.num_layers)]
+  head = p + "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+  return {"embed": (p + "embed_tokens.weight", tuple(q + "embed_tokens.weight" for q in layers)),
+          "head": (head, tuple(q + "shared_head.head.weight" for q in layers))}
 
