@@ -7,7 +7,8 @@ sequence and layer), for each batch and window length T:
               picking the one after the last emitted token (commit);
   xla replay  the one-step form for the outputs (verify), then re-running the emitted
               positions from the state before the window (commit);
-  pallas      the fused window kernel for both (jspec.pallas_kernels.delta_rule).
+  pallas      the fused window kernel for both (jspec.pallas_kernels.delta_rule), for several
+              (columns per program, warps) tilings.
 
 Each row: microseconds for verify + commit of one layer (commit keeps all T positions, the
 most work), the state bytes the pass must move at the least (read once for verify, read and
@@ -61,15 +62,22 @@ def _xla_replay(state, q, k, v, decay, beta, num_B):
   return out, gdn.delta_rule_steps(state, None, k, v, decay, beta, live_BT=live)[0]
 
 
-def _pallas(state, q, k, v, decay, beta, num_B):
-  out, _ = delta_rule_window(state, q, k, v, decay, beta, write_state=False)
-  live = (jnp.arange(k.shape[1])[None, :] < num_B[:, None])[:, :, None, None]
-  _, new = delta_rule_window(state, None, k, v, jnp.where(live, decay, 0.0),
-                             jnp.where(live, beta, 0.0))
-  return out, new
+def _pallas(block_v, num_warps):
+  tiling = dict(block_v=block_v, num_warps=num_warps)
+
+  def way(state, q, k, v, decay, beta, num_B):
+    out, _ = delta_rule_window(state, q, k, v, decay, beta, write_state=False, **tiling)
+    live = (jnp.arange(k.shape[1])[None, :] < num_B[:, None])[:, :, None, None]
+    _, new = delta_rule_window(state, None, k, v, jnp.where(live, decay, 0.0),
+                               jnp.where(live, beta, 0.0), **tiling)
+    return out, new
+
+  return way
 
 
-WAYS = {"xla store": _xla_store, "xla replay": _xla_replay, "pallas": _pallas}
+WAYS = {"xla store": _xla_store, "xla replay": _xla_replay,
+        **{f"pallas v{bv} w{w}": _pallas(bv, w) for bv, w in
+           ((16, 2), (32, 4), (64, 4), (64, 8), (128, 8))}}
 
 
 def _chained(way):
@@ -118,7 +126,7 @@ def main():
         rows.append(dict(batch=batch, window=length, way=name, us=seconds * 1e6,
                          state_mb=state_bytes / 2 ** 20, gbps=moved / seconds / 1e9,
                          share=moved / seconds / copy, kernels=kernels, max_abs_diff=error))
-        print(f"B={batch} T={length} {name:10s} {seconds * 1e6:8.1f} us  "
+        print(f"B={batch} T={length} {name:16s} {seconds * 1e6:8.1f} us  "
               f"{moved / seconds / 1e9:7.0f} GB/s  {kernels:5.1f} kernels  diff {error:.1e}",
               flush=True)
   print(f"\ncopy bandwidth {copy / 1e12:.2f} TB/s; state per layer = batch x "

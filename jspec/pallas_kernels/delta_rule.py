@@ -36,6 +36,11 @@ from jspec.pallas_kernels import platform
 BLOCK_V = 32
 
 
+def _pick(vector_T, t: int):
+  """Element t of a loaded [T] vector as a scalar (a masked sum: no dynamic slicing)."""
+  return jnp.sum(jnp.where(jnp.arange(vector_T.shape[0]) == t, vector_T, 0.0))
+
+
 def _kernel(*refs, length: int, has_query: bool, write_state: bool):
   refs = list(refs)
   state_ref, key_ref, value_ref, decay_ref, beta_ref = refs[:5]
@@ -44,87 +49,73 @@ def _kernel(*refs, length: int, has_query: bool, write_state: bool):
   out_ref = outs.pop(0) if has_query else None
   state_out_ref = outs.pop(0) if write_state else None
 
-  state_KV = state_ref[...].astype(jnp.float32)
+  state_KV = state_ref[...].astype(jnp.float32)   # [Dk, block_v]
+  decay_T = decay_ref[...].astype(jnp.float32)
+  beta_T = beta_ref[...].astype(jnp.float32)
   for t in range(length):
-    key_K1 = key_ref[:, pl.ds(t, 1)].astype(jnp.float32)         # [Dk, 1]
-    value_1V = value_ref[pl.ds(t, 1), :].astype(jnp.float32)     # [1, block_v]
-    decay_11 = jnp.exp(decay_ref[:, pl.ds(t, 1)])               # [1, 1]
-    beta_11 = beta_ref[:, pl.ds(t, 1)]
-    state_KV = state_KV * decay_11
+    key_K1 = jnp.transpose(key_ref[pl.ds(t, 1), :].astype(jnp.float32))     # [Dk, 1]
+    value_1V = value_ref[pl.ds(t, 1), :].astype(jnp.float32)                 # [1, block_v]
+    state_KV = state_KV * jnp.exp(_pick(decay_T, t))
     memory_1V = jnp.sum(state_KV * key_K1, axis=0, keepdims=True)
-    state_KV = state_KV + key_K1 * ((value_1V - memory_1V) * beta_11)
+    state_KV = state_KV + key_K1 * ((value_1V - memory_1V) * _pick(beta_T, t))
     if has_query:
-      query_K1 = query_ref[:, pl.ds(t, 1)].astype(jnp.float32)
+      query_K1 = jnp.transpose(query_ref[pl.ds(t, 1), :].astype(jnp.float32))
       out_ref[pl.ds(t, 1), :] = jnp.sum(state_KV * query_K1, axis=0, keepdims=True)
   if write_state:
     state_out_ref[...] = state_KV
 
 
-@functools.partial(jax.jit, static_argnames=("write_state", "block_v"))
+@functools.partial(jax.jit, static_argnames=("write_state", "block_v", "num_warps"))
 def delta_rule_window(state_BGRKV, query_BTGK, key_BTGK, value_BTGRV, decay_BTGR, beta_BTGR, *,
-                      write_state: bool = True, block_v: int = BLOCK_V):
+                      write_state: bool = True, block_v: int = BLOCK_V, num_warps: int = 4):
   """The recurrence over a window of T positions, in float32.
 
   query_BTGK may be None (a commit: no outputs). Returns (outputs [B, T, G, R, Dv] or None,
   final state [B, G, R, Dk, Dv] or None when not write_state). Positions with decay 0 and
-  beta 0 leave the state as it was.
+  beta 0 leave the state as it was. Operands keep their layouts (no transposes around the
+  call); a window whose length is not a power of two is zero-padded to one.
   """
   batch, length, groups, key_dim = key_BTGK.shape
   per_key, value_dim = value_BTGRV.shape[3:]
-  heads = groups * per_key
   block_v = min(block_v, value_dim)
   if value_dim % block_v:
     raise ValueError(f"value head dim {value_dim} must be a multiple of block_v={block_v}")
-  padded = max(2, pl.next_power_of_2(length))  # power-of-two window, >= 2 for the lowering
-  pad = padded - length
-  f32 = jnp.float32
-
-  def keys_heads(x_BTGK):  # [B, T, G, Dk] -> [B, G, Dk, T'] (a key head serves R value heads)
-    x = jnp.pad(x_BTGK.astype(f32), ((0, 0), (0, pad), (0, 0), (0, 0)))
-    return jnp.transpose(x, (0, 2, 3, 1))
-
-  def scalars(x_BTGR):  # [B, T, G, R] -> [B, H, 1, T'], zero-padded
-    x = jnp.pad(x_BTGR.astype(f32), ((0, 0), (0, pad), (0, 0), (0, 0)))
-    return jnp.transpose(x.reshape(batch, padded, heads), (0, 2, 1))[:, :, None, :]
-
-  value_BHTV = jnp.transpose(
-      jnp.pad(value_BTGRV.astype(f32), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
-      .reshape(batch, padded, heads, value_dim), (0, 2, 1, 3))
-  state_BHKV = state_BGRKV.reshape(batch, heads, key_dim, value_dim)
+  padded = pl.next_power_of_2(length)
+  pad_time = lambda x: (x if padded == length else
+                        jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2)))
   has_query = query_BTGK is not None
 
-  grid = (batch, heads, value_dim // block_v)
-  state_spec = pl.BlockSpec((None, None, key_dim, block_v), lambda b, h, j: (b, h, 0, j))
-  key_spec = pl.BlockSpec((None, None, key_dim, padded),
-                          lambda b, h, j: (b, h // per_key, 0, 0))
-  value_spec = pl.BlockSpec((None, None, padded, block_v), lambda b, h, j: (b, h, 0, j))
-  scalar_spec = pl.BlockSpec((None, None, 1, padded), lambda b, h, j: (b, h, 0, 0))
+  # Grid: (batch, value head, column block); value head h belongs to key head h // R.
+  grid = (batch, groups * per_key, value_dim // block_v)
+  state_spec = pl.BlockSpec((None, None, None, key_dim, block_v),
+                            lambda b, h, j: (b, h // per_key, h % per_key, 0, j))
+  key_spec = pl.BlockSpec((None, padded, None, key_dim), lambda b, h, j: (b, 0, h // per_key, 0))
+  value_spec = pl.BlockSpec((None, padded, None, None, block_v),
+                            lambda b, h, j: (b, 0, h // per_key, h % per_key, j))
+  scalar_spec = pl.BlockSpec((None, padded, None, None),
+                             lambda b, h, j: (b, 0, h // per_key, h % per_key))
   in_specs = [state_spec, key_spec, value_spec, scalar_spec, scalar_spec]
-  operands = [state_BHKV, keys_heads(key_BTGK), value_BHTV, scalars(decay_BTGR),
-              scalars(beta_BTGR)]
+  operands = [state_BGRKV, pad_time(key_BTGK), pad_time(value_BTGRV), pad_time(decay_BTGR),
+              pad_time(beta_BTGR)]
   out_specs, out_shape = [], []
   if has_query:
     in_specs.append(key_spec)
-    operands.append(keys_heads(query_BTGK))
+    operands.append(pad_time(query_BTGK))
     out_specs.append(value_spec)
-    out_shape.append(jax.ShapeDtypeStruct((batch, heads, padded, value_dim), f32))
+    out_shape.append(jax.ShapeDtypeStruct((batch, padded, groups, per_key, value_dim),
+                                          jnp.float32))
   if write_state:
     out_specs.append(state_spec)
-    out_shape.append(jax.ShapeDtypeStruct((batch, heads, key_dim, value_dim), f32))
+    out_shape.append(jax.ShapeDtypeStruct(state_BGRKV.shape, jnp.float32))
 
   on_gpu = platform.on_gpu()
-  results = pl.pallas_call(
+  results = list(pl.pallas_call(
       functools.partial(_kernel, length=length, has_query=has_query, write_state=write_state),
       grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1) if on_gpu else None,
+      compiler_params=(pltriton.CompilerParams(num_warps=num_warps, num_stages=1) if on_gpu
+                       else None),
       interpret=not on_gpu,
-  )(*operands)
-  results = list(results)
-  out = None
-  if has_query:
-    out_BHTV = results.pop(0)[:, :, :length]
-    out = jnp.transpose(out_BHTV, (0, 2, 1, 3)).reshape(batch, length, groups, per_key,
-                                                          value_dim)
-  state = (results.pop(0).reshape(batch, groups, per_key, key_dim, value_dim) if write_state
-           else None)
+  )(*operands))
+  out = results.pop(0)[:, :length] if has_query else None
+  state = results.pop(0) if write_state else None
   return out, state
