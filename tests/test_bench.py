@@ -82,3 +82,25 @@ def test_peer_benchmark_builds_transformers_configs_of_the_same_shapes():
     hf = peers.hf_config(preset)
     hf.architectures = [preset.architecture]
     assert dataclasses.replace(jspec.ModelConfig.from_hf(hf), eos_token_ids=()) == preset
+
+
+def test_step_bytes_counts_mla_weights_and_the_latent_cache():
+  """MLA: every attention parameter once, and per token one latent row per layer (C + R
+  values shared by all heads), not per-head keys and values."""
+  cfg = dataclasses.replace(PRESETS["tiny-mla"], num_experts=0, first_k_dense_replace=0)
+  llm = jspec.LLM.from_random(cfg, dtype="float32", max_model_len=64)
+  weights = _param_count(llm.target) - cfg.vocab_size * cfg.hidden_size
+  latent_per_token = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+  for batch, context in ((1, 0), (3, 40)):
+    assert step_bytes(cfg, batch, 1, context, itemsize=4) == 4 * (
+        weights + batch * (context + 1) * latent_per_token)
+
+
+def test_bench_times_mla_attention_over_the_latent():
+  from jspec.bench.roofline import mla_attention_bytes
+  from jspec.bench.steps import StepTimer
+  cfg = PRESETS["tiny-mla"]
+  llm = jspec.LLM.from_random(cfg, dtype="float32", max_model_len=64)
+  assert StepTimer(llm).mla_attention(batch=2, context=40, width=4) > 0
+  assert mla_attention_bytes(cfg, 2, 40, 4) == 2 * 40 * (cfg.kv_lora_rank
+                                                         + cfg.qk_rope_head_dim) * 4

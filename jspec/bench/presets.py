@@ -1,6 +1,9 @@
 """Real-size model shapes for benchmarks (random weights built on the device)."""
 
+import dataclasses
+
 from jspec.config import ModelConfig
+from jspec.models.rope import rope_scaling_items
 
 def _every_fourth_full(num_layers: int) -> tuple[str, ...]:
   """The published Qwen3.5 pattern (full_attention_interval 4), written out as its configs do."""
@@ -41,6 +44,23 @@ PRESETS = {
         layer_types=_HYBRID_40, partial_rotary_factor=0.25, linear_num_key_heads=16,
         linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_conv_kernel=4, weight_prefix="model.language_model."),
+    # DeepSeek-V3 / R1 layer shapes (MLA, 256 routed experts top-8 in 8 groups, 1 shared
+    # expert, 3 dense layers first) with its NextN layer. All 61 layers take ~1.3 TB in
+    # bfloat16; `num_layers` 6 (the 3 dense + 3 MoE layers, ~23 GB each, plus the MTP layer
+    # and the embeddings: ~99 GB) fits one 141 GB H200 with 8k-context caches at batch 32.
+    "deepseek-v3": ModelConfig(
+        architecture="DeepseekV3ForCausalLM", vocab_size=129280, hidden_size=7168,
+        intermediate_size=18432, num_layers=6, num_heads=128, num_kv_heads=128, head_dim=64,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        max_position_embeddings=163840, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=2048, norm_topk_prob=True, router_scoring="sigmoid",
+        router_correction_bias=True, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        num_shared_experts=1, first_k_dense_replace=3, num_mtp_layers=1, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        rope_scaling=rope_scaling_items(
+            {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, 163840),
+        rope_interleave=True),
     # A few-MB model with the same structure, for smoke runs on a CPU.
     "tiny-moe": ModelConfig(
         architecture="Qwen3MoeForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -48,3 +68,12 @@ PRESETS = {
         rope_theta=1e4, tie_word_embeddings=False, max_position_embeddings=4096, num_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
 }
+PRESETS["tiny-mla"] = dataclasses.replace(
+    PRESETS["deepseek-v3"], vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=4, head_dim=8, num_experts=8, num_experts_per_tok=2, n_group=4,
+    topk_group=2, moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=32,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    max_position_embeddings=4096)
+
+# The MTP layout each preset's checkpoints publish (the others: Qwen3-Next's).
+MTP_LAYOUTS = {"deepseek-v3": "deepseek_v3", "tiny-mla": "deepseek_v3"}

@@ -7,7 +7,8 @@ For each model preset, batch and context:
               to a target step
   derived     the speculative speedup these costs imply at a given mean acceptance length A:
               A x t_decode / (t_verify(k+1) + t_draft_steps)   -- labelled derived
-plus prefill tokens/s and compile time per program.
+plus prefill tokens/s and compile time per program, and for MLA models the attention over the
+latent cache alone against the latent bytes it must read (the fraction of the read bandwidth).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import time
 import jax
 
 import jspec
-from jspec.bench.presets import PRESETS
-from jspec.bench.roofline import hbm_bandwidth, step_bytes
+from jspec.bench.presets import MTP_LAYOUTS, PRESETS
+from jspec.bench.roofline import (cache_values_per_token, hbm_bandwidth, mla_attention_bytes,
+                                  step_bytes)
 from jspec.bench.steps import StepTimer
 from jspec.progress import stage
 from jspec.sharding.plan import device_capacity
@@ -30,7 +32,7 @@ VERIFY_WIDTHS = (2, 4, 6)
 
 
 def _fits(cfg, batch, context, weight_bytes, capacity):
-  kv = 2 * batch * (context + 8) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+  kv = 2 * batch * (context + 8) * cfg.num_layers * cache_values_per_token(cfg)
   return capacity is None or weight_bytes + 2.5 * kv < 0.85 * capacity
 
 
@@ -49,7 +51,8 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
   # batch's caches (checked against the device by `_fits`), so its memory plan is for 1 row.
   start = time.perf_counter()
   llm = jspec.LLM.from_random(
-      cfg, jspec.MTPSpec("qwen3_next", 1, is_moe=cfg.is_moe), dtype=args.dtype,
+      cfg, jspec.MTPSpec(MTP_LAYOUTS.get(name, "qwen3_next"), 1, is_moe=cfg.is_moe),
+      dtype=args.dtype,
       max_model_len=max_context, max_num_seqs=1, moe_backend=args.moe_backend,
       attention_backend=args.attention_backend,
       recurrent_commit=getattr(args, "recurrent_commit", "store"),
@@ -94,6 +97,8 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
           derived_speedup={str(a): a * decode_s / spec_step_s for a in args.acceptance}))
       print(row_line(name, rows[-1]), flush=True)
       save_partial(dict(rows=rows, warmup_seconds_generate=warmup_s))
+  attention = mla_attention_rows(name, cfg, timer, args, bandwidth["read"], weight_bytes,
+                                 capacity) if cfg.is_mla else []
   prefill = []
   for batch, prompt in ((1, 512), (1, 8192), (8, 512)):
     if prompt > max_context or (capacity and batch * prompt * prompt * cfg.num_heads * 4
@@ -106,9 +111,35 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
               recurrent_commit=llm.recurrent_commit if cfg.layer_types else None,
               draft_vocab_size=cfg.vocab_size if draft_ids is None else draft_ids.shape[0],
               device=jax.devices()[0].device_kind,
-              bandwidth=bandwidth, rows=rows, prefill=prefill,
+              bandwidth=bandwidth, rows=rows, prefill=prefill, mla_attention=attention,
               warmup_seconds_generate=warmup_s, weights_seconds=weights_s,
               compile_seconds=timer.compile_seconds)
+
+
+def mla_attention_rows(name, cfg, timer, args, read_bandwidth, weight_bytes, capacity):
+  """MLA decode attention (one token, then a k+1 verify window) over the latent at each batch
+  and context: time, the latent bytes it must read, and what fraction of the measured read
+  bandwidth that is."""
+  rows = []
+  itemsize = jax.numpy.dtype(args.dtype).itemsize
+  for batch in args.batch:
+    for context in args.context:
+      if not _fits(cfg, batch, context, weight_bytes, capacity):
+        continue
+      for width in (1, args.k + 1):
+        with stage(f"{name}: MLA attention, batch {batch}, context {context}, width {width}"):
+          seconds = timer.mla_attention(batch, context, width)
+        latent = mla_attention_bytes(cfg, batch, context + width - 1, itemsize)
+        rows.append(dict(batch=batch, context=context, width=width, ms=1e3 * seconds,
+                         latent_bytes=latent, bandwidth_fraction=latent / seconds / read_bandwidth))
+        print(mla_line(name, rows[-1]), flush=True)
+  return rows
+
+
+def mla_line(model: str, r: dict) -> str:
+  return (f"{model:16s} MLA attention B={r['batch']} ctx={r['context']} T={r['width']}: "
+          f"{r['ms']:.3f} ms, latent {r['latent_bytes'] / 2**20:.1f} MiB read at "
+          f"{100 * r['bandwidth_fraction']:.1f}% of the read bandwidth")
 
 
 def proof_model_speedups(ks=(1, 2, 3, 4), max_tokens: int = 512, pieces_k: int = 3) -> dict:
@@ -148,6 +179,7 @@ def table(results: list[dict], proof: dict | None) -> str:
            + f" {'draft/tok':>9s} {'spec step':>9s}  derived speedup"]
   for result in results:
     lines.extend(row_line(result["model"], r) for r in result["rows"])
+    lines.extend(mla_line(result["model"], r) for r in result.get("mla_attention", ()))
     for p in result["prefill"]:
       lines.append(f"{result['model']:16s} prefill B={p['batch']} P={p['prompt']}: "
                    f"{p['tokens_per_second']:.0f} tokens/s")

@@ -77,15 +77,40 @@ def expected_experts_used(num_experts: int, top_k: int, num_tokens: int) -> floa
   return num_experts * (1 - miss)
 
 
+def cache_values_per_token(cfg: ModelConfig) -> int:
+  """Values one full-attention layer caches per token: keys and values of every KV head, or
+  MLA's latent and rope key (shared by all heads)."""
+  if cfg.is_mla:
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+  return 2 * cfg.num_kv_heads * cfg.head_dim
+
+
+def mla_weights(cfg: ModelConfig) -> int:
+  """Parameters of one MLA layer's attention, and the layer's two norms."""
+  d, n, q, c = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+  p, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+  query = d * q + q + q * n * (p + r) if q else d * n * (p + r)
+  return query + d * (c + r) + c + n * (p + v) * c + n * v * d + 2 * d
+
+
+def mla_attention_bytes(cfg: ModelConfig, batch: int, context: int, itemsize: int = 2) -> int:
+  """Least bytes of MLA decode attention over the latent (jspec.models.mla.latent_attention):
+  each sequence's cached rows, read once."""
+  return batch * context * cache_values_per_token(cfg) * itemsize
+
+
 def step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize: int = 2) -> int:
   """Least bytes one forward of `width` tokens per sequence must read at this context:
   every weight it uses once (the embedding rows are negligible; experts that receive tokens
-  under uniform routing) plus each sequence's valid keys and values in full-attention layers,
-  and each sequence's float32 state in linear-attention layers, read once and written once."""
+  under uniform routing) plus each sequence's valid keys and values (or MLA latent rows) in
+  full-attention layers, and each sequence's float32 state in linear-attention layers, read
+  once and written once."""
   d, h = cfg.hidden_size, cfg.head_dim
   hybrid = bool(cfg.layer_types)
   query = (2 if hybrid else 1) * cfg.num_heads  # gated attention: a query and a gate per head
   attention = d * h * (query + cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * h + 2 * d
+  if cfg.is_mla:
+    attention = mla_weights(cfg)
   g, r = cfg.linear_num_key_heads, cfg.linear_num_value_heads // max(cfg.linear_num_key_heads, 1)
   dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
   linear = d * g * (2 * dk + 2 * r * dv + 2 * r) + g * r * dv * d + 2 * d + dv
@@ -102,8 +127,9 @@ def step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize:
       weights += d * cfg.num_experts + used * 3 * d * cfg.moe_intermediate_size
       weights += 3 * d * cfg.shared_expert_intermediate_size + d * bool(
           cfg.shared_expert_intermediate_size)
+      weights += 3 * d * cfg.moe_intermediate_size * cfg.num_shared_experts
     else:
       weights += 3 * d * cfg.intermediate_size
   weights += d * cfg.vocab_size + d  # lm_head (tied or not, it is read once) and final norm
-  kv = batch * (context + width) * kv_layers * 2 * cfg.num_kv_heads * h
+  kv = batch * (context + width) * kv_layers * cache_values_per_token(cfg)
   return int(np.ceil((weights + kv) * itemsize)) + state_bytes

@@ -9,7 +9,9 @@ piece is the time of one call over `STEPS_PER_CALL`.
     width k+1: a verify step), logits and argmax included;
   - one MTP draft step (the head on one token, its logits and argmax) and the draft extend
     over k+1 positions;
-  - prefill of a prompt bucket (one call, no loop).
+  - prefill of a prompt bucket (one call, no loop);
+  - MLA models: the attention over the latent cache alone (`mla_attention`), to set against the
+    latent bytes it must read.
 The programs of one (batch, context) are compiled concurrently (XLA compiles off the GIL).
 """
 
@@ -25,6 +27,7 @@ from flax import nnx
 from jspec.bench.roofline import seconds_per_call
 from jspec.engine import module_cache_shardings
 from jspec.models import caches as cache_lib
+from jspec.models.mla import latent_attention
 from jspec.speculative import buckets
 
 STEPS_PER_CALL = 8
@@ -194,3 +197,34 @@ class StepTimer:
     step = self._compile(f"prefill B={batch} P={prompt_len}", forward,
                          (self.target_state, tokens, positions), ())
     return seconds_per_call(step, [(self.target_state, tokens, positions)])
+
+  def mla_attention(self, batch: int, context: int, width: int = 1) -> float:
+    """Seconds of the target's first-layer attention over its latent cache for a window of
+    `width` tokens ending at this context: `latent_attention` alone (scores against every row
+    of the bucket, causal softmax, the weighted rows), from random queries in latent space,
+    `STEPS_PER_CALL` chained calls in one loop."""
+    llm = self.llm
+    attn = llm.target.layers[0].attn
+    cache_len = buckets.cache_bucket(context + width, 0, llm.max_model_len)
+    shapes = jax.eval_shape(lambda: llm.target.layer_cache(0, batch, cache_len, llm.dtype))
+    cache = _random_caches(shapes, self.cache_shardings[0], 4)
+    width_l = shapes.latent.shape[-1]
+    q_sharding = llm.rules.sharding(llm.mesh, ("batch", "seq", "q_heads", "latent"))
+    draw = jax.jit(lambda key: jax.random.normal(
+        key, (batch, width, llm.config.num_heads, width_l), jnp.float32).astype(llm.dtype),
+                   out_shardings=q_sharding)
+    q_BTNL = draw(jax.random.key(5))
+    positions_BT = _positions(batch, context, width)
+    scale = attn.scale
+
+    def steps(q_BTNL, cache):
+      def body(_, q_BTNL):  # each call's query depends on the previous call's output
+        context_BTNL = latent_attention(q_BTNL, cache.latent, positions_BT, scale)
+        return q_BTNL + (1e-3 * jnp.mean(context_BTNL)).astype(q_BTNL.dtype)
+      return jax.lax.fori_loop(0, STEPS_PER_CALL, body, q_BTNL)
+
+    program = self._compile(f"mla attention B={batch} S={cache_len} T={width}", steps,
+                            (q_BTNL, cache), ())
+    run = lambda: program(q_BTNL, cache)
+    self.runs[("mla_attention", width)] = run
+    return seconds_per_call(run, [()]) / STEPS_PER_CALL

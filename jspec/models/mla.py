@@ -54,6 +54,25 @@ def mla_cache(cfg: ModelConfig, batch: int, slots: int, dtype) -> MLACache:
   return MLACache.zeros(batch, slots, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype)
 
 
+def latent_attention(q_BTNL, cache_BSL, positions_BT, scale: float):
+  """The absorbed form's attention over the latent: [q_lat | q_rope] against each cached row
+  [latent | rope key], causal by position; returns the probability-weighted rows [B,T,N,L]
+  (their first C values are the latent context). Every head reads the same rows."""
+  scores_BNTS = jnp.einsum("btnl,bsl->bnts", q_BTNL, cache_BSL,
+                           preferred_element_type=jnp.float32)
+  probs_BNTS = _causal_softmax(scores_BNTS * scale, positions_BT, cache_BSL.dtype)
+  # Weights the whole rows, rope key included, and lets the caller drop those R columns: the
+  # cache stays one operand of both products (no sliced copy of it), for R / L more
+  # multiply-adds.
+  return jnp.einsum("bnts,bsl->btnl", probs_BNTS, cache_BSL)
+
+
+def _causal_softmax(scores_BNTS, positions_BT, dtype):
+  visible_BTS = jnp.arange(scores_BNTS.shape[-1])[None, None, :] <= positions_BT[:, :, None]
+  scores_BNTS = jnp.where(visible_BTS[:, None], scores_BNTS, -jnp.inf)
+  return jax.nn.softmax(scores_BNTS, axis=-1).astype(dtype)
+
+
 class MLAttention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
@@ -113,21 +132,15 @@ class MLAttention(nnx.Module):
     out_BTNV = attend(q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT)
     return jnp.einsum("btnv,nvd->btd", out_BTNV, self.o_proj[...]), cache
 
-  def _softmax(self, scores_BNTS, positions_BT, dtype):
-    visible_BTS = jnp.arange(scores_BNTS.shape[-1])[None, None, :] <= positions_BT[:, :, None]
-    scores_BNTS = jnp.where(visible_BTS[:, None], scores_BNTS * self.scale, -jnp.inf)
-    return jax.nn.softmax(scores_BNTS, axis=-1).astype(dtype)
+  def absorbed_query(self, q_nope_BTNP, q_rope_BTNR):
+    """[q_nope W_UK | q_rope] [B,T,N,L]: the query in the cache's row space."""
+    q_latent_BTNC = jnp.einsum("btnp,npc->btnc", q_nope_BTNP, self.w_uk[...])
+    return jnp.concatenate([q_latent_BTNC, q_rope_BTNR.astype(q_latent_BTNC.dtype)], axis=-1)
 
   def attend_absorbed(self, q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT):
-    """Attention in latent space: reads each cached row once per product, never per head."""
-    q_latent_BTNC = jnp.einsum("btnp,npc->btnc", q_nope_BTNP, self.w_uk[...])
-    q_BTNL = jnp.concatenate([q_latent_BTNC, q_rope_BTNR.astype(q_latent_BTNC.dtype)], axis=-1)
-    scores_BNTS = jnp.einsum("btnl,bsl->bnts", q_BTNL, cache_BSL,
-                             preferred_element_type=jnp.float32)
-    probs_BNTS = self._softmax(scores_BNTS, positions_BT, cache_BSL.dtype)
-    # Weights the whole rows and drops the R rope-key columns after: the cache stays one
-    # operand of both products (no sliced copy of it), for R / L more multiply-adds.
-    context_BTNL = jnp.einsum("bnts,bsl->btnl", probs_BNTS, cache_BSL)
+    """Attention in latent space: the cached rows are read as they are, never per head."""
+    context_BTNL = latent_attention(self.absorbed_query(q_nope_BTNP, q_rope_BTNR), cache_BSL,
+                                    positions_BT, self.scale)
     return jnp.einsum("btnc,nvc->btnv", context_BTNL[..., :self.latent_dim], self.w_uv[...])
 
   def attend_expanded(self, q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT):
@@ -140,5 +153,5 @@ class MLAttention(nnx.Module):
                    preferred_element_type=jnp.float32)
         + jnp.einsum("btnr,bsr->bnts", q_rope_BTNR, k_rope_BSR,
                      preferred_element_type=jnp.float32))
-    probs_BNTS = self._softmax(scores_BNTS, positions_BT, values_BSNV.dtype)
+    probs_BNTS = _causal_softmax(scores_BNTS * self.scale, positions_BT, values_BSNV.dtype)
     return jnp.einsum("bnts,bsnv->btnv", probs_BNTS, values_BSNV)

@@ -17,7 +17,7 @@ import dataclasses
 from typing import Callable
 
 from jspec.config import ModelConfig
-from jspec.models import glm4_moe, qwen3, qwen3_5
+from jspec.models import deepseek_v3, glm4_moe, qwen3, qwen3_5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,8 @@ _QWEN3 = Family("qwen3", qwen3.read_config, qwen3.Qwen3CausalLM, qwen3.target_ru
                 qwen3.decoder_rules)
 _QWEN3_5 = Family("qwen3_5", qwen3_5.read_config, qwen3_5.Qwen35CausalLM, qwen3_5.target_rules,
                   qwen3_5.decoder_rules, qwen3_5.skipped_prefixes)
+_DEEPSEEK_V3 = Family("deepseek_v3", deepseek_v3.read_config, deepseek_v3.DeepseekV3CausalLM,
+                      deepseek_v3.target_rules, deepseek_v3.decoder_rules)
 _GLM4_MOE = Family("glm4_moe", glm4_moe.read_config, glm4_moe.Glm4MoeCausalLM,
                    glm4_moe.target_rules, glm4_moe.decoder_rules)
 
@@ -45,6 +47,8 @@ ARCHITECTURES = {
     "Qwen3_5ForCausalLM": _QWEN3_5,
     "Qwen3_5MoeForCausalLM": _QWEN3_5,
     "Qwen3NextForCausalLM": _QWEN3_5,
+    "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
+    "Glm4MoeLiteForCausalLM": _DEEPSEEK_V3,
     "Glm4MoeForCausalLM": _GLM4_MOE,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
