@@ -14,6 +14,7 @@ import numpy as np
 import jspec
 from jspec.bench.presets import PRESETS
 from jspec.bench.profile import profile, summary
+from jspec.sharding.rules import ShardingRules
 
 
 def main():
@@ -26,6 +27,8 @@ def main():
   parser.add_argument("--prompt-len", type=int, default=128)
   parser.add_argument("--max-tokens", type=int, default=32)
   parser.add_argument("--top", type=int, default=12)
+  parser.add_argument("--vocab-replicated", action="store_true",
+                      help="keep the embedding and lm_head whole on every tp shard")
   args = parser.parse_args()
 
   config = PRESETS[args.model]
@@ -37,7 +40,9 @@ def main():
     dp, tp, ep = (int(x) for x in mesh_text.split(","))
     llm = jspec.LLM.from_random(config, None, max_model_len=1024, max_num_seqs=max(args.batch),
                                 mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep,
-                                                      num_devices=dp * tp * ep))
+                                                      num_devices=dp * tp * ep),
+                                sharding_rules=(ShardingRules(vocab=None) if args.vocab_replicated
+                                                else None))
     for batch in args.batch:
       prompts = [rng.integers(0, config.vocab_size, args.prompt_len).tolist()
                  for _ in range(batch)]

@@ -22,12 +22,14 @@ import numpy as np
 
 import jspec
 from jspec.bench.presets import PRESETS
+from jspec.sharding.rules import ShardingRules
 
 def build_models(args, mesh: jspec.MeshConfig):
   """(model label, LLM kwargs that share one set of weights)."""
   common = dict(mesh=mesh, dtype=args.dtype, max_model_len=args.max_model_len,
                 moe_backend=args.moe_backend, max_num_seqs=max(args.batch),
-                attention_backend=args.attention_backend)
+                attention_backend=args.attention_backend,
+                sharding_rules=ShardingRules(vocab=None) if args.vocab_replicated else None)
   if args.model in PRESETS:
     config = PRESETS[args.model]
     if args.layers:
@@ -71,6 +73,8 @@ def main():
   parser.add_argument("--moe-backend", default="auto")
   parser.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"])
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--vocab-replicated", action="store_true",
+                      help="keep the embedding and lm_head whole on every tp shard")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
 

@@ -59,7 +59,8 @@ class LLM:
                max_num_seqs: int = 64, compilation_cache_dir: str | None = None,
                ep_strategy: str = "auto", device_memory_bytes: int | None = None,
                prefill_chunk_size: int = 1024, attention_backend: str = "xla",
-               recurrent_commit: str = "store", _modules=None):
+               recurrent_commit: str = "store", sharding_rules: ShardingRules | None = None,
+               _modules=None):
     self.dtype = resolve_dtype(dtype)
     if attention_backend not in ATTENTION_BACKENDS:
       raise ValueError(f"attention_backend={attention_backend!r} is not supported; choose one "
@@ -84,7 +85,9 @@ class LLM:
     self._request_counter = 0
     enable_compilation_cache(compilation_cache_dir)
     self.mesh = self.mesh_config.make_mesh()
-    self.rules = ShardingRules()
+    # The logical-axis -> mesh-axis table (jspec.sharding.rules); e.g. ShardingRules(vocab=None)
+    # keeps the embedding and lm_head whole on every tp shard.
+    self.rules = sharding_rules or ShardingRules()
     self.draft_rules = (self.rules.without_tp() if self.spec and self.spec.draft_tp == 1
                         else self.rules)
 
@@ -172,7 +175,7 @@ class LLM:
                   mesh: MeshConfig | None = None, dtype="bfloat16", seed: int = 0, **kwargs):
     """Random weights of the given shapes, born sharded on the mesh (benchmarks, tests)."""
     mesh_config = mesh or MeshConfig(num_devices=1)
-    rules = ShardingRules()
+    rules = kwargs.get("sharding_rules") or ShardingRules()
     spec = SpecConfig.parse(kwargs.get("speculative_config"))
     draft_rules = rules.without_tp() if spec and spec.draft_tp == 1 else rules
     validate_mesh(config, mesh_config)
