@@ -18,7 +18,6 @@ chosen experts, and asserts there are some); MLA with and without q_lora_rank; Y
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -36,7 +35,7 @@ from fixture_hybrid_models import eager_experts
 from fixture_mtp import split_experts
 from fixture_deepseek_models import (  # noqa: F401  (DEEPSEEK_NAMES: re-exported to make_fixtures.py)
     DEEPSEEK_NAMES, DEEPSEEK_SPECS, FAMILY, NextNLayer, RouterAudit, build_model, mtp_crosscheck_model,
-    mtp_crosscheck_transformers, mtp_forward, nextn_from_disk, nextn_state_dict)
+    mtp_crosscheck_transformers, mtp_forward, nextn_from_disk, nextn_state_dict, rope_record, sensitivity)
 
 LOGITS_LENGTHS = (1, 13, 48)  # 48 > 32 = deepseek_v3's original_max_position_embeddings
 PROMPT_LENGTHS = (3, 9, 40)
@@ -78,63 +77,8 @@ def reinit_(module, gen, family, head_std):
             b.copy_(CORRECTION_STD * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
 
-def routers(module, family):
-    return [m for m in module.modules() if isinstance(m, FAMILY[family]["router"])]
-
-
-@contextlib.contextmanager
-def patched(objs, **attrs):
-    """Set attributes on every object, restore them afterwards (tensors are copied in place)."""
-    saved = [{k: (getattr(o, k).clone() if torch.is_tensor(getattr(o, k)) else getattr(o, k)) for k in attrs}
-             for o in objs]
-    try:
-        for o in objs:
-            for k, v in attrs.items():
-                getattr(o, k).copy_(v(getattr(o, k))) if torch.is_tensor(getattr(o, k)) else setattr(o, k, v)
-        yield
-    finally:
-        for o, s in zip(objs, saved):
-            for k, v in s.items():
-                getattr(o, k).copy_(v) if torch.is_tensor(v) else setattr(o, k, v)
-
-
 def forward_logits(model, ids):
     return model(ids[None], use_cache=False).logits[0]
-
-
-def sensitivity(model, family, seq):
-    """Largest logit change on seq when one feature is switched off: each must be visible at test
-    tolerance, or a model that forgets it would pass."""
-    base = forward_logits(model, seq)
-    rs = routers(model, family)
-    attn = [m for m in model.modules() if isinstance(m, FAMILY[family]["attn"])]
-    rot = model.model.rotary_emb
-    variants = {"no_correction_bias": (rs, dict(e_score_correction_bias=torch.zeros_like)),
-                "no_group_limit": (rs, dict(num_group=1, topk_group=1)),
-                "routed_scaling_factor_1": (rs, dict(routed_scaling_factor=1.0))}
-    if hasattr(model.config, "rope_interleave"):
-        variants["rope_not_interleaved"] = ([model.config], dict(rope_interleave=False))
-    if model.config.rope_parameters["rope_type"] == "yarn":
-        head = model.config.qk_nope_head_dim + model.config.qk_rope_head_dim
-        dim = 2 * rot.inv_freq.shape[0]
-        plain = 1.0 / model.config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim)
-        variants["no_softmax_mscale"] = (attn, dict(scaling=head ** -0.5))
-        variants["no_cos_sin_mscale"] = ([rot], dict(attention_scaling=1.0))
-        variants["no_yarn_frequencies"] = ([rot], dict(inv_freq=lambda f: plain))
-    out = {}
-    for key, (objs, attrs) in variants.items():
-        with patched(objs, **attrs):
-            out[key] = float((forward_logits(model, seq) - base).abs().max())
-    torch.testing.assert_close(forward_logits(model, seq), base, rtol=0, atol=0)  # restored
-    return out
-
-
-def rope_record(model):
-    rot, cfg = model.model.rotary_emb, model.config
-    attn = next(m for m in model.modules() if isinstance(m, tuple(f["attn"] for f in FAMILY.values())))
-    return {"rope_parameters": dict(cfg.rope_parameters), "rotary_dim": 2 * rot.inv_freq.shape[0],
-            "inv_freq": rot.inv_freq.tolist(), "cos_sin_attention_factor": rot.attention_scaling,
-            "softmax_scale": attn.scaling, "rope_interleave": getattr(cfg, "rope_interleave", None)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,6 +290,15 @@ def verify_layout(names, spec, cfg):
                                        "shared_head.head.weight", "embed_tokens.weight")}
         assert nextn <= names if l >= L else not nextn & names, pre
     assert not any(k.startswith(f"model.layers.{L + spec['mtp_layers']}.") for k in names)
+    attn = "model.layers.0.self_attn."
+    if getattr(cfg, "kv_lora_rank", None):  # MLA; q_proj only without q_lora_rank
+        lora = cfg.q_lora_rank is not None
+        assert f"{attn}kv_a_proj_with_mqa.weight" in names and f"{attn}kv_a_layernorm.weight" in names
+        assert (f"{attn}q_a_proj.weight" in names) == (f"{attn}q_a_layernorm.weight" in names) == lora
+        assert (f"{attn}q_proj.weight" in names) == (not lora)
+    else:  # GQA with q/k/v biases and per-head q/k norms
+        assert {f"{attn}{p}.{w}" for p in ("q_proj", "k_proj", "v_proj") for w in ("weight", "bias")} <= names
+        assert f"{attn}q_norm.weight" in names and f"{attn}o_proj.bias" not in names
 
 
 # ----------------------------------------------------------------------------------------------
@@ -363,7 +316,8 @@ def check_deepseek(d: str):
         assert all(f.get_slice(k).get_dtype() == "F32" for k in names)
     config = AutoConfig.from_pretrained(d)
     verify_layout(names, spec, config)
-    assert dict(config.rope_parameters) == spec["config"].rope_parameters, (config.rope_parameters,)
+    rope = {k: v for k, v in config.rope_parameters.items() if k != "type"}
+    assert rope == spec["config"].rope_parameters, (config.rope_parameters,)
     assert config.num_local_experts == 16 and config.n_group == 4 and config.topk_group == 2
     model, info = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager", dtype=torch.float32,
                                                        output_loading_info=True)

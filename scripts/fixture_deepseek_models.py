@@ -6,6 +6,7 @@ an audit of the sigmoid group-limited router.  Used by fixture_deepseek.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -57,7 +58,7 @@ def spec_deepseek_v3():
     # mscale(0.8)^2 = 1.234 differ from 1.
     rope = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 32,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
-    cfg = DeepseekV3Config(**_COMMON, **_MOE, **_MLA, vocab_size=288, num_key_value_heads=4, q_lora_rank=32,
+    cfg = DeepseekV3Config(**_COMMON, **_MOE, **_MLA, vocab_size=192, num_key_value_heads=4, q_lora_rank=32,
                            first_k_dense_replace=1, routed_scaling_factor=2.5, num_nextn_predict_layers=2,
                            rms_norm_eps=1e-6, max_position_embeddings=128, rope_parameters=rope,
                            rope_interleave=True, attention_bias=False, architectures=["DeepseekV3ForCausalLM"])
@@ -283,3 +284,64 @@ class RouterAudit:
     def remove(self):
         for h in self.handles:
             h.remove()
+
+
+# ----------------------------------------------------------------------------------------------
+# probes: what each feature changes, what the rotary embedding is
+# ----------------------------------------------------------------------------------------------
+
+def routers(module, family):
+    return [m for m in module.modules() if isinstance(m, FAMILY[family]["router"])]
+
+
+@contextlib.contextmanager
+def patched(objs, **attrs):
+    """Set attributes on every object, restore them afterwards (tensors are copied in place)."""
+    saved = [{k: (getattr(o, k).clone() if torch.is_tensor(getattr(o, k)) else getattr(o, k)) for k in attrs}
+             for o in objs]
+    try:
+        for o in objs:
+            for k, v in attrs.items():
+                getattr(o, k).copy_(v(getattr(o, k))) if torch.is_tensor(getattr(o, k)) else setattr(o, k, v)
+        yield
+    finally:
+        for o, s in zip(objs, saved):
+            for k, v in s.items():
+                getattr(o, k).copy_(v) if torch.is_tensor(v) else setattr(o, k, v)
+
+
+def sensitivity(model, family, seq):
+    """Largest logit change on seq when one feature is switched off: each must be visible at test
+    tolerance, or a model that forgets it would pass."""
+    base = model(seq[None], use_cache=False).logits[0]
+    rs = routers(model, family)
+    attn = [m for m in model.modules() if isinstance(m, FAMILY[family]["attn"])]
+    rot = model.model.rotary_emb
+    variants = {"no_correction_bias": (rs, dict(e_score_correction_bias=torch.zeros_like)),
+                "no_group_limit": (rs, dict(num_group=1, topk_group=1)),
+                "routed_scaling_factor_1": (rs, dict(routed_scaling_factor=1.0))}
+    if hasattr(model.config, "rope_interleave"):
+        variants["rope_not_interleaved"] = ([model.config], dict(rope_interleave=False))
+    if model.config.rope_parameters["rope_type"] == "yarn":
+        head = model.config.qk_nope_head_dim + model.config.qk_rope_head_dim
+        dim = 2 * rot.inv_freq.shape[0]
+        plain = 1.0 / model.config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim)
+        variants["no_softmax_mscale"] = (attn, dict(scaling=head ** -0.5))
+        variants["no_cos_sin_mscale"] = ([rot], dict(attention_scaling=1.0))
+        variants["no_yarn_frequencies"] = ([rot], dict(inv_freq=lambda f: plain))
+    out = {}
+    for key, (objs, attrs) in variants.items():
+        with patched(objs, **attrs):
+            out[key] = float((model(seq[None], use_cache=False).logits[0] - base).abs().max())
+    torch.testing.assert_close(model(seq[None], use_cache=False).logits[0], base, rtol=0, atol=0)  # restored
+    return out
+
+
+def rope_record(model):
+    rot, cfg = model.model.rotary_emb, model.config
+    attn = next(m for m in model.modules() if isinstance(m, tuple(f["attn"] for f in FAMILY.values())))
+    # legacy "rope_scaling" configs keep their "type" key next to the normalised "rope_type"
+    params = {k: v for k, v in cfg.rope_parameters.items() if k != "type"}
+    return {"rope_parameters": params, "rotary_dim": 2 * rot.inv_freq.shape[0],
+            "inv_freq": rot.inv_freq.tolist(), "cos_sin_attention_factor": rot.attention_scaling,
+            "softmax_scale": attn.scaling, "rope_interleave": getattr(cfg, "rope_interleave", None)}
