@@ -28,6 +28,7 @@ from jspec.models.moe import read_sigmoid_moe_fields
 from jspec.models.qwen3 import CausalLM, DecoderLayer, common_fields
 
 ACTIVATIONS = ("silu",)
+ROPE_TYPES = ("default",)  # the family's attention applies plain RoPE only
 
 
 class Glm4MoeCausalLM(CausalLM):
@@ -52,6 +53,10 @@ def read_config(hf_config, arch: str) -> ModelConfig:
   if act not in ACTIVATIONS:
     raise ValueError(f"hidden_act={act!r} is not supported; jspec supports {list(ACTIVATIONS)}")
   rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+  rope_type = rope.get("rope_type", "default")
+  if rope_type not in ROPE_TYPES:
+    raise ValueError(f"rope_type={rope_type!r} is not supported for {arch}; jspec supports "
+                     f"{list(ROPE_TYPES)}")
   # Glm4MoeConfig defaults the factor to 0.5 and files it under rope_parameters.
   partial = rope.get("partial_rotary_factor",
                      getattr(hf_config, "partial_rotary_factor", None) or 0.5)

@@ -1,0 +1,209 @@
+"""GLM-4.5 (`Glm4MoeForCausalLM`) against transformers (fixture from scripts/make_fixtures.py):
+q/k/v biases, q/k norms, partial rotary, a dense first layer, sigmoid group-limited routing with
+a correction bias and shared experts, and the NextN MTP layer in the DeepSeek layout (its
+embedding copy loaded once, its own head kept, the position-0 embedding zeroed). Speculation
+equals vanilla greedy decoding, sampling stays lossless, the 8-device meshes agree."""
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import jspec
+from helpers import cached_llm, fixture_dir, greedy, reference, two_sample_chi2
+from jspec.models import loading
+from jspec.models.moe_backends import experts_reference
+
+NAME = "glm4_moe"
+TOL = 1e-4
+MAX_TOKENS = 24
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 8, 7, 8, 7, 8], [100, 3, 44, 9, 17, 120, 33]]
+
+
+def test_config_and_layers_follow_the_checkpoint():
+  llm = cached_llm(NAME)
+  cfg = llm.config
+  assert (cfg.architecture, cfg.router_scoring, cfg.router_correction_bias) == (
+      "Glm4MoeForCausalLM", "sigmoid", True)
+  assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.num_shared_experts) == (
+      4, 2, 2.5, 1)
+  assert cfg.attention_bias and cfg.use_qk_norm and cfg.rotary_dim == cfg.head_dim // 2
+  assert [layer.is_moe for layer in llm.target.layers] == [False, True, True]
+  moe = llm.target.layers[1].mlp
+  assert moe.correction_bias.get_value().dtype == jnp.float32
+  assert np.any(np.asarray(moe.correction_bias.get_value()) != 0)
+  spec = llm.mtp_spec
+  assert (spec.layout, spec.num_layers, spec.is_moe) == ("deepseek_v3", 1, True)
+  # The fixture's MTP embed_tokens is a stored copy of the target's: compared, not loaded.
+  # Its shared_head.head differs from lm_head: the head's own.
+  assert not spec.has_own_embed and spec.has_own_head
+  paths = {path for path, _ in nnx.to_flat_state(nnx.state(llm.mtp))}
+  assert ("layers", 0, "head") in paths and ("layers", 0, "embed") not in paths
+
+
+def test_logits_match_transformers():
+  ref = reference(NAME)
+  seqs = [ref[f"seq_{i}"].tolist() for i in range(3)]
+  for i, logits in enumerate(cached_llm(NAME).compute_logits(seqs)):
+    np.testing.assert_allclose(logits, ref[f"logits_{i}"], atol=TOL, rtol=0)
+
+
+def test_greedy_generate_matches_transformers():
+  ref = reference(NAME)
+  prompts = [ref[f"prompt_{i}"].tolist() for i in range(3)]
+  llm = cached_llm(NAME)
+  for i, out in enumerate(llm.generate(prompts, greedy(MAX_TOKENS))):
+    assert out.token_ids == ref[f"gen_{i}"].tolist()
+    assert out.finish_reason == ("stop" if bool(ref[f"gen_stopped_on_eos_{i}"]) else "length")
+  for i, out in enumerate(llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))):
+    assert out.token_ids == ref[f"gen_noeos_{i}"].tolist()
+
+
+def test_mtp_head_matches_reference():
+  """enorm(embed(t+1), zeroed at position 0) and hnorm(h) through eh_proj, a MoE decoder layer,
+  shared_head.norm and the layer's own shared_head.head; the feedback is the pre-norm y."""
+  ref = reference(NAME)
+  llm = cached_llm(NAME)
+
+  @nnx.jit
+  def run(mtp, target, next_tokens, hidden):
+    n = next_tokens.shape[1]
+    positions = jnp.arange(n, dtype=jnp.int32)[None]
+    layer = mtp.layers[0]
+    normed, feedback, _ = layer(target, next_tokens, hidden, positions,
+                                mtp.init_caches(1, n, jnp.float32)[0], n, experts_reference)
+    return layer.logits(target, normed), feedback
+
+  for i in (1, 2):
+    seq = ref[f"seq_{i}"]
+    logits, feedback = run(llm.mtp, llm.target, jnp.asarray(seq[1:], jnp.int32)[None],
+                           jnp.asarray(ref[f"hidden_{i}"][:-1])[None])
+    np.testing.assert_allclose(np.asarray(logits)[0], ref[f"mtp_logits_{i}"], atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(feedback)[0], ref[f"mtp_hidden_{i}"], atol=TOL, rtol=0)
+
+
+# ---- speculation -------------------------------------------------------------------------------
+
+def _prompts(lengths, seed):
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(0, 256, size=n).tolist() for n in lengths]
+  prompts[1] = [3, 4, 5] * 3  # repetitive: n-gram finds drafts
+  return prompts
+
+
+PROMPT_LENGTHS = (3, 9, 1, 14, 6, 2, 40, 5)
+SAMPLES = 1000
+
+
+def _tokens(llm, prompts, max_tokens=MAX_TOKENS):
+  return [o.token_ids for o in llm.generate(prompts, greedy(max_tokens, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("method, k", [("mtp", 1), ("mtp", 2), ("mtp", 3), ("mtp", 4),
+                                       ("mtp", 5), ("ngram", 3)])
+def test_greedy_speculative_equals_vanilla(method, k):
+  prompts = _prompts(PROMPT_LENGTHS, 21)
+  want = _tokens(cached_llm(NAME), prompts)
+  outs = cached_llm(NAME, method, k).generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
+  assert [o.token_ids for o in outs] == want
+  assert outs.metrics.num_accepted_tokens > 0
+
+
+def test_speculative_sampling_is_lossless():
+  """The first token decided by verification has the same distribution with and without MTP
+  speculation (two-sample chi-square over 1000 seeded samples each)."""
+  prompt = _prompts(PROMPT_LENGTHS, 22)[3]
+  params = [jspec.SamplingParams(temperature=1.0, max_tokens=2, seed=s, ignore_eos=True)
+            for s in range(SAMPLES)]
+  second = lambda llm: np.array([o.token_ids[1]
+                                 for o in llm.generate([prompt] * SAMPLES, params)])
+  stat, critical, dof = two_sample_chi2(second(cached_llm(NAME)),
+                                        second(cached_llm(NAME, "mtp", 2)))
+  assert dof >= 3 and stat < critical, (stat, critical, dof)
+
+
+@pytest.mark.parametrize("mesh, spec", [((2, 2, 2), "mtp"), ((8, 1, 1), None),
+                                        ((1, 4, 2), "mtp")],
+                         ids=lambda v: "dp%d-tp%d-ep%d" % v if isinstance(v, tuple) else str(v))
+def test_greedy_outputs_identical_on_the_8_device_meshes(mesh, spec):
+  """A batch of 3 on dp = 2 (with MTP) and dp = 8 (without) leaves idle dp shards; tp = 4
+  copies the 2 KV heads (and their biases); routed experts over ep, shared experts and the
+  dense layer over tp."""
+  dp, tp, ep = mesh
+  config = None if spec is None else {"method": spec, "num_speculative_tokens": 2}
+  llm = jspec.LLM(model=fixture_dir(NAME), dtype="float32", max_model_len=64,
+                  mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep, num_devices=dp * tp * ep),
+                  speculative_config=config)
+  baseline = cached_llm(NAME)
+  assert _tokens(llm, PROMPTS[1:], 10) == _tokens(baseline, PROMPTS[1:], 10)
+  shared = llm.target.layers[1].mlp.shared_experts.gate_up_proj.get_value()
+  assert "tp" in str(shared.sharding.spec) or tp == 1
+  experts = llm.target.layers[1].mlp.w_gate.get_value()
+  assert "ep" in str(experts.sharding.spec) or ep == 1
+
+
+# ---- the MTP layer's copies of the embedding and head ------------------------------------------
+
+def _edited_copy(tmp_path, edit):
+  src = fixture_dir(NAME)
+  for f in os.listdir(src):
+    if f != "model.safetensors":
+      shutil.copy(os.path.join(src, f), tmp_path / f)
+  tensors = load_file(os.path.join(src, "model.safetensors"))
+  edit(tensors)
+  save_file(tensors, str(tmp_path / "model.safetensors"))
+  return str(tmp_path)
+
+
+def test_an_unequal_embedding_copy_is_the_mtp_layers_own(tmp_path):
+  def edit(tensors):
+    tensors["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][::-1]
+    tensors["model.layers.3.shared_head.head.weight"] = tensors["lm_head.weight"].copy()
+  llm = jspec.LLM(model=_edited_copy(tmp_path, edit), dtype="float32", max_model_len=64)
+  assert llm.mtp_spec.has_own_embed and not llm.mtp_spec.has_own_head
+  layer = llm.mtp.layers[0]
+  want = load_file(str(tmp_path / "model.safetensors"))["model.layers.3.embed_tokens.weight"]
+  np.testing.assert_array_equal(np.asarray(layer.embed.get_value()), want)
+  assert not hasattr(layer, "head")  # equal to lm_head: the target's is used
+
+
+def test_equality_is_checked_without_loading_the_copy(monkeypatch):
+  """The copy is compared block by block (SafetensorsIndex.same_bytes), never read whole."""
+  read = []
+  original = loading.SafetensorsIndex.read
+  monkeypatch.setattr(loading.SafetensorsIndex, "read",
+                      lambda self, n: (read.append(n), original(self, n))[1])
+  jspec.LLM(model=fixture_dir(NAME), dtype="float32", max_model_len=64)
+  assert "model.layers.3.embed_tokens.weight" not in read
+  assert read.count("model.embed_tokens.weight") == 1
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value, match", [
+    ("scoring_func", "softmax", r"scoring_func='softmax' is not supported; jspec supports "
+                                r"\['sigmoid'\]"),
+    ("topk_method", "greedy", r"topk_method='greedy' is not supported; jspec supports "
+                              r"\['noaux_tc'\]"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 128,
+                         "partial_rotary_factor": 0.5},
+     r"rope_type='yarn' is not supported for Glm4MoeForCausalLM; jspec supports \['default'\]"),
+])
+def test_unsupported_config_is_refused(tmp_path, key, value, match):
+  src = fixture_dir(NAME)
+  for f in os.listdir(src):
+    os.symlink(os.path.join(src, f), tmp_path / f)
+  with open(os.path.join(src, "config.json")) as f:
+    config = json.load(f)
+  config[key] = value
+  os.remove(tmp_path / "config.json")
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(config, f)
+  with pytest.raises(ValueError, match=match):
+    jspec.LLM(model=str(tmp_path), dtype="float32")
