@@ -124,6 +124,12 @@ def _attention(cfg, seed):
   return attn
 
 
+@nnx.jit(static_argnames=("kv_window", "absorbed"))
+def _run(attn, x, positions, cache, kv_window, absorbed=None):
+  """One jitted MLAttention call (a program per shape rather than an eager op at a time)."""
+  return attn(x, positions, cache, kv_window, absorbed=absorbed)
+
+
 def _random_cache(cfg, batch, slots, seed):
   rng = np.random.default_rng(seed)
   width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -143,8 +149,8 @@ def test_absorbed_and_expanded_forms_agree(q_lora_rank, interleave, scaling, see
     x = jnp.asarray(rng.normal(size=(3, t, cfg.hidden_size)), jnp.float32)
     positions = jnp.asarray(np.array([0, 7, 20])[:, None] + np.arange(t), jnp.int32)
     cache = _random_cache(cfg, 3, 32, seed + t)
-    absorbed, cache_a = attn(x, positions, cache, 32, absorbed=True)
-    expanded, cache_e = attn(x, positions, cache, 32, absorbed=False)
+    absorbed, cache_a = _run(attn, x, positions, cache, 32, absorbed=True)
+    expanded, cache_e = _run(attn, x, positions, cache, 32, absorbed=False)
     np.testing.assert_allclose(np.asarray(absorbed), np.asarray(expanded), atol=2e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(cache_a.latent), np.asarray(cache_e.latent))
     assert float(jnp.max(jnp.abs(absorbed))) > 0.1
@@ -200,10 +206,11 @@ def test_prefill_then_decode_matches_transformers_attention(q_lora_rank, interle
   want = _transformers_mla(attn, cfg, x)
   cache = mla_cache(cfg, 1, 16, jnp.float32)
   x32 = jnp.asarray(x, jnp.float32)[None]
-  out, cache = attn(x32[:, :7], jnp.arange(7, dtype=jnp.int32)[None], cache, 16, absorbed=False)
+  out, cache = _run(attn, x32[:, :7], jnp.arange(7, dtype=jnp.int32)[None], cache, 16,
+                    absorbed=False)
   outs = [np.asarray(out)[0]]
   for i in range(7, 10):
-    out, cache = attn(x32[:, i:i + 1], jnp.full((1, 1), i, jnp.int32), cache, 16)
+    out, cache = _run(attn, x32[:, i:i + 1], jnp.full((1, 1), i, jnp.int32), cache, 16)
     outs.append(np.asarray(out)[0])
   np.testing.assert_allclose(np.concatenate(outs), want, atol=2e-5, rtol=1e-5)
 
@@ -220,12 +227,12 @@ def test_latent_cache_rolls_back_by_length():
   step = jnp.asarray(rng.normal(size=(2, 1, cfg.hidden_size)), jnp.float32)
   positions = lambda start, t: jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32),
                                                 (2, t))
-  _, cache = attn(prefix, positions(0, 6), mla_cache(cfg, 2, 16, jnp.float32), 16)
-  _, verified = attn(window, positions(6, 4), cache, 16)
+  _, cache = _run(attn, prefix, positions(0, 6), mla_cache(cfg, 2, 16, jnp.float32), 16)
+  _, verified = _run(attn, window, positions(6, 4), cache, 16)
   assert verified.commit(jnp.array([1, 1])) is verified
-  _, kept_only = attn(window[:, :1], positions(6, 1), cache, 16)
-  after_rollback, _ = attn(step, positions(7, 1), verified, 16)
-  clean, _ = attn(step, positions(7, 1), kept_only, 16)
+  _, kept_only = _run(attn, window[:, :1], positions(6, 1), cache, 16)
+  after_rollback, _ = _run(attn, step, positions(7, 1), verified, 16)
+  clean, _ = _run(attn, step, positions(7, 1), kept_only, 16)
   np.testing.assert_array_equal(np.asarray(after_rollback), np.asarray(clean))
 
 
