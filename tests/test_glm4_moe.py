@@ -183,6 +183,31 @@ def test_equality_is_checked_without_loading_the_copy(monkeypatch):
   assert read.count("model.embed_tokens.weight") == 1
 
 
+def test_memory_plan_counts_the_mtp_layers_family_cache():
+  """The draft's cache is what `make_mtp_cache` gives (here a KV cache), as the loop allocates."""
+  llm = jspec.LLM(model=fixture_dir(NAME), dtype="float32", max_model_len=64, max_num_seqs=4,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+  cfg = llm.config
+  slots = 128  # 64 + k + 1, rounded up to a multiple of 128
+  kv_layer = 2 * 4 * cfg.num_kv_heads * slots * cfg.head_dim * 4
+  assert llm.memory_plan.draft_cache_bytes == kv_layer
+  assert llm.memory_plan.target_cache_bytes == cfg.num_layers * kv_layer
+
+
+def test_roofline_counts_every_weight_of_the_family():
+  """Biases, the dense first layer, shared experts and the router's correction bias: at a batch
+  that reaches every expert, the step reads every parameter but the embedding table."""
+  from jspec.bench.presets import PRESETS
+  from jspec.bench.roofline import step_bytes
+  cfg = PRESETS["tiny-glm"]
+  llm = jspec.LLM.from_random(cfg, dtype="float32", max_model_len=64)
+  params = sum(int(np.prod(v.get_value().shape))
+               for _, v in nnx.to_flat_state(nnx.state(llm.target)))
+  batch, kv = 1 << 14, cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+  assert step_bytes(cfg, batch, 1, 0, itemsize=4) == 4 * (
+      params - cfg.vocab_size * cfg.hidden_size + batch * kv)
+
+
 # ---- refusals ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key, value, match", [

@@ -61,6 +61,21 @@ PRESETS = {
             {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, 163840),
         rope_interleave=True),
+    # GLM-4.5-Air layer shapes (zai-org/GLM-4.5-Air config.json): GQA 96 / 8 heads of 128 with
+    # q/k/v biases and RoPE on half of each head, 128 routed experts top-8 (sigmoid, one group,
+    # correction bias) + 1 shared expert, the first layer dense, 1 NextN layer. The published
+    # model has 46 layers, ~218 GB in bfloat16 (a MoE layer ~4.7 GB: its experts 4.4 GB);
+    # `num_layers` 20 (~97 GB with the embeddings, head and MTP layer) leaves a 141 GB H200
+    # room for 8k-context caches at batch 32 (~1.1 GB per layer); `--layers` changes it.
+    "glm-4.5-air": ModelConfig(
+        architecture="Glm4MoeForCausalLM", vocab_size=151552, hidden_size=4096,
+        intermediate_size=10944, num_layers=20, num_heads=96, num_kv_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
+        max_position_embeddings=131072, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=1408, norm_topk_prob=True, num_mtp_layers=1,
+        partial_rotary_factor=0.5, router_scoring="sigmoid", router_correction_bias=True,
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, num_shared_experts=1,
+        first_k_dense_replace=1, attention_bias=True, use_qk_norm=False),
     # A few-MB model with the same structure, for smoke runs on a CPU.
     "tiny-moe": ModelConfig(
         architecture="Qwen3MoeForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -74,6 +89,11 @@ PRESETS["tiny-mla"] = dataclasses.replace(
     topk_group=2, moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=32,
     kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     max_position_embeddings=4096)
+PRESETS["tiny-glm"] = dataclasses.replace(
+    PRESETS["glm-4.5-air"], vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, n_group=4,
+    topk_group=2, moe_intermediate_size=32, max_position_embeddings=4096)
 
 # The MTP layout each preset's checkpoints publish (the others: Qwen3-Next's).
-MTP_LAYOUTS = {"deepseek-v3": "deepseek_v3", "tiny-mla": "deepseek_v3"}
+MTP_LAYOUTS = {"deepseek-v3": "deepseek_v3", "tiny-mla": "deepseek_v3",
+               "glm-4.5-air": "deepseek_v3", "tiny-glm": "deepseek_v3"}

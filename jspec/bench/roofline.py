@@ -108,7 +108,8 @@ def step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize:
   d, h = cfg.hidden_size, cfg.head_dim
   hybrid = bool(cfg.layer_types)
   query = (2 if hybrid else 1) * cfg.num_heads  # gated attention: a query and a gate per head
-  attention = d * h * (query + cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * h + 2 * d
+  attention = d * h * (query + cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * h * cfg.use_qk_norm
+  attention += 2 * d + h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.attention_bias
   if cfg.is_mla:
     attention = mla_weights(cfg)
   g, r = cfg.linear_num_key_heads, cfg.linear_num_value_heads // max(cfg.linear_num_key_heads, 1)
@@ -127,6 +128,7 @@ def step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize:
       weights += d * cfg.num_experts + used * 3 * d * cfg.moe_intermediate_size
       weights += 3 * d * cfg.shared_expert_intermediate_size + d * bool(
           cfg.shared_expert_intermediate_size)
+      weights += cfg.num_experts * cfg.router_correction_bias
       weights += 3 * d * cfg.moe_intermediate_size * cfg.num_shared_experts
     else:
       weights += 3 * d * cfg.intermediate_size
