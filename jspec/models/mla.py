@@ -23,6 +23,8 @@ Two exact forms of the same attention (vLLM `vllm/v1/attention/backends/mla/comm
 Queries and every per-head weight split over tp ("q_heads"); the latent and its projection
 are the same on every tp shard (replicated, as vLLM and SGLang keep them).
 
+`LLM(attention_backend="pallas")` has no kernel for these layers yet: they attend in XLA.
+
 Caching conventions are the KV cache's (jspec.models.layers.Attention): the window's rows
 are written at their absolute positions before attending, a query at position p sees slots
 j <= p, and only the first `kv_window` slots are read.
@@ -57,7 +59,11 @@ def mla_cache(cfg: ModelConfig, batch: int, slots: int, dtype) -> MLACache:
 def latent_attention(q_BTNL, cache_BSL, positions_BT, scale: float):
   """The absorbed form's attention over the latent: [q_lat | q_rope] against each cached row
   [latent | rope key], causal by position; returns the probability-weighted rows [B,T,N,L]
-  (their first C values are the latent context). Every head reads the same rows."""
+  (their first C values are the latent context). Every head reads the same rows.
+
+  XLA runs this as two matrix products per sequence, scores then the weighted sum, each
+  reading every row of the window: twice the latent's bytes, where a fused flash-decoding
+  kernel would read them once (`jspec bench` reports the time against the single read)."""
   scores_BNTS = jnp.einsum("btnl,bsl->bnts", q_BTNL, cache_BSL,
                            preferred_element_type=jnp.float32)
   probs_BNTS = _causal_softmax(scores_BNTS * scale, positions_BT, cache_BSL.dtype)
