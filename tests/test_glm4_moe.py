@@ -87,6 +87,41 @@ def test_mtp_head_matches_reference():
     np.testing.assert_allclose(np.asarray(feedback)[0], ref[f"mtp_hidden_{i}"], atol=TOL, rtol=0)
 
 
+def test_group_limit_and_correction_bias_change_the_fixtures_routing():
+  """On the fixture's own activations, the experts chosen differ from plain top-k (one group)
+  and from the unbiased choice for some tokens: the parity tests above exercise both."""
+  from jspec.models.moe import route_sigmoid
+  ref = reference(NAME)
+  tokens = jnp.asarray(ref["seq_2"], jnp.int32)[None]
+  n = tokens.shape[1]
+
+  @nnx.jit
+  def moe_inputs(target):
+    captured = []
+
+    def experts(x, ids, *rest):
+      captured.append(x)
+      return experts_reference(x, ids, *rest)
+
+    target(tokens, jnp.arange(n, dtype=jnp.int32)[None], target.init_caches(1, n, jnp.float32),
+           n, experts, seq_lens_B=jnp.array([n]))
+    return captured
+
+  llm = cached_llm(NAME)
+  k, groups, kept = llm.config.num_experts_per_tok, llm.config.n_group, llm.config.topk_group
+  moe_layers = [layer.mlp for layer in llm.target.layers if layer.is_moe]
+  changed = {"group": 0, "bias": 0}
+  for moe, x in zip(moe_layers, moe_inputs(llm.target)):
+    logits = x @ moe.router.get_value()
+    bias = moe.correction_bias.get_value()
+    chosen = lambda g, t, b: np.sort(np.asarray(
+        route_sigmoid(logits, b, k, g, t, True, 1.0, jnp.float32)[0]), axis=1)
+    used = chosen(groups, kept, bias)
+    changed["group"] += int(np.any(used != chosen(1, 1, bias), axis=1).sum())
+    changed["bias"] += int(np.any(used != chosen(groups, kept, None), axis=1).sum())
+  assert changed["group"] > 0 and changed["bias"] > 0, changed
+
+
 # ---- speculation -------------------------------------------------------------------------------
 
 def _prompts(lengths, seed):
