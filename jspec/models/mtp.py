@@ -18,10 +18,10 @@ The layer's cache is the family's too (`make_mtp_cache`: a KV cache, or MLA's la
 copy of what is equal).
 
 DeepSeek-V3 / GLM-4.5 layout only: the embedding at RoPE position 0 is zeroed before `enorm`,
-as vLLM `deepseek_mtp.py` (`DeepSeekMultiTokenPredictorLayer.forward`) does for every model
-with this layout ("masking inputs at position 0, as not needed by MTP"). Position 0 pairs the
-first prompt token's hidden state with the second token; the Qwen3-Next layout
-(`qwen3_next_mtp.py`) keeps that embedding.
+as vLLM `deepseek_mtp.py` (`DeepSeekMultiTokenPredictorLayer.forward`) and `glm4_moe_mtp.py`
+do for the models with this layout ("masking inputs at position 0, as not needed by MTP").
+Position 0 pairs the first prompt token's hidden state with the second token; the Qwen3-Next
+layout (`qwen3_next_mtp.py`) keeps that embedding.
 
 For draft step j > 1 the head is applied again at the next position to its own previous
 output, with layer (j - 1) mod num_layers; the hidden state fed back differs by layout,
