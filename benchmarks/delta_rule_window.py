@@ -1,4 +1,4 @@
-"""A verify window through one Gated DeltaNet recurrence, the three ways jspec can run it.
+"""A verify window through one Gated DeltaNet recurrence, the two ways jspec can commit it.
 
 At Qwen3.5-9B shapes (16 key heads, 32 value heads, Dk = Dv = 128: a 2 MiB float32 state per
 sequence and layer), for each batch and window length T:
@@ -7,8 +7,10 @@ sequence and layer), for each batch and window length T:
               picking the one after the last emitted token (commit);
   xla replay  the one-step form for the outputs (verify), then re-running the emitted
               positions from the state before the window (commit);
-  pallas      the fused window kernel for both (jspec.pallas_kernels.delta_rule), for several
-              (columns per program, warps) tilings.
+
+A fused Triton kernel for the window (state held on chip, written once) was measured with this
+script at commit 45d2e09 and lost to XLA's fusions at decode (BENCHMARKS.md "Qwen3.5"); it is
+not part of jspec.
 
 Each row: microseconds for verify + commit of one layer (commit keeps all T positions, the
 most work), the state bytes the pass must move at the least (read once for verify, read and
@@ -31,7 +33,6 @@ from jspec.bench.presets import PRESETS
 from jspec.bench.profile import profile
 from jspec.bench.roofline import hbm_bandwidth, seconds_per_call
 from jspec.models import gated_deltanet as gdn
-from jspec.pallas_kernels.delta_rule import delta_rule_window
 
 LAYERS = 8  # distinct states chained per call, so no state is served from L2
 
@@ -62,22 +63,7 @@ def _xla_replay(state, q, k, v, decay, beta, num_B):
   return out, gdn.delta_rule_steps(state, None, k, v, decay, beta, live_BT=live)[0]
 
 
-def _pallas(block_v, num_warps):
-  tiling = dict(block_v=block_v, num_warps=num_warps)
-
-  def way(state, q, k, v, decay, beta, num_B):
-    out, _ = delta_rule_window(state, q, k, v, decay, beta, write_state=False, **tiling)
-    live = (jnp.arange(k.shape[1])[None, :] < num_B[:, None])[:, :, None, None]
-    _, new = delta_rule_window(state, None, k, v, jnp.where(live, decay, 0.0),
-                               jnp.where(live, beta, 0.0), **tiling)
-    return out, new
-
-  return way
-
-
-WAYS = {"xla store": _xla_store, "xla replay": _xla_replay,
-        **{f"pallas v{bv} w{w}": _pallas(bv, w) for bv, w in
-           ((16, 2), (32, 4), (64, 4), (64, 8), (128, 8))}}
+WAYS = {"xla store": _xla_store, "xla replay": _xla_replay}
 
 
 def _chained(way):

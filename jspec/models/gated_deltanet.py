@@ -19,9 +19,10 @@ shard with no communication inside the layer. The projections of q, k, v, z, b, 
 
 Two forms of the same recurrence: `chunked_delta_rule` for prefill (the UT transform over
 chunks of 64 positions, as transformers' `torch_chunk_gated_delta_rule`), and
-`delta_rule_steps` one position at a time for decode and verify windows. On a GPU the
-windows of a replayed commit run as one fused Pallas kernel instead
-(jspec.pallas_kernels.delta_rule), which holds the state on chip across the window.
+`delta_rule_steps` one position at a time for decode and verify windows. XLA fuses each
+position's update into one or two kernels; a hand-written Triton kernel holding the state on
+chip across the window measured slower at decode and at most 20% faster on 4-token windows
+(BENCHMARKS.md "Qwen3.5"), so the XLA form is what runs.
 
 Shape letters: B batch, T positions, D hidden, G key heads, R value heads per key head,
 Dk/Dv key/value dims (K, V in einsums), C conv channels per key head, X conv kernel.
@@ -35,8 +36,6 @@ from flax import nnx
 
 from jspec.models.caches import RecurrentCache, RecurrentWindow, conv_window_after
 from jspec.models.layers import GatedRMSNorm, param
-from jspec.pallas_kernels import platform
-from jspec.pallas_kernels.delta_rule import delta_rule_window
 
 CHUNK = 64
 
@@ -82,30 +81,9 @@ def delta_rule_steps(state_BGRKV, q_BTGK, k_BTGK, v_BTGRV, g_BTGR, beta_BTGR, *,
   return state, out, (jnp.stack(states, axis=1) if keep_states else None)
 
 
-def window_kernel_enabled() -> bool:
-  """Whether decode/verify windows run the fused Pallas kernel (jspec.pallas_kernels.delta_rule)
-  rather than `delta_rule_steps`: on a GPU, where the per-position XLA fusions make the state
-  cross HBM several times per position. Elsewhere the kernel would run in the interpreter; the
-  tests switch it on there by patching this function."""
-  return platform.on_gpu()
-
-
-def window_outputs(state_BGRKV, q_BTGK, k_BTGK, v_BTGRV, g_BTGR, beta_BTGR):
-  """The outputs [B,T,G,R,Dv] of a decode/verify window, leaving the state where it was."""
-  if window_kernel_enabled():
-    return delta_rule_window(state_BGRKV, q_BTGK, k_BTGK, v_BTGRV, g_BTGR, beta_BTGR,
-                             write_state=False)[0]
-  return delta_rule_steps(state_BGRKV, q_BTGK, k_BTGK, v_BTGRV, g_BTGR, beta_BTGR)[1]
-
-
 def advance_state(state_BGRKV, k_BTGK, v_BTGRV, g_BTGR, beta_BTGR, num_B):
-  """The state after the first num_B positions of a window (a replayed commit): the others get
-  g = 0 and beta = 0, which leave the state exactly as it was."""
+  """The state after the first num_B positions of a window (a replayed commit)."""
   live_BT = jnp.arange(k_BTGK.shape[1])[None, :] < num_B[:, None]
-  if window_kernel_enabled():
-    live = live_BT[:, :, None, None]
-    return delta_rule_window(state_BGRKV, None, k_BTGK, v_BTGRV, jnp.where(live, g_BTGR, 0.0),
-                             jnp.where(live, beta_BTGR, 0.0))[1]
   return delta_rule_steps(state_BGRKV, None, k_BTGK, v_BTGRV, g_BTGR, beta_BTGR,
                           live_BT=live_BT)[0]
 
@@ -225,7 +203,8 @@ class GatedDeltaNet(nnx.Module):
                                                 beta_BTGR, keep_states=True)
         new_cache = RecurrentWindow(cache, conv_in_BTGC, states_after=states)
       else:
-        out_BTGRV = window_outputs(cache.state, q_BTGK, k_BTGK, v_BTGRV, g_BTGR, beta_BTGR)
+        _, out_BTGRV, _ = delta_rule_steps(cache.state, q_BTGK, k_BTGK, v_BTGRV, g_BTGR,
+                                           beta_BTGR)
         new_cache = RecurrentWindow(cache, conv_in_BTGC, keys=k_BTGK, values=v_BTGRV,
                                     log_decay=g_BTGR, beta=beta_BTGR)
     normed_BTGRV = self.norm(out_BTGRV.astype(x_BTD.dtype), z_BTGRV)
