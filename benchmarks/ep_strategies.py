@@ -39,7 +39,7 @@ def main():
   args = parser.parse_args()
 
   cfg = PRESETS[args.model]
-  mesh = MeshConfig(dp=1, tp=args.tp, ep=args.ep, num_devices=args.tp * args.ep).make_mesh()
+  mesh = MeshConfig(dp=1, tp=args.tp, ep=args.ep).make_mesh()
   rules = ShardingRules()
   dtype = jnp.dtype(args.dtype)
   e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size

@@ -39,8 +39,7 @@ def main():
   for mesh_text in args.mesh:
     dp, tp, ep = (int(x) for x in mesh_text.split(","))
     llm = jspec.LLM.from_random(config, None, max_model_len=1024, max_num_seqs=max(args.batch),
-                                mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep,
-                                                      num_devices=dp * tp * ep),
+                                mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep),
                                 sharding_rules=(ShardingRules(vocab=None) if args.vocab_replicated
                                                 else None))
     for batch in args.batch:

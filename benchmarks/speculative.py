@@ -82,7 +82,7 @@ def main():
   rows = []
   for mesh_text in args.mesh:
     dp, tp, ep = (int(x) for x in mesh_text.split(","))
-    mesh = jspec.MeshConfig(dp=dp, tp=tp, ep=ep, num_devices=dp * tp * ep)
+    mesh = jspec.MeshConfig(dp=dp, tp=tp, ep=ep)
     start = time.perf_counter()
     try:
       label, make = build_models(args, mesh)

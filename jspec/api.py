@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Sequence
 
@@ -17,7 +18,7 @@ from jspec.models.decode_attention import ATTENTION_BACKENDS, sharded_window_att
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import Attention
 from jspec.models.loading import init_random, load_checkpoint
-from jspec.models.moe_backends import get_experts_fn, resolve_moe_backend
+from jspec.models.moe_backends import expert_tile, get_experts_fn, resolve_moe_backend
 from jspec.models.mtp import MTPSpec
 from jspec.outputs import GenerateOutputs, aggregate
 from jspec.progress import stage
@@ -70,7 +71,7 @@ class LLM:
       raise ValueError(f"recurrent_commit={recurrent_commit!r} is not supported; choose one of "
                        f"{RECURRENT_COMMIT_MODES}")
     self.spec = SpecConfig.parse(speculative_config)
-    self.mesh_config = mesh or MeshConfig(num_devices=1)
+    self.mesh_config = mesh or MeshConfig()
     if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
       raise ValueError(f"max_model_len={max_model_len!r} must be an integer >= 2")
     if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -100,7 +101,9 @@ class LLM:
       if not os.path.isdir(model):
         raise FileNotFoundError(f"model directory {model!r} does not exist")
       self.model_dir = model
-      self.config = ModelConfig.from_dir(model)
+      # Expert weights at the backend's tile, where it has one (ModelConfig.padded_for).
+      self.config = dataclasses.replace(ModelConfig.from_dir(model),
+                                        expert_tile=expert_tile(self.moe_backend))
       validate_mesh(self.config, self.mesh_config)
       load = restore_converted if is_converted(model) else load_checkpoint
       with stage(f"loading {model}"):
@@ -160,11 +163,9 @@ class LLM:
     vocab = self.config.vocab_size
     if max(ids) >= vocab:
       raise ValueError(f"draft_vocab has token id {max(ids)} outside the vocabulary [0, {vocab})")
-    shards = axis_size(self.mesh, self.draft_rules.vocab)
-    if len(ids) % shards:
-      raise ValueError(f"draft_vocab has {len(ids)} tokens; the draft head's vocabulary is "
-                       f"split over {shards} tp shards, so the count must be a multiple of it "
-                       "(or set draft_tp=1)")
+    # The head's [D, N] slice is split over the vocab shards: repeat the last id up to a
+    # multiple of them (its copies hold equal logits, so drafts are unchanged).
+    ids = tuple(ids) + (ids[-1],) * (-len(ids) % axis_size(self.mesh, self.draft_rules.vocab))
     ids_N = global_array(np.asarray(ids, np.int32), self.draft_rules.sharding(self.mesh, (None,)))
     head_sharding = self.draft_rules.sharding(self.mesh, ("embed", "vocab"))
     for layer in self.mtp.layers:
@@ -174,10 +175,12 @@ class LLM:
   def from_random(cls, config: ModelConfig, mtp_spec: MTPSpec | None = None, *,
                   mesh: MeshConfig | None = None, dtype="bfloat16", seed: int = 0, **kwargs):
     """Random weights of the given shapes, born sharded on the mesh (benchmarks, tests)."""
-    mesh_config = mesh or MeshConfig(num_devices=1)
+    mesh_config = mesh or MeshConfig()
     rules = kwargs.get("sharding_rules") or ShardingRules()
     spec = SpecConfig.parse(kwargs.get("speculative_config"))
     draft_rules = rules.without_tp() if spec and spec.draft_tp == 1 else rules
+    config = dataclasses.replace(config,
+                                 expert_tile=expert_tile(kwargs.get("moe_backend", "auto")))
     validate_mesh(config, mesh_config)
     with stage("initialising random weights"):
       target, mtp = init_random(config, mtp_spec, resolve_dtype(dtype),

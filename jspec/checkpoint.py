@@ -17,6 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jspec.models.layers import unpadded_shape
 from jspec.models.mtp import MTPHead, MTPSpec
 from jspec.models.registry import family_of
 from jspec.sharding.plan import sharded_configs
@@ -87,9 +88,42 @@ def restore_converted(model_dir: str, cfg, dtype, mesh, target_rules, draft_rule
             v.get_value().shape, v.get_value().dtype,
             sharding=r.sharding(mesh, v.get_metadata()["logical_axes"]))),
         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  params_dir = os.path.abspath(os.path.join(model_dir, PARAMS_DIR))
   with ocp.StandardCheckpointer() as checkpointer:
-    restored = checkpointer.restore(os.path.abspath(os.path.join(model_dir, PARAMS_DIR)),
-                                    abstract_tree)
+    saved = checkpointer.metadata(params_dir).item_metadata.tree
+    # Padded parameters (vocabulary, experts: ModelConfig.padded_for) were saved as padded
+    # for the mesh they were converted on; padding is zeros at the ends of axes, so orbax's
+    # non-strict restore (zero-fill or truncate at the ends) gives this mesh's padding.
+    repadded = [_repadded(saved, name, module) for name, (module, _) in modules.items()]
+    restored = checkpointer.restore(params_dir, abstract_tree, strict=not any(repadded))
   target = nnx.merge(graphdefs["target"], restored["target"])
   mtp = nnx.merge(graphdefs["mtp"], restored["mtp"]) if mtp_spec is not None else None
   return target, mtp, mtp_spec
+
+
+def _saved_shape(saved, name: str, path: tuple) -> tuple:
+  node = saved
+  try:
+    for key in (name,) + tuple(path) + ("value",):
+      node = node[str(key)]
+  except KeyError:
+    raise ValueError(f"converted checkpoint has no parameter {name}.{'.'.join(map(str, path))}: "
+                     "convert the checkpoint again") from None
+  return tuple(node.shape)
+
+
+def _repadded(saved, name: str, module) -> bool:
+  """Whether any parameter of `module` was saved with another padding than it has here. Each
+  is checked: saved with its shape, or, where it is padded, at least its true shape."""
+  differs = False
+  for path, variable in nnx.to_flat_state(nnx.state(module)):
+    got, shape = _saved_shape(saved, name, path), tuple(variable.get_value().shape)
+    true = unpadded_shape(variable)
+    padded = "unpadded_shape" in variable.get_metadata()
+    if got != shape and not (padded and len(got) == len(true)
+                             and all(g >= t for g, t in zip(got, true))):
+      raise ValueError(f"converted parameter {name}.{'.'.join(map(str, path))} has shape {got}, "
+                       f"this config needs {true if padded else shape}: convert the checkpoint "
+                       "again")
+    differs |= got != shape
+  return differs

@@ -41,9 +41,8 @@ def _spec_config(args):
 
 def _build_llm(args, model_dir):
   import jspec
-  # The CLI uses as many devices as the mesh asks for (the first dp*tp*ep of them).
-  mesh = jspec.MeshConfig(dp=args.dp, tp=args.tp, ep=args.ep,
-                          num_devices=args.dp * args.tp * args.ep)
+  # The mesh takes the first dp*tp*ep devices (jspec.MeshConfig).
+  mesh = jspec.MeshConfig(dp=args.dp, tp=args.tp, ep=args.ep)
   return jspec.LLM(model=model_dir, mesh=mesh,
                    speculative_config=_spec_config(args), max_model_len=args.max_model_len,
                    dtype=args.dtype, moe_backend=args.moe_backend,

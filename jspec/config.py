@@ -96,6 +96,16 @@ class ModelConfig:
   # tensor parallelism is wider than num_kv_heads; then every tp shard keeps the one KV head
   # its query heads read (vLLM's rule), and this is tp / num_kv_heads (`for_kv_shards`).
   kv_head_replicas: int = 1
+  # Not read from the checkpoint either: zero padding at the end of an axis that the mesh and
+  # the kernels need (`padded_for`). The embedding and lm_head hold `padded_vocab_size` rows,
+  # whose logits past vocab_size are -inf (jspec.models.layers.mask_padded_vocab); expert
+  # weights are [E, moe_padded_hidden_size, moe_padded_intermediate_size] (a zero gate/up
+  # column and a zero down row add nothing). `expert_tile`: the multiple that expert D and each
+  # shard's F are padded to, from the MoE backend (the Pallas kernels' tile; 1: none).
+  expert_tile: int = 1
+  vocab_padding: int = 0
+  moe_hidden_padding: int = 0
+  moe_intermediate_padding: int = 0
 
   @property
   def is_moe(self) -> bool:
@@ -127,6 +137,30 @@ class ModelConfig:
     if shards % k:
       raise ValueError(f"tp={shards} must divide num_key_value_heads={k} or be a multiple of it")
     return dataclasses.replace(self, kv_head_replicas=shards // k)
+
+  @property
+  def padded_vocab_size(self) -> int:
+    return self.vocab_size + self.vocab_padding
+
+  @property
+  def moe_padded_hidden_size(self) -> int:
+    return self.hidden_size + self.moe_hidden_padding
+
+  @property
+  def moe_padded_intermediate_size(self) -> int:
+    return self.moe_intermediate_size + self.moe_intermediate_padding
+
+  def padded_for(self, vocab_shards: int, expert_shards: int) -> "ModelConfig":
+    """This config with the padding that splitting the vocabulary into `vocab_shards` and each
+    expert's intermediate into `expert_shards` needs, expert D and per-shard F at multiples of
+    `expert_tile`."""
+    up = lambda n, multiple: -(-n // multiple) * multiple
+    fields = dict(vocab_padding=up(self.vocab_size, vocab_shards) - self.vocab_size)
+    if self.is_moe:
+      f, tile = self.moe_intermediate_size, self.expert_tile
+      fields.update(moe_hidden_padding=up(self.hidden_size, tile) - self.hidden_size,
+                    moe_intermediate_padding=up(f, tile * expert_shards) - f)
+    return dataclasses.replace(self, **fields)
 
   def layer_is_moe(self, layer_index: int) -> bool:
     """Qwen3-MoE's rule (transformers `Qwen3MoeDecoderLayer`): sparse unless listed as dense;

@@ -1,8 +1,9 @@
 """Multi-host: every process runs the same program over one global mesh.
 
 Call `jspec.distributed.initialize(...)` in every process before creating an `LLM`; then
-`MeshConfig(dp, tp, ep)` spans `jax.devices()` — all devices of all processes — and each
-process passes the same prompts to `generate` and receives the same outputs.
+`MeshConfig(dp, tp, ep)` takes the first dp*tp*ep of `jax.devices()` — the devices of all
+processes, process by process; the mesh must reach every process — and each process passes
+the same prompts to `generate` and receives the same outputs.
 """
 
 from __future__ import annotations

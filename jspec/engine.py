@@ -196,7 +196,9 @@ class Runner:
       self._logits_compiled[batch, length] = jax.jit(self._logits_fn(batch, length))
     logits_fn = self._logits_compiled[batch, length]
     logits = to_host(logits_fn(self.target_state, self._put(tokens, ("batch", "seq"))))
-    return [logits[row, :len(s)] for row, s in enumerate(sequences)]
+    # The true vocabulary: the columns that pad it to the vocab shards are not the model's.
+    vocab = llm.config.vocab_size
+    return [logits[row, :len(s), :vocab] for row, s in enumerate(sequences)]
 
   def _logits_fn(self, batch: int, length: int):
     tgd, ctx, chunk = self.target_graphdef, self.ctx, self.llm.prefill_chunk_size

@@ -111,8 +111,8 @@ def test_every_parameter_is_sharded_by_its_rule():
 
 
 @pytest.mark.parametrize("mesh, match", [
-    (jspec.MeshConfig(dp=2, tp=2, ep=1), r"dp\*ep\*tp = 2\*1\*2 = 4 must equal the number of "
-                                         r"devices used \(8\)"),
+    (jspec.MeshConfig(dp=2, tp=8, ep=1), r"dp\*ep\*tp = 2\*1\*8 = 16 needs 16 devices, but "
+                                         r"only 8 are present"),
     (jspec.MeshConfig(tp=3, num_devices=3),
      "tp=3 must divide num_key_value_heads=2 or be a multiple of it"),
     (jspec.MeshConfig(dp=1, tp=8, ep=1), "tp=8 must divide num_attention_heads=4"),

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from jspec.config import ModelConfig
 from jspec.models import weights as W
+from jspec.models.layers import unpadded_shape
 from jspec.models.mtp import MTPHead, MTPSpec
 from jspec.models.registry import family_of
 from jspec.progress import progress
@@ -139,11 +140,27 @@ def _materialize(abstract_module, rules: dict, index: SafetensorsIndex, mesh: Me
       hf_arrays.append(array)
     # The module's own dtype for each parameter: `dtype`, except what it keeps in float32.
     host = rule.build(*hf_arrays).astype(variable.get_value().dtype)
+    shape = tuple(variable.get_value().shape)
+    if tuple(host.shape) != unpadded_shape(variable):  # a jspec bug, not input
+      raise AssertionError(f"rule for {path} built {host.shape}, the module holds "
+                           f"{unpadded_shape(variable)}")
     sharding = sharding_rules.sharding(mesh, variable.get_metadata()["logical_axes"])
-    arrays[path] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+    block = ((lambda idx, h=host: h[idx]) if host.shape == shape
+             else (lambda idx, h=host: _padded_block(h, idx, shape)))
+    arrays[path] = jax.make_array_from_callback(shape, sharding, block)
   for path, variable in flat:
     variable.set_value(arrays[path])
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _padded_block(host: np.ndarray, index: tuple, shape: tuple) -> np.ndarray:
+  """`index` (a device's slices) of `host` zero-padded at the end of each axis to `shape`,
+  built without a padded copy of the whole tensor (ModelConfig.padded_for says why padded)."""
+  bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
+  block = np.zeros([stop - start for start, stop in bounds], host.dtype)
+  present = tuple(slice(start, min(stop, n)) for (start, stop), n in zip(bounds, host.shape))
+  block[tuple(slice(0, max(0, p.stop - p.start)) for p in present)] = host[present]
+  return block
 
 
 def load_checkpoint(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh,
@@ -203,13 +220,15 @@ def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,
   cost one), scaled as the module's initialiser says (`init_scale` metadata; None = ones)."""
   generators = {}
 
-  def generator(shape, dtype_, sharding, scale):
-    key = (shape, dtype_, sharding, scale)
+  def generator(shape, true_shape, dtype_, sharding, scale):
+    key = (shape, true_shape, dtype_, sharding, scale)
     if key not in generators:
       def draw(rng):
         if scale is None:
           return jnp.ones(shape, dtype_)
-        return (scale * jax.random.normal(rng, shape, jnp.float32)).astype(dtype_)
+        # Only the true shape is drawn (the same weights on every mesh); padding is zeros.
+        value = (scale * jax.random.normal(rng, true_shape, jnp.float32)).astype(dtype_)
+        return jnp.pad(value, [(0, n - t) for n, t in zip(shape, true_shape)])
       generators[key] = jax.jit(draw, out_shardings=sharding)
     return generators[key]
 
@@ -221,7 +240,8 @@ def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,
       meta = variable.get_metadata()
       abstract = variable.get_value()
       sharding = sharding_rules.sharding(mesh, meta["logical_axes"])
-      draw = generator(abstract.shape, abstract.dtype, sharding, meta["init_scale"])
+      draw = generator(abstract.shape, unpadded_shape(variable), abstract.dtype, sharding,
+                       meta["init_scale"])
       variable.set_value(draw(jax.random.fold_in(base, index)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

@@ -81,9 +81,17 @@ class MoE(nnx.Module):
       raise ValueError(f"router_scoring={cfg.router_scoring!r} is not supported; jspec "
                        f"supports {list(ROUTER_SCORINGS)}")
     self.router = param(rngs, (d, e), dtype, ("embed", "experts_router"))
-    self.w_gate = param(rngs, (e, d, f), dtype, ("experts", "embed", "moe_mlp"), scale=d ** -0.5)
-    self.w_up = param(rngs, (e, d, f), dtype, ("experts", "embed", "moe_mlp"), scale=d ** -0.5)
-    self.w_down = param(rngs, (e, f, d), dtype, ("experts", "moe_mlp", "embed"), scale=f ** -0.5)
+    # Expert weights padded with zeros to the backend's tile (ModelConfig.padded_for): every
+    # backend reads these same arrays, and the zeros add nothing (a zero gate/up column gives
+    # silu(0) * 0 = 0; a zero down row or hidden column contributes 0 to every sum).
+    d_pad, f_pad = cfg.moe_padded_hidden_size, cfg.moe_padded_intermediate_size
+    self.w_gate = param(rngs, (e, d, f), dtype, ("experts", "embed", "moe_mlp"), scale=d ** -0.5,
+                        pad_to=(e, d_pad, f_pad))
+    self.w_up = param(rngs, (e, d, f), dtype, ("experts", "embed", "moe_mlp"), scale=d ** -0.5,
+                      pad_to=(e, d_pad, f_pad))
+    self.w_down = param(rngs, (e, f, d), dtype, ("experts", "moe_mlp", "embed"), scale=f ** -0.5,
+                        pad_to=(e, f_pad, d_pad))
+    self.hidden_padding = d_pad - d
     self.top_k = cfg.num_experts_per_tok
     self.norm_topk_prob = cfg.norm_topk_prob
     self.scoring = cfg.router_scoring
@@ -119,9 +127,11 @@ class MoE(nnx.Module):
     b, t, d = x_BTD.shape
     x_TD = x_BTD.reshape(b * t, d)
     ids_TK, weights_TK = self._route(x_TD)
-    y_TD = experts_fn(x_TD, ids_TK, weights_TK, self.w_gate[...], self.w_up[...],
+    # Activations follow the weights' padded hidden size in, and drop it on the way out.
+    x_in_TD = jnp.pad(x_TD, ((0, 0), (0, self.hidden_padding))) if self.hidden_padding else x_TD
+    y_TD = experts_fn(x_in_TD, ids_TK, weights_TK, self.w_gate[...], self.w_up[...],
                       self.w_down[...])
-    y_BTD = y_TD.reshape(b, t, d)
+    y_BTD = y_TD[:, :d].reshape(b, t, d)
     if self.has_shared_expert:
       gate_BT1 = jax.nn.sigmoid(jnp.einsum("btd,do->bto", x_BTD, self.shared_expert_gate[...]))
       y_BTD = y_BTD + gate_BT1 * self.shared_expert(x_BTD)

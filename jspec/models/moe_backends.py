@@ -104,6 +104,16 @@ def resolve_moe_backend(name: str) -> str:
   return name
 
 
+# The Pallas kernels' tile: a model built for the "pallas" backend holds expert weights with D
+# and each tp shard's F padded to a multiple of it (ModelConfig.padded_for; zeros, so every
+# backend computes the same layer on those arrays). The XLA backends take any size.
+PALLAS_EXPERT_TILE = 64
+
+
+def expert_tile(name: str) -> int:
+  return PALLAS_EXPERT_TILE if resolve_moe_backend(name) == "pallas" else 1
+
+
 def get_experts_fn(name: str) -> ExpertsFn:
   name = resolve_moe_backend(name)
   if name == "pallas":

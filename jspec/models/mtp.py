@@ -43,7 +43,7 @@ from flax import nnx
 
 from jspec.config import ModelConfig
 from jspec.models.caches import KVCache
-from jspec.models.layers import param
+from jspec.models.layers import mask_padded_vocab, param
 
 MTP_LAYOUTS = ("qwen3_next", "deepseek_v3")
 
@@ -75,10 +75,11 @@ class MTPLayer(nnx.Module):
     self.proj = param(rngs, (2 * d, d), dtype, ("mtp_concat", "embed"))
     self.decoder = family.make_mtp_decoder(cfg, spec.is_moe, dtype, rngs)
     self.final_norm = family.make_norm(d, cfg.rms_norm_eps, dtype)
+    v, vp = cfg.vocab_size, cfg.padded_vocab_size  # padded as the target's (sharded_configs)
     if spec.has_own_head:
-      self.head = param(rngs, (d, cfg.vocab_size), dtype, ("embed", "vocab"))
+      self.head = param(rngs, (d, v), dtype, ("embed", "vocab"), pad_to=(d, vp))
     if spec.has_own_embed:
-      self.embed = param(rngs, (cfg.vocab_size, d), dtype, ("vocab", "embed"), scale=1.0)
+      self.embed = param(rngs, (v, d), dtype, ("vocab", "embed"), scale=1.0, pad_to=(vp, d))
     self.post_norm_feedback = spec.post_norm_feedback
     self.zeroes_first_embedding = spec.zeroes_first_embedding
     self.has_own_head = spec.has_own_head
@@ -131,11 +132,13 @@ class MTPLayer(nnx.Module):
     if self.draft_ids is not None:
       kept_BTN = jnp.einsum("btd,dn->btn", normed_BTD, self.draft_head[...],
                             preferred_element_type=jnp.float32)
-      full_BTV = jnp.full(kept_BTN.shape[:-1] + (target.cfg.vocab_size,), -jnp.inf, jnp.float32)
+      full_BTV = jnp.full(kept_BTN.shape[:-1] + (target.cfg.padded_vocab_size,), -jnp.inf,
+                          jnp.float32)
       return full_BTV.at[..., self.draft_ids[...]].set(kept_BTN)
     if self.has_own_head:
-      return jnp.einsum("btd,dv->btv", normed_BTD, self.head[...],
-                        preferred_element_type=jnp.float32)
+      logits_BTV = jnp.einsum("btd,dv->btv", normed_BTD, self.head[...],
+                              preferred_element_type=jnp.float32)
+      return mask_padded_vocab(logits_BTV, target.cfg.vocab_size)
     return target.logits(normed_BTD)
 
 

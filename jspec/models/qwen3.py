@@ -16,7 +16,7 @@ from flax import nnx
 from jspec.config import ModelConfig
 from jspec.models import weights as W
 from jspec.models.caches import KVCache
-from jspec.models.layers import MLP, Attention, RMSNorm, param
+from jspec.models.layers import MLP, Attention, RMSNorm, mask_padded_vocab, param
 from jspec.models.moe import MoE
 
 
@@ -51,11 +51,12 @@ class CausalLM(nnx.Module):
 
   def _init_embeddings(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed"),
-                       scale=1.0)
+    # Rows past vocab_size (padding to the vocabulary shards: ModelConfig.padded_for) are zeros.
+    v, vp, d = cfg.vocab_size, cfg.padded_vocab_size, cfg.hidden_size
+    self.embed = param(rngs, (v, d), dtype, ("vocab", "embed"), scale=1.0, pad_to=(vp, d))
     self.final_norm = self.make_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     if not cfg.tie_word_embeddings:
-      self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, ("embed", "vocab"))
+      self.lm_head = param(rngs, (d, v), dtype, ("embed", "vocab"), pad_to=(d, vp))
 
   def embed_tokens(self, tokens_BT):
     # Clip, not fill: placeholder ids (-1) in rejected slots must embed to finite garbage,
@@ -63,12 +64,15 @@ class CausalLM(nnx.Module):
     return jnp.take(self.embed[...], tokens_BT, axis=0, mode="clip")
 
   def logits(self, hidden_BTD):
-    """float32 logits from post-norm hidden states, through the (possibly tied) lm_head."""
+    """float32 logits from post-norm hidden states, through the (possibly tied) lm_head; over
+    the padded vocabulary, -inf past the true one."""
     if self.cfg.tie_word_embeddings:
-      return jnp.einsum("btd,vd->btv", hidden_BTD, self.embed[...],
-                        preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", hidden_BTD, self.lm_head[...],
-                      preferred_element_type=jnp.float32)
+      logits_BTV = jnp.einsum("btd,vd->btv", hidden_BTD, self.embed[...],
+                              preferred_element_type=jnp.float32)
+    else:
+      logits_BTV = jnp.einsum("btd,dv->btv", hidden_BTD, self.lm_head[...],
+                              preferred_element_type=jnp.float32)
+    return mask_padded_vocab(logits_BTV, self.cfg.vocab_size)
 
   def __call__(self, tokens_BT, positions_BT, caches: Sequence, kv_window: int,
                experts_fn: Callable, seq_lens_B=None):

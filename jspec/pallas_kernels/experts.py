@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jspec.models.moe_backends import PALLAS_EXPERT_TILE
 from jspec.pallas_kernels import grouped_gemm, permute, platform, routing
 from jspec.pallas_kernels.grouped_gemm import Tiling
 
@@ -22,24 +23,27 @@ def _pow2_at_least(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
-def _block_k(size: int) -> int:
-  for block in (128, 64):
-    if size % block == 0:
-      return block
-  raise ValueError(f"the pallas MoE kernels need D and F to be multiples of 64, got {size}")
+def _block(size: int) -> int:
+  """128 where it divides `size`, else 64: every tiling divides a multiple of the tile."""
+  return 128 if size % 128 == 0 else 64
 
 
 def choose_tilings(num_copies: int, num_experts: int, dim: int, ffn: int):
-  """(gate_up tiling, down tiling) for a static problem size; both share block_rows."""
+  """(gate_up tiling, down tiling) for a static problem size; both share block_rows. D and F
+  (per shard) must be multiples of PALLAS_EXPERT_TILE: models built for this backend hold
+  their expert weights padded to it (jspec.models.moe)."""
+  if dim % PALLAS_EXPERT_TILE or ffn % PALLAS_EXPERT_TILE:
+    raise ValueError(f"the pallas MoE kernels take D and F in multiples of "
+                     f"{PALLAS_EXPERT_TILE}, got D={dim}, F={ffn}: build the model with "
+                     f"ModelConfig.expert_tile={PALLAS_EXPERT_TILE} (LLM(moe_backend='pallas') "
+                     "does), which pads the expert weights with zeros")
   rows_per_expert = -(-num_copies // num_experts)
   if rows_per_expert <= SWAPPED_MAX_ROWS_PER_EXPERT:
     block_rows = min(64, max(8, _pow2_at_least(rows_per_expert)))
-    return (Tiling(True, block_rows, 64, _block_k(dim), 4),
-            Tiling(True, block_rows, 64, _block_k(ffn), 4))
+    return (Tiling(True, block_rows, 64, _block(dim), 4),
+            Tiling(True, block_rows, 64, _block(ffn), 4))
   block_rows = 64 if rows_per_expert <= 64 else 128
-  if ffn % 64 or dim % 128:
-    raise ValueError(f"the pallas MoE kernels need F % 64 == 0 and D % 128 == 0, got {ffn}, {dim}")
-  return (Tiling(False, block_rows, 64, 64, 4), Tiling(False, block_rows, 128, 64, 3))
+  return (Tiling(False, block_rows, 64, 64, 4), Tiling(False, block_rows, _block(dim), 64, 3))
 
 
 # Jitted so that a model's identical MoE layers trace and lower once: the program then calls one

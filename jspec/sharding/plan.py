@@ -4,6 +4,7 @@ weights plus both KV caches fit in each device's memory?"""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +18,11 @@ from jspec.speculative.buckets import batch_bucket, max_cache_slots
 
 def validate_mesh(cfg: ModelConfig, mesh: MeshConfig):
   """Every sharded dimension must divide evenly; the error names the constraint. KV heads
-  may also be fewer than tp, if tp is a multiple of them (each is then stored tp/K times)."""
+  may also be fewer than tp, if tp is a multiple of them (each is then stored tp/K times).
+  The vocabulary need not divide: it is padded (`sharded_configs`)."""
   cfg.for_kv_shards(mesh.tp)
   checks = [("tp", mesh.tp, "num_attention_heads", cfg.num_heads),
-            ("tp", mesh.tp, "intermediate_size", cfg.intermediate_size),
-            ("tp", mesh.tp, "vocab_size", cfg.vocab_size)]
+            ("tp", mesh.tp, "intermediate_size", cfg.intermediate_size)]
   if cfg.is_moe:
     checks += [("ep", mesh.ep, "num_experts", cfg.num_experts),
                ("tp", mesh.tp, "moe_intermediate_size", cfg.moe_intermediate_size)]
@@ -40,9 +41,15 @@ def sharded_configs(cfg: ModelConfig, mesh, target_rules: ShardingRules,
                     draft_rules: ShardingRules) -> tuple[ModelConfig, ModelConfig]:
   """The configs the target and the draft placed on `mesh` are built with: KV heads copied as
   often as splitting them over each one's "kv_heads" mesh axes needs (a tp-replicated draft:
-  none)."""
+  none); the vocabulary padded to a multiple of the target's and the draft's "vocab" shards
+  (the draft's logits meet the target's in verification, and an MTP head may read the target's
+  embedding: both have one padded size); expert weights padded to `cfg.expert_tile` per
+  "moe_mlp" shard."""
+  both = (target_rules, draft_rules)
+  vocab_shards = math.lcm(*(axis_size(mesh, rules.vocab) for rules in both))
   return tuple(cfg.for_kv_shards(axis_size(mesh, rules.kv_heads))
-               for rules in (target_rules, draft_rules))
+               .padded_for(vocab_shards, axis_size(mesh, rules.moe_mlp))
+               for rules in both)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,11 @@ MeshAxes = str | tuple[str, ...] | None
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """dp x ep x tp must equal the devices used: all (global) devices unless `num_devices`
-  names how many of the first ones to use (`LLM(mesh=None)` uses one device)."""
+  """A dp x ep x tp mesh over the first dp*ep*tp devices (of all processes' devices, in
+  `jax.devices()` order), as the CLI's --dp/--tp/--ep and vLLM's `tensor_parallel_size` take
+  them: `MeshConfig(tp=2)` on an 8-GPU host uses GPUs 0 and 1. `num_devices`, where given,
+  names the device count explicitly (the first `num_devices`) and must equal dp*ep*tp.
+  `LLM(mesh=None)` is `MeshConfig()`: one device."""
   dp: int = 1
   tp: int = 1
   ep: int = 1
@@ -32,6 +35,10 @@ class MeshConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"MeshConfig.{name}={value!r} must be an integer >= 1")
+    if self.num_devices is not None and self.num_devices != self.size:
+      raise ValueError(f"MeshConfig.num_devices={self.num_devices} must equal dp*ep*tp = "
+                       f"{self.dp}*{self.ep}*{self.tp} = {self.size} (or be left out: the mesh "
+                       "uses the first dp*ep*tp devices)")
 
   @property
   def size(self) -> int:
@@ -44,15 +51,15 @@ class MeshConfig:
 
   def make_mesh(self, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else list(devices)
-    if self.num_devices is not None:
-      if not 1 <= self.num_devices <= len(devices):
-        raise ValueError(f"MeshConfig.num_devices={self.num_devices} must be in "
-                         f"[1, {len(devices)}] (the devices present)")
-      devices = devices[:self.num_devices]
-    if self.size != len(devices):
-      raise ValueError(f"mesh dp*ep*tp = {self.dp}*{self.ep}*{self.tp} = {self.size} must equal "
-                       f"the number of devices used ({len(devices)}); set num_devices to use "
-                       "fewer than all")
+    if self.size > len(devices):
+      raise ValueError(f"mesh dp*ep*tp = {self.dp}*{self.ep}*{self.tp} = {self.size} needs "
+                       f"{self.size} devices, but only {len(devices)} are present")
+    devices = devices[:self.size]
+    # Every process runs the same program on the global mesh: each must own part of it.
+    idle = sorted(set(range(jax.process_count())) - {d.process_index for d in devices})
+    if idle:
+      raise ValueError(f"the first {self.size} devices leave processes {idle} without a device; "
+                       "a mesh over several processes must span all of them (raise dp)")
     grid = np.asarray(devices, dtype=object).reshape(self.dp, self.ep, self.tp)
     return Mesh(grid, MESH_AXES)
 

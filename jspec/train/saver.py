@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 
 from jspec.config import ModelConfig
 from jspec.models import weights as W
+from jspec.models.layers import unpadded_shape
 from jspec.models.mtp import MTPSpec
 from jspec.models.registry import family_of
 
@@ -73,6 +74,7 @@ def _hf_tensors(module, rules: dict, prefix: tuple = ()) -> dict:
       raise ValueError(f"parameter {path} maps to {len(rule.names)} HF tensors (MoE experts); "
                        "not supported")
     ours = np.asarray(jax.device_get(variable.get_value())).astype(np.float32)
+    ours = ours[tuple(slice(0, n) for n in unpadded_shape(variable))]  # padding is not saved
     theirs = _to_hf(path, ours, rule)
     if not np.array_equal(rule.build(*theirs), ours):  # the loader must read back what we wrote
       raise AssertionError(f"saver/loader mismatch for {prefix + path} -> {rule.names}")
