@@ -61,11 +61,21 @@ class DeepSeekMTPLayer(nn.Module):
         return self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(h)], -1))
 
 
+def deepseek_position0(emb_next, kind: str):
+    """vLLM deepseek_mtp.py (`inputs_embeds[positions == 0] = 0`): the DeepSeek-layout MTP layer
+    sees a zero embedding at position 0; the Qwen3-Next layout does not."""
+    if kind != "deepseek_v3":
+        return emb_next
+    emb_next = emb_next.clone()
+    emb_next[:, 0] = 0
+    return emb_next
+
+
 def mtp_forward(model, mtp, kind, tokens: torch.Tensor, hidden: torch.Tensor):
     """tokens: [n+1] ids, hidden: [n, H] target post-norm hidden states of tokens[:n].
     Returns (logits [n, V], hidden [n, H]); hidden is post-mtp.norm (qwen3_next) or pre-norm (deepseek_v3)."""
     n = tokens.shape[0] - 1
-    emb_next = model.model.embed_tokens(tokens[1:])[None]  # [1, n, H]
+    emb_next = deepseek_position0(model.model.embed_tokens(tokens[1:])[None], kind)  # [1, n, H]
     x = mtp.inputs(emb_next, hidden[None])
     pos = torch.arange(n)[None]
     pe = model.model.rotary_emb(x, pos)
@@ -99,7 +109,7 @@ def mtp_forward_crosscheck(model, mtp, kind, tokens, hidden):
         aux.lm_head.weight.copy_(model.lm_head.weight)
     else:
         aux.model.norm = nn.Identity()
-    emb_next = model.model.embed_tokens(tokens[1:])[None]
+    emb_next = deepseek_position0(model.model.embed_tokens(tokens[1:])[None], kind)
     x = mtp.inputs(emb_next, hidden[None])
     h_out = aux.model(inputs_embeds=x).last_hidden_state
     if kind == "qwen3_next":
