@@ -105,7 +105,9 @@ def test_odd_vocabulary_is_padded_with_zero_rows_whose_logits_are_minus_inf(odd_
     assert np.all(logits[..., 445:] == -np.inf) and np.all(np.isfinite(logits[..., :445]))
 
 
-@pytest.mark.parametrize("tp, spec", [(2, MTP2), (4, None), (4, MTP2)])
+@pytest.mark.parametrize("tp, spec", [(2, MTP2), (4, None), (4, MTP2),
+                                      (2, {**MTP2, "draft_tp": 1})],
+                         ids=["tp2-mtp", "tp4", "tp4-mtp", "tp2-mtp-replicated"])
 def test_odd_vocabulary_gives_one_device_outputs_and_true_size_logits(odd_vocab, tp, spec):
   one = _llm(odd_vocab)
   llm = _llm(odd_vocab, tp=tp, spec=spec)
@@ -206,3 +208,20 @@ def test_pallas_moe_pads_expert_weights_to_its_tile_and_equals_reference(
   np.testing.assert_allclose(pallas.compute_logits(seq)[0], reference.compute_logits(seq)[0],
                              rtol=1e-5, atol=1e-5)
   assert _greedy_tokens(pallas, 6) == _greedy_tokens(reference, 6)
+
+
+@pytest.mark.skipif(has_gpu(), reason="fp32 on GPU falls back to ragged_dot")
+def test_pallas_moe_pads_the_hidden_size_too(interpreted_on_every_device):
+  """Hidden size 96 and expert intermediate 40 (20 per tp shard): weights padded to 128 and
+  64 per shard, activations to 128 on the way in; random weights drawn at the true shapes,
+  so both backends hold the same model."""
+  import dataclasses
+  from jspec.bench.presets import PRESETS
+  config = dataclasses.replace(PRESETS["tiny-moe"], hidden_size=96, moe_intermediate_size=40)
+  llms = {backend: jspec.LLM.from_random(config, dtype="float32", max_model_len=64,
+                                         mesh=jspec.MeshConfig(tp=2, ep=2), moe_backend=backend)
+          for backend in ("pallas", "reference")}
+  assert llms["pallas"].target.layers[0].mlp.w_down.get_value().shape == (8, 128, 128)
+  seq = PROMPTS[:2]
+  for got, want in zip(llms["pallas"].compute_logits(seq), llms["reference"].compute_logits(seq)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

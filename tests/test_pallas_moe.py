@@ -206,6 +206,20 @@ def test_tilings_follow_rows_per_expert():
   assert not prefill.swapped and prefill.block_rows == 128
 
 
+def test_hidden_size_of_one_tile_takes_the_64_column_down_tiling():
+  """D = 64 (a model padded to the tile, 64): the standard tiling's down GEMM writes 64-column
+  blocks instead of 128, and matches the reference."""
+  _, down = choose_tilings(num_copies=300, num_experts=4, dim=64, ffn=64)
+  assert not down.swapped and down.block_cols == 64
+  args = _problem(5, 300, 4, 1, 64, 64, jnp.bfloat16)
+  _check_experts(args, jnp.bfloat16)
+
+
+def test_sizes_off_the_tile_are_refused_with_the_padding_named():
+  with pytest.raises(ValueError, match=r"multiples of 64, got D=64, F=48: .*expert_tile=64"):
+    choose_tilings(num_copies=8, num_experts=8, dim=64, ffn=48)
+
+
 def test_backend_registry_returns_pallas_kernels():
   assert get_experts_fn("pallas") is experts_pallas
 
