@@ -225,3 +225,17 @@ def test_pallas_moe_pads_the_hidden_size_too(interpreted_on_every_device):
   seq = PROMPTS[:2]
   for got, want in zip(llms["pallas"].compute_logits(seq), llms["reference"].compute_logits(seq)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- a vocabulary kept whole on every tp shard ------------------------------------------------
+
+def test_replicated_vocabulary_gives_one_device_outputs():
+  """ShardingRules(vocab=None): embedding and lm_head whole on each tp shard (no vocabulary
+  collectives in the step); greedy tokens with MTP and logits equal one device's."""
+  model_dir = fixture_dir("qwen3_moe")
+  one = _llm(model_dir, spec=MTP2)
+  llm = _llm(model_dir, tp=2, spec=MTP2, sharding_rules=jspec.ShardingRules(vocab=None))
+  assert llm.target.embed[...].sharding.spec == jax.sharding.PartitionSpec(None, None)
+  assert _greedy_tokens(llm) == _greedy_tokens(one)
+  for got, want in zip(llm.compute_logits(PROMPTS[2:]), one.compute_logits(PROMPTS[2:])):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
