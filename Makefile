@@ -25,9 +25,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(CPU_DEVICES) JSPEC_PROGRESS=0 $(PY) -m pytest -q -n 2 -m "not gpu" tests
 
-# On a GPU runner that already has jax (no registry access): run the checkout as it is.
+# On a GPU runner: after `pip install -e '.[cuda,test]'`, or with a jax that is already there
+# (no registry access), the checkout as it is. PYTHON names another interpreter.
+PYTHON ?= python3
 test-gpu:
-	PYTHONPATH=. JSPEC_PROGRESS=0 python3 -m pytest -q -m gpu tests
+	PYTHONPATH=. JSPEC_PROGRESS=0 $(PYTHON) -m pytest -q -m gpu tests
 
 clean:
 	rm -rf $(VENV) .cache
