@@ -21,7 +21,7 @@ from jspec.models.loading import init_random, load_checkpoint
 from jspec.models.moe_backends import expert_tile, get_experts_fn, resolve_moe_backend
 from jspec.models.mtp import MTPSpec
 from jspec.outputs import GenerateOutputs, aggregate
-from jspec.progress import stage
+from jspec.progress import notice, stage
 from jspec.sharding.moe import needs_shard_map, sharded_experts
 from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
 from jspec.sharding.rules import MeshConfig, ShardingRules, axis_size, global_array
@@ -57,7 +57,7 @@ class LLM:
                speculative_config: SpecConfig | dict | None = None,
                max_model_len: int | None = None,
                dtype="bfloat16", moe_backend: str = "auto", seed: int = 0,
-               max_num_seqs: int = 64, compilation_cache_dir: str | None = None,
+               max_num_seqs: int | str = "auto", compilation_cache_dir: str | None = None,
                ep_strategy: str = "auto", device_memory_bytes: int | None = None,
                prefill_chunk_size: int = 1024, attention_backend: str = "xla",
                recurrent_commit: str = "store", sharding_rules: ShardingRules | None = None,
@@ -74,8 +74,8 @@ class LLM:
     self.mesh_config = mesh or MeshConfig()
     if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
       raise ValueError(f"max_model_len={max_model_len!r} must be an integer >= 2")
-    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-      raise ValueError(f"max_num_seqs={max_num_seqs!r} must be an integer >= 1")
+    if max_num_seqs != "auto" and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
+      raise ValueError(f"max_num_seqs={max_num_seqs!r} must be an integer >= 1 or 'auto'")
     if not (isinstance(prefill_chunk_size, int) and prefill_chunk_size >= 16
             and prefill_chunk_size & (prefill_chunk_size - 1) == 0):
       raise ValueError(f"prefill_chunk_size={prefill_chunk_size!r} must be a power of two >= 16")
@@ -128,6 +128,11 @@ class LLM:
         self.mesh_config, self.mesh, self.target, self.mtp if use_mtp else None, self.rules,
         self.draft_rules, self.dtype, max_num_seqs, max_model_len, k,
         capacity_bytes=device_memory_bytes or device_capacity())
+    # "auto": the most sequences the plan fits for max_model_len (jspec.sharding.plan).
+    self.max_num_seqs = self.memory_plan.max_num_seqs
+    if max_num_seqs == "auto":
+      notice(f"max_num_seqs='auto': {self.max_num_seqs} sequences at max_model_len="
+             f"{max_model_len} ({self.memory_plan.describe()})")
     base_experts = get_experts_fn(self.moe_backend)
     self.experts_fn = self.draft_experts_fn = base_experts
     if needs_shard_map(self.mesh):

@@ -1,4 +1,5 @@
-"""Progress display for long host-side work (loading, compiling buckets, benchmarking).
+"""Progress display for long host-side work (loading, compiling buckets, benchmarking) and
+for generation (a bar over finished requests).
 
 Goes to stderr through tqdm; `JSPEC_PROGRESS=0` silences it (tests set it).
 """
@@ -19,6 +20,41 @@ def enabled() -> bool:
 
 def progress(items, description: str):
   return tqdm(items, desc=description, disable=not enabled(), leave=False, file=sys.stderr)
+
+
+class RequestProgress:
+  """A bar over finished requests, with the output tokens/s so far in its postfix.
+
+  Shown only for calls longer than a moment (tqdm's `delay`: nothing is drawn before it has
+  run that long), as vLLM's `use_tqdm`; `bar` may be a tqdm-like class to draw with instead.
+  Updated between the loop's device dispatches, never inside them.
+  """
+
+  def __init__(self, total: int, show: bool = True, bar=None, delay_s: float = 1.0):
+    self.start = time.perf_counter()
+    self.tokens = 0
+    show = bool(show) and enabled()
+    make = bar if callable(bar) else tqdm
+    kwargs = dict(total=total, desc="generating", unit="req", disable=not show, file=sys.stderr,
+                  dynamic_ncols=True)
+    self.bar = make(**kwargs, delay=delay_s) if make is tqdm else make(**kwargs)
+
+  def update(self, finished: int, tokens: int):
+    """`finished` more requests are done, `tokens` more output tokens were generated."""
+    self.tokens += tokens
+    seconds = time.perf_counter() - self.start
+    if seconds > 0:
+      self.bar.set_postfix_str(f"{self.tokens / seconds:,.0f} tok/s", refresh=False)
+    self.bar.update(finished)
+
+  def close(self):
+    self.bar.close()
+
+
+def notice(message: str):
+  """One line on stderr: a choice made for the user (max_num_seqs="auto"), said even with
+  progress off, since results depend on it."""
+  print(message, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

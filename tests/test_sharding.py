@@ -136,8 +136,9 @@ def test_ep_must_divide_experts():
 def test_memory_plan_refuses_what_does_not_fit():
   with pytest.raises(ValueError, match=r"max_num_seqs=64 x max_model_len=64 does not fit.*"
                                        r"draft KV"):
-    _llm("qwen3_dense", _mesh(1, 1, 1), "mtp", device_memory_bytes=2**19)
-  plan = _llm("qwen3_dense", _mesh(1, 1, 1), "mtp", device_memory_bytes=2**30).memory_plan
+    _llm("qwen3_dense", _mesh(1, 1, 1), "mtp", device_memory_bytes=2**19, max_num_seqs=64)
+  plan = _llm("qwen3_dense", _mesh(1, 1, 1), "mtp", device_memory_bytes=2**30,
+              max_num_seqs=64).memory_plan
   assert plan.draft_cache_bytes > 0 and plan.target_cache_bytes == 3 * plan.draft_cache_bytes
   # 33 sequences are padded to a 64-row bucket: the plan counts the rows really allocated.
   plan = _llm("qwen3_dense", _mesh(1, 1, 1), "none", max_num_seqs=33).memory_plan
