@@ -110,11 +110,20 @@ class LLM:
         self.target, self.mtp, self.mtp_spec = load(
             model, self.config, self.dtype, self.mesh, self.rules, self.draft_rules)
       self.tokenizer = _load_tokenizer(model)
-    if max_model_len is None:  # Default: the model's context, capped to keep caches modest.
-      max_model_len = min(DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings)
+    window = self.config.sliding_window
+    if max_model_len is None:  # Default: the model's context, capped to keep caches modest
+      # (and to a sliding window: inside it, attending to the whole context is exact).
+      max_model_len = min(DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings,
+                          window or DEFAULT_MAX_MODEL_LEN)
     if max_model_len > self.config.max_position_embeddings:
       raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                        f"max_position_embeddings={self.config.max_position_embeddings}")
+    if window and max_model_len > window:
+      raise ValueError(f"max_model_len={max_model_len} exceeds the sliding attention window of "
+                       f"{window} tokens in this {self.config.architecture} config; jspec "
+                       "attends over the whole context, which equals sliding-window attention "
+                       f"only while every sequence fits in the window: lower max_model_len to "
+                       f"at most {window}")
     self.max_model_len = max_model_len
     if self.spec and self.spec.method == "mtp" and self.mtp is None:
       raise ValueError("speculative method 'mtp' needs MTP weights, and this checkpoint has "

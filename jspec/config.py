@@ -77,6 +77,12 @@ class ModelConfig:
   # always, GLM-4.5 optionally).
   attention_bias: bool = False
   use_qk_norm: bool = True
+  # A bias on o_proj too (Llama's `attention_bias` covers all four projections).
+  o_proj_bias: bool = False
+  # The smallest sliding attention window of any layer (Mistral v0.1, Qwen2 with
+  # use_sliding_window; 0: none). jspec attends over the whole context, which is exact while
+  # every position is inside the window: jspec.LLM refuses a longer max_model_len.
+  sliding_window: int = 0
   # Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash; jspec.models.mla); kv_lora_rank 0:
   # not MLA. q_lora_rank 0: queries through one q_proj instead of q_a_proj -> norm -> q_b_proj.
   q_lora_rank: int = 0
@@ -84,8 +90,9 @@ class ModelConfig:
   qk_nope_head_dim: int = 0
   qk_rope_head_dim: int = 0
   v_head_dim: int = 0
-  # RoPE beyond rope_theta (jspec.models.rope): YaRN's parameters as sorted (key, value) items,
-  # empty for plain RoPE; `rope_interleave`: rotary dims in interleaved pairs (DeepSeek-V3).
+  # RoPE beyond rope_theta (jspec.models.rope): YaRN's or Llama-3's ("llama3") parameters as
+  # sorted (key, value) items, empty for plain RoPE; `rope_interleave`: rotary dims in
+  # interleaved pairs (DeepSeek-V3).
   rope_scaling: tuple[tuple[str, Any], ...] = ()
   rope_interleave: bool = False
   # Where the text model's tensors live: "model." or, in multimodal layouts, "model.language_model.".

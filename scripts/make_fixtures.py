@@ -11,7 +11,9 @@ HOW TO RUN (needs torch and transformers 5.17; NOT the jspec environment -- CI h
 
 The hybrid Qwen3.5 / Qwen3-Next fixtures (qwen3_5_dense, qwen3_5_moe, qwen3_5_text, qwen3_5_moe_text,
 qwen3_next) are specified, built and checked in scripts/fixture_hybrid.py, the DeepSeek-V3 / GLM-4.5 family
-fixtures (glm4_moe, deepseek_v3, glm4_moe_lite) in scripts/fixture_deepseek.py; this file dispatches to them.
+fixtures (glm4_moe, deepseek_v3, glm4_moe_lite) in scripts/fixture_deepseek.py, the Llama / Mistral / Mixtral /
+Qwen2 fixtures (llama3, llama3_tied, mistral, mixtral, qwen2) in scripts/fixture_llama.py; this file dispatches
+to them.
 
 Every fixture directory under tests/fixtures/ gets:
     config.json, generation_config.json, model.safetensors   (a loadable HF checkpoint, float32)
@@ -57,6 +59,8 @@ from fixture_hybrid import HYBRID_NAMES, HYBRID_SPECS, build_hybrid, check_hybri
 from fixture_hybrid import NearTie as HybridNearTie  # noqa: E402
 from fixture_deepseek import DEEPSEEK_NAMES, DEEPSEEK_SPECS, build_deepseek, check_deepseek  # noqa: E402
 from fixture_deepseek import NearTie as DeepSeekNearTie  # noqa: E402
+from fixture_llama import LLAMA_NAMES, LLAMA_SPECS, build_llama, check_llama  # noqa: E402
+from fixture_llama import NearTie as LlamaNearTie  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_ROOT = os.path.join(REPO, "tests", "fixtures")
@@ -477,13 +481,14 @@ def main():
     if not transformers.__version__.startswith("5.17"):
         print(f"warning: fixtures were made with transformers 5.17, this is {transformers.__version__}",
               file=sys.stderr)
-    known = [s()["name"] for s in SPECS] + ["qwen3_moe_legacy"] + HYBRID_NAMES + DEEPSEEK_NAMES
+    known = [s()["name"] for s in SPECS] + ["qwen3_moe_legacy"] + HYBRID_NAMES + DEEPSEEK_NAMES + LLAMA_NAMES
     unknown = sorted(set(args.only or []) - set(known))
     if unknown:
         raise SystemExit(f"unknown fixture(s) {unknown}; known: {known}")
     # Qwen3 fixtures (this file) and the hybrid Qwen3.5 / Qwen3-Next fixtures (fixture_hybrid.py)
     specs = [(s(), build, check) for s in SPECS] + [(s(), build_hybrid, check_hybrid) for s in HYBRID_SPECS]
     specs += [(s(), build_deepseek, check_deepseek) for s in DEEPSEEK_SPECS]
+    specs += [(s(), build_llama, check_llama) for s in LLAMA_SPECS]
     if args.only:
         specs = [t for t in specs if t[0]["name"] in args.only]
     os.makedirs(args.out, exist_ok=True)
@@ -497,7 +502,7 @@ def main():
                 try:
                     build_fn(s, args.out)
                     break
-                except (NearTie, HybridNearTie, DeepSeekNearTie) as e:
+                except (NearTie, HybridNearTie, DeepSeekNearTie, LlamaNearTie) as e:
                     print(f"  {e}; trying next seed")
             else:
                 raise SystemExit(f"{s['name']}: no seed without near-ties")

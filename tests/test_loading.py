@@ -97,8 +97,8 @@ def test_missing_weights(tmp_path):
 def test_unsupported_architecture_lists_supported(tmp_path):
   out = _copy_fixture(tmp_path)
   config = json.loads((out / "config.json").read_text())
-  config["architectures"] = ["LlamaForCausalLM"]
-  config["model_type"] = "llama"
+  config["architectures"] = ["GemmaForCausalLM"]
+  config["model_type"] = "gemma"
   (out / "config.json").write_text(json.dumps(config))
   with pytest.raises(ValueError, match="unsupported architecture.*Qwen3ForCausalLM"):
     _load(out)

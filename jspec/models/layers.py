@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jspec.models import rope as rope_lib
 from jspec.models.caches import KVCache
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
 
@@ -133,9 +134,10 @@ def write_cache(cache_BKSH, new_BTKH, positions_BT):
 
 
 class Attention(nnx.Module):
-  """GQA with q/k RMSNorm over head_dim (Qwen3; optional where `cfg.use_qk_norm` is False) and
-  biases on the q/k/v projections where `cfg.attention_bias` (GLM-4.5), attending over a
-  contiguous per-slot cache.
+  """GQA with q/k RMSNorm over head_dim (Qwen3; optional where `cfg.use_qk_norm` is False),
+  biases on the q/k/v projections where `cfg.attention_bias` (GLM-4.5, Qwen2) and on o_proj
+  where `cfg.o_proj_bias` (Llama), scaled RoPE where `cfg.rope_scaling` (Llama-3's "llama3",
+  YaRN), attending over a contiguous per-slot cache.
 
   Subclasses change the projections (`_project`) and the output gate; the cache handling and
   the attention itself (`_attend`) are shared by every family with a KV cache.
@@ -164,8 +166,18 @@ class Attention(nnx.Module):
       self.q_bias = param(rngs, (n, h), dtype, ("q_heads", "head_dim"), scale=0.1)
       self.k_bias = param(rngs, (k, h), dtype, (kv_axis, "head_dim"), scale=0.1)
       self.v_bias = param(rngs, (k, h), dtype, (kv_axis, "head_dim"), scale=0.1)
+    self.has_o_bias = cfg.o_proj_bias
+    if self.has_o_bias:
+      self.o_bias = param(rngs, (d,), dtype, ("embed",), scale=0.1)
     self.rope_theta = cfg.rope_theta
     self.rotary_dim = cfg.rotary_dim
+    # Scaled RoPE: frequencies fixed when the layer is built (constants of the program). Plain
+    # RoPE keeps `rope` below, whose frequencies XLA computes.
+    self.inv_freq, self.rope_attention_factor = None, 1.0
+    if cfg.rope_scaling:
+      inv_freq, self.rope_attention_factor = rope_lib.inv_frequencies(
+          cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+      self.inv_freq = tuple(float(f) for f in inv_freq)
     self.num_kv_heads = cfg.cache_kv_heads
     # Optional kernel for decode/verify steps (jspec.models.decode_attention), set by the LLM:
     # (q [B,T,N,H], new k, v [B,T,K,H], cache k, v [B,K,S,H], first position [B]) -> [B,T,N,H],
@@ -197,12 +209,25 @@ class Attention(nnx.Module):
     q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project(x_BTD)
     if self.use_qk_norm:
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-    q_BTNH = rope(q_BTNH, positions_BT, self.rope_theta, self.rotary_dim)
-    k_BTKH = rope(k_BTKH, positions_BT, self.rope_theta, self.rotary_dim)
+    q_BTNH, k_BTKH = self._rope(q_BTNH, positions_BT), self._rope(k_BTKH, positions_BT)
     out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window)
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
-    return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...]), cache
+    out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...])
+    if self.has_o_bias:
+      out_BTD = out_BTD + self.o_bias[...]
+    return out_BTD, cache
+
+  def _rope(self, x_BTNH, positions_BT):
+    if self.inv_freq is None:
+      return rope(x_BTNH, positions_BT, self.rope_theta, self.rotary_dim)
+    dim = self.rotary_dim
+    rotated = rope_lib.apply_rope(x_BTNH[..., :dim], positions_BT,
+                                  jnp.asarray(self.inv_freq, jnp.float32),
+                                  self.rope_attention_factor)
+    if dim == x_BTNH.shape[-1]:
+      return rotated
+    return jnp.concatenate([rotated, x_BTNH[..., dim:]], axis=-1)
 
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache: KVCache, kv_window: int):
     if self.kv_replicas > 1:  # copy r of head j at r*j .. r*j+r-1: query group order is kept

@@ -17,7 +17,7 @@ import dataclasses
 from typing import Callable
 
 from jspec.config import ModelConfig
-from jspec.models import deepseek_v3, glm4_moe, qwen3, qwen3_5
+from jspec.models import deepseek_v3, glm4_moe, llama, qwen3, qwen3_5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,8 @@ _DEEPSEEK_V3 = Family("deepseek_v3", deepseek_v3.read_config, deepseek_v3.Deepse
                       deepseek_v3.target_rules, deepseek_v3.decoder_rules)
 _GLM4_MOE = Family("glm4_moe", glm4_moe.read_config, glm4_moe.Glm4MoeCausalLM,
                    glm4_moe.target_rules, glm4_moe.decoder_rules)
+_LLAMA = Family("llama", llama.read_config, llama.LlamaCausalLM, llama.target_rules,
+                llama.decoder_rules)
 
 ARCHITECTURES = {
     "Qwen3ForCausalLM": _QWEN3,
@@ -50,6 +52,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
     "Glm4MoeLiteForCausalLM": _DEEPSEEK_V3,
     "Glm4MoeForCausalLM": _GLM4_MOE,
+    "LlamaForCausalLM": _LLAMA,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

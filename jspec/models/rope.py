@@ -1,5 +1,5 @@
-"""Rotary position embeddings beyond plain RoPE: YaRN frequencies and softmax scale, and the
-interleaved pair layout of DeepSeek-V3 / GLM-4.7-Flash.
+"""Rotary position embeddings beyond plain RoPE: YaRN and Llama-3 ("llama3") frequencies, YaRN's
+softmax scale, and the interleaved pair layout of DeepSeek-V3 / GLM-4.7-Flash.
 
 YaRN follows transformers `_compute_yarn_parameters` (modeling_rope_utils.py) term by term:
   - the correction range [low, high] of rotary dims from `beta_fast` / `beta_slow` rotations
@@ -9,6 +9,11 @@ YaRN follows transformers `_compute_yarn_parameters` (modeling_rope_utils.py) te
   - `attention_factor` (cos and sin are multiplied by it): as given, else
     get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both are set, else
     get_mscale(factor).
+Llama-3.1 / 3.2 ("llama3") follow transformers `_compute_llama3_parameters` in float32: with
+wavelen = 2 pi / inv_freq, low = original / low_freq_factor and high = original / high_freq_factor,
+wavelengths above `low` are divided by `factor`, those below `high` kept, and those in between
+interpolated by s = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor):
+(1 - s) * inv_freq / factor + s * inv_freq. cos and sin are not rescaled (attention factor 1).
 DeepSeek-V3's attention also scales the softmax by get_mscale(factor, mscale_all_dim)^2 on top
 of qk_head_dim^-0.5 (transformers `yarn_apply_mscale` in modeling_deepseek_v3.py):
 `softmax_scale` below.
@@ -26,32 +31,47 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_TYPES = ("default", "yarn")
+ROPE_TYPES = ("default", "yarn")  # what latent attention (DeepSeek-V3, GLM-4.7-Flash) accepts
 # rope_parameters keys jspec reads, per type (everything else there is refused by name).
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "attention_factor", "mscale",
               "mscale_all_dim", "beta_fast", "beta_slow", "truncate")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")  # all required, as transformers reads them
+_KEYS = {"yarn": _YARN_KEYS, "llama3": _LLAMA3_KEYS}
 _ALWAYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
 
-def rope_scaling_items(rope_parameters: dict, max_position_embeddings: int) -> tuple:
+def rope_scaling_items(rope_parameters: dict, max_position_embeddings: int,
+                       rope_types: tuple[str, ...] = ROPE_TYPES,
+                       where: str = "with latent attention") -> tuple:
   """A config's `rope_parameters` (after AutoConfig) as the sorted (key, value) items that
-  `ModelConfig.rope_scaling` keeps: empty for plain RoPE, the YaRN parameters otherwise.
-  Refuses rope types and keys jspec does not implement, naming them."""
+  `ModelConfig.rope_scaling` keeps: empty for plain RoPE, the YaRN or llama3 parameters
+  otherwise. Refuses rope types outside `rope_types` and keys jspec does not implement, naming
+  them; `where` completes the partial-rotary refusal (the caller's attention)."""
   params = dict(rope_parameters or {})
   rope_type = params.get("rope_type", params.get("type", "default"))
-  if rope_type not in ROPE_TYPES:
+  if rope_type not in rope_types:
     raise ValueError(f"rope_type={rope_type!r} is not supported; jspec supports "
-                     f"{list(ROPE_TYPES)}")
+                     f"{list(rope_types)}")
   partial = params.get("partial_rotary_factor", 1.0)
   if partial not in (None, 1.0):
-    raise ValueError(f"partial_rotary_factor={partial!r} is not supported with latent "
-                     "attention; jspec supports 1.0")
+    raise ValueError(f"partial_rotary_factor={partial!r} is not supported {where}; jspec "
+                     "supports 1.0")
   if rope_type == "default":
     return ()
-  unknown = sorted(set(params) - set(_YARN_KEYS) - set(_ALWAYS))
+  unknown = sorted(set(params) - set(_KEYS[rope_type]) - set(_ALWAYS))
   if unknown:
-    raise ValueError(f"rope_parameters has keys {unknown} that jspec's YaRN does not read; it "
-                     f"reads {list(_YARN_KEYS)}")
+    raise ValueError(f"rope_parameters has keys {unknown} that jspec's {rope_type} RoPE does not "
+                     f"read; it reads {list(_KEYS[rope_type])}")
+  if rope_type == "llama3":
+    missing = [k for k in _LLAMA3_KEYS if params.get(k) is None]
+    if missing:
+      raise ValueError(f"rope_type='llama3' needs rope_parameters {missing}")
+    return tuple(sorted({"rope_type": "llama3", "factor": float(params["factor"]),
+                         "low_freq_factor": float(params["low_freq_factor"]),
+                         "high_freq_factor": float(params["high_freq_factor"]),
+                         "original_max_position_embeddings":
+                             int(params["original_max_position_embeddings"])}.items()))
   original = params.get("original_max_position_embeddings") or max_position_embeddings
   factor = params.get("factor")
   if factor is None:  # transformers: the ratio of the two lengths (DeepSeek-V3's convention)
@@ -80,6 +100,8 @@ def inv_frequencies(dim: int, theta: float, scaling: tuple = ()) -> tuple[np.nda
   params = dict(scaling)
   if params.get("rope_type", "default") == "default":
     return extrapolation, 1.0
+  if params["rope_type"] == "llama3":
+    return llama3_inv_frequencies(extrapolation, params), 1.0
   factor = params["factor"]
   original = params["original_max_position_embeddings"]
   mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
@@ -106,6 +128,21 @@ def inv_frequencies(dim: int, theta: float, scaling: tuple = ()) -> tuple[np.nda
   interpolation = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
   inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
   return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def llama3_inv_frequencies(inv_freq: np.ndarray, params: dict) -> np.ndarray:
+  """transformers `_compute_llama3_parameters`, operation for operation in float32."""
+  f32 = np.float32
+  factor, original = f32(params["factor"]), params["original_max_position_embeddings"]
+  low_factor, high_factor = params["low_freq_factor"], params["high_freq_factor"]
+  low_freq_wavelen = f32(original / low_factor)
+  high_freq_wavelen = f32(original / high_factor)
+  wavelen = (f32(2 * math.pi) / inv_freq).astype(f32)
+  scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq).astype(f32)
+  smooth = ((f32(original) / wavelen - f32(low_factor)) / f32(high_factor - low_factor)).astype(f32)
+  smoothed = ((f32(1) - smooth) * scaled / factor + smooth * scaled).astype(f32)
+  is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+  return np.where(is_medium, smoothed, scaled).astype(f32)
 
 
 def softmax_scale(qk_head_dim: int, scaling: tuple = ()) -> float:

@@ -52,7 +52,8 @@ def norm_rule(name: str, dim: int) -> TensorRule:
 
 def attention_rules(cfg: ModelConfig, p: str, gated: bool = False) -> dict:
   """`{p}self_attn.*` -> an Attention (or GatedAttention: q_proj rows are per head [q | gate]),
-  with q/k norms where `cfg.use_qk_norm` and q/k/v biases where `cfg.attention_bias`."""
+  with q/k norms where `cfg.use_qk_norm`, q/k/v biases where `cfg.attention_bias` and an
+  o_proj bias where `cfg.o_proj_bias`."""
   d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   q_rows, q_shape = (2 * n * h, (d, n, 2, h)) if gated else (n * h, (d, n, h))
   a = p + "self_attn."
@@ -69,6 +70,8 @@ def attention_rules(cfg: ModelConfig, p: str, gated: bool = False) -> dict:
     for ours, theirs, heads in (("q_bias", "q_proj", n), ("k_bias", "k_proj", k),
                                 ("v_bias", "v_proj", k)):
       rules[(ours,)] = _rule(a + theirs + ".bias", (heads * h,), _copy((heads, h)))
+  if cfg.o_proj_bias:
+    rules[("o_bias",)] = _rule(a + "o_proj.bias", (d,), _copy((d,)))
   return rules
 
 
@@ -84,27 +87,33 @@ def dense_mlp_rules(p: str, d: int, f: int) -> dict:
   }
 
 
-def expert_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
+def expert_rules(cfg: ModelConfig, p: str, names: set[str], block: str = "mlp.",
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+                 ) -> dict:
   """`{p}mlp.gate` and `{p}mlp.experts.*` -> a MoE block's router and stacked experts, from
   per-expert keys (`experts.{e}.gate_proj.weight`, the Qwen3-MoE / Qwen3-Next Hub layout) or
   fused 3-D keys (`experts.gate_up_proj` [E, 2F, D], gate rows first, and `experts.down_proj`
-  [E, D, F]: transformers >= 5 and Qwen3.5-MoE), whichever this layer has."""
+  [E, D, F]: transformers >= 5 and Qwen3.5-MoE), whichever this layer has. `block` and
+  `expert_names` (gate, up, down) name another per-expert layout: Mixtral's
+  `block_sparse_moe.experts.{e}.{w1, w3, w2}`."""
   d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-  rules = {("router",): _rule(p + "mlp.gate.weight", (e, d), _linear_t((d, e)))}
-  gate_up = p + "mlp.experts.gate_up_proj"
+  p_block = p + block
+  rules = {("router",): _rule(p_block + "gate.weight", (e, d), _linear_t((d, e)))}
+  gate_up = p_block + "experts.gate_up_proj"
   if gate_up in names:
     rules[("w_gate",)] = _rule(gate_up, (e, 2 * f, d),
                                lambda a: np.ascontiguousarray(a[:, :f].transpose(0, 2, 1)))
     rules[("w_up",)] = _rule(gate_up, (e, 2 * f, d),
                              lambda a: np.ascontiguousarray(a[:, f:].transpose(0, 2, 1)))
-    rules[("w_down",)] = _rule(p + "mlp.experts.down_proj", (e, d, f),
+    rules[("w_down",)] = _rule(p_block + "experts.down_proj", (e, d, f),
                                lambda a: np.ascontiguousarray(a.transpose(0, 2, 1)))
     return rules
-  for ours, theirs, hf_shape, shape in (("w_gate", "gate_proj", (f, d), (e, d, f)),
-                                        ("w_up", "up_proj", (f, d), (e, d, f)),
-                                        ("w_down", "down_proj", (d, f), (e, f, d))):
-    expert_names = tuple(f"{p}mlp.experts.{i}.{theirs}.weight" for i in range(e))
-    rules[(ours,)] = TensorRule(expert_names, (hf_shape,) * e, _stack_t(shape))
+  gate, up, down = expert_names
+  for ours, theirs, hf_shape, shape in (("w_gate", gate, (f, d), (e, d, f)),
+                                        ("w_up", up, (f, d), (e, d, f)),
+                                        ("w_down", down, (d, f), (e, f, d))):
+    per_expert = tuple(f"{p_block}experts.{i}.{theirs}.weight" for i in range(e))
+    rules[(ours,)] = TensorRule(per_expert, (hf_shape,) * e, _stack_t(shape))
   return rules
 
 

