@@ -1,7 +1,13 @@
 """The MoE expert computation on the Pallas Mosaic GPU kernels (jspec's "pallas" backend).
 
+Two paths, chosen by the static problem size:
+
+  grouped (prefill, large verify):
     routing plan (XLA) -> permute (XLA gather) -> gate/up + SwiGLU (kernel)
       -> down x routing weight (kernel) -> unpermute + combine in float32 (XLA gather)
+  decode (T * K up to DECODE_MAX_COPIES, T up to DECODE_MAX_TOKENS):
+    slot plan (XLA, no sort) -> gate/up + SwiGLU over all T tokens per selected expert (kernel)
+      -> down x routing weight (kernel) -> combine in float32 (XLA gather)
 
 Same signature and semantics as `jspec.models.moe_backends.experts_reference`.
 """
@@ -12,11 +18,19 @@ import jax
 import jax.numpy as jnp
 
 from jspec.models.moe_backends import PALLAS_EXPERT_TILE
-from jspec.pallas_kernels import grouped_gemm, permute, platform, routing
+from jspec.pallas_kernels import (decode_gemm, decode_routing, grouped_gemm, permute, platform,
+                                  routing)
+from jspec.pallas_kernels.decode_gemm import DecodeTiling
 from jspec.pallas_kernels.grouped_gemm import Tiling
 
 # Average token copies per expert up to which tokens go on wgmma's N dimension.
 SWAPPED_MAX_ROWS_PER_EXPERT = 32
+# The decode path multiplies every selected expert by all T tokens (padded to N, a power of
+# two): bytes stay those of the selected experts, arithmetic grows with N x experts used.
+# Up to these sizes it is memory-bound and faster than the grouped path (BENCHMARKS.md,
+# "MoE decode"); N = 64 also bounds the two float32 accumulators to 64 registers a thread.
+DECODE_MAX_TOKENS = 64
+DECODE_MAX_COPIES = 256
 
 
 def _pow2_at_least(n: int) -> int:
@@ -46,6 +60,30 @@ def choose_tilings(num_copies: int, num_experts: int, dim: int, ffn: int):
   return (Tiling(False, block_rows, 64, 64, 4), Tiling(False, block_rows, _block(dim), 64, 3))
 
 
+def use_decode_path(num_tokens: int, top_k: int) -> bool:
+  return num_tokens <= DECODE_MAX_TOKENS and num_tokens * top_k <= DECODE_MAX_COPIES
+
+
+def decode_tilings(dim: int, ffn: int) -> tuple[DecodeTiling, DecodeTiling]:
+  """(gate_up, down) tilings of the decode path. D and F are multiples of 64 (the tile)."""
+  return DecodeTiling(64, _block(dim)), DecodeTiling(_block(dim), _block(ffn))
+
+
+def experts_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
+                   tilings: tuple[DecodeTiling, DecodeTiling] | None = None):
+  """The decode path: every selected expert's weights read once, all tokens multiplied."""
+  num_tokens, _ = topk_ids_TK.shape
+  num_experts, dim, ffn = w_gate_EDF.shape
+  gate_up_tiling, down_tiling = tilings or decode_tilings(dim, ffn)
+  plan = decode_routing.plan_decode(topk_ids_TK, topk_weights_TK, num_experts)
+  tokens_pad = decode_routing.padded_tokens(num_tokens)
+  act_SNF = decode_gemm.gate_up_decode(x_TD, w_gate_EDF, w_up_EDF, plan.slot_expert_S,
+                                       plan.num_slots_1, tokens_pad, gate_up_tiling)
+  out_SND = decode_gemm.down_decode(act_SNF, w_down_EFD, plan.weight_SN, plan.slot_expert_S,
+                                    plan.num_slots_1, down_tiling)
+  return decode_routing.combine_slots(out_SND, plan, x_TD.dtype)
+
+
 # Jitted so that a model's identical MoE layers trace and lower once: the program then calls one
 # lowered function per layer instead of holding (and building) a copy of the kernels per layer.
 @jax.jit
@@ -62,6 +100,17 @@ def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
     from jspec.models.moe_backends import experts_ragged_dot
     return experts_ragged_dot(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF,
                               w_down_EFD)
+  if use_decode_path(num_tokens, top_k):
+    choose_tilings(num_tokens * top_k, num_experts, dim, ffn)  # Refuses sizes off the tile.
+    return experts_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+  return experts_grouped(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+
+
+def experts_grouped(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+  """The grouped path: token copies sorted by expert into padded row tiles."""
+  num_tokens, top_k = topk_ids_TK.shape
+  num_experts, dim, ffn = w_gate_EDF.shape
+  dtype = x_TD.dtype
   gate_up_tiling, down_tiling = choose_tilings(num_tokens * top_k, num_experts, dim, ffn)
   plan = routing.plan_routing(topk_ids_TK, topk_weights_TK, num_experts,
                               gate_up_tiling.block_rows)

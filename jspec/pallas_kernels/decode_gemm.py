@@ -1,0 +1,222 @@
+"""Decode-sized expert GEMMs in Pallas Mosaic GPU: every selected expert's weights streamed once.
+
+Two kernels over the slots of a `DecodePlan` (one slot per selected expert):
+
+  gate_up_decode:  act[s] = silu(x @ w_gate[e_s]) * (x @ w_up[e_s])      [S, N, F]
+  down_decode:     out[s] = weight[s] * (act[s] @ w_down[e_s])            [S, N, D]
+
+Both compute the transpose (out^T = W^T x^T): the weight columns are wgmma's M dimension
+(64 or 128) and all N padded tokens its N dimension, so x is read straight from the [T, D]
+input (rows past T arrive as zeros from the TMA's out-of-bounds fill) and no permuted copy
+of it exists.
+
+At decode sizes the layer is a stream of weight bytes, and what limits it is how many bytes
+each SM keeps in flight. So each CTA runs ONE software pipeline over all of its work items
+(slot, column block) x contraction steps, rather than one pipeline per item: the TMA loads
+of the next item are already in flight while the current item's epilogue runs, and the
+pipeline never drains between items. Work items are strided over the SMs
+(item = sm + i * num_sms); their number is known only on the device (the used slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jspec.pallas_kernels import platform
+from jspec.pallas_kernels.grouped_gemm import _silu_mul, _smem_transforms
+
+# Shared memory the pipeline stages may take (the H100 / H200 limit is 227 KiB per block;
+# the rest holds the epilogue tile and barriers).
+PIPELINE_SMEM_BYTES = 192 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiling:
+  """block_cols: weight columns per work item (wgmma M: 64 or 128).
+  block_k: contraction step. num_stages: pipeline depth (0: as many as fit the budget)."""
+
+  block_cols: int
+  block_k: int
+  num_stages: int = 0
+
+
+def _check_divisible(name, size, block):
+  if size % block:
+    raise ValueError(f"{name}={size} must be a multiple of the block size {block}")
+
+
+def _num_stages(tiling: DecodeTiling, bytes_per_stage: int) -> int:
+  fit = max(2, PIPELINE_SMEM_BYTES // bytes_per_stage)
+  return max(2, min(tiling.num_stages or fit, fit))
+
+
+def _zeros(count, shape):
+  return tuple(plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+               for _ in range(count))
+
+
+def _accumulate(sums, operands):
+  """sums[j] + W_j^T @ X_j^T for each (W_j, X_j) SMEM pair, as float32 register arrays.
+
+  Each step's products go to fresh zeroed accumulators and are added to the running sums that
+  the pipeline carries, so the sums restart at every work item without a store into a live
+  accumulator. The step waits for its own products; its SMEM slots are then free at once (no
+  delay_release), and the loads run a stage further ahead.
+  """
+  def mma(*accs):
+    for acc, (w_smem, x_smem) in zip(accs, operands):
+      plgpu.wgmma(acc, w_smem.T, x_smem.T)
+    return tuple(acc[...] for acc in accs)
+
+  parts = pl.run_scoped(mma, *[plgpu.ACC(sums[0].shape) for _ in operands])
+  return tuple(s + p for s, p in zip(sums, parts))
+
+
+def _store_transposed(value_CN, o_smem, out_gmem):
+  """value^T -> SMEM tile -> one TMA store. The tile's previous store, issued a whole work
+  item earlier, must have finished reading it first."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  o_smem.T[...] = value_CN.astype(o_smem.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, out_gmem)
+
+
+def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dtype,
+                   in_specs_for, num_sums, stages, epilogue, operands_of):
+  """Runs this SM's work items (slot, column block) x k_steps as one pipeline.
+
+  in_specs_for(item) -> BlockSpecs, given item(i) -> (slot, col) for the pipeline's first
+  grid index; operands_of(*smem_refs) -> the (W, X) pairs to multiply at each step;
+  epilogue(slot, col, sums, smem_refs, o_smem) stores an item's result.
+  """
+  num_sms = platform.num_sms()
+  sm = lax.axis_index("sm")
+  num_items = num_slots * col_blocks
+  my_items = lax.div(num_items - sm + (num_sms - 1), jnp.int32(num_sms))
+
+  def item(i):
+    work = sm + i * num_sms
+    return lax.div(work, jnp.int32(col_blocks)), lax.rem(work, jnp.int32(col_blocks))
+
+  def run(o_smem, *gmem_refs):
+    def step(idx, *refs_and_sums):
+      i, k = idx
+      *smem_refs, sums = refs_and_sums
+      sums = _accumulate(sums, operands_of(*smem_refs))
+      is_last = k == k_steps - 1
+
+      @pl.when(is_last)
+      def _():
+        epilogue(*item(i), sums, smem_refs, o_smem)
+
+      # Warpgroup lowering takes no implicit broadcasts: the predicate is broadcast by hand.
+      restart = lax.broadcast_in_dim(is_last, sums[0].shape, ())
+      return tuple(lax.select(restart, jnp.zeros_like(s), s) for s in sums)
+
+    plgpu.emit_pipeline(
+        step, grid=(my_items, k_steps), in_specs=in_specs_for(item),
+        max_concurrent_steps=stages,
+        init_carry=_zeros(num_sums, (block_cols, tokens_pad)))(*gmem_refs)
+    plgpu.wait_smem_to_gmem(0)
+
+  o_smem = plgpu.SMEM((tokens_pad, block_cols), dtype,
+                      transforms=_smem_transforms(block_cols, dtype))
+  return lambda *gmem_refs: pl.run_scoped(lambda o: run(o, *gmem_refs), o_smem)
+
+
+def _kernel_call(body, out_shape, dtype, name):
+  return plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct(out_shape, dtype),
+      grid=(platform.num_sms(),),
+      grid_names=("sm",),
+      interpret=platform.interpret_params(),
+      kernel_name=name,
+  )
+
+
+def gate_up_decode(x_TD, w_gate_EDF, w_up_EDF, slot_expert_S, num_slots_1, tokens_pad: int,
+                   tiling: DecodeTiling) -> jax.Array:
+  """act_SNF[s] = silu(x @ w_gate[e_s]) * (x @ w_up[e_s]) for the used slots."""
+  _, dim = x_TD.shape
+  _, _, ffn = w_gate_EDF.shape
+  num_slots_max = slot_expert_S.shape[0]
+  dtype = x_TD.dtype
+  bc, bk, n = tiling.block_cols, tiling.block_k, tokens_pad
+  _check_divisible("D", dim, bk)
+  _check_divisible("F", ffn, bc)
+  itemsize = jnp.dtype(dtype).itemsize
+  stages = _num_stages(tiling, (n * bk + 2 * bk * bc) * itemsize)
+
+  def body(slot_expert_ref, num_slots_ref, x_ref, w_gate_ref, w_up_ref, act_ref):
+    def in_specs_for(item):
+      def w_index(i, k):
+        slot, col = item(i)
+        return slot_expert_ref[slot], k, col
+
+      w_spec = plgpu.BlockSpec((None, bk, bc), w_index, transforms=_smem_transforms(bc, dtype))
+      x_spec = plgpu.BlockSpec((n, bk), lambda i, k: (0, k),
+                               transforms=_smem_transforms(bk, dtype))
+      return [x_spec, w_spec, w_spec]
+
+    def epilogue(slot, col, sums, smem_refs, o_smem):
+      gate, up = sums
+      _store_transposed(_silu_mul(gate, up), o_smem, act_ref.at[slot, :, pl.ds(col * bc, bc)])
+
+    _slot_pipeline(
+        num_slots=num_slots_ref[0], col_blocks=ffn // bc, k_steps=dim // bk, block_cols=bc,
+        tokens_pad=n, dtype=dtype, in_specs_for=in_specs_for, num_sums=2, stages=stages,
+        epilogue=epilogue, operands_of=lambda x, g, u: [(g, x), (u, x)],
+    )(x_ref, w_gate_ref, w_up_ref)
+
+  return _kernel_call(body, (num_slots_max, n, ffn), dtype, "moe_decode_gate_up")(
+      slot_expert_S, num_slots_1, x_TD, w_gate_EDF, w_up_EDF)
+
+
+def down_decode(act_SNF, w_down_EFD, weight_SN, slot_expert_S, num_slots_1,
+                tiling: DecodeTiling) -> jax.Array:
+  """out_SND[s] = weight_SN[s] * (act_SNF[s] @ w_down[e_s]) for the used slots."""
+  num_slots_max, n, ffn = act_SNF.shape
+  _, _, dim = w_down_EFD.shape
+  dtype = act_SNF.dtype
+  bc, bk = tiling.block_cols, tiling.block_k
+  _check_divisible("F", ffn, bk)
+  _check_divisible("D", dim, bc)
+  itemsize = jnp.dtype(dtype).itemsize
+  stages = _num_stages(tiling, (n * bk + bk * bc) * itemsize + n * 4)
+
+  def body(slot_expert_ref, num_slots_ref, weight_ref, act_ref, w_down_ref, out_ref):
+    def in_specs_for(item):
+      def w_index(i, k):
+        slot, col = item(i)
+        return slot_expert_ref[slot], k, col
+
+      a_spec = plgpu.BlockSpec((None, n, bk), lambda i, k: (item(i)[0], 0, k),
+                               transforms=_smem_transforms(bk, dtype))
+      w_spec = plgpu.BlockSpec((None, bk, bc), w_index, transforms=_smem_transforms(bc, dtype))
+      # The slot's routing weights ride along with every step's loads (n floats), so the
+      # epilogue never waits on a load of its own.
+      r_spec = plgpu.BlockSpec((None, n), lambda i, k: (item(i)[0], 0))
+      return [a_spec, w_spec, r_spec]
+
+    def epilogue(slot, col, sums, smem_refs, o_smem):
+      (out,) = sums
+      weight_N = plgpu.load(smem_refs[2], layout=plgpu.Layout.WGMMA.reduce(0))
+      weighted = out * lax.broadcast_in_dim(weight_N, (bc, n), [1])
+      _store_transposed(weighted, o_smem, out_ref.at[slot, :, pl.ds(col * bc, bc)])
+
+    _slot_pipeline(
+        num_slots=num_slots_ref[0], col_blocks=dim // bc, k_steps=ffn // bk, block_cols=bc,
+        tokens_pad=n, dtype=dtype, in_specs_for=in_specs_for, num_sums=1, stages=stages,
+        epilogue=epilogue, operands_of=lambda a, w, r: [(w, a)],
+    )(act_ref, w_down_ref, weight_ref)
+
+  return _kernel_call(body, (num_slots_max, n, dim), dtype, "moe_decode_down")(
+      slot_expert_S, num_slots_1, weight_SN, act_SNF, w_down_EFD)

@@ -1,0 +1,101 @@
+"""Routing metadata for the decode-sized expert kernels, computed in XLA without a sort.
+
+At decode and verify sizes (a few tokens, a few hundred token copies) every expert that any
+token selected is a *slot*, and each slot multiplies all T tokens: the few tokens are wgmma's
+N dimension, so a token that did not select the slot's expert costs arithmetic on data
+already on chip and no bytes, and a per-slot routing weight of 0 keeps it out of the sum.
+That trades a permute (a gather kernel and a padded layout) for nothing: each selected
+expert's weights are read exactly once however many tokens chose it, and a slot needs no
+row list.
+
+Slots are the selected experts in increasing order. Every array here is a one-pass
+compare-and-count over [copies, E] or [S, E], which XLA fuses into a few small kernels.
+
+Shape letters: T tokens, K experts per token, E experts, S slots (at most min(E, T*K)),
+N padded tokens (wgmma's N: T rounded up to a power of two, at least 8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+  """Which experts run, and where each token copy's result lives.
+
+  Attributes:
+    slot_expert_S: expert of each slot, ascending; -1 past the last used slot.
+    num_slots_1: number of used slots, as a 1-element int32 array (the kernels' loop bound).
+    weight_SN: float32 routing weight of token n for slot s's expert (duplicate picks of one
+      expert summed); 0 where the token did not pick it, and on padded tokens.
+    slot_TK: slot of each (token, k) copy; -1 where the id is out of range or repeats an
+      earlier pick of the same token (its weight is already in weight_SN).
+  """
+
+  slot_expert_S: jax.Array
+  num_slots_1: jax.Array
+  weight_SN: jax.Array
+  slot_TK: jax.Array
+
+
+def padded_tokens(num_tokens: int) -> int:
+  """wgmma's N for T tokens: a power of two, at least 8 (the SMEM tile's row granule)."""
+  return max(8, 1 << max(0, (num_tokens - 1).bit_length()))
+
+
+def max_slots(num_tokens: int, top_k: int, num_experts: int) -> int:
+  return max(1, min(num_experts, num_tokens * top_k))
+
+
+def plan_decode(topk_ids_TK: jax.Array, topk_weights_TK: jax.Array,
+                num_experts: int) -> DecodePlan:
+  num_tokens, top_k = topk_ids_TK.shape
+  num_slots_max = max_slots(num_tokens, top_k, num_experts)
+  tokens_pad = padded_tokens(num_tokens)
+  ids_TK = topk_ids_TK.astype(jnp.int32)
+  valid_TK = (ids_TK >= 0) & (ids_TK < num_experts)
+  # A pick that repeats an earlier pick of the same token adds its weight to that slot and is
+  # combined once (the reference sums both copies; the slot's weight already holds both).
+  k_idx = jnp.arange(top_k)
+  earlier_KK = k_idx[None, :] < k_idx[:, None]  # [k, k']: k' before k
+  repeat_TK = jnp.any((ids_TK[:, :, None] == ids_TK[:, None, :]) & earlier_KK[None], axis=2)
+  first_TK = valid_TK & ~repeat_TK
+
+  experts_E = jnp.arange(num_experts, dtype=jnp.int32)
+  picked_E = jnp.any((ids_TK.reshape(-1)[:, None] == experts_E[None, :])
+                     & valid_TK.reshape(-1)[:, None], axis=0)
+  # Inclusive count of picked experts up to e; slot s holds the expert where it passes s.
+  count_E = jnp.cumsum(picked_E.astype(jnp.int32))
+  num_slots = count_E[-1]
+  slot_S = jnp.arange(num_slots_max, dtype=jnp.int32)
+  slot_expert_S = jnp.sum(count_E[None, :] <= slot_S[:, None], axis=1, dtype=jnp.int32)
+  slot_expert_S = jnp.where(slot_S < num_slots, slot_expert_S, -1)
+
+  slot_TK = jnp.where(first_TK, count_E[jnp.clip(ids_TK, 0, num_experts - 1)] - 1, -1)
+  match_STK = (ids_TK[None] == slot_expert_S[:, None, None]) & valid_TK[None]
+  weight_ST = jnp.sum(jnp.where(match_STK, topk_weights_TK.astype(jnp.float32)[None], 0.0),
+                      axis=2)
+  weight_SN = jnp.pad(weight_ST, ((0, 0), (0, tokens_pad - num_tokens)))
+  return DecodePlan(slot_expert_S=slot_expert_S, num_slots_1=num_slots.reshape(1),
+                    weight_SN=weight_SN, slot_TK=slot_TK.astype(jnp.int32))
+
+
+def combine_slots(out_SND: jax.Array, plan: DecodePlan, dtype) -> jax.Array:
+  """y_TD[t] = sum_k out_SND[slot_TK[t, k], t] in float32, in k order (deterministic).
+
+  The routing weight was applied in the down kernel's epilogue; a slot of -1 adds nothing.
+  """
+  num_tokens, top_k = plan.slot_TK.shape
+  valid_TK = plan.slot_TK >= 0
+  token_T = jnp.arange(num_tokens)
+  y_TD = None
+  for k in range(top_k):  # Fixed summation order.
+    rows_TD = out_SND[jnp.maximum(plan.slot_TK[:, k], 0), token_T].astype(jnp.float32)
+    rows_TD = jnp.where(valid_TK[:, k, None], rows_TD, 0.0)
+    y_TD = rows_TD if y_TD is None else y_TD + rows_TD
+  return y_TD.astype(dtype)

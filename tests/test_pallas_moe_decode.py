@@ -1,0 +1,216 @@
+"""The decode-sized Pallas MoE path (slot plan + two Mosaic GPU kernels) against the jnp reference.
+
+Off-GPU the kernels run in Mosaic GPU interpret mode, which fills every buffer a kernel
+allocates with NaN: a row the kernel should have written and did not fails the comparison.
+On the GPU each run is preceded by freeing NaN buffers of the intermediates' and output's
+sizes, so that the allocator hands the kernels poisoned memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.models.moe_backends import experts_reference, get_experts_fn
+from jspec.pallas_kernels import (DecodeTiling, decode_tilings, experts_decode,
+                                  experts_grouped, experts_pallas, plan_decode,
+                                  use_decode_path)
+from jspec.pallas_kernels.decode_routing import max_slots, padded_tokens
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+
+# Relative L2 error allowed: bf16 operands round to ~4e-3; fp32 runs exact in interpret mode.
+TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 1e-4}
+
+
+def _rel_err(got, want):
+  got = np.asarray(got, np.float64)
+  want = np.asarray(want, np.float64)
+  assert np.all(np.isfinite(got)), "output holds NaN/inf: a row was left unwritten"
+  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def _poison(num_tokens, top_k, num_experts, dim, ffn, dtype):
+  """Leaves freed NaN buffers of the decode path's sizes for the next run (GPU only)."""
+  if not ON_GPU:
+    return
+  slots, n = max_slots(num_tokens, top_k, num_experts), padded_tokens(num_tokens)
+  for shape in [(slots, n, ffn), (slots, n, dim), (num_tokens, dim)]:
+    jnp.full(shape, jnp.nan, dtype).block_until_ready()
+
+
+def _problem(seed, num_tokens, num_experts, top_k, dim, ffn, dtype, experts_used=None,
+             invalid_fraction=0.0, distinct=True):
+  keys = jax.random.split(jax.random.key(seed), 7)
+  x = jax.random.normal(keys[0], (num_tokens, dim), jnp.float32).astype(dtype)
+  w_gate = (jax.random.normal(keys[1], (num_experts, dim, ffn)) / np.sqrt(dim)).astype(dtype)
+  w_up = (jax.random.normal(keys[2], (num_experts, dim, ffn)) / np.sqrt(dim)).astype(dtype)
+  w_down = (jax.random.normal(keys[3], (num_experts, ffn, dim)) / np.sqrt(ffn)).astype(dtype)
+  pool = np.arange(num_experts) if experts_used is None else np.asarray(experts_used)
+  if distinct and top_k <= len(pool):  # Distinct experts per token, as a router's top-k gives.
+    picks = jnp.argsort(jax.random.uniform(keys[4], (num_tokens, len(pool))), axis=1)[:, :top_k]
+  else:
+    picks = jax.random.randint(keys[4], (num_tokens, top_k), 0, len(pool))
+  ids = jnp.asarray(pool, jnp.int32)[picks]
+  if invalid_fraction:
+    drop = jax.random.uniform(keys[5], ids.shape) < invalid_fraction
+    ids = jnp.where(drop, -1, ids)
+  weights = jax.nn.softmax(jax.random.normal(keys[6], (num_tokens, top_k)), axis=-1)
+  return x, ids, weights, w_gate, w_up, w_down
+
+
+def _reference(x, ids, weights, w_gate, w_up, w_down, chunk=8):
+  """experts_reference over token chunks (each token gathers its K experts' weights)."""
+  num_tokens, top_k = ids.shape
+  if num_tokens <= chunk:
+    return experts_reference(x, ids, weights, w_gate, w_up, w_down)
+  pad = -num_tokens % chunk
+  xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, chunk, x.shape[1])
+  ids_c = jnp.pad(ids, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, chunk, top_k)
+  w_c = jnp.pad(weights, ((0, pad), (0, 0))).reshape(-1, chunk, top_k)
+  ys = jax.jit(lambda xs, ids_c, w_c, w_gate, w_up, w_down: jax.lax.map(
+      lambda a: experts_reference(a[0], a[1], a[2], w_gate, w_up, w_down), (xs, ids_c, w_c)))(
+          xs, ids_c, w_c, w_gate, w_up, w_down)
+  return ys.reshape(-1, x.shape[1])[:num_tokens]
+
+
+def _check(args, dtype, fn=experts_decode, tolerance=None):
+  x, ids, _, w_gate, *_ = args
+  _poison(ids.shape[0], ids.shape[1], w_gate.shape[0], w_gate.shape[1], w_gate.shape[2], dtype)
+  got = jax.jit(fn)(*args)
+  assert got.shape == x.shape and got.dtype == x.dtype
+  assert _rel_err(got, _reference(*args)) < (tolerance or TOLERANCE[dtype])
+
+
+# --- the slot plan ---------------------------------------------------------------------------
+
+def test_plan_gives_each_selected_expert_one_slot_in_ascending_order():
+  ids = jnp.array([[5, 2], [2, 9], [-1, 5]], jnp.int32)
+  weights = jnp.array([[0.6, 0.4], [0.3, 0.7], [0.5, 0.5]], jnp.float32)
+  plan = plan_decode(ids, weights, num_experts=8)  # 9 is another shard's expert
+  assert int(plan.num_slots_1[0]) == 2
+  assert np.asarray(plan.slot_expert_S).tolist() == [2, 5, -1, -1, -1, -1]
+  assert np.asarray(plan.slot_TK).tolist() == [[1, 0], [0, -1], [-1, 1]]
+  want = np.zeros((6, 8), np.float32)  # [S, N]: N = 3 tokens padded to 8
+  want[0, :2] = [0.4, 0.3]
+  want[1, [0, 2]] = [0.6, 0.5]
+  np.testing.assert_allclose(np.asarray(plan.weight_SN), want, rtol=1e-6)
+
+
+def test_plan_sums_a_repeated_pick_once_and_combines_it_once():
+  plan = plan_decode(jnp.array([[3, 3, 1]], jnp.int32), jnp.array([[0.2, 0.3, 0.5]]), 4)
+  assert np.asarray(plan.slot_TK).tolist() == [[1, -1, 0]]
+  np.testing.assert_allclose(np.asarray(plan.weight_SN)[:2, 0], [0.5, 0.5], rtol=1e-6)
+
+
+# --- the whole decode path -------------------------------------------------------------------
+
+CASES = {
+    # name: (num_tokens, num_experts, top_k, experts_used, invalid_fraction, distinct)
+    "one_token_top8": (1, 16, 8, None, 0.0, True),
+    "one_token_top1": (1, 8, 1, None, 0.0, True),
+    "odd_tokens_top2": (13, 8, 2, None, 0.0, True),
+    "every_row_on_one_expert": (11, 8, 1, [5], 0.0, True),
+    "empty_experts": (9, 16, 2, [1, 6, 7], 0.0, True),
+    "other_shard_ids": (7, 8, 4, None, 0.3, True),
+    "repeated_picks": (5, 8, 4, [2, 3], 0.0, False),
+    "tokens_past_32": (37, 8, 2, None, 0.0, True),
+}
+
+# Every case in bf16; fp32 on the two T = 1 cases and one odd size.
+DECODE_CASES = ([(case, jnp.bfloat16) for case in sorted(CASES)]
+                + [(case, jnp.float32) for case in ("one_token_top8", "one_token_top1",
+                                                    "odd_tokens_top2")])
+
+
+@pytest.mark.parametrize("case, dtype", DECODE_CASES)
+def test_decode_path_matches_reference(case, dtype):
+  num_tokens, num_experts, top_k, used, invalid, distinct = CASES[case]
+  seed = sum(map(ord, case))
+  args = _problem(seed, num_tokens, num_experts, top_k, 128, 64, dtype, used, invalid, distinct)
+  _check(args, dtype)
+
+
+def test_no_valid_id_gives_zeros():
+  x, _, weights, w_gate, w_up, w_down = _problem(1, 3, 4, 2, 128, 64, jnp.bfloat16)
+  ids = jnp.full((3, 2), -1, jnp.int32)
+  got = jax.jit(experts_decode)(x, ids, weights, w_gate, w_up, w_down)
+  assert np.all(np.asarray(got, np.float32) == 0.0)
+
+
+def test_wide_tiles_and_shallow_pipeline_match_reference():
+  """128-column work items for both kernels (the down tiling real shapes take), 2 stages."""
+  args = _problem(2, 6, 8, 3, 256, 128, jnp.bfloat16)
+  tilings = (DecodeTiling(128, 128, 2), DecodeTiling(128, 64, 2))
+  _check(args, jnp.bfloat16, fn=lambda *a: experts_decode(*a, tilings=tilings))
+
+
+def test_pallas_backend_takes_the_decode_path_by_size():
+  assert use_decode_path(1, 8) and use_decode_path(32, 8) and use_decode_path(64, 1)
+  assert not use_decode_path(33, 8) and not use_decode_path(65, 1)
+  assert decode_tilings(2048, 768) == (DecodeTiling(64, 128), DecodeTiling(128, 128))
+  assert get_experts_fn("pallas") is experts_pallas
+  args = _problem(3, 4, 8, 2, 128, 64, jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(experts_pallas(*args), np.float32),
+                                np.asarray(jax.jit(experts_decode)(*args), np.float32))
+
+
+def test_grouped_path_still_matches_reference_at_decode_sizes():
+  """The previous (sorted, padded-tile) path, kept for larger sizes and as a baseline."""
+  args = _problem(4, 5, 8, 2, 128, 64, jnp.bfloat16)
+  _check(args, jnp.bfloat16, fn=experts_grouped)
+
+
+def test_runs_inside_while_loop_and_jit():
+  args = _problem(5, 3, 8, 2, 128, 64, jnp.bfloat16)
+
+  def body(i, y):
+    return y + experts_pallas(*args).astype(jnp.float32)
+
+  got = jax.jit(lambda: jax.lax.fori_loop(0, 2, body, jnp.zeros(args[0].shape)))()
+  want = 2 * experts_reference(*args).astype(jnp.float32)
+  assert _rel_err(got, want) < TOLERANCE[jnp.bfloat16]
+
+
+# --- realistic shapes on the GPU -------------------------------------------------------------
+
+GPU_SHAPES = {
+    # name: (num_tokens, num_experts, top_k, dim, ffn)
+    "qwen3_t1": (1, 128, 8, 2048, 768),
+    "qwen3_t3": (3, 128, 8, 2048, 768),
+    "qwen3_t8": (8, 128, 8, 2048, 768),
+    "qwen3_t32": (32, 128, 8, 2048, 768),
+    "qwen3_t64_top1": (64, 128, 1, 2048, 768),
+    "qwen3.5_t4": (4, 256, 8, 2048, 512),
+    "deepseek_t1": (1, 256, 8, 7168, 2048),
+    "deepseek_t8": (8, 256, 8, 7168, 2048),
+}
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("case", sorted(GPU_SHAPES))
+def test_gpu_decode_path_matches_reference(case):
+  num_tokens, num_experts, top_k, dim, ffn = GPU_SHAPES[case]
+  args = _problem(6, num_tokens, num_experts, top_k, dim, ffn, jnp.bfloat16)
+  _check(args, jnp.bfloat16, fn=experts_pallas)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_edge_cases(case):
+  num_tokens, num_experts, top_k, used, invalid, distinct = CASES[case]
+  args = _problem(7, num_tokens, num_experts, top_k, 256, 128, jnp.bfloat16, used, invalid,
+                  distinct)
+  _check(args, jnp.bfloat16, fn=experts_pallas)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_float32_falls_back_and_matches():
+  args = _problem(8, 5, 16, 4, 256, 128, jnp.float32)
+  _check(args, jnp.float32, fn=experts_pallas, tolerance=1e-2)  # XLA may use tf32.
