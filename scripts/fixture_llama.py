@@ -23,8 +23,8 @@ What these add:
   - qwen2: q/k/v biases, YaRN (factor 4 over 32 positions) in the published Qwen2.5 spelling
     (`rope_scaling: {"type": "yarn", ...}`), `use_sliding_window: false` next to `sliding_window: 32` and
     `max_window_layers: 1` (the window is unused: the references attend over up to 64 positions).
-Each build measures how far the logits move when the scaled RoPE / the o_proj bias is switched off
-(reference.json "sensitivity"), and asserts it is far beyond the test tolerance.
+Each build measures how far the logits move when the scaled RoPE, the o_proj bias or Mixtral's top-2
+renormalisation is switched off (reference.json "sensitivity"), and asserts it is far beyond the test tolerance.
 """
 
 from __future__ import annotations
@@ -167,8 +167,17 @@ class RouterGaps:
             h.remove()
 
 
+def _router_without_renormalising(self, hidden_states):
+    """MixtralTopKRouter.forward with the top-2 weights left as softmax probabilities."""
+    router_logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    probs = torch.nn.functional.softmax(router_logits.float(), dim=-1)
+    top_value, top_index = torch.topk(probs, self.top_k, dim=-1)
+    return router_logits, top_value, top_index
+
+
 def sensitivity(model, seq):
-    """Largest logit change on seq when the scaled RoPE (or Llama's o_proj bias) is switched off."""
+    """Largest logit change on seq when the scaled RoPE, Llama's o_proj bias or Mixtral's top-2
+    renormalisation is switched off."""
     base = forward_logits(model, seq)
     rot, out = model.model.rotary_emb, {}
     params = model.config.rope_parameters
@@ -181,6 +190,13 @@ def sensitivity(model, seq):
     if o_projs:
         with patched(o_projs, bias=torch.zeros_like):
             out["no_o_proj_bias"] = float((forward_logits(model, seq) - base).abs().max())
+    if any(isinstance(m, MixtralTopKRouter) for m in model.modules()):
+        original = MixtralTopKRouter.forward
+        MixtralTopKRouter.forward = _router_without_renormalising
+        try:
+            out["top2_not_renormalised"] = float((forward_logits(model, seq) - base).abs().max())
+        finally:
+            MixtralTopKRouter.forward = original
     torch.testing.assert_close(forward_logits(model, seq), base, rtol=0, atol=0)  # restored
     return out
 

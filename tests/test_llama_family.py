@@ -7,12 +7,14 @@ change nothing."""
 import json
 import math
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 import jspec
 from helpers import cached_llm, fixture_dir, greedy, reference
@@ -22,7 +24,7 @@ from jspec.models.layers import Attention
 
 TOL = 1e-4
 MAX_TOKENS = 24
-NAMES = ("llama3", "llama3_tied")
+NAMES = ("llama3", "llama3_tied", "mistral", "mixtral", "qwen2")
 # Mistral's fixture declares sliding_window 80: a longer max_model_len is refused.
 MAX_MODEL_LEN = {"mistral": 80}
 
@@ -44,6 +46,19 @@ def test_configs_follow_the_checkpoints():
   tied = _llm("llama3_tied").config
   assert tied.tie_word_embeddings and tied.attention_bias and tied.o_proj_bias
   assert tied.vocab_size == 381 and dict(tied.rope_scaling)["factor"] == 32.0
+  mistral = _llm("mistral").config
+  assert (mistral.sliding_window, mistral.head_dim, mistral.attention_bias) == (80, 32, False)
+  mixtral = _llm("mixtral").config
+  assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size,
+          mixtral.norm_topk_prob, mixtral.router_scoring) == (4, 2, 32, True, "softmax")
+  assert mixtral.vocab_size == 255 and mixtral.sliding_window == 0
+  assert all(layer.is_moe for layer in _llm("mixtral").target.layers)
+  qwen2 = _llm("qwen2").config
+  assert qwen2.attention_bias and not qwen2.o_proj_bias and not qwen2.use_qk_norm
+  # use_sliding_window false: the config's sliding_window 32 is not applied (the references
+  # attend over 64 positions).
+  assert qwen2.sliding_window == 0
+  assert dict(qwen2.rope_scaling)["rope_type"] == "yarn"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -73,6 +88,89 @@ def test_tied_embedding_is_the_head():
   paths = {path for path, _ in nnx.to_flat_state(nnx.state(llm.target))}
   assert ("embed",) in paths and ("lm_head",) not in paths
   assert ("layers", 0, "attn", "o_bias") in paths
+
+
+# ---- Mixtral: MoE backends and meshes ----------------------------------------------------------
+
+def _mixtral_tokens(llm, max_tokens=MAX_TOKENS):
+  ref = reference("mixtral")
+  prompts = [ref[f"prompt_{i}"].tolist() for i in range(3)]
+  return [o.token_ids for o in llm.generate(prompts, greedy(max_tokens, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("backend", ["ragged_dot", "pallas"])
+def test_mixtral_through_each_moe_backend(backend):
+  """XLA's ragged_dot and the Pallas kernels (interpreted on CPU; experts padded 32 -> 64)."""
+  ref = reference("mixtral")
+  llm = jspec.LLM(model=fixture_dir("mixtral"), dtype="float32", max_model_len=128,
+                  moe_backend=backend)
+  logits = llm.compute_logits([ref["seq_1"].tolist()])[0]
+  np.testing.assert_allclose(logits, ref["logits_1"], atol=TOL, rtol=0)
+  assert _mixtral_tokens(llm) == [ref[f"gen_noeos_{i}"].tolist() for i in range(3)]
+
+
+@pytest.mark.parametrize("dp, tp, ep", [(2, 1, 2), (1, 2, 1)])
+def test_mixtral_greedy_tokens_on_meshes(dp, tp, ep):
+  """Experts over ep (2 of the 4 per shard), or each expert's columns, the heads and the odd
+  vocabulary (255, padded to 256) over tp."""
+  llm = jspec.LLM(model=fixture_dir("mixtral"), dtype="float32", max_model_len=64,
+                  mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep))
+  ref = reference("mixtral")
+  assert _mixtral_tokens(llm, 16) == [ref[f"gen_noeos_{i}"][:16].tolist() for i in range(3)]
+  experts = llm.target.layers[0].mlp.w_gate.get_value()
+  assert experts.addressable_shards[0].data.shape == (4 // ep, 64, 32 // tp)
+
+
+def test_mixtral_loads_transformers_module_names(tmp_path):
+  """The same weights under transformers' in-memory names (`mlp.gate`, fused
+  `mlp.experts.gate_up_proj` [E, 2F, D] and `down_proj` [E, D, F]) load to the same model."""
+  src = fixture_dir("mixtral")
+  for f in os.listdir(src):
+    if f != "model.safetensors":
+      shutil.copy(os.path.join(src, f), tmp_path / f)
+  tensors = load_file(os.path.join(src, "model.safetensors"))
+  for layer in range(2):
+    p = f"model.layers.{layer}."
+    experts = [[tensors.pop(f"{p}block_sparse_moe.experts.{e}.{w}.weight") for e in range(4)]
+               for w in ("w1", "w3", "w2")]
+    tensors[f"{p}mlp.experts.gate_up_proj"] = np.stack(
+        [np.concatenate([gate, up]) for gate, up in zip(experts[0], experts[1])])
+    tensors[f"{p}mlp.experts.down_proj"] = np.stack(experts[2])
+    tensors[f"{p}mlp.gate.weight"] = tensors.pop(f"{p}block_sparse_moe.gate.weight")
+  save_file(tensors, str(tmp_path / "model.safetensors"))
+  ref = reference("mixtral")
+  llm = jspec.LLM(model=str(tmp_path), dtype="float32", max_model_len=128)
+  np.testing.assert_allclose(llm.compute_logits([ref["seq_2"].tolist()])[0], ref["logits_2"],
+                             atol=TOL, rtol=0)
+
+
+# ---- sliding windows ---------------------------------------------------------------------------
+
+def test_sliding_window_caps_the_default_context():
+  """Mistral v0.1 style: inside the window (every reference position < 80) full attention is
+  sliding-window attention, so the default max_model_len is the window."""
+  llm = jspec.LLM(model=fixture_dir("mistral"), dtype="float32")
+  assert llm.max_model_len == 80
+
+
+def test_max_model_len_past_the_sliding_window_is_refused():
+  with pytest.raises(ValueError, match=r"max_model_len=81 exceeds the sliding attention window "
+                                       r"of 80 tokens .* lower max_model_len to at most 80"):
+    jspec.LLM(model=fixture_dir("mistral"), dtype="float32", max_model_len=81)
+
+
+@pytest.mark.parametrize("max_window_layers, window", [(1, 32), (2, 0)])
+def test_qwen2_window_applies_only_with_use_sliding_window(tmp_path, max_window_layers, window):
+  """use_sliding_window true: layers from max_window_layers on slide (transformers
+  Qwen2Config.layer_types), so the window counts only if some layer is past it."""
+  cfg = ModelConfig.from_dir(_edited_config(tmp_path, "qwen2", use_sliding_window=True,
+                                            max_window_layers=max_window_layers))
+  assert cfg.sliding_window == window
+
+
+def test_mixtral_sliding_window_is_read(tmp_path):
+  cfg = ModelConfig.from_dir(_edited_config(tmp_path, "mixtral", sliding_window=4096))
+  assert cfg.sliding_window == 4096
 
 
 # ---- Llama-3 RoPE ------------------------------------------------------------------------------

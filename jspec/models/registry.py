@@ -53,6 +53,9 @@ ARCHITECTURES = {
     "Glm4MoeLiteForCausalLM": _DEEPSEEK_V3,
     "Glm4MoeForCausalLM": _GLM4_MOE,
     "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": _LLAMA,
+    "MixtralForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": _LLAMA,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
