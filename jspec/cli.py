@@ -118,8 +118,9 @@ def main(argv=None):
                                        "models (run on a GPU)")
   bench.add_argument("--models", nargs="+", default=["qwen3-8b", "qwen3-30b-a3b"],
                      help="presets: qwen3-8b, qwen3-30b-a3b, qwen3.5-9b, qwen3.5-35b-a3b, "
-                          "deepseek-v3, glm-4.5-air, tiny-moe, tiny-mla, tiny-glm (MLA "
-                          "presets also time the attention over the latent cache)")
+                          "deepseek-v3, glm-4.5-air, llama-3.1-8b, llama-3.2-1b, "
+                          "mixtral-8x7b, tiny-moe, tiny-mla, tiny-glm (MLA presets also time "
+                          "the attention over the latent cache)")
   bench.add_argument("--layers", type=int, default=0, help="override the presets' layer count")
   bench.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
   bench.add_argument("--context", type=int, nargs="+", default=[512, 8192])

@@ -234,6 +234,63 @@ def test_attention_rotates_by_the_llama3_frequencies():
   np.testing.assert_allclose(got, x_BTNH * np.cos(angles) + rotated * np.sin(angles), atol=2e-4)
 
 
+# ---- benchmark presets -------------------------------------------------------------------------
+
+_PUBLISHED = {  # the config.json fields of the published checkpoints the presets stand for
+    "llama-3.1-8b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    "llama-3.2-1b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+        rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_theta=1e6, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=None, router_jitter_noise=0.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PUBLISHED))
+def test_presets_are_the_published_configs(name):
+  import dataclasses
+  from transformers import AutoConfig
+  from jspec.bench.presets import PRESETS
+  fields = dict(_PUBLISHED[name])
+  hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
+  assert dataclasses.replace(ModelConfig.from_hf(hf), eos_token_ids=()) == PRESETS[name]
+
+
+@pytest.mark.parametrize("changes", [dict(attention_bias=True, o_proj_bias=True),
+                                     dict(num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, norm_topk_prob=True)],
+                         ids=["llama-biases", "mixtral"])
+def test_roofline_counts_every_weight(changes):
+  """At a batch that reaches every expert the step reads every parameter but the embedding."""
+  import dataclasses
+  from jspec.bench.presets import PRESETS
+  from jspec.bench.roofline import step_bytes
+  from jspec.models.llama import LlamaCausalLM
+  cfg = dataclasses.replace(PRESETS["llama-3.2-1b"], vocab_size=512, hidden_size=64,
+                            intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                            head_dim=16, tie_word_embeddings=False, **changes)
+  target = nnx.eval_shape(lambda: LlamaCausalLM(cfg, jnp.float32, nnx.Rngs(0)))
+  params = sum(int(np.prod(v.get_value().shape))
+               for _, v in nnx.to_flat_state(nnx.state(target)))
+  batch, kv = 1 << 14, cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+  assert step_bytes(cfg, batch, 1, 0, itemsize=4) == 4 * (
+      params - cfg.vocab_size * cfg.hidden_size + batch * kv)
+
+
 # ---- refusals ----------------------------------------------------------------------------------
 
 def _edited_config(tmp_path, name, **changes):

@@ -76,6 +76,35 @@ PRESETS = {
         partial_rotary_factor=0.5, router_scoring="sigmoid", router_correction_bias=True,
         n_group=1, topk_group=1, routed_scaling_factor=1.0, num_shared_experts=1,
         first_k_dense_replace=1, attention_bias=True, use_qk_norm=False),
+    # Llama-3.1-8B (meta-llama/Llama-3.1-8B config.json): GQA 32 / 8 heads of 128, llama3 RoPE
+    # scaling (factor 8 over the original 8192 positions), untied head.
+    "llama-3.1-8b": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+        max_position_embeddings=131072, use_qk_norm=False, rope_scaling=rope_scaling_items(
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 131072,
+            rope_types=("llama3",))),
+    # Llama-3.2-1B: 16 layers, GQA 32 / 8 heads of 64, the head tied to the embedding, llama3
+    # RoPE scaling with factor 32.
+    "llama-3.2-1b": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048,
+        intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+        max_position_embeddings=131072, use_qk_norm=False, rope_scaling=rope_scaling_items(
+            {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 131072,
+            rope_types=("llama3",))),
+    # Mixtral-8x7B-v0.1: 32 layers, GQA 32 / 8 heads of 128, 8 experts top-2 of width 14336 in
+    # every layer, no sliding window. The whole model is ~94 GB in bfloat16 (46.7B parameters):
+    # it fits one 141 GB H200 with modest caches; `--layers` shrinks it for an 80 GB H100.
+    "mixtral-8x7b": ModelConfig(
+        architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=4096,
+        intermediate_size=0, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
+        max_position_embeddings=32768, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=14336, norm_topk_prob=True, use_qk_norm=False),
     # A few-MB model with the same structure, for smoke runs on a CPU.
     "tiny-moe": ModelConfig(
         architecture="Qwen3MoeForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,

@@ -110,6 +110,7 @@ def step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize:
   query = (2 if hybrid else 1) * cfg.num_heads  # gated attention: a query and a gate per head
   attention = d * h * (query + cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * h * cfg.use_qk_norm
   attention += 2 * d + h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.attention_bias
+  attention += d * cfg.o_proj_bias
   if cfg.is_mla:
     attention = mla_weights(cfg)
   g, r = cfg.linear_num_key_heads, cfg.linear_num_value_heads // max(cfg.linear_num_key_heads, 1)
