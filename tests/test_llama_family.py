@@ -82,6 +82,18 @@ def test_greedy_generate_matches_transformers(name):
     assert out.token_ids == ref[f"gen_noeos_{i}"].tolist()
 
 
+@pytest.mark.parametrize("name", ["llama3", "mixtral"])
+def test_ngram_speculation_equals_vanilla_greedy(name):
+  """The loop runs these families through the surface alone: n-gram drafts verified by the
+  target change no token."""
+  ref = reference(name)
+  prompts = [ref[f"prompt_{i}"].tolist() for i in range(3)] + [[7, 8, 9] * 4]
+  want = [o.token_ids for o in _llm(name).generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))]
+  outs = cached_llm(name, "ngram", 3).generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
+  assert [o.token_ids for o in outs] == want
+  assert outs.metrics.num_accepted_tokens > 0
+
+
 def test_tied_embedding_is_the_head():
   """No lm_head parameter: logits come from the embedding table (Llama-3.2-1B ties them)."""
   llm = _llm("llama3_tied")
