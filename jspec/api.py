@@ -142,6 +142,8 @@ class LLM:
     if max_num_seqs == "auto":
       notice(f"max_num_seqs='auto': {self.max_num_seqs} sequences at max_model_len="
              f"{max_model_len} ({self.memory_plan.describe()})")
+    # The module the drafter runs (jspec.speculative.drafters), or None.
+    self.draft_module = self.mtp if use_mtp else None
     base_experts = get_experts_fn(self.moe_backend)
     self.experts_fn = self.draft_experts_fn = base_experts
     if needs_shard_map(self.mesh):

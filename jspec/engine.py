@@ -21,7 +21,7 @@ from jspec.progress import stage
 from jspec.speculative import buckets
 from jspec.sharding.rules import global_array, to_host
 from jspec.speculative.loop import (LoopContext, LoopPlan, in_chunks, decode_loop, merge_module,
-                                    prefill)
+                                    prefill, split_module)
 from jspec.speculative.state import FINISH_REASONS, RequestInputs
 
 
@@ -33,18 +33,17 @@ class Runner:
     self.method = self.spec.method if self.spec else None
     self.k = self.spec.num_speculative_tokens if self.spec else 0
     self.target_graphdef, self.target_state = nnx.split(llm.target)
-    if self.method == "mtp":
-      self.mtp_graphdef, self.mtp_state = nnx.split(llm.mtp)
-    else:  # The head is not needed: keep it out of the compiled programs.
-      self.mtp_graphdef, self.mtp_state = None, None
+    # The drafter's module (an MTP or EAGLE head, a draft model), or None (n-gram, no
+    # speculation: an unused MTP head stays out of the compiled programs).
+    self.draft_graphdef, self.draft_state = split_module(llm.draft_module)
     self._compiled = {}         # (LoopPlan, prompt shape) -> (prefill, loop) executables
     self._logits_compiled = {}  # (batch, length) -> jitted full-sequence logits
     self.ctx = LoopContext(
         experts_fn=llm.experts_fn, draft_experts_fn=llm.draft_experts_fn, dtype=llm.dtype,
         cache_shardings=module_cache_shardings(llm.target, llm.rules, llm.mesh, llm.dtype),
-        draft_cache_shardings=(module_cache_shardings(llm.mtp, llm.draft_rules, llm.mesh,
-                                                      llm.dtype)
-                               if self.method == "mtp" else None))
+        draft_cache_shardings=(module_cache_shardings(llm.draft_module, llm.draft_rules,
+                                                      llm.mesh, llm.dtype)
+                               if llm.draft_module is not None else None))
 
   def _put(self, host: np.ndarray, logical_axes) -> jax.Array:
     """A host array made global on the mesh (each process supplies its devices' slices)."""
@@ -53,15 +52,15 @@ class Runner:
   # ---- compilation ----------------------------------------------------------------------
 
   def _functions(self, plan: LoopPlan):
-    tgd, mgd, ctx = self.target_graphdef, self.mtp_graphdef, self.ctx
+    tgd, dgd, ctx = self.target_graphdef, self.draft_graphdef, self.ctx
 
-    def prefill_fn(target_state, mtp_state, tokens_BP, prompt_lens_B, req):
-      return prefill(nnx.merge(tgd, target_state), merge_module(mgd, mtp_state), tokens_BP,
+    def prefill_fn(target_state, draft_state, tokens_BP, prompt_lens_B, req):
+      return prefill(nnx.merge(tgd, target_state), merge_module(dgd, draft_state), tokens_BP,
                      prompt_lens_B, req, plan, ctx)
 
-    def loop_fn(target_state, mtp_state, state, req):
-      return decode_loop(nnx.merge(tgd, target_state), merge_module(mgd, mtp_state), state, req,
-                         plan, ctx)
+    def loop_fn(target_state, draft_state, state, req):
+      return decode_loop(nnx.merge(tgd, target_state), merge_module(dgd, draft_state), state,
+                         req, plan, ctx)
 
     return prefill_fn, loop_fn
 
@@ -76,8 +75,9 @@ class Runner:
       return llm.rules.sharding(llm.mesh, axes)
 
     shardings = jax.tree.map(leaf_sharding, state_shape)
-    return shardings.replace(target_caches=self.ctx.cache_shardings,
-                             mtp_caches=self.ctx.draft_cache_shardings or ())
+    return shardings.replace(
+        target_caches=self.ctx.cache_shardings,
+        draft=shardings.draft.replace(caches=self.ctx.draft_cache_shardings or ()))
 
   def _compile(self, plan: LoopPlan, tokens_BP, prompt_lens_B, req):
     key = (plan, tokens_BP.shape)
@@ -86,14 +86,14 @@ class Runner:
       label = (f"compiling batch={plan.batch} prompt={tokens_BP.shape[1]} "
                f"cache={plan.cache_len} method={plan.method or 'none'} k={plan.k}")
       with stage(label):
-        args = (self.target_state, self.mtp_state, tokens_BP, prompt_lens_B, req)
+        args = (self.target_state, self.draft_state, tokens_BP, prompt_lens_B, req)
         state_shape = jax.eval_shape(prefill_fn, *args)
         shardings = self._state_shardings(state_shape)
         prefill_c = jax.jit(prefill_fn, out_shardings=shardings).lower(*args).compile()
         state_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                 state_shape, shardings)
         loop_jit = jax.jit(loop_fn, out_shardings=shardings, donate_argnums=(2,))
-        loop_c = loop_jit.lower(self.target_state, self.mtp_state, state_in, req).compile()
+        loop_c = loop_jit.lower(self.target_state, self.draft_state, state_in, req).compile()
       self._compiled[key] = (prefill_c, loop_c)
     return self._compiled[key]
 
@@ -159,8 +159,8 @@ class Runner:
 
     prefill_c, loop_c = self._compile(plan, tokens_BP, prompt_lens_B, req)
     start = time.perf_counter()
-    state = prefill_c(self.target_state, self.mtp_state, tokens_BP, prompt_lens_B, req)
-    state = loop_c(self.target_state, self.mtp_state, state, req)
+    state = prefill_c(self.target_state, self.draft_state, tokens_BP, prompt_lens_B, req)
+    state = loop_c(self.target_state, self.draft_state, state, req)
     host = to_host((state.tokens_BS, state.lengths_B, state.finish_B, state.metrics))
     wall = time.perf_counter() - start
     tokens_BS, lengths_B, finish_B, metrics = host

@@ -230,7 +230,7 @@ def test_memory_plan_counts_recurrent_state_and_verify_windows():
   # "store" keeps the state after each of the k + 1 verify positions until commit.
   assert llm.memory_plan.verify_window_bytes >= linear * 4 * state
   with pytest.raises(ValueError, match="does not fit.*target caches"):
-    jspec.LLM(model=fixture_dir(name), dtype="float32", max_model_len=64,
+    jspec.LLM(model=fixture_dir(name), dtype="float32", max_model_len=64, max_num_seqs=4,
               device_memory_bytes=2**20)
 
 

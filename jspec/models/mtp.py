@@ -153,6 +153,13 @@ class MTPHead(nnx.Module):
     self.layers = nnx.List([MTPLayer(cfg, spec, dtype, rngs, family)
                             for _ in range(spec.num_layers)])
 
+  aux_layers = ()  # reads the target's final hidden state only
+
+  def target_features(self, target, hidden_BTD, aux_BTD):
+    """The first layer's hidden input at a target position: the target's final hidden state."""
+    del target, aux_BTD
+    return hidden_BTD
+
   def init_caches(self, batch: int, slots: int, dtype) -> tuple:
     """One cache per layer, of the family's kind (`make_mtp_cache`); the memory plan counts
     these same caches (jax.eval_shape of this method)."""

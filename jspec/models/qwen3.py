@@ -75,8 +75,10 @@ class CausalLM(nnx.Module):
     return mask_padded_vocab(logits_BTV, self.cfg.vocab_size)
 
   def __call__(self, tokens_BT, positions_BT, caches: Sequence, kv_window: int,
-               experts_fn: Callable, seq_lens_B=None):
-    """Returns (post-final-norm hidden states [B, T, D], updated caches).
+               experts_fn: Callable, seq_lens_B=None, aux_layers: tuple[int, ...] = ()):
+    """Returns (post-final-norm hidden states [B, T, D], updated caches), and with
+    `aux_layers` also the input of each of those layers [B, T, D] (the residual stream before
+    layer i, what vLLM hands an EAGLE-3 head: `LlamaModel.forward`'s aux_hidden_states).
 
     `seq_lens_B` given: a prefill pass, tokens at positions >= seq_lens_B are padding and
     every cache comes back committed. None: a decode or verify window, whose caches the loop
@@ -84,10 +86,14 @@ class CausalLM(nnx.Module):
     """
     valid_BT = None if seq_lens_B is None else positions_BT < seq_lens_B[:, None]
     x_BTD = self.embed_tokens(tokens_BT)
-    new_caches = []
-    for layer, cache in zip(self.layers, caches):
+    new_caches, aux = [], {}
+    for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+      if i in aux_layers:
+        aux[i] = x_BTD
       x_BTD, cache = layer(x_BTD, positions_BT, cache, kv_window, experts_fn, valid_BT)
       new_caches.append(cache)
+    if aux_layers:
+      return self.final_norm(x_BTD), tuple(new_caches), tuple(aux[i] for i in aux_layers)
     return self.final_norm(x_BTD), tuple(new_caches)
 
   def init_caches(self, batch: int, slots: int, dtype) -> tuple:

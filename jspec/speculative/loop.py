@@ -3,21 +3,17 @@
 One `lax.while_loop` runs the whole generation on device; k = 0 (no drafter) is vanilla
 decoding through the same body. Each step, for every running sequence of length L:
 
-  1. draft k tokens d_1..d_k: MTP (d_1 from the head's stored output at position L-2, then
-     k-1 single-token forwards) or n-gram lookup;
+  1. draft k tokens d_1..d_k through the drafter surface (jspec.speculative.drafters: an MTP
+     or EAGLE head, a draft model, n-gram lookup);
   2. verify: one target forward over [t_{L-1}, d_1..d_k] at positions L-1..L+k-1;
   3. accept: greedy prefix match or lossless rejection sampling -> accept_len in 0..k, plus
      the target's own token after the accepted run;
   4. update: stop exactly where vanilla decoding would (EOS / stop id / max length inside the
      accepted run), append the emitted tokens, advance the length, commit the target's caches
      to the emitted tokens (KV caches roll back by length alone; recurrent layers keep the
-     state after the last emitted token: jspec.models.caches), then "draft extend": rerun
-     the MTP head's first layer over the k+1
-     verified positions from the target's hidden states, so its cache always holds
-     target-derived entries for every committed position (SGLang / vLLM draft extend).
-
-With several MTP layers, draft step j uses layer (j-1) mod n; only layer 0 is refreshed by
-draft extend (it is the layer that consumes target hidden states), as in vLLM.
+     state after the last emitted token: jspec.models.caches), then "draft extend": hand
+     the drafter over the verified window with the target's hidden states there, so its
+     state always follows the committed tokens (SGLang / vLLM draft extend).
 """
 
 from __future__ import annotations
@@ -31,7 +27,9 @@ from flax import nnx
 
 from jspec.models import caches as cache_lib
 from jspec.speculative import sampling, verify
-from jspec.speculative.ngram import ngram_propose
+from jspec.speculative.chunks import in_chunks
+from jspec.speculative.drafters import DraftState, TargetOut, make_drafter
+from jspec.speculative.drafters.base import take_rows as _take_rows
 from jspec.speculative.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState,
                                      Metrics, RequestInputs)
 
@@ -55,7 +53,7 @@ class LoopPlan:
   """Everything static about one compiled program (hashable: it keys the jit cache)."""
   batch: int
   cache_len: int
-  method: str | None       # None, "mtp" or "ngram"
+  method: str | None       # None or a drafter (jspec.speculative.drafters.DRAFTERS)
   k: int                   # drafts per step; 0 without speculation
   all_greedy: bool         # every request has temperature 0: argmax paths only
   any_filtered: bool = True  # some request uses top-k or top-p (the sampling path sorts)
@@ -81,53 +79,33 @@ def _is_stop(tokens_BT, stop_ids_BX):
   return jnp.any(tokens_BT[..., None] == stop_ids_BX[:, None, :], axis=-1)
 
 
-def _take_rows(x_BT, index_B):
-  return jnp.take_along_axis(x_BT, index_B[:, None, *([None] * (x_BT.ndim - 2))],
-                             axis=1)[:, 0]
+def _target_forward(target, drafter, tokens_BT, positions_BT, caches, kv_window: int,
+                    experts_fn, seq_lens_B=None):
+  """The target over a window, with the layer inputs the drafter reads (TargetOut)."""
+  if drafter.aux_layers:
+    hidden_BTD, caches, aux = target(tokens_BT, positions_BT, caches, kv_window, experts_fn,
+                                     seq_lens_B=seq_lens_B, aux_layers=drafter.aux_layers)
+    return TargetOut(hidden_BTD, aux), caches
+  hidden_BTD, caches = target(tokens_BT, positions_BT, caches, kv_window, experts_fn,
+                              seq_lens_B=seq_lens_B)
+  return TargetOut(hidden_BTD), caches
 
 
-def in_chunks(forward, inputs, caches, chunk: int):
-  """forward(*inputs, caches) -> (outputs, caches), run over the prompt `chunk` tokens at a time.
-
-  Each chunk writes its keys/values before attending, and attends causally over the whole
-  prompt bucket: the same computation as one pass (equal up to float rounding, since the
-  matmul shapes differ); only the [chunk x bucket] score matrix exists at a time instead of
-  [bucket x bucket]. Whole chunks run in a scan (one copy of the model in the program); a
-  bucket that is not a multiple of the chunk (buckets capped at max_model_len) ends with one
-  shorter pass.
-  """
-  length = inputs[0].shape[1]
-  if length <= chunk:
-    return forward(*inputs, caches)
-  num, rest = divmod(length, chunk)
-  split = lambda x: jnp.moveaxis(x[:, :num * chunk].reshape(x.shape[0], num, chunk,
-                                                            *x.shape[2:]), 1, 0)
-  merge = lambda y: jnp.moveaxis(y, 0, 1).reshape(y.shape[1], num * chunk, *y.shape[3:])
-
-  def body(caches, chunk_inputs):
-    outputs, caches = forward(*chunk_inputs, caches)
-    return caches, outputs
-
-  caches, outputs = jax.lax.scan(body, caches, tuple(split(x) for x in inputs))
-  outputs = jax.tree.map(merge, outputs)
-  if rest:
-    tail, caches = forward(*(x[:, num * chunk:] for x in inputs), caches)
-    outputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), outputs, tail)
-  return outputs, caches
-
-
-def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: LoopPlan,
+def prefill(target, draft_module, tokens_BP, prompt_lens_B, req: RequestInputs, plan: LoopPlan,
             ctx: LoopContext) -> DecodeState:
-  """Runs the prompts, samples each sequence's first token, fills both KV caches."""
+  """Runs the prompts, samples each sequence's first token, fills the target's and the
+  drafter's state."""
   batch, prompt_bucket = tokens_BP.shape
+  drafter = make_drafter(plan.method, target, draft_module, plan, ctx)
   positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
   caches = cache_lib.constrain(target.init_caches(batch, plan.cache_len, ctx.dtype),
                                ctx.cache_shardings)
-  hidden_BPD, caches = in_chunks(
-      lambda t, p, c: target(t, p, c, prompt_bucket, ctx.experts_fn, seq_lens_B=prompt_lens_B),
+  target_out, caches = in_chunks(
+      lambda t, p, c: _target_forward(target, drafter, t, p, c, prompt_bucket, ctx.experts_fn,
+                                      seq_lens_B=prompt_lens_B),
       (tokens_BP, positions_BP), caches, plan.prefill_chunk)
   last_B = prompt_lens_B - 1
-  logits_BV = target.logits(_take_rows(hidden_BPD, last_B)[:, None])[:, 0]
+  logits_BV = target.logits(_take_rows(target_out.hidden_BTD, last_B)[:, None])[:, 0]
   keys_B = sampling.position_keys(_stream_keys(req, _TARGET_STREAM), prompt_lens_B[:, None])[:, 0]
   first_B, _ = _choose(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B, keys_B,
                        plan)
@@ -139,57 +117,22 @@ def prefill(target, mtp, tokens_BP, prompt_lens_B, req: RequestInputs, plan: Loo
   stop_B = _is_stop(first_B[:, None], req.stop_ids_BX)[:, 0]
   finish_B = jnp.where(stop_B, FINISH_STOP,
                        jnp.where(lengths_B >= req.max_len_B, FINISH_LENGTH, FINISH_NONE))
-
-  mtp_caches, mtp_logits_BV, mtp_feedback_BD = (), None, None
-  if plan.method == "mtp":
-    # MTP position i pairs h_i with t_{i+1}: the prompt shifted left, the new token at the end.
-    next_BP = jnp.concatenate([tokens_BP[:, 1:], tokens_BP[:, :1]], axis=1)
-    next_BP = next_BP.at[rows_B, last_B].set(first_B)
-    mtp_caches = cache_lib.constrain(mtp.init_caches(batch, plan.cache_len, ctx.dtype),
-                                     ctx.draft_cache_shardings)
-    layer = mtp.layers[0]
-    def extend(next_tokens, hidden, positions, cache):
-      normed, feedback, cache = layer(target, next_tokens, hidden, positions, cache,
-                                      prompt_bucket, ctx.draft_experts_fn)
-      return (normed, feedback), cache
-
-    (normed_BPD, feedback_BPD), cache0 = in_chunks(
-        extend, (next_BP, hidden_BPD, positions_BP), mtp_caches[0], plan.prefill_chunk)
-    mtp_caches = (cache0,) + mtp_caches[1:]
-    mtp_logits_BV = layer.logits(target, _take_rows(normed_BPD, last_B)[:, None])[:, 0]
-    mtp_feedback_BD = _take_rows(feedback_BPD, last_B)
-
+  draft = drafter.prefill(tokens_BP, prompt_lens_B, first_B, target_out)
   return DecodeState(tokens_BS=tokens_BS, lengths_B=lengths_B, done_B=finish_B != FINISH_NONE,
-                     finish_B=finish_B, target_caches=caches, mtp_caches=mtp_caches,
-                     mtp_logits_BV=mtp_logits_BV, mtp_feedback_BD=mtp_feedback_BD,
+                     finish_B=finish_B, target_caches=caches, draft=draft,
                      metrics=Metrics.zeros(batch, plan.k), step=jnp.int32(0))
 
 
-def _draft_mtp(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopPlan,
-               ctx: LoopContext):
-  """k drafts from the MTP head: d_1 from the stored logits, then k-1 chained forwards."""
-  k, lengths_B = plan.k, state.lengths_B
-  draft_keys_BK = sampling.position_keys(
-      _stream_keys(req, _DRAFT_STREAM), lengths_B[:, None] + jnp.arange(k, dtype=jnp.int32))
-  token_B, probs_BV = _choose(state.mtp_logits_BV, req.temperature_B, req.top_k_B, req.top_p_B,
-                              draft_keys_BK[:, 0], plan)
-  drafts, probs = [token_B], [probs_BV]
-  feedback_BD, caches = state.mtp_feedback_BD, list(state.mtp_caches)
-  for j in range(2, k + 1):
-    layer_index = (j - 1) % len(mtp.layers)
-    layer = mtp.layers[layer_index]
-    positions_B1 = (lengths_B + j - 3)[:, None]
-    normed_B1D, feedback_B1D, caches[layer_index] = layer(
-        target, token_B[:, None], feedback_BD[:, None], positions_B1, caches[layer_index],
-        plan.cache_len, ctx.draft_experts_fn)
-    logits_BV = layer.logits(target, normed_B1D)[:, 0]
-    token_B, probs_BV = _choose(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B,
-                                draft_keys_BK[:, j - 1], plan)
-    feedback_BD = feedback_B1D[:, 0]
-    drafts.append(token_B)
-    probs.append(probs_BV)
-  draft_probs_BKV = None if plan.all_greedy else jnp.stack(probs, axis=1)
-  return jnp.stack(drafts, axis=1), draft_probs_BKV, tuple(caches)
+def _draft_chooser(req: RequestInputs, lengths_B, plan: LoopPlan):
+  """choose(logits_BV, j) for the drafter: draft j's token and distribution, drawn from the
+  draft random stream at its own position (so a draft never reuses a verify key)."""
+  keys_BK = sampling.position_keys(
+      _stream_keys(req, _DRAFT_STREAM), lengths_B[:, None] + jnp.arange(plan.k, dtype=jnp.int32))
+
+  def choose(logits_BV, j: int):
+    return _choose(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B, keys_BK[:, j], plan)
+
+  return choose
 
 
 def _accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, req, plan):
@@ -210,28 +153,27 @@ def _accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, r
                                  keys_BT)
 
 
-def decode_step(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopPlan,
+def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, plan: LoopPlan,
                 ctx: LoopContext) -> DecodeState:
   k, batch, lengths_B = plan.k, plan.batch, state.lengths_B
   rows_B = jnp.arange(batch)
   running_B = ~state.done_B
   last_token_B = state.tokens_BS[rows_B, lengths_B - 1]
+  drafter = make_drafter(plan.method, target, draft_module, plan, ctx)
 
-  mtp_caches, draft_probs_BKV = state.mtp_caches, None
-  if plan.method == "mtp":
-    drafts_BK, draft_probs_BKV, mtp_caches = _draft_mtp(target, mtp, state, req, plan, ctx)
-    draft_len_B = jnp.full((batch,), k, jnp.int32)
-  elif plan.method == "ngram":
-    drafts_BK, draft_len_B = ngram_propose(state.tokens_BS, lengths_B, k, plan.ngram_min,
-                                           plan.ngram_max)
+  draft, draft_probs_BKV = state.draft, None
+  if k > 0:
+    drafts_BK, draft_len_B, draft_probs_BKV, draft = drafter.propose(
+        draft, state.tokens_BS, lengths_B, _draft_chooser(req, lengths_B, plan))
   else:
     drafts_BK, draft_len_B = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32)
 
   verify_tokens_BT = jnp.concatenate([last_token_B[:, None], drafts_BK], axis=1)
   positions_BT = lengths_B[:, None] - 1 + jnp.arange(k + 1, dtype=jnp.int32)
-  hidden_BTD, window_caches = target(verify_tokens_BT, positions_BT, state.target_caches,
-                                     plan.cache_len, ctx.experts_fn)
-  logits_BTV = target.logits(hidden_BTD)
+  target_out, window_caches = _target_forward(target, drafter, verify_tokens_BT, positions_BT,
+                                              state.target_caches, plan.cache_len,
+                                              ctx.experts_fn)
+  logits_BTV = target.logits(target_out.hidden_BTD)
   accept_len_B, out_tokens_BT = _accept(logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV,
                                         state, req, plan)
 
@@ -255,15 +197,8 @@ def decode_step(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopP
   # A finished row keeps its caches as they were: none of its window is committed.
   target_caches = cache_lib.commit(window_caches, jnp.where(running_B, num_emit_B, 0))
 
-  mtp_logits_BV, mtp_feedback_BD = state.mtp_logits_BV, state.mtp_feedback_BD
-  if plan.method == "mtp":
-    layer = mtp.layers[0]
-    normed_BTD, feedback_BTD, cache0 = layer(target, out_tokens_BT, hidden_BTD, positions_BT,
-                                             mtp_caches[0], plan.cache_len, ctx.draft_experts_fn)
-    mtp_caches = (cache0,) + tuple(mtp_caches[1:])
-    last_B = num_emit_B - 1
-    mtp_logits_BV = layer.logits(target, _take_rows(normed_BTD, last_B)[:, None])[:, 0]
-    mtp_feedback_BD = _take_rows(feedback_BTD, last_B)
+  if k > 0:
+    draft = drafter.extend(draft, out_tokens_BT, positions_BT, num_emit_B, running_B, target_out)
 
   m = state.metrics
   run_i = running_B.astype(jnp.int32)
@@ -281,19 +216,18 @@ def decode_step(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopP
                     accepted_at_BK=m.accepted_at_BK + accepted_BK)
   return DecodeState(tokens_BS=tokens_BS, lengths_B=new_lengths_B,
                      done_B=state.done_B | (running_B & any_end_B), finish_B=finish_B,
-                     target_caches=target_caches, mtp_caches=mtp_caches,
-                     mtp_logits_BV=mtp_logits_BV, mtp_feedback_BD=mtp_feedback_BD,
-                     metrics=metrics, step=state.step + 1)
+                     target_caches=target_caches, draft=draft, metrics=metrics,
+                     step=state.step + 1)
 
 
-def decode_loop(target, mtp, state: DecodeState, req: RequestInputs, plan: LoopPlan,
+def decode_loop(target, draft_module, state: DecodeState, req: RequestInputs, plan: LoopPlan,
                 ctx: LoopContext) -> DecodeState:
   """Steps until every sequence is done; the step bound only guards against a logic error."""
   def cond(s: DecodeState):
     return jnp.any(~s.done_B) & (s.step < plan.cache_len)
 
   def body(s: DecodeState):
-    return decode_step(target, mtp, s, req, plan, ctx)
+    return decode_step(target, draft_module, s, req, plan, ctx)
 
   return jax.lax.while_loop(cond, body, state)
 

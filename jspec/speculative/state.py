@@ -3,9 +3,10 @@
 Invariant between loop steps, for a running sequence of length L (tokens_BS[b, :L] valid):
   - the target's KV cache holds positions 0 .. L-2; the last token t_{L-1} is fed by the next
     verify step together with the drafts;
-  - the MTP head's KV cache holds positions 0 .. L-2, each computed from the target's hidden
-    state (draft extend), and `mtp_logits_BV` / `mtp_feedback_BD` are its outputs at position
-    L-2: the first draft's distribution and the hidden state fed to the second draft step.
+  - a drafter with caches holds positions 0 .. L-2 (an MTP / EAGLE head: each computed from
+    the target's hidden state by draft extend, with its outputs at position L-2 in
+    `draft.logits_BV` / `draft.feedback_BD`: the first draft's distribution and the hidden
+    state fed to the second draft step; jspec.speculative.drafters).
 Rejected drafts leave stale cache slots past L-2; they are never read (attention sees slots
 <= the query position, all rewritten first) and are overwritten by later steps.
 """
@@ -53,8 +54,6 @@ class DecodeState:
   done_B: jax.Array
   finish_B: jax.Array
   target_caches: tuple
-  mtp_caches: tuple
-  mtp_logits_BV: jax.Array | None
-  mtp_feedback_BD: jax.Array | None
+  draft: "DraftState"  # jspec.speculative.drafters.base.DraftState
   metrics: Metrics
   step: jax.Array

@@ -1,0 +1,61 @@
+"""A separate, smaller model of the target's vocabulary as the drafter (vLLM "draft_model").
+
+The draft model keeps its own cache, over the same positions as the target's, and drafts k
+tokens autoregressively inside the loop. Its cache follows the shared invariant (positions
+0 .. L-2 committed) without a separate extend pass: each step's first forward covers the two
+positions L-2 and L-1. Position L-1 is the last committed token, never seen by the draft;
+position L-2 is either already there (rewritten with the same token: same keys and values)
+or, after a step that accepted every draft, the last draft d_k, which the chain never fed.
+One two-token forward thus refreshes exactly what acceptance left unwritten, whatever the
+acceptance length, at the cost of one extra row in a memory-bound step.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jspec.models import caches as cache_lib
+from jspec.speculative.chunks import in_chunks
+from jspec.speculative.drafters.base import DraftState, Drafter, TargetOut, to_vocab
+
+
+class DraftModelDrafter(Drafter):
+
+  def __init__(self, target, model, plan, ctx):
+    self.model, self.plan, self.ctx = model, plan, ctx
+    self.vocab_size = target.cfg.vocab_size
+    self.padded_vocab = target.cfg.padded_vocab_size
+
+  def _logits(self, hidden_BTD):
+    return to_vocab(self.model.logits(hidden_BTD), self.vocab_size, self.padded_vocab)
+
+  def prefill(self, tokens_BP, prompt_lens_B, first_B, target_out: TargetOut) -> DraftState:
+    batch, prompt_bucket = tokens_BP.shape
+    positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
+    caches = cache_lib.constrain(self.model.init_caches(batch, self.plan.cache_len,
+                                                        self.ctx.dtype),
+                                 self.ctx.draft_cache_shardings)
+    # Only the caches are kept: the first draft comes from the next step's own forward.
+    _, caches = in_chunks(
+        lambda t, p, c: self.model(t, p, c, prompt_bucket, self.ctx.draft_experts_fn,
+                                   seq_lens_B=prompt_lens_B),
+        (tokens_BP, positions_BP), caches, self.plan.prefill_chunk)
+    return DraftState(caches=caches)
+
+  def propose(self, draft: DraftState, tokens_BS, lengths_B, choose):
+    plan, model, fn = self.plan, self.model, self.ctx.draft_experts_fn
+    batch = lengths_B.shape[0]
+    positions_B2 = lengths_B[:, None] - 2 + jnp.arange(2, dtype=jnp.int32)
+    tokens_B2 = jnp.take_along_axis(tokens_BS, positions_B2, axis=1)
+    hidden_B2D, caches = model(tokens_B2, positions_B2, draft.caches, plan.cache_len, fn)
+    token_B, probs_BV = choose(self._logits(hidden_B2D[:, 1:])[:, 0], 0)
+    drafts, probs = [token_B], [probs_BV]
+    for j in range(1, plan.k):
+      positions_B1 = (lengths_B + j - 1)[:, None]  # draft j-1 sits at L + j - 1
+      hidden_B1D, caches = model(token_B[:, None], positions_B1, caches, plan.cache_len, fn)
+      token_B, probs_BV = choose(self._logits(hidden_B1D)[:, 0], j)
+      drafts.append(token_B)
+      probs.append(probs_BV)
+    probs_BKV = None if probs[0] is None else jnp.stack(probs, axis=1)
+    draft_len_B = jnp.full((batch,), plan.k, jnp.int32)
+    return jnp.stack(drafts, axis=1), draft_len_B, probs_BKV, draft.replace(caches=caches)

@@ -1,0 +1,95 @@
+"""Drafters that read the target's hidden states: MTP heads and EAGLE heads.
+
+Both pair the target's hidden state at position i with the token at i+1 to predict the token
+at i+2 (DeepSeek-V3 MTP; EAGLE, Li et al. 2024), through layers with their own caches:
+
+  - draft extend (prefill and after every verify): the head's first layer runs over the
+    committed positions from the target's hidden states, so its cache always holds
+    target-derived entries (SGLang / vLLM draft extend); its output at the last emitted
+    position gives the next step's first draft (`logits_BV`) and the hidden state fed to the
+    second (`feedback_BD`);
+  - draft step j > 1: layer (j - 1) mod n is applied at the next position to the previous
+    step's feedback hidden state (the head's own output, not the target's).
+
+The head module supplies what differs between heads:
+  head.layers[i](target, next_tokens_BT, hidden_BTD, positions_BT, cache, kv_window,
+                 experts_fn) -> (normed_BTD, feedback_BTD, cache)
+  head.layers[i].logits(target, normed_BTD) -> float32 logits over the target's padded vocab
+  head.target_features(target, hidden_BTD, aux_BTD) -> [B, T, D] the first layer's input
+  head.aux_layers, head.init_caches(batch, slots, dtype)
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jspec.models import caches as cache_lib
+from jspec.speculative.chunks import in_chunks
+from jspec.speculative.drafters.base import DraftState, Drafter, TargetOut, take_rows
+
+
+class HiddenStateDrafter(Drafter):
+
+  def __init__(self, target, head, plan, ctx):
+    self.target, self.head, self.plan, self.ctx = target, head, plan, ctx
+    self.aux_layers = tuple(head.aux_layers)
+
+  def _first_layer(self, next_tokens_BT, target_out: TargetOut, positions_BT, cache,
+                   kv_window: int):
+    hidden_BTD = self.head.target_features(self.target, target_out.hidden_BTD,
+                                           target_out.aux_BTD)
+    return self.head.layers[0](self.target, next_tokens_BT, hidden_BTD, positions_BT, cache,
+                               kv_window, self.ctx.draft_experts_fn)
+
+  def _last_emitted(self, draft: DraftState, normed_BTD, feedback_BTD, last_B) -> DraftState:
+    logits_BV = self.head.layers[0].logits(self.target, take_rows(normed_BTD, last_B)[:, None])
+    return draft.replace(logits_BV=logits_BV[:, 0], feedback_BD=take_rows(feedback_BTD, last_B))
+
+  def prefill(self, tokens_BP, prompt_lens_B, first_B, target_out: TargetOut) -> DraftState:
+    batch, prompt_bucket = tokens_BP.shape
+    rows_B, last_B = jnp.arange(batch), prompt_lens_B - 1
+    positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
+    # Position i pairs h_i with t_{i+1}: the prompt shifted left, the first token at the end.
+    next_BP = jnp.concatenate([tokens_BP[:, 1:], tokens_BP[:, :1]], axis=1)
+    next_BP = next_BP.at[rows_B, last_B].set(first_B)
+    caches = cache_lib.constrain(self.head.init_caches(batch, self.plan.cache_len, self.ctx.dtype),
+                                 self.ctx.draft_cache_shardings)
+
+    def extend(next_tokens, hidden, positions, *aux_and_cache):
+      *aux, cache = aux_and_cache
+      normed, feedback, cache = self._first_layer(next_tokens, TargetOut(hidden, tuple(aux)),
+                                                  positions, cache, prompt_bucket)
+      return (normed, feedback), cache
+
+    (normed_BPD, feedback_BPD), cache0 = in_chunks(
+        extend, (next_BP, target_out.hidden_BTD, positions_BP, *target_out.aux_BTD), caches[0],
+        self.plan.prefill_chunk)
+    draft = DraftState(caches=(cache0,) + tuple(caches[1:]))
+    return self._last_emitted(draft, normed_BPD, feedback_BPD, last_B)
+
+  def propose(self, draft: DraftState, tokens_BS, lengths_B, choose):
+    plan, layers = self.plan, self.head.layers
+    token_B, probs_BV = choose(draft.logits_BV, 0)
+    drafts, probs = [token_B], [probs_BV]
+    feedback_BD, caches = draft.feedback_BD, list(draft.caches)
+    for j in range(2, plan.k + 1):
+      index = (j - 1) % len(layers)
+      # Draft j sits at position L + j - 1; the head's input pairs it with position L + j - 3.
+      positions_B1 = (lengths_B + j - 3)[:, None]
+      normed_B1D, feedback_B1D, caches[index] = layers[index](
+          self.target, token_B[:, None], feedback_BD[:, None], positions_B1, caches[index],
+          plan.cache_len, self.ctx.draft_experts_fn)
+      token_B, probs_BV = choose(layers[index].logits(self.target, normed_B1D)[:, 0], j - 1)
+      feedback_BD = feedback_B1D[:, 0]
+      drafts.append(token_B)
+      probs.append(probs_BV)
+    probs_BKV = None if probs[0] is None else jnp.stack(probs, axis=1)
+    draft_len_B = jnp.full(lengths_B.shape, plan.k, jnp.int32)
+    return jnp.stack(drafts, axis=1), draft_len_B, probs_BKV, draft.replace(caches=tuple(caches))
+
+  def extend(self, draft: DraftState, out_tokens_BT, positions_BT, num_emit_B, running_B,
+             target_out: TargetOut) -> DraftState:
+    normed_BTD, feedback_BTD, cache0 = self._first_layer(out_tokens_BT, target_out, positions_BT,
+                                                         draft.caches[0], self.plan.cache_len)
+    draft = draft.replace(caches=(cache0,) + tuple(draft.caches[1:]))
+    return self._last_emitted(draft, normed_BTD, feedback_BTD, num_emit_B - 1)
