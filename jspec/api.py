@@ -12,12 +12,14 @@ from flax import nnx
 
 from jspec import engine
 from jspec.checkpoint import is_converted, restore_converted
-from jspec.config import ModelConfig, SamplingParams, SpecConfig, resolve_dtype
+from jspec.config import (SEPARATE_DRAFT_METHODS, ModelConfig, SamplingParams, SpecConfig,
+                          resolve_dtype)
 from jspec.models.caches import RECURRENT_COMMIT_MODES
 from jspec.models.decode_attention import ATTENTION_BACKENDS, sharded_window_attention
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import Attention
-from jspec.models.loading import init_random, load_checkpoint
+from jspec.models.drafts import check_draft_caches, check_draft_vocabulary, init_random_drafter
+from jspec.models.loading import init_random, load_checkpoint, load_eagle3
 from jspec.models.moe_backends import expert_tile, get_experts_fn, resolve_moe_backend
 from jspec.models.mtp import MTPSpec
 from jspec.outputs import GenerateOutputs, aggregate
@@ -61,7 +63,7 @@ class LLM:
                ep_strategy: str = "auto", device_memory_bytes: int | None = None,
                prefill_chunk_size: int = 1024, attention_backend: str = "xla",
                recurrent_commit: str = "store", sharding_rules: ShardingRules | None = None,
-               _modules=None):
+               _modules=None, _draft=None):
     self.dtype = resolve_dtype(dtype)
     if attention_backend not in ATTENTION_BACKENDS:
       raise ValueError(f"attention_backend={attention_backend!r} is not supported; choose one "
@@ -89,6 +91,9 @@ class LLM:
     # The logical-axis -> mesh-axis table (jspec.sharding.rules); e.g. ShardingRules(vocab=None)
     # keeps the embedding and lm_head whole on every tp shard.
     self.rules = sharding_rules or ShardingRules()
+    if self.spec and self.spec.draft_tp not in (None, 1, self.mesh_config.tp):
+      raise ValueError(f"draft_tp={self.spec.draft_tp} must be 1 (the draft replicated over tp) "
+                       f"or the target's tp={self.mesh_config.tp}")
     self.draft_rules = (self.rules.without_tp() if self.spec and self.spec.draft_tp == 1
                         else self.rules)
 
@@ -105,11 +110,13 @@ class LLM:
       self.config = dataclasses.replace(ModelConfig.from_dir(model),
                                         expert_tile=expert_tile(self.moe_backend))
       validate_mesh(self.config, self.mesh_config)
+      self.tokenizer = _load_tokenizer(model)
+      if self.spec and self.spec.method in SEPARATE_DRAFT_METHODS:
+        self._check_drafter(self.spec)  # before any weight is read
       load = restore_converted if is_converted(model) else load_checkpoint
       with stage(f"loading {model}"):
         self.target, self.mtp, self.mtp_spec = load(
             model, self.config, self.dtype, self.mesh, self.rules, self.draft_rules)
-      self.tokenizer = _load_tokenizer(model)
     window = self.config.sliding_window
     if max_model_len is None:  # Default: the model's context, capped to keep caches modest
       # (and to a sliding window: inside it, attending to the whole context is exact).
@@ -133,8 +140,14 @@ class LLM:
     if use_mtp and self.spec.draft_vocab is not None:
       self._restrict_draft_vocab(self.spec.draft_vocab)
     self._set_recurrent_commit(recurrent_commit)
+    # The module the drafter runs (jspec.speculative.drafters), or None; the memory plan counts
+    # its weights and caches.
+    self.draft_module = self.mtp if use_mtp else None
+    if self.spec and self.spec.method in SEPARATE_DRAFT_METHODS:
+      self.draft_module = (_draft if _draft is not None
+                           else self._load_drafter(self.spec, self.mesh_config))
     self.memory_plan = plan_memory(
-        self.mesh_config, self.mesh, self.target, self.mtp if use_mtp else None, self.rules,
+        self.mesh_config, self.mesh, self.target, self.draft_module, self.rules,
         self.draft_rules, self.dtype, max_num_seqs, max_model_len, k,
         capacity_bytes=device_memory_bytes or device_capacity())
     # "auto": the most sequences the plan fits for max_model_len (jspec.sharding.plan).
@@ -142,8 +155,6 @@ class LLM:
     if max_num_seqs == "auto":
       notice(f"max_num_seqs='auto': {self.max_num_seqs} sequences at max_model_len="
              f"{max_model_len} ({self.memory_plan.describe()})")
-    # The module the drafter runs (jspec.speculative.drafters), or None.
-    self.draft_module = self.mtp if use_mtp else None
     base_experts = get_experts_fn(self.moe_backend)
     self.experts_fn = self.draft_experts_fn = base_experts
     if needs_shard_map(self.mesh):
@@ -187,10 +198,48 @@ class LLM:
     for layer in self.mtp.layers:
       layer.restrict_vocab(self.target, ids_N, head_sharding)
 
+  def _draft_config(self, spec: SpecConfig) -> ModelConfig:
+    path = spec.model
+    if not os.path.isdir(path):
+      raise FileNotFoundError(f"draft model directory {path!r} does not exist")
+    return dataclasses.replace(ModelConfig.from_dir(path),
+                               expert_tile=expert_tile(self.moe_backend))
+
+  def _check_drafter(self, spec: SpecConfig):
+    """A draft model must share the target's vocabulary and tokenizer, and keep caches that
+    roll back by length; refused here, before any weight is read."""
+    if spec.method == "eagle3":
+      if not os.path.isdir(spec.model):
+        raise FileNotFoundError(f"EAGLE-3 head directory {spec.model!r} does not exist")
+      return  # its config is checked against the target's while loading (eagle3.py)
+    draft_cfg = self._draft_config(spec)
+    check_draft_vocabulary(self.config, draft_cfg, self.tokenizer, _load_tokenizer(spec.model),
+                           self.model_dir, spec.model)
+    check_draft_caches(draft_cfg)
+    mesh = self.mesh_config
+    validate_mesh(draft_cfg, mesh if spec.draft_tp != 1
+                  else dataclasses.replace(mesh, tp=1, num_devices=None))
+
+  def _load_drafter(self, spec: SpecConfig, mesh_config: MeshConfig):
+    """A draft model or an EAGLE-3 head from `spec.model`, on the draft's sharding rules."""
+    del mesh_config
+    path = spec.model
+    if spec.method == "eagle3":
+      with stage(f"loading EAGLE-3 head {path}"):
+        return load_eagle3(path, self.config, self.dtype, self.mesh, self.draft_rules)
+    draft_cfg = self._draft_config(spec)
+    with stage(f"loading draft model {path}"):
+      draft, _, _ = load_checkpoint(path, draft_cfg, self.dtype, self.mesh, self.draft_rules,
+                                    self.draft_rules, load_mtp=False)
+    return draft
+
   @classmethod
   def from_random(cls, config: ModelConfig, mtp_spec: MTPSpec | None = None, *,
-                  mesh: MeshConfig | None = None, dtype="bfloat16", seed: int = 0, **kwargs):
-    """Random weights of the given shapes, born sharded on the mesh (benchmarks, tests)."""
+                  mesh: MeshConfig | None = None, dtype="bfloat16", seed: int = 0,
+                  draft_config=None, **kwargs):
+    """Random weights of the given shapes, born sharded on the mesh (benchmarks, tests).
+    `draft_config`: the drafter of a "draft_model" (a ModelConfig) or "eagle3" (an
+    Eagle3Config) speculative_config, also random."""
     mesh_config = mesh or MeshConfig()
     rules = kwargs.get("sharding_rules") or ShardingRules()
     spec = SpecConfig.parse(kwargs.get("speculative_config"))
@@ -201,8 +250,12 @@ class LLM:
     with stage("initialising random weights"):
       target, mtp = init_random(config, mtp_spec, resolve_dtype(dtype),
                                 mesh_config.make_mesh(), rules, draft_rules, seed)
+      draft = None
+      if draft_config is not None:
+        draft = init_random_drafter(draft_config, config, resolve_dtype(dtype),
+                                    mesh_config.make_mesh(), draft_rules, seed)
     return cls(mesh=mesh_config, dtype=dtype, seed=seed,
-               _modules=(None, config, target, mtp, mtp_spec), **kwargs)
+               _modules=(None, config, target, mtp, mtp_spec), _draft=draft, **kwargs)
 
   # ---- requests -------------------------------------------------------------------------
 

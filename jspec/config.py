@@ -204,7 +204,8 @@ class ModelConfig:
     return config
 
 
-SPEC_METHODS = ("mtp", "ngram")
+SPEC_METHODS = ("mtp", "ngram", "draft_model", "eagle3")
+SEPARATE_DRAFT_METHODS = ("draft_model", "eagle3")  # drafters loaded from their own directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,9 +215,11 @@ class SpecConfig:
   num_speculative_tokens: int
   prompt_lookup_min: int = 1
   prompt_lookup_max: int = 3
-  draft_tp: int | None = None  # 1 = replicate the MTP head over tp; None = shard like the target.
+  draft_tp: int | None = None  # 1 = replicate the draft over tp; None = shard like the target.
   # MTP only: token ids the head may draft (a reduced draft vocabulary; outputs are unchanged).
   draft_vocab: tuple[int, ...] | None = None
+  # draft_model / eagle3: the drafter's local Hugging Face directory.
+  model: str | None = None
 
   def __post_init__(self):
     if self.method not in SPEC_METHODS:
@@ -225,6 +228,12 @@ class SpecConfig:
     k = self.num_speculative_tokens
     if not isinstance(k, int) or k < 1:
       raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1")
+    if self.method in SEPARATE_DRAFT_METHODS and not self.model:
+      raise ValueError(f"speculative method {self.method!r} needs 'model': the drafter's "
+                       "checkpoint directory")
+    if self.method not in SEPARATE_DRAFT_METHODS and self.model is not None:
+      raise ValueError(f"speculative method {self.method!r} takes no 'model' (it drafts from "
+                       f"the target's own checkpoint); 'model' is for {SEPARATE_DRAFT_METHODS}")
     if self.draft_vocab is not None:
       if self.method != "mtp":
         raise ValueError(f"draft_vocab restricts an MTP head's drafts; method is {self.method!r}")

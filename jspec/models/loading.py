@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 
 from jspec.config import ModelConfig
+from jspec.models import eagle3
 from jspec.models import weights as W
 from jspec.models.layers import unpadded_shape
 from jspec.models.mtp import MTPHead, MTPSpec
@@ -164,8 +165,10 @@ def _padded_block(host: np.ndarray, index: tuple, shape: tuple) -> np.ndarray:
 
 
 def load_checkpoint(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh,
-                    target_rules: ShardingRules, draft_rules: ShardingRules | None = None):
-  """Returns (target module, MTP head or None, MTPSpec or None), parameters on `mesh`."""
+                    target_rules: ShardingRules, draft_rules: ShardingRules | None = None,
+                    load_mtp: bool = True):
+  """Returns (target module, MTP head or None, MTPSpec or None), parameters on `mesh`.
+  `load_mtp=False` (a model loaded as another's draft): MTP tensors are checked, not read."""
   index = SafetensorsIndex(model_dir)
   names = index.names
   family = family_of(cfg)
@@ -178,6 +181,8 @@ def load_checkpoint(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh,
                else {})
   _validate_names(index, {**rules, **{("mtp",) + p: r for p, r in mtp_rules.items()}},
                   family.skipped_prefixes(cfg), duplicates)
+  if not load_mtp:
+    mtp_spec = None
 
   draft_rules = draft_rules or target_rules
   target_cfg, draft_cfg = sharded_configs(cfg, mesh, target_rules, draft_rules)
@@ -212,13 +217,13 @@ def _shared_with_target(cfg: ModelConfig, spec: MTPSpec, index: SafetensorsIndex
           frozenset(duplicates))
 
 
-def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,
-                target_rules: ShardingRules, draft_rules: ShardingRules | None = None,
-                seed: int = 0):
-  """Random weights born sharded: each parameter drawn on device by a small jitted generator
-  with `out_shardings` from the rules (one compile per distinct shape, so 36 identical layers
-  cost one), scaled as the module's initialiser says (`init_scale` metadata; None = ones)."""
-  generators = {}
+def init_random_module(make: Callable, mesh: Mesh, sharding_rules: ShardingRules, seed: int,
+                       stream: int, generators: dict | None = None):
+  """The module `make` builds, its weights drawn on device in their final sharding: each
+  parameter by a small jitted generator with `out_shardings` from the rules (one compile per
+  distinct shape, so 36 identical layers cost one; `generators` shares them between modules),
+  scaled as the module's initialiser says (`init_scale` metadata; None = ones)."""
+  generators = {} if generators is None else generators
 
   def generator(shape, true_shape, dtype_, sharding, scale):
     key = (shape, true_shape, dtype_, sharding, scale)
@@ -232,18 +237,27 @@ def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,
       generators[key] = jax.jit(draw, out_shardings=sharding)
     return generators[key]
 
+  graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
+  flat = nnx.to_flat_state(abstract_state)
+  base = jax.random.fold_in(jax.random.key(seed), stream)
+  for index, (path, variable) in enumerate(progress(list(flat), "initialising")):
+    meta = variable.get_metadata()
+    abstract = variable.get_value()
+    sharding = sharding_rules.sharding(mesh, meta["logical_axes"])
+    draw = generator(abstract.shape, unpadded_shape(variable), abstract.dtype, sharding,
+                     meta["init_scale"])
+    variable.set_value(draw(jax.random.fold_in(base, index)))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,
+                target_rules: ShardingRules, draft_rules: ShardingRules | None = None,
+                seed: int = 0):
+  """Random target (and MTP head) weights born sharded (`init_random_module`)."""
+  generators = {}
+
   def build(make: Callable, sharding_rules: ShardingRules, stream: int):
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
-    flat = nnx.to_flat_state(abstract_state)
-    base = jax.random.fold_in(jax.random.key(seed), stream)
-    for index, (path, variable) in enumerate(progress(list(flat), "initialising")):
-      meta = variable.get_metadata()
-      abstract = variable.get_value()
-      sharding = sharding_rules.sharding(mesh, meta["logical_axes"])
-      draw = generator(abstract.shape, unpadded_shape(variable), abstract.dtype, sharding,
-                       meta["init_scale"])
-      variable.set_value(draw(jax.random.fold_in(base, index)))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return init_random_module(make, mesh, sharding_rules, seed, stream, generators)
 
   draft_rules = draft_rules or target_rules
   target_cfg, draft_cfg = sharded_configs(cfg, mesh, target_rules, draft_rules)
@@ -254,3 +268,24 @@ def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,
     mtp = build(lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(seed), model),
                 draft_rules, 1)
   return target, mtp
+
+
+def load_eagle3(model_dir: str, target_cfg: ModelConfig, dtype, mesh: Mesh,
+                draft_rules: ShardingRules):
+  """An EAGLE-3 head (jspec.models.eagle3) for a target of `target_cfg`, on `mesh`."""
+  from transformers import AutoConfig
+  index = SafetensorsIndex(model_dir)
+  ecfg = eagle3.read_eagle3_config(AutoConfig.from_pretrained(model_dir, local_files_only=True),
+                                   target_cfg, index.names)
+  rules = eagle3.eagle3_rules(ecfg)
+  ints = {"d2t", "t2d"}
+  _validate_names(index, rules, duplicates=frozenset(ints & index.names))
+  layer_cfg = sharded_configs(ecfg.layer, mesh, draft_rules, draft_rules)[0]
+  ecfg = dataclasses.replace(ecfg, layer=layer_cfg)
+  abstract = nnx.eval_shape(lambda: eagle3.Eagle3Head(ecfg, dtype, nnx.Rngs(0)))
+  head = _materialize(abstract, rules, index, mesh, draft_rules, dtype, "EAGLE-3 head")
+  d2t = index.read("d2t") if "d2t" in index.names else None
+  head.set_target_ids(eagle3.draft_to_target_ids(d2t, ecfg.draft_vocab_size,
+                                                 target_cfg.vocab_size),
+                      draft_rules.sharding(mesh, (None,)))
+  return head
