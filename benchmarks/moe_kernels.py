@@ -1,7 +1,16 @@
 """MoE expert layer: jspec's Pallas Mosaic GPU kernels against XLA and tokamax baselines.
 
     PYTHONPATH=. python3 benchmarks/moe_kernels.py --json moe_kernels.json
+    PYTHONPATH=. python3 benchmarks/moe_kernels.py --decode --json moe_decode.json
     PYTHONPATH=. python benchmarks/moe_kernels.py --tiny   # interpret mode on CPU: smoke test
+    PYTHONPATH=. python benchmarks/moe_kernels.py --tiny --decode
+
+--decode times whole MoE layers (router, routed experts, shared experts: `jspec.models.moe.MoE`
+with a preset's shapes) at decode sizes, T = 1..32 tokens, for each expert backend: "pallas"
+(experts_pallas, which takes the decode path at these sizes), "grouped" (the Pallas path it
+replaced) and "ragged_dot" (XLA). Layers are rotated over several weight copies so that no
+call finds the previous call's experts in L2. Kernels per layer are counted in the optimized
+HLO (kernel launches, command buffers opened up), and checked against a profile at T = 1.
 
 For each model's expert shapes and each token count T: skewed (Zipf-like, seeded) top-k
 routing, bf16, median time per layer call after warm-up. "bytes" is the least the layer
@@ -13,8 +22,10 @@ TFLOP/s counts the useful FLOPs, 6 * T * K * D * F.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
+import re
 import sys
 import types
 
@@ -22,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.bench.roofline import hbm_bandwidth, seconds_per_call
-from jspec.models.moe_backends import experts_dense, experts_ragged_dot
+from jspec.models.moe_backends import experts_dense, experts_ragged_dot, experts_reference
 from jspec.pallas_kernels import (choose_tilings, down_weighted, experts_pallas,
                                   gate_up_swiglu, permute_rows, plan_routing)
 
@@ -32,6 +43,9 @@ MODELS = {
     "deepseek-v3": (256, 8, 7168, 2048),
 }
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
+# --decode: presets of jspec.bench.presets (whole MoE layers, shared experts included).
+DECODE_MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "deepseek-v3")
+DECODE_TOKENS = (1, 2, 4, 8, 16, 32)
 # Baselines that expand to all experts are skipped past this many FLOPs (seconds per call).
 MAX_BASELINE_FLOPS = 1.5e14
 MAX_DENSE_BYTES = 12e9
@@ -167,20 +181,246 @@ def table(rows, hbm_bw):
   return "\n".join(lines)
 
 
+# --- decode sizes: whole MoE layers --------------------------------------------------------
+
+def _called_computations(line):
+  return re.findall(r"(?:to_apply|calls|body|condition|branch_computations)=\{?%?([\w.\-]+)", line)
+
+
+# Opcodes that launch no kernel of their own.
+_FREE_OPS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+             "opt-barrier", "partition-id", "replica-id", "call", "while", "conditional",
+             "async-start", "async-done", "async-update", "copy-start", "copy-done"}
+
+
+def hlo_kernel_count(hlo_text: str) -> int:
+  """Kernel launches of one call of a compiled program: the instructions of its entry
+  computation and of the computations it calls (command buffers, calls, loop bodies once),
+  less those that launch nothing. A fusion counts once, whatever it fuses."""
+  comps, name, body = {}, None, []
+  for line in hlo_text.splitlines():
+    header = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+    if header and not line.startswith(" "):
+      name, body = header.group(2), []
+      comps[name] = body
+      if header.group(1):
+        comps["__entry__"] = body
+    elif name is not None and line.strip() and line.strip() != "}":
+      body.append(line)
+
+  def count(comp, seen):
+    total = 0
+    for line in comps.get(comp, []):
+      m = re.search(r"=\s*(?:\([^=]*?\)|[\w\[\]{},:\s]*?)\s*([a-z][\w\-]*)\(", line)
+      op = m.group(1) if m else None
+      if op in ("call", "while", "conditional", "async-start"):
+        for callee in _called_computations(line):
+          if callee not in seen:
+            total += count(callee, seen | {callee})
+      elif op and op not in _FREE_OPS:
+        total += 1
+    return total
+
+  return count("__entry__", frozenset())
+
+
+def profiled_kernels(fn, args):
+  """(kernel launches, their summed µs, [(name, µs)]) of one call, from a profile."""
+  import glob
+  import os
+  import tempfile
+  from jax.profiler import ProfileData
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir)
+    jax.block_until_ready(fn(*args))
+    jax.profiler.stop_trace()
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+    data = ProfileData.from_file(path)
+  events = []
+  for plane in data.planes:
+    if plane.name == "/device:GPU:0":
+      for line in plane.lines:
+        if line.name.startswith("Stream"):
+          events += [(e.name, e.duration_ns / 1e3) for e in line.events]
+  return len(events), sum(us for _, us in events), events
+
+
+def _layer_bytes(cfg, experts_used, num_tokens, itemsize=2):
+  """Least bytes of one MoE layer call: the router, the experts that got tokens, the shared
+  experts, x read and y written."""
+  d, f = cfg.hidden_size, cfg.moe_intermediate_size
+  shared = 3 * d * (cfg.shared_expert_intermediate_size + f * cfg.num_shared_experts)
+  shared += d * bool(cfg.shared_expert_intermediate_size)
+  return itemsize * (d * cfg.num_experts + experts_used * 3 * d * f + shared
+                     + 2 * num_tokens * d)
+
+
+def bench_decode_model(name, cfg, tokens, hbm_bw, check, weight_budget=4e9):
+  from flax import nnx
+  from jspec.models.moe import MoE
+  from jspec.pallas_kernels import experts_grouped, gate_up_decode, down_decode, plan_decode
+  from jspec.pallas_kernels.decode_routing import padded_tokens
+  from jspec.pallas_kernels.experts import decode_tilings
+
+  cfg = dataclasses.replace(cfg, expert_tile=64).padded_for(1, 1)
+  d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  expert_bytes = 3 * d * f * 2
+  copies = int(max(1, min(4, weight_budget // (e * expert_bytes))))
+  layers = [MoE(cfg, jnp.bfloat16, nnx.Rngs(params=c)) for c in range(copies)]
+  graphdef, _ = nnx.split(layers[0])
+  states = [nnx.split(layer)[1] for layer in layers]
+  backends = {"pallas": experts_pallas, "grouped": jax.jit(experts_grouped),
+              "ragged_dot": jax.jit(experts_ragged_dot)}
+
+  def layer_fn(experts_fn):
+    return jax.jit(lambda state, x_TD: nnx.merge(graphdef, state)(x_TD[None], experts_fn)[0])
+
+  def routing(state, x_TD):
+    layer = nnx.merge(graphdef, state)
+    x_in = jnp.pad(x_TD, ((0, 0), (0, layer.hidden_padding)))
+    ids, weights = layer._route(x_TD)
+    return x_in, ids, weights, layer.w_gate[...], layer.w_up[...], layer.w_down[...]
+
+  routing = jax.jit(routing)
+  layers_jit = {b: layer_fn(fn) for b, fn in backends.items()}
+  gate_up_tiling, down_tiling = decode_tilings(cfg.moe_padded_hidden_size,
+                                               cfg.moe_padded_intermediate_size)
+  rows = []
+  for num_tokens in tokens:
+    keys = jax.random.split(jax.random.key(num_tokens), 4)
+    xs = [jax.random.normal(keys[i], (num_tokens, d), jnp.bfloat16) for i in range(4)]
+    arg_sets = [(states[i % copies], xs[i]) for i in range(4)]
+    expert_args = [routing(*a) for a in arg_sets]
+    used = [int(jnp.unique(jnp.where(a[1] >= 0, a[1], -1)).size) for a in expert_args]
+    experts_used = sum(used) / len(used)
+    min_bytes = _layer_bytes(cfg, experts_used, num_tokens)
+    row = {"model": name, "T": num_tokens, "experts_used": experts_used, "min_bytes": min_bytes,
+           "weight_copies": copies}
+    for backend, fn in layers_jit.items():
+      try:
+        compiled = fn.lower(*arg_sets[0]).compile()  # Timed and counted: compiled once.
+        row[backend] = seconds_per_call(compiled, arg_sets)
+        row[backend + "_kernels"] = hlo_kernel_count(compiled.as_text())
+        if backend != "ragged_dot":  # The routed experts alone, without router and shared.
+          row[backend + "_experts"] = seconds_per_call(backends[backend], expert_args)
+      except Exception as err:  # Record and go on: one failure must not hide the rest.
+        print(f"{name} T={num_tokens} {backend}: {type(err).__name__}: {str(err)[:400]}",
+              file=sys.stderr, flush=True)
+        row.setdefault(backend, None)
+    try:
+      # The decode path's two GEMM kernels alone (slot plan and combine excluded).
+      n = padded_tokens(num_tokens)
+
+      def kernels(x, ids, weights, w_gate, w_up, w_down):
+        plan = plan_decode(ids, weights, e)
+        act = gate_up_decode(x, w_gate, w_up, plan.slot_expert_S, plan.num_slots_1, n,
+                             gate_up_tiling)
+        return down_decode(act, w_down, plan.weight_SN, plan.slot_expert_S, plan.num_slots_1,
+                           down_tiling)
+
+      plans = [a for a in expert_args]
+      row["decode_gemms"] = seconds_per_call(jax.jit(kernels), plans)
+      row["decode_gemms_bytes"] = experts_used * expert_bytes
+      if check:
+        got = backends["pallas"](*expert_args[0]).astype(jnp.float32)
+        want = experts_reference(*expert_args[0]).astype(jnp.float32)
+        row["rel_err_vs_reference"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    except Exception as err:
+      print(f"{name} T={num_tokens} decode kernels/check: {type(err).__name__}: "
+            f"{str(err)[:400]}", file=sys.stderr, flush=True)
+    if num_tokens == tokens[0]:
+      for backend, fn in layers_jit.items():
+        try:
+          count, kernel_us, events = profiled_kernels(fn.lower(*arg_sets[0]).compile(),
+                                                      arg_sets[0])
+          row[backend + "_profiled_kernels"] = count
+          row[backend + "_profiled_kernel_us"] = kernel_us
+          row[backend + "_profile"] = events
+        except Exception as err:
+          print(f"{name} profile {backend}: {type(err).__name__}: {str(err)[:300]}",
+                file=sys.stderr, flush=True)
+    for backend in layers_jit:
+      if row.get(backend):
+        row[backend + "_bw_frac"] = min_bytes / row[backend] / hbm_bw
+    rows.append(row)
+    print(json.dumps({k: v for k, v in row.items() if not k.endswith("_profile")}), flush=True)
+  del layers, states
+  return rows
+
+
+def decode_table(rows, hbm_bw):
+  lines = [f"% of bandwidth: least bytes / time against {hbm_bw / 1e12:.2f} TB/s, measured in "
+           "this run; kernels: launches per layer call (optimized HLO)", "",
+           "| model | T | experts used | MB | pallas µs | % BW | kernels | experts µs | GEMMs µs "
+           "| GEMM % BW | grouped µs | % BW | kernels | ragged_dot µs | % BW | kernels |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+           "| ---: | ---: | ---: | ---: |"]
+  for r in rows:
+    pct = lambda b: f"{100 * r[b + '_bw_frac']:.0f}" if r.get(b + "_bw_frac") else "-"
+    gemm_pct = (f"{100 * r['decode_gemms_bytes'] / r['decode_gemms'] / hbm_bw:.0f}"
+                if r.get("decode_gemms") else "-")
+    lines.append(
+        f"| {r['model']} | {r['T']} | {r['experts_used']:.1f} | {r['min_bytes'] / 1e6:.0f} "
+        f"| {_fmt_us1(r.get('pallas'))} | {pct('pallas')} | {r.get('pallas_kernels', '-')} "
+        f"| {_fmt_us1(r.get('pallas_experts'))} | {_fmt_us1(r.get('decode_gemms'))} "
+        f"| {gemm_pct} | {_fmt_us1(r.get('grouped'))} | {pct('grouped')} "
+        f"| {r.get('grouped_kernels', '-')} | {_fmt_us1(r.get('ragged_dot'))} "
+        f"| {pct('ragged_dot')} | {r.get('ragged_dot_kernels', '-')} |")
+  return "\n".join(lines)
+
+
+def _fmt_us1(seconds):
+  return "-" if not seconds else f"{seconds * 1e6:.1f}"
+
+
+def main_decode(args):
+  from jspec.bench.presets import PRESETS
+  if args.tiny:
+    cfg = PRESETS["tiny-moe"]
+    models = {"tiny-moe": dataclasses.replace(cfg, shared_expert_intermediate_size=64)}
+    tokens = (1, 3)
+  else:
+    models = {m: PRESETS[m] for m in (args.models.split(",") if args.models != ",".join(MODELS)
+                                      else DECODE_MODELS)}
+    tokens = tuple(int(t) for t in (args.tokens or ",".join(map(str, TOKENS))).split(",")) if args.tokens else DECODE_TOKENS
+  copy_bw, read_bw = hbm_bandwidths(8 << 20 if args.tiny else 2 << 30)
+  hbm_bw = max(copy_bw, read_bw)
+  rows = []
+  for name, cfg in models.items():
+    rows += bench_decode_model(name, cfg, tokens, hbm_bw, args.check)
+  with open(args.json, "w") as f:
+    json.dump({"device": str(jax.devices()[0].device_kind), "hbm_copy_bw": copy_bw,
+               "hbm_read_bw": read_bw, "hbm_ceiling": hbm_bw, "rows": rows}, f, indent=1)
+  for r in rows:
+    if r.get("pallas_profile"):
+      for backend in ("pallas", "grouped", "ragged_dot"):
+        events = r.get(backend + "_profile") or []
+        print(f"{r['model']} T={r['T']} {backend}: {len(events)} kernels, "
+              f"{sum(us for _, us in events):.1f} µs: "
+              + ", ".join(f"{n[:40]} {us:.1f}" for n, us in events))
+  print(f"HBM copy (read + write) {copy_bw / 1e12:.2f} TB/s, read-only {read_bw / 1e12:.2f} TB/s")
+  print(decode_table(rows, hbm_bw))
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--json", default="moe_kernels.json")
   parser.add_argument("--models", default=",".join(MODELS))
-  parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+  parser.add_argument("--tokens", default=None, help="default: TOKENS, or DECODE_TOKENS")
   parser.add_argument("--tiny", action="store_true", help="small shapes (interpret mode on CPU)")
   parser.add_argument("--check", action="store_true", help="compare pallas with a baseline")
+  parser.add_argument("--decode", action="store_true",
+                      help="whole MoE layers at T = 1..32 (DECODE_MODELS presets)")
   args = parser.parse_args()
   print(f"devices: {jax.devices()}", flush=True)
+  if args.decode:
+    return main_decode(args)
   if args.tiny:
     models, tokens = {"tiny": (8, 2, 128, 64)}, (1, 8)
   else:
     models = {m: MODELS[m] for m in args.models.split(",")}
-    tokens = tuple(int(t) for t in args.tokens.split(","))
+    tokens = tuple(int(t) for t in (args.tokens or ",".join(map(str, TOKENS))).split(","))
   copy_bw, read_bw = hbm_bandwidths(8 << 20 if args.tiny else 2 << 30)
   # The kernels mostly stream weights in: the faster of the two passes is the ceiling.
   hbm_bw = max(copy_bw, read_bw)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.grouped_gemm import _silu_mul, _smem_transforms
 
+# The TMA writes shared memory at 128-byte aligned addresses: every pipelined block must be a
+# multiple of this many bytes, or the second stage's buffer is misaligned.
+TMA_SMEM_ALIGNMENT = 128
 # Shared memory the pipeline stages may take (the H100 / H200 limit is 227 KiB per block;
 # the rest holds the epilogue tile and barriers).
 PIPELINE_SMEM_BYTES = 192 * 1024
@@ -50,6 +54,15 @@ class DecodeTiling:
 def _check_divisible(name, size, block):
   if size % block:
     raise ValueError(f"{name}={size} must be a multiple of the block size {block}")
+
+
+def _check_aligned(*blocks):
+  """blocks: (shape, dtype) of each pipelined input block."""
+  for shape, dtype in blocks:
+    size = math.prod(shape) * jnp.dtype(dtype).itemsize
+    if size % TMA_SMEM_ALIGNMENT:
+      raise ValueError(f"a pipelined block {shape} of {jnp.dtype(dtype).name} is {size} bytes, "
+                       f"not a multiple of {TMA_SMEM_ALIGNMENT}: its stages would be misaligned")
 
 
 def _num_stages(tiling: DecodeTiling, bytes_per_stage: int) -> int:
@@ -154,6 +167,7 @@ def gate_up_decode(x_TD, w_gate_EDF, w_up_EDF, slot_expert_S, num_slots_1, token
   _check_divisible("F", ffn, bc)
   itemsize = jnp.dtype(dtype).itemsize
   stages = _num_stages(tiling, (n * bk + 2 * bk * bc) * itemsize)
+  _check_aligned(((n, bk), dtype), ((bk, bc), dtype))
 
   def body(slot_expert_ref, num_slots_ref, x_ref, w_gate_ref, w_up_ref, act_ref):
     def in_specs_for(item):
@@ -190,7 +204,12 @@ def down_decode(act_SNF, w_down_EFD, weight_SN, slot_expert_S, num_slots_1,
   _check_divisible("F", ffn, bk)
   _check_divisible("D", dim, bc)
   itemsize = jnp.dtype(dtype).itemsize
-  stages = _num_stages(tiling, (n * bk + bk * bc) * itemsize + n * 4)
+  # The slot's routing weights ride along with every step's loads, padded to one aligned
+  # TMA block (32 floats), so the epilogue never waits on a load of its own.
+  r = max(n, TMA_SMEM_ALIGNMENT // 4)
+  weight_SR = jnp.pad(weight_SN, ((0, 0), (0, r - n)))
+  stages = _num_stages(tiling, (n * bk + bk * bc) * itemsize + r * 4)
+  _check_aligned(((n, bk), dtype), ((bk, bc), dtype), ((r,), jnp.float32))
 
   def body(slot_expert_ref, num_slots_ref, weight_ref, act_ref, w_down_ref, out_ref):
     def in_specs_for(item):
@@ -201,14 +220,12 @@ def down_decode(act_SNF, w_down_EFD, weight_SN, slot_expert_S, num_slots_1,
       a_spec = plgpu.BlockSpec((None, n, bk), lambda i, k: (item(i)[0], 0, k),
                                transforms=_smem_transforms(bk, dtype))
       w_spec = plgpu.BlockSpec((None, bk, bc), w_index, transforms=_smem_transforms(bc, dtype))
-      # The slot's routing weights ride along with every step's loads (n floats), so the
-      # epilogue never waits on a load of its own.
-      r_spec = plgpu.BlockSpec((None, n), lambda i, k: (item(i)[0], 0))
+      r_spec = plgpu.BlockSpec((None, r), lambda i, k: (item(i)[0], 0))
       return [a_spec, w_spec, r_spec]
 
     def epilogue(slot, col, sums, smem_refs, o_smem):
       (out,) = sums
-      weight_N = plgpu.load(smem_refs[2], layout=plgpu.Layout.WGMMA.reduce(0))
+      weight_N = plgpu.load(smem_refs[2].at[pl.ds(0, n)], layout=plgpu.Layout.WGMMA.reduce(0))
       weighted = out * lax.broadcast_in_dim(weight_N, (bc, n), [1])
       _store_transposed(weighted, o_smem, out_ref.at[slot, :, pl.ds(col * bc, bc)])
 
@@ -219,4 +236,4 @@ def down_decode(act_SNF, w_down_EFD, weight_SN, slot_expert_S, num_slots_1,
     )(act_ref, w_down_ref, weight_ref)
 
   return _kernel_call(body, (num_slots_max, n, dim), dtype, "moe_decode_down")(
-      slot_expert_S, num_slots_1, weight_SN, act_SNF, w_down_EFD)
+      slot_expert_S, num_slots_1, weight_SR, act_SNF, w_down_EFD)
