@@ -29,6 +29,7 @@ from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
 from jspec.sharding.rules import MeshConfig, ShardingRules, axis_size, global_array
 
 Prompt = str | Sequence[int]
+BATCHING_MODES = ("continuous", "waves")
 DEFAULT_MAX_MODEL_LEN = 4096
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -61,8 +62,9 @@ class LLM:
                dtype="bfloat16", moe_backend: str = "auto", seed: int = 0,
                max_num_seqs: int | str = "auto", compilation_cache_dir: str | None = None,
                ep_strategy: str = "auto", device_memory_bytes: int | None = None,
-               prefill_chunk_size: int = 1024, attention_backend: str = "xla",
+               prefill_chunk_size: int = 256, attention_backend: str = "xla",
                recurrent_commit: str = "store", sharding_rules: ShardingRules | None = None,
+               batching: str = "continuous",
                _modules=None, _draft=None):
     self.dtype = resolve_dtype(dtype)
     if attention_backend not in ATTENTION_BACKENDS:
@@ -82,6 +84,11 @@ class LLM:
             and prefill_chunk_size & (prefill_chunk_size - 1) == 0):
       raise ValueError(f"prefill_chunk_size={prefill_chunk_size!r} must be a power of two >= 16")
     self.prefill_chunk_size = prefill_chunk_size
+    if batching not in BATCHING_MODES:
+      raise ValueError(f"batching={batching!r} is not supported; choose one of {BATCHING_MODES}")
+    # "continuous": a finished sequence's slot takes the next request inside the loop;
+    # "waves": the former scheduler, batches that end with their longest request (jspec.engine).
+    self.batching = batching
     self.moe_backend = resolve_moe_backend(moe_backend)
     self.seed = seed
     self.max_num_seqs = max_num_seqs
@@ -317,18 +324,34 @@ class LLM:
     self._request_counter += 1
     return hash((self.seed, self._request_counter)) & 0x7FFFFFFF
 
-  def generate(self, prompts, sampling_params=None) -> GenerateOutputs:
-    """Generates for every prompt; outputs come back in prompt order."""
+  def generate(self, prompts, sampling_params=None, use_tqdm=True) -> GenerateOutputs:
+    """Generates for every prompt; outputs come back in prompt order.
+
+    `use_tqdm`: a progress bar over finished requests (tokens/s in its postfix) for calls
+    that last more than a moment; False hides it, as does JSPEC_PROGRESS=0; a tqdm-like class
+    draws it instead of tqdm.
+    """
     prompt_ids = self._encode(prompts)
     params = self._params_list(sampling_params, len(prompt_ids))
+    if self.batching == "waves" and any(
+        p.n > 1 or p.logprobs is not None or p.prompt_logprobs is not None for p in params):
+      raise ValueError("batching='waves' generates one completion per prompt without "
+                       "logprobs; use batching='continuous' for n, logprobs and prompt_logprobs")
     seeds = [self._seed_for(p) for p in params]
+    decode = None
+    if self.tokenizer is not None:  # each token's own text, for Logprob.decoded_token
+      decode = lambda ids: self.tokenizer.batch_decode([[i] for i in ids])
     # Wall time counts running only: compiling a new bucket is reported by its own progress line.
-    outputs, wall = self._runner.generate(prompt_ids, params, seeds)
+    result = self._runner.generate(prompt_ids, params, seeds, use_tqdm=use_tqdm, decode=decode)
+    outputs = result.outputs
     if self.tokenizer is not None:
       for out in outputs:
-        out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        for completion in out.outputs:
+          completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
     k = self.spec.num_speculative_tokens if self.spec else 0
-    return GenerateOutputs(outputs, aggregate(outputs, k, wall))
+    return GenerateOutputs(outputs, aggregate(outputs, k, result.wall_time_s),
+                           num_dispatches=result.num_dispatches,
+                           host_seconds_per_dispatch=result.host_seconds_per_dispatch)
 
   def compute_logits(self, token_id_lists) -> list[np.ndarray]:
     """The target's float32 logits [len, vocab] for each sequence (one forward, no sampling)."""

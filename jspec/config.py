@@ -261,6 +261,11 @@ class SpecConfig:
     return cls(**spec)
 
 
+# The most alternatives per position `logprobs` / `prompt_logprobs` may ask for (vLLM's
+# default max_logprobs).
+MAX_LOGPROBS = 20
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """Per-request sampling settings; names follow vLLM's offline API."""
@@ -271,6 +276,14 @@ class SamplingParams:
   stop_token_ids: Sequence[int] | None = None
   seed: int | None = None
   ignore_eos: bool = False
+  # n completions of the prompt, sharing its prefill (sample i > 0 draws from its own random
+  # stream, so a seeded request's first completion is the one n = 1 gives).
+  n: int = 1
+  # Per generated (prompt) token: its log-probability and the top-N alternatives, as
+  # {token_id: Logprob} per position (jspec.outputs); the target's raw log-softmax, before
+  # temperature, top-k and top-p, as vLLM's default. None: not computed.
+  logprobs: int | None = None
+  prompt_logprobs: int | None = None
 
   def __post_init__(self):
     if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
@@ -283,3 +296,10 @@ class SamplingParams:
       raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables top-k)")
     if self.seed is not None and not isinstance(self.seed, int):
       raise ValueError(f"seed={self.seed!r} must be an integer or None")
+    if not (isinstance(self.n, int) and self.n >= 1):
+      raise ValueError(f"n={self.n!r} must be an integer >= 1")
+    for name in ("logprobs", "prompt_logprobs"):
+      value = getattr(self, name)
+      if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
+        raise ValueError(f"{name}={value!r} must be None or an integer in [0, {MAX_LOGPROBS}] "
+                         "(the number of alternatives per position)")

@@ -1,8 +1,10 @@
-"""Host side of generation: group requests into buckets, compile once per bucket, run, unpack.
+"""Host side of generation: the model's state split for jit, logits, and two schedulers.
 
-The device work of a batch is two compiled programs, prefill and the decode loop; between
-them the state stays on device (donated), and nothing returns to the host until every
-sequence of the batch is done.
+"continuous" (the default; jspec.continuous, jspec.speculative.batching): every request of a
+call waits on device, and a slot that finishes takes the next one inside the loop.
+"waves" (kept to compare against): requests sorted by prompt length run in batches of
+max_num_seqs, each two programs (prefill, then the decode loop) with the state donated
+between them, a batch ending when its longest request ends.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import numpy as np
 from flax import nnx
 
 from jspec.config import SamplingParams
+from jspec.continuous import ContinuousBatcher, RunResult
 from jspec.models import caches as cache_lib
-from jspec.outputs import RequestMetrics, RequestOutput
+from jspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jspec.progress import stage
 from jspec.speculative import buckets
 from jspec.sharding.rules import global_array, to_host
@@ -44,6 +47,7 @@ class Runner:
         draft_cache_shardings=(module_cache_shardings(llm.draft_module, llm.draft_rules,
                                                       llm.mesh, llm.dtype)
                                if llm.draft_module is not None else None))
+    self.batcher = ContinuousBatcher(self)
 
   def _put(self, host: np.ndarray, logical_axes) -> jax.Array:
     """A host array made global on the mesh (each process supplies its devices' slices)."""
@@ -100,8 +104,14 @@ class Runner:
   # ---- generation -----------------------------------------------------------------------
 
   def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams],
-               seeds: list[int]) -> tuple[list[RequestOutput], float]:
+               seeds: list[int], use_tqdm=True, decode=None) -> RunResult:
     """Outputs in prompt order, and the seconds spent running (compilation excluded)."""
+    if self.llm.batching == "continuous":
+      return self.batcher.generate(prompt_ids, params, seeds, use_tqdm, decode)
+    outputs, seconds = self._generate_waves(prompt_ids, params, seeds)
+    return RunResult(outputs, seconds)
+
+  def _generate_waves(self, prompt_ids, params, seeds):
     # Similar lengths batch together (less padding); outputs are put back in prompt order.
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     outputs: list[RequestOutput | None] = [None] * len(prompt_ids)
@@ -171,8 +181,10 @@ class Runner:
       row_metrics = RequestMetrics.from_counts(
           metrics.drafted_at_BK[row, :k], metrics.accepted_at_BK[row, :k],
           int(metrics.num_steps_B[row]), len(generated), wall)
-      outputs.append(RequestOutput(prompt_token_ids=list(prompt), token_ids=generated, text=None,
-                                   finish_reason=FINISH_REASONS[int(finish_B[row])],
+      completion = CompletionOutput(index=0, token_ids=generated, text=None,
+                                    finish_reason=FINISH_REASONS[int(finish_B[row])],
+                                    metrics=row_metrics)
+      outputs.append(RequestOutput(prompt_token_ids=list(prompt), outputs=[completion],
                                    metrics=row_metrics))
     return outputs, wall
 

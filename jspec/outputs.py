@@ -1,8 +1,15 @@
 """What `LLM.generate` returns: vLLM-shaped request outputs with speculative metrics.
 
-Token accounting: prefill emits each request's first token; every verify step then emits
-1 .. k+1 tokens (the accepted drafts plus the target's own token), so
+A `RequestOutput` holds `n` `CompletionOutput`s (SamplingParams.n); its `token_ids`, `text`,
+`finish_reason`, `logprobs` and `cumulative_logprob` are the first completion's, as before `n`.
+
+Token accounting: prefill emits each completion's first token; every verify step then emits
+1 .. k+1 tokens (the accepted drafts plus the target's own token), so for each completion
     len(token_ids) == 1 + num_accepted_tokens + num_steps.
+
+Log-probabilities are vLLM's: per position a dict {token_id: Logprob(logprob, rank,
+decoded_token)} holding the chosen token (first) and the top-N alternatives, ranks from 1
+(the most likely token); a prompt's first position has none (None in `prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -50,20 +57,69 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass
-class RequestOutput:
-  prompt_token_ids: list[int]
+class Logprob:
+  """A token's log-probability under the target (its raw log-softmax, before temperature,
+  top-k and top-p: vLLM's default), its rank in the vocabulary (1: the most likely; ties share
+  the worse rank, as vLLM counts them) and its text where the model has a tokenizer."""
+  logprob: float
+  rank: int | None = None
+  decoded_token: str | None = None
+
+
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+  index: int                 # which of the request's n completions
   token_ids: list[int]
   text: str | None
-  finish_reason: str  # 'stop' (EOS or a stop id, included in token_ids) or 'length'
-  metrics: RequestMetrics
+  finish_reason: str         # 'stop' (EOS or a stop id, included in token_ids) or 'length'
+  logprobs: list[PositionLogprobs] | None = None  # one dict per token; None unless asked
+  cumulative_logprob: float | None = None         # the sum over token_ids; None unless asked
+  metrics: RequestMetrics | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  prompt_token_ids: list[int]
+  outputs: list[CompletionOutput]
+  metrics: RequestMetrics    # pooled over the n completions
+  prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+  # The first completion's, so that code written for one completion per prompt keeps working.
+  @property
+  def token_ids(self) -> list[int]:
+    return self.outputs[0].token_ids
+
+  @property
+  def text(self) -> str | None:
+    return self.outputs[0].text
+
+  @property
+  def finish_reason(self) -> str:
+    return self.outputs[0].finish_reason
+
+  @property
+  def logprobs(self) -> list[PositionLogprobs] | None:
+    return self.outputs[0].logprobs
+
+  @property
+  def cumulative_logprob(self) -> float | None:
+    return self.outputs[0].cumulative_logprob
 
 
 class GenerateOutputs(list):
-  """A list of RequestOutput, in prompt order, with the aggregate `metrics` of the call."""
+  """A list of RequestOutput, in prompt order, with the aggregate `metrics` of the call and,
+  under continuous batching, how many device dispatches it took and the host's work per
+  dispatch (seconds, overlapped with the next dispatch's device work)."""
 
-  def __init__(self, outputs, metrics: RequestMetrics):
+  def __init__(self, outputs, metrics: RequestMetrics, num_dispatches: int = 0,
+               host_seconds_per_dispatch: float = 0.0):
     super().__init__(outputs)
     self.metrics = metrics
+    self.num_dispatches = num_dispatches
+    self.host_seconds_per_dispatch = host_seconds_per_dispatch
 
 
 def aggregate(outputs: list[RequestOutput], k: int, wall_time_s: float) -> RequestMetrics:
@@ -76,3 +132,26 @@ def aggregate(outputs: list[RequestOutput], k: int, wall_time_s: float) -> Reque
   steps = sum(out.metrics.num_steps for out in outputs)
   generated = sum(out.metrics.num_generated_tokens for out in outputs)
   return RequestMetrics.from_counts(drafted, accepted, steps, generated, wall_time_s)
+
+
+def position_logprobs(chosen_T, logprob_T, rank_T, top_ids_TX, top_logprobs_TX,
+                      decode=None) -> list[PositionLogprobs]:
+  """vLLM's per-position dicts from host arrays: the chosen token first, then the top
+  alternatives in rank order (a chosen token among them appears once). `decode(ids)` -> the
+  texts of single tokens, or None for no text."""
+  chosen_T, rank_T = np.asarray(chosen_T).tolist(), np.asarray(rank_T).tolist()
+  logprob_T = np.asarray(logprob_T, np.float64).tolist()
+  top_ids_TX = np.asarray(top_ids_TX).tolist()
+  top_logprobs_TX = np.asarray(top_logprobs_TX, np.float64).tolist()
+  texts = {}
+  if decode is not None:
+    ids = sorted(set(chosen_T).union(*map(set, top_ids_TX)) if chosen_T else ())
+    texts = dict(zip(ids, decode(ids)))
+  result = []
+  for t, token in enumerate(chosen_T):
+    entry = {token: Logprob(logprob_T[t], rank_T[t], texts.get(token))}
+    for r, (alt, value) in enumerate(zip(top_ids_TX[t], top_logprobs_TX[t]), start=1):
+      if alt not in entry:
+        entry[alt] = Logprob(value, r, texts.get(alt))
+    result.append(entry)
+  return result

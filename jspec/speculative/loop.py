@@ -23,13 +23,14 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from jspec.models import caches as cache_lib
 from jspec.speculative import sampling, verify
 from jspec.speculative.chunks import in_chunks
 from jspec.speculative.drafters import DraftState, TargetOut, make_drafter
 from jspec.speculative.drafters.base import take_rows as _take_rows
+from jspec.speculative.logprobs import TokenLogprobs, window_logprobs
 from jspec.speculative.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState,
                                      Metrics, RequestInputs)
 
@@ -60,6 +61,18 @@ class LoopPlan:
   ngram_min: int = 1
   ngram_max: int = 3
   prefill_chunk: int = 1024  # prompt tokens per sequence per prefill pass (bounds attention memory)
+  # Log-probabilities of emitted tokens with this many alternatives (jspec.speculative.logprobs),
+  # from the verify pass; None: not computed.
+  num_logprobs: int | None = None
+
+
+@struct.dataclass
+class StepOutputs:
+  """What one step emitted, beside the new state: the window's tokens (the first num_emit_B
+  of each running row) and, when the plan asks, their log-probabilities [B, k+1]."""
+  out_tokens_BT: jax.Array
+  num_emit_B: jax.Array
+  logprobs: TokenLogprobs | None = None
 
 
 def _stream_keys(req: RequestInputs, stream: int):
@@ -154,7 +167,7 @@ def _accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, r
 
 
 def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, plan: LoopPlan,
-                ctx: LoopContext) -> DecodeState:
+                ctx: LoopContext) -> tuple[DecodeState, StepOutputs]:
   k, batch, lengths_B = plan.k, plan.batch, state.lengths_B
   rows_B = jnp.arange(batch)
   running_B = ~state.done_B
@@ -214,10 +227,14 @@ def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, pl
                     num_accepted_B=m.num_accepted_B + run_i * (num_emit_B - 1),
                     drafted_at_BK=m.drafted_at_BK + drafted_BK,
                     accepted_at_BK=m.accepted_at_BK + accepted_BK)
+  # The verify pass scored every window position with the target given the accepted prefix:
+  # the same logits one-token decoding samples from, hence its log-probabilities.
+  logprobs = (None if plan.num_logprobs is None else
+              window_logprobs(logits_BTV, jnp.maximum(out_tokens_BT, 0), plan.num_logprobs))
   return DecodeState(tokens_BS=tokens_BS, lengths_B=new_lengths_B,
                      done_B=state.done_B | (running_B & any_end_B), finish_B=finish_B,
                      target_caches=target_caches, draft=draft, metrics=metrics,
-                     step=state.step + 1)
+                     step=state.step + 1), StepOutputs(out_tokens_BT, num_emit_B, logprobs)
 
 
 def decode_loop(target, draft_module, state: DecodeState, req: RequestInputs, plan: LoopPlan,
@@ -227,7 +244,7 @@ def decode_loop(target, draft_module, state: DecodeState, req: RequestInputs, pl
     return jnp.any(~s.done_B) & (s.step < plan.cache_len)
 
   def body(s: DecodeState):
-    return decode_step(target, draft_module, s, req, plan, ctx)
+    return decode_step(target, draft_module, s, req, plan, ctx)[0]
 
   return jax.lax.while_loop(cond, body, state)
 

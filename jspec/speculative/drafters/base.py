@@ -15,7 +15,14 @@ names a drafter:
       after verification: the window's emitted tokens (the first num_emit_B of each row) and
       the target's hidden states at the window positions;
   aux_layers: the target layers whose *input* hidden states the drafter reads (EAGLE-3);
-      the loop asks the target for them in prefill and verify.
+      the loop asks the target for them in prefill and verify;
+  prefill_chunk(draft, tokens_BC, positions_BC, next_tokens_BC, prompt_lens_B, last_B,
+                target_out) -> DraftState
+      continuous batching (jspec.speculative.batching): one chunk of prompt positions of the
+      rows being filled, their state zeroed before their first chunk; next_tokens_BC[b, c] is
+      the token after position c (the row's first sampled token after its prompt's last
+      position), positions at or past prompt_lens_B are padding, and last_B is the chunk
+      index of the prompt's last position (meaningful in the row's last chunk only).
 
 Invariant (shared with jspec.speculative.state): between steps, for a running sequence of
 length L, a drafter with caches holds entries for positions 0 .. L-2 computed from committed
@@ -64,6 +71,10 @@ class Drafter:
 
   def propose(self, draft: DraftState, tokens_BS, lengths_B, choose):
     raise NotImplementedError
+
+  def prefill_chunk(self, draft: DraftState, tokens_BC, positions_BC, next_tokens_BC,
+                    prompt_lens_B, last_B, target_out: TargetOut) -> DraftState:
+    return draft
 
 
 def to_vocab(logits_BTV, vocab_size: int, padded_size: int):

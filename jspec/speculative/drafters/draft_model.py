@@ -42,6 +42,14 @@ class DraftModelDrafter(Drafter):
         (tokens_BP, positions_BP), caches, self.plan.prefill_chunk)
     return DraftState(caches=caches)
 
+  def prefill_chunk(self, draft: DraftState, tokens_BC, positions_BC, next_tokens_BC,
+                    prompt_lens_B, last_B, target_out: TargetOut) -> DraftState:
+    """The draft model over the chunk's prompt tokens (padding masked), as `prefill`."""
+    del next_tokens_BC, last_B, target_out
+    _, caches = self.model(tokens_BC, positions_BC, draft.caches, self.plan.cache_len,
+                           self.ctx.draft_experts_fn, seq_lens_B=prompt_lens_B)
+    return draft.replace(caches=caches)
+
   def propose(self, draft: DraftState, tokens_BS, lengths_B, choose):
     plan, model, fn = self.plan, self.model, self.ctx.draft_experts_fn
     batch = lengths_B.shape[0]

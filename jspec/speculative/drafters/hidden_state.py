@@ -87,6 +87,16 @@ class HiddenStateDrafter(Drafter):
     draft_len_B = jnp.full(lengths_B.shape, plan.k, jnp.int32)
     return jnp.stack(drafts, axis=1), draft_len_B, probs_BKV, draft.replace(caches=tuple(caches))
 
+  def prefill_chunk(self, draft: DraftState, tokens_BC, positions_BC, next_tokens_BC,
+                    prompt_lens_B, last_B, target_out: TargetOut) -> DraftState:
+    """The first layer over the chunk, as `prefill` runs it over a whole prompt; the outputs
+    at the prompt's last position (in its last chunk) give the first draft."""
+    del tokens_BC, prompt_lens_B
+    normed_BCD, feedback_BCD, cache0 = self._first_layer(
+        next_tokens_BC, target_out, positions_BC, draft.caches[0], self.plan.cache_len)
+    draft = draft.replace(caches=(cache0,) + tuple(draft.caches[1:]))
+    return self._last_emitted(draft, normed_BCD, feedback_BCD, last_B)
+
   def extend(self, draft: DraftState, out_tokens_BT, positions_BT, num_emit_B, running_B,
              target_out: TargetOut) -> DraftState:
     normed_BTD, feedback_BTD, cache0 = self._first_layer(out_tokens_BT, target_out, positions_BT,

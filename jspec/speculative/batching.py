@@ -1,0 +1,486 @@
+"""Continuous batching inside the jitted loop: slots that take the next request when theirs ends.
+
+A call's requests wait on device in a `Queue` (bucketed arrays, jspec.requests builds them).
+The loop keeps `batch` slots; each iteration of its `lax.while_loop`:
+
+  1. admit: each data-parallel shard with no prompt in prefill takes the next waiting group
+     (the samples of one request, jspec.requests) if it has that many free slots;
+  2. prefill: each shard runs the next `prefill_chunk` tokens of its group's prompt through
+     the target (and the drafter), on the group leader's caches gathered out of the batch;
+     the updated rows are written back to every slot of the group, so n samples share one
+     prefill. After the last chunk each slot samples its first token (its own seed) and runs;
+  3. decode: one draft -> verify -> accept step of every running slot (jspec.speculative.loop);
+  4. harvest: slots that finished are copied to the `Finished` rows and become free.
+
+The loop stops after `budget` iterations, when the Finished rows might not hold another
+batch, or when every request is done: a *dispatch*. The host then collects the finished
+rows and updates its progress while the next dispatch, already queued on the state it
+donated, runs (jspec.engine).
+
+Exactness: a slot's computation depends only on its own request. Prefill chunks start at
+position 0 of each prompt whatever the slot, keys come from (seed, position), and a slot's
+caches and drafter state are zeroed before its first chunk (recurrent state and drafter
+state reset on refill; a KV cache needs no reset, its stale slots are rewritten before they
+are read). Every shard runs the same program: a shard with nothing to admit or prefill
+gathers, computes on and writes back its own rows unchanged (`active_D` false).
+
+Slot phases: FREE -> PREFILL (admitted, prompt in progress) -> RUN -> FREE (harvested).
+A slot that is not running holds the placeholder length `cache_len - k - 1`, so the decode
+step's writes for it land past any prompt it holds (cache_len >= max_len + k + 1).
+
+Shape letters: B slots, D data-parallel shards (dp x ep), b = B / D slots per shard,
+M samples per group, C prefill chunk, S cache slots, Q queue groups, N queued prompt tokens,
+O output tokens per slot, F finished rows, X logprob alternatives, K drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jspec.speculative import logprobs as logprob_lib
+from jspec.speculative import sampling
+from jspec.speculative.loop import (_TARGET_STREAM, LoopContext, LoopPlan, _choose, _is_stop,
+                                    _stream_keys, _target_forward, decode_step)
+from jspec.speculative.drafters import make_drafter
+from jspec.speculative.drafters.base import take_rows
+from jspec.speculative.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState,
+                                     Metrics, RequestInputs)
+
+FREE, PREFILL, RUN = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+  """Static sizes of one continuous-batching program (hashable: keys the compile cache)."""
+  loop: LoopPlan             # batch = slots, cache_len, drafter, k, sampling paths
+  shards: int                # D: data-parallel shards the slots are split over
+  group: int                 # M: samples per queued group at most
+  out_len: int               # O: generated tokens a slot can hold (>= the largest max_tokens)
+  finished_rows: int         # F: rows per dispatch for finished slots (>= 2 x slots)
+
+  @property
+  def num_logprobs(self) -> int | None:
+    return self.loop.num_logprobs
+
+
+@struct.dataclass
+class Queue:
+  """The waiting requests, in admission order (jspec.requests.queue_arrays)."""
+  prompt_tokens_N: jax.Array
+  prompt_start_Q: jax.Array
+  prompt_len_Q: jax.Array
+  size_Q: jax.Array          # samples in the group; 0 for padding
+  temperature_Q: jax.Array
+  top_k_Q: jax.Array
+  top_p_Q: jax.Array
+  max_len_Q: jax.Array
+  stop_ids_QX: jax.Array
+  seeds_QM: jax.Array        # uint32 seed of each sample of the group
+
+  @property
+  def num_groups(self):
+    return jnp.sum(self.size_Q > 0).astype(jnp.int32)
+
+
+@struct.dataclass
+class SlotLogprobs:
+  """Per slot (or finished row), per generated token: jspec.speculative.logprobs fields."""
+  logprob_BO: jax.Array
+  rank_BO: jax.Array
+  top_ids_BOX: jax.Array
+  top_logprobs_BOX: jax.Array
+
+  @classmethod
+  def zeros(cls, rows: int, out_len: int, num_top: int) -> "SlotLogprobs":
+    return cls(jnp.zeros((rows, out_len), jnp.float32), jnp.zeros((rows, out_len), jnp.int32),
+               jnp.zeros((rows, out_len, num_top), jnp.int32),
+               jnp.zeros((rows, out_len, num_top), jnp.float32))
+
+
+@struct.dataclass
+class BatchState:
+  decode: DecodeState
+  req: RequestInputs         # each slot's sampling settings (its request's)
+  phase_B: jax.Array
+  group_B: jax.Array         # the queue group in the slot (-1: none yet)
+  member_B: jax.Array        # which sample of that group
+  prompt_len_B: jax.Array
+  logprobs: SlotLogprobs | None
+  prefill_group_D: jax.Array  # the group each shard is prefilling, -1: none
+  prefill_pos_D: jax.Array    # its next prompt position
+  prefill_rows_DM: jax.Array  # its slots (global rows, leader first; the leader repeated)
+  next_group: jax.Array       # the first group not yet admitted
+  iteration: jax.Array        # iterations in this dispatch
+
+
+@struct.dataclass
+class Finished:
+  """Slots that finished during one dispatch, `count` rows filled."""
+  group_F: jax.Array
+  member_F: jax.Array
+  tokens_FO: jax.Array
+  num_tokens_F: jax.Array
+  finish_F: jax.Array
+  num_steps_F: jax.Array
+  drafted_at_FK: jax.Array
+  accepted_at_FK: jax.Array
+  logprobs: SlotLogprobs | None
+  count: jax.Array
+  iterations: jax.Array      # loop iterations the dispatch ran
+
+  @classmethod
+  def empty(cls, plan: BatchPlan) -> "Finished":
+    f, o, k = plan.finished_rows, plan.out_len, max(plan.loop.k, 1)
+    zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
+    logprobs = (None if plan.num_logprobs is None else
+                SlotLogprobs.zeros(f, o, plan.num_logprobs))
+    return cls(zeros(f), zeros(f), zeros(f, o), zeros(f), zeros(f), zeros(f), zeros(f, k),
+               zeros(f, k), logprobs, jnp.int32(0), jnp.int32(0))
+
+
+# ---- rows of batch-first pytrees, per shard --------------------------------------------------
+
+def _by_shard(x, shards: int):
+  return x.reshape(shards, x.shape[0] // shards, *x.shape[1:])
+
+
+def gather_rows(tree, rows_DR, shards: int):
+  """Rows `rows_DR` (local to each shard) of every [B, ...] leaf, as [D * R, ...]. Written as
+  a gather batched over the shard axis, so each shard reads only its own rows."""
+  def take(x):
+    picked = jax.vmap(lambda x_b, i_R: x_b[i_R])(_by_shard(x, shards), rows_DR)
+    return picked.reshape(-1, *x.shape[1:])
+  return jax.tree.map(take, tree)
+
+
+def scatter_rows(tree, rows_DR, values, shards: int):
+  """`tree` with rows `rows_DR` (local) of every leaf replaced by `values` ([D * R, ...])."""
+  def put(x, v):
+    v_DR = v.reshape(rows_DR.shape + x.shape[1:])
+    out = jax.vmap(lambda x_b, i_R, v_R: x_b.at[i_R].set(v_R))(_by_shard(x, shards), rows_DR,
+                                                                v_DR)
+    return out.reshape(x.shape)
+  return jax.tree.map(put, tree, values)
+
+
+def _select_rows(flag_N, new, old):
+  """new where flag_N, else old, leaf by leaf ([N, ...] leaves)."""
+  def pick(a, b):
+    return jnp.where(flag_N.reshape(-1, *([1] * (a.ndim - 1))), a, b)
+  return jax.tree.map(pick, new, old)
+
+
+# ---- the state -------------------------------------------------------------------------------
+
+def _draft_state_shape(target, drafter, batch: int, ctx: LoopContext):
+  """The drafter's state for `batch` rows, abstractly: what its `prefill` returns for them
+  (its caches are sized by the plan, whatever the prompt)."""
+  def prefill_small():
+    tokens_BP = jnp.zeros((batch, 16), jnp.int32)
+    positions_BP = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), tokens_BP.shape)
+    lens_B = jnp.ones((batch,), jnp.int32)
+    caches = target.init_caches(batch, 16, ctx.dtype)
+    target_out, _ = _target_forward(target, drafter, tokens_BP, positions_BP, caches, 16,
+                                    ctx.experts_fn, seq_lens_B=lens_B)
+    return drafter.prefill(tokens_BP, lens_B, lens_B, target_out)
+  return jax.eval_shape(prefill_small)
+
+
+def init_state(target, drafter, queue: Queue, plan: BatchPlan, ctx: LoopContext) -> BatchState:
+  """Every slot free; caches allocated (their contents are never read before written)."""
+  from jspec.models import caches as cache_lib
+  lp, batch, shards = plan.loop, plan.loop.batch, plan.shards
+  caches = cache_lib.constrain(target.init_caches(batch, lp.cache_len, ctx.dtype),
+                               ctx.cache_shardings)
+  draft = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                       _draft_state_shape(target, drafter, batch, ctx))
+  placeholder = lp.cache_len - lp.k - 1
+  decode = DecodeState(
+      tokens_BS=jnp.zeros((batch, lp.cache_len), jnp.int32),
+      lengths_B=jnp.full((batch,), placeholder, jnp.int32),
+      done_B=jnp.ones((batch,), bool), finish_B=jnp.zeros((batch,), jnp.int32),
+      target_caches=caches, draft=draft, metrics=Metrics.zeros(batch, lp.k),
+      step=jnp.int32(0))
+  req = RequestInputs(temperature_B=jnp.zeros((batch,), jnp.float32),
+                      top_k_B=jnp.zeros((batch,), jnp.int32),
+                      top_p_B=jnp.ones((batch,), jnp.float32),
+                      max_len_B=jnp.zeros((batch,), jnp.int32),
+                      stop_ids_BX=jnp.full((batch, queue.stop_ids_QX.shape[1]), -1, jnp.int32),
+                      seeds_B=jnp.zeros((batch,), jnp.uint32))
+  minus = lambda *shape: jnp.full(shape, -1, jnp.int32)
+  logprobs = (None if plan.num_logprobs is None else
+              SlotLogprobs.zeros(batch, plan.out_len, plan.num_logprobs))
+  first_rows_DM = jnp.broadcast_to((jnp.arange(shards) * (batch // shards))[:, None],
+                                   (shards, plan.group)).astype(jnp.int32)
+  return BatchState(decode=decode, req=req, phase_B=jnp.zeros((batch,), jnp.int32),
+                    group_B=minus(batch), member_B=jnp.zeros((batch,), jnp.int32),
+                    prompt_len_B=jnp.ones((batch,), jnp.int32), logprobs=logprobs,
+                    prefill_group_D=minus(shards), prefill_pos_D=jnp.zeros((shards,), jnp.int32),
+                    prefill_rows_DM=first_rows_DM, next_group=jnp.int32(0),
+                    iteration=jnp.int32(0))
+
+
+# ---- 1. admit --------------------------------------------------------------------------------
+
+def admit(state: BatchState, queue: Queue, plan: BatchPlan) -> BatchState:
+  """Each shard with no prefill in progress takes the next group, in queue order, if it has
+  as many free slots as the group has samples; the group's slots are the shard's first free
+  ones, its leader the first of them."""
+  shards, batch, lp = plan.shards, plan.loop.batch, plan.loop
+  per_shard = batch // shards
+  free_Db = _by_shard(state.phase_B == FREE, shards)
+  num_free_D = jnp.sum(free_Db, axis=1)
+  num_groups = queue.num_groups
+  # Shard by shard (a few scalars each): who takes which group.
+  take_D, group_D, nxt = [], [], state.next_group
+  for d in range(shards):
+    g = jnp.minimum(nxt, queue.size_Q.shape[0] - 1)
+    ok = ((state.prefill_group_D[d] < 0) & (nxt < num_groups)
+          & (num_free_D[d] >= queue.size_Q[g]))
+    take_D.append(ok)
+    group_D.append(g)
+    nxt = nxt + ok.astype(jnp.int32)
+  take_D, group_D = jnp.stack(take_D), jnp.stack(group_D)
+  size_D = jnp.where(take_D, queue.size_Q[group_D], 0)
+
+  rank_Db = jnp.cumsum(free_Db, axis=1)               # 1-based rank among free slots
+  member_Db = rank_Db - 1
+  chosen_Db = free_Db & (rank_Db <= size_D[:, None])
+  # Slot of member j: the free slot of rank j + 1; members past the size repeat the leader.
+  member_rows = [jnp.argmax(free_Db & (rank_Db == j + 1), axis=1).astype(jnp.int32)
+                 for j in range(plan.group)]
+  rows_DM = jnp.stack(member_rows, axis=1)
+  rows_DM = jnp.where(jnp.arange(plan.group)[None] < size_D[:, None], rows_DM, rows_DM[:, :1])
+  base_D = jnp.arange(shards, dtype=jnp.int32) * per_shard
+  rows_DM = rows_DM + base_D[:, None]
+
+  chosen_B = chosen_Db.reshape(batch)
+  group_B = jnp.repeat(group_D, per_shard)
+  member_B = member_Db.reshape(batch).astype(jnp.int32)
+  pick = lambda new, old: jnp.where(chosen_B.reshape(-1, *([1] * (old.ndim - 1))), new, old)
+  req = state.req
+  req = RequestInputs(
+      temperature_B=pick(queue.temperature_Q[group_B], req.temperature_B),
+      top_k_B=pick(queue.top_k_Q[group_B], req.top_k_B),
+      top_p_B=pick(queue.top_p_Q[group_B], req.top_p_B),
+      max_len_B=pick(queue.max_len_Q[group_B], req.max_len_B),
+      stop_ids_BX=pick(queue.stop_ids_QX[group_B], req.stop_ids_BX),
+      seeds_B=pick(queue.seeds_QM[group_B, jnp.minimum(member_B, plan.group - 1)],
+                   req.seeds_B))
+  m = state.decode.metrics
+  metrics = jax.tree.map(lambda x: pick(jnp.zeros_like(x), x), m)
+  decode = state.decode.replace(
+      lengths_B=pick(jnp.int32(lp.cache_len - lp.k - 1), state.decode.lengths_B),
+      done_B=state.decode.done_B | chosen_B,
+      finish_B=pick(jnp.int32(FINISH_NONE), state.decode.finish_B), metrics=metrics)
+  return state.replace(
+      decode=decode, req=req, phase_B=pick(jnp.int32(PREFILL), state.phase_B),
+      group_B=pick(group_B, state.group_B), member_B=pick(member_B, state.member_B),
+      prompt_len_B=pick(queue.prompt_len_Q[group_B], state.prompt_len_B),
+      prefill_group_D=jnp.where(take_D, group_D, state.prefill_group_D),
+      prefill_pos_D=jnp.where(take_D, 0, state.prefill_pos_D),
+      prefill_rows_DM=jnp.where(take_D[:, None], rows_DM, state.prefill_rows_DM),
+      next_group=nxt)
+
+
+# ---- 2. prefill ------------------------------------------------------------------------------
+
+def prefill_chunk(target, drafter, state: BatchState, queue: Queue, plan: BatchPlan,
+                  ctx: LoopContext) -> BatchState:
+  """The next chunk of every shard's prompt in prefill (see the module docstring)."""
+  lp, shards, group = plan.loop, plan.shards, plan.group
+  chunk, slots, per_shard = lp.prefill_chunk, lp.cache_len, lp.batch // shards
+  active_D = state.prefill_group_D >= 0
+  g_D = jnp.maximum(state.prefill_group_D, 0)
+  pos_D = state.prefill_pos_D
+  prompt_len_D = jnp.where(active_D, queue.prompt_len_Q[g_D], 0)
+  start_D = queue.prompt_start_Q[g_D]
+  num_tokens = queue.prompt_tokens_N.shape[0]
+
+  positions_DC = pos_D[:, None] + jnp.arange(chunk, dtype=jnp.int32)
+  def prompt_at(offset):
+    index_DC = jnp.clip(start_D[:, None] + positions_DC + offset, 0, num_tokens - 1)
+    valid_DC = positions_DC + offset < prompt_len_D[:, None]
+    return jnp.where(valid_DC, queue.prompt_tokens_N[index_DC], 0)
+  tokens_DC, next_DC = prompt_at(0), prompt_at(1)
+  # Padding positions past the cache write (harmlessly) into its last slot.
+  cache_positions_DC = jnp.minimum(positions_DC, slots - 1)
+
+  rows_DM = state.prefill_rows_DM - (jnp.arange(shards) * per_shard)[:, None]  # local
+  fresh_D = active_D & (pos_D == 0)
+  dec = state.decode
+  leader = gather_rows(dec.target_caches, rows_DM[:, :1], shards)
+  leader = _select_rows(fresh_D, jax.tree.map(jnp.zeros_like, leader), leader)
+  target_out, new_leader = _target_forward(target, drafter, tokens_DC, cache_positions_DC,
+                                           leader, slots, ctx.experts_fn,
+                                           seq_lens_B=prompt_len_D)
+  new_leader = _select_rows(active_D, new_leader, leader)
+  rows_flat = rows_DM.reshape(shards, group)
+  members = lambda x: jnp.repeat(x, group, axis=0)  # [D, ...] -> [D * M, ...]
+  target_caches = scatter_rows(dec.target_caches, rows_flat,
+                               jax.tree.map(members, new_leader), shards)
+
+  # The last chunk: each member samples its first token at position prompt_len.
+  final_D = active_D & (pos_D + chunk >= prompt_len_D)
+  last_D = jnp.clip(prompt_len_D - 1 - pos_D, 0, chunk - 1)
+  logits_DV = target.logits(take_rows(target_out.hidden_BTD, last_D)[:, None])[:, 0]
+  member_req = gather_rows(state.req, rows_flat, shards)
+  prompt_len_N = members(prompt_len_D)
+  keys_N = sampling.position_keys(_stream_keys(member_req, _TARGET_STREAM),
+                                  prompt_len_N[:, None])[:, 0]
+  logits_NV = members(logits_DV)
+  first_N, _ = _choose(logits_NV, member_req.temperature_B, member_req.top_k_B,
+                       member_req.top_p_B, keys_N, lp)
+
+  # The drafter sees each member's own first token after the prompt.
+  final_N, active_N, fresh_N = members(final_D), members(active_D), members(fresh_D)
+  next_NC = members(next_DC)
+  last_N = members(last_D)
+  next_NC = jnp.where(final_N[:, None] & (jnp.arange(chunk)[None] == last_N[:, None]),
+                      first_N[:, None], next_NC)
+  draft_rows = gather_rows(dec.draft, rows_flat, shards)
+  draft_rows = _select_rows(fresh_N, jax.tree.map(jnp.zeros_like, draft_rows), draft_rows)
+  new_draft = drafter.prefill_chunk(draft_rows, members(tokens_DC), members(cache_positions_DC),
+                                    next_NC, prompt_len_N, last_N,
+                                    jax.tree.map(members, target_out))
+  new_draft = _select_rows(active_N, new_draft, draft_rows)
+  draft = scatter_rows(dec.draft, rows_flat, new_draft, shards)
+
+  # Members that finished their prompt: tokens, length, first finish check, logprobs.
+  member_tokens_NS = _prompt_rows(queue, members(start_D), prompt_len_N, slots)
+  member_tokens_NS = jnp.where(jnp.arange(slots)[None] == prompt_len_N[:, None],
+                               first_N[:, None], member_tokens_NS)
+  stop_N = _is_stop(first_N[:, None], member_req.stop_ids_BX)[:, 0]
+  finish_N = jnp.where(stop_N, FINISH_STOP,
+                       jnp.where(prompt_len_N + 1 >= member_req.max_len_B, FINISH_LENGTH,
+                                 FINISH_NONE))
+  put = lambda tree, values: _put_rows(tree, rows_flat, values, final_N, shards)
+  decode = dec.replace(
+      tokens_BS=put(dec.tokens_BS, member_tokens_NS),
+      lengths_B=put(dec.lengths_B, prompt_len_N + 1),
+      done_B=put(dec.done_B, finish_N != FINISH_NONE), finish_B=put(dec.finish_B, finish_N),
+      target_caches=target_caches, draft=draft)
+  logprobs = state.logprobs
+  if logprobs is not None:
+    first = logprob_lib.token_logprobs(logits_NV, first_N, plan.num_logprobs)
+    rows = gather_rows(logprobs, rows_flat, shards)
+    rows = SlotLogprobs(rows.logprob_BO.at[:, 0].set(first.logprob_N),
+                        rows.rank_BO.at[:, 0].set(first.rank_N),
+                        rows.top_ids_BOX.at[:, 0].set(first.top_ids_NX),
+                        rows.top_logprobs_BOX.at[:, 0].set(first.top_logprobs_NX))
+    logprobs = put(logprobs, rows)
+  return state.replace(
+      decode=decode, logprobs=logprobs,
+      phase_B=put(state.phase_B, jnp.full(final_N.shape, RUN, jnp.int32)),
+      prefill_group_D=jnp.where(final_D, -1, state.prefill_group_D),
+      prefill_pos_D=jnp.where(active_D, pos_D + chunk, pos_D))
+
+
+def _prompt_rows(queue: Queue, start_N, prompt_len_N, slots: int):
+  """[N, S] token rows: each prompt, zeros after it."""
+  positions_S = jnp.arange(slots, dtype=jnp.int32)
+  index_NS = jnp.clip(start_N[:, None] + positions_S, 0, queue.prompt_tokens_N.shape[0] - 1)
+  return jnp.where(positions_S[None] < prompt_len_N[:, None], queue.prompt_tokens_N[index_NS], 0)
+
+
+def _put_rows(tree, rows_DM, values, flag_N, shards: int):
+  """`tree` with its rows `rows_DM` (local) set to `values` where flag_N; the other rows
+  listed are rewritten with what they hold. A member repeated within its group (a group
+  smaller than M repeats its leader) writes the leader's own values twice."""
+  current = gather_rows(tree, rows_DM, shards)
+  return scatter_rows(tree, rows_DM, _select_rows(flag_N, values, current), shards)
+
+
+# ---- 3. decode and 4. harvest ----------------------------------------------------------------
+
+def decode(target, draft_module, state: BatchState, plan: BatchPlan,
+           ctx: LoopContext) -> BatchState:
+  """One step of every running slot; generated tokens' logprobs into the slots' buffers."""
+  lp = plan.loop
+  before_B = state.decode.lengths_B
+  running_B = ~state.decode.done_B
+  decoded, out = decode_step(target, draft_module, state.decode, state.req, lp, ctx)
+  logprobs = state.logprobs
+  if logprobs is not None:
+    # Token t of the window is generated token (length - prompt_len + t) of its slot.
+    offsets_T = jnp.arange(lp.k + 1, dtype=jnp.int32)
+    index_BT = before_B[:, None] - state.prompt_len_B[:, None] + offsets_T
+    emitted_BT = running_B[:, None] & (offsets_T[None] < out.num_emit_B[:, None])
+    index_BT = jnp.where(emitted_BT, index_BT, plan.out_len)  # dropped
+    rows_B1 = jnp.arange(lp.batch)[:, None]
+    write = lambda buf, v: buf.at[rows_B1, index_BT].set(v, mode="drop")
+    w = out.logprobs
+    logprobs = SlotLogprobs(write(logprobs.logprob_BO, w.logprob_N),
+                            write(logprobs.rank_BO, w.rank_N),
+                            write(logprobs.top_ids_BOX, w.top_ids_NX),
+                            write(logprobs.top_logprobs_BOX, w.top_logprobs_NX))
+  return state.replace(decode=decoded, logprobs=logprobs)
+
+
+def harvest(state: BatchState, finished: Finished, plan: BatchPlan):
+  """Finished slots copied to the next Finished rows, then freed."""
+  dec, lp = state.decode, plan.loop
+  done_B = (state.phase_B == RUN) & dec.done_B
+  dest_B = finished.count + jnp.cumsum(done_B.astype(jnp.int32)) - 1
+  dest_B = jnp.where(done_B, dest_B, plan.finished_rows)  # out of range: dropped
+  positions_BO = state.prompt_len_B[:, None] + jnp.arange(plan.out_len, dtype=jnp.int32)
+  tokens_BO = jnp.take_along_axis(dec.tokens_BS, jnp.minimum(positions_BO, lp.cache_len - 1),
+                                  axis=1)
+  put = lambda buf, v: buf.at[dest_B].set(v.astype(buf.dtype), mode="drop")
+  m = dec.metrics
+  finished = finished.replace(
+      group_F=put(finished.group_F, state.group_B),
+      member_F=put(finished.member_F, state.member_B),
+      tokens_FO=put(finished.tokens_FO, tokens_BO),
+      num_tokens_F=put(finished.num_tokens_F, dec.lengths_B - state.prompt_len_B),
+      finish_F=put(finished.finish_F, dec.finish_B),
+      num_steps_F=put(finished.num_steps_F, m.num_steps_B),
+      drafted_at_FK=put(finished.drafted_at_FK, m.drafted_at_BK),
+      accepted_at_FK=put(finished.accepted_at_FK, m.accepted_at_BK),
+      logprobs=(None if state.logprobs is None else
+                jax.tree.map(put, finished.logprobs, state.logprobs)),
+      count=finished.count + jnp.sum(done_B).astype(jnp.int32))
+  placeholder = lp.cache_len - lp.k - 1
+  free = lambda x, v: jnp.where(done_B, v, x)
+  state = state.replace(phase_B=free(state.phase_B, FREE),
+                        decode=dec.replace(lengths_B=free(dec.lengths_B, placeholder)))
+  return state, finished
+
+
+# ---- a dispatch ------------------------------------------------------------------------------
+
+def has_work(state: BatchState, queue: Queue):
+  return jnp.any(state.phase_B != FREE) | (state.next_group < queue.num_groups)
+
+
+def dispatch(target, draft_module, state: BatchState, queue: Queue, budget, plan: BatchPlan,
+             ctx: LoopContext):
+  """Iterations until `budget` of them ran, the Finished rows might not hold one more batch,
+  or every request is done: (state, Finished)."""
+  drafter = make_drafter(plan.loop.method, target, draft_module, plan.loop, ctx)
+  lp = plan.loop
+  state = state.replace(iteration=jnp.int32(0))
+
+  def cond(carry):
+    s, f = carry
+    return has_work(s, queue) & (s.iteration < budget) & (
+        f.count <= plan.finished_rows - lp.batch)
+
+  def body(carry):
+    s, f = carry
+    s = admit(s, queue, plan)
+    s = jax.lax.cond(jnp.any(s.prefill_group_D >= 0),
+                     lambda s: prefill_chunk(target, drafter, s, queue, plan, ctx),
+                     lambda s: s, s)
+    s = jax.lax.cond(jnp.any((s.phase_B == RUN) & ~s.decode.done_B),
+                     lambda s: decode(target, draft_module, s, plan, ctx), lambda s: s, s)
+    s, f = jax.lax.cond(jnp.any((s.phase_B == RUN) & s.decode.done_B),
+                        lambda sf: harvest(*sf, plan), lambda sf: sf, (s, f))
+    return s.replace(iteration=s.iteration + 1), f
+
+  state, finished = jax.lax.while_loop(cond, body, (state, Finished.empty(plan)))
+  return state, finished.replace(iterations=state.iteration)
