@@ -67,6 +67,7 @@ def main():
   parser.add_argument("--max-tokens", type=int, default=128)
   parser.add_argument("--max-model-len", type=int, default=1024)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--moe-backend", default="auto")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
 
@@ -76,7 +77,7 @@ def main():
   if args.layers:
     target_cfg = dataclasses.replace(target_cfg, num_layers=args.layers)
   common = dict(mesh=mesh, dtype="bfloat16", max_model_len=args.max_model_len,
-                max_num_seqs=max(args.batch))
+                max_num_seqs=max(args.batch), moe_backend=args.moe_backend)
   base = jspec.LLM.from_random(target_cfg, **common)
   modules = (None, target_cfg, base.target, None, None)
   drafts = {"eagle3": eagle3_config(target_cfg, args.draft_vocab),
