@@ -153,7 +153,7 @@ def gather_rows(tree, rows_DR, shards: int):
   a gather batched over the shard axis, so each shard reads only its own rows."""
   def take(x):
     picked = jax.vmap(lambda x_b, i_R: x_b[i_R])(_by_shard(x, shards), rows_DR)
-    return picked.reshape(-1, *x.shape[1:])
+    return picked.reshape((rows_DR.size,) + x.shape[1:])  # explicit: leaves may be empty
   return jax.tree.map(take, tree)
 
 
