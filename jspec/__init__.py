@@ -8,10 +8,12 @@
 from jspec.api import LLM
 from jspec.config import ModelConfig, SamplingParams, SpecConfig
 from jspec.models.mtp import MTPSpec
-from jspec.outputs import GenerateOutputs, RequestMetrics, RequestOutput
+from jspec.outputs import (CompletionOutput, GenerateOutputs, Logprob, RequestMetrics,
+                           RequestOutput)
 from jspec.assets import demo_model_path
 from jspec.sharding.rules import MeshConfig, ShardingRules
 
 __all__ = ["LLM", "SamplingParams", "SpecConfig", "MeshConfig", "ShardingRules", "ModelConfig",
-           "MTPSpec", "RequestOutput", "RequestMetrics", "GenerateOutputs", "demo_model_path"]
+           "MTPSpec", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
+           "GenerateOutputs", "demo_model_path"]
 __version__ = "0.1.0"

@@ -77,8 +77,11 @@ class ContinuousBatcher:
                     ngram_min=spec.prompt_lookup_min if spec else 1,
                     ngram_max=spec.prompt_lookup_max if spec else 1,
                     prefill_chunk=chunk, num_logprobs=queue.num_logprobs)
-    plan = batching.BatchPlan(loop=loop, shards=width, group=queue.group, out_len=cache_len,
-                              finished_rows=self.finished_rows or 2 * batch)
+    # Short prompts prefill side by side: about prefill_chunk_size prompt tokens per shard and
+    # iteration, so that many short requests start together as a batched prefill would.
+    lanes = min(batch // width, max(1, llm.prefill_chunk_size // chunk))
+    plan = batching.BatchPlan(loop=loop, shards=width, group=queue.group, lanes=lanes,
+                              out_len=cache_len, finished_rows=self.finished_rows or 2 * batch)
     return plan, queue
 
   # ---- compilation -----------------------------------------------------------------------

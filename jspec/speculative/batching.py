@@ -3,9 +3,10 @@
 A call's requests wait on device in a `Queue` (bucketed arrays, jspec.requests builds them).
 The loop keeps `batch` slots; each iteration of its `lax.while_loop`:
 
-  1. admit: each data-parallel shard with no prompt in prefill takes the next waiting group
-     (the samples of one request, jspec.requests) if it has that many free slots;
-  2. prefill: each shard runs the next `prefill_chunk` tokens of its group's prompt through
+  1. admit: each data-parallel shard's idle prefill lanes (`lanes` per shard: one for long
+     prompts, several for short ones) take the next waiting groups (the samples of one
+     request, jspec.requests) while it has a free slot for each sample;
+  2. prefill: each lane runs the next `prefill_chunk` tokens of its group's prompt through
      the target (and the drafter), on the group leader's caches gathered out of the batch;
      the updated rows are written back to every slot of the group, so n samples share one
      prefill. After the last chunk each slot samples its first token (its own seed) and runs;
@@ -21,8 +22,8 @@ Exactness: a slot's computation depends only on its own request. Prefill chunks 
 position 0 of each prompt whatever the slot, keys come from (seed, position), and a slot's
 caches and drafter state are zeroed before its first chunk (recurrent state and drafter
 state reset on refill; a KV cache needs no reset, its stale slots are rewritten before they
-are read). Every shard runs the same program: a shard with nothing to admit or prefill
-gathers, computes on and writes back its own rows unchanged (`active_D` false).
+are read). Every shard runs the same program: a lane with nothing to prefill
+computes on padding and writes nothing back (an idle lane's rows point past the shard).
 
 Slot phases: FREE -> PREFILL (admitted, prompt in progress) -> RUN -> FREE (harvested).
 A slot that is not running holds the placeholder length `cache_len - k - 1`, so the decode
@@ -61,6 +62,7 @@ class BatchPlan:
   group: int                 # M: samples per queued group at most
   out_len: int               # O: generated tokens a slot can hold (>= the largest max_tokens)
   finished_rows: int         # F: rows per dispatch for finished slots (>= 2 x slots)
+  lanes: int = 1             # R: prompts each shard prefills side by side per iteration
 
   @property
   def num_logprobs(self) -> int | None:
@@ -110,9 +112,10 @@ class BatchState:
   member_B: jax.Array        # which sample of that group
   prompt_len_B: jax.Array
   logprobs: SlotLogprobs | None
-  prefill_group_D: jax.Array  # the group each shard is prefilling, -1: none
-  prefill_pos_D: jax.Array    # its next prompt position
-  prefill_rows_DM: jax.Array  # its slots (global rows, leader first; the leader repeated)
+  # Prefill lanes, R per shard (lane l on shard l // R):
+  prefill_group_L: jax.Array  # the group the lane is prefilling, -1: none
+  prefill_pos_L: jax.Array    # its next prompt position
+  prefill_rows_LM: jax.Array  # its slots (global rows, leader first; the leader repeated)
   next_group: jax.Array       # the first group not yet admitted
   iteration: jax.Array        # iterations in this dispatch
 
@@ -152,17 +155,19 @@ def gather_rows(tree, rows_DR, shards: int):
   """Rows `rows_DR` (local to each shard) of every [B, ...] leaf, as [D * R, ...]. Written as
   a gather batched over the shard axis, so each shard reads only its own rows."""
   def take(x):
-    picked = jax.vmap(lambda x_b, i_R: x_b[i_R])(_by_shard(x, shards), rows_DR)
+    picked = jax.vmap(lambda x_b, i_R: jnp.take(x_b, i_R, axis=0, mode="clip"))(
+        _by_shard(x, shards), rows_DR)
     return picked.reshape((rows_DR.size,) + x.shape[1:])  # explicit: leaves may be empty
   return jax.tree.map(take, tree)
 
 
 def scatter_rows(tree, rows_DR, values, shards: int):
-  """`tree` with rows `rows_DR` (local) of every leaf replaced by `values` ([D * R, ...])."""
+  """`tree` with rows `rows_DR` (local) of every leaf replaced by `values` ([D * R, ...]);
+  a row index past the shard's rows writes nothing."""
   def put(x, v):
     v_DR = v.reshape(rows_DR.shape + x.shape[1:])
-    out = jax.vmap(lambda x_b, i_R, v_R: x_b.at[i_R].set(v_R))(_by_shard(x, shards), rows_DR,
-                                                                v_DR)
+    out = jax.vmap(lambda x_b, i_R, v_R: x_b.at[i_R].set(v_R, mode="drop"))(
+        _by_shard(x, shards), rows_DR, v_DR)
     return out.reshape(x.shape)
   return jax.tree.map(put, tree, values)
 
@@ -214,53 +219,69 @@ def init_state(target, drafter, queue: Queue, plan: BatchPlan, ctx: LoopContext)
   minus = lambda *shape: jnp.full(shape, -1, jnp.int32)
   logprobs = (None if plan.num_logprobs is None else
               SlotLogprobs.zeros(batch, plan.out_len, plan.num_logprobs))
-  first_rows_DM = jnp.broadcast_to((jnp.arange(shards) * (batch // shards))[:, None],
-                                   (shards, plan.group)).astype(jnp.int32)
+  lanes = shards * plan.lanes
+  first_rows_LM = jnp.broadcast_to(
+      (jnp.arange(lanes) // plan.lanes * (batch // shards))[:, None],
+      (lanes, plan.group)).astype(jnp.int32)
   return BatchState(decode=decode, req=req, phase_B=jnp.zeros((batch,), jnp.int32),
                     group_B=minus(batch), member_B=jnp.zeros((batch,), jnp.int32),
                     prompt_len_B=jnp.ones((batch,), jnp.int32), logprobs=logprobs,
-                    prefill_group_D=minus(shards), prefill_pos_D=jnp.zeros((shards,), jnp.int32),
-                    prefill_rows_DM=first_rows_DM, next_group=jnp.int32(0),
+                    prefill_group_L=minus(lanes), prefill_pos_L=jnp.zeros((lanes,), jnp.int32),
+                    prefill_rows_LM=first_rows_LM, next_group=jnp.int32(0),
                     iteration=jnp.int32(0))
 
 
 # ---- 1. admit --------------------------------------------------------------------------------
 
 def admit(state: BatchState, queue: Queue, plan: BatchPlan) -> BatchState:
-  """Each shard with no prefill in progress takes the next group, in queue order, if it has
-  as many free slots as the group has samples; the group's slots are the shard's first free
-  ones, its leader the first of them."""
-  shards, batch, lp = plan.shards, plan.loop.batch, plan.loop
+  """Each shard's idle prefill lanes take the next groups, in queue order, while the shard
+  has a free slot for every sample of them; a group's slots are the shard's first free ones
+  (in group order), its leader the first of them. Shard by shard (a few small arrays each)."""
+  shards, batch, lp, lanes, group = plan.shards, plan.loop.batch, plan.loop, plan.lanes, plan.group
   per_shard = batch // shards
   free_Db = _by_shard(state.phase_B == FREE, shards)
-  num_free_D = jnp.sum(free_Db, axis=1)
-  num_groups = queue.num_groups
-  # Shard by shard (a few scalars each): who takes which group.
-  take_D, group_D, nxt = [], [], state.next_group
+  rank_Db = jnp.cumsum(free_Db, axis=1)                # 1-based rank among free slots
+  idle_DR = state.prefill_group_L.reshape(shards, lanes) < 0
+  num_groups, last_q = queue.num_groups, queue.size_Q.shape[0] - 1
+  j_R = jnp.arange(lanes, dtype=jnp.int32)
+  nxt = state.next_group
+  group_DR, took_DR, slot_group_Db, member_Db, rows_DRM = [], [], [], [], []
   for d in range(shards):
-    g = jnp.minimum(nxt, queue.size_Q.shape[0] - 1)
-    ok = ((state.prefill_group_D[d] < 0) & (nxt < num_groups)
-          & (num_free_D[d] >= queue.size_Q[g]))
-    take_D.append(ok)
-    group_D.append(g)
-    nxt = nxt + ok.astype(jnp.int32)
-  take_D, group_D = jnp.stack(take_D), jnp.stack(group_D)
-  size_D = jnp.where(take_D, queue.size_Q[group_D], 0)
+    # Candidate groups nxt, nxt+1, ...: a prefix of them fits the idle lanes and free slots.
+    cand_R = nxt + j_R
+    size_R = jnp.where(cand_R < num_groups, queue.size_Q[jnp.minimum(cand_R, last_q)], 0)
+    cum_R = jnp.cumsum(size_R)
+    fits_R = ((cand_R < num_groups) & (cum_R <= rank_Db[d, -1])
+              & (j_R < jnp.sum(idle_DR[d])))
+    count = jnp.sum(jnp.cumprod(fits_R.astype(jnp.int32)))
+    # The j-th idle lane takes group nxt + j.
+    lane_rank_R = jnp.cumsum(idle_DR[d])
+    took_R = idle_DR[d] & (lane_rank_R <= count)
+    j_of_lane_R = jnp.clip(lane_rank_R - 1, 0, lanes - 1)
+    group_DR.append(nxt + j_of_lane_R)
+    took_DR.append(took_R)
+    # Free slot of rank t goes to taken group j with cum[j-1] < t <= cum[j].
+    total = jnp.where(count > 0, cum_R[jnp.maximum(count - 1, 0)], 0)
+    j_of_slot_b = jnp.clip(jnp.searchsorted(cum_R, rank_Db[d], side="left"), 0, lanes - 1)
+    chosen_b = free_Db[d] & (rank_Db[d] <= total)
+    slot_group_Db.append(jnp.where(chosen_b, nxt + j_of_slot_b, -1))
+    member_Db.append(rank_Db[d] - (cum_R[j_of_slot_b] - size_R[j_of_slot_b]) - 1)
+    # Lane r's member m sits in the free slot of rank cum[j-1] + m + 1 (the leader repeated
+    # past the group's size).
+    first_R = cum_R[j_of_lane_R] - size_R[j_of_lane_R]
+    m_M = jnp.arange(group, dtype=jnp.int32)
+    want_RM = first_R[:, None] + jnp.minimum(m_M[None], size_R[j_of_lane_R][:, None] - 1) + 1
+    hit_RMb = free_Db[d][None, None] & (rank_Db[d][None, None] == want_RM[..., None])
+    rows_DRM.append(jnp.argmax(hit_RMb, axis=-1).astype(jnp.int32) + d * per_shard)
+    nxt = nxt + count.astype(jnp.int32)
+  took_L = jnp.stack(took_DR).reshape(-1)
+  group_L = jnp.stack(group_DR).reshape(-1)
+  rows_LM = jnp.stack(rows_DRM).reshape(-1, group)
+  group_B = jnp.stack(slot_group_Db).reshape(batch)
+  member_B = jnp.stack(member_Db).reshape(batch).astype(jnp.int32)
+  chosen_B = group_B >= 0
+  group_B = jnp.maximum(group_B, 0)
 
-  rank_Db = jnp.cumsum(free_Db, axis=1)               # 1-based rank among free slots
-  member_Db = rank_Db - 1
-  chosen_Db = free_Db & (rank_Db <= size_D[:, None])
-  # Slot of member j: the free slot of rank j + 1; members past the size repeat the leader.
-  member_rows = [jnp.argmax(free_Db & (rank_Db == j + 1), axis=1).astype(jnp.int32)
-                 for j in range(plan.group)]
-  rows_DM = jnp.stack(member_rows, axis=1)
-  rows_DM = jnp.where(jnp.arange(plan.group)[None] < size_D[:, None], rows_DM, rows_DM[:, :1])
-  base_D = jnp.arange(shards, dtype=jnp.int32) * per_shard
-  rows_DM = rows_DM + base_D[:, None]
-
-  chosen_B = chosen_Db.reshape(batch)
-  group_B = jnp.repeat(group_D, per_shard)
-  member_B = member_Db.reshape(batch).astype(jnp.int32)
   pick = lambda new, old: jnp.where(chosen_B.reshape(-1, *([1] * (old.ndim - 1))), new, old)
   req = state.req
   req = RequestInputs(
@@ -269,10 +290,8 @@ def admit(state: BatchState, queue: Queue, plan: BatchPlan) -> BatchState:
       top_p_B=pick(queue.top_p_Q[group_B], req.top_p_B),
       max_len_B=pick(queue.max_len_Q[group_B], req.max_len_B),
       stop_ids_BX=pick(queue.stop_ids_QX[group_B], req.stop_ids_BX),
-      seeds_B=pick(queue.seeds_QM[group_B, jnp.minimum(member_B, plan.group - 1)],
-                   req.seeds_B))
-  m = state.decode.metrics
-  metrics = jax.tree.map(lambda x: pick(jnp.zeros_like(x), x), m)
+      seeds_B=pick(queue.seeds_QM[group_B, jnp.clip(member_B, 0, group - 1)], req.seeds_B))
+  metrics = jax.tree.map(lambda x: pick(jnp.zeros_like(x), x), state.decode.metrics)
   decode = state.decode.replace(
       lengths_B=pick(jnp.int32(lp.cache_len - lp.k - 1), state.decode.lengths_B),
       done_B=state.decode.done_B | chosen_B,
@@ -281,9 +300,9 @@ def admit(state: BatchState, queue: Queue, plan: BatchPlan) -> BatchState:
       decode=decode, req=req, phase_B=pick(jnp.int32(PREFILL), state.phase_B),
       group_B=pick(group_B, state.group_B), member_B=pick(member_B, state.member_B),
       prompt_len_B=pick(queue.prompt_len_Q[group_B], state.prompt_len_B),
-      prefill_group_D=jnp.where(take_D, group_D, state.prefill_group_D),
-      prefill_pos_D=jnp.where(take_D, 0, state.prefill_pos_D),
-      prefill_rows_DM=jnp.where(take_D[:, None], rows_DM, state.prefill_rows_DM),
+      prefill_group_L=jnp.where(took_L, group_L, state.prefill_group_L),
+      prefill_pos_L=jnp.where(took_L, 0, state.prefill_pos_L),
+      prefill_rows_LM=jnp.where(took_L[:, None], rows_LM, state.prefill_rows_LM),
       next_group=nxt)
 
 
@@ -291,67 +310,71 @@ def admit(state: BatchState, queue: Queue, plan: BatchPlan) -> BatchState:
 
 def prefill_chunk(target, drafter, state: BatchState, queue: Queue, plan: BatchPlan,
                   ctx: LoopContext) -> BatchState:
-  """The next chunk of every shard's prompt in prefill (see the module docstring)."""
-  lp, shards, group = plan.loop, plan.shards, plan.group
+  """The next chunk of every lane's prompt in prefill (see the module docstring). Lanes
+  (plan.lanes per shard) stand for the rows of the batch: the L leaders' caches are gathered
+  into an [L, C] forward, and written back to their L x M member slots."""
+  lp, shards, group, lanes = plan.loop, plan.shards, plan.group, plan.lanes
   chunk, slots, per_shard = lp.prefill_chunk, lp.cache_len, lp.batch // shards
-  active_D = state.prefill_group_D >= 0
-  g_D = jnp.maximum(state.prefill_group_D, 0)
-  pos_D = state.prefill_pos_D
-  prompt_len_D = jnp.where(active_D, queue.prompt_len_Q[g_D], 0)
-  start_D = queue.prompt_start_Q[g_D]
+  active_L = state.prefill_group_L >= 0
+  g_L = jnp.maximum(state.prefill_group_L, 0)
+  pos_L = state.prefill_pos_L
+  prompt_len_L = jnp.where(active_L, queue.prompt_len_Q[g_L], 0)
+  start_L = queue.prompt_start_Q[g_L]
   num_tokens = queue.prompt_tokens_N.shape[0]
 
-  positions_DC = pos_D[:, None] + jnp.arange(chunk, dtype=jnp.int32)
+  positions_LC = pos_L[:, None] + jnp.arange(chunk, dtype=jnp.int32)
   def prompt_at(offset):
-    index_DC = jnp.clip(start_D[:, None] + positions_DC + offset, 0, num_tokens - 1)
-    valid_DC = positions_DC + offset < prompt_len_D[:, None]
-    return jnp.where(valid_DC, queue.prompt_tokens_N[index_DC], 0)
-  tokens_DC, next_DC = prompt_at(0), prompt_at(1)
+    index_LC = jnp.clip(start_L[:, None] + positions_LC + offset, 0, num_tokens - 1)
+    valid_LC = positions_LC + offset < prompt_len_L[:, None]
+    return jnp.where(valid_LC, queue.prompt_tokens_N[index_LC], 0)
+  tokens_LC, next_LC = prompt_at(0), prompt_at(1)
   # Padding positions past the cache write (harmlessly) into its last slot.
-  cache_positions_DC = jnp.minimum(positions_DC, slots - 1)
+  cache_positions_LC = jnp.minimum(positions_LC, slots - 1)
 
-  rows_DM = state.prefill_rows_DM - (jnp.arange(shards) * per_shard)[:, None]  # local
-  fresh_D = active_D & (pos_D == 0)
+  rows_LM = state.prefill_rows_LM - (jnp.arange(shards * lanes) // lanes * per_shard)[:, None]
+  fresh_L = active_L & (pos_L == 0)
   dec = state.decode
-  leader = gather_rows(dec.target_caches, rows_DM[:, :1], shards)
-  leader = _select_rows(fresh_D, jax.tree.map(jnp.zeros_like, leader), leader)
-  target_out, new_leader = _target_forward(target, drafter, tokens_DC, cache_positions_DC,
+  leader = gather_rows(dec.target_caches, rows_LM[:, 0].reshape(shards, lanes), shards)
+  leader = _select_rows(fresh_L, jax.tree.map(jnp.zeros_like, leader), leader)
+  target_out, new_leader = _target_forward(target, drafter, tokens_LC, cache_positions_LC,
                                            leader, slots, ctx.experts_fn,
-                                           seq_lens_B=prompt_len_D)
-  new_leader = _select_rows(active_D, new_leader, leader)
-  rows_flat = rows_DM.reshape(shards, group)
-  members = lambda x: jnp.repeat(x, group, axis=0)  # [D, ...] -> [D * M, ...]
+                                           seq_lens_B=prompt_len_L)
+  new_leader = _select_rows(active_L, new_leader, leader)
+  # Local rows of (lane, member), by shard; an idle lane's rows (stale, maybe another lane's)
+  # point past the shard, so that nothing is written there.
+  rows_flat = jnp.where(active_L[:, None], rows_LM, per_shard).reshape(shards, lanes * group)
+  members = lambda x: jnp.repeat(x, group, axis=0)  # [L, ...] -> [L * M, ...]
   target_caches = scatter_rows(dec.target_caches, rows_flat,
                                jax.tree.map(members, new_leader), shards)
 
   # The last chunk: each member samples its first token at position prompt_len.
-  final_D = active_D & (pos_D + chunk >= prompt_len_D)
-  last_D = jnp.clip(prompt_len_D - 1 - pos_D, 0, chunk - 1)
-  logits_DV = target.logits(take_rows(target_out.hidden_BTD, last_D)[:, None])[:, 0]
+  final_L = active_L & (pos_L + chunk >= prompt_len_L)
+  last_L = jnp.clip(prompt_len_L - 1 - pos_L, 0, chunk - 1)
+  logits_LV = target.logits(take_rows(target_out.hidden_BTD, last_L)[:, None])[:, 0]
   member_req = gather_rows(state.req, rows_flat, shards)
-  prompt_len_N = members(prompt_len_D)
+  prompt_len_N = members(prompt_len_L)
   keys_N = sampling.position_keys(_stream_keys(member_req, _TARGET_STREAM),
                                   prompt_len_N[:, None])[:, 0]
-  logits_NV = members(logits_DV)
+  logits_NV = members(logits_LV)
   first_N, _ = _choose(logits_NV, member_req.temperature_B, member_req.top_k_B,
                        member_req.top_p_B, keys_N, lp)
 
   # The drafter sees each member's own first token after the prompt.
-  final_N, active_N, fresh_N = members(final_D), members(active_D), members(fresh_D)
-  next_NC = members(next_DC)
-  last_N = members(last_D)
+  final_N, active_N, fresh_N = members(final_L), members(active_L), members(fresh_L)
+  next_NC = members(next_LC)
+  last_N = members(last_L)
   next_NC = jnp.where(final_N[:, None] & (jnp.arange(chunk)[None] == last_N[:, None]),
                       first_N[:, None], next_NC)
   draft_rows = gather_rows(dec.draft, rows_flat, shards)
   draft_rows = _select_rows(fresh_N, jax.tree.map(jnp.zeros_like, draft_rows), draft_rows)
-  new_draft = drafter.prefill_chunk(draft_rows, members(tokens_DC), members(cache_positions_DC),
+  new_draft = drafter.prefill_chunk(draft_rows, members(tokens_LC), members(cache_positions_LC),
                                     next_NC, prompt_len_N, last_N,
                                     jax.tree.map(members, target_out))
   new_draft = _select_rows(active_N, new_draft, draft_rows)
   draft = scatter_rows(dec.draft, rows_flat, new_draft, shards)
 
   # Members that finished their prompt: tokens, length, first finish check, logprobs.
-  member_tokens_NS = _prompt_rows(queue, members(start_D), prompt_len_N, slots)
+  member_tokens_NS = _prompt_rows(queue, members(start_L), prompt_len_N, slots)
   member_tokens_NS = jnp.where(jnp.arange(slots)[None] == prompt_len_N[:, None],
                                first_N[:, None], member_tokens_NS)
   stop_N = _is_stop(first_N[:, None], member_req.stop_ids_BX)[:, 0]
@@ -376,8 +399,8 @@ def prefill_chunk(target, drafter, state: BatchState, queue: Queue, plan: BatchP
   return state.replace(
       decode=decode, logprobs=logprobs,
       phase_B=put(state.phase_B, jnp.full(final_N.shape, RUN, jnp.int32)),
-      prefill_group_D=jnp.where(final_D, -1, state.prefill_group_D),
-      prefill_pos_D=jnp.where(active_D, pos_D + chunk, pos_D))
+      prefill_group_L=jnp.where(final_L, -1, state.prefill_group_L),
+      prefill_pos_L=jnp.where(active_L, pos_L + chunk, pos_L))
 
 
 def _prompt_rows(queue: Queue, start_N, prompt_len_N, slots: int):
@@ -473,7 +496,7 @@ def dispatch(target, draft_module, state: BatchState, queue: Queue, budget, plan
   def body(carry):
     s, f = carry
     s = admit(s, queue, plan)
-    s = jax.lax.cond(jnp.any(s.prefill_group_D >= 0),
+    s = jax.lax.cond(jnp.any(s.prefill_group_L >= 0),
                      lambda s: prefill_chunk(target, drafter, s, queue, plan, ctx),
                      lambda s: s, s)
     s = jax.lax.cond(jnp.any((s.phase_B == RUN) & ~s.decode.done_B),
