@@ -23,8 +23,12 @@ def _add_model_args(parser, model_required: bool):
 
 
 def _add_spec_args(parser):
-  parser.add_argument("--spec", default="none", choices=["none", "mtp", "ngram"],
-                      help="drafter: the checkpoint's MTP head, n-gram lookup, or none")
+  parser.add_argument("--spec", default="none",
+                      choices=["none", "mtp", "ngram", "draft_model", "eagle3"],
+                      help="drafter: the checkpoint's MTP head, n-gram lookup, a separate draft "
+                           "model or an EAGLE-3 head (both from --draft-model), or none")
+  parser.add_argument("--draft-model", default=None, metavar="DIR",
+                      help="draft_model / eagle3: the drafter's local Hugging Face directory")
   parser.add_argument("--k", type=int, default=3, help="draft tokens per step")
   parser.add_argument("--prompt-lookup-min", type=int, default=1)
   parser.add_argument("--prompt-lookup-max", type=int, default=3)
@@ -32,10 +36,14 @@ def _add_spec_args(parser):
 
 def _spec_config(args):
   if getattr(args, "spec", "none") == "none":
+    if getattr(args, "draft_model", None) is not None:
+      raise ValueError("--draft-model needs --spec draft_model or --spec eagle3")
     return None
   spec = {"method": args.spec, "num_speculative_tokens": args.k}
   if args.spec == "ngram":
     spec.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+  if args.draft_model is not None:  # SpecConfig refuses it for methods that take no drafter
+    spec["model"] = args.draft_model
   return spec
 
 

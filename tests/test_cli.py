@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from drafter_checkpoints import eagle3_head, truncated_draft_model
 from helpers import fixture_dir
 from jspec import cli
 
@@ -35,8 +36,29 @@ def test_convert_then_generate_from_the_converted_directory(tmp_path, capsys):
                    "--dtype", "float32", "--max-model-len", "64", "--max-tokens", "4"]) == 0
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_generate_with_a_drafter_from_its_own_directory(method, tmp_path, capsys):
+  """--spec draft_model|eagle3 --draft-model DIR: the tokens of plain greedy decoding."""
+  llama = fixture_dir("llama3")
+  draft = (truncated_draft_model(llama, str(tmp_path / "draft"), 1) if method == "draft_model"
+           else eagle3_head(llama, str(tmp_path / "head"), 96, aux_layer_ids=[0, 1, 1]))
+  argv = ["generate", "--model", llama, "--prompt", "5 17 99 3", "--token-ids", "--dtype",
+          "float32", "--max-model-len", "64", "--max-tokens", "8"]
+  assert cli.main(argv) == 0
+  vanilla = capsys.readouterr().out.strip().splitlines()[-1]
+  assert cli.main(argv + ["--spec", method, "--draft-model", draft, "--k", "2"]) == 0
+  out, err = capsys.readouterr()
+  assert out.strip().splitlines()[-1] == vanilla
+  assert "mean acceptance length" in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "/no/such/dir", "--prompt", "x"], "does not exist"),
+    (["generate", "--prompt", "x", "--spec", "eagle3"], "method 'eagle3' needs 'model'"),
+    (["generate", "--prompt", "x", "--spec", "ngram", "--draft-model", "/d"],
+     "method 'ngram' takes no 'model'"),
+    (["generate", "--prompt", "x", "--draft-model", "/d"],
+     "--draft-model needs --spec draft_model or --spec eagle3"),
     (["generate", "--model", fixture_dir("qwen3_dense"), "--prompt", "hello"], "no tokenizer"),
     (["generate", "--prompt", "x", "--temperature", "-1"], "temperature=-1.0 must be >= 0"),
     (["generate", "--prompt", "x", "--spec", "ngram", "--k", "0"], "num_speculative_tokens=0"),

@@ -82,12 +82,18 @@ def read_eagle3_config(hf_config, target_cfg: ModelConfig, names: set[str]) -> E
   if target_hidden != target_cfg.hidden_size:
     raise ValueError(f"the EAGLE-3 head reads target hidden states of size {target_hidden}; "
                      f"the target's hidden_size is {target_cfg.hidden_size}")
+  has_own_embed = "embed_tokens.weight" in names
+  if layer.hidden_size != target_cfg.hidden_size and not has_own_embed:
+    # Without its own table the head embeds with the target's, whose rows are the target's width.
+    raise ValueError(f"the EAGLE-3 head's hidden_size {layer.hidden_size} differs from the "
+                     f"target's {target_cfg.hidden_size} and it has no embed_tokens.weight of "
+                     "its own: the target's embedding cannot feed it")
   return Eagle3Config(
       layer=layer, draft_vocab_size=int(getattr(hf_config, "draft_vocab_size", None)
                                         or layer.vocab_size),
       target_hidden_size=target_hidden, aux_layer_ids=aux,
       norm_before_residual=bool(getattr(hf_config, "norm_before_residual", False)),
-      has_own_embed="embed_tokens.weight" in names)
+      has_own_embed=has_own_embed)
 
 
 class _WideInputAttention(Attention):
