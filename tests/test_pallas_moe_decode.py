@@ -92,18 +92,30 @@ def test_plan_gives_each_selected_expert_one_slot_in_ascending_order():
   weights = jnp.array([[0.6, 0.4], [0.3, 0.7], [0.5, 0.5]], jnp.float32)
   plan = plan_decode(ids, weights, num_experts=8)  # 9 is another shard's expert
   assert int(plan.num_slots_1[0]) == 2
-  assert np.asarray(plan.slot_expert_S).tolist() == [2, 5, -1, -1, -1, -1]
+  assert np.asarray(plan.slot_expert_S)[:2].tolist() == [2, 5]
   assert np.asarray(plan.slot_TK).tolist() == [[1, 0], [0, -1], [-1, 1]]
-  want = np.zeros((6, 8), np.float32)  # [S, N]: N = 3 tokens padded to 8
+  want = np.zeros((6, 32), np.float32)  # [S, R]: one 128-byte block of weights per slot
   want[0, :2] = [0.4, 0.3]
   want[1, [0, 2]] = [0.6, 0.5]
-  np.testing.assert_allclose(np.asarray(plan.weight_SN), want, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(plan.weight_SR), want, rtol=1e-6)
 
 
 def test_plan_sums_a_repeated_pick_once_and_combines_it_once():
-  plan = plan_decode(jnp.array([[3, 3, 1]], jnp.int32), jnp.array([[0.2, 0.3, 0.5]]), 4)
-  assert np.asarray(plan.slot_TK).tolist() == [[1, -1, 0]]
-  np.testing.assert_allclose(np.asarray(plan.weight_SN)[:2, 0], [0.5, 0.5], rtol=1e-6)
+  ids = jnp.array([[3, 3, 1], [1, 0, 0]], jnp.int32)
+  plan = plan_decode(ids, jnp.array([[0.2, 0.3, 0.5], [0.1, 0.4, 0.5]]), 4)
+  assert np.asarray(plan.slot_expert_S)[:3].tolist() == [0, 1, 3]
+  assert np.asarray(plan.slot_TK).tolist() == [[2, -1, 1], [1, 0, -1]]
+  np.testing.assert_allclose(np.asarray(plan.weight_SR)[:3, :2],
+                             [[0.0, 0.9], [0.5, 0.1], [0.5, 0.0]], rtol=1e-6)
+
+
+def test_plan_of_one_token_makes_each_pick_a_slot():
+  """Batch-1 decode: no dedupe, no prefix count; an invalid pick reads expert E (zeros)."""
+  plan = plan_decode(jnp.array([[6, -1, 2]], jnp.int32), jnp.array([[0.5, 0.3, 0.2]]), 8)
+  assert np.asarray(plan.slot_expert_S).tolist() == [6, 8, 2]
+  assert int(plan.num_slots_1[0]) == 3
+  assert np.asarray(plan.slot_TK).tolist() == [[0, -1, 2]]
+  np.testing.assert_allclose(np.asarray(plan.weight_SR)[:, 0], [0.5, 0.0, 0.2], rtol=1e-6)
 
 
 # --- the whole decode path -------------------------------------------------------------------
@@ -112,6 +124,7 @@ CASES = {
     # name: (num_tokens, num_experts, top_k, experts_used, invalid_fraction, distinct)
     "one_token_top8": (1, 16, 8, None, 0.0, True),
     "one_token_top1": (1, 8, 1, None, 0.0, True),
+    "one_token_invalid_and_repeated": (1, 8, 4, [3, 5], 0.3, False),
     "odd_tokens_top2": (13, 8, 2, None, 0.0, True),
     "every_row_on_one_expert": (11, 8, 1, [5], 0.0, True),
     "empty_experts": (9, 16, 2, [1, 6, 7], 0.0, True),
@@ -141,11 +154,19 @@ def test_no_valid_id_gives_zeros():
   assert np.all(np.asarray(got, np.float32) == 0.0)
 
 
-def test_wide_tiles_and_shallow_pipeline_match_reference():
-  """128-column work items for both kernels (the down tiling real shapes take), 2 stages."""
+@pytest.mark.parametrize("async_mma", [True, False])
+def test_wide_tiles_and_shallow_pipeline_match_reference(async_mma):
+  """128-column work items for both kernels (the down tiling real shapes take), 2 stages, both
+  ways of restarting the sums between items."""
   args = _problem(2, 6, 8, 3, 256, 128, jnp.bfloat16)
-  tilings = (DecodeTiling(128, 128, 2), DecodeTiling(128, 64, 2))
+  tilings = (DecodeTiling(128, 128, 2, async_mma), DecodeTiling(128, 64, 2, async_mma))
   _check(args, jnp.bfloat16, fn=lambda *a: experts_decode(*a, tilings=tilings))
+
+
+def test_blocking_accumulation_matches_reference_over_many_items():
+  args = _problem(3, 13, 8, 4, 128, 128, jnp.float32)
+  tilings = (DecodeTiling(64, 64, 3, False), DecodeTiling(64, 64, 3, False))
+  _check(args, jnp.float32, fn=lambda *a: experts_decode(*a, tilings=tilings))
 
 
 def test_pallas_backend_takes_the_decode_path_by_size():

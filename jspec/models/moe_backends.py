@@ -117,7 +117,10 @@ def expert_tile(name: str) -> int:
 def get_experts_fn(name: str) -> ExpertsFn:
   name = resolve_moe_backend(name)
   if name == "pallas":
-    from jspec.pallas_kernels import experts_pallas  # Mosaic GPU; interpret mode off-GPU.
+    # Mosaic GPU; interpret mode off-GPU. It picks its path by the static size of each call:
+    # the decode path (every selected expert streamed once over all T tokens) up to
+    # DECODE_MAX_TOKENS tokens and DECODE_MAX_COPIES token copies, the grouped path above.
+    from jspec.pallas_kernels import experts_pallas
     return experts_pallas
   return {"reference": experts_reference, "dense": experts_dense,
           "ragged_dot": experts_ragged_dot}[name]

@@ -16,6 +16,16 @@ each SM keeps in flight. So each CTA runs ONE software pipeline over all of its 
 of the next item are already in flight while the current item's epilogue runs, and the
 pipeline never drains between items. Work items are strided over the SMs
 (item = sm + i * num_sms); their number is known only on the device (the used slots).
+
+An item's sums must restart at the next item without a store into a live wgmma accumulator
+(which interpret mode does not model). Two ways, chosen by `DecodeTiling.async_mma`:
+  blocking  each step's products go to fresh accumulators, waited for and added to sums the
+            pipeline carries; a stage is free as soon as its step ends.
+  async     one accumulator per kernel keeps running over all items, each step's wgmma runs
+            on while the next step's data arrives (as in the grouped kernels), and an item's
+            result is the accumulator at its last step minus its value at the previous
+            item's last step (carried). In float32 that difference loses about eps * sqrt(n)
+            of the item's magnitude after n items, far below the bf16 rounding of the output.
 """
 
 from __future__ import annotations
@@ -36,19 +46,23 @@ from jspec.pallas_kernels.grouped_gemm import _silu_mul, _smem_transforms
 # The TMA writes shared memory at 128-byte aligned addresses: every pipelined block must be a
 # multiple of this many bytes, or the second stage's buffer is misaligned.
 TMA_SMEM_ALIGNMENT = 128
+# Rows of the SMEM tiles the TMA writes (the tiling transform's first dimension).
+ROW_TILE = 8
 # Shared memory the pipeline stages may take (the H100 / H200 limit is 227 KiB per block;
-# the rest holds the epilogue tile and barriers).
-PIPELINE_SMEM_BYTES = 192 * 1024
+# the rest holds the epilogue tile, at most 16 KiB, and barriers).
+PIPELINE_SMEM_BYTES = 208 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTiling:
   """block_cols: weight columns per work item (wgmma M: 64 or 128).
-  block_k: contraction step. num_stages: pipeline depth (0: as many as fit the budget)."""
+  block_k: contraction step. num_stages: pipeline depth (0: as many as fit the budget).
+  async_mma: accumulate asynchronously over all items (see the module docstring)."""
 
   block_cols: int
   block_k: int
   num_stages: int = 0
+  async_mma: bool = False
 
 
 def _check_divisible(name, size, block):
@@ -102,41 +116,62 @@ def _store_transposed(value_CN, o_smem, out_gmem):
 
 
 def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dtype,
-                   in_specs_for, num_sums, stages, epilogue, operands_of):
+                   in_specs_for, num_sums, stages, epilogue, operands_of, async_mma):
   """Runs this SM's work items (slot, column block) x k_steps as one pipeline.
 
-  in_specs_for(item) -> BlockSpecs, given item(i) -> (slot, col) for the pipeline's first
-  grid index; operands_of(*smem_refs) -> the (W, X) pairs to multiply at each step;
-  epilogue(slot, col, sums, smem_refs, o_smem) stores an item's result.
+  in_specs_for(item, delay_release) -> BlockSpecs, given item(i) -> (slot, col) for the
+  pipeline's first grid index; operands_of(*smem_refs) -> the (W, X) pairs to multiply at
+  each step; epilogue(slot, col, sums, smem_refs, o_smem) stores an item's result.
   """
   num_sms = platform.num_sms()
   sm = lax.axis_index("sm")
   num_items = num_slots * col_blocks
   my_items = lax.div(num_items - sm + (num_sms - 1), jnp.int32(num_sms))
+  acc_shape = (block_cols, tokens_pad)
 
   def item(i):
     work = sm + i * num_sms
     return lax.div(work, jnp.int32(col_blocks)), lax.rem(work, jnp.int32(col_blocks))
 
+  def blocking_step(o_smem, idx, *refs_and_sums):
+    i, k = idx
+    *smem_refs, sums = refs_and_sums
+    sums = _accumulate(sums, operands_of(*smem_refs))
+    is_last = k == k_steps - 1
+
+    @pl.when(is_last)
+    def _():
+      epilogue(*item(i), sums, smem_refs, o_smem)
+
+    # Warpgroup lowering takes no implicit broadcasts: the predicate is broadcast by hand.
+    restart = lax.broadcast_in_dim(is_last, acc_shape, ())
+    return tuple(lax.select(restart, jnp.zeros_like(s), s) for s in sums)
+
+  def async_step(o_smem, accs, idx, *refs_and_prev):
+    i, k = idx
+    *smem_refs, prev = refs_and_prev
+    for acc, (w_smem, x_smem) in zip(accs, operands_of(*smem_refs)):
+      plgpu.wgmma(acc, w_smem.T, x_smem.T)
+    plgpu.wgmma_wait(len(accs))  # This step's groups may run on; the previous step's are done.
+
+    def finish(prev):
+      totals = tuple(acc[...] for acc in accs)
+      epilogue(*item(i), tuple(t - p for t, p in zip(totals, prev)), smem_refs, o_smem)
+      return totals
+
+    return lax.cond(k == k_steps - 1, finish, lambda prev: prev, prev)
+
   def run(o_smem, *gmem_refs):
-    def step(idx, *refs_and_sums):
-      i, k = idx
-      *smem_refs, sums = refs_and_sums
-      sums = _accumulate(sums, operands_of(*smem_refs))
-      is_last = k == k_steps - 1
+    def pipeline(step, delay_release):
+      plgpu.emit_pipeline(
+          step, grid=(my_items, k_steps), in_specs=in_specs_for(item, delay_release),
+          max_concurrent_steps=stages, init_carry=_zeros(num_sums, acc_shape))(*gmem_refs)
 
-      @pl.when(is_last)
-      def _():
-        epilogue(*item(i), sums, smem_refs, o_smem)
-
-      # Warpgroup lowering takes no implicit broadcasts: the predicate is broadcast by hand.
-      restart = lax.broadcast_in_dim(is_last, sums[0].shape, ())
-      return tuple(lax.select(restart, jnp.zeros_like(s), s) for s in sums)
-
-    plgpu.emit_pipeline(
-        step, grid=(my_items, k_steps), in_specs=in_specs_for(item),
-        max_concurrent_steps=stages,
-        init_carry=_zeros(num_sums, (block_cols, tokens_pad)))(*gmem_refs)
+    if async_mma:
+      pl.run_scoped(lambda *accs: pipeline(functools.partial(async_step, o_smem, accs), 1),
+                    *[plgpu.ACC(acc_shape) for _ in range(num_sums)])
+    else:
+      pipeline(functools.partial(blocking_step, o_smem), 0)
     plgpu.wait_smem_to_gmem(0)
 
   o_smem = plgpu.SMEM((tokens_pad, block_cols), dtype,
@@ -168,16 +203,23 @@ def gate_up_decode(x_TD, w_gate_EDF, w_up_EDF, slot_expert_S, num_slots_1, token
   itemsize = jnp.dtype(dtype).itemsize
   stages = _num_stages(tiling, (n * bk + 2 * bk * bc) * itemsize)
   _check_aligned(((n, bk), dtype), ((bk, bc), dtype))
+  num_tokens = x_TD.shape[0]
+  if num_tokens > ROW_TILE and num_tokens % ROW_TILE:
+    # The TMA reads x in tiles of 8 rows: a row count past 8 must be a multiple of 8 (below
+    # 8, the rows past T arrive as zeros).
+    x_TD = jnp.pad(x_TD, ((0, -num_tokens % ROW_TILE), (0, 0)))
 
   def body(slot_expert_ref, num_slots_ref, x_ref, w_gate_ref, w_up_ref, act_ref):
-    def in_specs_for(item):
+    def in_specs_for(item, delay_release):
       def w_index(i, k):
         slot, col = item(i)
         return slot_expert_ref[slot], k, col
 
-      w_spec = plgpu.BlockSpec((None, bk, bc), w_index, transforms=_smem_transforms(bc, dtype))
+      w_spec = plgpu.BlockSpec((None, bk, bc), w_index, transforms=_smem_transforms(bc, dtype),
+                               delay_release=delay_release)
       x_spec = plgpu.BlockSpec((n, bk), lambda i, k: (0, k),
-                               transforms=_smem_transforms(bk, dtype))
+                               transforms=_smem_transforms(bk, dtype),
+                               delay_release=delay_release)
       return [x_spec, w_spec, w_spec]
 
     def epilogue(slot, col, sums, smem_refs, o_smem):
@@ -188,15 +230,20 @@ def gate_up_decode(x_TD, w_gate_EDF, w_up_EDF, slot_expert_S, num_slots_1, token
         num_slots=num_slots_ref[0], col_blocks=ffn // bc, k_steps=dim // bk, block_cols=bc,
         tokens_pad=n, dtype=dtype, in_specs_for=in_specs_for, num_sums=2, stages=stages,
         epilogue=epilogue, operands_of=lambda x, g, u: [(g, x), (u, x)],
+        async_mma=tiling.async_mma,
     )(x_ref, w_gate_ref, w_up_ref)
 
   return _kernel_call(body, (num_slots_max, n, ffn), dtype, "moe_decode_gate_up")(
       slot_expert_S, num_slots_1, x_TD, w_gate_EDF, w_up_EDF)
 
 
-def down_decode(act_SNF, w_down_EFD, weight_SN, slot_expert_S, num_slots_1,
+def down_decode(act_SNF, w_down_EFD, weight_SR, slot_expert_S, num_slots_1,
                 tiling: DecodeTiling) -> jax.Array:
-  """out_SND[s] = weight_SN[s] * (act_SNF[s] @ w_down[e_s]) for the used slots."""
+  """out_SND[s] = weight_SR[s, :N] * (act_SNF[s] @ w_down[e_s]) for the used slots.
+
+  weight_SR: the slots' routing weights, R >= N columns (R * 4 bytes a multiple of 128: each
+  slot's row travels with every pipeline step as one TMA block, so the epilogue never waits on
+  a load of its own)."""
   num_slots_max, n, ffn = act_SNF.shape
   _, _, dim = w_down_EFD.shape
   dtype = act_SNF.dtype
@@ -204,23 +251,25 @@ def down_decode(act_SNF, w_down_EFD, weight_SN, slot_expert_S, num_slots_1,
   _check_divisible("F", ffn, bk)
   _check_divisible("D", dim, bc)
   itemsize = jnp.dtype(dtype).itemsize
-  # The slot's routing weights ride along with every step's loads, padded to one aligned
-  # TMA block (32 floats), so the epilogue never waits on a load of its own.
-  r = max(n, TMA_SMEM_ALIGNMENT // 4)
-  weight_SR = jnp.pad(weight_SN, ((0, 0), (0, r - n)))
+  r = weight_SR.shape[1]
+  if r < n:
+    raise ValueError(f"weight_SR has {r} columns, fewer than the {n} padded tokens")
   stages = _num_stages(tiling, (n * bk + bk * bc) * itemsize + r * 4)
   _check_aligned(((n, bk), dtype), ((bk, bc), dtype), ((r,), jnp.float32))
 
   def body(slot_expert_ref, num_slots_ref, weight_ref, act_ref, w_down_ref, out_ref):
-    def in_specs_for(item):
+    def in_specs_for(item, delay_release):
       def w_index(i, k):
         slot, col = item(i)
         return slot_expert_ref[slot], k, col
 
       a_spec = plgpu.BlockSpec((None, n, bk), lambda i, k: (item(i)[0], 0, k),
-                               transforms=_smem_transforms(bk, dtype))
-      w_spec = plgpu.BlockSpec((None, bk, bc), w_index, transforms=_smem_transforms(bc, dtype))
-      r_spec = plgpu.BlockSpec((None, r), lambda i, k: (item(i)[0], 0))
+                               transforms=_smem_transforms(bk, dtype),
+                               delay_release=delay_release)
+      w_spec = plgpu.BlockSpec((None, bk, bc), w_index, transforms=_smem_transforms(bc, dtype),
+                               delay_release=delay_release)
+      r_spec = plgpu.BlockSpec((None, r), lambda i, k: (item(i)[0], 0),
+                               delay_release=delay_release)
       return [a_spec, w_spec, r_spec]
 
     def epilogue(slot, col, sums, smem_refs, o_smem):
@@ -233,6 +282,7 @@ def down_decode(act_SNF, w_down_EFD, weight_SN, slot_expert_S, num_slots_1,
         num_slots=num_slots_ref[0], col_blocks=dim // bc, k_steps=ffn // bk, block_cols=bc,
         tokens_pad=n, dtype=dtype, in_specs_for=in_specs_for, num_sums=1, stages=stages,
         epilogue=epilogue, operands_of=lambda a, w, r: [(w, a)],
+        async_mma=tiling.async_mma,
     )(act_ref, w_down_ref, weight_ref)
 
   return _kernel_call(body, (num_slots_max, n, dim), dtype, "moe_decode_down")(

@@ -8,11 +8,15 @@ That trades a permute (a gather kernel and a padded layout) for nothing: each se
 expert's weights are read exactly once however many tokens chose it, and a slot needs no
 row list.
 
-Slots are the selected experts in increasing order. Every array here is a one-pass
-compare-and-count over [copies, E] or [S, E], which XLA fuses into a few small kernels.
+Slots are the selected experts in increasing order, found by a compare-and-count over
+[copies, E] and a prefix count over E. One token (batch-1 decode) needs neither: a router's
+top-k picks K distinct experts, so each pick is its own slot (a repeated pick would only be
+read twice, and still summed right), and an id outside [0, E) becomes expert E, which the
+kernels' TMA reads as zeros without touching memory.
 
 Shape letters: T tokens, K experts per token, E experts, S slots (at most min(E, T*K)),
-N padded tokens (wgmma's N: T rounded up to a power of two, at least 8).
+N padded tokens (wgmma's N: T rounded up to a power of two, at least 8), R = max(N, 32) (the
+routing weights of one slot as one 128-byte TMA block).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+# The routing weights of a slot travel as one TMA block of at least 128 bytes (32 floats).
+WEIGHT_BLOCK = 32
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -29,17 +36,18 @@ class DecodePlan:
   """Which experts run, and where each token copy's result lives.
 
   Attributes:
-    slot_expert_S: expert of each slot, ascending; -1 past the last used slot.
-    num_slots_1: number of used slots, as a 1-element int32 array (the kernels' loop bound).
-    weight_SN: float32 routing weight of token n for slot s's expert (duplicate picks of one
-      expert summed); 0 where the token did not pick it, and on padded tokens.
+    slot_expert_S: expert of each slot; past the last used slot (and for an invalid pick of
+      a single token) E, an expert the kernels read as zeros.
+    num_slots_1: number of slots to run, as a 1-element int32 array (the kernels' loop bound).
+    weight_SR: float32 routing weight of token r for slot s's expert (repeated picks of one
+      expert summed); 0 where the token did not pick it, on padded tokens and past T.
     slot_TK: slot of each (token, k) copy; -1 where the id is out of range or repeats an
-      earlier pick of the same token (its weight is already in weight_SN).
+      earlier pick of the same token (its weight is already in weight_SR).
   """
 
   slot_expert_S: jax.Array
   num_slots_1: jax.Array
-  weight_SN: jax.Array
+  weight_SR: jax.Array
   slot_TK: jax.Array
 
 
@@ -48,41 +56,51 @@ def padded_tokens(num_tokens: int) -> int:
   return max(8, 1 << max(0, (num_tokens - 1).bit_length()))
 
 
+def weight_columns(num_tokens: int) -> int:
+  return max(padded_tokens(num_tokens), WEIGHT_BLOCK)
+
+
 def max_slots(num_tokens: int, top_k: int, num_experts: int) -> int:
-  return max(1, min(num_experts, num_tokens * top_k))
+  return top_k if num_tokens == 1 else max(1, min(num_experts, num_tokens * top_k))
 
 
 def plan_decode(topk_ids_TK: jax.Array, topk_weights_TK: jax.Array,
                 num_experts: int) -> DecodePlan:
   num_tokens, top_k = topk_ids_TK.shape
-  num_slots_max = max_slots(num_tokens, top_k, num_experts)
-  tokens_pad = padded_tokens(num_tokens)
   ids_TK = topk_ids_TK.astype(jnp.int32)
   valid_TK = (ids_TK >= 0) & (ids_TK < num_experts)
+  weights_TK = jnp.where(valid_TK, topk_weights_TK.astype(jnp.float32), 0.0)
+  columns = weight_columns(num_tokens)
+  if num_tokens == 1:
+    return DecodePlan(
+        slot_expert_S=jnp.where(valid_TK[0], ids_TK[0], num_experts),
+        num_slots_1=jnp.full((1,), top_k, jnp.int32),
+        weight_SR=jnp.pad(weights_TK.reshape(top_k, 1), ((0, 0), (0, columns - 1))),
+        slot_TK=jnp.where(valid_TK, jnp.arange(top_k, dtype=jnp.int32)[None], -1))
+
+  num_slots_max = max_slots(num_tokens, top_k, num_experts)
   # A pick that repeats an earlier pick of the same token adds its weight to that slot and is
   # combined once (the reference sums both copies; the slot's weight already holds both).
   k_idx = jnp.arange(top_k)
   earlier_KK = k_idx[None, :] < k_idx[:, None]  # [k, k']: k' before k
   repeat_TK = jnp.any((ids_TK[:, :, None] == ids_TK[:, None, :]) & earlier_KK[None], axis=2)
-  first_TK = valid_TK & ~repeat_TK
 
   experts_E = jnp.arange(num_experts, dtype=jnp.int32)
   picked_E = jnp.any((ids_TK.reshape(-1)[:, None] == experts_E[None, :])
                      & valid_TK.reshape(-1)[:, None], axis=0)
-  # Inclusive count of picked experts up to e; slot s holds the expert where it passes s.
+  # Inclusive count of picked experts up to e: expert e (if picked) has slot count_E[e] - 1.
   count_E = jnp.cumsum(picked_E.astype(jnp.int32))
   num_slots = count_E[-1]
   slot_S = jnp.arange(num_slots_max, dtype=jnp.int32)
   slot_expert_S = jnp.sum(count_E[None, :] <= slot_S[:, None], axis=1, dtype=jnp.int32)
-  slot_expert_S = jnp.where(slot_S < num_slots, slot_expert_S, -1)
-
-  slot_TK = jnp.where(first_TK, count_E[jnp.clip(ids_TK, 0, num_experts - 1)] - 1, -1)
-  match_STK = (ids_TK[None] == slot_expert_S[:, None, None]) & valid_TK[None]
-  weight_ST = jnp.sum(jnp.where(match_STK, topk_weights_TK.astype(jnp.float32)[None], 0.0),
+  slot_of_TK = jnp.where(valid_TK, count_E[jnp.clip(ids_TK, 0, num_experts - 1)] - 1, -1)
+  # Every output below reads count_E only, so XLA can compute them side by side.
+  rows_RK = jnp.pad(slot_of_TK, ((0, columns - num_tokens), (0, 0)), constant_values=-1)
+  weights_RK = jnp.pad(weights_TK, ((0, columns - num_tokens), (0, 0)))
+  weight_SR = jnp.sum(jnp.where(rows_RK[None] == slot_S[:, None, None], weights_RK[None], 0.0),
                       axis=2)
-  weight_SN = jnp.pad(weight_ST, ((0, 0), (0, tokens_pad - num_tokens)))
   return DecodePlan(slot_expert_S=slot_expert_S, num_slots_1=num_slots.reshape(1),
-                    weight_SN=weight_SN, slot_TK=slot_TK.astype(jnp.int32))
+                    weight_SR=weight_SR, slot_TK=jnp.where(repeat_TK, -1, slot_of_TK))
 
 
 def combine_slots(out_SND: jax.Array, plan: DecodePlan, dtype) -> jax.Array:
