@@ -55,6 +55,7 @@ class ContinuousBatcher:
     self._compiled = {}       # (BatchPlan, queue shapes) -> (init, dispatch)
     self._prompt_compiled = {}
     self.finished_rows = None  # Finished rows per dispatch; None: twice the slots
+    self.budget = None         # iterations per dispatch; None: adapted to DISPATCH_SECONDS
 
   # ---- plans -----------------------------------------------------------------------------
 
@@ -191,7 +192,7 @@ class ContinuousBatcher:
 
     start = time.perf_counter()
     state = init_c(*targets, queue)
-    budget, num_dispatches, host_seconds = FIRST_BUDGET, 1, 0.0
+    budget, num_dispatches, host_seconds = self.budget or FIRST_BUDGET, 1, 0.0
     state, pending = launch(state, budget)
     last = time.perf_counter()
     while True:
@@ -205,7 +206,7 @@ class ContinuousBatcher:
       iterations = collect(pending)
       now = time.perf_counter()
       host_seconds += (launched - tick) + (now - ready)
-      if iterations:
+      if iterations and self.budget is None:
         rate = iterations / max(ready - last, 1e-6)
         budget = int(min(MAX_BUDGET, max(FIRST_BUDGET, rate * DISPATCH_SECONDS)))
         budget = buckets.next_pow2(budget)  # few distinct budget arrays
