@@ -18,7 +18,8 @@ pipeline never drains between items. Work items are strided over the SMs
 (item = sm + i * num_sms); their number is known only on the device (the used slots).
 
 An item's sums must restart at the next item without a store into a live wgmma accumulator
-(which interpret mode does not model). Two ways, chosen by `DecodeTiling.async_mma`:
+(which interpret mode does not model). Two ways, chosen by `DecodeTiling.async_mma`; the
+default, blocking, is the one measured on the GPU (BENCHMARKS.md, "MoE decode"):
   blocking  each step's products go to fresh accumulators, waited for and added to sums the
             pipeline carries; a stage is free as soon as its step ends.
   async     one accumulator per kernel keeps running over all items, each step's wgmma runs
@@ -50,7 +51,7 @@ TMA_SMEM_ALIGNMENT = 128
 ROW_TILE = 8
 # Shared memory the pipeline stages may take (the H100 / H200 limit is 227 KiB per block;
 # the rest holds the epilogue tile, at most 16 KiB, and barriers).
-PIPELINE_SMEM_BYTES = 208 * 1024
+PIPELINE_SMEM_BYTES = 192 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
