@@ -25,6 +25,10 @@ from jspec.outputs import (CompletionOutput, RequestMetrics, RequestOutput, aggr
 from jspec.speculative import buckets
 
 
+MIN_QUEUE_GROUPS = 64
+MIN_QUEUE_TOKENS = 4096
+
+
 def sample_seed(seed: int, sample: int) -> int:
   """The uint32 seed of completion `sample` of a request seeded `seed` (sample 0: the seed)."""
   if sample == 0:
@@ -76,12 +80,13 @@ def queue_arrays(plan: QueuePlan, eos_ids, max_model_len: int) -> dict[str, np.n
   """The queue's numpy arrays, padded to power-of-two buckets: Q groups, N prompt tokens,
   X stop ids, M samples per group. Padding groups have size 0 and are never admitted."""
   groups, params = plan.groups, plan.params
-  num_q = buckets.next_pow2(len(groups))
+  # Generous smallest buckets: calls of a few requests share one compiled program.
+  num_q = max(MIN_QUEUE_GROUPS, buckets.next_pow2(len(groups)))
   stop_sets = [list(dict.fromkeys((() if p.ignore_eos else tuple(eos_ids))
                                   + tuple(p.stop_token_ids or ()))) for p in params]
   width = max(4, buckets.next_pow2(max(len(s) for s in stop_sets) or 1))
   lengths = [len(plan.prompts[g.request]) for g in groups]
-  num_tokens = max(buckets.MIN_PROMPT_BUCKET, buckets.next_pow2(sum(lengths)))
+  num_tokens = max(MIN_QUEUE_TOKENS, buckets.next_pow2(sum(lengths)))
   arrays = dict(
       prompt_tokens_N=np.zeros((num_tokens,), np.int32),
       prompt_start_Q=np.zeros((num_q,), np.int32),

@@ -499,8 +499,9 @@ def dispatch(target, draft_module, state: BatchState, queue: Queue, budget, plan
     s = jax.lax.cond(jnp.any(s.prefill_group_L >= 0),
                      lambda s: prefill_chunk(target, drafter, s, queue, plan, ctx),
                      lambda s: s, s)
-    s = jax.lax.cond(jnp.any((s.phase_B == RUN) & ~s.decode.done_B),
-                     lambda s: decode(target, draft_module, s, plan, ctx), lambda s: s, s)
+    # Not under a cond: XLA then copied the drafter's caches around its in-place updates. An
+    # iteration with no running slot (the first ones) steps every row as padding.
+    s = decode(target, draft_module, s, plan, ctx)
     s, f = jax.lax.cond(jnp.any((s.phase_B == RUN) & s.decode.done_B),
                         lambda sf: harvest(*sf, plan), lambda sf: sf, (s, f))
     return s.replace(iteration=s.iteration + 1), f
