@@ -68,8 +68,12 @@ class ContinuousBatcher:
     max_total = max(min(len(p) + sp.max_tokens, llm.max_model_len)
                     for p, sp in zip(prompt_ids, params))
     cache_len = buckets.cache_bucket(max_total, k, llm.max_model_len)
+    # About prefill_chunk_size prompt tokens per shard and iteration, in `lanes` prompts of
+    # `chunk` tokens side by side: a quarter of it per lane at most, so that a prompt pads its
+    # last chunk by little, and short prompts many to an iteration (as a batched prefill).
     longest = max(len(p) for p in prompt_ids)
-    chunk = min(llm.prefill_chunk_size, max(buckets.MIN_PROMPT_BUCKET, buckets.next_pow2(longest)))
+    chunk = min(max(buckets.MIN_PROMPT_BUCKET, llm.prefill_chunk_size // 4),
+                max(buckets.MIN_PROMPT_BUCKET, buckets.next_pow2(longest)))
     spec = runner.spec
     loop = LoopPlan(batch=batch, cache_len=cache_len, method=runner.method, k=k,
                     all_greedy=all(sp.temperature == 0 for sp in params),
@@ -78,8 +82,6 @@ class ContinuousBatcher:
                     ngram_min=spec.prompt_lookup_min if spec else 1,
                     ngram_max=spec.prompt_lookup_max if spec else 1,
                     prefill_chunk=chunk, num_logprobs=queue.num_logprobs)
-    # Short prompts prefill side by side: about prefill_chunk_size prompt tokens per shard and
-    # iteration, so that many short requests start together as a batched prefill would.
     lanes = min(batch // width, max(1, llm.prefill_chunk_size // chunk))
     plan = batching.BatchPlan(loop=loop, shards=width, group=queue.group, lanes=lanes,
                               out_len=cache_len, finished_rows=self.finished_rows or 2 * batch)
