@@ -72,10 +72,10 @@ def test_drafts_come_only_from_the_draft_vocabulary():
 def test_sampling_with_a_draft_vocabulary_is_lossless():
   """The second token (the first decided by verification) has the same distribution with and
   without speculation when the head drafts from half the vocabulary."""
-  params = [jspec.SamplingParams(temperature=1.0, max_tokens=2, seed=s, ignore_eos=True)
-            for s in range(1500)]
-  prompt = [[7, 8, 7, 8, 7, 8]] * len(params)
-  second = lambda llm: np.array([o.token_ids[1] for o in llm.generate(prompt, params)])
+  # n = 1500 samples of one request: each sample draws from its own random stream.
+  params = jspec.SamplingParams(temperature=1.0, max_tokens=2, seed=0, n=1500, ignore_eos=True)
+  second = lambda llm: np.array([c.token_ids[1]
+                                 for c in llm.generate([[7, 8, 7, 8, 7, 8]], params)[0].outputs])
   ids = _subset(DENSE, 224, 5)
   a, b = second(cached_llm(DENSE)), second(cached_llm(DENSE, "mtp", 2, draft_vocab=ids))
   stat, critical, dof = two_sample_chi2(a, b)

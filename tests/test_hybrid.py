@@ -203,9 +203,9 @@ def test_speculative_sampling_is_lossless_on_a_hybrid_model():
   speculation (two-sample chi-square over 1500 seeded samples)."""
   name = "qwen3_5_text"
   prompt = _prompts(name, PROMPT_LENGTHS, 17)[4]
-  params = [jspec.SamplingParams(temperature=1.0, max_tokens=2, seed=s, ignore_eos=True)
-            for s in range(1500)]
-  second = lambda llm: np.array([o.token_ids[1] for o in llm.generate([prompt] * 1500, params)])
+  # n = 1500 samples of one request: each sample draws from its own random stream.
+  params = jspec.SamplingParams(temperature=1.0, max_tokens=2, seed=0, n=1500, ignore_eos=True)
+  second = lambda llm: np.array([c.token_ids[1] for c in llm.generate([prompt], params)[0].outputs])
   stat, critical, dof = two_sample_chi2(second(cached_llm(name)),
                                         second(cached_llm(name, "mtp", 2)))
   assert dof >= 3 and stat < critical, (stat, critical, dof)

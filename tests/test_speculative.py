@@ -107,10 +107,10 @@ def test_metrics_are_consistent(method, k):
 def test_speculative_sampling_is_lossless_end_to_end():
   """With temperature, the second generated token (the first decided by verification) has the
   same distribution with and without speculation: a two-sample chi-square on the top tokens."""
-  params = [jspec.SamplingParams(temperature=1.0, max_tokens=2, seed=s, ignore_eos=True)
-            for s in range(1500)]
-  prompt = [PROMPTS[4]] * len(params)
-  second = lambda llm: np.array([o.token_ids[1] for o in llm.generate(prompt, params)])
+  # n = 1500 samples of one request: each sample draws from its own random stream.
+  params = jspec.SamplingParams(temperature=1.0, max_tokens=2, seed=0, n=1500, ignore_eos=True)
+  second = lambda llm: np.array([c.token_ids[1]
+                                 for c in llm.generate([PROMPTS[4]], params)[0].outputs])
   a, b = second(cached_llm(DENSE)), second(cached_llm(DENSE, "mtp", 2))
   stat, critical, dof = two_sample_chi2(a, b)
   assert dof >= 3 and stat < critical, (stat, critical, dof)
