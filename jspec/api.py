@@ -35,10 +35,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def enable_compilation_cache(directory: str | None):
-  """JAX's persistent cache: a program compiled once is reused by later processes."""
+  """JAX's persistent cache: a program compiled once is reused by later processes.
+  JSPEC_COMPILATION_CACHE=off leaves it disabled (the CPU test suite does: serialising some
+  large CPU executables into the cache crashed jaxlib 0.11.2's CPU client)."""
   directory = directory or os.environ.get("JSPEC_COMPILATION_CACHE",
                                           os.path.expanduser("~/.cache/jspec/xla"))
+  if directory == "off":
+    jax.config.update("jax_enable_compilation_cache", False)
+    return
   os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_enable_compilation_cache", True)
   if jax.config.jax_compilation_cache_dir != directory:
     # JAX opens its cache once per process; a new directory needs the old one closed first.
     from jax.experimental.compilation_cache import compilation_cache
