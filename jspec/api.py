@@ -40,14 +40,17 @@ def enable_compilation_cache(directory: str | None):
   large CPU executables into the cache crashed jaxlib 0.11.2's CPU client)."""
   directory = directory or os.environ.get("JSPEC_COMPILATION_CACHE",
                                           os.path.expanduser("~/.cache/jspec/xla"))
+  from jax.experimental.compilation_cache import compilation_cache
   if directory == "off":
+    # JAX decides once per process whether its cache is used; an earlier LLM with a cache
+    # directory leaves it on until the cache is reset.
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     return
   os.makedirs(directory, exist_ok=True)
   jax.config.update("jax_enable_compilation_cache", True)
   if jax.config.jax_compilation_cache_dir != directory:
     # JAX opens its cache once per process; a new directory needs the old one closed first.
-    from jax.experimental.compilation_cache import compilation_cache
     compilation_cache.reset_cache()
     jax.config.update("jax_compilation_cache_dir", directory)
   # jspec's programs are few and reused across processes: cache every one, however quick.

@@ -2,6 +2,8 @@
 
 import os
 
+import jax
+
 import pytest
 
 from drafter_checkpoints import eagle3_head, truncated_draft_model
@@ -70,10 +72,27 @@ def test_bad_input_exits_2_with_the_reason(argv, message, capsys):
 
 def test_compiled_programs_land_in_the_persistent_cache(tmp_path):
   import jspec
-  llm = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=48,
-                  compilation_cache_dir=str(tmp_path))
-  llm.generate([[3, 4, 5]], jspec.SamplingParams(temperature=0.0, max_tokens=3))
-  assert os.listdir(tmp_path)
+  try:
+    llm = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=48,
+                    compilation_cache_dir=str(tmp_path))
+    llm.generate([[3, 4, 5]], jspec.SamplingParams(temperature=0.0, max_tokens=3))
+    assert os.listdir(tmp_path)
+  finally:
+    # The rest of this worker's tests run as the suite asked (make test: no cache).
+    jspec.api.enable_compilation_cache(None)
+
+
+def test_off_disables_a_cache_an_earlier_llm_enabled(tmp_path, monkeypatch):
+  from jax._src import compilation_cache
+  import jspec
+  monkeypatch.setenv("JSPEC_COMPILATION_CACHE", "off")
+  try:
+    jspec.api.enable_compilation_cache(str(tmp_path))
+    assert compilation_cache.is_cache_used(jax.devices()[0].client)
+    jspec.api.enable_compilation_cache(None)
+    assert not compilation_cache.is_cache_used(jax.devices()[0].client)
+  finally:
+    jspec.api.enable_compilation_cache(None)
 
 
 def test_repeated_prompts_run_as_one_batch(capsys):
