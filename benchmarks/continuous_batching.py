@@ -112,7 +112,10 @@ def run(llm, prompts, lengths, label: dict):
              mean_acceptance_length=m.mean_acceptance_length,
              seconds_with_compile=time.perf_counter() - start,
              num_dispatches=getattr(outs, "num_dispatches", None),
-             host_seconds_per_dispatch=getattr(outs, "host_seconds_per_dispatch", None))
+             host_seconds_per_dispatch=getattr(outs, "host_seconds_per_dispatch", None),
+             num_iterations=getattr(outs, "num_iterations", None))
+  if row["num_iterations"]:
+    row["ms_per_iteration"] = 1e3 * row["wall_time_s"] / row["num_iterations"]
   assert all(len(o.token_ids) == n for o, n in zip(outs, lengths))
   print(json.dumps(row), flush=True)
   return row

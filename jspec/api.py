@@ -360,7 +360,8 @@ class LLM:
     k = self.spec.num_speculative_tokens if self.spec else 0
     return GenerateOutputs(outputs, aggregate(outputs, k, result.wall_time_s),
                            num_dispatches=result.num_dispatches,
-                           host_seconds_per_dispatch=result.host_seconds_per_dispatch)
+                           host_seconds_per_dispatch=result.host_seconds_per_dispatch,
+                           num_iterations=result.num_iterations)
 
   def compute_logits(self, token_id_lists) -> list[np.ndarray]:
     """The target's float32 logits [len, vocab] for each sequence (one forward, no sampling)."""

@@ -3,10 +3,10 @@
 A call compiles (once per shape: slots, cache slots, queue buckets, drafter) an `init`
 program that allocates the slots' state and a `dispatch` program that runs the loop until
 its Finished rows fill or its iteration budget is spent (jspec.speculative.batching). The
-state is donated from one dispatch to the next and never leaves the device. The host always
-queues the next dispatch *before* it reads the finished rows of the previous one, so the
-device does not wait for the host's collecting, progress bar or output building: the host's
-work per dispatch runs while the next dispatch computes. The last dispatch, queued before
+state is donated from one dispatch to the next and never leaves the device. A worker thread
+launches the next dispatch *before* the host reads the finished rows of the previous one, so
+the device does not wait for the host's collecting, progress bar or output building: the
+host's work per dispatch runs while the next dispatch computes. The last dispatch, queued before
 the host knew every request was done, finds nothing to do and returns at once.
 
 The iteration budget adapts so that a dispatch lasts about `DISPATCH_SECONDS` (the progress
@@ -15,6 +15,7 @@ bar's refresh), whatever a step costs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 
@@ -44,6 +45,7 @@ class RunResult:
   wall_time_s: float
   num_dispatches: int = 0
   host_seconds_per_dispatch: float = 0.0  # host work per dispatch (overlapped with the next)
+  num_iterations: int = 0                 # loop iterations over all dispatches
 
 
 class ContinuousBatcher:
@@ -194,34 +196,38 @@ class ContinuousBatcher:
 
     start = time.perf_counter()
     state = init_c(*targets, queue)
-    budget, num_dispatches, host_seconds = self.budget or FIRST_BUDGET, 1, 0.0
-    state, pending = launch(state, budget)
-    last = time.perf_counter()
-    while True:
-      # The next dispatch is queued before the previous one's rows are read.
-      tick = time.perf_counter()
-      state, following = launch(state, budget)
-      num_dispatches += 1
-      launched = time.perf_counter()
-      jax.block_until_ready(pending.count)
-      ready = time.perf_counter()
-      iterations = collect(pending)
-      now = time.perf_counter()
-      host_seconds += (launched - tick) + (now - ready)
-      if iterations and self.budget is None:
-        rate = iterations / max(ready - last, 1e-6)
-        budget = int(min(MAX_BUDGET, max(FIRST_BUDGET, rate * DISPATCH_SECONDS)))
-        budget = buckets.next_pow2(budget)  # few distinct budget arrays
-      last = ready
-      pending = following
-      if collector.num_finished == queue_plan.num_sequences:
-        break
-    collect(pending)  # the dispatch queued last: nothing left to do
+    budget = self.budget or FIRST_BUDGET
+    num_dispatches, num_iterations, host_seconds = 1, 0, 0.0
+    # On a GPU the calling thread drives a dispatch's while loop (it reads the loop condition
+    # back each iteration), so a launch returns only when its dispatch is done. Dispatches
+    # are therefore launched from a worker thread: the host collects one dispatch's rows
+    # while the next one runs, on every platform.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jspec-dispatch") as pool:
+      state, pending = launch(state, budget)
+      last = time.perf_counter()
+      while True:
+        running = pool.submit(launch, state, budget)
+        num_dispatches += 1
+        jax.block_until_ready(pending.count)
+        ready = time.perf_counter()
+        iterations = collect(pending)
+        host_seconds += time.perf_counter() - ready
+        num_iterations += iterations
+        if iterations and self.budget is None:
+          rate = iterations / max(ready - last, 1e-6)
+          budget = int(min(MAX_BUDGET, max(FIRST_BUDGET, rate * DISPATCH_SECONDS)))
+          budget = buckets.next_pow2(budget)  # few distinct budget arrays
+        last = ready
+        state, pending = running.result()
+        if collector.num_finished == queue_plan.num_sequences:
+          break
+    num_iterations += collect(pending)  # the dispatch queued last: nothing left to do
     del state
     wall = time.perf_counter() - start
     progress.close()
     outputs = collector.outputs(wall, prompt_lps)
-    return RunResult(outputs, wall, num_dispatches, host_seconds / num_dispatches)
+    return RunResult(outputs, wall, num_dispatches, host_seconds / num_dispatches,
+                     num_iterations)
 
   # ---- prompt logprobs ---------------------------------------------------------------------
 

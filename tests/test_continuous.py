@@ -41,6 +41,7 @@ def test_greedy_outputs_equal_each_request_alone(method, k):
   outs = _llm("qwen3_dense", method, k).generate(PROMPTS, _params())
   assert [o.token_ids for o in outs] == _alone()
   assert outs.num_dispatches > 1  # 8 requests over 2 slots: finished rows collected on the way
+  assert outs.num_iterations >= max(o.metrics.num_steps for o in outs)
   for o, m in zip(outs, MAX_TOKENS):
     assert len(o.token_ids) == m and o.finish_reason == "length"
     # Metrics restart with each request in a slot.
