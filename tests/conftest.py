@@ -1,6 +1,10 @@
-"""Test-wide settings: float32 exactness on CPU, quiet progress, the `gpu` marker's skip."""
+"""Test-wide settings: float32 exactness on CPU, quiet progress, the `gpu` marker's skip, and
+compiled programs released before a long-lived worker runs out of memory mappings."""
 
+import functools
+import gc
 import os
+import sys
 
 os.environ.setdefault("JSPEC_PROGRESS", "0")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -25,3 +29,55 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+# ---- compiled programs released before the process runs out of memory mappings -------------
+# Every compiled CPU program maps its code and data into the process: an LLM's loop adds a few
+# hundred mappings, an interpret-mode Pallas kernel ~300. A pytest-xdist worker that runs half
+# the suite keeps every program its caches hold (JAX's jit caches, the tests' lru_caches of
+# LLMs), and past the kernel's vm.max_map_count (65530 by default) the next compilation
+# aborts the process inside XLA's CPU compiler ("Fatal Python error: Aborted", the worker
+# lost). So a worker whose mappings pass a share of the limit empties those caches: after a
+# test module (its module-scoped fixtures torn down), or after any test once it is close.
+
+def _map_limit() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except OSError:  # not Linux: no such limit to mind
+    return 0
+
+
+MAP_LIMIT = _map_limit()
+RELEASE_AFTER_MODULE, RELEASE_NOW = 0.4, 0.8  # shares of MAP_LIMIT
+
+
+def _mappings() -> int:
+  with open("/proc/self/maps") as f:
+    return sum(1 for _ in f)
+
+
+def release_compiled_programs():
+  """Empties JAX's caches and every lru_cache of the loaded test modules (the LLMs they hold
+  own their compiled programs), then collects, so that the programs are unmapped."""
+  tests_dir = os.path.dirname(os.path.abspath(__file__))
+  for module in list(sys.modules.values()):
+    path = getattr(module, "__file__", None) or ""
+    if os.path.dirname(os.path.abspath(path)) != tests_dir:
+      continue
+    for value in list(vars(module).values()):
+      if isinstance(value, functools._lru_cache_wrapper):
+        value.cache_clear()
+  jax.clear_caches()
+  gc.collect()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+  yield  # fixtures that end with this test (or its module) are torn down first
+  if not MAP_LIMIT:
+    return
+  module_ends = nextitem is None or nextitem.module is not item.module
+  share = RELEASE_AFTER_MODULE if module_ends else RELEASE_NOW
+  if _mappings() > share * MAP_LIMIT:
+    release_compiled_programs()
