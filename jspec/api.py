@@ -36,8 +36,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 def enable_compilation_cache(directory: str | None):
   """JAX's persistent cache: a program compiled once is reused by later processes.
-  JSPEC_COMPILATION_CACHE=off leaves it disabled (the CPU test suite does: serialising some
-  large CPU executables into the cache crashed jaxlib 0.11.2's CPU client)."""
+  JSPEC_COMPILATION_CACHE=off leaves it disabled (the CPU test suite does: a fresh clone has
+  nothing to reuse, and serialising every program it compiles would only add work)."""
   directory = directory or os.environ.get("JSPEC_COMPILATION_CACHE",
                                           os.path.expanduser("~/.cache/jspec/xla"))
   from jax.experimental.compilation_cache import compilation_cache

@@ -99,7 +99,7 @@ def cmd_bench(args):
   run_bench(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv=None):
   parser = argparse.ArgumentParser(prog="jspec", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
 
@@ -153,11 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also time the trained demo model with and without MTP")
   bench.add_argument("--out", default="benchmarks/results")
   bench.set_defaults(func=cmd_bench)
-  return parser
 
-
-def main(argv=None):
-  args = build_parser().parse_args(argv)
+  args = parser.parse_args(argv)
   try:
     args.func(args)
   except (ValueError, FileNotFoundError) as err:

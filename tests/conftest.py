@@ -1,7 +1,6 @@
 """Test-wide settings: float32 exactness on CPU, quiet progress, the `gpu` marker's skip, and
 compiled programs released before a long-lived worker runs out of memory mappings."""
 
-import functools
 import gc
 import os
 import sys
@@ -66,7 +65,7 @@ def release_compiled_programs():
     if os.path.dirname(os.path.abspath(path)) != tests_dir:
       continue
     for value in list(vars(module).values()):
-      if isinstance(value, functools._lru_cache_wrapper):
+      if callable(getattr(value, "cache_clear", None)):  # functools.lru_cache / cache
         value.cache_clear()
   jax.clear_caches()
   gc.collect()

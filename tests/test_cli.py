@@ -21,20 +21,20 @@ def test_generate_token_ids_with_ngram_prints_tokens_and_metrics(capsys):
   assert "mean acceptance length" in err and "[finish:" in err
 
 
-def test_vocab_replicated_keeps_the_vocabulary_whole_and_the_tokens(capsys):
+def test_vocab_replicated_keeps_the_vocabulary_whole_and_the_tokens(capsys, monkeypatch):
   """--tp 2 --vocab-replicated: the embedding and lm_head unsplit on both shards, and the
   greedy tokens (with MTP drafts) those of one device."""
   argv = ["generate", "--model", fixture_dir("qwen3_moe"), "--prompt", "5 6 7 8 9",
           "--token-ids", "--dtype", "float32", "--max-model-len", "64", "--max-tokens", "8",
           "--spec", "mtp", "--k", "2"]
+  built, build = [], cli._build_llm
+  monkeypatch.setattr(cli, "_build_llm", lambda *a: built.append(build(*a)) or built[-1])
   outputs = []
   for extra in ([], ["--tp", "2", "--vocab-replicated"]):
     assert cli.main(argv + extra) == 0
     outputs.append(eval(capsys.readouterr().out.strip().splitlines()[-1]))
   assert outputs[0] == outputs[1] and len(outputs[0]) == 8
-  args = cli.build_parser().parse_args(argv + ["--tp", "2", "--vocab-replicated"])
-  llm = cli._build_llm(args, args.model)
-  for table in (llm.target.embed, llm.target.lm_head):
+  for table in (built[-1].target.embed, built[-1].target.lm_head):
     assert table[...].sharding.spec == jax.sharding.PartitionSpec(None, None)
 
 
