@@ -8,8 +8,10 @@ attention, and how much of the wall time the device was idle).
 from __future__ import annotations
 
 import collections
+import math
 import glob
 import os
+import re
 import tempfile
 import time
 from typing import Callable
@@ -92,3 +94,36 @@ def summary(wall_s: float, times: dict, top: int = 12) -> str:
   for name, (count, ns) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:top]:
     lines.append(f"  {name[:40]:40s} {count:6d} {ns / 1e6:8.2f} {100 * ns / wall_ns:6.1f}%")
   return "\n".join(lines)
+
+
+# Element sizes of HLO types, for the bytes of an instruction's output.
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_HLO_ARRAY = re.compile(r"\b(" + "|".join(_HLO_BYTES) + r")\[([\d,]*)\]")
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+# Instructions that name or forward buffers without moving their bytes.
+_NO_MOVE = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
+            "constant", "call", "after-all", "opt-barrier", "copy-done", "async-done"}
+
+
+def large_moves(hlo_text: str, min_bytes: float) -> list[tuple[str, float, str]]:
+  """(op, MB, line) of each instruction of an optimized HLO module whose output (all arrays of
+  a tuple summed) holds at least `min_bytes`: the copies, scatters and fusions that may move
+  a whole cache. An in-place update (a dynamic-update-slice fusion) is listed too: its output
+  is the whole buffer although it writes a slice; the profile tells which ones cost."""
+  found, inside_fusion = [], False
+  for line in hlo_text.splitlines():
+    header = _HLO_COMPUTATION.match(line)
+    if header:  # instructions inside a fusion are counted by the fusion that calls them
+      inside_fusion = header.group(1).startswith(("fused", "wrapped", "command_buffer"))
+      continue
+    match = _HLO_INSTRUCTION.match(line)
+    if inside_fusion or not match or match.group(3) in _NO_MOVE:
+      continue
+    size = 0
+    for dtype, dims in _HLO_ARRAY.findall(match.group(2)):
+      size += _HLO_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    if size >= min_bytes:
+      found.append((match.group(3), size / 2**20, line.strip()))
+  return found
