@@ -303,13 +303,18 @@ def bench_decode_model(name, cfg, tokens, hbm_bw, check, weight_budget=4e9):
   def layer_fn(experts_fn):
     return jax.jit(lambda x_TD, state: nnx.merge(graphdef, state)(x_TD[None], experts_fn)[0])
 
-  def routing(x_TD, state):
+  @jax.jit
+  def route(x_TD, state):
     layer = nnx.merge(graphdef, state)
     x_in = jnp.pad(x_TD, ((0, 0), (0, layer.hidden_padding)))
-    ids, weights = layer._route(x_TD)
-    return x_in, ids, weights, layer.w_gate[...], layer.w_up[...], layer.w_down[...]
+    return (x_in,) + tuple(layer._route(x_TD))
 
-  routing = jax.jit(routing)
+  def routing(x_TD, state):
+    # The expert weights are taken outside the jit: returned from it, each call's result
+    # would be a copy of the layer's experts (23 GB per call at DeepSeek-V3 shapes).
+    layer = nnx.merge(graphdef, state)
+    return route(x_TD, state) + (layer.w_gate[...], layer.w_up[...], layer.w_down[...])
+
   layers_jit = {b: layer_fn(fn) for b, fn in backends.items()}
   gate_up_tiling, down_tiling = decode_tilings(cfg.moe_padded_hidden_size,
                                                cfg.moe_padded_intermediate_size)

@@ -6,7 +6,7 @@ one line here, and as milliseconds per iteration there).
     python benchmarks/profile_continuous.py --model qwen3-8b --max-num-seqs 64 \
         --num-prompts 64 --prompt-len 512 --max-tokens 64 --hlo-out dispatch.hlo.txt
 
-Prints: iterations and ms per iteration; the profile summary; every instruction of the
+Prints: iterations and ms per iteration, without and with the profiler; the profile summary; every instruction of the
 dispatch program that moves at least --min-mb MB (copy, scatter, gather, dynamic-update-slice,
 select), with its shape.
 """
@@ -14,7 +14,9 @@ select), with its shape.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import re
 
 import numpy as np
 
@@ -62,14 +64,25 @@ def main():
     with open(args.hlo_out, "w") as f:
       f.write(text)
   moves = large_moves(text, args.min_mb * 2**20)
-  print(f"\ninstructions of the dispatch program moving >= {args.min_mb:.0f} MB: {len(moves)}")
+  print(f"\ninstructions of the dispatch program moving >= {args.min_mb:.0f} MB: {len(moves)}, "
+        f"{sum(mb for _, mb, _ in moves) / 1024:.1f} GB in all; by kind and shape:")
+  groups = collections.defaultdict(list)
   for op, mb, line in moves:
-    print(f"  {op:22s} {mb:9.1f} MB  {line[:150]}")
+    kind = re.sub(r"[.\d]+$", "", line.split(" = ")[0].lstrip("%ROOT "))
+    shape = line.split(" = ")[1].split("{")[0]
+    groups[(op, kind, shape)].append(mb)
+  for (op, kind, shape), mbs in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+    print(f"  {len(mbs):4d} x {op:12s} {kind[:28]:28s} {mbs[0]:8.1f} MB  {shape[:70]}")
 
+  def call():
+    return batcher.generate([list(p) for p in prompts], [params] * len(prompts),
+                            list(range(len(prompts))), use_tqdm=False)
+  plain = call()
+  print(f"\nwithout the profiler: {plain.num_iterations} iterations in {plain.wall_time_s:.2f} s,"
+        f" {1e3 * plain.wall_time_s / max(plain.num_iterations, 1):.2f} ms/iteration, "
+        f"{plain.num_dispatches} dispatches", flush=True)
   results = []
-  wall, times = profile(lambda: results.append(batcher.generate(
-      [list(p) for p in prompts], [params] * len(prompts), list(range(len(prompts))),
-      use_tqdm=False)))
+  wall, times = profile(lambda: results.append(call()))
   run = results[0]
   print(f"\n== {args.model} method {args.method} slots {args.max_num_seqs}: "
         f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} out; "

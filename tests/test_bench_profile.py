@@ -4,7 +4,7 @@ line preferred when the trace has one, categories by name, shares of the wall ti
 import pytest
 from jax.profiler import ProfileData
 
-from jspec.bench.profile import category, op_times, summary
+from jspec.bench.profile import category, large_moves, op_times, summary
 
 NAMES = {1: "ncclDevKernel_AllGather_RING_LL", 2: "gemm_fusion_dot_1", 3: "loop_add_fusion",
          4: "all-gather-start.2", 5: "fusion.7"}
@@ -66,3 +66,32 @@ def test_summary_shares_add_up_to_the_kernel_time():
   assert "GPU kernels 4.00 ms (40% of wall)" in text
   assert "collective      3.00 ms  30.0%" in text
   assert text.index("ncclDevKernel_AllGather") < text.index("gemm_fusion_dot")
+
+
+HLO = """\
+HloModule m
+
+%fused_computation (p: bf16[64,8,1024,128]) -> bf16[64,8,1024,128] {
+  %p = bf16[64,8,1024,128]{3,2,1,0} parameter(0)
+  ROOT %negate.9 = bf16[64,8,1024,128]{3,2,1,0} negate(%p)
+}
+
+ENTRY %main (a: bf16[64,8,1024,128], b: f32[16]) -> (bf16[64,8,1024,128], f32[16]) {
+  %a = bf16[64,8,1024,128]{3,2,1,0} parameter(0)
+  %b = f32[16]{0} parameter(1)
+  %copy.3 = bf16[64,8,1024,128]{3,2,1,0} copy(%a)
+  %small.1 = f32[16]{0} negate(%b)
+  %fusion.2 = (bf16[64,8,1024,128]{3,2,1,0}, f32[4194304]{0}) fusion(%copy.3), kind=kLoop, calls=%fused_computation
+  %gte = bf16[64,8,1024,128]{3,2,1,0} get-tuple-element(%fusion.2), index=0
+  ROOT %t = (bf16[64,8,1024,128]{3,2,1,0}, f32[16]{0}) tuple(%gte, %small.1)
+}
+"""
+
+
+def test_large_moves_lists_instructions_that_write_big_buffers():
+  moves = large_moves(HLO, 64 * 2**20)
+  # The copy, and the fusion (its tuple's arrays summed: 128 MB + 16 MB); not the fused
+  # computation's own instructions, nor parameters, get-tuple-element or tuple.
+  assert [(op, mb) for op, mb, _ in moves] == [("copy", 128.0), ("fusion", 144.0)]
+  assert moves[0][2].startswith("%copy.3 = ")
+  assert large_moves(HLO, 145 * 2**20) == []

@@ -158,3 +158,18 @@ def test_progress_is_shown_by_default_and_off_with_jspec_progress_0(monkeypatch)
   assert RequestProgress(3, show=False).bar.disable
   monkeypatch.setenv("JSPEC_PROGRESS", "0")
   assert RequestProgress(3).bar.disable
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_run_if_applies_the_function_only_where_the_flag_is_set(flag):
+  import jax
+  import jax.numpy as jnp
+  from jspec.speculative.batching import run_if
+  rng = np.random.default_rng(int(flag))
+  tree = {"cache": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32),
+          "count": jnp.int32(3)}
+  bump = lambda t: {"cache": t["cache"].at[1].set(-1.0), "count": t["count"] + 1}
+  out = jax.jit(lambda f, t: run_if(f, bump, t))(jnp.asarray(flag), tree)
+  want = bump(tree) if flag else tree
+  np.testing.assert_array_equal(out["cache"], want["cache"])
+  assert int(out["count"]) == int(want["count"])

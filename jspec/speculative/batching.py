@@ -476,6 +476,18 @@ def harvest(state: BatchState, finished: Finished, plan: BatchPlan):
 
 # ---- a dispatch ------------------------------------------------------------------------------
 
+def run_if(flag, fn, operand):
+  """fn(operand) where `flag`, else operand: a while loop of zero or one trip, not a
+  `lax.cond`. XLA's GPU compiler gives a conditional's result buffers of their own, so every
+  buffer a branch updates is copied, in both branches: a prefill chunk under a cond copied
+  the whole target KV cache twice per iteration (Qwen3-8B shapes, 64 slots: 144 copies of
+  128 MB, in the optimized HLO). A loop updates its carry in place."""
+  def body(carry):
+    _, x = carry
+    return jnp.zeros((), bool), fn(x)
+  return jax.lax.while_loop(lambda carry: carry[0], body, (flag, operand))[1]
+
+
 def has_work(state: BatchState, queue: Queue):
   return jnp.any(state.phase_B != FREE) | (state.next_group < queue.num_groups)
 
@@ -496,11 +508,10 @@ def dispatch(target, draft_module, state: BatchState, queue: Queue, budget, plan
   def body(carry):
     s, f = carry
     s = admit(s, queue, plan)
-    s = jax.lax.cond(jnp.any(s.prefill_group_L >= 0),
-                     lambda s: prefill_chunk(target, drafter, s, queue, plan, ctx),
-                     lambda s: s, s)
-    # Not under a cond: XLA then copied the drafter's caches around its in-place updates. An
-    # iteration with no running slot (the first ones) steps every row as padding.
+    s = run_if(jnp.any(s.prefill_group_L >= 0),
+               lambda s: prefill_chunk(target, drafter, s, queue, plan, ctx), s)
+    # Not under a cond either (see run_if). An iteration with no running slot (the first
+    # ones) steps every row as padding.
     s = decode(target, draft_module, s, plan, ctx)
     s, f = jax.lax.cond(jnp.any((s.phase_B == RUN) & s.decode.done_B),
                         lambda sf: harvest(*sf, plan), lambda sf: sf, (s, f))
