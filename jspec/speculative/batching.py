@@ -339,13 +339,16 @@ def prefill_chunk(target, drafter, state: BatchState, queue: Queue, plan: BatchP
   target_out, new_leader = _target_forward(target, drafter, tokens_LC, cache_positions_LC,
                                            leader, slots, ctx.experts_fn,
                                            seq_lens_B=prompt_len_L)
-  new_leader = _select_rows(active_L, new_leader, leader)
   # Local rows of (lane, member), by shard; an idle lane's rows (stale, maybe another lane's)
-  # point past the shard, so that nothing is written there.
+  # point past the shard, so that nothing is written there: its padding rows are dropped by
+  # the scatter, not selected away. The written rows depend on the caches only through the
+  # forward, and the barrier keeps XLA from fusing the leader's gather into the scatter: a
+  # scatter fusion that reads its own operand elsewhere cannot run in place, and XLA copied
+  # the whole cache (twice) around it.
   rows_flat = jnp.where(active_L[:, None], rows_LM, per_shard).reshape(shards, lanes * group)
   members = lambda x: jnp.repeat(x, group, axis=0)  # [L, ...] -> [L * M, ...]
-  target_caches = scatter_rows(dec.target_caches, rows_flat,
-                               jax.tree.map(members, new_leader), shards)
+  target_caches = scatter_rows(dec.target_caches, rows_flat, jax.lax.optimization_barrier(
+      jax.tree.map(members, new_leader)), shards)
 
   # The last chunk: each member samples its first token at position prompt_len.
   final_L = active_L & (pos_L + chunk >= prompt_len_L)
@@ -370,8 +373,7 @@ def prefill_chunk(target, drafter, state: BatchState, queue: Queue, plan: BatchP
   new_draft = drafter.prefill_chunk(draft_rows, members(tokens_LC), members(cache_positions_LC),
                                     next_NC, prompt_len_N, last_N,
                                     jax.tree.map(members, target_out))
-  new_draft = _select_rows(active_N, new_draft, draft_rows)
-  draft = scatter_rows(dec.draft, rows_flat, new_draft, shards)
+  draft = scatter_rows(dec.draft, rows_flat, jax.lax.optimization_barrier(new_draft), shards)
 
   # Members that finished their prompt: tokens, length, first finish check, logprobs.
   member_tokens_NS = _prompt_rows(queue, members(start_L), prompt_len_N, slots)
@@ -381,7 +383,7 @@ def prefill_chunk(target, drafter, state: BatchState, queue: Queue, plan: BatchP
   finish_N = jnp.where(stop_N, FINISH_STOP,
                        jnp.where(prompt_len_N + 1 >= member_req.max_len_B, FINISH_LENGTH,
                                  FINISH_NONE))
-  put = lambda tree, values: _put_rows(tree, rows_flat, values, final_N, shards)
+  put = lambda tree, values: _put_rows(tree, rows_flat, values, final_N, shards, per_shard)
   decode = dec.replace(
       tokens_BS=put(dec.tokens_BS, member_tokens_NS),
       lengths_B=put(dec.lengths_B, prompt_len_N + 1),
@@ -410,12 +412,12 @@ def _prompt_rows(queue: Queue, start_N, prompt_len_N, slots: int):
   return jnp.where(positions_S[None] < prompt_len_N[:, None], queue.prompt_tokens_N[index_NS], 0)
 
 
-def _put_rows(tree, rows_DM, values, flag_N, shards: int):
-  """`tree` with its rows `rows_DM` (local) set to `values` where flag_N; the other rows
-  listed are rewritten with what they hold. A member repeated within its group (a group
-  smaller than M repeats its leader) writes the leader's own values twice."""
-  current = gather_rows(tree, rows_DM, shards)
-  return scatter_rows(tree, rows_DM, _select_rows(flag_N, values, current), shards)
+def _put_rows(tree, rows_DM, values, flag_N, shards: int, per_shard: int):
+  """`tree` with its rows `rows_DM` (local) set to `values` where flag_N; the rows not
+  flagged are pointed past the shard and dropped. A member repeated within its group (a
+  group smaller than M repeats its leader) writes the leader's own values twice."""
+  rows_DM = jnp.where(flag_N.reshape(rows_DM.shape), rows_DM, per_shard)
+  return scatter_rows(tree, rows_DM, values, shards)
 
 
 # ---- 3. decode and 4. harvest ----------------------------------------------------------------
