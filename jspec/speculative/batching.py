@@ -480,10 +480,10 @@ def harvest(state: BatchState, finished: Finished, plan: BatchPlan):
 
 def run_if(flag, fn, operand):
   """fn(operand) where `flag`, else operand: a while loop of zero or one trip, not a
-  `lax.cond`. XLA's GPU compiler gives a conditional's result buffers of their own, so every
-  buffer a branch updates is copied, in both branches: a prefill chunk under a cond copied
-  the whole target KV cache twice per iteration (Qwen3-8B shapes, 64 slots: 144 copies of
-  128 MB, in the optimized HLO). A loop updates its carry in place."""
+  `lax.cond`. XLA's GPU compiler gives a conditional's results buffers of their own: with the
+  prefill chunk under a cond, the branch that returns its operand copied all 72 KV-cache
+  buffers of the target (Qwen3-8B shapes, 64 slots: 72 copies of 128 MB, in the optimized
+  HLO). A loop updates its carry in place."""
   def body(carry):
     _, x = carry
     return jnp.zeros((), bool), fn(x)
