@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import re
 
 import numpy as np
 
@@ -57,40 +56,34 @@ def main():
              for _ in range(args.num_prompts)]
   params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
   llm.generate(prompts, params, use_tqdm=False)  # compiles, warms up
-  batcher = llm._runner.batcher
-  (_, dispatch_c), = batcher._compiled.values()
+  (_, dispatch_c), = llm._runner.batcher._compiled.values()
   text = dispatch_c.as_text()
   if args.hlo_out:
     with open(args.hlo_out, "w") as f:
       f.write(text)
   moves = large_moves(text, args.min_mb * 2**20)
   print(f"\ninstructions of the dispatch program moving >= {args.min_mb:.0f} MB: {len(moves)}, "
-        f"{sum(mb for _, mb, _ in moves) / 1024:.1f} GB in all; by kind and shape:")
+        f"{sum(m.mb for m in moves) / 1024:.1f} GB in all; by kind and shape:")
   groups = collections.defaultdict(list)
-  for op, mb, line in moves:
-    kind = re.sub(r"[.\d]+$", "", line.split(" = ")[0].lstrip("%ROOT "))
-    shape = line.split(" = ")[1].split("{")[0]
-    groups[(op, kind, shape)].append(mb)
-  for (op, kind, shape), mbs in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
-    print(f"  {len(mbs):4d} x {op:12s} {kind[:28]:28s} {mbs[0]:8.1f} MB  {shape[:70]}")
+  for m in moves:
+    groups[(m.op, m.name, m.shape)].append(m.mb)
+  for (op, name, shape), mbs in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+    print(f"  {len(mbs):4d} x {op:12s} {name[:28]:28s} {mbs[0]:8.1f} MB  {shape[:70]}")
 
-  def call():
-    return batcher.generate([list(p) for p in prompts], [params] * len(prompts),
-                            list(range(len(prompts))), use_tqdm=False)
-  plain = call()
-  print(f"\nwithout the profiler: {plain.num_iterations} iterations in {plain.wall_time_s:.2f} s,"
-        f" {1e3 * plain.wall_time_s / max(plain.num_iterations, 1):.2f} ms/iteration, "
-        f"{plain.num_dispatches} dispatches", flush=True)
+  def report(outs, label):
+    iterations = outs.num_iterations
+    wall = outs.metrics.wall_time_s
+    print(f"\n{label}: {iterations} iterations in {outs.num_dispatches} dispatches, "
+          f"{wall:.2f} s, {1e3 * wall / max(iterations, 1):.2f} ms/iteration", flush=True)
+
+  call = lambda: llm.generate(prompts, params, use_tqdm=False)
+  report(call(), "without the profiler")
   results = []
   wall, times = profile(lambda: results.append(call()))
-  run = results[0]
-  print(f"\n== {args.model} method {args.method} slots {args.max_num_seqs}: "
-        f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} out; "
-        f"{run.num_iterations} iterations in {run.num_dispatches} dispatches, "
-        f"{1e3 * run.wall_time_s / max(run.num_iterations, 1):.2f} ms/iteration "
-        f"(profiler on)")
+  report(results[0], f"== {args.model} method {args.method} slots {args.max_num_seqs}: "
+         f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} out, "
+         f"profiler on")
   print(summary(wall, times, args.top), flush=True)
-
 
 if __name__ == "__main__":
   main()

@@ -92,6 +92,8 @@ def test_large_moves_lists_instructions_that_write_big_buffers():
   moves = large_moves(HLO, 64 * 2**20)
   # The copy, and the fusion (its tuple's arrays summed: 128 MB + 16 MB); not the fused
   # computation's own instructions, nor parameters, get-tuple-element or tuple.
-  assert [(op, mb) for op, mb, _ in moves] == [("copy", 128.0), ("fusion", 144.0)]
-  assert moves[0][2].startswith("%copy.3 = ")
+  assert [(m.op, m.mb) for m in moves] == [("copy", 128.0), ("fusion", 144.0)]
+  assert moves[0].line.startswith("%copy.3 = ")
+  assert (moves[0].name, moves[0].shape) == ("copy", "bf16[64,8,1024,128]")
+  assert moves[1].shape == "(bf16[64,8,1024,128], f32[4194304])"
   assert large_moves(HLO, 145 * 2**20) == []

@@ -4,11 +4,14 @@ admitted; drafter state, recurrent state and metrics follow each slot's own requ
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jspec
 from helpers import fixture_dir, greedy
+from jspec.speculative.batching import run_if
 
 RNG = np.random.default_rng(18)
 # Ragged prompts (one longer than the 16-token prefill chunk), skewed output lengths; ids
@@ -162,9 +165,6 @@ def test_progress_is_shown_by_default_and_off_with_jspec_progress_0(monkeypatch)
 
 @pytest.mark.parametrize("flag", [True, False])
 def test_run_if_applies_the_function_only_where_the_flag_is_set(flag):
-  import jax
-  import jax.numpy as jnp
-  from jspec.speculative.batching import run_if
   rng = np.random.default_rng(int(flag))
   tree = {"cache": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32),
           "count": jnp.int32(3)}

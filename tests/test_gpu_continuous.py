@@ -33,6 +33,6 @@ def test_dispatch_program_copies_no_cache_buffer(method):
   caches = jax.eval_shape(lambda: llm.target.init_caches(plan.loop.batch, plan.loop.cache_len,
                                                          llm.dtype))
   leaf_bytes = min(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(caches))
-  copies = [line for op, _, line in large_moves(dispatch_c.as_text(), leaf_bytes)
-            if op == "copy" or "copy" in line.split(" = ")[0]]
+  copies = [m.line for m in large_moves(dispatch_c.as_text(), leaf_bytes)
+            if m.op == "copy" or "copy" in m.name]
   assert copies == [], f"{len(copies)} cache-sized copies, e.g. {copies[:2]}"

@@ -8,13 +8,13 @@ attention, and how much of the wall time the device was idle).
 from __future__ import annotations
 
 import collections
-import math
 import glob
+import math
 import os
 import re
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 from jax.profiler import ProfileData
@@ -107,11 +107,20 @@ _NO_MOVE = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "cond
             "constant", "call", "after-all", "opt-barrier", "copy-done", "async-done"}
 
 
-def large_moves(hlo_text: str, min_bytes: float) -> list[tuple[str, float, str]]:
-  """(op, MB, line) of each instruction of an optimized HLO module whose output (all arrays of
-  a tuple summed) holds at least `min_bytes`: the copies, scatters and fusions that may move
-  a whole cache. An in-place update (a dynamic-update-slice fusion) is listed too: its output
-  is the whole buffer although it writes a slice; the profile tells which ones cost."""
+class Move(NamedTuple):
+  """One instruction of an optimized HLO module and the bytes of its output."""
+  op: str      # "copy", "fusion", "custom-call", ...
+  name: str    # its name without the ".N" suffix: "copy", "input_scatter_fusion"
+  shape: str   # its output type without layouts or comments: "bf16[64,8,1024,128]"
+  mb: float
+  line: str
+
+
+def large_moves(hlo_text: str, min_bytes: float) -> list[Move]:
+  """Each instruction of an optimized HLO module whose output (all arrays of a tuple summed)
+  holds at least `min_bytes`: the copies, scatters and fusions that may move a whole cache.
+  An in-place update (a dynamic-update-slice fusion) is listed too: its output is the whole
+  buffer although it writes a slice; the profile tells which ones cost."""
   found, inside_fusion = [], False
   for line in hlo_text.splitlines():
     header = _HLO_COMPUTATION.match(line)
@@ -121,9 +130,10 @@ def large_moves(hlo_text: str, min_bytes: float) -> list[tuple[str, float, str]]
     match = _HLO_INSTRUCTION.match(line)
     if inside_fusion or not match or match.group(3) in _NO_MOVE:
       continue
-    size = 0
-    for dtype, dims in _HLO_ARRAY.findall(match.group(2)):
-      size += _HLO_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    name, out_type, op = match.groups()
+    size = sum(_HLO_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in _HLO_ARRAY.findall(out_type))
     if size >= min_bytes:
-      found.append((match.group(3), size / 2**20, line.strip()))
+      found.append(Move(op, re.sub(r"[.\d]+$", "", name), re.sub(r"\{[^}]*\}|/\*[^*]*\*/", "", out_type),
+                        size / 2**20, line.strip()))
   return found
