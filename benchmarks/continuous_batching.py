@@ -113,12 +113,31 @@ def run(llm, prompts, lengths, label: dict):
              seconds_with_compile=time.perf_counter() - start,
              num_dispatches=getattr(outs, "num_dispatches", None),
              host_seconds_per_dispatch=getattr(outs, "host_seconds_per_dispatch", None),
-             num_iterations=getattr(outs, "num_iterations", None))
+             num_iterations=getattr(outs, "num_iterations", None),
+             dispatches=[dataclasses.asdict(t) for t in getattr(outs, "dispatches", [])])
   if row["num_iterations"]:
     row["ms_per_iteration"] = 1e3 * row["wall_time_s"] / row["num_iterations"]
   assert all(len(o.token_ids) == n for o, n in zip(outs, lengths))
   print(json.dumps(row), flush=True)
   return row
+
+
+def dispatch_anatomy(timings: list[dict]) -> dict:
+  """Where a boundary's time goes, from one call's dispatch timings (launching thread):
+  the idle time between one launch's return and the next launch's start; the last launch,
+  which found nothing to do (the launch and the program's setup alone); and a least-squares
+  fit seconds = fixed + per_iteration x iterations over the other dispatches (on a GPU a launch
+  lasts as long as its loop)."""
+  gaps = [b["start_s"] - (a["start_s"] + a["seconds"]) for a, b in zip(timings, timings[1:])]
+  busy = [t for t in timings if t["iterations"]]
+  fit = {}
+  if len({t["iterations"] for t in busy}) > 1:
+    per_iteration, fixed = np.polyfit([t["iterations"] for t in busy],
+                                      [t["seconds"] for t in busy], 1)
+    fit = dict(fit_fixed_seconds=float(fixed), fit_seconds_per_iteration=float(per_iteration))
+  return dict(gap_seconds_median=float(np.median(gaps)) if gaps else None,
+              gap_seconds_max=float(max(gaps)) if gaps else None,
+              empty_launch_seconds=timings[-1]["seconds"] if timings else None, **fit)
 
 
 def dispatch_cost(args, prompts, rows):
@@ -151,7 +170,8 @@ def dispatch_cost(args, prompts, rows):
              dispatch_over_step=per_dispatch / step,
              host_seconds_per_dispatch=median(results["dispatches"],
                                               "host_seconds_per_dispatch"),
-             device=jax.devices()[0].device_kind)
+             **dispatch_anatomy(results["dispatches"][-1]["dispatches"]),
+             xla_flags=os.environ.get("XLA_FLAGS", ""), device=jax.devices()[0].device_kind)
   print(json.dumps(row), flush=True)
   rows.append(row)
 

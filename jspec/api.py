@@ -361,7 +361,8 @@ class LLM:
     return GenerateOutputs(outputs, aggregate(outputs, k, result.wall_time_s),
                            num_dispatches=result.num_dispatches,
                            host_seconds_per_dispatch=result.host_seconds_per_dispatch,
-                           num_iterations=result.num_iterations)
+                           num_iterations=result.num_iterations,
+                           dispatches=result.dispatches)
 
   def compute_logits(self, token_id_lists) -> list[np.ndarray]:
     """The target's float32 logits [len, vocab] for each sequence (one forward, no sampling)."""

@@ -40,12 +40,23 @@ MAX_BUDGET = 1 << 20
 
 
 @dataclasses.dataclass
+class DispatchTiming:
+  """One dispatch as the launching thread saw it. On a GPU a launch returns when its while
+  loop has ended (the host reads the loop condition back), so `seconds` is the dispatch's
+  device time plus the launch; on a CPU a launch returns at once."""
+  start_s: float       # when the launch began, from the call's start
+  seconds: float       # how long the launch took
+  iterations: int = 0  # loop iterations it ran (0: nothing was left to do)
+
+
+@dataclasses.dataclass
 class RunResult:
   outputs: list[RequestOutput]
   wall_time_s: float
   num_dispatches: int = 0
   host_seconds_per_dispatch: float = 0.0  # host work per dispatch (overlapped with the next)
   num_iterations: int = 0                 # loop iterations over all dispatches
+  dispatches: list[DispatchTiming] = dataclasses.field(default_factory=list)
 
 
 class ContinuousBatcher:
@@ -165,10 +176,15 @@ class ContinuousBatcher:
     targets = (runner.target_state, runner.draft_state)
     budgets = {}
 
+    timings = []
+
     def launch(state, budget):
       if budget not in budgets:
         budgets[budget] = runner._put(np.asarray(budget, np.int32), ())
-      return dispatch_c(*targets, state, queue, budgets[budget])
+      begin = time.perf_counter()
+      out = dispatch_c(*targets, state, queue, budgets[budget])
+      timings.append(DispatchTiming(begin - start, time.perf_counter() - begin))
+      return out
 
     def collect(finished) -> int:
       host = to_host(finished)
@@ -211,6 +227,7 @@ class ContinuousBatcher:
         jax.block_until_ready(pending.count)
         ready = time.perf_counter()
         iterations = collect(pending)
+        timings[num_dispatches - 2].iterations = iterations
         host_seconds += time.perf_counter() - ready
         num_iterations += iterations
         if iterations and self.budget is None:
@@ -221,13 +238,14 @@ class ContinuousBatcher:
         state, pending = running.result()
         if collector.num_finished == queue_plan.num_sequences:
           break
-    num_iterations += collect(pending)  # the dispatch queued last: nothing left to do
+    timings[-1].iterations = collect(pending)  # the dispatch queued last: nothing left to do
+    num_iterations += timings[-1].iterations
     del state
     wall = time.perf_counter() - start
     progress.close()
     outputs = collector.outputs(wall, prompt_lps)
     return RunResult(outputs, wall, num_dispatches, host_seconds / num_dispatches,
-                     num_iterations)
+                     num_iterations, timings)
 
   # ---- prompt logprobs ---------------------------------------------------------------------
 

@@ -111,16 +111,19 @@ class RequestOutput:
 
 class GenerateOutputs(list):
   """A list of RequestOutput, in prompt order, with the aggregate `metrics` of the call and,
-  under continuous batching, how many device dispatches and loop iterations it took and the
-  host's work per dispatch (seconds, overlapped with the next dispatch's device work)."""
+  under continuous batching, how many device dispatches and loop iterations it took, the
+  host's work per dispatch (seconds, overlapped with the next dispatch's device work) and each
+  dispatch's timing (jspec.continuous.DispatchTiming)."""
 
   def __init__(self, outputs, metrics: RequestMetrics, num_dispatches: int = 0,
-               host_seconds_per_dispatch: float = 0.0, num_iterations: int = 0):
+               host_seconds_per_dispatch: float = 0.0, num_iterations: int = 0,
+               dispatches: list | None = None):
     super().__init__(outputs)
     self.metrics = metrics
     self.num_dispatches = num_dispatches
     self.host_seconds_per_dispatch = host_seconds_per_dispatch
     self.num_iterations = num_iterations
+    self.dispatches = dispatches or []
 
 
 def aggregate(outputs: list[RequestOutput], k: int, wall_time_s: float) -> RequestMetrics:
