@@ -65,7 +65,7 @@ def profile_step(timer: StepTimer, decode_s: float) -> dict:
   wall, times = profile(timer.runs[("target", 1)])
   kernel_ns = times.pop(None)[1]
   launches = sum(count for count, _ in times.values())
-  top = sorted(times.items(), key=lambda kv: -kv[1][1])[:15]
+  top = sorted(times.items(), key=lambda kv: -kv[1][1])[:30]
   return dict(
       profiled_step_ms=1e3 * wall / STEPS_PER_CALL,
       kernels_per_step=launches / STEPS_PER_CALL,
@@ -87,10 +87,15 @@ def main():
                            "long context's steps use")
   parser.add_argument("--no-products", action="store_true", help="skip part 3")
   parser.add_argument("--json", default=None, help="also write the results here")
+  parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+  parser.add_argument("--hlo-out", default=None,
+                      help="write the one-token step program's optimized HLO here")
   args = parser.parse_args()
 
   max_model_len = args.max_model_len or args.context + 16
   cfg = PRESETS[args.model]
+  if args.layers:
+    cfg = dataclasses.replace(cfg, num_layers=args.layers)
   cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings,
                                                               max_model_len))
   bandwidth = hbm_bandwidth()
@@ -100,6 +105,9 @@ def main():
   seconds = timer.measure(args.batch, args.context, {1, 2})
   cache_slots = buckets.cache_bucket(args.context + 2, 0, max_model_len)
   decode_s = seconds[("target", 1)]
+  if args.hlo_out:
+    with open(args.hlo_out, "w") as f:
+      f.write(timer.programs[("target", 1)].as_text())
   floor_s = step_bytes(cfg, args.batch, 1, args.context) / bandwidth["read"]
   result = dict(model=args.model, batch=args.batch, context=args.context,
                 cache_slots=cache_slots,

@@ -4,10 +4,11 @@ A call compiles (once per shape: slots, cache slots, queue buckets, drafter) an 
 program that allocates the slots' state and a `dispatch` program that runs the loop until
 its Finished rows fill or its iteration budget is spent (jspec.speculative.batching). The
 state is donated from one dispatch to the next and never leaves the device. A worker thread
-launches the next dispatch *before* the host reads the finished rows of the previous one, so
-the device does not wait for the host's collecting, progress bar or output building: the
-host's work per dispatch runs while the next dispatch computes. The last dispatch, queued before
-the host knew every request was done, finds nothing to do and returns at once.
+(DispatchChain) launches each dispatch as soon as the previous one returns, *before* the host
+reads that one's finished rows, so the device waits neither for the host's collecting,
+progress bar or output building nor for a hand-off between threads: the host's work per
+dispatch runs while the next dispatch computes. The last dispatch, launched before the host
+knew every request was done, finds nothing to do and returns at once.
 
 The iteration budget adapts so that a dispatch lasts about `DISPATCH_SECONDS` (the progress
 bar's refresh), whatever a step costs.
@@ -15,8 +16,10 @@ bar's refresh), whatever a step costs.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import itertools
+import queue as queues
+import threading
 import time
 
 import jax
@@ -57,6 +60,53 @@ class RunResult:
   host_seconds_per_dispatch: float = 0.0  # host work per dispatch (overlapped with the next)
   num_iterations: int = 0                 # loop iterations over all dispatches
   dispatches: list[DispatchTiming] = dataclasses.field(default_factory=list)
+
+
+class DispatchChain:
+  """Runs dispatches back to back on a worker thread, each on the state the last one returned.
+
+  On a GPU the launching thread drives a dispatch's while loop (it reads the loop condition
+  back each iteration), so a launch returns only when its dispatch is done. The worker
+  therefore launches the next dispatch as soon as the last one returns, without waiting on the
+  host, and hands the host the finished rows. It runs at most one dispatch ahead of the
+  host's collecting: the host allows each further dispatch with `proceed()` once it has
+  collected the one before, and `close()` lets the last launched one end the chain. On a CPU a
+  launch returns at once and the same order holds.
+  """
+
+  def __init__(self, launch, state, budget: int):
+    self._launch = launch
+    self.budget = budget  # iterations for the next launch; the host adapts it
+    self._finished = queues.Queue()
+    self._permits = queues.Queue()
+    self._permits.put(True)  # the second dispatch runs while the host collects the first
+    self._thread = threading.Thread(target=self._run, args=(state,), name="jspec-dispatch",
+                                    daemon=True)
+    self._thread.start()
+
+  def _run(self, state):
+    try:
+      while True:
+        state, finished = self._launch(state, self.budget)
+        self._finished.put(finished)
+        if not self._permits.get():
+          return
+    except BaseException as err:  # re-raised on the host's thread by next()
+      self._finished.put(err)
+
+  def next(self):
+    """The next dispatch's Finished rows, once its launch has returned."""
+    item = self._finished.get()
+    if isinstance(item, BaseException):
+      raise item
+    return item
+
+  def proceed(self):
+    self._permits.put(True)
+
+  def close(self):
+    self._permits.put(False)
+    self._thread.join()
 
 
 class ContinuousBatcher:
@@ -211,36 +261,31 @@ class ContinuousBatcher:
       return int(host.iterations)
 
     start = time.perf_counter()
-    state = init_c(*targets, queue)
-    budget = self.budget or FIRST_BUDGET
-    num_dispatches, num_iterations, host_seconds = 1, 0, 0.0
-    # On a GPU the calling thread drives a dispatch's while loop (it reads the loop condition
-    # back each iteration), so a launch returns only when its dispatch is done. Dispatches
-    # are therefore launched from a worker thread: the host collects one dispatch's rows
-    # while the next one runs, on every platform.
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jspec-dispatch") as pool:
-      state, pending = launch(state, budget)
-      last = time.perf_counter()
-      while True:
-        running = pool.submit(launch, state, budget)
-        num_dispatches += 1
+    chain = DispatchChain(launch, init_c(*targets, queue), self.budget or FIRST_BUDGET)
+    num_iterations, host_seconds, last = 0, 0.0, start
+    try:
+      for index in itertools.count():
+        pending = chain.next()
         jax.block_until_ready(pending.count)
         ready = time.perf_counter()
         iterations = collect(pending)
-        timings[num_dispatches - 2].iterations = iterations
+        timings[index].iterations = iterations
         host_seconds += time.perf_counter() - ready
         num_iterations += iterations
+        if collector.num_finished == queue_plan.num_sequences:
+          break
         if iterations and self.budget is None:
           rate = iterations / max(ready - last, 1e-6)
           budget = int(min(MAX_BUDGET, max(FIRST_BUDGET, rate * DISPATCH_SECONDS)))
-          budget = buckets.next_pow2(budget)  # few distinct budget arrays
+          chain.budget = buckets.next_pow2(budget)  # few distinct budget arrays
         last = ready
-        state, pending = running.result()
-        if collector.num_finished == queue_plan.num_sequences:
-          break
-    timings[-1].iterations = collect(pending)  # the dispatch queued last: nothing left to do
-    num_iterations += timings[-1].iterations
-    del state
+        chain.proceed()
+      # The dispatch launched before the host knew every request was done: nothing to do.
+      timings[-1].iterations = collect(chain.next())
+      num_iterations += timings[-1].iterations
+    finally:
+      chain.close()
+    num_dispatches = len(timings)
     wall = time.perf_counter() - start
     progress.close()
     outputs = collector.outputs(wall, prompt_lps)

@@ -3,6 +3,7 @@ request's output is the one it gets alone, whatever shares the batch and wheneve
 admitted; drafter state, recurrent state and metrics follow each slot's own request."""
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 
 import jspec
 from helpers import fixture_dir, greedy
+from jspec.continuous import DispatchChain
 from jspec.speculative.batching import run_if
 
 RNG = np.random.default_rng(18)
@@ -180,3 +182,47 @@ def test_run_if_applies_the_function_only_where_the_flag_is_set(flag):
   want = bump(tree) if flag else tree
   np.testing.assert_array_equal(out["cache"], want["cache"])
   assert int(out["count"]) == int(want["count"])
+
+
+def _wait_for(predicate, seconds=10.0):
+  deadline = time.monotonic() + seconds
+  while not predicate():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.001)
+
+
+def test_dispatch_chain_runs_one_dispatch_ahead_of_the_host():
+  """The worker launches the next dispatch on the last one's state without waiting for the
+  host, but never more than one ahead of the host's collecting; the budget the host sets is
+  the next launch's."""
+  launches = []
+
+  def launch(state, budget):
+    launches.append((state, budget))
+    return state + 1, f"rows of {state}"
+
+  chain = DispatchChain(launch, 0, 64)
+  assert chain.next() == "rows of 0"
+  _wait_for(lambda: len(launches) == 2)  # launched while the host holds the first rows
+  time.sleep(0.05)
+  assert len(launches) == 2              # the third waits for the host
+  chain.budget = 128
+  chain.proceed()
+  assert chain.next() == "rows of 1"
+  _wait_for(lambda: len(launches) == 3)
+  chain.close()                          # the one launched last ends the chain
+  assert chain.next() == "rows of 2"
+  assert launches == [(0, 64), (1, 64), (2, 128)]
+
+
+def test_dispatch_chain_raises_a_failed_launch_on_the_host():
+  def launch(state, budget):
+    if state == 1:
+      raise RuntimeError("device error")
+    return state + 1, state
+
+  chain = DispatchChain(launch, 0, 64)
+  assert chain.next() == 0
+  with pytest.raises(RuntimeError, match="device error"):
+    chain.next()
+  chain.close()

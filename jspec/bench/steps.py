@@ -70,6 +70,7 @@ class StepTimer:
     # {("target" | "mtp", width): zero-argument call of the last measured program}, for
     # profiling a piece after timing it (benchmarks/decode_step.py).
     self.runs = {}
+    self.programs = {}  # (kind, width) -> compiled program of the last measure()
     runner = llm._runner
     self.cache_shardings = runner.ctx.cache_shardings
     # The head's layout even when the runner's method needs none (timing an MTP step anyway).
@@ -158,6 +159,7 @@ class StepTimer:
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
       futures = {key: pool.submit(self._compile, *job) for key, job in jobs.items()}
       programs = {key: f.result() for key, f in futures.items()}
+    self.programs.update(programs)  # the compiled step programs, for their HLO
 
     holder = {"target": _random_caches(target_caches, self.cache_shardings, 1)}
     if mtp_widths:
