@@ -26,9 +26,10 @@ tokens/s counts generated tokens over the time spent running (compilation exclud
 engine compiles a program before it starts timing).
 
 `--dispatch-cost`: the host's cost per dispatch at batch 1. The same requests run twice, in
-one dispatch (Finished rows for every request) and in the default dispatches (one per two
-finished requests at batch 1); the difference in wall time over the difference in
-dispatches is what a dispatch boundary costs, set against the step time.
+one dispatch (Finished rows for every request, no iteration budget) and in dispatches of
+--dispatch-budget iterations; the difference in wall time over the difference in dispatches is
+what a dispatch boundary costs, set against the step time. The per-dispatch timings split it
+into the idle time between launches and the launch of an empty dispatch.
 """
 
 from __future__ import annotations
@@ -148,9 +149,12 @@ def dispatch_cost(args, prompts, rows):
   label = dict(model=args.model, method="none", batching="continuous", set="batch1")
   many = build(args, "none", "continuous", max_num_seqs=1)
   one = build(args, "none", "continuous", max_num_seqs=1)
-  # Room for every request and no iteration budget: a single dispatch.
-  one._runner.batcher.finished_rows = 2 * num
-  one._runner.batcher.budget = 1 << 30
+  # Room for every request in both. `many` ends a dispatch every --dispatch-budget iterations
+  # (many boundaries, so that their cost stands out of the run-to-run noise); `one` has no
+  # iteration budget: a single dispatch.
+  for llm, budget in ((many, args.dispatch_budget), (one, 1 << 30)):
+    llm._runner.batcher.finished_rows = 2 * num
+    llm._runner.batcher.budget = budget
   results = {}
   for name, llm in (("dispatches", many), ("one_dispatch", one)):
     llm.generate(prompts[:2], [jspec.SamplingParams(temperature=0.0, max_tokens=2,
@@ -199,6 +203,8 @@ def main():
                       help="default: the longest prompt + the longest output + 16")
   parser.add_argument("--dispatch-cost", action="store_true")
   parser.add_argument("--dispatch-requests", type=int, default=32)
+  parser.add_argument("--dispatch-budget", type=int, default=8,
+                      help="iterations per dispatch in --dispatch-cost's many-dispatch run")
   parser.add_argument("--repeats", type=int, default=1)
   parser.add_argument("--out", default="")
   args = parser.parse_args()

@@ -82,6 +82,7 @@ def main():
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--context", type=int, default=512)
   parser.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"])
+  parser.add_argument("--projection-backend", default="auto", choices=["auto", "xla", "pallas"])
   parser.add_argument("--max-model-len", type=int, default=0,
                       help="default context + 16; sets the largest cache bucket, which a "
                            "long context's steps use")
@@ -100,7 +101,8 @@ def main():
                                                               max_model_len))
   bandwidth = hbm_bandwidth()
   llm = jspec.LLM.from_random(cfg, None, max_model_len=max_model_len, max_num_seqs=1,
-                              attention_backend=args.attention_backend)
+                              attention_backend=args.attention_backend,
+                              projection_backend=args.projection_backend)
   timer = StepTimer(llm)
   seconds = timer.measure(args.batch, args.context, {1, 2})
   cache_slots = buckets.cache_bucket(args.context + 2, 0, max_model_len)
@@ -112,6 +114,7 @@ def main():
   result = dict(model=args.model, batch=args.batch, context=args.context,
                 cache_slots=cache_slots,
                 attention_backend=args.attention_backend,
+                projection_backend=llm.projection_backend,
                 xla_flags=os.environ.get("XLA_FLAGS", ""), device=jax.devices()[0].device_kind,
                 read_bytes_per_second=bandwidth["read"], decode_ms=1e3 * decode_s,
                 two_token_relative=seconds[("target", 2)] / decode_s,
@@ -126,7 +129,7 @@ def main():
       json.dump(result, f, indent=1)
   read = bandwidth["read"]
   print(f"\n{args.model} B={args.batch} context={args.context} ({cache_slots} slots) "
-        f"attention={args.attention_backend} "
+        f"attention={args.attention_backend} projections={result['projection_backend']} "
         f"XLA_FLAGS={result['xla_flags']!r} on {result['device']}")
   print(f"decode {result['decode_ms']:.3f} ms = {100 * result['roofline_fraction']:.1f}% of the "
         f"roofline (read {read / 1e12:.2f} TB/s); 2 tokens: {result['two_token_relative']:.2f}x")

@@ -20,9 +20,11 @@ from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import Attention
 from jspec.models.drafts import check_draft_caches, check_draft_vocabulary, init_random_drafter
 from jspec.models.loading import init_random, load_checkpoint, load_eagle3
+from jspec.models.projections import PROJECTION_BACKENDS, sharded_projection, weights_replicated
 from jspec.models.moe_backends import expert_tile, get_experts_fn, resolve_moe_backend
 from jspec.models.mtp import MTPSpec
 from jspec.outputs import GenerateOutputs, aggregate
+from jspec.pallas_kernels import platform
 from jspec.progress import notice, stage
 from jspec.sharding.moe import needs_shard_map, sharded_experts
 from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
@@ -73,13 +75,16 @@ class LLM:
                ep_strategy: str = "auto", device_memory_bytes: int | None = None,
                prefill_chunk_size: int = 256, attention_backend: str = "xla",
                recurrent_commit: str = "store", sharding_rules: ShardingRules | None = None,
-               batching: str = "continuous",
+               batching: str = "continuous", projection_backend: str = "auto",
                _modules=None, _draft=None):
     self.dtype = resolve_dtype(dtype)
     if attention_backend not in ATTENTION_BACKENDS:
       raise ValueError(f"attention_backend={attention_backend!r} is not supported; choose one "
                        f"of {ATTENTION_BACKENDS}")
     self.attention_backend = attention_backend
+    if projection_backend not in PROJECTION_BACKENDS:
+      raise ValueError(f"projection_backend={projection_backend!r} is not supported; choose "
+                       f"one of {PROJECTION_BACKENDS}")
     if recurrent_commit not in RECURRENT_COMMIT_MODES:
       raise ValueError(f"recurrent_commit={recurrent_commit!r} is not supported; choose one of "
                        f"{RECURRENT_COMMIT_MODES}")
@@ -179,6 +184,7 @@ class LLM:
                                               ep_strategy)
     if attention_backend == "pallas":
       self._use_pallas_attention()
+    self.projection_backend = self._use_projections(projection_backend)
     self._runner = engine.Runner(self)
 
   def _set_recurrent_commit(self, mode: str):
@@ -201,6 +207,28 @@ class LLM:
       for _, node in nnx.iter_graph(module):
         if isinstance(node, Attention):
           node.window_attention = kernel
+
+  def _use_projections(self, backend: str) -> str:
+    """Sets the attention layers' projection product (jspec.models.projections); returns the
+    backend in effect: "auto" becomes "pallas" on Hopper where the weights are whole on every
+    shard (the kernel then takes only the products XLA would strength-reduce), else "xla"."""
+    forced = backend == "pallas"
+    if backend == "auto":
+      replicated = all(weights_replicated(self.mesh, r) for r in (self.rules, self.draft_rules))
+      backend = "pallas" if platform.on_hopper() and replicated else "xla"
+    if backend == "xla":
+      return backend
+    for module, rules in ((self.target, self.rules), (self.draft_module, self.draft_rules)):
+      if module is None:
+        continue
+      if not weights_replicated(self.mesh, rules):
+        raise ValueError("projection_backend='pallas' needs the attention weights whole on "
+                         "every shard, and this mesh splits them over tp; use 'auto' or 'xla'")
+      kernel = sharded_projection(self.mesh, rules, always=forced)
+      for _, node in nnx.iter_graph(module):
+        if isinstance(node, Attention):
+          node.projection = kernel
+    return backend
 
   def _restrict_draft_vocab(self, ids):
     vocab = self.config.vocab_size

@@ -183,6 +183,18 @@ class Attention(nnx.Module):
     # (q [B,T,N,H], new k, v [B,T,K,H], cache k, v [B,K,S,H], first position [B]) -> [B,T,N,H],
     # for steps of at most MAX_ROWS_PER_KV_HEAD query rows per KV head. None: XLA's attention.
     self.window_attention = None
+    # Optional product for the projections of steps with few rows (jspec.models.projections),
+    # set by the LLM: (x [B, T, K], w [K, N]) -> [B, T, N]. None: XLA's dot.
+    self.projection = None
+
+  def _dense(self, x_BTK, w_K_, spec: str):
+    """x @ w for a weight whose first axis is contracted: `spec` (an einsum) under XLA, else
+    the projection on the weight's [K, rest] view (a free reshape)."""
+    if self.projection is None:
+      return jnp.einsum(spec, x_BTK, w_K_)
+    rest = w_K_.shape[1:]
+    out_BTN = self.projection(x_BTK, w_K_.reshape(w_K_.shape[0], -1))
+    return out_BTN.reshape(*x_BTK.shape[:-1], *rest)
 
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
@@ -190,9 +202,9 @@ class Attention(nnx.Module):
 
   def _project(self, x_BTD):
     """(queries [B,T,N,H], keys, values [B,T,K,H], output gate [B,T,N,H] or None)."""
-    q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...])
-    k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...])
-    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...])
+    q_BTNH = self._dense(x_BTD, self.q_proj[...], "btd,dnh->btnh")
+    k_BTKH = self._dense(x_BTD, self.k_proj[...], "btd,dkh->btkh")
+    v_BTKH = self._dense(x_BTD, self.v_proj[...], "btd,dkh->btkh")
     if self.has_bias:
       q_BTNH, k_BTKH, v_BTKH = (q_BTNH + self.q_bias[...], k_BTKH + self.k_bias[...],
                                 v_BTKH + self.v_bias[...])
@@ -213,7 +225,12 @@ class Attention(nnx.Module):
     out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window)
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
-    out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...])
+    if self.projection is None:
+      out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...])
+    else:
+      b, t, n, h = out_BTNH.shape
+      out_BTD = self.projection(out_BTNH.reshape(b, t, n * h),
+                                self.o_proj[...].reshape(n * h, -1))
     if self.has_o_bias:
       out_BTD = out_BTD + self.o_bias[...]
     return out_BTD, cache
@@ -268,9 +285,9 @@ class GatedAttention(Attention):
     self.q_proj = param(rngs, (d, n, 2, h), dtype, ("embed", "q_heads", None, "head_dim"))
 
   def _project(self, x_BTD):
-    qg_BTNCH = jnp.einsum("btd,dnch->btnch", x_BTD, self.q_proj[...])
-    k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...])
-    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...])
+    qg_BTNCH = self._dense(x_BTD, self.q_proj[...], "btd,dnch->btnch")
+    k_BTKH = self._dense(x_BTD, self.k_proj[...], "btd,dkh->btkh")
+    v_BTKH = self._dense(x_BTD, self.v_proj[...], "btd,dkh->btkh")
     return qg_BTNCH[:, :, :, 0], k_BTKH, v_BTKH, qg_BTNCH[:, :, :, 1]
 
 

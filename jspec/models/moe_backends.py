@@ -87,20 +87,13 @@ def experts_ragged_dot(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF,
   return y_TD.astype(x_TD.dtype)
 
 
-def _on_hopper() -> bool:
-  device = jax.devices()[0]
-  if device.platform != "gpu":
-    return False
-  capability = getattr(device, "compute_capability", "")
-  return str(capability).startswith("9")
-
-
 def resolve_moe_backend(name: str) -> str:
   """Maps "auto" to a concrete backend for the current devices; validates the name."""
   if name not in MOE_BACKENDS:
     raise ValueError(f"moe_backend={name!r} is not supported; choose one of {MOE_BACKENDS}")
   if name == "auto":
-    return "pallas" if _on_hopper() else "reference"
+    from jspec.pallas_kernels import platform  # the kernels' package imports this module
+    return "pallas" if platform.on_hopper() else "reference"
   return name
 
 

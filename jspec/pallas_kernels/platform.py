@@ -13,6 +13,14 @@ def on_gpu() -> bool:
   return jax.devices()[0].platform == "gpu"
 
 
+def on_hopper() -> bool:
+  """A Hopper GPU (compute capability 9.x): wgmma and the TMA, which the Mosaic GPU kernels use."""
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return False
+  return str(getattr(device, "compute_capability", "")).startswith("9")
+
+
 def interpret_params() -> plgpu.InterpretGPUParams | None:
   """None on a GPU (compile with Mosaic GPU); interpret mode elsewhere.
 

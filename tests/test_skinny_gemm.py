@@ -1,0 +1,119 @@
+"""A few rows against one weight matrix (jspec.pallas_kernels.skinny_gemm) and the attention
+projections that use it (LLM(projection_backend=...)). The kernel runs in interpret mode here;
+the same kernel tests run on the GPU under the `gpu` marker."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from helpers import fixture_dir, greedy
+from jspec.pallas_kernels import platform
+from jspec.pallas_kernels.skinny_gemm import (XLA_DOT_REDUCE_ELEMENTS, choose_splits,
+                                              skinny_matmul, use_skinny)
+
+# (rows, K, N, K slices): one row and a row count off every tile, N of one 64-wide block.
+CASES = [(1, 256, 128, 2), (3, 512, 192, 4), (9, 128, 256, 1), (16, 384, 64, 2),
+         (33, 256, 128, 4), (64, 128, 64, 2)]
+
+
+def _bf16_bound(x, w):
+  """A bound on |x @ w - exact| for bf16 inputs whose partial products are rounded to bf16
+  before a float32 sum: a few units of bf16 rounding (2^-8) of |x| @ |w| per output."""
+  return 4 * 2.0 ** -8 * (np.abs(x) @ np.abs(w)) + 1e-6
+
+
+@pytest.mark.parametrize("rows, k, n, splits", CASES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_skinny_matmul_equals_the_product(rows, k, n, splits, dtype):
+  rng = np.random.default_rng(rows * 1000 + k + n)
+  x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+  w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+  y = np.asarray(skinny_matmul(x, w, splits=splits), np.float32)
+  x32, w32 = np.asarray(x, np.float32), np.asarray(w, np.float32)
+  assert y.shape == (rows, n) and np.isfinite(y).all()  # interpret mode fills with NaN
+  assert (np.abs(y - x32 @ w32) <= _bf16_bound(x32, w32)).all()
+
+
+def test_skinny_matmul_refuses_shapes_off_the_kernel():
+  x = jnp.ones((2, 96), jnp.bfloat16)
+  with pytest.raises(ValueError, match="multiples of 64"):
+    skinny_matmul(x, jnp.ones((96, 64), jnp.bfloat16))
+  with pytest.raises(ValueError, match="one dtype"):
+    skinny_matmul(jnp.ones((2, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.float32))
+  with pytest.raises(ValueError, match="M <= 64"):
+    skinny_matmul(jnp.ones((65, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16))
+
+
+def test_the_kernel_takes_what_xla_would_strength_reduce():
+  bf16 = jnp.bfloat16
+  # Qwen3-30B-A3B's q and o projections at batch 1: under XLA's 10 M threshold.
+  assert use_skinny(1, 2048, 4096, bf16) and use_skinny(4, 4096, 2048, bf16)
+  # Qwen3-8B's q projection is a GEMM for XLA already; its k / v (4096 x 1024) and Qwen3-30B's
+  # (2048 x 512) are small enough for XLA's reduction.
+  assert 4096 * 4096 >= XLA_DOT_REDUCE_ELEMENTS and not use_skinny(1, 4096, 4096, bf16)
+  assert not use_skinny(1, 4096, 1024, bf16) and not use_skinny(1, 2048, 512, bf16)
+  # Prefill-sized row counts and 32-bit types stay with XLA.
+  assert not use_skinny(128, 2048, 4096, bf16) and not use_skinny(1, 2048, 4096, jnp.float32)
+
+
+@pytest.mark.parametrize("k, n, sms", [(2048, 4096, 132), (4096, 2048, 132), (2048, 4096, 16),
+                                       (192, 4096, 132), (64, 64, 1)])
+def test_splits_fill_the_sms_without_overflowing_them(k, n, sms):
+  splits = choose_splits(k, n, sms)
+  col_blocks = n // (128 if n % 128 == 0 else 64)
+  assert k % (splits * 64) == 0 and splits * col_blocks <= max(sms, col_blocks)
+  # One more doubling would overflow the SMs or leave a slice off the tile.
+  assert 2 * splits * col_blocks > sms or k % (2 * splits * 64)
+
+
+def _llm(backend, **kwargs):
+  return jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="bfloat16", max_model_len=128,
+                   max_num_seqs=4, projection_backend=backend, **kwargs)
+
+
+def test_attention_projections_through_the_kernel_match_xla():
+  pallas, xla = _llm("pallas"), _llm("xla")
+  assert pallas.projection_backend == "pallas" and xla.projection_backend == "xla"
+  attn, plain = pallas.target.layers[0].attn, xla.target.layers[0].attn
+  assert attn.projection is not None and plain.projection is None
+  rng = np.random.default_rng(3)
+  for b, t in ((1, 1), (2, 4), (3, 5)):
+    x = jnp.asarray(rng.standard_normal((b, t, 64)), jnp.bfloat16)
+    for got, want in zip(jax.jit(attn._project)(x)[:3], jax.jit(plain._project)(x)[:3]):
+      got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+      assert got.shape == want.shape
+      np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max())
+
+
+def test_speculative_greedy_equals_vanilla_through_the_kernel():
+  """Decode, verify and draft steps all project through the kernel, row by row the same."""
+  prompts = [[5, 9, 2, 7, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 9, 1, 0]]
+  vanilla = _llm("pallas").generate(prompts, greedy(12, ignore_eos=True))
+  spec = _llm("pallas", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+  assert [o.token_ids for o in spec.generate(prompts, greedy(12, ignore_eos=True))] == \
+      [o.token_ids for o in vanilla]
+
+
+def test_backends_resolve_and_refuse():
+  assert _llm("auto").projection_backend == ("pallas" if platform.on_hopper() else "xla")
+  with pytest.raises(ValueError, match="projection_backend='cuda'"):
+    _llm("cuda")
+  with pytest.raises(ValueError, match="splits them over tp"):
+    _llm("pallas", mesh=jspec.MeshConfig(tp=2, num_devices=2))
+  # "auto" with tp keeps XLA's dot.
+  assert _llm("auto", mesh=jspec.MeshConfig(tp=2, num_devices=2)).projection_backend == "xla"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 13])
+def test_gpu_skinny_matmul_at_model_shapes(rows):
+  """The kernel compiled with Mosaic GPU at Qwen3-30B-A3B's q and o shapes."""
+  rng = np.random.default_rng(rows)
+  for k, n in ((2048, 4096), (4096, 2048)):
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    y = np.asarray(skinny_matmul(x, w), np.float32)
+    x32, w32 = np.asarray(x, np.float32), np.asarray(w, np.float32)
+    assert (np.abs(y - x32 @ w32) <= _bf16_bound(x32, w32)).all()
