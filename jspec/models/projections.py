@@ -4,8 +4,8 @@
   "pallas"  jspec.pallas_kernels.skinny_gemm wherever it takes the shapes (<= 64 rows: decode,
             verify and draft steps; interpreted off GPU), XLA's dot for prefill.
   "auto"    on Hopper, the kernel for the products XLA's GPU compiler would rewrite into a
-            multiply and a reduction (operands under 10 M elements, e.g. 2048 x 4096 at batch
-            1); XLA's dot elsewhere and on other devices.
+            multiply and a reduction (one row, operands under 10 M elements: e.g. a 2048 x 4096
+            projection in a batch-1 decode step); XLA's dot elsewhere and on other devices.
 
 The kernel needs the weights whole on every shard: with tensor parallelism over heads or the
 hidden size, "auto" keeps XLA's dot and "pallas" is refused.
