@@ -30,6 +30,7 @@ from jspec.bench.presets import PRESETS
 from jspec.bench.profile import profile
 from jspec.bench.roofline import hbm_bandwidth, seconds_per_call, step_bytes
 from jspec.bench.steps import STEPS_PER_CALL, StepTimer
+from jspec.models.projections import PROJECTION_BACKENDS
 from jspec.speculative import buckets
 
 
@@ -82,7 +83,7 @@ def main():
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--context", type=int, default=512)
   parser.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"])
-  parser.add_argument("--projection-backend", default="auto", choices=["auto", "xla", "pallas"])
+  parser.add_argument("--projection-backend", default="auto", choices=PROJECTION_BACKENDS)
   parser.add_argument("--max-model-len", type=int, default=0,
                       help="default context + 16; sets the largest cache bucket, which a "
                            "long context's steps use")

@@ -387,9 +387,7 @@ class LLM:
           completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
     k = self.spec.num_speculative_tokens if self.spec else 0
     return GenerateOutputs(outputs, aggregate(outputs, k, result.wall_time_s),
-                           num_dispatches=result.num_dispatches,
                            host_seconds_per_dispatch=result.host_seconds_per_dispatch,
-                           num_iterations=result.num_iterations,
                            dispatches=result.dispatches)
 
   def compute_logits(self, token_id_lists) -> list[np.ndarray]:

@@ -56,9 +56,7 @@ class DispatchTiming:
 class RunResult:
   outputs: list[RequestOutput]
   wall_time_s: float
-  num_dispatches: int = 0
   host_seconds_per_dispatch: float = 0.0  # host work per dispatch (overlapped with the next)
-  num_iterations: int = 0                 # loop iterations over all dispatches
   dispatches: list[DispatchTiming] = dataclasses.field(default_factory=list)
 
 
@@ -262,7 +260,7 @@ class ContinuousBatcher:
 
     start = time.perf_counter()
     chain = DispatchChain(launch, init_c(*targets, queue), self.budget or FIRST_BUDGET)
-    num_iterations, host_seconds, last = 0, 0.0, start
+    host_seconds, last = 0.0, start
     try:
       for index in itertools.count():
         pending = chain.next()
@@ -271,7 +269,6 @@ class ContinuousBatcher:
         iterations = collect(pending)
         timings[index].iterations = iterations
         host_seconds += time.perf_counter() - ready
-        num_iterations += iterations
         if collector.num_finished == queue_plan.num_sequences:
           break
         if iterations and self.budget is None:
@@ -282,15 +279,12 @@ class ContinuousBatcher:
         chain.proceed()
       # The dispatch launched before the host knew every request was done: nothing to do.
       timings[-1].iterations = collect(chain.next())
-      num_iterations += timings[-1].iterations
     finally:
       chain.close()
-    num_dispatches = len(timings)
     wall = time.perf_counter() - start
     progress.close()
     outputs = collector.outputs(wall, prompt_lps)
-    return RunResult(outputs, wall, num_dispatches, host_seconds / num_dispatches,
-                     num_iterations, timings)
+    return RunResult(outputs, wall, host_seconds / len(timings), timings)
 
   # ---- prompt logprobs ---------------------------------------------------------------------
 

@@ -115,15 +115,20 @@ class GenerateOutputs(list):
   host's work per dispatch (seconds, overlapped with the next dispatch's device work) and each
   dispatch's timing (jspec.continuous.DispatchTiming)."""
 
-  def __init__(self, outputs, metrics: RequestMetrics, num_dispatches: int = 0,
-               host_seconds_per_dispatch: float = 0.0, num_iterations: int = 0,
+  def __init__(self, outputs, metrics: RequestMetrics, host_seconds_per_dispatch: float = 0.0,
                dispatches: list | None = None):
     super().__init__(outputs)
     self.metrics = metrics
-    self.num_dispatches = num_dispatches
     self.host_seconds_per_dispatch = host_seconds_per_dispatch
-    self.num_iterations = num_iterations
     self.dispatches = dispatches or []
+
+  @property
+  def num_dispatches(self) -> int:
+    return len(self.dispatches)
+
+  @property
+  def num_iterations(self) -> int:
+    return sum(d.iterations for d in self.dispatches)
 
 
 def aggregate(outputs: list[RequestOutput], k: int, wall_time_s: float) -> RequestMetrics:

@@ -10,6 +10,8 @@ G query heads per kv head, H head dim, F MLP intermediate, V vocabulary.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -187,14 +189,14 @@ class Attention(nnx.Module):
     # set by the LLM: (x [B, T, K], w [K, N]) -> [B, T, N]. None: XLA's dot.
     self.projection = None
 
-  def _dense(self, x_BTK, w_K_, spec: str):
-    """x @ w for a weight whose first axis is contracted: `spec` (an einsum) under XLA, else
-    the projection on the weight's [K, rest] view (a free reshape)."""
+  def _dense(self, x, w, spec: str, contracted: int = 1):
+    """x @ w over x's last and w's first `contracted` axes: `spec` (an einsum) under XLA, else
+    the projection on the [.., K] and [K, N] views of x and w (free reshapes)."""
     if self.projection is None:
-      return jnp.einsum(spec, x_BTK, w_K_)
-    rest = w_K_.shape[1:]
-    out_BTN = self.projection(x_BTK, w_K_.reshape(w_K_.shape[0], -1))
-    return out_BTN.reshape(*x_BTK.shape[:-1], *rest)
+      return jnp.einsum(spec, x, w)
+    lead, k = x.shape[:-contracted], math.prod(w.shape[:contracted])
+    out = self.projection(x.reshape(*lead, k), w.reshape(k, -1))
+    return out.reshape(*lead, *w.shape[contracted:])
 
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
@@ -225,12 +227,7 @@ class Attention(nnx.Module):
     out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window)
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
-    if self.projection is None:
-      out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_proj[...])
-    else:
-      b, t, n, h = out_BTNH.shape
-      out_BTD = self.projection(out_BTNH.reshape(b, t, n * h),
-                                self.o_proj[...].reshape(n * h, -1))
+    out_BTD = self._dense(out_BTNH, self.o_proj[...], "btnh,nhd->btd", contracted=2)
     if self.has_o_bias:
       out_BTD = out_BTD + self.o_bias[...]
     return out_BTD, cache
