@@ -1,17 +1,19 @@
 """Host side of continuous batching: one program per call's shapes, run as a few dispatches.
 
-A call compiles (once per shape: slots, cache slots, queue buckets, drafter) an `init`
-program that allocates the slots' state and a `dispatch` program that runs the loop until
-its Finished rows fill or its iteration budget is spent (jspec.speculative.batching). The
-state is donated from one dispatch to the next and never leaves the device. A worker thread
-(DispatchChain) launches each dispatch as soon as the previous one returns, *before* the host
-reads that one's finished rows, so the device waits neither for the host's collecting,
-progress bar or output building nor for a hand-off between threads: the host's work per
-dispatch runs while the next dispatch computes. The last dispatch, launched before the host
-knew every request was done, finds nothing to do and returns at once.
+A call compiles (once per shape: slots, cache slots, queue buckets, drafter, first-wave
+prompt bucket) a `start` program and a `dispatch` program (jspec.speculative.batching).
+`start` allocates the slots' state and prefills the first requests that fit the slots in one
+batched pass (the wave scheduler's prefill), so a call whose requests all fit runs as a wave
+would. `dispatch` runs the loop until its Finished rows fill, its step budget is spent or
+every request is done. The state is donated from one dispatch to the next and never leaves
+the device. A worker thread (DispatchChain) launches each dispatch as soon as the previous
+one returns, *before* the host reads that one's finished rows, so the device waits neither
+for the host's collecting, progress bar or output building nor for a hand-off between
+threads; it stops after the dispatch that reports every request done.
 
-The iteration budget adapts so that a dispatch lasts about `DISPATCH_SECONDS` (the progress
-bar's refresh), whatever a step costs.
+The step budget: a call whose requests all fit the slots runs in one dispatch (no boundary)
+unless the rate of earlier calls says that would take over `LONG_CALL_SECONDS`; otherwise a
+dispatch lasts about `DISPATCH_SECONDS` (the progress bar's refresh), whatever a step costs.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ from jspec.speculative.drafters import make_drafter
 from jspec.speculative.logprobs import prompt_logprobs_fn
 from jspec.speculative.loop import LoopPlan, merge_module
 from jspec.speculative.state import FINISH_REASONS
+from jspec.timing import Clock, ReadyTime
 
-DISPATCH_SECONDS = 0.5
-FIRST_BUDGET = 64          # iterations of the first dispatch
+DISPATCH_SECONDS = 1.0
+LONG_CALL_SECONDS = 10.0   # a call that fits the slots runs in one dispatch if no longer
+FIRST_BUDGET = 64          # steps of a call's first dispatch when no rate is known
 MAX_BUDGET = 1 << 20
 
 
@@ -48,8 +52,9 @@ class DispatchTiming:
   loop has ended (the host reads the loop condition back), so `seconds` is the dispatch's
   device time plus the launch; on a CPU a launch returns at once."""
   start_s: float       # when the launch began, from the call's start
-  seconds: float       # how long the launch took
-  iterations: int = 0  # loop iterations it ran (0: nothing was left to do)
+  seconds: float       # until the dispatch had ended (the launch, and on a CPU the wait)
+  iterations: int = 0  # decode steps (rounds) it ran
+  clock: int = 0       # the loop's clock when it ended (jspec.timing)
 
 
 @dataclasses.dataclass
@@ -61,7 +66,8 @@ class RunResult:
 
 
 class DispatchChain:
-  """Runs dispatches back to back on a worker thread, each on the state the last one returned.
+  """Runs dispatches back to back on a worker thread, each on the state the last one returned,
+  until one's output satisfies `is_last`.
 
   On a GPU the launching thread drives a dispatch's while loop (it reads the loop condition
   back each iteration), so a launch returns only when its dispatch is done. The worker
@@ -72,8 +78,9 @@ class DispatchChain:
   launch returns at once and the same order holds.
   """
 
-  def __init__(self, launch, state, budget: int):
+  def __init__(self, launch, state, budget: int, is_last=lambda finished: False):
     self._launch = launch
+    self._is_last = is_last
     self.budget = budget  # iterations for the next launch; the host adapts it
     self._finished = queues.Queue()
     self._permits = queues.Queue()
@@ -87,7 +94,7 @@ class DispatchChain:
       while True:
         state, finished = self._launch(state, self.budget)
         self._finished.put(finished)
-        if not self._permits.get():
+        if self._is_last(finished) or not self._permits.get():
           return
     except BaseException as err:  # re-raised on the host's thread by next()
       self._finished.put(err)
@@ -107,16 +114,27 @@ class DispatchChain:
     self._thread.join()
 
 
+@dataclasses.dataclass(frozen=True)
+class WavePlan:
+  """The first wave on the host: slot b takes queue group group_B[b] (-1: none); groups
+  0 .. num_groups - 1, spread over the data-parallel shards in turn."""
+  group_B: np.ndarray
+  num_groups: int
+  prompt_bucket: int
+
+
 class ContinuousBatcher:
   """Compiles and runs the continuous-batching loop for a Runner (jspec.engine)."""
 
   def __init__(self, runner):
     self.runner = runner
     self.llm = runner.llm
-    self._compiled = {}       # (BatchPlan, queue shapes) -> (init, dispatch)
+    self._compiled = {}       # (BatchPlan, queue shapes) -> dispatch
+    self._start_compiled = {}  # (BatchPlan, queue shapes, prompt bucket) -> start
     self._prompt_compiled = {}
+    self._rates = {}          # (BatchPlan, queue shapes) -> steps per second last measured
     self.finished_rows = None  # Finished rows per dispatch; None: twice the slots
-    self.budget = None         # iterations per dispatch; None: adapted to DISPATCH_SECONDS
+    self.budget = None         # steps per dispatch; None: chosen per call (module docstring)
 
   # ---- plans -----------------------------------------------------------------------------
 
@@ -148,6 +166,32 @@ class ContinuousBatcher:
                               out_len=cache_len, finished_rows=self.finished_rows or 2 * batch)
     return plan, queue
 
+  def _wave(self, plan: batching.BatchPlan, queue_plan) -> WavePlan | None:
+    """The groups that start in a batched prefill: as many as there are slots, when groups
+    are single samples (n > 1 shares one prefill per group inside the loop instead: a batched
+    prefill would repeat the prompt for every sample)."""
+    if plan.group != 1:
+      return None
+    batch, shards = plan.loop.batch, plan.shards
+    per_shard = batch // shards
+    count = min(len(queue_plan.groups), batch)
+    group_B = np.full((batch,), -1, np.int32)
+    for g in range(count):  # in turn over the shards, so that each gets its share
+      group_B[(g % shards) * per_shard + g // shards] = g
+    longest = max(len(queue_plan.prompts[queue_plan.groups[g].request]) for g in range(count))
+    return WavePlan(group_B, count, buckets.prompt_bucket(longest, plan.loop.cache_len))
+
+  def _wave_inputs(self, wave: WavePlan, queue_plan) -> batching.Wave:
+    tokens = np.zeros((len(wave.group_B), wave.prompt_bucket), np.int32)
+    lens = np.ones((len(wave.group_B),), np.int32)
+    for row, g in enumerate(wave.group_B):
+      if g >= 0:
+        prompt = queue_plan.prompts[queue_plan.groups[g].request]
+        tokens[row, :len(prompt)], lens[row] = prompt, len(prompt)
+    put = self.runner._put
+    return batching.Wave(tokens_BP=put(tokens, ("batch", "seq")),
+                         prompt_lens_B=put(lens, ("batch",)), group_B=put(wave.group_B, ("batch",)))
+
   # ---- compilation -----------------------------------------------------------------------
 
   def _shardings(self, state_shape, batch: int):
@@ -166,47 +210,79 @@ class ContinuousBatcher:
                             draft=decode.draft.replace(caches=ctx.draft_cache_shardings or ()))
     return shardings.replace(decode=decode)
 
-  def _compile(self, plan: batching.BatchPlan, queue):
-    key = (plan, jax.tree.map(lambda x: x.shape, queue))
-    if key in self._compiled:
-      return self._compiled[key]
+  def _start_fn(self, plan: batching.BatchPlan):
     runner, ctx = self.runner, self.runner.ctx
     tgd, dgd = runner.target_graphdef, runner.draft_graphdef
+    chunk = self.llm.prefill_chunk_size
 
-    def init_fn(target_state, draft_state, queue):
-      target = nnx.merge(tgd, target_state)
-      drafter = make_drafter(plan.loop.method, target, merge_module(dgd, draft_state),
-                             plan.loop, ctx)
-      return batching.init_state(target, drafter, queue, plan, ctx)
+    def start_fn(target_state, draft_state, queue, wave):
+      state = batching.start_state(nnx.merge(tgd, target_state), merge_module(dgd, draft_state),
+                                   queue, wave, plan, ctx, chunk)
+      # A small output of its own (not donated with the state): ready when the prefill is.
+      return state, jnp.sum(state.decode.lengths_B)
 
-    def dispatch_fn(target_state, draft_state, state, queue, budget):
-      return batching.dispatch(nnx.merge(tgd, target_state), merge_module(dgd, draft_state),
-                               state, queue, budget, plan, ctx)
+    return start_fn
 
+  def _compile(self, plan: batching.BatchPlan, queue, wave):
+    """(start, dispatch) executables for these shapes (`wave`: a batching.Wave or None)."""
+    runner, ctx, llm = self.runner, self.runner.ctx, self.llm
+    shapes = jax.tree.map(lambda x: x.shape, queue)
+    key = (plan, shapes)
+    start_key = key + (None if wave is None else wave.tokens_BP.shape,)
+    if key in self._compiled and start_key in self._start_compiled:
+      return self._start_compiled[start_key], self._compiled[key]
+    tgd, dgd = runner.target_graphdef, runner.draft_graphdef
+    replicated = llm.rules.sharding(llm.mesh, ())
     lp = plan.loop
     label = (f"compiling continuous batch={lp.batch} cache={lp.cache_len} chunk="
-             f"{lp.prefill_chunk} method={lp.method or 'none'} k={lp.k}")
+             f"{lp.prefill_chunk} method={lp.method or 'none'} k={lp.k}"
+             + (f" wave prompt={wave.tokens_BP.shape[1]}" if wave is not None else ""))
     with stage(label):
-      args = (runner.target_state, runner.draft_state, queue)
-      state_shape = jax.eval_shape(init_fn, *args)
+      start_fn = self._start_fn(plan)
+      args = (runner.target_state, runner.draft_state, queue, wave)
+      state_shape = jax.eval_shape(start_fn, *args)[0]
       shardings = self._shardings(state_shape, lp.batch)
-      init_c = jax.jit(init_fn, out_shardings=shardings).lower(*args).compile()
-      state_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              state_shape, shardings)
-      replicated = self.llm.rules.sharding(self.llm.mesh, ())
-      budget = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-      finished_shape = jax.eval_shape(dispatch_fn, runner.target_state, runner.draft_state,
-                                      state_in, queue, budget)[1]
-      finished_sh = jax.tree.map(
-          lambda x: self.llm.rules.sharding(self.llm.mesh, (None,) * x.ndim), finished_shape)
-      dispatch_c = jax.jit(dispatch_fn, out_shardings=(shardings, finished_sh),
-                           donate_argnums=(2,)).lower(
-                               runner.target_state, runner.draft_state, state_in, queue,
-                               budget).compile()
-    self._compiled[key] = (init_c, dispatch_c)
-    return init_c, dispatch_c
+      if start_key not in self._start_compiled:
+        self._start_compiled[start_key] = jax.jit(
+            start_fn, out_shardings=(shardings, replicated)).lower(*args).compile()
+      if key not in self._compiled:
+
+        def dispatch_fn(target_state, draft_state, state, queue, budget):
+          return batching.dispatch(nnx.merge(tgd, target_state), merge_module(dgd, draft_state),
+                                   state, queue, budget, plan, ctx)
+
+        state_in = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state_shape,
+            shardings)
+        budget = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+        finished_shape = jax.eval_shape(dispatch_fn, runner.target_state, runner.draft_state,
+                                        state_in, queue, budget)[1]
+        finished_sh = jax.tree.map(lambda x: llm.rules.sharding(llm.mesh, (None,) * x.ndim),
+                                   finished_shape)
+        self._compiled[key] = jax.jit(dispatch_fn, out_shardings=(shardings, finished_sh),
+                                      donate_argnums=(2,)).lower(
+                                          runner.target_state, runner.draft_state, state_in,
+                                          queue, budget).compile()
+    return self._start_compiled[start_key], self._compiled[key]
 
   # ---- a call ----------------------------------------------------------------------------
+
+  def _first_budget(self, key, wave: WavePlan | None, queue_plan) -> int:
+    """Steps of the first dispatch: the whole call when its requests all start in the wave
+    (and earlier calls' rate says it is not long), else about DISPATCH_SECONDS."""
+    if self.budget is not None:
+      return self.budget
+    rate = self._rates.get(key)
+    if wave is not None and wave.num_groups == len(queue_plan.groups):
+      # Each step emits at least one token of every running request; prefill the first.
+      steps = max(min(len(queue_plan.prompts[g.request]) + queue_plan.params[g.request].max_tokens,
+                      self.llm.max_model_len) - len(queue_plan.prompts[g.request])
+                  for g in queue_plan.groups)
+      if rate is None or steps <= rate * LONG_CALL_SECONDS:
+        return max(1, steps)
+    if rate is None:
+      return FIRST_BUDGET
+    return buckets.next_pow2(int(min(MAX_BUDGET, max(FIRST_BUDGET, rate * DISPATCH_SECONDS))))
 
   def generate(self, prompt_ids, params, seeds, use_tqdm=True, decode=None) -> RunResult:
     runner, llm = self.runner, self.llm
@@ -214,7 +290,10 @@ class ContinuousBatcher:
     arrays = queue_arrays(queue_plan, llm.config.eos_token_ids, llm.max_model_len)
     queue = batching.Queue(**{name: runner._put(a, (None,) * a.ndim)
                               for name, a in arrays.items()})
-    init_c, dispatch_c = self._compile(plan, queue)
+    wave_plan = self._wave(plan, queue_plan)
+    wave = None if wave_plan is None else self._wave_inputs(wave_plan, queue_plan)
+    start_c, dispatch_c = self._compile(plan, queue, wave)
+    rate_key = (plan, jax.tree.map(lambda x: x.shape, queue))
     prompt_lps = self.prompt_logprobs(prompt_ids, params, decode)
 
     collector = OutputCollector(queue_plan, runner.k, decode)
@@ -223,18 +302,20 @@ class ContinuousBatcher:
                                bar=use_tqdm if callable(use_tqdm) else None)
     targets = (runner.target_state, runner.draft_state)
     budgets = {}
-
     timings = []
 
     def launch(state, budget):
       if budget not in budgets:
         budgets[budget] = runner._put(np.asarray(budget, np.int32), ())
       begin = time.perf_counter()
-      out = dispatch_c(*targets, state, queue, budgets[budget])
+      state, finished = dispatch_c(*targets, state, queue, budgets[budget])
+      # Waits for the dispatch's end (on a GPU its launch already has; on a CPU it returns at
+      # once): the chain stops after the dispatch that left nothing to do.
+      last = bool(finished.all_done)
       timings.append(DispatchTiming(begin - start, time.perf_counter() - begin))
-      return out
+      return state, (finished, last)
 
-    def collect(finished) -> int:
+    def collect(finished) -> tuple[int, int]:
       host = to_host(finished)
       count, tokens = int(host.count), 0
       done_requests = 0
@@ -249,41 +330,48 @@ class ContinuousBatcher:
                         token_ids=host.tokens_FO[i, :n].tolist(),
                         finish_reason=FINISH_REASONS[int(host.finish_F[i])],
                         num_steps=int(host.num_steps_F[i]), drafted_at_K=host.drafted_at_FK[i],
-                        accepted_at_K=host.accepted_at_FK[i], logprobs=lps)
+                        accepted_at_K=host.accepted_at_FK[i], logprobs=lps,
+                        emitted_at=host.emitted_at_FO[i, :n])
         collector.add(done)
         request = queue_plan.groups[done.group].request
         remaining[request] -= 1
         done_requests += remaining[request] == 0
         tokens += n
       progress.update(done_requests, tokens)
-      return int(host.iterations)
+      return int(host.iterations), int(host.clock)
 
     start = time.perf_counter()
-    chain = DispatchChain(launch, init_c(*targets, queue), self.budget or FIRST_BUDGET)
-    host_seconds, last = 0.0, start
+    state, prefilled = start_c(*targets, queue, wave)
+    chain = DispatchChain(launch, state, self._first_budget(rate_key, wave_plan, queue_plan),
+                          is_last=lambda out: out[1])
+    prefill_done = ReadyTime(prefilled)
+    host_seconds = 0.0
     try:
       for index in itertools.count():
-        pending = chain.next()
-        jax.block_until_ready(pending.count)
+        pending, _ = chain.next()
         ready = time.perf_counter()
-        iterations = collect(pending)
-        timings[index].iterations = iterations
+        timings[index].iterations, timings[index].clock = collect(pending)
         host_seconds += time.perf_counter() - ready
         if collector.num_finished == queue_plan.num_sequences:
           break
-        if iterations and self.budget is None:
-          rate = iterations / max(ready - last, 1e-6)
-          budget = int(min(MAX_BUDGET, max(FIRST_BUDGET, rate * DISPATCH_SECONDS)))
-          chain.budget = buckets.next_pow2(budget)  # few distinct budget arrays
-        last = ready
+        seconds = timings[index].seconds
+        if timings[index].iterations and seconds > 0:
+          self._rates[rate_key] = timings[index].iterations / seconds
+          if self.budget is None:
+            budget = self._rates[rate_key] * DISPATCH_SECONDS
+            chain.budget = buckets.next_pow2(int(min(MAX_BUDGET, max(FIRST_BUDGET, budget))))
         chain.proceed()
-      # The dispatch launched before the host knew every request was done: nothing to do.
-      timings[-1].iterations = collect(chain.next())
     finally:
       chain.close()
     wall = time.perf_counter() - start
     progress.close()
-    outputs = collector.outputs(wall, prompt_lps)
+    clock = Clock(prefill_done.get() - start)
+    for t in timings:
+      clock.add(t.clock, t.start_s, t.start_s + t.seconds)
+    last = timings[-1]
+    if last.iterations and last.seconds > 0:
+      self._rates[rate_key] = last.iterations / last.seconds
+    outputs = collector.outputs(wall, prompt_lps, clock)
     return RunResult(outputs, wall, host_seconds / len(timings), timings)
 
   # ---- prompt logprobs ---------------------------------------------------------------------

@@ -26,6 +26,7 @@ from jspec.sharding.rules import global_array, to_host
 from jspec.speculative.loop import (LoopContext, LoopPlan, in_chunks, decode_loop, merge_module,
                                     prefill, split_module)
 from jspec.speculative.state import FINISH_REASONS, RequestInputs
+from jspec.timing import Clock, ReadyTime
 
 
 class Runner:
@@ -59,8 +60,10 @@ class Runner:
     tgd, dgd, ctx = self.target_graphdef, self.draft_graphdef, self.ctx
 
     def prefill_fn(target_state, draft_state, tokens_BP, prompt_lens_B, req):
-      return prefill(nnx.merge(tgd, target_state), merge_module(dgd, draft_state), tokens_BP,
-                     prompt_lens_B, req, plan, ctx)
+      state = prefill(nnx.merge(tgd, target_state), merge_module(dgd, draft_state), tokens_BP,
+                      prompt_lens_B, req, plan, ctx)
+      # A small output of its own (the state is donated to the loop): ready with the prefill.
+      return state, jnp.sum(state.lengths_B)
 
     def loop_fn(target_state, draft_state, state, req):
       return decode_loop(nnx.merge(tgd, target_state), merge_module(dgd, draft_state), state,
@@ -91,9 +94,11 @@ class Runner:
                f"cache={plan.cache_len} method={plan.method or 'none'} k={plan.k}")
       with stage(label):
         args = (self.target_state, self.draft_state, tokens_BP, prompt_lens_B, req)
-        state_shape = jax.eval_shape(prefill_fn, *args)
+        state_shape = jax.eval_shape(prefill_fn, *args)[0]
         shardings = self._state_shardings(state_shape)
-        prefill_c = jax.jit(prefill_fn, out_shardings=shardings).lower(*args).compile()
+        replicated = self.llm.rules.sharding(self.llm.mesh, ())
+        prefill_c = jax.jit(prefill_fn, out_shardings=(shardings, replicated)).lower(
+            *args).compile()
         state_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                 state_shape, shardings)
         loop_jit = jax.jit(loop_fn, out_shardings=shardings, donate_argnums=(2,))
@@ -118,8 +123,10 @@ class Runner:
     run_seconds = 0.0
     for start in range(0, len(order), self.llm.max_num_seqs):
       chunk = order[start:start + self.llm.max_num_seqs]
-      results, seconds = self._run_batch([prompt_ids[i] for i in chunk], [params[i] for i in chunk],
-                                [seeds[i] for i in chunk])
+      # Times count from the call's start: a wave starts when the ones before it have run.
+      results, seconds = self._run_batch([prompt_ids[i] for i in chunk],
+                                         [params[i] for i in chunk], [seeds[i] for i in chunk],
+                                         run_seconds)
       run_seconds += seconds
       for i, out in zip(chunk, results):
         outputs[i] = out
@@ -144,7 +151,8 @@ class Runner:
         stop_ids_BX=self._put(stop_ids, ("batch", None)),
         seeds_B=rows((seed % 2**32 for seed in seeds), 0, np.uint32))  # any int seed
 
-  def _run_batch(self, prompts, params, seeds) -> tuple[list[RequestOutput], float]:
+  def _run_batch(self, prompts, params, seeds,
+                 offset_s: float = 0.0) -> tuple[list[RequestOutput], float]:
     llm, k = self.llm, self.k
     batch = buckets.batch_bucket(len(prompts), llm.mesh_config.batch_width)
     max_total = max(min(len(p) + sp.max_tokens, llm.max_model_len)
@@ -169,18 +177,24 @@ class Runner:
 
     prefill_c, loop_c = self._compile(plan, tokens_BP, prompt_lens_B, req)
     start = time.perf_counter()
-    state = prefill_c(self.target_state, self.draft_state, tokens_BP, prompt_lens_B, req)
+    state, prefilled = prefill_c(self.target_state, self.draft_state, tokens_BP, prompt_lens_B,
+                                 req)
+    prefill_done = ReadyTime(prefilled)
     state = loop_c(self.target_state, self.draft_state, state, req)
-    host = to_host((state.tokens_BS, state.lengths_B, state.finish_B, state.metrics))
+    host = to_host((state.tokens_BS, state.emitted_at_BS, state.lengths_B, state.finish_B,
+                    state.metrics, state.step))
     wall = time.perf_counter() - start
-    tokens_BS, lengths_B, finish_B, metrics = host
+    tokens_BS, emitted_at_BS, lengths_B, finish_B, metrics, steps = host
+    clock = Clock(offset_s + prefill_done.get() - start)
+    clock.add(int(steps), offset_s, offset_s + wall)
 
     outputs = []
     for row, prompt in enumerate(prompts):
       generated = tokens_BS[row, len(prompt):lengths_B[row]].tolist()
       row_metrics = RequestMetrics.from_counts(
           metrics.drafted_at_BK[row, :k], metrics.accepted_at_BK[row, :k],
-          int(metrics.num_steps_B[row]), len(generated), wall)
+          int(metrics.num_steps_B[row]), len(generated), None,
+          token_times_s=clock.seconds(emitted_at_BS[row, len(prompt):lengths_B[row]]))
       completion = CompletionOutput(index=0, token_ids=generated, text=None,
                                     finish_reason=FINISH_REASONS[int(finish_B[row])],
                                     metrics=row_metrics)

@@ -18,9 +18,18 @@ import dataclasses
 
 import numpy as np
 
+from jspec import timing
+
 
 @dataclasses.dataclass
 class RequestMetrics:
+  """A completion's (or, pooled, a request's or a call's) speculative counts and timing.
+
+  Times count from the start of the `generate` call that ran it (compilation excluded), when
+  every request of the call arrived; token times come from the loop's clock (jspec.timing).
+  For one completion `wall_time_s` is the time of its last token and `tokens_per_second` its
+  own rate over that time; pooled over a call they are the call's wall time and rate, TTFT and
+  TPOT the medians over completions and ITL percentiles over all their chunk gaps."""
   num_draft_tokens: int
   num_accepted_tokens: int
   acceptance_rate_per_position: list[float]  # positions 1..k: accepted / proposed there
@@ -31,13 +40,27 @@ class RequestMetrics:
   tokens_per_second: float
   num_drafts_per_position: list[int]         # the counts behind the rates
   num_accepted_per_position: list[int]
+  ttft_s: float | None = None                # time to first token
+  tpot_s: float | None = None                # mean time per token after the first
+  itl_p50_s: float | None = None             # inter-token latency between chunks: median
+  itl_p99_s: float | None = None             # and 99th percentile
+  token_times_s: list[float] | None = None   # one completion: when each token was available
 
   @classmethod
-  def from_counts(cls, drafted_at_K, accepted_at_K, num_steps, num_generated, wall_time_s):
+  def from_counts(cls, drafted_at_K, accepted_at_K, num_steps, num_generated, wall_time_s,
+                  latency=None, token_times_s=None):
+    """`latency`: a jspec.timing.Latency; `token_times_s`: one completion's token times
+    (its latency and, unless given, its wall time follow from them)."""
+    if token_times_s is not None:
+      token_times_s = [float(t) for t in token_times_s]
+      latency = latency or timing.latency(token_times_s)
+      if wall_time_s is None:
+        wall_time_s = token_times_s[-1] if token_times_s else 0.0
     drafted_at_K = np.asarray(drafted_at_K)
     accepted_at_K = np.asarray(accepted_at_K)
     rates = [float(a / d) if d else 0.0 for a, d in zip(accepted_at_K, drafted_at_K)]
     num_accepted = int(accepted_at_K.sum())
+    lat = latency or timing.Latency(None, None, None, None)
     return cls(num_draft_tokens=int(drafted_at_K.sum()), num_accepted_tokens=num_accepted,
                acceptance_rate_per_position=rates,
                mean_acceptance_length=float((num_accepted + num_steps) / num_steps)
@@ -46,14 +69,20 @@ class RequestMetrics:
                wall_time_s=float(wall_time_s),
                tokens_per_second=float(num_generated / wall_time_s) if wall_time_s > 0 else 0.0,
                num_drafts_per_position=[int(x) for x in drafted_at_K],
-               num_accepted_per_position=[int(x) for x in accepted_at_K])
+               num_accepted_per_position=[int(x) for x in accepted_at_K],
+               ttft_s=lat.ttft_s, tpot_s=lat.tpot_s, itl_p50_s=lat.itl_p50_s,
+               itl_p99_s=lat.itl_p99_s, token_times_s=token_times_s)
 
   def summary(self) -> str:
     rates = " ".join(f"{r:.2f}" for r in self.acceptance_rate_per_position)
+    ms = lambda x: "-" if x is None else f"{1e3 * x:.1f}"
     return (f"{self.num_generated_tokens} tokens in {self.wall_time_s:.2f} s "
             f"({self.tokens_per_second:.1f} tok/s), {self.num_steps} steps, "
             f"mean acceptance length {self.mean_acceptance_length:.2f}"
-            + (f", acceptance per position [{rates}]" if rates else ""))
+            + (f", acceptance per position [{rates}]" if rates else "")
+            + (f", TTFT {ms(self.ttft_s)} ms, TPOT {ms(self.tpot_s)} ms, ITL p50 "
+               f"{ms(self.itl_p50_s)} / p99 {ms(self.itl_p99_s)} ms"
+               if self.ttft_s is not None else ""))
 
 
 @dataclasses.dataclass
@@ -131,8 +160,9 @@ class GenerateOutputs(list):
     return sum(d.iterations for d in self.dispatches)
 
 
-def aggregate(outputs: list[RequestOutput], k: int, wall_time_s: float) -> RequestMetrics:
-  """Totals over requests; rates are pooled counts (not a mean of per-request rates)."""
+def aggregate(outputs, k: int, wall_time_s: float) -> RequestMetrics:
+  """Totals over requests or completions (anything with `.metrics`); rates are pooled counts
+  (not a mean of per-request rates), latency pooled over the completions' token times."""
   drafted = np.zeros(k, np.int64)
   accepted = np.zeros(k, np.int64)
   for out in outputs:
@@ -140,7 +170,19 @@ def aggregate(outputs: list[RequestOutput], k: int, wall_time_s: float) -> Reque
     accepted += np.asarray(out.metrics.num_accepted_per_position, np.int64)
   steps = sum(out.metrics.num_steps for out in outputs)
   generated = sum(out.metrics.num_generated_tokens for out in outputs)
-  return RequestMetrics.from_counts(drafted, accepted, steps, generated, wall_time_s)
+  times = [t for t in _token_times(outputs) if t is not None]
+  return RequestMetrics.from_counts(drafted, accepted, steps, generated, wall_time_s,
+                                    latency=timing.pooled_latency(times) if times else None)
+
+
+def _token_times(outputs):
+  for out in outputs:
+    completions = getattr(out, "outputs", None)
+    if completions is None:
+      yield out.metrics.token_times_s
+    else:
+      for c in completions:
+        yield c.metrics.token_times_s if c.metrics is not None else None
 
 
 def position_logprobs(chosen_T, logprob_T, rank_T, top_ids_TX, top_logprobs_TX,

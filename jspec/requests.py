@@ -126,6 +126,7 @@ class FinishedCompletion:
   drafted_at_K: np.ndarray
   accepted_at_K: np.ndarray
   logprobs: tuple | None  # (logprob_T, rank_T, top_ids_TX, top_logprobs_TX) or None
+  emitted_at: np.ndarray | None = None  # each token's loop clock value (jspec.timing)
 
 
 class OutputCollector:
@@ -136,6 +137,7 @@ class OutputCollector:
     self.completions: list[dict[int, CompletionOutput]] = [{} for _ in plan.prompts]
     self.num_finished = 0
     self.num_tokens = 0
+    self._counts: dict[tuple[int, int], FinishedCompletion] = {}
 
   def add(self, done: FinishedCompletion):
     group = self.plan.groups[done.group]
@@ -147,34 +149,35 @@ class OutputCollector:
       logprobs = position_logprobs(done.token_ids, logprob_T, rank_T, top_ids_TX[:, :top],
                                    top_logprobs_TX[:, :top], self.decode)
       cumulative = float(np.sum(np.asarray(logprob_T, np.float64)))
-    metrics = RequestMetrics.from_counts(done.drafted_at_K[:self.k], done.accepted_at_K[:self.k],
-                                         done.num_steps, len(done.token_ids), 0.0)
     index = group.first_sample + done.member
     self.completions[group.request][index] = CompletionOutput(
         index=index, token_ids=done.token_ids, text=None, finish_reason=done.finish_reason,
-        logprobs=logprobs, cumulative_logprob=cumulative, metrics=metrics)
+        logprobs=logprobs, cumulative_logprob=cumulative)
+    self._counts[group.request, index] = done
     self.num_finished += 1
     self.num_tokens += len(done.token_ids)
 
-  def outputs(self, wall_time_s: float, prompt_logprobs=None) -> list[RequestOutput]:
+  def outputs(self, wall_time_s: float, prompt_logprobs=None, clock=None) -> list[RequestOutput]:
+    """In prompt order; `clock` (jspec.timing.Clock) times each completion's tokens, else
+    each completion counts the call's wall time."""
     results = []
     for i, prompt in enumerate(self.plan.prompts):
       found = self.completions[i]
       n = self.plan.params[i].n
       assert len(found) == n, f"request {i}: {len(found)} of {n} completions came back"
       completions = [found[j] for j in range(n)]
-      for c in completions:  # every completion ran for the whole call
-        c.metrics = _with_wall(c.metrics, wall_time_s)
+      for j, c in enumerate(completions):
+        done = self._counts[i, j]
+        times = (None if clock is None or done.emitted_at is None
+                 else clock.seconds(done.emitted_at))
+        c.metrics = RequestMetrics.from_counts(
+            done.drafted_at_K[:self.k], done.accepted_at_K[:self.k], done.num_steps,
+            len(done.token_ids), None if times is not None else wall_time_s,
+            token_times_s=times)
       metrics = (completions[0].metrics if n == 1 else
-                 aggregate(completions, self.k, wall_time_s))
+                 aggregate(completions, self.k, max(c.metrics.wall_time_s for c in completions)))
       results.append(RequestOutput(prompt_token_ids=list(prompt), outputs=completions,
                                    metrics=metrics,
                                    prompt_logprobs=None if prompt_logprobs is None
                                    else prompt_logprobs[i]))
     return results
-
-
-def _with_wall(metrics: RequestMetrics, wall_time_s: float) -> RequestMetrics:
-  return RequestMetrics.from_counts(metrics.num_drafts_per_position,
-                                    metrics.num_accepted_per_position, metrics.num_steps,
-                                    metrics.num_generated_tokens, wall_time_s)

@@ -1,37 +1,47 @@
 """Continuous batching inside the jitted loop: slots that take the next request when theirs ends.
 
 A call's requests wait on device in a `Queue` (bucketed arrays, jspec.requests builds them).
-The loop keeps `batch` slots; each iteration of its `lax.while_loop`:
+The loop keeps `batch` slots. Before it, `start_state` prefills the first requests that fit
+the slots as one batched prefill of their whole prompt bucket (a `Wave`), as a wave
+scheduler would: a call whose requests all fit pays nothing for being continuous. Then each
+*round* of the dispatch's `lax.while_loop`:
 
-  1. admit: each data-parallel shard's idle prefill lanes (`lanes` per shard: one for long
-     prompts, several for short ones) take the next waiting groups (the samples of one
-     request, jspec.requests) while it has a free slot for each sample;
+  1. admit (only when a slot is free and requests wait, or a prompt is in progress): each
+     data-parallel shard's idle prefill lanes (`lanes` per shard: one for long prompts,
+     several for short ones) take the next waiting groups (the samples of one request,
+     jspec.requests) while it has a free slot for each sample;
   2. prefill: each lane runs the next `prefill_chunk` tokens of its group's prompt through
      the target (and the drafter), on the group leader's caches gathered out of the batch;
      the updated rows are written back to every slot of the group, so n samples share one
      prefill. After the last chunk each slot samples its first token (its own seed) and runs;
-  3. decode: one draft -> verify -> accept step of every running slot (jspec.speculative.loop);
-  4. harvest: slots that finished are copied to the `Finished` rows and become free.
+  3. decode: draft -> verify -> accept steps of every running slot (jspec.speculative.loop):
+     one, then more in an inner loop for as long as nothing else is due (no prompt in
+     progress, no slot to refill): between refills a round is the wave scheduler's loop, one
+     step per iteration with no bookkeeping;
+  4. harvest (only when a slot finished): finished slots are copied to the `Finished` rows and
+     become free.
 
-The loop stops after `budget` iterations, when the Finished rows might not hold another
-batch, or when every request is done: a *dispatch*. The host then collects the finished
-rows and updates its progress while the next dispatch, already queued on the state it
-donated, runs (jspec.engine).
+The loop stops after `budget` steps, when the Finished rows might not hold another batch, or
+when every request is done: a *dispatch*. The host then collects the finished rows and
+updates its progress while the next dispatch, already queued on the state it donated, runs
+(jspec.continuous).
 
-Exactness: a slot's computation depends only on its own request. Prefill chunks start at
-position 0 of each prompt whatever the slot, keys come from (seed, position), and a slot's
-caches and drafter state are zeroed before its first chunk (recurrent state and drafter
-state reset on refill; a KV cache needs no reset, its stale slots are rewritten before they
-are read). Every shard runs the same program: a lane with nothing to prefill
-computes on padding and writes nothing back (an idle lane's rows point past the shard).
+Exactness: a slot's computation depends only on its own request. Prefill (batched or in
+chunks) starts at position 0 of each prompt whatever the slot, keys come from (seed,
+position), and a slot's caches and drafter state are zeroed before its first chunk (recurrent
+state and drafter state reset on refill; a KV cache needs no reset, its stale slots are
+rewritten before they are read). Every shard runs the same program: a lane with nothing to
+prefill computes on padding and writes nothing back (an idle lane's rows point past the shard).
 
-Slot phases: FREE -> PREFILL (admitted, prompt in progress) -> RUN -> FREE (harvested).
-A slot that is not running holds the placeholder length `cache_len - k - 1`, so the decode
-step's writes for it land past any prompt it holds (cache_len >= max_len + k + 1).
+Slot phases: FREE -> PREFILL (admitted, prompt in progress) -> RUN -> FREE (harvested); the
+batched prefill takes a slot from FREE to RUN at once. A slot that is not running holds the
+placeholder length `cache_len - k - 1`, so the decode step's writes for it land past any
+prompt it holds (cache_len >= max_len + k + 1).
 
 Shape letters: B slots, D data-parallel shards (dp x ep), b = B / D slots per shard,
-M samples per group, C prefill chunk, S cache slots, Q queue groups, N queued prompt tokens,
-O output tokens per slot, F finished rows, X logprob alternatives, K drafts.
+M samples per group, C prefill chunk, P batched-prefill prompt bucket, S cache slots, Q queue
+groups, N queued prompt tokens, O output tokens per slot, F finished rows, X logprob
+alternatives, K drafts.
 """
 
 from __future__ import annotations
@@ -45,7 +55,8 @@ from flax import struct
 from jspec.speculative import logprobs as logprob_lib
 from jspec.speculative import sampling
 from jspec.speculative.loop import (_TARGET_STREAM, LoopContext, LoopPlan, _choose, _is_stop,
-                                    _stream_keys, _target_forward, decode_step)
+                                    _stream_keys, _target_forward, decode_step,
+                                    prefill_with_logits)
 from jspec.speculative.drafters import make_drafter
 from jspec.speculative.drafters.base import take_rows
 from jspec.speculative.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState,
@@ -126,6 +137,7 @@ class Finished:
   group_F: jax.Array
   member_F: jax.Array
   tokens_FO: jax.Array
+  emitted_at_FO: jax.Array   # each token's clock value (DecodeState.emitted_at_BS)
   num_tokens_F: jax.Array
   finish_F: jax.Array
   num_steps_F: jax.Array
@@ -133,7 +145,9 @@ class Finished:
   accepted_at_FK: jax.Array
   logprobs: SlotLogprobs | None
   count: jax.Array
-  iterations: jax.Array      # loop iterations the dispatch ran
+  iterations: jax.Array      # decode steps (rounds) the dispatch ran
+  clock: jax.Array           # the loop's clock (DecodeState.step) when the dispatch ended
+  all_done: jax.Array        # no request left running or waiting: no further dispatch needed
 
   @classmethod
   def empty(cls, plan: BatchPlan) -> "Finished":
@@ -141,8 +155,9 @@ class Finished:
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
     logprobs = (None if plan.num_logprobs is None else
                 SlotLogprobs.zeros(f, o, plan.num_logprobs))
-    return cls(zeros(f), zeros(f), zeros(f, o), zeros(f), zeros(f), zeros(f), zeros(f, k),
-               zeros(f, k), logprobs, jnp.int32(0), jnp.int32(0))
+    return cls(zeros(f), zeros(f), zeros(f, o), zeros(f, o), zeros(f), zeros(f), zeros(f),
+               zeros(f, k), zeros(f, k), logprobs, jnp.int32(0), jnp.int32(0), jnp.int32(0),
+               jnp.zeros((), bool))
 
 
 # ---- rows of batch-first pytrees, per shard --------------------------------------------------
@@ -209,7 +224,7 @@ def init_state(target, drafter, queue: Queue, plan: BatchPlan, ctx: LoopContext)
       lengths_B=jnp.full((batch,), placeholder, jnp.int32),
       done_B=jnp.ones((batch,), bool), finish_B=jnp.zeros((batch,), jnp.int32),
       target_caches=caches, draft=draft, metrics=Metrics.zeros(batch, lp.k),
-      step=jnp.int32(0))
+      step=jnp.int32(0), emitted_at_BS=jnp.zeros((batch, lp.cache_len), jnp.int32))
   req = RequestInputs(temperature_B=jnp.zeros((batch,), jnp.float32),
                       top_k_B=jnp.zeros((batch,), jnp.int32),
                       top_p_B=jnp.ones((batch,), jnp.float32),
@@ -229,6 +244,64 @@ def init_state(target, drafter, queue: Queue, plan: BatchPlan, ctx: LoopContext)
                     prefill_group_L=minus(lanes), prefill_pos_L=jnp.zeros((lanes,), jnp.int32),
                     prefill_rows_LM=first_rows_LM, next_group=jnp.int32(0),
                     iteration=jnp.int32(0))
+
+
+@struct.dataclass
+class Wave:
+  """The first groups of a call, prefilled together before the loop: slot b takes queue group
+  `group_B[b]` (-1: none; groups 0 .. W-1, so the loop's admission resumes at group W) with
+  its prompt in row b of `tokens_BP`. Only for groups of one sample (n = 1)."""
+  tokens_BP: jax.Array
+  prompt_lens_B: jax.Array
+  group_B: jax.Array
+
+
+def start_state(target, draft_module, queue: Queue, wave: Wave | None, plan: BatchPlan,
+                ctx: LoopContext, wave_chunk: int) -> BatchState:
+  """The state a call's first dispatch starts from: every slot free (`wave` None), or the
+  wave's slots running, their prompts prefilled in one batched pass of `wave_chunk` tokens
+  at a time (jspec.speculative.loop.prefill), each with its first token sampled."""
+  lp = plan.loop
+  drafter = make_drafter(lp.method, target, draft_module, lp, ctx)
+  state = init_state(target, drafter, queue, plan, ctx)
+  if wave is None:
+    return state
+  assigned_B = wave.group_B >= 0
+  g_B = jnp.maximum(wave.group_B, 0)
+  def pick(new, old):
+    new, old = jnp.asarray(new), jnp.asarray(old)
+    return jnp.where(assigned_B.reshape(-1, *([1] * (max(new.ndim, old.ndim) - 1))), new, old)
+  r = state.req
+  req = RequestInputs(
+      temperature_B=pick(queue.temperature_Q[g_B], r.temperature_B),
+      top_k_B=pick(queue.top_k_Q[g_B], r.top_k_B), top_p_B=pick(queue.top_p_Q[g_B], r.top_p_B),
+      max_len_B=pick(queue.max_len_Q[g_B], r.max_len_B),  # 0 for a free slot: done at once
+      stop_ids_BX=pick(queue.stop_ids_QX[g_B], r.stop_ids_BX),
+      seeds_B=pick(queue.seeds_QM[g_B, 0], r.seeds_B))
+  dec, logits_BV = prefill_with_logits(
+      target, draft_module, wave.tokens_BP, wave.prompt_lens_B, req,
+      dataclasses.replace(lp, prefill_chunk=wave_chunk), ctx)
+  # The drafter's state must be laid out as the loop expects it, whatever the prompt bucket.
+  expected = jax.tree.map(lambda x: (x.shape, x.dtype), state.decode.draft)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), dec.draft) == expected, "drafter state"
+  placeholder = lp.cache_len - lp.k - 1
+  dec = dec.replace(lengths_B=pick(dec.lengths_B, placeholder),
+                    done_B=pick(dec.done_B, True),
+                    finish_B=pick(dec.finish_B, FINISH_NONE))
+  logprobs = state.logprobs
+  if logprobs is not None:
+    first_B = jnp.take_along_axis(dec.tokens_BS, wave.prompt_lens_B[:, None], axis=1)[:, 0]
+    first = logprob_lib.token_logprobs(logits_BV, first_B, plan.num_logprobs)
+    logprobs = SlotLogprobs(logprobs.logprob_BO.at[:, 0].set(first.logprob_N),
+                            logprobs.rank_BO.at[:, 0].set(first.rank_N),
+                            logprobs.top_ids_BOX.at[:, 0].set(first.top_ids_NX),
+                            logprobs.top_logprobs_BOX.at[:, 0].set(first.top_logprobs_NX))
+  return state.replace(
+      decode=dec, req=req, logprobs=logprobs,
+      phase_B=jnp.where(assigned_B, RUN, FREE).astype(jnp.int32),
+      group_B=jnp.where(assigned_B, g_B, -1),
+      prompt_len_B=jnp.where(assigned_B, wave.prompt_lens_B, 1),
+      next_group=jnp.sum(assigned_B).astype(jnp.int32))
 
 
 # ---- 1. admit --------------------------------------------------------------------------------
@@ -384,8 +457,12 @@ def prefill_chunk(target, drafter, state: BatchState, queue: Queue, plan: BatchP
                        jnp.where(prompt_len_N + 1 >= member_req.max_len_B, FINISH_LENGTH,
                                  FINISH_NONE))
   put = lambda tree, values: _put_rows(tree, rows_flat, values, final_N, shards, per_shard)
+  # The first token is out at the end of this round (the clock's next value).
+  member_emitted_NS = jnp.where(jnp.arange(slots)[None] == prompt_len_N[:, None], dec.step + 1,
+                                0)
   decode = dec.replace(
       tokens_BS=put(dec.tokens_BS, member_tokens_NS),
+      emitted_at_BS=put(dec.emitted_at_BS, member_emitted_NS),
       lengths_B=put(dec.lengths_B, prompt_len_N + 1),
       done_B=put(dec.done_B, finish_N != FINISH_NONE), finish_B=put(dec.finish_B, finish_N),
       target_caches=target_caches, draft=draft)
@@ -453,14 +530,16 @@ def harvest(state: BatchState, finished: Finished, plan: BatchPlan):
   dest_B = finished.count + jnp.cumsum(done_B.astype(jnp.int32)) - 1
   dest_B = jnp.where(done_B, dest_B, plan.finished_rows)  # out of range: dropped
   positions_BO = state.prompt_len_B[:, None] + jnp.arange(plan.out_len, dtype=jnp.int32)
-  tokens_BO = jnp.take_along_axis(dec.tokens_BS, jnp.minimum(positions_BO, lp.cache_len - 1),
-                                  axis=1)
+  positions_BO = jnp.minimum(positions_BO, lp.cache_len - 1)
+  tokens_BO = jnp.take_along_axis(dec.tokens_BS, positions_BO, axis=1)
+  emitted_at_BO = jnp.take_along_axis(dec.emitted_at_BS, positions_BO, axis=1)
   put = lambda buf, v: buf.at[dest_B].set(v.astype(buf.dtype), mode="drop")
   m = dec.metrics
   finished = finished.replace(
       group_F=put(finished.group_F, state.group_B),
       member_F=put(finished.member_F, state.member_B),
       tokens_FO=put(finished.tokens_FO, tokens_BO),
+      emitted_at_FO=put(finished.emitted_at_FO, emitted_at_BO),
       num_tokens_F=put(finished.num_tokens_F, dec.lengths_B - state.prompt_len_B),
       finish_F=put(finished.finish_F, dec.finish_B),
       num_steps_F=put(finished.num_steps_F, m.num_steps_B),
@@ -494,13 +573,52 @@ def has_work(state: BatchState, queue: Queue):
   return jnp.any(state.phase_B != FREE) | (state.next_group < queue.num_groups)
 
 
+def _waiting(state: BatchState, queue: Queue):
+  return state.next_group < queue.num_groups
+
+
+def admission_due(state: BatchState, queue: Queue):
+  """A prompt is in progress, or requests wait and a slot is free."""
+  return jnp.any(state.prefill_group_L >= 0) | (
+      _waiting(state, queue) & jnp.any(state.phase_B == FREE))
+
+
+def steps_may_continue(state: BatchState, queue: Queue):
+  """Nothing but decoding is due: no prompt in progress, and no slot that is (or has just
+  become) free while requests wait."""
+  refill = _waiting(state, queue) & jnp.any((state.phase_B == FREE) | state.decode.done_B
+                                            & (state.phase_B == RUN))
+  return ~jnp.any(state.prefill_group_L >= 0) & ~refill
+
+
 def dispatch(target, draft_module, state: BatchState, queue: Queue, budget, plan: BatchPlan,
              ctx: LoopContext):
-  """Iterations until `budget` of them ran, the Finished rows might not hold one more batch,
+  """Rounds until `budget` decode steps ran, the Finished rows might not hold one more batch,
   or every request is done: (state, Finished)."""
   drafter = make_drafter(plan.loop.method, target, draft_module, plan.loop, ctx)
   lp = plan.loop
   state = state.replace(iteration=jnp.int32(0))
+
+  def admit_and_prefill(s):
+    s = admit(s, queue, plan)
+    return run_if(jnp.any(s.prefill_group_L >= 0),
+                  lambda s: prefill_chunk(target, drafter, s, queue, plan, ctx), s)
+
+  def decode_steps(s):
+    # The first step whenever a slot runs; further ones while nothing else is due, so that
+    # between refills a step pays for nothing but itself (one loop condition, as the wave
+    # scheduler's loop). Not under lax.cond, for the reason run_if gives.
+    def cond(carry):
+      s, first = carry
+      return (jnp.any(~s.decode.done_B) & (s.iteration < budget)
+              & (first | steps_may_continue(s, queue)))
+
+    def body(carry):
+      s, _ = carry
+      s = decode(target, draft_module, s, plan, ctx)
+      return s.replace(iteration=s.iteration + 1), jnp.zeros((), bool)
+
+    return jax.lax.while_loop(cond, body, (s, jnp.ones((), bool)))[0]
 
   def cond(carry):
     s, f = carry
@@ -509,15 +627,16 @@ def dispatch(target, draft_module, state: BatchState, queue: Queue, budget, plan
 
   def body(carry):
     s, f = carry
-    s = admit(s, queue, plan)
-    s = run_if(jnp.any(s.prefill_group_L >= 0),
-               lambda s: prefill_chunk(target, drafter, s, queue, plan, ctx), s)
-    # Not under a cond either (see run_if). An iteration with no running slot (the first
-    # ones) steps every row as padding.
-    s = decode(target, draft_module, s, plan, ctx)
-    s, f = jax.lax.cond(jnp.any((s.phase_B == RUN) & s.decode.done_B),
-                        lambda sf: harvest(*sf, plan), lambda sf: sf, (s, f))
-    return s.replace(iteration=s.iteration + 1), f
+    begin = s.iteration
+    s = run_if(admission_due(s, queue), admit_and_prefill, s)
+    s = decode_steps(s)
+    # A round with no running slot (prompts only) still advances the clock and the budget.
+    idle = (s.iteration == begin).astype(jnp.int32)
+    s = s.replace(iteration=s.iteration + idle,
+                  decode=s.decode.replace(step=s.decode.step + idle))
+    return run_if(jnp.any((s.phase_B == RUN) & s.decode.done_B),
+                  lambda sf: harvest(*sf, plan), (s, f))
 
   state, finished = jax.lax.while_loop(cond, body, (state, Finished.empty(plan)))
-  return state, finished.replace(iterations=state.iteration)
+  return state, finished.replace(iterations=state.iteration, clock=state.decode.step,
+                                 all_done=~has_work(state, queue))

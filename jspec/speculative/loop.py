@@ -108,6 +108,12 @@ def prefill(target, draft_module, tokens_BP, prompt_lens_B, req: RequestInputs, 
             ctx: LoopContext) -> DecodeState:
   """Runs the prompts, samples each sequence's first token, fills the target's and the
   drafter's state."""
+  return prefill_with_logits(target, draft_module, tokens_BP, prompt_lens_B, req, plan, ctx)[0]
+
+
+def prefill_with_logits(target, draft_module, tokens_BP, prompt_lens_B, req: RequestInputs,
+                        plan: LoopPlan, ctx: LoopContext) -> tuple[DecodeState, jax.Array]:
+  """`prefill`, and the float32 logits [B, V] each first token was chosen from."""
   batch, prompt_bucket = tokens_BP.shape
   drafter = make_drafter(plan.method, target, draft_module, plan, ctx)
   positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
@@ -131,9 +137,11 @@ def prefill(target, draft_module, tokens_BP, prompt_lens_B, req: RequestInputs, 
   finish_B = jnp.where(stop_B, FINISH_STOP,
                        jnp.where(lengths_B >= req.max_len_B, FINISH_LENGTH, FINISH_NONE))
   draft = drafter.prefill(tokens_BP, prompt_lens_B, first_B, target_out)
-  return DecodeState(tokens_BS=tokens_BS, lengths_B=lengths_B, done_B=finish_B != FINISH_NONE,
-                     finish_B=finish_B, target_caches=caches, draft=draft,
-                     metrics=Metrics.zeros(batch, plan.k), step=jnp.int32(0))
+  state = DecodeState(tokens_BS=tokens_BS, lengths_B=lengths_B, done_B=finish_B != FINISH_NONE,
+                      finish_B=finish_B, target_caches=caches, draft=draft,
+                      metrics=Metrics.zeros(batch, plan.k), step=jnp.int32(0),
+                      emitted_at_BS=jnp.zeros((batch, plan.cache_len), jnp.int32))
+  return state, logits_BV
 
 
 def _draft_chooser(req: RequestInputs, lengths_B, plan: LoopPlan):
@@ -206,6 +214,7 @@ def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, pl
   # Slots past the new length hold garbage that is never read; a finished row writes there too.
   write_positions_BT = lengths_B[:, None] + offsets_T
   tokens_BS = state.tokens_BS.at[rows_B[:, None], write_positions_BT].set(out_tokens_BT)
+  emitted_at_BS = state.emitted_at_BS.at[rows_B[:, None], write_positions_BT].set(state.step + 1)
   new_lengths_B = jnp.where(running_B, lengths_B + num_emit_B, lengths_B)
   # A finished row keeps its caches as they were: none of its window is committed.
   target_caches = cache_lib.commit(window_caches, jnp.where(running_B, num_emit_B, 0))
@@ -234,7 +243,8 @@ def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, pl
   return DecodeState(tokens_BS=tokens_BS, lengths_B=new_lengths_B,
                      done_B=state.done_B | (running_B & any_end_B), finish_B=finish_B,
                      target_caches=target_caches, draft=draft, metrics=metrics,
-                     step=state.step + 1), StepOutputs(out_tokens_BT, num_emit_B, logprobs)
+                     step=state.step + 1, emitted_at_BS=emitted_at_BS), StepOutputs(
+                         out_tokens_BT, num_emit_B, logprobs)
 
 
 def decode_loop(target, draft_module, state: DecodeState, req: RequestInputs, plan: LoopPlan,

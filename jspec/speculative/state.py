@@ -56,4 +56,8 @@ class DecodeState:
   target_caches: tuple
   draft: "DraftState"  # jspec.speculative.drafters.base.DraftState
   metrics: Metrics
-  step: jax.Array
+  step: jax.Array              # the loop's clock: decode steps (rounds, under continuous batching)
+  # Per token position, the clock value after which the token there was available: 0 for a
+  # first token sampled by the batched prefill, step + 1 for a token emitted by step `step`.
+  # Read back with the tokens, it times each token (jspec.timing).
+  emitted_at_BS: jax.Array
