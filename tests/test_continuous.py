@@ -95,6 +95,53 @@ def test_waves_give_the_same_tokens():
   assert [o.token_ids for o in waves.generate(PROMPTS, _params())] == _alone()
 
 
+# ---- latency --------------------------------------------------------------------------------
+
+def _check_own_times(outs):
+  """Each request's metrics come from its own token times: monotone, first = TTFT, last =
+  its wall time, its rate over that; the call's from all of them."""
+  for o in outs:
+    m = o.metrics
+    times = np.asarray(m.token_times_s)
+    assert len(times) == len(o.token_ids)
+    assert times[0] > 0 and np.all(np.diff(times) >= 0)
+    assert m.ttft_s == times[0] and m.wall_time_s == times[-1]
+    assert m.tokens_per_second == pytest.approx(len(times) / times[-1])
+    if len(times) > 1:
+      assert m.tpot_s == pytest.approx((times[-1] - times[0]) / (len(times) - 1))
+    else:
+      assert m.tpot_s is None
+    # Tokens out in the same round form one chunk: gaps only between distinct times.
+    if len(np.unique(times)) > 1:
+      assert 0 < m.itl_p50_s <= m.itl_p99_s
+    else:
+      assert m.itl_p50_s is None and m.itl_p99_s is None
+    assert m.wall_time_s <= outs.metrics.wall_time_s
+  assert outs.metrics.ttft_s == pytest.approx(np.median([o.metrics.ttft_s for o in outs]))
+
+
+def test_each_request_reports_its_own_latency_and_waiting_for_a_slot_delays_its_first_token():
+  outs = _llm().generate(PROMPTS, _params())
+  _check_own_times(outs)
+  # Two slots: the queue starts with the two longest requests (longest max_tokens first),
+  # prefilled at once; the others wait for a slot.
+  order = np.argsort([-m for m in MAX_TOKENS], kind="stable")
+  first, waiting = order[:2], order[2:]
+  assert (min(outs[i].metrics.ttft_s for i in waiting)
+          > max(outs[i].metrics.ttft_s for i in first))
+  assert len({outs[i].metrics.ttft_s for i in first}) == 1  # one batched prefill
+
+
+def test_waves_report_each_request_latency_from_the_call_start():
+  outs = _llm(batching="waves", slots=4).generate(PROMPTS, _params())
+  _check_own_times(outs)
+  # Waves of 4 by prompt length: the second wave's requests start after the first's end.
+  order = np.argsort([len(p) for p in PROMPTS], kind="stable")
+  first, second = order[:4], order[4:]
+  assert (min(outs[i].metrics.ttft_s for i in second)
+          >= max(outs[i].metrics.wall_time_s for i in first))
+
+
 # ---- n ------------------------------------------------------------------------------------
 
 def test_n_samples_share_a_prompt_and_the_first_is_the_single_sample():

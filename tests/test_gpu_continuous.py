@@ -29,7 +29,7 @@ def test_dispatch_program_copies_no_cache_buffer(method):
 
   batcher = llm._runner.batcher
   (plan, _), = batcher._compiled.keys()
-  (_, dispatch_c), = batcher._compiled.values()
+  dispatch_c, = batcher._compiled.values()
   caches = jax.eval_shape(lambda: llm.target.init_caches(plan.loop.batch, plan.loop.cache_len,
                                                          llm.dtype))
   leaf_bytes = min(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(caches))
