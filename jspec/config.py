@@ -192,6 +192,8 @@ class ModelConfig:
       hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (ValueError, KeyError, json.JSONDecodeError) as err:
       raise ValueError(f"cannot read {model_dir}/config.json: {err}") from err
+    from jspec.models.quantization import refuse_quantized
+    refuse_quantized(hf_config, model_dir)
     config = cls.from_hf(hf_config)
     # generation_config.json may carry extra EOS ids (as Qwen3 instruct checkpoints do).
     gen_path = os.path.join(model_dir, "generation_config.json")

@@ -161,3 +161,20 @@ def test_mtp_requested_without_mtp_weights():
 def test_bad_dtype():
   with pytest.raises(ValueError, match="dtype='int8' is not supported"):
     jspec.LLM(model=fixture_dir(DENSE), dtype="int8")
+
+
+@pytest.mark.parametrize("quantization, match", [
+    ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+      "weight_block_size": [128, 128]}, "FP8 checkpoint.*128 x 128 block"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "quant_method 'awq'"),
+    ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
+])
+def test_quantized_checkpoint_is_refused_before_its_weights_are_read(tmp_path, quantization,
+                                                                      match):
+  out = _copy_fixture(tmp_path)
+  config = json.loads((out / "config.json").read_text())
+  config["quantization_config"] = quantization
+  (out / "config.json").write_text(json.dumps(config))
+  (out / "model.safetensors").write_bytes(b"not read")  # reading it would fail otherwise
+  with pytest.raises(ValueError, match=match):
+    _load(out)
