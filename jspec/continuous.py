@@ -1,15 +1,15 @@
 """Host side of continuous batching: one program per call's shapes, run as a few dispatches.
 
-A call compiles (once per shape: slots, cache slots, queue buckets, drafter, first-wave
-prompt bucket) a `start` program and a `dispatch` program (jspec.speculative.batching).
-`start` allocates the slots' state and prefills the first requests that fit the slots in one
-batched pass (the wave scheduler's prefill), so a call whose requests all fit runs as a wave
-would. `dispatch` runs the loop until its Finished rows fill, its step budget is spent or
-every request is done. The state is donated from one dispatch to the next and never leaves
-the device. A worker thread (DispatchChain) launches each dispatch as soon as the previous
-one returns, *before* the host reads that one's finished rows, so the device waits neither
-for the host's collecting, progress bar or output building nor for a hand-off between
-threads; it stops after the dispatch that reports every request done.
+A call compiles (once per shape: slots, cache slots, queue buckets, drafter, first-wave prompt
+bucket) a `start` program (jspec.speculative.batching) and a `dispatch` program
+(jspec.speculative.dispatch). `start` allocates the slots' state and prefills the first
+requests that fit the slots in one batched pass (the wave scheduler's prefill), so a call whose
+requests all fit runs as a wave would. `dispatch` runs the loop until its Finished rows fill,
+its step budget is spent or every request is done. The state is donated from one dispatch to
+the next and never leaves the device. A worker thread (DispatchChain) launches each dispatch as
+soon as the previous one returns, *before* the host reads that one's finished rows, so the
+device waits neither for the host's collecting, progress bar or output building nor for a hand-
+off between threads; it stops after the dispatch that reports every request done.
 
 The step budget: a call whose requests all fit the slots runs in one dispatch (no boundary)
 unless the rate of earlier calls says that would take over `LONG_CALL_SECONDS`; otherwise a
@@ -33,7 +33,7 @@ from jspec.outputs import RequestOutput, position_logprobs
 from jspec.progress import RequestProgress, stage
 from jspec.requests import FinishedCompletion, OutputCollector, plan_queue, queue_arrays
 from jspec.sharding.rules import to_host
-from jspec.speculative import batching, buckets
+from jspec.speculative import batching, buckets, dispatch
 from jspec.speculative.drafters import make_drafter
 from jspec.speculative.logprobs import prompt_logprobs_fn
 from jspec.speculative.loop import LoopPlan, merge_module
@@ -248,7 +248,7 @@ class ContinuousBatcher:
       if key not in self._compiled:
 
         def dispatch_fn(target_state, draft_state, state, queue, budget):
-          return batching.dispatch(nnx.merge(tgd, target_state), merge_module(dgd, draft_state),
+          return dispatch.dispatch(nnx.merge(tgd, target_state), merge_module(dgd, draft_state),
                                    state, queue, budget, plan, ctx)
 
         state_in = jax.tree.map(
