@@ -8,8 +8,8 @@ requests all fit runs as a wave would. `dispatch` runs the loop until its Finish
 its step budget is spent or every request is done. The state is donated from one dispatch to
 the next and never leaves the device. A worker thread (DispatchChain) launches each dispatch as
 soon as the previous one returns, *before* the host reads that one's finished rows, so the
-device waits neither for the host's collecting, progress bar or output building nor for a hand-
-off between threads; it stops after the dispatch that reports every request done.
+device waits neither for the host's collecting, progress bar or output building nor for a
+hand-off between threads; it stops after the dispatch that reports every request done.
 
 The step budget: a call whose requests all fit the slots runs in one dispatch (no boundary)
 unless the rate of earlier calls says that would take over `LONG_CALL_SECONDS`; otherwise a
