@@ -26,7 +26,7 @@ from jspec.models.mtp import MTPSpec
 from jspec.outputs import GenerateOutputs, aggregate
 from jspec.pallas_kernels import platform
 from jspec.progress import notice, stage
-from jspec.sharding.moe import needs_shard_map, sharded_experts
+from jspec.sharding.moe import EP_STRATEGIES, needs_shard_map, sharded_experts
 from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
 from jspec.sharding.rules import MeshConfig, ShardingRules, axis_size, global_array
 
@@ -85,6 +85,9 @@ class LLM:
     if projection_backend not in PROJECTION_BACKENDS:
       raise ValueError(f"projection_backend={projection_backend!r} is not supported; choose "
                        f"one of {PROJECTION_BACKENDS}")
+    if ep_strategy not in EP_STRATEGIES:  # checked on every mesh, not only where ep > 1
+      raise ValueError(f"ep_strategy={ep_strategy!r} is not supported; choose one of "
+                       f"{EP_STRATEGIES}")
     if recurrent_commit not in RECURRENT_COMMIT_MODES:
       raise ValueError(f"recurrent_commit={recurrent_commit!r} is not supported; choose one of "
                        f"{RECURRENT_COMMIT_MODES}")
@@ -325,6 +328,9 @@ class LLM:
                            "pass token ids instead")
         ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
       else:
+        not_ints = [t for t in prompt if not isinstance(t, (int, np.integer))]
+        if not_ints:
+          raise ValueError(f"prompt {i} has token ids that are not integers: {not_ints[:5]}")
         ids = [int(t) for t in prompt]
       if not ids:
         raise ValueError(f"prompt {i} is empty")

@@ -17,9 +17,18 @@ def _add_model_args(parser, model_required: bool):
                       help="auto | pallas | ragged_dot | dense | reference")
   parser.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"],
                       help="decode/verify attention: XLA, or the split-S Pallas kernel")
-  parser.add_argument("--dp", type=int, default=1)
-  parser.add_argument("--tp", type=int, default=1)
-  parser.add_argument("--ep", type=int, default=1)
+  parser.add_argument("--dp", type=int, default=1,
+                      help="data parallelism: sequences split over this many device groups")
+  parser.add_argument("--tp", type=int, default=1,
+                      help="tensor parallelism: heads and MLP columns split over this many "
+                           "devices")
+  parser.add_argument("--ep", type=int, default=1,
+                      help="expert parallelism (MoE models): experts split over this many "
+                           "devices")
+  parser.add_argument("--max-num-seqs", default="auto",
+                      type=lambda v: v if v == "auto" else int(v),
+                      help="sequences decoded at once (slots); 'auto': as many as the memory "
+                           "plan fits")
   parser.add_argument("--vocab-replicated", action="store_true",
                       help="keep the embedding and lm_head whole on every tp shard: one more "
                            "copy of them per GPU, no vocabulary collectives in the step "
@@ -59,19 +68,32 @@ def _build_llm(args, model_dir):
   return jspec.LLM(model=model_dir, mesh=mesh,
                    speculative_config=_spec_config(args), max_model_len=args.max_model_len,
                    dtype=args.dtype, moe_backend=args.moe_backend,
-                   attention_backend=args.attention_backend, sharding_rules=rules)
+                   attention_backend=args.attention_backend, sharding_rules=rules,
+                   max_num_seqs=args.max_num_seqs)
+
+
+def _token_ids(text: str, flag: str) -> list[int]:
+  """'1, 2 3' -> [1, 2, 3]."""
+  try:
+    return [int(t) for t in text.replace(",", " ").split()]
+  except ValueError:
+    raise ValueError(f"{flag} takes integer token ids separated by commas or spaces, got "
+                     f"{text!r}") from None
 
 
 def cmd_generate(args):
   import jspec
   from jspec.assets import demo_model_path
   # Everything the request says is checked before the model is loaded.
+  stop = None if args.stop_token_ids is None else _token_ids(args.stop_token_ids,
+                                                             "--stop-token-ids")
   params = jspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                max_tokens=args.max_tokens, seed=args.seed)
+                                max_tokens=args.max_tokens, seed=args.seed,
+                                stop_token_ids=stop, ignore_eos=args.ignore_eos)
   jspec.SpecConfig.parse(_spec_config(args))
   prompts = args.prompt
   if args.token_ids:
-    prompts = [[int(t) for t in p.replace(",", " ").split()] for p in prompts]
+    prompts = [_token_ids(p, "--prompt") for p in prompts]
   llm = _build_llm(args, args.model or demo_model_path())
   outs = llm.generate(prompts, params)  # one batch: repeated --prompt run together
   for i, result in enumerate(outs):
@@ -100,7 +122,9 @@ def cmd_bench(args):
 
 
 def main(argv=None):
+  from jspec import __version__
   parser = argparse.ArgumentParser(prog="jspec", description=__doc__)
+  parser.add_argument("--version", action="version", version=f"jspec {__version__}")
   sub = parser.add_subparsers(dest="command", required=True)
 
   gen = sub.add_parser("generate", help="generate from one or more prompts (one batch)")
@@ -112,9 +136,14 @@ def main(argv=None):
                    help="read --prompt as token ids (for checkpoints without a tokenizer)")
   gen.add_argument("--max-tokens", type=int, default=64)
   gen.add_argument("--temperature", type=float, default=0.0)
-  gen.add_argument("--top-k", type=int, default=0)
+  gen.add_argument("--top-k", type=int, default=0, help="0 or -1: no top-k")
   gen.add_argument("--top-p", type=float, default=1.0)
-  gen.add_argument("--seed", type=int, default=None)
+  gen.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: the same seed gives the same tokens in any batch")
+  gen.add_argument("--stop-token-ids", default=None, metavar="IDS",
+                   help="token ids that end a sequence besides EOS, e.g. '13,198'")
+  gen.add_argument("--ignore-eos", action="store_true",
+                   help="generate --max-tokens tokens even past EOS")
   gen.set_defaults(func=cmd_generate)
 
   demo = sub.add_parser("demo", help="the built-in model: text, acceptance and tokens/s")

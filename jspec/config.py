@@ -13,6 +13,7 @@ import os
 from typing import Any, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 
 SUPPORTED_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -207,7 +208,9 @@ class ModelConfig:
 
 
 SPEC_METHODS = ("mtp", "ngram", "draft_model", "eagle3")
-SEPARATE_DRAFT_METHODS = ("draft_model", "eagle3")  # drafters loaded from their own directory
+SEPARATE_DRAFT_METHODS = ("draft_model", "eagle3")
+# Drafts per step at most: vLLM's MTP / EAGLE recipes use 1-7, n-gram lookup up to ~10.
+MAX_SPECULATIVE_TOKENS = 16  # drafters loaded from their own directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,8 +231,10 @@ class SpecConfig:
       raise ValueError(f"speculative method {self.method!r} is not supported; "
                        f"choose one of {SPEC_METHODS}")
     k = self.num_speculative_tokens
-    if not isinstance(k, int) or k < 1:
-      raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1")
+    if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+      raise ValueError(f"num_speculative_tokens={k!r} must be an integer in [1, "
+                       f"{MAX_SPECULATIVE_TOKENS}]: each draft token adds a verify row to every "
+                       "step and a compiled shape, and acceptance falls with each one")
     if self.method in SEPARATE_DRAFT_METHODS and not self.model:
       raise ValueError(f"speculative method {self.method!r} needs 'model': the drafter's "
                        "checkpoint directory")
@@ -294,8 +299,19 @@ class SamplingParams:
       raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+    if self.top_k == -1 and isinstance(self.top_k, int):  # vLLM's spelling of "off"
+      object.__setattr__(self, "top_k", 0)
     if not (isinstance(self.top_k, int) and self.top_k >= 0):
-      raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables top-k)")
+      raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0, or 0 / -1 (vLLM's "
+                       "spelling) to disable top-k")
+    if self.stop_token_ids is not None:
+      ids = self.stop_token_ids
+      if (isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence)
+          or not all(isinstance(t, (int, np.integer)) and t >= 0 for t in ids)):
+        hint = f"; for one id write stop_token_ids=[{ids}]" if isinstance(ids, int) else ""
+        raise ValueError(f"stop_token_ids={ids!r} must be a list of token ids (integers >= 0)"
+                         + hint)
+      object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
     if self.seed is not None and not isinstance(self.seed, int):
       raise ValueError(f"seed={self.seed!r} must be an integer or None")
     if not (isinstance(self.n, int) and self.n >= 1):

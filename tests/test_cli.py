@@ -8,6 +8,7 @@ import pytest
 
 from drafter_checkpoints import eagle3_head, truncated_draft_model
 from helpers import fixture_dir
+import jspec
 from jspec import cli
 
 
@@ -81,6 +82,9 @@ def test_generate_with_a_drafter_from_its_own_directory(method, tmp_path, capsys
     (["generate", "--model", fixture_dir("qwen3_dense"), "--prompt", "hello"], "no tokenizer"),
     (["generate", "--prompt", "x", "--temperature", "-1"], "temperature=-1.0 must be >= 0"),
     (["generate", "--prompt", "x", "--spec", "ngram", "--k", "0"], "num_speculative_tokens=0"),
+    (["generate", "--prompt", "x", "--stop-token-ids", "1.5"],
+     "--stop-token-ids takes integer token ids"),
+    (["generate", "--prompt", "1 x", "--token-ids"], "--prompt takes integer token ids"),
 ])
 def test_bad_input_exits_2_with_the_reason(argv, message, capsys):
   assert cli.main(argv) == 2
@@ -118,3 +122,24 @@ def test_repeated_prompts_run_as_one_batch(capsys):
   out, err = capsys.readouterr()
   assert code == 0 and out.count("--- prompt") == 2
   assert "10 tokens" in err
+
+
+def test_version(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["--version"])
+  assert exit_info.value.code == 0
+  assert capsys.readouterr().out.strip() == f"jspec {jspec.__version__}"
+
+
+def test_stop_token_ids_and_ignore_eos_reach_the_request(capsys):
+  base = ["generate", "--model", fixture_dir("qwen3_dense"), "--prompt", "5 6 7", "--token-ids",
+          "--dtype", "float32", "--max-model-len", "64", "--max-tokens", "6", "--max-num-seqs",
+          "2"]
+  assert cli.main(base + ["--ignore-eos"]) == 0
+  free = eval(capsys.readouterr().out.strip().splitlines()[-1])
+  assert len(free) == 6
+  # Stopping on the second token ends the sequence there, with it (vLLM keeps stop ids).
+  assert cli.main(base + ["--ignore-eos", "--stop-token-ids", str(free[1])]) == 0
+  out, err = capsys.readouterr()
+  stopped = eval(out.strip().splitlines()[-1])
+  assert stopped == free[:free.index(free[1]) + 1] and "[finish: stop]" in err

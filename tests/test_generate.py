@@ -15,6 +15,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 7, 7, 7, 7, 7, 7, 7, 7], [100, 3, 44]]
     ([[]], "prompt 0 is empty"),
     ([[1, 2], [9999]], r"prompt 1 has token ids \[9999\] outside the vocabulary \[0, 448\)"),
     ([[-1]], "outside the vocabulary"),
+    ([[1.7, 2.2]], r"prompt 0 has token ids that are not integers: \[1.7, 2.2\]"),
     ([list(range(1, 65))], "prompt 0 has 64 tokens; max_model_len=64"),
     ([1, 2, 3], "wrap a single prompt in a list"),
 ])
@@ -30,11 +31,32 @@ def test_bad_prompts_raise_before_device_work(prompts, match):
     (dict(temperature=-0.5), "temperature=-0.5 must be >= 0"),
     (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
-    (dict(top_k=-1), "top_k=-1 must be an integer >= 0"),
+    (dict(top_k=-2), "top_k=-2 must be an integer >= 0"),
+    (dict(top_k=2.5), "top_k=2.5 must be an integer >= 0"),
+    (dict(stop_token_ids=5), r"stop_token_ids=5 must be a list of token ids.*\[5\]"),
+    (dict(stop_token_ids=[1.5]), r"stop_token_ids=\[1.5\] must be a list of token ids"),
+    (dict(stop_token_ids=[-1]), r"stop_token_ids=\[-1\] must be a list of token ids"),
+    (dict(stop_token_ids="7"), "stop_token_ids='7' must be a list of token ids"),
 ])
 def test_bad_sampling_params(kwargs, match):
   with pytest.raises(ValueError, match=match):
     jspec.SamplingParams(**kwargs)
+
+
+def test_sampling_params_take_vllm_spellings():
+  assert jspec.SamplingParams(top_k=-1).top_k == 0  # vLLM's "off"
+  assert jspec.SamplingParams(stop_token_ids=[3, np.int64(4)]).stop_token_ids == (3, 4)
+
+
+def test_too_many_speculative_tokens_are_refused_before_loading():
+  with pytest.raises(ValueError, match=r"num_speculative_tokens=100 must be an integer in \[1, 16\]"):
+    jspec.LLM(model="/nonexistent", speculative_config={"method": "ngram",
+                                                        "num_speculative_tokens": 100})
+
+
+def test_bad_ep_strategy_is_refused_on_any_mesh():
+  with pytest.raises(ValueError, match="ep_strategy='bogus' is not supported"):
+    jspec.LLM(model="/nonexistent", ep_strategy="bogus")
 
 
 def test_sampling_params_count_must_match_prompts():
