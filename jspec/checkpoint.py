@@ -37,10 +37,16 @@ def is_converted(model_dir: str) -> bool:
   return os.path.isdir(os.path.join(model_dir, PARAMS_DIR))
 
 
+def check_output_dir(out_dir: str):
+  """Refuses a directory that holds files (before any model is loaded, where callers can)."""
+  if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+    raise FileExistsError(f"output directory {out_dir!r} exists and is not empty: choose a new "
+                     "directory or empty this one")
+
+
 def save_converted(llm, out_dir: str):
   """Writes llm's parameters (target and MTP head) with orbax, plus config and tokenizer."""
-  if os.path.exists(out_dir) and os.listdir(out_dir):
-    raise FileExistsError(f"output directory {out_dir!r} exists and is not empty")
+  check_output_dir(out_dir)
   os.makedirs(out_dir, exist_ok=True)
   for name in _COPIED:
     src = os.path.join(llm.model_dir, name)

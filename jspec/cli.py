@@ -110,7 +110,8 @@ def cmd_demo(args):
 
 
 def cmd_convert(args):
-  from jspec.checkpoint import save_converted
+  from jspec.checkpoint import check_output_dir, save_converted
+  check_output_dir(args.out)  # before the model is loaded
   llm = _build_llm(args, args.model)
   save_converted(llm, args.out)
   print(f"wrote {args.out}")
@@ -186,7 +187,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   try:
     args.func(args)
-  except (ValueError, FileNotFoundError) as err:
+  except (ValueError, FileNotFoundError, FileExistsError) as err:
     print(f"jspec: error: {err}", file=sys.stderr)
     return 2
   return 0

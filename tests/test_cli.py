@@ -143,3 +143,12 @@ def test_stop_token_ids_and_ignore_eos_reach_the_request(capsys):
   out, err = capsys.readouterr()
   stopped = eval(out.strip().splitlines()[-1])
   assert stopped == free[:free.index(free[1]) + 1] and "[finish: stop]" in err
+
+
+def test_convert_onto_a_full_directory_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "keep.txt").write_text("x")
+  monkeypatch.setattr(cli, "_build_llm", lambda *a: pytest.fail("the model was loaded"))
+  assert cli.main(["convert", "--model", fixture_dir("qwen3_dense"), "--out",
+                   str(tmp_path / "out")]) == 2
+  assert "exists and is not empty" in capsys.readouterr().err
