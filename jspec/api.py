@@ -17,10 +17,11 @@ from jspec.config import (SEPARATE_DRAFT_METHODS, ModelConfig, SamplingParams, S
 from jspec.models.caches import RECURRENT_COMMIT_MODES
 from jspec.models.decode_attention import ATTENTION_BACKENDS, sharded_window_attention
 from jspec.models.gated_deltanet import GatedDeltaNet
-from jspec.models.layers import Attention
+from jspec.models.layers import MLP, Attention
 from jspec.models.drafts import check_draft_caches, check_draft_vocabulary, init_random_drafter
 from jspec.models.loading import init_random, load_checkpoint, load_eagle3
-from jspec.models.projections import PROJECTION_BACKENDS, sharded_projection, weights_replicated
+from jspec.models.projections import (PROJECTION_BACKENDS, sharded_fp8_projection,
+                                      sharded_projection, weights_replicated)
 from jspec.models.moe_backends import expert_tile, get_experts_fn, resolve_moe_backend
 from jspec.models.mtp import MTPSpec
 from jspec.outputs import GenerateOutputs, aggregate
@@ -216,6 +217,8 @@ class LLM:
     backend in effect: "auto" becomes "pallas" on Hopper where the weights are whole on every
     shard (the kernel then takes only the products XLA would strength-reduce), else "xla"."""
     forced = backend == "pallas"
+    if self.config.fp8_block is not None and backend != "xla":
+      self._use_fp8_projections()
     if backend == "auto":
       replicated = all(weights_replicated(self.mesh, r) for r in (self.rules, self.draft_rules))
       backend = "pallas" if platform.on_hopper() and replicated else "xla"
@@ -232,6 +235,20 @@ class LLM:
         if isinstance(node, Attention):
           node.projection = kernel
     return backend
+
+  def _use_fp8_projections(self):
+    """On a GPU, FP8 projections of steps with few rows go to the FP8 kernel where the mesh
+    keeps the weights whole on every shard; elsewhere they are scaled before XLA's dot."""
+    if not platform.on_gpu():
+      return
+    for module, rules in ((self.target, self.rules), (self.draft_module, self.draft_rules)):
+      if module is None or not weights_replicated(self.mesh, rules):
+        continue
+      kernel = sharded_fp8_projection(self.mesh, rules)
+      mlp_whole = axis_size(self.mesh, rules.mlp) == 1
+      for _, node in nnx.iter_graph(module):
+        if isinstance(node, Attention) or (isinstance(node, MLP) and mlp_whole):
+          node.fp8_projection = kernel
 
   def _restrict_draft_vocab(self, ids):
     vocab = self.config.vocab_size

@@ -100,6 +100,9 @@ class ModelConfig:
   weight_prefix: str = "model."
   # Token ids that stand for image / video content: refused in prompts (text-only).
   multimodal_token_ids: tuple[int, ...] = ()
+  # Fine-grained FP8 checkpoints (jspec.models.quantization): the (out, in) block size of the
+  # projections' float8_e4m3fn weights and their scales; None: unquantized.
+  fp8_block: tuple[int, int] | None = None
   # Not read from the checkpoint: how many copies of each KV head the cache holds. 1 unless
   # tensor parallelism is wider than num_kv_heads; then every tp shard keeps the one KV head
   # its query heads read (vLLM's rule), and this is tp / num_kv_heads (`for_kv_shards`).
@@ -193,9 +196,12 @@ class ModelConfig:
       hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (ValueError, KeyError, json.JSONDecodeError) as err:
       raise ValueError(f"cannot read {model_dir}/config.json: {err}") from err
-    from jspec.models.quantization import refuse_quantized
-    refuse_quantized(hf_config, model_dir)
+    from jspec.models.quantization import fp8_block_size, refuse_unsupported
+    block = fp8_block_size(hf_config, model_dir)
     config = cls.from_hf(hf_config)
+    if block is not None:
+      config = dataclasses.replace(config, fp8_block=block)
+      refuse_unsupported(config, model_dir)
     # generation_config.json may carry extra EOS ids (as Qwen3 instruct checkpoints do).
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gen_path):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jspec.models import quantization
 from jspec.models import rope as rope_lib
 from jspec.models.caches import KVCache
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
@@ -61,6 +62,43 @@ def ones_param(shape, dtype, logical_axes) -> nnx.Param:
 def zeros_param(shape, dtype, logical_axes) -> nnx.Param:
   # init_scale 0: random initialisation (loading.init_random) draws 0 * normal = 0.
   return nnx.Param(jnp.zeros(shape, dtype), logical_axes=logical_axes, init_scale=0.0)
+
+
+def linear(rngs: nnx.Rngs, shape, dtype, logical_axes, in_axes: int = 1,
+           fp8_block: tuple[int, int] | None = None, scale: float | None = None):
+  """(weight, block scale or None) of a projection whose first `in_axes` axes are its input.
+
+  Unquantized: a `param`. With `fp8_block` (an FP8 checkpoint, jspec.models.quantization): the
+  weight in float8_e4m3fn and its block scale in float32 over the same logical axes, the last
+  input and the last output axis counted in blocks (so a shard holds whole blocks)."""
+  weight = param(rngs, shape, dtype, logical_axes, scale=scale)
+  if fp8_block is None:
+    return weight, None
+  weight = nnx.Param(weight.get_value().astype(jnp.float8_e4m3fn), logical_axes=logical_axes,
+                     init_scale=weight.get_metadata()["init_scale"])
+  grid = quantization.scale_shape(shape, in_axes, fp8_block)
+  return weight, nnx.Param(jnp.ones(grid, jnp.float32), logical_axes=logical_axes,
+                           init_scale=None, fp8_in_axes=in_axes)
+
+
+def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_product=None):
+  """x times a projection weight over x's last and the weight's first `in_axes` axes: `spec`
+  (an einsum) under XLA, else `product` ((x [.., K], w [K, N]) -> [.., N], on free reshapes).
+  An FP8 weight (`scale` given) goes to `fp8_product` ((x, w8 [K, N], scale [K/b, N/b]) ->
+  [.., N]) where one is set, else is multiplied by its scale in float32 and cast to x's dtype
+  before XLA's dot (prefill: the cast weight is read once per call's many rows)."""
+  lead, k = x.shape[:-in_axes], math.prod(weight.shape[:in_axes])
+  if scale is not None:
+    if fp8_product is not None:
+      out = fp8_product(x.reshape(*lead, k), weight.reshape(k, -1),
+                        scale.reshape(math.prod(scale.shape[:in_axes]), -1))
+      return out.reshape(*lead, *weight.shape[in_axes:])
+    weight = (weight.astype(jnp.float32) * quantization.expand_scale(
+        scale, weight.shape, in_axes, jnp)).astype(x.dtype)
+  if product is None:
+    return jnp.einsum(spec, x, weight)
+  out = product(x.reshape(*lead, k), weight.reshape(k, -1))
+  return out.reshape(*lead, *weight.shape[in_axes:])
 
 
 def _normalized_f32(x, eps):
@@ -154,11 +192,15 @@ class Attention(nnx.Module):
     # which are split over tp like the query heads: each shard then holds its own group's head.
     self.kv_replicas = cfg.kv_head_replicas
     kv_axis = "kv_heads" if self.kv_replicas == 1 else None
+    block = cfg.fp8_block
     self._init_query(cfg, dtype, rngs)
-    self.k_proj = param(rngs, (d, k, h), dtype, ("embed", kv_axis, "head_dim"))
-    self.v_proj = param(rngs, (d, k, h), dtype, ("embed", kv_axis, "head_dim"))
-    self.o_proj = param(rngs, (n, h, d), dtype, ("q_heads", "head_dim", "embed"),
-                        scale=(n * h) ** -0.5)
+    self.k_proj, self.k_proj_scale = linear(rngs, (d, k, h), dtype,
+                                            ("embed", kv_axis, "head_dim"), 1, block)
+    self.v_proj, self.v_proj_scale = linear(rngs, (d, k, h), dtype,
+                                            ("embed", kv_axis, "head_dim"), 1, block)
+    self.o_proj, self.o_proj_scale = linear(rngs, (n, h, d), dtype,
+                                            ("q_heads", "head_dim", "embed"), 2, block,
+                                            scale=(n * h) ** -0.5)
     self.use_qk_norm = cfg.use_qk_norm
     if self.use_qk_norm:
       self.q_norm = self.norm_cls(h, cfg.rms_norm_eps, dtype, "head_dim")
@@ -185,28 +227,28 @@ class Attention(nnx.Module):
     # (q [B,T,N,H], new k, v [B,T,K,H], cache k, v [B,K,S,H], first position [B]) -> [B,T,N,H],
     # for steps of at most MAX_ROWS_PER_KV_HEAD query rows per KV head. None: XLA's attention.
     self.window_attention = None
-    # Optional product for the projections of steps with few rows (jspec.models.projections),
-    # set by the LLM: (x [B, T, K], w [K, N]) -> [B, T, N]. None: XLA's dot.
+    # Optional products for the projections of steps with few rows (jspec.models.projections),
+    # set by the LLM: (x [B, T, K], w [K, N]) -> [B, T, N], and its FP8 form with the block
+    # scale as a third argument. None: XLA's dot.
     self.projection = None
+    self.fp8_projection = None
 
-  def _dense(self, x, w, spec: str, contracted: int = 1):
-    """x @ w over x's last and w's first `contracted` axes: `spec` (an einsum) under XLA, else
-    the projection on the [.., K] and [K, N] views of x and w (free reshapes)."""
-    if self.projection is None:
-      return jnp.einsum(spec, x, w)
-    lead, k = x.shape[:-contracted], math.prod(w.shape[:contracted])
-    out = self.projection(x.reshape(*lead, k), w.reshape(k, -1))
-    return out.reshape(*lead, *w.shape[contracted:])
+  def _dense(self, x, name: str, spec: str, in_axes: int = 1):
+    """x times the projection `name` (and its FP8 block scale, if it has one): `project`."""
+    scale = getattr(self, name + "_scale")
+    return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
+                   in_axes, self.projection, self.fp8_projection)
 
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    self.q_proj = param(rngs, (d, n, h), dtype, ("embed", "q_heads", "head_dim"))
+    self.q_proj, self.q_proj_scale = linear(rngs, (d, n, h), dtype,
+                                            ("embed", "q_heads", "head_dim"), 1, cfg.fp8_block)
 
   def _project(self, x_BTD):
     """(queries [B,T,N,H], keys, values [B,T,K,H], output gate [B,T,N,H] or None)."""
-    q_BTNH = self._dense(x_BTD, self.q_proj[...], "btd,dnh->btnh")
-    k_BTKH = self._dense(x_BTD, self.k_proj[...], "btd,dkh->btkh")
-    v_BTKH = self._dense(x_BTD, self.v_proj[...], "btd,dkh->btkh")
+    q_BTNH = self._dense(x_BTD, "q_proj", "btd,dnh->btnh")
+    k_BTKH = self._dense(x_BTD, "k_proj", "btd,dkh->btkh")
+    v_BTKH = self._dense(x_BTD, "v_proj", "btd,dkh->btkh")
     if self.has_bias:
       q_BTNH, k_BTKH, v_BTKH = (q_BTNH + self.q_bias[...], k_BTKH + self.k_bias[...],
                                 v_BTKH + self.v_bias[...])
@@ -227,7 +269,7 @@ class Attention(nnx.Module):
     out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window)
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
-    out_BTD = self._dense(out_BTNH, self.o_proj[...], "btnh,nhd->btd", contracted=2)
+    out_BTD = self._dense(out_BTNH, "o_proj", "btnh,nhd->btd", in_axes=2)
     if self.has_o_bias:
       out_BTD = out_BTD + self.o_bias[...]
     return out_BTD, cache
@@ -279,12 +321,14 @@ class GatedAttention(Attention):
 
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    self.q_proj = param(rngs, (d, n, 2, h), dtype, ("embed", "q_heads", None, "head_dim"))
+    self.q_proj, self.q_proj_scale = linear(rngs, (d, n, 2, h), dtype,
+                                            ("embed", "q_heads", None, "head_dim"), 1,
+                                            cfg.fp8_block)
 
   def _project(self, x_BTD):
-    qg_BTNCH = self._dense(x_BTD, self.q_proj[...], "btd,dnch->btnch")
-    k_BTKH = self._dense(x_BTD, self.k_proj[...], "btd,dkh->btkh")
-    v_BTKH = self._dense(x_BTD, self.v_proj[...], "btd,dkh->btkh")
+    qg_BTNCH = self._dense(x_BTD, "q_proj", "btd,dnch->btnch")
+    k_BTKH = self._dense(x_BTD, "k_proj", "btd,dkh->btkh")
+    v_BTKH = self._dense(x_BTD, "v_proj", "btd,dkh->btkh")
     return qg_BTNCH[:, :, :, 0], k_BTKH, v_BTKH, qg_BTNCH[:, :, :, 1]
 
 
@@ -297,11 +341,21 @@ class MLP(nnx.Module):
   the gate and up columns of its own slice of F and needs no communication.
   """
 
-  def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
-    self.gate_up_proj = param(rngs, (hidden, 2, intermediate), dtype, ("embed", None, "mlp"))
-    self.down_proj = param(rngs, (intermediate, hidden), dtype, ("mlp", "embed"))
+  def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs,
+               fp8_block: tuple[int, int] | None = None):
+    self.gate_up_proj, self.gate_up_proj_scale = linear(
+        rngs, (hidden, 2, intermediate), dtype, ("embed", None, "mlp"), 1, fp8_block)
+    self.down_proj, self.down_proj_scale = linear(rngs, (intermediate, hidden), dtype,
+                                                  ("mlp", "embed"), 1, fp8_block)
+    # FP8 weights only: set by the LLM as Attention.fp8_projection.
+    self.fp8_projection = None
+
+  def _dense(self, x, name: str, spec: str):
+    scale = getattr(self, name + "_scale")
+    return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
+                   fp8_product=self.fp8_projection)
 
   def __call__(self, x_BTD):
-    gate_up_BTCF = jnp.einsum("btd,dcf->btcf", x_BTD, self.gate_up_proj[...])
+    gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf")
     act_BTF = jax.nn.silu(gate_up_BTCF[:, :, 0]) * gate_up_BTCF[:, :, 1]
-    return jnp.einsum("btf,fd->btd", act_BTF, self.down_proj[...])
+    return self._dense(act_BTF, "down_proj", "btf,fd->btd")

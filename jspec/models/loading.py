@@ -15,6 +15,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -29,6 +30,23 @@ from jspec.models.registry import family_of
 from jspec.progress import progress
 from jspec.sharding.plan import sharded_configs
 from jspec.sharding.rules import ShardingRules
+
+
+# safetensors' NumPy reader has no float8 type; these are read from the file's bytes.
+FLOAT8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _read_float8(path: str, name: str) -> np.ndarray:
+  """One float8 tensor of a safetensors file (8-byte header length, JSON header, data)."""
+  with open(path, "rb") as f:
+    header_len = int.from_bytes(f.read(8), "little")
+    entry = json.loads(f.read(header_len))[name]
+    begin, end = entry["data_offsets"]
+    f.seek(8 + header_len + begin)
+    data = f.read(end - begin)
+  if len(data) != end - begin:
+    raise OSError(f"tensor {name!r} ends past the end of the file")
+  return np.frombuffer(data, FLOAT8_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 class SafetensorsIndex:
@@ -70,6 +88,8 @@ class SafetensorsIndex:
     if path not in self._handles:
       self._handles[path] = safe_open(path, framework="numpy")
     try:
+      if self._handles[path].get_slice(name).get_dtype() in FLOAT8_DTYPES:
+        return _read_float8(path, name)
       return self._handles[path].get_tensor(name)
     except (SafetensorError, OSError) as err:
       raise ValueError(f"cannot read tensor {name!r} from {path} (truncated or corrupt?): "
@@ -119,7 +139,10 @@ def _validate_names(index: SafetensorsIndex, rules: dict, skipped: tuple[str, ..
   if unexpected:
     shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)"
                                          if len(unexpected) > 8 else "")
-    raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensors: {shown}")
+    hint = ("; the *.weight_scale_inv are FP8 block scales, which jspec reads where config.json "
+            "has an FP8 quantization_config and the weight's FP8 form is supported"
+            if any(n.endswith("weight_scale_inv") for n in unexpected) else "")
+    raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensors: {shown}{hint}")
 
 
 def _materialize(abstract_module, rules: dict, index: SafetensorsIndex, mesh: Mesh,
@@ -136,8 +159,18 @@ def _materialize(abstract_module, rules: dict, index: SafetensorsIndex, mesh: Me
       array = index.read(name)
       if tuple(array.shape) != hf_shape:
         raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {hf_shape}")
-      if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
+      target_dtype = variable.get_value().dtype
+      float8 = array.dtype.name.startswith("float8")
+      if not (np.issubdtype(array.dtype, np.floating) or float8
+              or array.dtype.name == "bfloat16"):
         raise ValueError(f"tensor {name!r} has dtype {array.dtype}, expected a float type")
+      if float8 != jnp.dtype(target_dtype).name.startswith("float8"):
+        # An FP8 weight read as a plain one would lose its block scales (wrong weights), and
+        # a plain one stored as FP8 would lose its precision.
+        expected = "an FP8 weight (float8 with block scales)" if not float8 else "an unquantized one"
+        raise ValueError(f"tensor {name!r} has dtype {array.dtype}; jspec expects {expected} "
+                         "there (the checkpoint's quantization_config and its tensors disagree, "
+                         "or this weight's FP8 form is not supported yet)")
       hf_arrays.append(array)
     # The module's own dtype for each parameter: `dtype`, except what it keeps in float32.
     host = rule.build(*hf_arrays).astype(variable.get_value().dtype)
@@ -176,24 +209,36 @@ def load_checkpoint(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh,
   duplicates = frozenset()
   if mtp_spec is not None:
     mtp_spec, duplicates = _shared_with_target(cfg, mtp_spec, index)
-  rules = family.target_rules(cfg, names)
-  mtp_rules = (W.mtp_rules(cfg, mtp_spec, family.decoder_rules(cfg, names)) if mtp_spec
-               else {})
-  _validate_names(index, {**rules, **{("mtp",) + p: r for p, r in mtp_rules.items()}},
-                  family.skipped_prefixes(cfg), duplicates)
-  if not load_mtp:
-    mtp_spec = None
-
   draft_rules = draft_rules or target_rules
   target_cfg, draft_cfg = sharded_configs(cfg, mesh, target_rules, draft_rules)
   abstract_target = nnx.eval_shape(lambda: family.model(target_cfg, dtype, nnx.Rngs(0)))
+  abstract_mtp = None if mtp_spec is None else nnx.eval_shape(
+      lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(0), family.model))
+  rules = _with_fp8_scales(abstract_target, family.target_rules(cfg, names), cfg.fp8_block)
+  mtp_rules = {} if mtp_spec is None else _with_fp8_scales(
+      abstract_mtp, W.mtp_rules(cfg, mtp_spec, family.decoder_rules(cfg, names)),
+      cfg.fp8_block)
+  _validate_names(index, {**rules, **{("mtp",) + p: r for p, r in mtp_rules.items()}},
+                  family.skipped_prefixes(cfg), duplicates)
   target = _materialize(abstract_target, rules, index, mesh, target_rules, dtype, "target")
   mtp = None
-  if mtp_spec is not None:
-    abstract_mtp = nnx.eval_shape(
-        lambda: MTPHead(draft_cfg, mtp_spec, dtype, nnx.Rngs(0), family.model))
+  if load_mtp and mtp_spec is not None:
     mtp = _materialize(abstract_mtp, mtp_rules, index, mesh, draft_rules, dtype, "MTP head")
-  return target, mtp, mtp_spec
+  return target, mtp, (mtp_spec if load_mtp else None)
+
+
+def _with_fp8_scales(abstract_module, rules: dict, block: tuple[int, int] | None) -> dict:
+  """`rules` and, for each FP8 block scale the module holds (jspec.models.layers.linear), the
+  rule that reads its weight's `weight_scale_inv` tensors (W.fp8_scale_rule)."""
+  if block is None:
+    return rules
+  scales = {}
+  for path, variable in nnx.to_flat_state(nnx.state(abstract_module)):
+    in_axes = variable.get_metadata().get("fp8_in_axes")
+    if in_axes is not None:
+      weight_path = path[:-1] + (path[-1].removesuffix("_scale"),)
+      scales[path] = W.fp8_scale_rule(rules[weight_path], block, in_axes)
+  return {**rules, **scales}
 
 
 def _shared_with_target(cfg: ModelConfig, spec: MTPSpec, index: SafetensorsIndex):

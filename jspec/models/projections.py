@@ -14,8 +14,10 @@ hidden size, "auto" keeps XLA's dot and "pallas" is refused.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jspec.sharding.rules import ShardingRules, axis_size
@@ -34,3 +36,24 @@ def sharded_projection(mesh: Mesh, rules: ShardingRules, always: bool):
   x = rules.spec(("batch", "seq", None))
   return jax.shard_map(functools.partial(project, always=always), mesh=mesh,
                        in_specs=(x, PartitionSpec()), out_specs=x, check_vma=False)
+
+
+def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules):
+  """(x [B, T, K], w8 [K, N], scale [K/128, N/128]) -> [B, T, N] per batch shard, the FP8
+  weight and its scale replicated: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows
+  with 128 x 128 blocks, else the weight multiplied by its scale before XLA's dot."""
+  from jspec.pallas_kernels import fp8_gemm
+  from jspec.models.quantization import expand_scale
+
+  def product(x_BTK, w8_KN, scale):
+    *lead, k = x_BTK.shape
+    rows, n = math.prod(lead), w8_KN.shape[1]
+    block = (k // scale.shape[0], n // scale.shape[1])
+    if fp8_gemm.fits_kernel(rows, k, n, block):
+      return fp8_gemm.fp8_matmul(x_BTK.reshape(rows, k), w8_KN, scale).reshape(*lead, n)
+    w_KN = (w8_KN.astype(jnp.float32) * expand_scale(scale, w8_KN.shape, 1, jnp))
+    return jnp.einsum("...k,kn->...n", x_BTK, w_KN.astype(x_BTK.dtype))
+
+  x = rules.spec(("batch", "seq", None))
+  return jax.shard_map(product, mesh=mesh, in_specs=(x, PartitionSpec(), PartitionSpec()),
+                       out_specs=x, check_vma=False)

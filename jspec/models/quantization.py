@@ -1,16 +1,20 @@
-"""Quantized checkpoints: what a config's `quantization_config` says, and the refusal of what
-jspec does not load, before any weight is read.
+"""Quantized checkpoints: what a config's `quantization_config` says, what jspec loads of it,
+and the refusal of the rest before any weight is read.
 
-jspec loads unquantized checkpoints (bfloat16, float16, float32). A quantized one would fail
-deep in loading (a float8 tensor, a `weight_scale_inv` nobody reads) or, worse, load scales as
-weights; its config says what it is, so the refusal comes first and names it.
+jspec loads unquantized checkpoints (bfloat16, float16, float32) and the fine-grained FP8
+layout of DeepSeek-V3 / R1 and the Qwen FP8 releases (`quant_method: "fp8"`, dynamic
+activation scheme, `weight_block_size` [out, in]): a projection's weight is float8_e4m3fn and
+its `weight_scale_inv` [ceil(out / block), ceil(in / block)] float32 holds, despite its name,
+the factor each block's values are multiplied by. jspec keeps both as they are (half the bytes
+of bf16) and multiplies by the scale inside the product (jspec.models.layers.project).
+So far the attention and dense MLP projections of decoder layers: a checkpoint whose experts,
+latent attention or linear attention are quantized is refused, naming what is missing.
 """
 
 from __future__ import annotations
 
-# The fine-grained FP8 layout (DeepSeek-V3 / R1, Qwen FP8 releases): e4m3 weights with one
-# float32 scale per block. Its product kernel exists (jspec.pallas_kernels.fp8_gemm); the
-# loading and the models' use of it do not yet.
+import numpy as np
+
 FP8_METHOD = "fp8"
 
 
@@ -22,18 +26,63 @@ def quantization_config(hf_config) -> dict | None:
   return qc if isinstance(qc, dict) else qc.to_dict()
 
 
-def refuse_quantized(hf_config, model_dir: str) -> None:
+def fp8_block_size(hf_config, model_dir: str) -> tuple[int, int] | None:
+  """The (out, in) block of a fine-grained FP8 checkpoint, None for an unquantized one; any
+  other quantization is refused."""
   qc = quantization_config(hf_config)
   if not qc:
-    return
+    return None
   method = qc.get("quant_method", "<none given>")
-  if method == FP8_METHOD:
-    blocks = qc.get("weight_block_size")
-    layout = (f"float8 weights with a scale per {blocks[0]} x {blocks[1]} block" if blocks
-              else "float8 weights with per-tensor scales")
+  if method != FP8_METHOD:
     raise ValueError(
-        f"{model_dir} is an FP8 checkpoint (quant_method 'fp8': {layout}); jspec does not "
-        "load FP8 weights yet. A bfloat16 copy of the same model loads.")
-  raise ValueError(
-      f"{model_dir} is quantized with quant_method {method!r}, which jspec does not load; it "
-      "loads unquantized checkpoints (bfloat16, float16, float32).")
+        f"{model_dir} is quantized with quant_method {method!r}, which jspec does not load; it "
+        "loads unquantized checkpoints (bfloat16, float16, float32) and fine-grained FP8 "
+        "(quant_method 'fp8' with weight_block_size).")
+  blocks = qc.get("weight_block_size")
+  if not blocks:
+    raise ValueError(f"{model_dir} is an FP8 checkpoint with per-tensor scales (no "
+                     "weight_block_size); jspec loads the fine-grained layout only (a scale "
+                     "per block, as DeepSeek-V3 and the Qwen FP8 releases)")
+  if qc.get("activation_scheme", "dynamic") != "dynamic":
+    raise ValueError(f"{model_dir}: FP8 activation_scheme {qc['activation_scheme']!r} is not "
+                     "supported; jspec loads the 'dynamic' scheme (weights quantized only)")
+  if qc.get("modules_to_convert"):
+    raise ValueError(f"{model_dir}: FP8 'modules_to_convert' is not supported")
+  return int(blocks[0]), int(blocks[1])
+
+
+def refuse_unsupported(cfg, model_dir: str) -> None:
+  """What jspec's FP8 layout covers: attention (GQA) and dense MLP projections whose head
+  dim, hidden and intermediate sizes are whole blocks."""
+  out_block, in_block = cfg.fp8_block
+  missing = [what for what, present in (
+      ("MoE experts", cfg.is_moe), ("multi-head latent attention", cfg.kv_lora_rank > 0),
+      ("linear attention", "linear_attention" in cfg.layer_types)) if present]
+  if missing:
+    raise ValueError(f"{model_dir} is an FP8 checkpoint of a model with {', '.join(missing)}: "
+                     "jspec's FP8 loading covers attention and dense MLP projections so far")
+  sizes = {"head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size,
+           "intermediate_size": cfg.intermediate_size}
+  off = {name: size for name, size in sizes.items()
+         if size % out_block or size % in_block}
+  if off:
+    raise ValueError(f"{model_dir}: FP8 blocks of {out_block} x {in_block} do not tile {off}; "
+                     "jspec needs whole blocks along every projection axis")
+
+
+def expand_scale(scale, shape, in_axes: int, xp=np):
+  """A block scale [..in blocks.., ..out blocks..] (the weight's own axes, the last input and
+  the last output axis counted in blocks) repeated to the weight's `shape`."""
+  last_in, last_out = in_axes - 1, len(shape) - 1
+  scale = xp.repeat(scale, shape[last_in] // scale.shape[last_in], axis=last_in)
+  return xp.repeat(scale, shape[last_out] // scale.shape[last_out], axis=last_out)
+
+
+def scale_shape(shape, in_axes: int, block: tuple[int, int]) -> tuple[int, ...]:
+  """The block grid of a weight of jspec's `shape` whose first `in_axes` axes are its input:
+  the last input axis over the input block, the last axis over the output block."""
+  out_block, in_block = block
+  grid = list(shape)
+  grid[in_axes - 1] //= in_block
+  grid[-1] //= out_block
+  return tuple(grid)

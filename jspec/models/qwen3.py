@@ -31,7 +31,7 @@ class DecoderLayer(nnx.Module):
     if is_moe:
       self.mlp = MoE(cfg, dtype, rngs)
     else:
-      self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+      self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs, cfg.fp8_block)
 
   def __call__(self, x_BTD, positions_BT, cache: KVCache, kv_window: int,
                experts_fn: Callable, valid_BT=None):

@@ -29,6 +29,28 @@ class TensorRule:
   split: Callable[[np.ndarray], list[np.ndarray]] | None = None
 
 
+def fp8_scale_rule(weight: TensorRule, block: tuple[int, int], in_axes: int) -> TensorRule:
+  """The block scales of an FP8 weight read by `weight`: each `{name}_scale_inv` [ceil(out /
+  b_out), ceil(in / b_in)] repeated to the weight's [out, in], laid out by the weight's own
+  rule, then one value per block kept (the weight's last input and last output axis step by
+  their block). Any layout the weight rule makes (transpose, head split, gate/up stack) so
+  carries over to the scales."""
+  out_block, in_block = block
+  names = tuple(name.removesuffix("weight") + "weight_scale_inv" for name in weight.names)
+  hf_shapes = tuple((-(-out // out_block), -(-in_ // in_block)) for out, in_ in weight.hf_shapes)
+
+  def build(*scales):
+    full = [np.repeat(np.repeat(s.astype(np.float32), out_block, 0), in_block, 1)[:out, :in_]
+            for s, (out, in_) in zip(scales, weight.hf_shapes)]
+    laid_out = weight.build(*full)
+    index = [slice(None)] * laid_out.ndim
+    index[in_axes - 1] = slice(None, None, in_block)
+    index[-1] = slice(None, None, out_block)
+    return np.ascontiguousarray(laid_out[tuple(index)])
+
+  return TensorRule(names, hf_shapes, build)
+
+
 def _copy(shape):
   return lambda a: a.reshape(shape)
 

@@ -29,6 +29,11 @@ def validate_mesh(cfg: ModelConfig, mesh: MeshConfig):
     if cfg.shared_expert_intermediate_size:
       checks.append(("tp", mesh.tp, "shared_expert_intermediate_size",
                      cfg.shared_expert_intermediate_size))
+  if cfg.fp8_block is not None:
+    # The MLP's FP8 scales are split over tp like its columns: a shard holds whole blocks.
+    out_block, in_block = cfg.fp8_block
+    checks.append(("tp", mesh.tp, f"intermediate_size / FP8 block {max(cfg.fp8_block)}",
+                   cfg.intermediate_size // max(out_block, in_block)))
   if "linear_attention" in cfg.layer_types:
     # Linear-attention heads are split by key head; each key head's value heads go with it.
     checks.append(("tp", mesh.tp, "linear_num_key_heads", cfg.linear_num_key_heads))

@@ -1,0 +1,104 @@
+"""FP8 weights against bf16 end to end: the same preset shapes with random weights in bfloat16
+and in the fine-grained FP8 layout (e4m3 projections with 128 x 128 block scales,
+jspec.models.quantization), through the default `generate`.
+
+    python benchmarks/fp8_decode.py --model qwen3-8b --batch 1 8
+
+Per precision: the weights' bytes on the device, then per batch size the end-to-end tokens/s
+(prompt --prompt-len, --max-tokens new tokens, greedy, ignore_eos; the median of --repeats
+calls after a warm-up), the decode step (TPOT: time per output token after the first) and a
+prefill of --prefill-len tokens (time to first token of one such prompt). First, the FP8
+model's logits through the FP8 kernel against the same weights scaled before XLA's dot. Random weights:
+step costs only (the tokens of the two precisions differ, as their weights do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+import jspec
+from jspec.bench.presets import PRESETS
+
+BLOCK = (128, 128)
+
+
+def weight_bytes(llm) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.target)))
+
+
+def median_call(llm, prompts, max_tokens: int, repeats: int):
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+  llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiles
+  metrics = [llm.generate(prompts, params, use_tqdm=False).metrics for _ in range(repeats)]
+  middle = statistics.median(m.wall_time_s for m in metrics)
+  return min(metrics, key=lambda m: abs(m.wall_time_s - middle))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default="qwen3-8b", choices=sorted(PRESETS))
+  parser.add_argument("--layers", type=int, default=0, help="override the preset's layers")
+  parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+  parser.add_argument("--prompt-len", type=int, default=512)
+  parser.add_argument("--max-tokens", type=int, default=128)
+  parser.add_argument("--prefill-len", type=int, default=4096)
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args()
+  base = PRESETS[args.model]
+  if args.layers:
+    base = dataclasses.replace(base, num_layers=args.layers)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, base.vocab_size, args.prompt_len).tolist()
+             for _ in range(max(args.batch))]
+  long_prompt = [rng.integers(0, base.vocab_size, args.prefill_len).tolist()]
+  max_len = max(args.prompt_len + args.max_tokens, args.prefill_len + 1) + 16
+  rows = []
+  for precision in ("bf16", "fp8"):
+    cfg = dataclasses.replace(base, fp8_block=BLOCK if precision == "fp8" else None)
+    llm = jspec.LLM.from_random(cfg, None, max_model_len=max_len,
+                                max_num_seqs=max(args.batch))
+    size = weight_bytes(llm)
+    if precision == "fp8":  # the FP8 kernel's logits against the scaled weights' under XLA
+      xla = jspec.LLM.from_random(cfg, None, max_model_len=max_len, max_num_seqs=1,
+                                  projection_backend="xla")
+      want = xla.compute_logits(prompts[:1])[0][-8:]
+      got = llm.compute_logits(prompts[:1])[0][-8:]
+      print(f"fp8 kernel vs XLA logits: max |diff| / max |logit| = "
+            f"{np.abs(got - want).max() / np.abs(want).max():.2e}, same argmax "
+            f"{(got.argmax(-1) == want.argmax(-1)).mean():.2f}", flush=True)
+      del xla
+    prefill = median_call(llm, long_prompt, 1, args.repeats)
+    for batch in args.batch:
+      m = median_call(llm, prompts[:batch], args.max_tokens, args.repeats)
+      rows.append(dict(precision=precision, batch=batch, weight_gb=size / 1e9,
+                       tokens_per_second=m.tokens_per_second, tpot_ms=1e3 * m.tpot_s,
+                       prefill_ms=1e3 * prefill.ttft_s))
+      print(rows[-1], flush=True)
+    del llm
+    gc.collect()
+
+  print(f"\n{jax.devices()[0].device_kind}, {args.model}"
+        f"{f' ({args.layers} layers)' if args.layers else ''}: prompt {args.prompt_len}, "
+        f"{args.max_tokens} tokens; prefill {args.prefill_len} tokens")
+  print(f"{'precision':9s} {'weights GB':>10s} {'batch':>5s} {'tok/s':>9s} {'TPOT ms':>8s} "
+        f"{'vs bf16':>8s} {'prefill ms':>10s} {'vs bf16':>8s}")
+  bf16 = {r["batch"]: r for r in rows if r["precision"] == "bf16"}
+  for r in rows:
+    ref = bf16[r["batch"]]
+    print(f"{r['precision']:9s} {r['weight_gb']:10.2f} {r['batch']:5d} "
+          f"{r['tokens_per_second']:9.1f} {r['tpot_ms']:8.3f} "
+          f"{r['tpot_ms'] / ref['tpot_ms']:7.3f}x {r['prefill_ms']:10.1f} "
+          f"{r['prefill_ms'] / ref['prefill_ms']:7.3f}x")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
