@@ -45,23 +45,20 @@ def _is_projection(name: str) -> bool:
   return name.endswith(tuple(f"{p}.weight" for p in PROJECTIONS))
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-  """(FP8 directory, its dequantized twin) from the qwen3_dense fixture (with its MTP head)."""
-  root = tmp_path_factory.mktemp("fp8")
+def _write_checkpoints(root, name: str):
+  """(FP8 directory, its dequantized twin) from the fixture `name`."""
   fp8_dir, plain_dir = root / "fp8", root / "dequantized"
-  shutil.copytree(fixture_dir("qwen3_dense"), fp8_dir)
-  shutil.copytree(fixture_dir("qwen3_dense"), plain_dir)
+  shutil.copytree(fixture_dir(name), fp8_dir)
+  shutil.copytree(fixture_dir(name), plain_dir)
   tensors = load_file(str(fp8_dir / "model.safetensors"))
   fp8, plain = {}, {}
-  for name, value in tensors.items():
-    if _is_projection(name):
+  for tensor_name, value in tensors.items():
+    if _is_projection(tensor_name):
       w8, scale = _quantize(value)
-      fp8[name], fp8[name + "_scale_inv"] = w8, scale
-      plain[name] = _dequantize(w8, scale)
+      fp8[tensor_name], fp8[tensor_name + "_scale_inv"] = w8, scale
+      plain[tensor_name] = _dequantize(w8, scale)
     else:
-      fp8[name] = plain[name] = value
-  assert sum(_is_projection(n) for n in tensors) == 7 * 4  # 3 layers + the MTP layer
+      fp8[tensor_name] = plain[tensor_name] = value
   save_file(fp8, str(fp8_dir / "model.safetensors"))
   save_file(plain, str(plain_dir / "model.safetensors"))
   config = json.loads((fp8_dir / "config.json").read_text())
@@ -69,7 +66,16 @@ def checkpoints(tmp_path_factory):
                                    "activation_scheme": "dynamic",
                                    "weight_block_size": list(BLOCK)}
   (fp8_dir / "config.json").write_text(json.dumps(config))
-  return str(fp8_dir), str(plain_dir)
+  return str(fp8_dir), str(plain_dir), sum(_is_projection(n) for n in tensors)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """The qwen3_dense fixture (with its MTP head) in FP8, and dequantized."""
+  fp8_dir, plain_dir, quantized = _write_checkpoints(tmp_path_factory.mktemp("fp8"),
+                                                     "qwen3_dense")
+  assert quantized == 7 * 4  # 3 layers + the MTP layer
+  return fp8_dir, plain_dir
 
 
 def _llm(model_dir, **kwargs):
@@ -87,6 +93,14 @@ def test_fp8_weights_stay_fp8_and_give_the_dequantized_logits(checkpoints):
   for got, want in zip(fp8.compute_logits(PROMPTS), plain.compute_logits(PROMPTS)):
     # The same float32 weights (e4m3 x scale is exact in float32), multiplied in a fused
     # program instead of read: equal up to float32 summation order.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_fp8_llama_gives_the_dequantized_logits(tmp_path):
+  fp8_dir, plain_dir, quantized = _write_checkpoints(tmp_path, "llama3")
+  assert quantized == 7 * 2
+  for got, want in zip(_llm(fp8_dir).compute_logits(PROMPTS),
+                       _llm(plain_dir).compute_logits(PROMPTS)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 

@@ -12,8 +12,8 @@ product per 128-row block of K reaches at best the bf16 time.
 
 Status: correct (tests/test_fp8_gemm.py, interpret mode and H200) but not yet at its ceiling:
 on an H200 it reads e4m3 at 1.0-1.6 TB/s, so it takes about the bf16 product's time (0.9-1.4x)
-where the bytes say 0.5x (BENCHMARKS.md, "FP8 block-scaled products"). Models do not use it
-yet.
+where the bytes say 0.5x (BENCHMARKS.md, "FP8 block-scaled products"). FP8 checkpoints'
+projections use it in steps of up to 64 rows on a GPU (jspec.models.projections).
 
 How: Pallas on Triton. Program (n, s) owns the 128 output columns n and the s-th of S slices
 of K; it walks its slice a 128 x 128 block at a time: load the e4m3 block, widen it to bf16 in
