@@ -13,7 +13,7 @@ from flax import nnx
 from jspec import engine
 from jspec.checkpoint import is_converted, restore_converted
 from jspec.config import (SEPARATE_DRAFT_METHODS, ModelConfig, SamplingParams, SpecConfig,
-                          resolve_dtype)
+                          checkpoint_dtype, resolve_dtype)
 from jspec.models.caches import RECURRENT_COMMIT_MODES
 from jspec.models.decode_attention import ATTENTION_BACKENDS, sharded_window_attention
 from jspec.models.gated_deltanet import GatedDeltaNet
@@ -78,7 +78,7 @@ class LLM:
                recurrent_commit: str = "store", sharding_rules: ShardingRules | None = None,
                batching: str = "continuous", projection_backend: str = "auto",
                _modules=None, _draft=None):
-    self.dtype = resolve_dtype(dtype)
+    self.dtype = resolve_dtype(checkpoint_dtype(model) if dtype == "auto" else dtype)
     if attention_backend not in ATTENTION_BACKENDS:
       raise ValueError(f"attention_backend={attention_backend!r} is not supported; choose one "
                        f"of {ATTENTION_BACKENDS}")
@@ -312,6 +312,7 @@ class LLM:
                                  expert_tile=expert_tile(kwargs.get("moe_backend", "auto")))
     validate_mesh(config, mesh_config)
     with stage("initialising random weights"):
+      dtype = "bfloat16" if dtype == "auto" else dtype
       target, mtp = init_random(config, mtp_spec, resolve_dtype(dtype),
                                 mesh_config.make_mesh(), rules, draft_rules, seed)
       draft = None
@@ -412,6 +413,31 @@ class LLM:
     return GenerateOutputs(outputs, aggregate(outputs, k, result.wall_time_s),
                            host_seconds_per_dispatch=result.host_seconds_per_dispatch,
                            dispatches=result.dispatches)
+
+  def chat(self, messages, sampling_params=None, use_tqdm=True, chat_template: str | None = None,
+           add_generation_prompt: bool = True) -> GenerateOutputs:
+    """Generates replies to conversations, as vLLM's `LLM.chat`: `messages` is one
+    conversation (a list of {"role", "content"} dicts) or a list of them; each is rendered by
+    the tokenizer's chat template (or `chat_template`, a Jinja string) and generated as a text
+    prompt."""
+    if self.tokenizer is None:
+      raise ValueError(f"chat needs a tokenizer, and {self.model_dir!r} has no tokenizer files")
+    if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+      raise ValueError(f"the tokenizer of {self.model_dir!r} has no chat template; pass "
+                       "chat_template= (a Jinja string) or generate from text prompts")
+    single = (isinstance(messages, Sequence) and bool(messages)
+              and isinstance(messages[0], dict))
+    conversations = [messages] if single else list(messages)
+    for i, conversation in enumerate(conversations):
+      if not conversation or not all(isinstance(m, dict) and {"role", "content"} <= set(m)
+                                     for m in conversation):
+        raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} "
+                         "dicts")
+    prompts = [self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  chat_template=chat_template,
+                                                  add_generation_prompt=add_generation_prompt)
+               for conversation in conversations]
+    return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
   def compute_logits(self, token_id_lists) -> list[np.ndarray]:
     """The target's float32 logits [len, vocab] for each sequence (one forward, no sampling)."""

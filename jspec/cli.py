@@ -10,7 +10,8 @@ def _add_model_args(parser, model_required: bool):
   parser.add_argument("--model", required=model_required, default=None,
                       help="local Hugging Face checkpoint directory"
                       + ("" if model_required else " (default: the built-in demo model)"))
-  parser.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16")
+  parser.add_argument("--dtype", default="auto",
+                      help="auto (the checkpoint's own) | float32 | bfloat16 | float16")
   parser.add_argument("--max-model-len", type=int, default=None,
                       help="default: the model's max_position_embeddings, at most 4096")
   parser.add_argument("--moe-backend", default="auto",

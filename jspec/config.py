@@ -18,6 +18,25 @@ import numpy as np
 SUPPORTED_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+def checkpoint_dtype(model_dir: str | None) -> str:
+  """What dtype="auto" means (vLLM's spelling): the checkpoint's own `dtype` (`torch_dtype`
+  before transformers 5) from config.json; bfloat16 for an FP8 checkpoint (its activations and
+  unquantized weights), for a model without config.json, or where the config names none.
+  Unlike vLLM, a float32 checkpoint stays float32 (vLLM's "auto" runs it in float16)."""
+  path = None if model_dir is None else os.path.join(model_dir, "config.json")
+  if path is None or not os.path.isfile(path):
+    return "bfloat16"
+  try:
+    with open(path) as f:
+      raw = json.load(f)
+  except (OSError, json.JSONDecodeError) as err:
+    raise ValueError(f"cannot read {path}: {err}") from err
+  text = raw.get("text_config", {}) if isinstance(raw.get("text_config"), dict) else {}
+  name = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+  quantized = (raw.get("quantization_config") or {}).get("quant_method") == "fp8"
+  return "bfloat16" if quantized or name is None else str(name)
+
+
 def resolve_dtype(dtype: Any):
   """Accepts 'bfloat16' / jnp.bfloat16 / 'bf16'-free canonical names; refuses the rest."""
   name = getattr(dtype, "__name__", None) or getattr(dtype, "name", None) or str(dtype)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import jspec
-from helpers import cached_llm, greedy
+from helpers import cached_llm, fixture_dir, greedy
 
 DENSE = "qwen3_dense"
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 7, 7, 7, 7, 7, 7, 7, 7], [100, 3, 44]]
@@ -52,6 +52,15 @@ def test_too_many_speculative_tokens_are_refused_before_loading():
   with pytest.raises(ValueError, match=r"num_speculative_tokens=100 must be an integer in \[1, 16\]"):
     jspec.LLM(model="/nonexistent", speculative_config={"method": "ngram",
                                                         "num_speculative_tokens": 100})
+
+
+@pytest.mark.parametrize("fixture, dtype", [("qwen3_dense", "float32"),
+                                            ("demo", "bfloat16")])
+def test_dtype_auto_is_the_checkpoints_own(fixture, dtype):
+  model = jspec.demo_model_path() if fixture == "demo" else fixture_dir(fixture)
+  llm = jspec.LLM(model=model, dtype="auto", max_model_len=64, max_num_seqs=2)
+  assert llm.dtype == np.dtype(dtype)
+  assert llm.target.embed[...].dtype == np.dtype(dtype)
 
 
 def test_bad_ep_strategy_is_refused_on_any_mesh():
@@ -159,3 +168,25 @@ def test_any_integer_seed_works_and_others_are_refused():
   assert sample(-1) == sample(2**32 - 1) and sample(2**40 + 3) == sample(3)
   with pytest.raises(ValueError, match="seed='7' must be an integer or None"):
     jspec.SamplingParams(seed="7")
+
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_chat_renders_the_template_and_generates_the_rendered_text():
+  llm = jspec.LLM(model=jspec.demo_model_path(), max_model_len=128, max_num_seqs=2)
+  conversations = [[{"role": "user", "content": "def add(a, b):"}],
+                   [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "import os"}]]
+  params = greedy(8)
+  chatted = llm.chat(conversations, params, use_tqdm=False, chat_template=TEMPLATE)
+  rendered = ["user: def add(a, b):\nassistant:", "system: Be brief.\nuser: import os\nassistant:"]
+  direct = llm.generate(rendered, params, use_tqdm=False)
+  assert [o.token_ids for o in chatted] == [o.token_ids for o in direct]
+  one = llm.chat(conversations[0], params, use_tqdm=False, chat_template=TEMPLATE)
+  assert len(one) == 1 and one[0].token_ids == chatted[0].token_ids
+  with pytest.raises(ValueError, match="has no chat template; pass chat_template="):
+    llm.chat(conversations[0], params)
+  with pytest.raises(ValueError, match="conversation 0 must be a non-empty list"):
+    llm.chat([[{"content": "no role"}]], params, chat_template=TEMPLATE)
