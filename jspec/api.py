@@ -124,6 +124,7 @@ class LLM:
 
     if _modules is not None:  # LLM.from_random: benchmark models built on device.
       self.model_dir, self.config, self.target, self.mtp, self.mtp_spec = _modules
+      self.max_model_len = max_model_len = self._resolve_max_model_len(max_model_len)
       self.tokenizer = None
     else:
       if model is None:
@@ -135,6 +136,7 @@ class LLM:
       self.config = dataclasses.replace(ModelConfig.from_dir(model),
                                         expert_tile=expert_tile(self.moe_backend))
       validate_mesh(self.config, self.mesh_config)
+      self.max_model_len = max_model_len = self._resolve_max_model_len(max_model_len)
       self.tokenizer = _load_tokenizer(model)
       if self.spec and self.spec.method in SEPARATE_DRAFT_METHODS:
         self._check_drafter(self.spec)  # before any weight is read
@@ -142,21 +144,6 @@ class LLM:
       with stage(f"loading {model}"):
         self.target, self.mtp, self.mtp_spec = load(
             model, self.config, self.dtype, self.mesh, self.rules, self.draft_rules)
-    window = self.config.sliding_window
-    if max_model_len is None:  # Default: the model's context, capped to keep caches modest
-      # (and to a sliding window: inside it, attending to the whole context is exact).
-      max_model_len = min(DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings,
-                          window or DEFAULT_MAX_MODEL_LEN)
-    if max_model_len > self.config.max_position_embeddings:
-      raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                       f"max_position_embeddings={self.config.max_position_embeddings}")
-    if window and max_model_len > window:
-      raise ValueError(f"max_model_len={max_model_len} exceeds the sliding attention window of "
-                       f"{window} tokens in this {self.config.architecture} config; jspec "
-                       "attends over the whole context, which equals sliding-window attention "
-                       f"only while every sequence fits in the window: lower max_model_len to "
-                       f"at most {window}")
-    self.max_model_len = max_model_len
     if self.spec and self.spec.method == "mtp" and self.mtp is None:
       raise ValueError("speculative method 'mtp' needs MTP weights, and this checkpoint has "
                        "none; use {'method': 'ngram', ...} or a checkpoint with an MTP head")
@@ -235,6 +222,25 @@ class LLM:
         if isinstance(node, Attention):
           node.projection = kernel
     return backend
+
+  def _resolve_max_model_len(self, max_model_len: int | None) -> int:
+    """The requested max_model_len checked against the config, or its default (the model's
+    context, capped to keep caches modest, and to a sliding window: inside it, attending to
+    the whole context is exact)."""
+    window = self.config.sliding_window
+    if max_model_len is None:
+      return min(DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings,
+                 window or DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > self.config.max_position_embeddings:
+      raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                       f"max_position_embeddings={self.config.max_position_embeddings}")
+    if window and max_model_len > window:
+      raise ValueError(f"max_model_len={max_model_len} exceeds the sliding attention window of "
+                       f"{window} tokens in this {self.config.architecture} config; jspec "
+                       "attends over the whole context, which equals sliding-window attention "
+                       f"only while every sequence fits in the window: lower max_model_len to "
+                       f"at most {window}")
+    return max_model_len
 
   def _use_fp8_projections(self):
     """On a GPU, FP8 projections of steps with few rows go to the FP8 kernel where the mesh
