@@ -27,6 +27,7 @@ from jspec.models.mtp import MTPSpec
 from jspec.outputs import GenerateOutputs, aggregate
 from jspec.pallas_kernels import platform
 from jspec.progress import notice, stage
+from jspec.stop_strings import apply_stop_strings
 from jspec.sharding.moe import EP_STRATEGIES, needs_shard_map, sharded_experts
 from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
 from jspec.sharding.rules import MeshConfig, ShardingRules, axis_size, global_array
@@ -404,6 +405,9 @@ class LLM:
         p.n > 1 or p.logprobs is not None or p.prompt_logprobs is not None for p in params):
       raise ValueError("batching='waves' generates one completion per prompt without "
                        "logprobs; use batching='continuous' for n, logprobs and prompt_logprobs")
+    if self.tokenizer is None and any(p.stop for p in params):
+      raise ValueError(f"stop strings need a tokenizer, and {self.model_dir!r} has no tokenizer "
+                       "files; stop on token ids instead (stop_token_ids)")
     seeds = [self._seed_for(p) for p in params]
     decode = None
     if self.tokenizer is not None:  # each token's own text, for Logprob.decoded_token
@@ -412,9 +416,12 @@ class LLM:
     result = self._runner.generate(prompt_ids, params, seeds, use_tqdm=use_tqdm, decode=decode)
     outputs = result.outputs
     if self.tokenizer is not None:
-      for out in outputs:
+      text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+      for out, p in zip(outputs, params):
         for completion in out.outputs:
-          completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+          completion.text = text(completion.token_ids)
+          if p.stop:
+            apply_stop_strings(completion, p.stop, p.include_stop_str_in_output, text)
     k = self.spec.num_speculative_tokens if self.spec else 0
     return GenerateOutputs(outputs, aggregate(outputs, k, result.wall_time_s),
                            host_seconds_per_dispatch=result.host_seconds_per_dispatch,

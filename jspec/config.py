@@ -316,6 +316,10 @@ class SamplingParams:
   # temperature, top-k and top-p, as vLLM's default. None: not computed.
   logprobs: int | None = None
   prompt_logprobs: int | None = None
+  # Strings that end a completion where its text first holds one (jspec.stop_strings); the
+  # text ends before it unless include_stop_str_in_output. Needs the model's tokenizer.
+  stop: str | Sequence[str] | None = None
+  include_stop_str_in_output: bool = False
 
   def __post_init__(self):
     if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
@@ -337,6 +341,12 @@ class SamplingParams:
         raise ValueError(f"stop_token_ids={ids!r} must be a list of token ids (integers >= 0)"
                          + hint)
       object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+    if self.stop is not None:
+      stops = (self.stop,) if isinstance(self.stop, str) else self.stop
+      if (not isinstance(stops, Sequence)
+          or not all(isinstance(t, str) and t for t in stops)):
+        raise ValueError(f"stop={self.stop!r} must be a string or a list of non-empty strings")
+      object.__setattr__(self, "stop", tuple(stops) or None)
     if self.seed is not None and not isinstance(self.seed, int):
       raise ValueError(f"seed={self.seed!r} must be an integer or None")
     if not (isinstance(self.n, int) and self.n >= 1):

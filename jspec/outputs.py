@@ -107,6 +107,7 @@ class CompletionOutput:
   logprobs: list[PositionLogprobs] | None = None  # one dict per token; None unless asked
   cumulative_logprob: float | None = None         # the sum over token_ids; None unless asked
   metrics: RequestMetrics | None = None
+  stop_reason: str | None = None  # the stop string that ended it (SamplingParams.stop), if one
 
 
 @dataclasses.dataclass
