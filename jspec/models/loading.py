@@ -9,6 +9,7 @@ only its own slice. The host never holds more than the tensors of one parameter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Callable
@@ -36,13 +37,24 @@ from jspec.sharding.rules import ShardingRules
 FLOAT8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
-def _read_float8(path: str, name: str) -> np.ndarray:
-  """One float8 tensor of a safetensors file (8-byte header length, JSON header, data)."""
+@functools.lru_cache(maxsize=64)
+def _safetensors_header(path: str, mtime_ns: int, size: int) -> tuple[dict, int]:
+  """(header, offset of the data) of a safetensors file: 8-byte length, then JSON (cached per
+  file version: `mtime_ns` and `size` are part of the key)."""
+  del mtime_ns, size
   with open(path, "rb") as f:
     header_len = int.from_bytes(f.read(8), "little")
-    entry = json.loads(f.read(header_len))[name]
-    begin, end = entry["data_offsets"]
-    f.seek(8 + header_len + begin)
+    return json.loads(f.read(header_len)), 8 + header_len
+
+
+def _read_float8(path: str, name: str) -> np.ndarray:
+  """One float8 tensor of a safetensors file, read from its bytes."""
+  stat = os.stat(path)
+  header, data_start = _safetensors_header(path, stat.st_mtime_ns, stat.st_size)
+  entry = header[name]
+  begin, end = entry["data_offsets"]
+  with open(path, "rb") as f:
+    f.seek(data_start + begin)
     data = f.read(end - begin)
   if len(data) != end - begin:
     raise OSError(f"tensor {name!r} ends past the end of the file")

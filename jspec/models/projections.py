@@ -17,7 +17,6 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jspec.sharding.rules import ShardingRules, axis_size
@@ -42,8 +41,8 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules):
   """(x [B, T, K], w8 [K, N], scale [K/128, N/128]) -> [B, T, N] per batch shard, the FP8
   weight and its scale replicated: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows
   with 128 x 128 blocks, else the weight multiplied by its scale before XLA's dot."""
+  from jspec.models.layers import project
   from jspec.pallas_kernels import fp8_gemm
-  from jspec.models.quantization import expand_scale
 
   def product(x_BTK, w8_KN, scale):
     *lead, k = x_BTK.shape
@@ -51,8 +50,7 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules):
     block = (k // scale.shape[0], n // scale.shape[1])
     if fp8_gemm.fits_kernel(rows, k, n, block):
       return fp8_gemm.fp8_matmul(x_BTK.reshape(rows, k), w8_KN, scale).reshape(*lead, n)
-    w_KN = (w8_KN.astype(jnp.float32) * expand_scale(scale, w8_KN.shape, 1, jnp))
-    return jnp.einsum("...k,kn->...n", x_BTK, w_KN.astype(x_BTK.dtype))
+    return project(x_BTK, w8_KN, scale, "...k,kn->...n")  # scaled, then XLA's dot
 
   x = rules.spec(("batch", "seq", None))
   return jax.shard_map(product, mesh=mesh, in_specs=(x, PartitionSpec(), PartitionSpec()),
