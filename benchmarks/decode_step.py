@@ -82,7 +82,7 @@ def main():
   parser.add_argument("--model", default="qwen3-8b", choices=list(PRESETS))
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--context", type=int, default=512)
-  parser.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"])
+  parser.add_argument("--attention-backend", default="xla", choices=["auto", "xla", "pallas"])
   parser.add_argument("--projection-backend", default="auto", choices=PROJECTION_BACKENDS)
   parser.add_argument("--max-model-len", type=int, default=0,
                       help="default context + 16; sets the largest cache bucket, which a "

@@ -71,7 +71,7 @@ def main():
   parser.add_argument("--max-model-len", type=int, default=1024)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--moe-backend", default="auto")
-  parser.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"])
+  parser.add_argument("--attention-backend", default="xla", choices=["auto", "xla", "pallas"])
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--vocab-replicated", action="store_true",
                       help="keep the embedding and lm_head whole on every tp shard")

@@ -15,9 +15,11 @@ from jspec.checkpoint import is_converted, restore_converted
 from jspec.config import (SEPARATE_DRAFT_METHODS, ModelConfig, SamplingParams, SpecConfig,
                           checkpoint_dtype, resolve_dtype)
 from jspec.models.caches import RECURRENT_COMMIT_MODES
-from jspec.models.decode_attention import ATTENTION_BACKENDS, sharded_window_attention
+from jspec.models.decode_attention import (ATTENTION_BACKENDS, resolve_attention_backend,
+                                           sharded_mla_decode, sharded_window_attention)
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
+from jspec.models.mla import MLAttention
 from jspec.models.drafts import check_draft_caches, check_draft_vocabulary, init_random_drafter
 from jspec.models.loading import init_random, load_checkpoint, load_eagle3
 from jspec.models.projections import (PROJECTION_BACKENDS, sharded_fp8_projection,
@@ -75,7 +77,7 @@ class LLM:
                dtype="bfloat16", moe_backend: str = "auto", seed: int = 0,
                max_num_seqs: int | str = "auto", compilation_cache_dir: str | None = None,
                ep_strategy: str = "auto", device_memory_bytes: int | None = None,
-               prefill_chunk_size: int = 256, attention_backend: str = "xla",
+               prefill_chunk_size: int = 256, attention_backend: str = "auto",
                recurrent_commit: str = "store", sharding_rules: ShardingRules | None = None,
                batching: str = "continuous", projection_backend: str = "auto",
                _modules=None, _draft=None):
@@ -83,7 +85,8 @@ class LLM:
     if attention_backend not in ATTENTION_BACKENDS:
       raise ValueError(f"attention_backend={attention_backend!r} is not supported; choose one "
                        f"of {ATTENTION_BACKENDS}")
-    self.attention_backend = attention_backend
+    # "auto": the Pallas decode kernels on a Hopper GPU, XLA's attention elsewhere.
+    self.attention_backend = resolve_attention_backend(attention_backend)
     if projection_backend not in PROJECTION_BACKENDS:
       raise ValueError(f"projection_backend={projection_backend!r} is not supported; choose "
                        f"one of {PROJECTION_BACKENDS}")
@@ -174,7 +177,7 @@ class LLM:
       self.experts_fn = sharded_experts(base_experts, self.mesh, self.rules, ep_strategy)
       self.draft_experts_fn = sharded_experts(base_experts, self.mesh, self.draft_rules,
                                               ep_strategy)
-    if attention_backend == "pallas":
+    if self.attention_backend == "pallas":
       self._use_pallas_attention()
     self.projection_backend = self._use_projections(projection_backend)
     self._runner = engine.Runner(self)
@@ -190,7 +193,10 @@ class LLM:
 
   def _use_pallas_attention(self):
     """Decode, verify and draft steps of the target and the draft attend through the split-S
-    kernel, laid out like their caches (interpreted off GPU, where Triton cannot compile it)."""
+    kernels, laid out like their caches (interpreted off GPU, where Triton cannot compile
+    them): GQA layers through `window_attention`, MLA layers through `mla_decode` where the
+    compiled kernel takes their latent width (jspec.pallas_kernels.mla_decode.fits_kernel)."""
+    from jspec.pallas_kernels.mla_decode import fits_kernel
     interpret = jax.devices()[0].platform != "gpu"
     for module, rules in ((self.target, self.rules), (self.mtp, self.draft_rules)):
       if module is None:
@@ -199,6 +205,10 @@ class LLM:
       for _, node in nnx.iter_graph(module):
         if isinstance(node, Attention):
           node.window_attention = kernel
+        elif isinstance(node, MLAttention) and (interpret or fits_kernel(node.latent_dim,
+                                                                         node.rope_dim)):
+          node.latent_kernel = sharded_mla_decode(self.mesh, rules, node.latent_dim,
+                                                  node.scale, interpret)
 
   def _use_projections(self, backend: str) -> str:
     """Sets the attention layers' projection product (jspec.models.projections); returns the

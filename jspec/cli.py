@@ -16,8 +16,9 @@ def _add_model_args(parser, model_required: bool):
                       help="default: the model's max_position_embeddings, at most 4096")
   parser.add_argument("--moe-backend", default="auto",
                       help="auto | pallas | ragged_dot | dense | reference")
-  parser.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"],
-                      help="decode/verify attention: XLA, or the split-S Pallas kernel")
+  parser.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "pallas"],
+                      help="decode/verify attention: XLA, or the split-S Pallas kernels "
+                           "(auto: the kernels on Hopper GPUs)")
   parser.add_argument("--dp", type=int, default=1,
                       help="data parallelism: sequences split over this many device groups")
   parser.add_argument("--tp", type=int, default=1,
@@ -175,8 +176,9 @@ def main(argv=None):
                      help="time the MTP head over a reduced draft vocabulary of this many tokens")
   bench.add_argument("--dtype", default="bfloat16")
   bench.add_argument("--moe-backend", default="auto")
-  bench.add_argument("--attention-backend", default="xla", choices=["xla", "pallas"],
-                     help="decode/verify attention: XLA, or the split-S Pallas kernel")
+  bench.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "pallas"],
+                     help="decode/verify attention: XLA, or the split-S Pallas kernels "
+                          "(auto: the kernels on Hopper GPUs)")
   bench.add_argument("--recurrent-commit", default="store", choices=["replay", "store"],
                      help="hybrid models: how verify windows of linear-attention layers commit")
   bench.add_argument("--bandwidth-bytes", type=int, default=2 << 30)

@@ -2,6 +2,7 @@
 
 For each model preset, batch and context:
   decode      one-token step time and (least bytes / read bandwidth) / time = % of roofline
+              (MoE: the experts the step routed, counted; the uniform-routing figure beside it)
   verify      k+1 = 2, 4, 6 token steps relative to the one-token step
   draft       MTP cost per drafted token (k-1 single steps + the k+1 extend, over k) relative
               to a target step
@@ -22,8 +23,8 @@ import jax
 
 import jspec
 from jspec.bench.presets import MTP_LAYOUTS, PRESETS
-from jspec.bench.roofline import (cache_values_per_token, hbm_bandwidth, mla_attention_bytes,
-                                  step_bytes)
+from jspec.bench.roofline import (cache_values_per_token, distinct_experts, hbm_bandwidth,
+                                  mla_attention_bytes, step_bytes)
 from jspec.bench.steps import StepTimer
 from jspec.progress import stage
 from jspec.sharding.plan import device_capacity
@@ -85,11 +86,17 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
         draft_s, extend_s = seconds[("mtp", 1)], seconds[("mtp", k + 1)]
       decode_s = width_s[1]
       verify = {w: width_s[w] / decode_s for w in VERIFY_WIDTHS}
-      floor_s = step_bytes(cfg, batch, 1, context) / bandwidth["read"]
+      # MoE bytes from the experts the step routed (random routers are far from uniform);
+      # the uniform-routing floor is kept beside it.
+      routed = ([distinct_experts(ids) for ids in timer.routed_experts(batch, context)]
+                if cfg.is_moe else None)
+      floor_s = step_bytes(cfg, batch, 1, context, experts_used=routed) / bandwidth["read"]
+      uniform_floor_s = step_bytes(cfg, batch, 1, context) / bandwidth["read"]
       spec_step_s = width_s[k + 1] + (k - 1) * draft_s + extend_s
       rows.append(dict(
           batch=batch, context=context, decode_ms=1e3 * decode_s,
           roofline_fraction=floor_s / decode_s,
+          roofline_fraction_uniform=uniform_floor_s / decode_s, experts_routed=routed,
           decode_tokens_per_second=batch / decode_s,
           verify_relative={str(w): r for w, r in verify.items()},
           draft_per_token_relative=(extend_s + (k - 1) * draft_s) / k / decode_s,

@@ -77,6 +77,22 @@ def expected_experts_used(num_experts: int, top_k: int, num_tokens: int) -> floa
   return num_experts * (1 - miss)
 
 
+def distinct_experts(ids_TK) -> int:
+  """Experts that at least one of a step's tokens was routed to in one MoE layer (ids
+  [tokens, top_k]): each is read once, however many tokens it takes.
+
+  Uniform routing is what `expected_experts_used` assumes; real routers are not uniform, and
+  random ones with a correction bias (benchmark models) send most tokens to a few experts, so
+  a step's MoE bytes are counted from the experts it routed (StepTimer.routed_experts)."""
+  return int(np.unique(np.asarray(ids_TK)).size)
+
+
+def routed_expert_bytes(cfg: ModelConfig, experts_used, itemsize: int = 2) -> int:
+  """Bytes of the routed experts' weights a step reads: gate, up and down of every expert
+  counted in `experts_used` (one count per MoE layer)."""
+  return int(sum(experts_used)) * 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
+
+
 def cache_values_per_token(cfg: ModelConfig) -> int:
   """Values one full-attention layer caches per token: keys and values of every KV head, or
   MLA's latent and rope key (shared by all heads)."""
@@ -99,12 +115,14 @@ def mla_attention_bytes(cfg: ModelConfig, batch: int, context: int, itemsize: in
   return batch * context * cache_values_per_token(cfg) * itemsize
 
 
-def step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize: int = 2) -> int:
+def step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize: int = 2,
+               experts_used=None) -> int:
   """Least bytes one forward of `width` tokens per sequence must read at this context:
-  every weight it uses once (the embedding rows are negligible; experts that receive tokens
-  under uniform routing) plus each sequence's valid keys and values (or MLA latent rows) in
+  every weight it uses once (the embedding rows are negligible; the routed experts that
+  receive tokens) plus each sequence's valid keys and values (or MLA latent rows) in
   full-attention layers, and each sequence's float32 state in linear-attention layers, read
-  once and written once."""
+  once and written once. `experts_used`: the distinct experts each MoE layer routed in the
+  step (`distinct_experts`, in layer order); None: the expectation under uniform routing."""
   d, h = cfg.hidden_size, cfg.head_dim
   hybrid = bool(cfg.layer_types)
   query = (2 if hybrid else 1) * cfg.num_heads  # gated attention: a query and a gate per head
@@ -117,6 +135,10 @@ def step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize:
   dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
   linear = d * g * (2 * dk + 2 * r * dv + 2 * r) + g * r * dv * d + 2 * d + dv
   weights, kv_layers, state_bytes = 0, 0, 0
+  moe_layers = [layer for layer in range(cfg.num_layers) if cfg.layer_is_moe(layer)]
+  if experts_used is not None and len(experts_used) != len(moe_layers):
+    raise ValueError(f"experts_used has {len(experts_used)} counts for {len(moe_layers)} MoE "
+                     "layers")
   for layer in range(cfg.num_layers):
     if cfg.layer_type(layer) == "linear_attention":
       weights += linear
@@ -125,7 +147,8 @@ def step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize:
       weights += attention
       kv_layers += 1
     if cfg.layer_is_moe(layer):
-      used = expected_experts_used(cfg.num_experts, cfg.num_experts_per_tok, batch * width)
+      used = (expected_experts_used(cfg.num_experts, cfg.num_experts_per_tok, batch * width)
+              if experts_used is None else experts_used[moe_layers.index(layer)])
       weights += d * cfg.num_experts + used * 3 * d * cfg.moe_intermediate_size
       weights += 3 * d * cfg.shared_expert_intermediate_size + d * bool(
           cfg.shared_expert_intermediate_size)

@@ -11,23 +11,26 @@ piece is the time of one call over `STEPS_PER_CALL`.
     over k+1 positions;
   - prefill of a prompt bucket (one call, no loop);
   - MLA models: the attention over the latent cache alone (`mla_attention`), to set against the
-    latent bytes it must read.
+    latent bytes it must read;
+  - MoE models: the experts each layer routes in a step (`routed_experts`), for its bytes.
 The programs of one (batch, context) are compiled concurrently (XLA compiles off the GIL).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import itertools
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jspec.bench.roofline import seconds_per_call
 from jspec.engine import module_cache_shardings
 from jspec.models import caches as cache_lib
-from jspec.models.mla import latent_attention
 from jspec.speculative import buckets
 
 STEPS_PER_CALL = 8
@@ -181,6 +184,34 @@ class StepTimer:
       self.runs[key] = run
     return seconds
 
+  def routed_experts(self, batch: int, context: int, width: int = 1) -> list[np.ndarray]:
+    """The expert ids [B*T, top_k] each MoE layer of the target routes in one forward of a
+    step's inputs as `measure` feeds them (token 1 at the context's positions, the same random
+    caches), in layer order: what the step's MoE layers must read, however far from uniform
+    the router is."""
+    llm, tgd = self.llm, self.target_graphdef
+    cache_len = buckets.cache_bucket(context + width, 0, llm.max_model_len)
+    shapes = jax.eval_shape(lambda: llm.target.init_caches(batch, cache_len, llm.dtype))
+    caches = _random_caches(shapes, self.cache_shardings, 1)
+    recorded = {}
+
+    def forward(state, caches, tokens_BT, positions_BT):
+      target = nnx.merge(tgd, state)
+      order = itertools.count()  # MoE layers call the experts in layer order while tracing
+
+      def recording_experts(x_TD, ids_TK, *weights):
+        jax.debug.callback(functools.partial(recorded.__setitem__, next(order)), ids_TK)
+        return llm.experts_fn(x_TD, ids_TK, *weights)
+
+      hidden, _ = target(tokens_BT, positions_BT, caches, cache_len, recording_experts)
+      return hidden
+
+    jax.block_until_ready(jax.jit(forward)(self.target_state, caches,
+                                           jnp.ones((batch, width), jnp.int32),
+                                           _positions(batch, context, width)))
+    jax.effects_barrier()
+    return [np.asarray(recorded[i]) for i in sorted(recorded)]
+
   def prefill(self, batch: int, prompt_len: int) -> float:
     """Seconds to run the target over a prompt bucket from position 0 (no sampling)."""
     llm, tgd = self.llm, self.target_graphdef
@@ -202,8 +233,9 @@ class StepTimer:
 
   def mla_attention(self, batch: int, context: int, width: int = 1) -> float:
     """Seconds of the target's first-layer attention over its latent cache for a window of
-    `width` tokens ending at this context: `latent_attention` alone (scores against every row
-    of the bucket, causal softmax, the weighted rows), from random queries in latent space,
+    `width` tokens ending at this context: `MLAttention.latent_context` alone (the kernel that
+    attention_backend set, else XLA's scores against every row of the bucket, causal softmax,
+    the weighted rows), from random queries in latent space,
     `STEPS_PER_CALL` chained calls in one loop."""
     llm = self.llm
     attn = llm.target.layers[0].attn
@@ -217,12 +249,13 @@ class StepTimer:
                    out_shardings=q_sharding)
     q_BTNL = draw(jax.random.key(5))
     positions_BT = _positions(batch, context, width)
-    scale = attn.scale
+    # The layer's own path: the MLA kernel where the LLM set it, else XLA's over the bucket.
+    latent_context = attn.latent_context
 
     def steps(q_BTNL, cache):
       def body(_, q_BTNL):  # each call's query depends on the previous call's output
-        context_BTNL = latent_attention(q_BTNL, cache.latent, positions_BT, scale)
-        return q_BTNL + (1e-3 * jnp.mean(context_BTNL)).astype(q_BTNL.dtype)
+        context_BTNC = latent_context(q_BTNL, cache.latent, positions_BT)
+        return q_BTNL + (1e-3 * jnp.mean(context_BTNC)).astype(q_BTNL.dtype)
       return jax.lax.fori_loop(0, STEPS_PER_CALL, body, q_BTNL)
 
     program = self._compile(f"mla attention B={batch} S={cache_len} T={width}", steps,

@@ -10,7 +10,8 @@ XLA, and the two softmaxes are merged. Selected with `LLM(attention_backend="pal
 steps of at most 64 query rows per KV head; wider prefill chunks keep XLA's attention.
 
 The kernel is not partitionable by XLA, so it runs under `shard_map`: sequences split over the
-batch axes, heads over tp, exactly as the cache is stored; no collective is needed.
+batch axes, heads over tp, exactly as the cache is stored; no collective is needed. MLA layers
+(jspec.models.mla) take jspec.pallas_kernels.mla_decode the same way (`sharded_mla_decode`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ with warnings.catch_warnings():  # the module warns that its home may move; the 
   warnings.simplefilter("ignore", DeprecationWarning)
   from jax.experimental.pallas.ops.gpu import decode_attention as _pallas_decode
 
-ATTENTION_BACKENDS = ("xla", "pallas")
+# "auto": the Pallas kernels on a Hopper GPU (where they were measured), XLA elsewhere.
+ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 SLOT_MULTIPLE = 16  # the kernel's smallest block of slots (Triton's dot needs 16 rows)
 
 
@@ -110,3 +112,26 @@ def sharded_window_attention(mesh: Mesh, rules: ShardingRules, interpret: bool =
   return jax.shard_map(functools.partial(window_attention, interpret=interpret), mesh=mesh,
                        in_specs=(q, new, new, cache, cache, start), out_specs=q,
                        check_vma=False)
+
+
+def resolve_attention_backend(backend: str) -> str:
+  """"auto" -> "pallas" on a Hopper GPU, else "xla"; the others as they are."""
+  from jspec.pallas_kernels import platform
+  if backend == "auto":
+    return "pallas" if platform.on_hopper() else "xla"
+  return backend
+
+
+def sharded_mla_decode(mesh: Mesh, rules: ShardingRules, latent_dim: int, scale: float,
+                       interpret: bool = False):
+  """jspec.pallas_kernels.mla_decode per shard of `mesh`: (q [B,T,N,L], the latent cache
+  [B,S,L], positions [B,T]) -> the latent context [B,T,N,C]. Sequences split over the batch
+  axes, query heads over tp, the latent whole on every tp shard (as MLACache is stored)."""
+  from jspec.models.caches import MLACache
+  from jspec.pallas_kernels.mla_decode import mla_decode
+  q = rules.spec(("batch", "seq", "q_heads", "latent"))
+  kernel = functools.partial(mla_decode, latent_dim=latent_dim, scale=scale,
+                             interpret=interpret)
+  return jax.shard_map(kernel, mesh=mesh,
+                       in_specs=(q, rules.spec(MLACache.AXES), rules.spec(("batch", "seq"))),
+                       out_specs=q, check_vma=False)

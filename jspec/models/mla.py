@@ -23,11 +23,20 @@ Two exact forms of the same attention (vLLM `vllm/v1/attention/backends/mla/comm
 Queries and every per-head weight split over tp ("q_heads"); the latent and its projection
 are the same on every tp shard (replicated, as vLLM and SGLang keep them).
 
-`LLM(attention_backend="pallas")` has no kernel for these layers yet: they attend in XLA.
+The absorbed form's attention over the latent has two implementations: `latent_attention`
+(XLA: scores for the whole cache bucket in float32, then the weighted rows; the latent read
+twice) and the flash-decoding kernel jspec.pallas_kernels.mla_decode (each latent block read
+once for both products, only each sequence's valid slots, split over the sequence and
+merged). `LLM(attention_backend=...)` picks: "pallas", or "auto" on a Hopper GPU, sets
+`latent_kernel` on every MLAttention (jspec.models.decode_attention.sharded_mla_decode: under
+shard_map, sequences over the batch axes, heads over tp, the latent whole on every shard as
+the cache is stored); decode, verify, draft steps and extends then use it. Prefill keeps the
+expanded form.
 
 Caching conventions are the KV cache's (jspec.models.layers.Attention): the window's rows
 are written at their absolute positions before attending, a query at position p sees slots
-j <= p, and only the first `kv_window` slots are read.
+j <= p, and only the first `kv_window` slots are read (the kernel reads fewer: each
+sequence's slots up to its window's last position).
 
 Shape letters: B batch, T query tokens, S cache slots, D hidden, N heads, Q q_lora_rank,
 C kv_lora_rank, P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, L = C + R.
@@ -104,6 +113,9 @@ class MLAttention(nnx.Module):
     self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a constant of the program
     self.rope_interleave = cfg.rope_interleave
     self.scale = rope_lib.softmax_scale(p + r, cfg.rope_scaling)
+    # (q [B,T,N,L], cache [B,S,L], positions [B,T]) -> context [B,T,N,C], set by the LLM for
+    # attention_backend "pallas" (jspec.models.decode_attention.sharded_mla_decode); None: XLA.
+    self.latent_kernel = None
 
   def _rope(self, x, positions_BT):
     return rope_lib.apply_rope(x, positions_BT, jnp.asarray(self.inv_freq, jnp.float32),
@@ -131,11 +143,14 @@ class MLAttention(nnx.Module):
     batch_B1 = jnp.arange(rows_BTL.shape[0])[:, None]
     cache = MLACache(cache.latent.at[batch_B1, positions_BT].set(
         rows_BTL.astype(cache.latent.dtype)))
-    cache_BSL = cache.latent[:, :kv_window]
     if absorbed is None:
       absorbed = x_BTD.shape[1] <= ABSORBED_MAX_TOKENS
-    attend = self.attend_absorbed if absorbed else self.attend_expanded
-    out_BTNV = attend(q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT)
+    if absorbed:
+      out_BTNV = self.attend_absorbed(q_nope_BTNP, q_rope_BTNR, cache.latent, positions_BT,
+                                      kv_window)
+    else:
+      out_BTNV = self.attend_expanded(q_nope_BTNP, q_rope_BTNR, cache.latent[:, :kv_window],
+                                      positions_BT)
     return jnp.einsum("btnv,nvd->btd", out_BTNV, self.o_proj[...]), cache
 
   def absorbed_query(self, q_nope_BTNP, q_rope_BTNR):
@@ -143,11 +158,24 @@ class MLAttention(nnx.Module):
     q_latent_BTNC = jnp.einsum("btnp,npc->btnc", q_nope_BTNP, self.w_uk[...])
     return jnp.concatenate([q_latent_BTNC, q_rope_BTNR.astype(q_latent_BTNC.dtype)], axis=-1)
 
-  def attend_absorbed(self, q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT):
+  def attend_absorbed(self, q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT,
+                      kv_window: int | None = None):
     """Attention in latent space: the cached rows are read as they are, never per head."""
-    context_BTNL = latent_attention(self.absorbed_query(q_nope_BTNP, q_rope_BTNR), cache_BSL,
-                                    positions_BT, self.scale)
-    return jnp.einsum("btnc,nvc->btnv", context_BTNL[..., :self.latent_dim], self.w_uv[...])
+    context_BTNC = self.latent_context(self.absorbed_query(q_nope_BTNP, q_rope_BTNR), cache_BSL,
+                                       positions_BT, kv_window)
+    return jnp.einsum("btnc,nvc->btnv", context_BTNC, self.w_uv[...])
+
+  def latent_context(self, q_BTNL, cache_BSL, positions_BT, kv_window: int | None = None):
+    """The probability-weighted latent rows [B, T, N, C]: through `latent_kernel` where set
+    (it reads each sequence's slots up to its position, so it takes the whole cache: a
+    slice would be copied before the kernel reads it), else `latent_attention` over the first
+    `kv_window` slots (None: all)."""
+    if self.latent_kernel is not None:
+      return self.latent_kernel(q_BTNL, cache_BSL, positions_BT)
+    if kv_window is not None:
+      cache_BSL = cache_BSL[:, :kv_window]
+    context_BTNL = latent_attention(q_BTNL, cache_BSL, positions_BT, self.scale)
+    return context_BTNL[..., :self.latent_dim]
 
   def attend_expanded(self, q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT):
     """transformers' form: per-head keys and values from every cached latent, then attention."""

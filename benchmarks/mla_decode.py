@@ -1,0 +1,231 @@
+"""MLA decode attention over the latent cache: the flash-decoding kernel against XLA's path.
+
+    PYTHONPATH=. python3 benchmarks/mla_decode.py --out benchmarks/results/mla_decode.json
+    PYTHONPATH=. python3 benchmarks/mla_decode.py --smoke          # tiny shapes, CPU (interpret)
+
+DeepSeek-V3's absorbed attention (128 heads, latent rows of L = 576 = 512 + 64, bf16) for a
+window of T tokens (1: decode; 4: a verify window of k = 3) ending at each context, per batch:
+  xla     jspec.models.mla.latent_attention over the cache bucket (the path before the kernel)
+  kernel  jspec.pallas_kernels.mla_decode.mla_decode (split-KV, valid slots only, merge)
+First the two are checked against a float32 evaluation (ragged positions, an idle sequence).
+Each timed program runs the attention over `--copies` different caches, so that the caches
+together overflow L2 as a model's layers do; µs are per attention call, medians of batches
+of programs after warm-up. Columns: µs, latent GB/s (each sequence's valid rows, read once,
+over the time), that as % of the copy probe (a large device copy, bytes read + written),
+and verify(4) / decode of the same batch and context. `--sweep` also times the kernel's
+tilings (MLATiling's fields in order) at the first context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.bench.roofline import hbm_bandwidth, seconds_per_call
+from jspec.models.mla import latent_attention
+from jspec.pallas_kernels import platform
+from jspec.pallas_kernels.mla_decode import MLATiling, choose_splits, mla_decode, rows_block
+
+SWEEP = ["64,32,8,2,1", "64,64,8,2,1", "64,32,4,2,1", "32,32,4,2,1", "64,32,8,3,1",
+         "64,32,8,2,2", "16,64,4,2,1"]
+L2_BYTES = 60 << 20  # an H200's (an H100's is 50 MB): copies together must exceed it
+
+
+def _caches(key, batch, width, slots, copies, dtype):
+  """`copies` random caches [B, S, L] of unit-scale rows (queries are drawn at L^-1/4, so
+  that the softmax is neither flat nor one-hot)."""
+  keys = jax.random.split(key, copies)
+  draw = jax.jit(lambda k: jax.random.normal(k, (batch, slots, width), jnp.float32).astype(dtype))
+  return [draw(k) for k in keys]
+
+
+def _positions(batch, context, width):
+  """The window's positions: it ends at `context` tokens for every sequence."""
+  return jnp.broadcast_to(context - width + jnp.arange(width, dtype=jnp.int32), (batch, width))
+
+
+def _programs(latent_dim, scale, kv_window, tiling):
+  """(xla, kernel): each maps (q, caches, positions) to the outputs over every cache."""
+  @jax.jit
+  def xla(q_BTNL, caches, positions_BT):
+    return tuple(latent_attention(q_BTNL, c[:, :kv_window], positions_BT, scale)[..., :latent_dim]
+                 for c in caches)
+
+  @jax.jit
+  def kernel(q_BTNL, caches, positions_BT):
+    return tuple(mla_decode(q_BTNL, c, positions_BT, latent_dim=latent_dim, scale=scale,
+                            tiling=tiling) for c in caches)
+  return xla, kernel
+
+
+def check(args, dtype) -> dict:
+  """Kernel and XLA path against float32 at ragged positions, one sequence idle (position -1
+  in the kernel; XLA's path gives NaN there, so it is compared on the others)."""
+  heads, c, r = args.heads, args.latent_dim, args.rope_dim
+  context = args.context[0]
+  slots = context + args.slack
+  b, t = 4, 4
+  kq, kc = jax.random.split(jax.random.key(1))
+  q = (jax.random.normal(kq, (b, t, heads, c + r), jnp.float32) * (c + r) ** -0.25).astype(dtype)
+  cache = jax.random.normal(kc, (b, slots, c + r), jnp.float32).astype(dtype)
+  last = np.array([context - 1, context // 3, 37, -1 + t])
+  positions = jnp.asarray(last[:, None] - t + 1 + np.arange(t), jnp.int32)
+  positions = positions.at[3].set(-1)  # idle
+  scale = float((c + r) ** -0.5)
+  with jax.default_matmul_precision("highest"):  # no TF32 on a GPU
+    exact = np.asarray(latent_attention(q.astype(jnp.float32), cache.astype(jnp.float32),
+                                        positions, scale)[..., :c])
+  got = np.asarray(mla_decode(q, cache, positions, latent_dim=c, scale=scale).astype(jnp.float32))
+  xla = np.asarray(latent_attention(q, cache, positions, scale)[..., :c].astype(jnp.float32))
+  split = {}
+  for splits in (1, 3):  # both with and without the merge
+    out = mla_decode(q, cache, positions, latent_dim=c, scale=scale, splits=splits)
+    split[splits] = float(np.abs(np.asarray(out.astype(jnp.float32))[:3] - exact[:3]).max())
+  result = dict(kernel_max_error=float(np.abs(got[:3] - exact[:3]).max()),
+                xla_max_error=float(np.abs(xla[:3] - exact[:3]).max()),
+                kernel_error_by_splits=split,
+                idle_rows_zero=bool(np.all(got[3] == 0)),
+                scale_of_outputs=float(np.abs(exact[:3]).max()))
+  tol = 4 * result["xla_max_error"] + 1e-5
+  result["ok"] = bool(result["idle_rows_zero"] and result["kernel_max_error"] <= tol
+                      and max(split.values()) <= tol)
+  return result
+
+
+def _row(batch, context, width, seconds, latent_bytes, copy_bw):
+  return dict(us=1e6 * seconds, latent_gbps=latent_bytes / seconds / 1e9,
+              probe_fraction=latent_bytes / seconds / copy_bw)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--context", type=int, nargs="+", default=[8192, 32768])
+  parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+  parser.add_argument("--width", type=int, nargs="+", default=[1, 4],
+                      help="window tokens T: 1 = decode, k + 1 = a verify window")
+  parser.add_argument("--heads", type=int, default=128)
+  parser.add_argument("--latent-dim", type=int, default=512)
+  parser.add_argument("--rope-dim", type=int, default=64)
+  parser.add_argument("--slack", type=int, default=128,
+                      help="cache slots past the context (a capped bucket, as serving has)")
+  parser.add_argument("--copies", type=int, default=0,
+                      help="caches per timed program (0: enough to overflow L2 three times)")
+  parser.add_argument("--tiling", default=None, help="MLATiling's fields in order, e.g. 64,32,8,2,1")
+  parser.add_argument("--sweep", action="store_true", help="also time the tilings in SWEEP")
+  parser.add_argument("--bandwidth-bytes", type=int, default=2 << 30)
+  parser.add_argument("--smoke", action="store_true",
+                      help="tiny shapes for a CPU check (the kernel interpreted)")
+  parser.add_argument("--out", default=None, help="write the results as JSON here")
+  args = parser.parse_args(argv)
+  if args.smoke:
+    args.context, args.batch, args.heads = [72], [1, 2], 8
+    args.latent_dim, args.rope_dim, args.slack = 32, 16, 16
+    args.copies, args.bandwidth_bytes = args.copies or 2, 16 << 20
+    args.sweep_list = ["16,16,4,1,1", "32,32,4,2,1"] if args.sweep else []
+  else:
+    args.sweep_list = SWEEP if args.sweep else []
+  dtype = jnp.bfloat16
+  tiling = MLATiling(*map(int, args.tiling.split(","))) if args.tiling else MLATiling()
+  device = jax.devices()[0]
+  started = time.perf_counter()
+  print(f"device: {device.device_kind}; kernel {'compiled' if platform.on_gpu() else 'interpreted'}"
+        f"; tiling {tiling}", flush=True)
+  result = dict(device=device.device_kind, heads=args.heads, latent_dim=args.latent_dim,
+                rope_dim=args.rope_dim, dtype="bfloat16", tiling=str(tiling), rows=[], sweep=[])
+
+  def save():
+    if args.out:
+      os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+      with open(args.out + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+      os.replace(args.out + ".tmp", args.out)
+
+  result["check"] = check(args, dtype)
+  print(f"check: {result['check']}", flush=True)
+  save()
+  bandwidth = hbm_bandwidth(args.bandwidth_bytes)
+  result["probe"] = bandwidth
+  copy_bw = bandwidth["copy"]
+  print(f"probe: copy {copy_bw / 1e9:.0f} GB/s (read + written), read "
+        f"{bandwidth['read'] / 1e9:.0f} GB/s", flush=True)
+  save()
+  width_l = args.latent_dim + args.rope_dim
+  scale = float(width_l ** -0.5)
+  itemsize = jnp.dtype(dtype).itemsize
+  key = jax.random.key(0)
+  for context in args.context:
+    slots = context + args.slack
+    for batch in args.batch:
+      cache_bytes = batch * slots * width_l * itemsize
+      copies = args.copies or int(min(16, max(2, -(-3 * L2_BYTES // cache_bytes))))
+      caches = _caches(key, batch, width_l, slots, copies, dtype)
+      for width in args.width:
+        q = (jax.random.normal(jax.random.key(context + width), (batch, width, args.heads,
+                                                                  width_l), jnp.float32)
+             * width_l ** -0.25).astype(dtype)
+        positions = _positions(batch, context, width)
+        latent = batch * context * width_l * itemsize
+        xla, kernel = _programs(args.latent_dim, scale, slots, tiling)
+        row = dict(batch=batch, context=context, width=width, copies=copies,
+                   latent_bytes=latent)
+        for name, fn in (("xla", xla), ("kernel", kernel)):
+          seconds = seconds_per_call(fn, [(q, caches, positions)]) / copies
+          row[name] = _row(batch, context, width, seconds, latent, copy_bw)
+        rows = width * args.heads
+        row["splits"] = choose_splits(batch, -(-rows // rows_block(rows, tiling)), slots,
+                                      platform.num_sms(), tiling.programs_per_sm)
+        result["rows"].append(row)
+        print(f"B={batch:3d} ctx={context:6d} T={width}: xla {row['xla']['us']:9.1f} us "
+              f"kernel {row['kernel']['us']:9.1f} us ({100 * row['kernel']['probe_fraction']:.1f}%"
+              f" of the probe, K={row['splits']})", flush=True)
+        for text in args.sweep_list if context == args.context[0] else []:
+          variant = MLATiling(*map(int, text.split(",")))
+          _, program = _programs(args.latent_dim, scale, slots, variant)
+          try:
+            seconds = seconds_per_call(program, [(q, caches, positions)]) / copies
+          except Exception as err:  # a tiling Triton refuses must not hide the others
+            result["sweep"].append(dict(batch=batch, context=context, width=width, tiling=text,
+                                        error=repr(err)[:300]))
+            print(f"  tiling {text}: FAILED {err!r}"[:300], flush=True)
+            continue
+          result["sweep"].append(dict(batch=batch, context=context, width=width, tiling=text,
+                                      **_row(batch, context, width, seconds, latent, copy_bw)))
+          print(f"  tiling {text}: {1e6 * seconds:9.1f} us", flush=True)
+        save()
+      del caches
+  result["seconds"] = time.perf_counter() - started
+  save()
+  print_table(result, args.width)
+  return 0 if result["check"]["ok"] else 1
+
+
+def print_table(result, widths):
+  verify = max(widths)
+  by_key = {(r["batch"], r["context"], r["width"]): r for r in result["rows"]}
+  print(f"\nMLA decode attention, {result['device']}, {result['heads']} heads, "
+        f"L = {result['latent_dim']} + {result['rope_dim']}, bf16; probe "
+        f"{result['probe']['copy'] / 1e9:.0f} GB/s copy; check "
+        f"{'ok' if result['check']['ok'] else 'FAILED'}")
+  print("| batch | context | T | XLA µs | kernel µs | speedup | XLA GB/s | kernel GB/s | "
+        f"kernel % of probe | verify({verify})/decode XLA | kernel |")
+  print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+  for (b, ctx, t), r in by_key.items():
+    decode = by_key.get((b, ctx, 1))
+    ratio = lambda name: (f"{r[name]['us'] / decode[name]['us']:.2f}x"
+                          if decode and t == verify and t != 1 else "")
+    print(f"| {b} | {ctx} | {t} | {r['xla']['us']:.1f} | {r['kernel']['us']:.1f} | "
+          f"{r['xla']['us'] / r['kernel']['us']:.2f}x | {r['xla']['latent_gbps']:.0f} | "
+          f"{r['kernel']['latent_gbps']:.0f} | {100 * r['kernel']['probe_fraction']:.1f}% | "
+          f"{ratio('xla')} | {ratio('kernel')} |")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,202 @@
+"""Flash-decoding over MLA's latent cache: the absorbed form's attention in one pass.
+
+What it computes (jspec.models.mla.latent_attention, the XLA path it replaces): for each
+sequence b, every query row -- all N heads at each of the window's T positions, [q_lat | q_rope]
+in the cache's row space [L = C + R] -- attends causally to the sequence's cached rows
+[latent (C) | rope key (R)]; the probabilities weight the rows' latent parts. Returns the
+C-wide context per row.
+
+Why: XLA runs it as two batched products, scores [B, N, T, S] in float32 (as large as the
+latent itself at 128 heads) and then the weighted sum, reading the latent twice over the whole
+cache bucket (BENCHMARKS.md: 7.7-18.8% of the HBM bandwidth at context 8k). Here each block of
+latent rows is loaded once and used for both products (the values are the first C columns of
+the same rows), and only each sequence's valid slots are read.
+
+How (Pallas on Triton, as JAX's jax/experimental/pallas/ops/gpu/decode_attention.py):
+  rows    the window's N x T query rows of a sequence, in (token, head) order (a free reshape
+          of q [B, T, N, L]), in tiles of `block_rows`; each row carries its absolute position.
+  splits  each sequence's valid slots (up to its tile's largest position) are cut into K
+          equal chunks, one program each: programs (row tile, split, sequence). Row tiles are
+          the launch grid's fastest axis, so the tiles that read the same latent chunk run side
+          by side and all but the first find it in L2.
+  program walks its chunk `block_slots` rows at a time: scores = q_lat . latent + q_rope .
+          rope key (float32), causal mask by the row's position, online softmax, acc += p .
+          latent; writes acc / l and the log-sum-exp of its chunk.
+  merge   the K partial softmaxes combined by their log-sum-exps in XLA (K = 1: the kernel's
+          output is the result, written in the cache's dtype).
+A row that sees no slot (padding rows, an idle sequence with position < 0) gives zeros.
+
+K is chosen so that the programs fill the GPU about once (`choose_splits`): a chunk's partial
+output ([rows, C] float32) is as large as a few hundred latent rows, so more splits than the
+SMs need cost more than they save.
+
+On a GPU the kernel needs C and R powers of two >= 16 (Triton's block shapes and the tensor
+cores' smallest dot): DeepSeek-V3 / R1, GLM-4.7-Flash and Kimi K2 have C = 512, R = 64.
+`fits_kernel` says whether a shape does; interpret mode (off GPU) takes any.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jspec.pallas_kernels import platform
+
+MIN_ROWS = 16          # Triton's dot needs 16 rows
+MIN_SPLIT_SLOTS = 256  # shorter chunks write more partial output than they read latent
+
+
+@dataclasses.dataclass(frozen=True)
+class MLATiling:
+  """block_rows: query rows per program (at most; fewer rows take the next power of two >= 16);
+  block_slots: latent rows per loop step; num_warps / num_stages: Triton's (stages: loads in
+  flight ahead of the loop); programs_per_sm: how many programs per SM `choose_splits` aims at."""
+  block_rows: int = 64
+  block_slots: int = 32
+  num_warps: int = 8
+  num_stages: int = 2
+  programs_per_sm: int = 1
+
+
+def _pow2(n: int) -> bool:
+  return n >= 1 and n & (n - 1) == 0
+
+
+def fits_kernel(latent_dim: int, rope_dim: int) -> bool:
+  """Whether the compiled kernel takes rows of [C | R] (interpret mode takes any)."""
+  return all(_pow2(d) and d >= 16 for d in (latent_dim, rope_dim))
+
+
+def rows_block(rows: int, tiling: MLATiling) -> int:
+  return min(tiling.block_rows, max(MIN_ROWS, 1 << (rows - 1).bit_length()))
+
+
+def choose_splits(batch: int, row_tiles: int, slots: int, num_sms: int,
+                  programs_per_sm: int = 1) -> int:
+  """The fewest chunks per sequence that give about `programs_per_sm` programs per SM, at most
+  one per MIN_SPLIT_SLOTS slots of the cache."""
+  want = -(-num_sms * programs_per_sm // (batch * row_tiles))
+  return max(1, min(want, slots // MIN_SPLIT_SLOTS))
+
+
+def _kernel(q_ref, cache_ref, pos_ref, len_ref, out_ref, lse_ref, *, scale: float,
+            latent_dim: int, rope_dim: int, block_rows: int, block_slots: int, splits: int):
+  """Program (row tile, split, sequence); whole-array refs indexed here (L = C + R need not be
+  a power of two, so no BlockSpec can cut it)."""
+  tile, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows = pl.ds(pl.multiple_of(tile * block_rows, block_rows), block_rows)
+  q_lat = q_ref[b, rows, pl.ds(0, latent_dim)]
+  q_rope = q_ref[b, rows, pl.ds(latent_dim, rope_dim)]
+  pos_R = pos_ref[b, rows]
+  # The slots this tile's rows see, cut into `splits` chunks of whole blocks.
+  length = len_ref[b, tile]
+  blocks = (length + block_slots - 1) // block_slots
+  chunk = (blocks + splits - 1) // splits * block_slots
+  start = split * chunk
+  end = jnp.minimum(start + chunk, length)
+  steps = jnp.maximum(end - start + block_slots - 1, 0) // block_slots
+
+  def body(i, carry):
+    acc, m, l = carry
+    first = start + i * block_slots
+    slots = first + jnp.arange(block_slots)
+    valid = slots < end
+    # One indexer per load: interpret mode pads a slice past the cache's end only there.
+    window = pl.ds(first, block_slots)
+    latent = pltriton.load(cache_ref.at[b, window, pl.ds(0, latent_dim)],
+                           mask=valid[:, None], other=0)
+    rope = pltriton.load(cache_ref.at[b, window, pl.ds(latent_dim, rope_dim)],
+                         mask=valid[:, None], other=0)
+    scores = (pltriton.dot(q_lat, latent, trans_b=True)
+              + pltriton.dot(q_rope, rope, trans_b=True)) * scale
+    visible = valid[None, :] & (slots[None, :] <= pos_R[:, None])
+    scores = jnp.where(visible, scores, -jnp.inf)
+    # m starts finite, so a row with nothing visible yet keeps exp(-inf - m) = 0, never NaN.
+    m_next = jnp.maximum(m, jnp.max(scores, axis=1))
+    correction = jnp.exp(m - m_next)
+    p = jnp.exp(scores - m_next[:, None])
+    l = l * correction + jnp.sum(p, axis=1)
+    acc = acc * correction[:, None] + pltriton.dot(p.astype(latent.dtype), latent)
+    return acc, m_next, l
+
+  init = (jnp.zeros((block_rows, latent_dim), jnp.float32),
+          jnp.full((block_rows,), jnp.finfo(jnp.float32).min, jnp.float32),
+          jnp.zeros((block_rows,), jnp.float32))
+  acc, m, l = jax.lax.fori_loop(0, steps, body, init)
+  seen = l > 0
+  out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+  out_ref[b, split, rows, pl.ds(0, latent_dim)] = out.astype(out_ref.dtype)
+  lse_ref[b, split, rows] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("latent_dim", "scale", "splits", "tiling",
+                                             "interpret"))
+def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array, *,
+               latent_dim: int, scale: float, splits: int | None = None,
+               tiling: MLATiling = MLATiling(), interpret: bool | None = None) -> jax.Array:
+  """Causal attention of q [B, T, N, L] (in cache-row space) over cache [B, S, L]: the
+  probability-weighted latent parts [B, T, N, C] in the cache's dtype (float32 sums).
+
+  Query row (t, n) of sequence b sees slots j <= positions[b, t] (clipped to the cache); a
+  row whose position is negative sees none and gives zeros. `splits` chunks per sequence
+  (None: `choose_splits`); `interpret` None: interpret off GPU."""
+  b, t, n, width = q_BTNL.shape
+  slots = cache_BSL.shape[1]
+  rope_dim = width - latent_dim
+  if cache_BSL.shape[0] != b or cache_BSL.shape[2] != width or rope_dim < 1:
+    raise ValueError(f"mla_decode takes q [B, T, N, L] and a cache [B, S, L] with L = C + R "
+                     f"> C={latent_dim}, got {q_BTNL.shape} and {cache_BSL.shape}")
+  if interpret is None:
+    interpret = not platform.on_gpu()
+  if not interpret and not fits_kernel(latent_dim, rope_dim):
+    raise ValueError(f"mla_decode on a GPU needs C and R powers of two >= 16, got "
+                     f"C={latent_dim}, R={rope_dim}")
+  rows = t * n
+  block_rows = rows_block(rows, tiling)
+  row_tiles = -(-rows // block_rows)
+  padded = row_tiles * block_rows
+  # (token, head) rows: a free reshape; padding rows get position -1 (they see nothing).
+  q_BRL = jnp.pad(q_BTNL.reshape(b, rows, width).astype(cache_BSL.dtype),
+                  ((0, 0), (0, padded - rows), (0, 0)))
+  pos_BR = jnp.pad(jnp.repeat(positions_BT.astype(jnp.int32), n, axis=1),
+                   ((0, 0), (0, padded - rows)), constant_values=-1)
+  # Each tile reads slots up to its largest position (the cache's end at most).
+  len_BG = jnp.clip(pos_BR.reshape(b, row_tiles, block_rows).max(axis=2) + 1, 0, slots)
+  if splits is None:
+    splits = choose_splits(b, row_tiles, slots, platform.num_sms(), tiling.programs_per_sm)
+  block_slots = tiling.block_slots
+  while block_slots > max(MIN_ROWS, slots):  # a tiny cache: no block past its end
+    block_slots //= 2
+  out_dtype = cache_BSL.dtype if splits == 1 else jnp.float32
+  parts_BKRC, lse_BKR = pl.pallas_call(
+      functools.partial(_kernel, scale=scale, latent_dim=latent_dim, rope_dim=rope_dim,
+                        block_rows=block_rows, block_slots=block_slots, splits=splits),
+      out_shape=(jax.ShapeDtypeStruct((b, splits, padded, latent_dim), out_dtype),
+                 jax.ShapeDtypeStruct((b, splits, padded), jnp.float32)),
+      grid=(row_tiles, splits, b),
+      compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps,
+                                              num_stages=tiling.num_stages),
+      interpret=interpret,
+      name="mla_flash_decode",
+  )(q_BRL, cache_BSL, pos_BR, len_BG.astype(jnp.int32))
+  if splits == 1:
+    out_BRC = parts_BKRC[:, 0]
+  else:
+    out_BRC = merge_splits(parts_BKRC, lse_BKR).astype(cache_BSL.dtype)
+  return out_BRC[:, :rows].reshape(b, t, n, latent_dim)
+
+
+def merge_splits(parts_BKRC, lse_BKR):
+  """Softmax-weighted sum of the chunks' normalised outputs by their log-sum-exps; rows no
+  chunk saw (every lse -inf) give zeros."""
+  top_BR = jnp.max(lse_BKR, axis=1)
+  top_BR = jnp.where(jnp.isfinite(top_BR), top_BR, 0.0)
+  weights_BKR = jnp.exp(lse_BKR - top_BR[:, None])
+  total_BR = jnp.sum(weights_BKR, axis=1)
+  out_BRC = jnp.einsum("bkr,bkrc->brc", weights_BKR, parts_BKRC.astype(jnp.float32))
+  return out_BRC / jnp.where(total_BR > 0, total_BR, 1.0)[..., None]

@@ -1,0 +1,270 @@
+"""MLA flash-decoding (jspec.pallas_kernels.mla_decode, interpreted on CPU) against a float32
+NumPy reference: decode and verify windows (T = 1..5), ragged and odd lengths, lengths that end
+mid-block, idle sequences, slots past the window holding garbage, one chunk or several merged.
+Then the MLA layer through the kernel (alone and under shard_map on a dp x tp mesh) against its
+XLA path, greedy MTP tokens through the kernel against vanilla decoding, and
+attention_backend "auto"."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jspec
+from helpers import cached_llm, fixture_dir, greedy, reference
+from jspec.config import ModelConfig
+from jspec.models import decode_attention
+from jspec.models.caches import MLACache
+from jspec.models.mla import MLAttention
+from jspec.models.moe_backends import experts_reference
+from jspec.pallas_kernels import mla_decode as kernel_lib
+from jspec.pallas_kernels.mla_decode import MLATiling, choose_splits, mla_decode
+from jspec.sharding.rules import MeshConfig, ShardingRules
+
+
+def _reference(q_BTNL, cache_BSL, positions_BT, latent_dim, scale):
+  """Row (t, n) of sequence b: softmax over slots j <= positions[b, t] of q . row_j, times the
+  rows' first C values; no visible slot -> zeros. float64."""
+  b, t, n, _ = q_BTNL.shape
+  out = np.zeros((b, t, n, latent_dim))
+  for i, j in np.ndindex(b, t):
+    visible = min(positions_BT[i, j] + 1, cache_BSL.shape[1])
+    if visible <= 0:
+      continue
+    rows = cache_BSL[i, :visible].astype(np.float64)
+    scores = q_BTNL[i, j].astype(np.float64) @ rows.T * scale
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    out[i, j] = (p / p.sum(axis=-1, keepdims=True)) @ rows[:, :latent_dim]
+  return out
+
+
+# (batch, T, heads, C, R, slots, splits, block_slots): T = 1..5 (k = 0..4), one chunk and
+# several (the merge), 16- and 32-slot blocks, row counts under a tile and over one.
+CASES = [
+    (1, 1, 4, 32, 16, 48, 1, 16),
+    (2, 2, 8, 32, 16, 80, 2, 32),
+    (3, 3, 4, 16, 16, 64, 3, 16),
+    (2, 4, 8, 32, 8, 96, None, 32),
+    (4, 5, 4, 32, 16, 80, 4, 16),
+    (1, 5, 16, 16, 16, 112, 2, 32),   # 80 rows: two row tiles of 64
+]
+
+
+@pytest.mark.parametrize("seed", range(len(CASES)))
+def test_kernel_matches_the_float32_reference(seed):
+  b, t, n, c, r, s, splits, block_slots = CASES[seed]
+  rng = np.random.default_rng(seed)
+  q = (rng.standard_normal((b, t, n, c + r)) * (c + r) ** -0.25).astype(np.float32)
+  cache = rng.standard_normal((b, s, c + r)).astype(np.float32)
+  # Last positions: odd, ending mid-block, at the cache's end, and one idle sequence (-1).
+  last = rng.integers(t - 1, s, b)
+  last[0] = s - 1 if seed % 2 else min(s - 1, t - 1 + 2 * block_slots + 5)
+  if b > 2:
+    last[1] = -1
+  positions = np.where(last[:, None] < 0, -1, last[:, None] - t + 1 + np.arange(t))
+  want = _reference(q, cache, positions, c, 0.37)
+  # Slots past each window hold garbage (stale drafts, padding): they must not be read.
+  past = np.arange(s)[None, :, None] > np.maximum(last, 0)[:, None, None]
+  cache = np.where(past, 1e4, cache).astype(np.float32)
+  tiling = MLATiling(block_slots=block_slots)
+  got = mla_decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(positions, jnp.int32),
+                   latent_dim=c, scale=0.37, splits=splits, tiling=tiling, interpret=True)
+  assert got.shape == (b, t, n, c) and got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+  if b > 2:
+    assert np.all(np.asarray(got)[1] == 0)  # idle: zeros, not NaN
+
+
+def test_kernel_returns_the_cache_dtype_with_float32_sums():
+  """bfloat16 in and out; the sums in float32 keep the error at bfloat16's rounding."""
+  rng = np.random.default_rng(7)
+  q = (rng.standard_normal((2, 2, 4, 48)) * 48 ** -0.25).astype(np.float32)
+  cache = rng.standard_normal((2, 300, 48)).astype(np.float32)
+  positions = np.array([[297, 298], [150, 151]])
+  as_bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+  q16, cache16 = as_bf16(q), as_bf16(cache)
+  want = _reference(np.asarray(q16, np.float32), np.asarray(cache16, np.float32), positions, 32,
+                    0.2)
+  for splits in (1, 3):
+    got = mla_decode(q16, cache16, jnp.asarray(positions), latent_dim=32, scale=0.2,
+                     splits=splits, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("batch, row_tiles, slots, sms, splits", [
+    (1, 2, 8320, 132, 32),   # batch 1 at 8k: one chunk per 256 slots, not more
+    (1, 2, 32896, 132, 66),  # at 32k the SMs bound it
+    (8, 2, 8320, 132, 9),
+    (32, 2, 8320, 132, 3),
+    (32, 8, 32896, 132, 1),  # verify windows at batch 32 fill the GPU without splitting
+    (4, 1, 100, 132, 1),     # a short cache: one chunk
+])
+def test_splits_fill_the_gpu_about_once(batch, row_tiles, slots, sms, splits):
+  assert choose_splits(batch, row_tiles, slots, sms) == splits
+
+
+def test_the_compiled_kernel_refuses_latent_widths_triton_cannot_tile():
+  assert kernel_lib.fits_kernel(512, 64) and not kernel_lib.fits_kernel(32, 8)
+  q = jnp.zeros((1, 1, 2, 40))
+  with pytest.raises(ValueError, match="C and R powers of two >= 16, got C=32, R=8"):
+    mla_decode(q, jnp.zeros((1, 16, 40)), jnp.zeros((1, 1), jnp.int32), latent_dim=32,
+               scale=1.0, interpret=False)
+
+
+# ---- the MLA layer -----------------------------------------------------------------------------
+
+def _config(heads=4):
+  return ModelConfig(
+      architecture="DeepseekV3ForCausalLM", vocab_size=64, hidden_size=48, intermediate_size=64,
+      num_layers=1, num_heads=heads, num_kv_heads=heads, head_dim=8, rms_norm_eps=1e-6,
+      rope_theta=1000.0, tie_word_embeddings=False, max_position_embeddings=256,
+      q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=16,
+      v_head_dim=10, rope_interleave=True)
+
+
+@nnx.jit(static_argnames=("kv_window",))
+def _run(attn, x, positions, cache, kv_window):
+  return attn(x, positions, cache, kv_window)
+
+
+def _layer_inputs(cfg, batch, t, slots, seed):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(batch, t, cfg.hidden_size)), jnp.float32)
+  starts = rng.integers(0, slots - t, batch)
+  positions = jnp.asarray(starts[:, None] + np.arange(t), jnp.int32)
+  width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+  cache = MLACache(jnp.asarray(rng.normal(size=(batch, slots, width)), jnp.float32))
+  return x, positions, cache
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_layer_through_the_kernel_equals_the_xla_path(t):
+  """The absorbed form's output and the written cache, decode and a verify window."""
+  cfg = _config()
+  attn = MLAttention(cfg, jnp.float32, nnx.Rngs(3))
+  x, positions, cache = _layer_inputs(cfg, 3, t, 64, t)
+  want, want_cache = _run(attn, x, positions, cache, 64)
+  attn.latent_kernel = functools.partial(mla_decode, latent_dim=cfg.kv_lora_rank,
+                                         scale=attn.scale, splits=2, interpret=True)
+  got, got_cache = _run(attn, x, positions, cache, 64)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+  np.testing.assert_array_equal(np.asarray(got_cache.latent), np.asarray(want_cache.latent))
+  assert float(jnp.max(jnp.abs(want))) > 0.1
+
+
+def test_sharded_kernel_splits_sequences_over_dp_and_heads_over_tp():
+  """Under shard_map on a dp=2 x tp=2 mesh (2 of 4 heads and 1 of 2 sequences per shard, the
+  latent whole on each): the unsharded kernel's context."""
+  cfg = _config()
+  mesh = MeshConfig(dp=2, tp=2, num_devices=4).make_mesh()
+  rules = ShardingRules()
+  rng = np.random.default_rng(11)
+  width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+  q = jnp.asarray(rng.normal(size=(2, 3, 4, width)) * width ** -0.25, jnp.float32)
+  cache = jnp.asarray(rng.normal(size=(2, 40, width)), jnp.float32)
+  positions = jnp.asarray([[20, 21, 22], [5, 6, 7]], jnp.int32)
+  want = mla_decode(q, cache, positions, latent_dim=32, scale=0.3, interpret=True)
+  kernel = decode_attention.sharded_mla_decode(mesh, rules, 32, 0.3, interpret=True)
+  put = lambda a, axes: jax.device_put(a, rules.sharding(mesh, axes))
+  got = jax.jit(kernel)(put(q, ("batch", "seq", "q_heads", "latent")),
+                        put(cache, MLACache.AXES), put(positions, ("batch", "seq")))
+  assert "tp" in str(got.sharding.spec)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+def test_greedy_mtp_tokens_through_the_kernel_equal_vanilla():
+  """DeepSeek-V3 (two NextN layers, latent caches in the target and the head): decode, the
+  k+1 verify windows, draft steps and extends all attend through the kernel; the tokens are
+  transformers' greedy ones. The fixture's random head rarely drafts right, so the draft
+  path is checked directly: each NextN layer's logits through the kernel are transformers'."""
+  ref = reference("deepseek_v3")
+  prompts = [ref[f"prompt_{i}"].tolist() for i in range(3)]
+  llm = jspec.LLM(model=fixture_dir("deepseek_v3"), dtype="float32", max_model_len=128,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                  attention_backend="pallas")
+  assert llm.target.layers[0].attn.latent_kernel is not None
+  outs = llm.generate(prompts, greedy(24, ignore_eos=True))
+  assert [o.token_ids for o in outs] == [ref[f"gen_noeos_{i}"].tolist() for i in range(3)]
+  seq = ref["seq_1"]
+  hidden = jnp.asarray(ref["hidden_1"][:-1])[None]
+  next_tokens = jnp.asarray(seq[1:], jnp.int32)[None]
+  for index, key in ((0, "mtp"), (1, "mtp1")):
+    layer = llm.mtp.layers[index]
+    assert layer.decoder.attn.latent_kernel is not None
+    cache = llm.mtp.init_caches(1, next_tokens.shape[1], jnp.float32)[index]
+    logits = _mtp_logits(layer, llm.target, next_tokens, hidden, cache)
+    np.testing.assert_allclose(np.asarray(logits)[0], ref[f"{key}_logits_1"], atol=1e-4, rtol=0)
+
+
+@nnx.jit
+def _mtp_logits(layer, target, next_tokens, hidden, cache):
+  """The NextN layer over the window (12 tokens: the absorbed form, so the kernel)."""
+  n = next_tokens.shape[1]
+  normed, _, _ = layer(target, next_tokens, hidden, jnp.arange(n, dtype=jnp.int32)[None], cache,
+                       n, experts_reference)
+  return layer.logits(target, normed)
+
+
+def test_auto_backend_is_xla_off_hopper_and_pallas_on_it(monkeypatch):
+  assert decode_attention.resolve_attention_backend("auto") == "xla"  # the CPU here
+  assert cached_llm("deepseek_v3").attention_backend == "xla"
+  assert cached_llm("deepseek_v3").target.layers[0].attn.latent_kernel is None
+  monkeypatch.setattr(kernel_lib.platform, "on_hopper", lambda: True)
+  assert decode_attention.resolve_attention_backend("auto") == "pallas"
+  assert decode_attention.resolve_attention_backend("xla") == "xla"
+
+
+def test_unknown_attention_backend_is_refused_naming_the_choices():
+  with pytest.raises(ValueError, match=r"attention_backend='flashmla' is not supported; "
+                                       r"choose one of \('auto', 'xla', 'pallas'\)"):
+    jspec.LLM(model=fixture_dir("deepseek_v3"), dtype="float32", attention_backend="flashmla")
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, t, context", [(1, 1, 8192), (4, 4, 8192), (2, 5, 32768)])
+def test_compiled_kernel_on_gpu_matches_the_reference(batch, t, context):
+  """Triton compiling the kernel at DeepSeek-V3's shapes (128 heads, C = 512, R = 64, bf16):
+  the float32 reference within bfloat16's rounding, ragged positions, one idle sequence."""
+  n, c, r = 128, 512, 64
+  rng = np.random.default_rng(context + t)
+  slots = context + 128
+  q = jnp.asarray(rng.standard_normal((batch, t, n, c + r)) * (c + r) ** -0.25, jnp.bfloat16)
+  cache = jnp.asarray(rng.standard_normal((batch, slots, c + r)), jnp.bfloat16)
+  last = np.array([context - 1, 37, context // 2 + 5, -1])[:batch]
+  positions = np.where(last[:, None] < 0, -1, last[:, None] - t + 1 + np.arange(t))
+  scale = (192 ** -0.5)
+  want = _reference(np.asarray(q, np.float32), np.asarray(cache, np.float32), positions, c,
+                    scale)
+  for splits in (None, 1, 7):
+    got = mla_decode(q, cache, jnp.asarray(positions, jnp.int32), latent_dim=c, scale=scale,
+                     splits=splits)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_layer_on_gpu_through_the_kernel_matches_the_xla_path():
+  """An MLA layer of DeepSeek-V3's latent width (C = 512, R = 64) and 16 heads in bfloat16,
+  a verify window of 4 over 2000 slots: the kernel (compiled) and XLA's path agree within
+  bfloat16's rounding; layers narrower than Triton's tiles keep XLA's path on a GPU."""
+  cfg = dataclasses.replace(_config(heads=16), kv_lora_rank=512, qk_rope_head_dim=64,
+                            hidden_size=256)
+  attn = MLAttention(cfg, jnp.bfloat16, nnx.Rngs(5))
+  x, positions, cache = _layer_inputs(cfg, 2, 4, 2000, 5)
+  x, cache = x.astype(jnp.bfloat16), MLACache(cache.latent.astype(jnp.bfloat16))
+  want, _ = _run(attn, x, positions, cache, 2000)
+  attn.latent_kernel = functools.partial(mla_decode, latent_dim=512, scale=attn.scale)
+  got, _ = _run(attn, x, positions, cache, 2000)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=3e-2, rtol=3e-2)
+  llm = jspec.LLM(model=fixture_dir("deepseek_v3"), dtype="float32", max_model_len=128,
+                  attention_backend="pallas")
+  assert llm.target.layers[0].attn.latent_kernel is None  # C = 32, R = 8: XLA's path
