@@ -193,6 +193,11 @@ def main(argv=None):
   except (ValueError, FileNotFoundError, FileExistsError) as err:
     print(f"jspec: error: {err}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    # Ctrl-C: device work under way on jspec's threads cannot be stopped; not waited for.
+    from jspec import interrupt
+    print("jspec: interrupted", file=sys.stderr)
+    interrupt.exit_now(130)
   return 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import queue as queues
-import threading
 import time
 
 import jax
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jspec import interrupt
 from jspec.outputs import RequestOutput, position_logprobs
 from jspec.progress import RequestProgress, stage
 from jspec.requests import FinishedCompletion, OutputCollector, plan_queue, queue_arrays
@@ -75,7 +75,9 @@ class DispatchChain:
   host, and hands the host the finished rows. It runs at most one dispatch ahead of the
   host's collecting: the host allows each further dispatch with `proceed()` once it has
   collected the one before, and `close()` lets the last launched one end the chain. On a CPU a
-  launch returns at once and the same order holds.
+  launch returns at once and the same order holds. The host waits in slices (jspec.interrupt),
+  so Ctrl-C reaches it at once; `close(wait=False)` then ends the chain after the dispatch
+  under way without waiting for it.
   """
 
   def __init__(self, launch, state, budget: int, is_last=lambda finished: False):
@@ -84,24 +86,23 @@ class DispatchChain:
     self.budget = budget  # iterations for the next launch; the host adapts it
     self._finished = queues.Queue()
     self._permits = queues.Queue()
+    self._closed = False
     self._permits.put(True)  # the second dispatch runs while the host collects the first
-    self._thread = threading.Thread(target=self._run, args=(state,), name="jspec-dispatch",
-                                    daemon=True)
-    self._thread.start()
+    self._thread = interrupt.start_thread(self._run, state, name="jspec-dispatch")
 
   def _run(self, state):
     try:
       while True:
         state, finished = self._launch(state, self.budget)
         self._finished.put(finished)
-        if self._is_last(finished) or not self._permits.get():
+        if self._is_last(finished) or not self._permits.get() or self._closed:
           return
     except BaseException as err:  # re-raised on the host's thread by next()
       self._finished.put(err)
 
   def next(self):
     """The next dispatch's Finished rows, once its launch has returned."""
-    item = self._finished.get()
+    item = interrupt.get(self._finished)
     if isinstance(item, BaseException):
       raise item
     return item
@@ -109,9 +110,12 @@ class DispatchChain:
   def proceed(self):
     self._permits.put(True)
 
-  def close(self):
+  def close(self, wait: bool = True):
+    """No dispatch after the one under way; `wait`: until that one has returned."""
+    self._closed = True
     self._permits.put(False)
-    self._thread.join()
+    if wait:
+      self._thread.join()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +247,8 @@ class ContinuousBatcher:
       state_shape = jax.eval_shape(start_fn, *args)[0]
       shardings = self._shardings(state_shape, lp.batch)
       if start_key not in self._start_compiled:
-        self._start_compiled[start_key] = jax.jit(
-            start_fn, out_shardings=(shardings, replicated)).lower(*args).compile()
+        self._start_compiled[start_key] = interrupt.call(jax.jit(
+            start_fn, out_shardings=(shardings, replicated)).lower(*args).compile)
       if key not in self._compiled:
 
         def dispatch_fn(target_state, draft_state, state, queue, budget):
@@ -259,10 +263,9 @@ class ContinuousBatcher:
                                         state_in, queue, budget)[1]
         finished_sh = jax.tree.map(lambda x: llm.rules.sharding(llm.mesh, (None,) * x.ndim),
                                    finished_shape)
-        self._compiled[key] = jax.jit(dispatch_fn, out_shardings=(shardings, finished_sh),
-                                      donate_argnums=(2,)).lower(
-                                          runner.target_state, runner.draft_state, state_in,
-                                          queue, budget).compile()
+        self._compiled[key] = interrupt.call(jax.jit(
+            dispatch_fn, out_shardings=(shardings, finished_sh), donate_argnums=(2,)).lower(
+                runner.target_state, runner.draft_state, state_in, queue, budget).compile)
     return self._start_compiled[start_key], self._compiled[key]
 
   # ---- a call ----------------------------------------------------------------------------
@@ -342,11 +345,12 @@ class ContinuousBatcher:
 
     start = time.perf_counter()
     state, prefilled = start_c(*targets, queue, wave)
-    chain = DispatchChain(launch, state, self._first_budget(rate_key, wave_plan, queue_plan),
-                          is_last=lambda out: out[1])
-    prefill_done = ReadyTime(prefilled)
     host_seconds = 0.0
+    chain = None
     try:
+      chain = DispatchChain(launch, state, self._first_budget(rate_key, wave_plan, queue_plan),
+                            is_last=lambda out: out[1])
+      prefill_done = ReadyTime(prefilled)
       for index in itertools.count():
         pending, _ = chain.next()
         ready = time.perf_counter()
@@ -361,8 +365,12 @@ class ContinuousBatcher:
             budget = self._rates[rate_key] * DISPATCH_SECONDS
             chain.budget = buckets.next_pow2(int(min(MAX_BUDGET, max(FIRST_BUDGET, budget))))
         chain.proceed()
-    finally:
-      chain.close()
+    except BaseException:  # Ctrl-C: raised now; the dispatch under way ends on its own
+      if chain is not None:
+        chain.close(wait=False)
+      progress.close()
+      raise
+    chain.close()
     wall = time.perf_counter() - start
     progress.close()
     clock = Clock(prefill_done.get() - start)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jspec import interrupt
 from jspec.config import SamplingParams
 from jspec.continuous import ContinuousBatcher, RunResult
 from jspec.models import caches as cache_lib
@@ -97,12 +98,13 @@ class Runner:
         state_shape = jax.eval_shape(prefill_fn, *args)[0]
         shardings = self._state_shardings(state_shape)
         replicated = self.llm.rules.sharding(self.llm.mesh, ())
-        prefill_c = jax.jit(prefill_fn, out_shardings=(shardings, replicated)).lower(
-            *args).compile()
+        prefill_c = interrupt.call(jax.jit(
+            prefill_fn, out_shardings=(shardings, replicated)).lower(*args).compile)
         state_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                 state_shape, shardings)
         loop_jit = jax.jit(loop_fn, out_shardings=shardings, donate_argnums=(2,))
-        loop_c = loop_jit.lower(self.target_state, self.draft_state, state_in, req).compile()
+        loop_c = interrupt.call(
+            loop_jit.lower(self.target_state, self.draft_state, state_in, req).compile)
       self._compiled[key] = (prefill_c, loop_c)
     return self._compiled[key]
 
@@ -176,13 +178,17 @@ class Runner:
     req = self._request_inputs(prompts, params, seeds, batch)
 
     prefill_c, loop_c = self._compile(plan, tokens_BP, prompt_lens_B, req)
+
+    def run():  # on a thread of its own, so that Ctrl-C is raised at once (jspec.interrupt)
+      state, prefilled = prefill_c(self.target_state, self.draft_state, tokens_BP,
+                                   prompt_lens_B, req)
+      prefill_done = ReadyTime(prefilled)
+      state = loop_c(self.target_state, self.draft_state, state, req)
+      return prefill_done, to_host((state.tokens_BS, state.emitted_at_BS, state.lengths_B,
+                                    state.finish_B, state.metrics, state.step))
+
     start = time.perf_counter()
-    state, prefilled = prefill_c(self.target_state, self.draft_state, tokens_BP, prompt_lens_B,
-                                 req)
-    prefill_done = ReadyTime(prefilled)
-    state = loop_c(self.target_state, self.draft_state, state, req)
-    host = to_host((state.tokens_BS, state.emitted_at_BS, state.lengths_B, state.finish_B,
-                    state.metrics, state.step))
+    prefill_done, host = interrupt.call(run)
     wall = time.perf_counter() - start
     tokens_BS, emitted_at_BS, lengths_B, finish_B, metrics, steps = host
     clock = Clock(offset_s + prefill_done.get() - start)

@@ -26,11 +26,12 @@ Latency figures, as serving benchmarks (vLLM's, SGLang's) define them:
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 import jax
 import numpy as np
+
+from jspec import interrupt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +121,7 @@ class ReadyTime:
 
   def __init__(self, array):
     self._time = None
-    self._thread = threading.Thread(target=self._wait, args=(array,), daemon=True,
-                                    name="jspec-ready-time")
-    self._thread.start()
+    self._thread = interrupt.start_thread(self._wait, array, name="jspec-ready-time")
 
   def _wait(self, array):
     jax.block_until_ready(array)

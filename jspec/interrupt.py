@@ -1,0 +1,88 @@
+"""Ctrl-C during generation: raised on the caller's thread at once, whatever the device does.
+
+Python runs signal handlers only on the main thread and only between bytecodes. A main thread
+blocked in C++ (a compile, a device wait, or on a GPU the launch of a while loop, which
+returns only when the loop has ended) would see Ctrl-C only when that call returns, after
+the whole generation; a thread blocked on a plain lock may not see it either when the signal
+lands on another thread. So long device work runs on a daemon thread (`call`, and the
+continuous scheduler's DispatchChain) and the caller waits for it in short slices (`get`),
+between which a pending KeyboardInterrupt is raised.
+
+After an interrupt the thread finishes the call it is in (a device program cannot be stopped
+midway) and ends without a word; what it returns is dropped, and the LLM stays usable (every
+call builds its own state). At interpreter exit such a thread is waited for: Python 3.12 ends
+daemon threads still inside C++ by unwinding their stacks, which aborts the process
+("terminate called ..."). A second Ctrl-C during that wait ends the process at once
+(status 130), as does `jspec generate`'s first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue as queues
+import sys
+import threading
+import weakref
+
+POLL_SECONDS = 0.05  # the longest a pending Ctrl-C waits to be raised
+
+_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_exit_registered = False
+
+
+def get(items: queues.Queue):
+  """items.get(), in slices that let a pending KeyboardInterrupt through."""
+  while True:
+    try:
+      return items.get(timeout=POLL_SECONDS)
+    except queues.Empty:
+      continue
+
+
+def start_thread(target, *args, name: str) -> threading.Thread:
+  """A started daemon thread that runs device work, waited for at interpreter exit."""
+  global _exit_registered
+  if not _exit_registered:  # after JAX's exit hooks (which clear its backends): runs first
+    atexit.register(_wait_at_exit)
+    _exit_registered = True
+  thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+  _threads.add(thread)
+  thread.start()
+  return thread
+
+
+def call(fn, *args, name: str = "jspec-device"):
+  """fn(*args) on a daemon thread, its result (or exception) returned on the caller's."""
+  result = queues.Queue(maxsize=1)
+
+  def run():
+    try:
+      result.put((True, fn(*args)))
+    except BaseException as err:  # re-raised on the caller's thread
+      result.put((False, err))
+
+  start_thread(run, name=name)
+  ok, value = get(result)
+  if not ok:
+    raise value
+  return value
+
+
+def exit_now(code: int = 130):
+  """Ends the process without waiting for device work under way (stdout, stderr flushed)."""
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):
+      pass
+  os._exit(code)
+
+
+def _wait_at_exit():
+  try:
+    for thread in list(_threads):
+      while thread.is_alive():
+        thread.join(POLL_SECONDS)
+  except KeyboardInterrupt:
+    exit_now(130)

@@ -1,0 +1,92 @@
+"""Ctrl-C during generation ends it at once: `LLM.generate` raises KeyboardInterrupt while the
+device is still working (either scheduler), its threads end without a traceback and the LLM
+stays usable; `jspec generate` exits with status 130 and one line, whether compiling or
+decoding."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import jspec
+from jspec import continuous, engine, timing
+
+DEVICE_THREADS = ("jspec-dispatch", "jspec-device")  # the schedulers' device work
+# Two lengths that share a cache bucket (512 slots at max_model_len=512): one compile.
+LONG = jspec.SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+SHORT = jspec.SamplingParams(temperature=0.0, max_tokens=260, ignore_eos=True)
+
+
+def _interrupt_when_prefill_launches(monkeypatch, module):
+  """A user's Ctrl-C (SIGINT to this process), sent once the call's prefill is launched."""
+
+  class Interrupting(timing.ReadyTime):
+    def __init__(self, array):
+      super().__init__(array)
+      os.kill(os.getpid(), signal.SIGINT)
+
+  monkeypatch.setattr(module, "ReadyTime", Interrupting)
+
+
+def _device_threads():
+  return [t for t in threading.enumerate() if t.name in DEVICE_THREADS]
+
+
+@pytest.mark.parametrize("batching, module", [("continuous", continuous), ("waves", engine)])
+def test_ctrl_c_during_generate_raises_at_once_and_leaves_the_llm_usable(batching, module,
+                                                                         monkeypatch):
+  thread_errors = []
+  monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+  llm = jspec.LLM(model=jspec.demo_model_path(), dtype="float32", max_model_len=512,
+                  batching=batching)
+  expected = llm.generate(["In the beginning"], SHORT)[0].token_ids
+
+  _interrupt_when_prefill_launches(monkeypatch, module)
+  with pytest.raises(KeyboardInterrupt):
+    llm.generate(["In the beginning"], LONG)
+  # Raised while the 500 decode steps were still running, not after them.
+  running = _device_threads()
+  assert running
+  monkeypatch.undo()
+
+  for thread in running:  # it ends once its program does, on its own
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+  assert thread_errors == []
+  assert llm.generate(["In the beginning"], SHORT)[0].token_ids == expected
+
+
+def _cli_interrupted_at(line_pattern: str) -> tuple[int, float, str]:
+  """`jspec generate` (the demo model, 2000 tokens) sent SIGINT when its stderr prints a line
+  matching `line_pattern`: (exit status, seconds from the signal to the exit, stderr)."""
+  env = dict(os.environ, JSPEC_PROGRESS="1", JSPEC_COMPILATION_CACHE="off")
+  child = subprocess.Popen(
+      [sys.executable, "-m", "jspec.cli", "generate", "--prompt", "In the beginning",
+       "--max-tokens", "2000", "--ignore-eos", "--max-model-len", "2048", "--dtype", "float32"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  seen = []
+  for line in child.stderr:
+    seen.append(line)
+    if re.fullmatch(line_pattern, line.rstrip("\n")):
+      break
+  sent = time.monotonic()
+  child.send_signal(signal.SIGINT)
+  _, rest = child.communicate(timeout=60)
+  return child.returncode, time.monotonic() - sent, "".join(seen) + rest
+
+
+@pytest.mark.parametrize("phase, line", [
+    ("compiling", r"compiling continuous .* \.\.\."),
+    ("decoding", r"compiling continuous .*: [0-9.]+ s"),  # the compile is done, the loop runs
+])
+def test_ctrl_c_during_jspec_generate_exits_130_with_one_line(phase, line):
+  status, seconds, stderr = _cli_interrupted_at(line)
+  assert status == 130
+  assert seconds < 3  # the compile takes seconds and the 2000 steps longer: neither waited for
+  assert stderr.rstrip("\n").splitlines()[-1] == "jspec: interrupted"
+  assert "Traceback" not in stderr and "terminate called" not in stderr
