@@ -12,8 +12,14 @@ Each timed program runs the attention over `--copies` different caches, so that 
 together overflow L2 as a model's layers do; µs are per attention call, medians of batches
 of programs after warm-up. Columns: µs, latent GB/s (each sequence's valid rows, read once,
 over the time), that as % of the copy probe (a large device copy, bytes read + written),
-and verify(4) / decode of the same batch and context. `--sweep` also times the kernel's
-tilings (MLATiling's fields in order) at the first context.
+the time over its floor (the larger of that read and the FLOPs at a bf16 matmul probe's
+rate), and verify(4) / decode of the same batch and context. `--sweep` also times the
+kernel's tilings (MLATiling's fields in order) at the first context.
+
+At 128 heads the attention is compute-bound on Hopper: per latent row (1152 bytes) a decode
+step does 128 x 2 x (576 + 512) = 279 k FLOPs, 242 FLOP/byte, above an H200's ~165 (790
+TFLOP/s over 4.8 TB/s), and a verify window of 4 four times that. `--heads 16` (a tp = 8
+shard) is the memory-bound case.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ def _programs(latent_dim, scale, kv_window, tiling):
 def check(args, dtype) -> dict:
   """Kernel and XLA path against float32 at ragged positions, one sequence idle (position -1
   in the kernel; XLA's path gives NaN there, so it is compared on the others)."""
-  heads, c, r = args.heads, args.latent_dim, args.rope_dim
+  heads, c, r = args.heads[0], args.latent_dim, args.rope_dim
   context = args.context[0]
   slots = context + args.slack
   b, t = 4, 4
@@ -99,9 +105,28 @@ def check(args, dtype) -> dict:
   return result
 
 
-def _row(batch, context, width, seconds, latent_bytes, copy_bw):
+def matmul_flops(size: int) -> float:
+  """bf16 tensor-core FLOP/s of a size^3 matrix product on random data: the compute probe."""
+  a = jax.random.normal(jax.random.key(2), (size, size), jnp.float32).astype(jnp.bfloat16)
+  b = (a + 1).astype(jnp.bfloat16)
+  dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32
+                                     ).astype(jnp.bfloat16))
+  return 2 * size ** 3 / seconds_per_call(dot, [(a, b), (b, a)])
+
+
+def attention_flops(batch, context, width, heads, latent_dim, rope_dim) -> int:
+  """Multiply-adds x 2 of the absorbed attention: per query row and visible slot, the score
+  over L = C + R and the weighted sum over C."""
+  return 2 * batch * width * heads * context * (2 * latent_dim + rope_dim)
+
+
+def _timing(seconds, latent_bytes, flops, probe):
+  """µs, latent GB/s, that over the copy probe, and the time over its floor: the larger of
+  the latent read at the probe's bandwidth and the products at the matmul probe's rate."""
+  floor = max(latent_bytes / probe["copy"], flops / probe["matmul_flops"])
   return dict(us=1e6 * seconds, latent_gbps=latent_bytes / seconds / 1e9,
-              probe_fraction=latent_bytes / seconds / copy_bw)
+              probe_fraction=latent_bytes / seconds / probe["copy"],
+              floor_fraction=floor / seconds)
 
 
 def main(argv=None) -> int:
@@ -111,33 +136,39 @@ def main(argv=None) -> int:
   parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
   parser.add_argument("--width", type=int, nargs="+", default=[1, 4],
                       help="window tokens T: 1 = decode, k + 1 = a verify window")
-  parser.add_argument("--heads", type=int, default=128)
+  parser.add_argument("--heads", type=int, nargs="+", default=[128],
+                      help="query heads per device: 128 whole, 16 on a tp = 8 shard")
   parser.add_argument("--latent-dim", type=int, default=512)
   parser.add_argument("--rope-dim", type=int, default=64)
   parser.add_argument("--slack", type=int, default=128,
                       help="cache slots past the context (a capped bucket, as serving has)")
   parser.add_argument("--copies", type=int, default=0,
                       help="caches per timed program (0: enough to overflow L2 three times)")
-  parser.add_argument("--tiling", default=None, help="MLATiling's fields in order, e.g. 64,32,8,2,1")
-  parser.add_argument("--sweep", action="store_true", help="also time the tilings in SWEEP")
+  parser.add_argument("--tiling", default=None,
+                      help="MLATiling's fields in order, e.g. 64,32,8,2,1")
+  parser.add_argument("--sweep", action="store_true",
+                      help="also time the tilings in SWEEP (first heads and context; batch 1 "
+                           "and the largest)")
+  parser.add_argument("--budget-s", type=float, default=240.0,
+                      help="skip the remaining sweep past this many seconds")
   parser.add_argument("--bandwidth-bytes", type=int, default=2 << 30)
+  parser.add_argument("--matmul-size", type=int, default=8192)
   parser.add_argument("--smoke", action="store_true",
                       help="tiny shapes for a CPU check (the kernel interpreted)")
   parser.add_argument("--out", default=None, help="write the results as JSON here")
   args = parser.parse_args(argv)
+  sweep = SWEEP if args.sweep else []
   if args.smoke:
-    args.context, args.batch, args.heads = [72], [1, 2], 8
+    args.context, args.batch, args.heads = [72], [1, 2], [8]
     args.latent_dim, args.rope_dim, args.slack = 32, 16, 16
-    args.copies, args.bandwidth_bytes = args.copies or 2, 16 << 20
-    args.sweep_list = ["16,16,4,1,1", "32,32,4,2,1"] if args.sweep else []
-  else:
-    args.sweep_list = SWEEP if args.sweep else []
+    args.copies, args.bandwidth_bytes, args.matmul_size = args.copies or 2, 16 << 20, 256
+    sweep = ["16,16,4,1,1"] if args.sweep else []
   dtype = jnp.bfloat16
   tiling = MLATiling(*map(int, args.tiling.split(","))) if args.tiling else MLATiling()
   device = jax.devices()[0]
   started = time.perf_counter()
-  print(f"device: {device.device_kind}; kernel {'compiled' if platform.on_gpu() else 'interpreted'}"
-        f"; tiling {tiling}", flush=True)
+  print(f"device: {device.device_kind}; kernel "
+        f"{'compiled' if platform.on_gpu() else 'interpreted'}; {tiling}", flush=True)
   result = dict(device=device.device_kind, heads=args.heads, latent_dim=args.latent_dim,
                 rope_dim=args.rope_dim, dtype="bfloat16", tiling=str(tiling), rows=[], sweep=[])
 
@@ -151,79 +182,102 @@ def main(argv=None) -> int:
   result["check"] = check(args, dtype)
   print(f"check: {result['check']}", flush=True)
   save()
-  bandwidth = hbm_bandwidth(args.bandwidth_bytes)
-  result["probe"] = bandwidth
-  copy_bw = bandwidth["copy"]
-  print(f"probe: copy {copy_bw / 1e9:.0f} GB/s (read + written), read "
-        f"{bandwidth['read'] / 1e9:.0f} GB/s", flush=True)
+  probe = dict(hbm_bandwidth(args.bandwidth_bytes), matmul_flops=matmul_flops(args.matmul_size))
+  result["probe"] = probe
+  print(f"probe: copy {probe['copy'] / 1e9:.0f} GB/s (read + written), read "
+        f"{probe['read'] / 1e9:.0f} GB/s, bf16 matmul {probe['matmul_flops'] / 1e12:.0f} "
+        "TFLOP/s", flush=True)
   save()
   width_l = args.latent_dim + args.rope_dim
   scale = float(width_l ** -0.5)
   itemsize = jnp.dtype(dtype).itemsize
-  key = jax.random.key(0)
-  for context in args.context:
-    slots = context + args.slack
-    for batch in args.batch:
-      cache_bytes = batch * slots * width_l * itemsize
-      copies = args.copies or int(min(16, max(2, -(-3 * L2_BYTES // cache_bytes))))
-      caches = _caches(key, batch, width_l, slots, copies, dtype)
-      for width in args.width:
-        q = (jax.random.normal(jax.random.key(context + width), (batch, width, args.heads,
-                                                                  width_l), jnp.float32)
-             * width_l ** -0.25).astype(dtype)
-        positions = _positions(batch, context, width)
-        latent = batch * context * width_l * itemsize
-        xla, kernel = _programs(args.latent_dim, scale, slots, tiling)
-        row = dict(batch=batch, context=context, width=width, copies=copies,
-                   latent_bytes=latent)
-        for name, fn in (("xla", xla), ("kernel", kernel)):
-          seconds = seconds_per_call(fn, [(q, caches, positions)]) / copies
-          row[name] = _row(batch, context, width, seconds, latent, copy_bw)
-        rows = width * args.heads
-        row["splits"] = choose_splits(batch, -(-rows // rows_block(rows, tiling)), slots,
-                                      platform.num_sms(), tiling.programs_per_sm)
-        result["rows"].append(row)
-        print(f"B={batch:3d} ctx={context:6d} T={width}: xla {row['xla']['us']:9.1f} us "
-              f"kernel {row['kernel']['us']:9.1f} us ({100 * row['kernel']['probe_fraction']:.1f}%"
-              f" of the probe, K={row['splits']})", flush=True)
-        for text in args.sweep_list if context == args.context[0] else []:
-          variant = MLATiling(*map(int, text.split(",")))
-          _, program = _programs(args.latent_dim, scale, slots, variant)
-          try:
-            seconds = seconds_per_call(program, [(q, caches, positions)]) / copies
-          except Exception as err:  # a tiling Triton refuses must not hide the others
-            result["sweep"].append(dict(batch=batch, context=context, width=width, tiling=text,
-                                        error=repr(err)[:300]))
-            print(f"  tiling {text}: FAILED {err!r}"[:300], flush=True)
-            continue
-          result["sweep"].append(dict(batch=batch, context=context, width=width, tiling=text,
-                                      **_row(batch, context, width, seconds, latent, copy_bw)))
-          print(f"  tiling {text}: {1e6 * seconds:9.1f} us", flush=True)
-        save()
-      del caches
+  for heads in args.heads:
+    for context in args.context:
+      slots = context + args.slack
+      for batch in args.batch:
+        cache_bytes = batch * slots * width_l * itemsize
+        copies = args.copies or int(min(16, max(2, -(-3 * L2_BYTES // cache_bytes))))
+        caches = _caches(jax.random.key(batch), batch, width_l, slots, copies, dtype)
+        for width in args.width:
+          q = (jax.random.normal(jax.random.key(context + width), (batch, width, heads, width_l),
+                                 jnp.float32) * width_l ** -0.25).astype(dtype)
+          positions = _positions(batch, context, width)
+          latent = batch * context * width_l * itemsize
+          flops = attention_flops(batch, context, width, heads, args.latent_dim, args.rope_dim)
+          rows = width * heads
+          row = dict(heads=heads, batch=batch, context=context, width=width, copies=copies,
+                     latent_bytes=latent, flops=flops,
+                     splits=choose_splits(batch, -(-rows // rows_block(rows, tiling)), slots,
+                                          platform.num_sms(), tiling.programs_per_sm))
+          xla, kernel = _programs(args.latent_dim, scale, slots, tiling)
+          for name, fn in (("xla", xla), ("kernel", kernel)):
+            try:
+              seconds = seconds_per_call(fn, [(q, caches, positions)]) / copies
+            except Exception as err:  # one program failing must not hide the others
+              row[name] = dict(error=repr(err)[:500])
+              print(f"{name} FAILED at H={heads} B={batch} ctx={context} T={width}: "
+                    f"{err!r}"[:500], flush=True)
+              continue
+            row[name] = _timing(seconds, latent, flops, probe)
+          result["rows"].append(row)
+          print(row_line(row), flush=True)
+          in_sweep = (heads == args.heads[0] and context == args.context[0]
+                      and batch in (args.batch[0], args.batch[-1]))
+          for text in sweep if in_sweep else []:
+            if time.perf_counter() - started > args.budget_s:
+              result["sweep_cut_at_budget"] = True
+              break
+            _, program = _programs(args.latent_dim, scale, slots,
+                                   MLATiling(*map(int, text.split(","))))
+            entry = dict(heads=heads, batch=batch, context=context, width=width, tiling=text)
+            try:
+              seconds = seconds_per_call(program, [(q, caches, positions)]) / copies
+              entry.update(_timing(seconds, latent, flops, probe))
+              print(f"  tiling {text}: {1e6 * seconds:9.1f} us", flush=True)
+            except Exception as err:  # a tiling Triton refuses must not hide the others
+              entry["error"] = repr(err)[:500]
+              print(f"  tiling {text}: FAILED {err!r}"[:300], flush=True)
+            result["sweep"].append(entry)
+          save()
+        del caches
   result["seconds"] = time.perf_counter() - started
   save()
   print_table(result, args.width)
   return 0 if result["check"]["ok"] else 1
 
 
+def row_line(r) -> str:
+  text = f"H={r['heads']:3d} B={r['batch']:3d} ctx={r['context']:6d} T={r['width']} K={r['splits']:3d}:"
+  for name in ("xla", "kernel"):
+    t = r[name]
+    text += (f" {name} FAILED" if "error" in t else
+             f" {name} {t['us']:9.1f} us ({100 * t['probe_fraction']:5.1f}% of the copy probe, "
+             f"{100 * t['floor_fraction']:5.1f}% of the floor)")
+  return text
+
+
 def print_table(result, widths):
   verify = max(widths)
-  by_key = {(r["batch"], r["context"], r["width"]): r for r in result["rows"]}
-  print(f"\nMLA decode attention, {result['device']}, {result['heads']} heads, "
-        f"L = {result['latent_dim']} + {result['rope_dim']}, bf16; probe "
-        f"{result['probe']['copy'] / 1e9:.0f} GB/s copy; check "
-        f"{'ok' if result['check']['ok'] else 'FAILED'}")
-  print("| batch | context | T | XLA µs | kernel µs | speedup | XLA GB/s | kernel GB/s | "
-        f"kernel % of probe | verify({verify})/decode XLA | kernel |")
-  print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-  for (b, ctx, t), r in by_key.items():
-    decode = by_key.get((b, ctx, 1))
+  by_key = {(r["heads"], r["batch"], r["context"], r["width"]): r for r in result["rows"]
+            if "error" not in r["xla"] and "error" not in r["kernel"]}
+  probe = result["probe"]
+  print(f"\nMLA decode attention, {result['device']}, L = {result['latent_dim']} + "
+        f"{result['rope_dim']}, bf16; probes: copy {probe['copy'] / 1e9:.0f} GB/s, matmul "
+        f"{probe['matmul_flops'] / 1e12:.0f} TFLOP/s; check "
+        f"{'ok' if result['check']['ok'] else 'FAILED'}; floor = max(latent / copy probe, "
+        "FLOPs / matmul probe)")
+  print(f"| heads | batch | context | T | XLA µs | kernel µs | speedup | XLA GB/s | kernel GB/s "
+        f"| kernel % of probe | kernel % of floor | verify({verify})/decode XLA | kernel |")
+  print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |")
+  for (h, b, ctx, t), r in by_key.items():
+    decode = by_key.get((h, b, ctx, 1))
     ratio = lambda name: (f"{r[name]['us'] / decode[name]['us']:.2f}x"
                           if decode and t == verify and t != 1 else "")
-    print(f"| {b} | {ctx} | {t} | {r['xla']['us']:.1f} | {r['kernel']['us']:.1f} | "
-          f"{r['xla']['us'] / r['kernel']['us']:.2f}x | {r['xla']['latent_gbps']:.0f} | "
-          f"{r['kernel']['latent_gbps']:.0f} | {100 * r['kernel']['probe_fraction']:.1f}% | "
+    x, k = r["xla"], r["kernel"]
+    print(f"| {h} | {b} | {ctx} | {t} | {x['us']:.1f} | {k['us']:.1f} | "
+          f"{x['us'] / k['us']:.2f}x | {x['latent_gbps']:.0f} | {k['latent_gbps']:.0f} | "
+          f"{100 * k['probe_fraction']:.1f}% | {100 * k['floor_fraction']:.1f}% | "
           f"{ratio('xla')} | {ratio('kernel')} |")
 
 
