@@ -152,3 +152,15 @@ def test_convert_onto_a_full_directory_is_refused_before_loading(tmp_path, capsy
   assert cli.main(["convert", "--model", fixture_dir("qwen3_dense"), "--out",
                    str(tmp_path / "out")]) == 2
   assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_transformers_says_nothing_about_pytorch_but_keeps_its_other_warnings():
+  """jspec needs no PyTorch; transformers' import-time advice about it is dropped, nothing else."""
+  import subprocess
+  import sys
+  script = ("import jspec, transformers; "
+            "transformers.logging.get_logger('transformers').warning('a real warning')")
+  err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       check=True).stderr
+  assert "PyTorch" not in err
+  assert "a real warning" in err
