@@ -120,6 +120,14 @@ def cmd_convert(args):
 
 
 def cmd_bench(args):
+  import jax
+  # Refused at once: on a CPU the grid builds real-size models for minutes, then prints
+  # bandwidths and roofline shares that mean nothing.
+  platform = jax.devices()[0].platform
+  if platform != "gpu" and not args.allow_cpu:
+    raise ValueError(f"jspec bench measures a GPU (step times against its HBM roofline), and "
+                     f"this machine has none (JAX's devices are {platform!r}); run it on a "
+                     f"GPU, or pass --allow-cpu for a smoke run whose timings mean nothing")
   from jspec.bench.report import run_bench
   run_bench(args)
 
@@ -185,6 +193,9 @@ def main(argv=None):
   bench.add_argument("--proof", action="store_true",
                      help="also time the trained demo model with and without MTP")
   bench.add_argument("--out", default="benchmarks/results")
+  bench.add_argument("--allow-cpu", action="store_true",
+                     help="run without a GPU: a smoke test of the report (its timings mean "
+                          "nothing)")
   bench.set_defaults(func=cmd_bench)
 
   args = parser.parse_args(argv)

@@ -4,6 +4,7 @@
 import dataclasses
 import json
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -15,7 +16,7 @@ from jspec.bench.report import row_line
 
 
 def _param_count(module):
-  return sum(int(np.prod(v.shape)) for v in __import__("jax").tree.leaves(nnx.state(module)))
+  return sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(module)))
 
 
 def test_step_bytes_counts_every_weight_a_step_reads():
@@ -41,7 +42,7 @@ def test_moe_step_reads_only_the_experts_that_get_tokens():
 
 def test_bench_cli_writes_json_plot_and_table(tmp_path, capsys):
   code = cli.main(["bench", "--models", "tiny-moe", "--batch", "1", "2", "--context", "32",
-                   "--bandwidth-bytes", str(1 << 22), "--out", str(tmp_path)])
+                   "--bandwidth-bytes", str(1 << 22), "--out", str(tmp_path), "--allow-cpu"])
   assert code == 0
   report = json.loads((tmp_path / "bench.json").read_text())
   assert report["partial"] is None  # the run finished: no half-measured model is left
@@ -63,10 +64,26 @@ def test_bench_cli_writes_json_plot_and_table(tmp_path, capsys):
 def test_bench_times_a_reduced_draft_vocabulary(tmp_path):
   code = cli.main(["bench", "--models", "tiny-moe", "--batch", "1", "--context", "32",
                    "--draft-vocab-size", "64", "--bandwidth-bytes", str(1 << 22),
-                   "--out", str(tmp_path)])
+                   "--out", str(tmp_path), "--allow-cpu"])
   assert code == 0
   result = json.loads((tmp_path / "bench.json").read_text())["results"][0]
   assert result["draft_vocab_size"] == 64 and result["rows"][0]["draft_per_token_relative"] > 0
+
+
+def test_bench_without_a_gpu_says_so_before_building_anything(tmp_path, capsys, monkeypatch):
+  def build(*args, **kwargs):
+    raise AssertionError("a model was built")
+
+  monkeypatch.setattr(jspec.LLM, "from_random", build)
+  cpus = jax.devices("cpu")
+  monkeypatch.setattr(jax, "devices", lambda *args: cpus)  # a machine without a GPU
+  out = tmp_path / "results"
+  assert cli.main(["bench", "--models", "qwen3-8b", "--out", str(out)]) == 2
+  assert capsys.readouterr().err.strip() == (
+      "jspec: error: jspec bench measures a GPU (step times against its HBM roofline), and "
+      "this machine has none (JAX's devices are 'cpu'); run it on a GPU, or pass --allow-cpu "
+      "for a smoke run whose timings mean nothing")
+  assert not out.exists()
 
 
 def test_peer_benchmark_builds_transformers_configs_of_the_same_shapes():
