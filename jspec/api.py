@@ -256,7 +256,7 @@ class LLM:
   def _use_fp8_projections(self):
     """On a GPU, FP8 projections of steps with few rows go to the FP8 kernel where the mesh
     keeps the weights whole on every shard; elsewhere they are scaled before XLA's dot."""
-    if not platform.on_gpu():
+    if not platform.on_hopper():
       return
     for module, rules in ((self.target, self.rules), (self.draft_module, self.draft_rules)):
       if module is None or not weights_replicated(self.mesh, rules):

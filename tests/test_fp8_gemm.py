@@ -1,6 +1,7 @@
 """A few rows against a block-scaled FP8 weight (jspec.pallas_kernels.fp8_gemm): the kernel, in
 interpret mode here, against float32 NumPy on the dequantized weight (e4m3 value x its block's
-scale, the published checkpoints' meaning of `weight_scale_inv`)."""
+scale, the published checkpoints' meaning of `weight_scale_inv`), the weight [out, in] as
+checkpoints store it."""
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -10,36 +11,59 @@ import pytest
 from jspec.pallas_kernels.fp8_gemm import (BLOCK, Fp8Tiling, choose_splits, fits_kernel,
                                            fp8_matmul)
 
+RUN_SEED = 20261124
+
 # (rows, K, N, K slices): one row, rows off the 16-row tile, several blocks per slice.
 CASES = [(1, 256, 128, 2), (3, 384, 256, 3), (16, 256, 384, 1), (17, 512, 128, 4),
          (64, 256, 256, 2)]
 
 
-def _dequantized(w8, scale_KbNb):
-  return (np.asarray(w8).astype(np.float32)
-          * np.repeat(np.repeat(scale_KbNb, BLOCK, axis=0), BLOCK, axis=1))
+def _dequantized(w8_NK, scale_NbKb):
+  return (np.asarray(w8_NK).astype(np.float32)
+          * np.repeat(np.repeat(scale_NbKb, BLOCK, axis=0), BLOCK, axis=1))
+
+
+def _fp8_weight(rng, n, k):
+  w8 = np.clip(rng.standard_normal((n, k)) * 100, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+  scale = rng.uniform(1e-4, 1e-2, (n // BLOCK, k // BLOCK)).astype(np.float32)
+  return w8, scale
 
 
 @pytest.mark.parametrize("rows, k, n, splits", CASES)
 def test_fp8_matmul_equals_the_dequantized_product(rows, k, n, splits):
-  rng = np.random.default_rng(rows * 1000 + k + n)
-  x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-  w8 = np.clip(rng.standard_normal((k, n)) * 100, -448, 448).astype(ml_dtypes.float8_e4m3fn)
-  scale = rng.uniform(1e-4, 1e-2, (k // BLOCK, n // BLOCK)).astype(np.float32)
+  rng = np.random.default_rng([RUN_SEED, rows, k, n])
+  # Rows of very different magnitudes: each is scaled into float16's range on its own.
+  magnitude = 10.0 ** rng.uniform(-3, 4, (rows, 1))
+  x = jnp.asarray(rng.standard_normal((rows, k)) * magnitude, jnp.bfloat16)
+  w8, scale = _fp8_weight(rng, n, k)
   y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale), splits=splits), np.float32)
   x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
-  exact = x32 @ w32
+  exact = x32 @ w32.T
   assert y.shape == (rows, n) and np.isfinite(y).all()  # interpret mode fills with NaN
-  # e4m3 -> bf16 is exact (3 mantissa bits into 7); products summed in float32; the one
-  # rounding that matters is the bf16 output's (2^-9 relative), plus float32 sums' error.
-  bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32))
+  # e4m3 -> float16 is exact and bf16 x scaled by a power of two is exact in float16 (its 11
+  # significant bits hold bf16's 8); products are summed in float32. The one rounding that
+  # matters is the bf16 output's (2^-9 relative), plus float32 sums' error.
+  bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
   assert (np.abs(y - exact) <= bound).all()
+
+
+def test_rows_past_float16_range_and_zero_rows():
+  rng = np.random.default_rng([RUN_SEED, 1])
+  x = np.zeros((3, 256), np.float32)
+  x[0] = rng.standard_normal(256) * 1e6      # far past float16's 65504
+  x[2] = rng.standard_normal(256) * 1e-6     # far under its normal range
+  x = jnp.asarray(x, jnp.bfloat16)
+  w8, scale = _fp8_weight(rng, 128, 256)
+  y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale)), np.float32)
+  exact = np.asarray(x, np.float32) @ _dequantized(w8, scale).T
+  assert np.isfinite(y).all() and (y[1] == 0).all()
+  np.testing.assert_allclose(y, exact, rtol=2.0 ** -7, atol=0)
 
 
 def test_fp8_matmul_refuses_what_it_cannot_take():
   x = jnp.ones((2, 256), jnp.bfloat16)
-  w8 = jnp.ones((256, 128), jnp.float8_e4m3fn)
-  scale = jnp.ones((2, 1), jnp.float32)
+  w8 = jnp.ones((128, 256), jnp.float8_e4m3fn)
+  scale = jnp.ones((1, 2), jnp.float32)
   with pytest.raises(ValueError, match="float8_e4m3fn"):
     fp8_matmul(x, w8.astype(jnp.bfloat16), scale)
   with pytest.raises(ValueError, match="scales"):
@@ -57,20 +81,33 @@ def test_shapes_and_splits():
   assert not fits_kernel(1, 4000, 12288, (128, 128))
   # Qwen3-8B's down projection on an H200 (132 SMs): 32 column blocks, K = 96 blocks.
   splits = choose_splits(12288, 4096, 132)
-  assert 12288 % (splits * BLOCK) == 0 and 12288 // splits >= 2 * BLOCK
-  assert splits * 32 >= 132
-  assert choose_splits(256, 128, 132) == 1  # a slice keeps two blocks at least
+  assert splits == 4 and splits * 32 <= 132 and 12288 % (splits * BLOCK) == 0
+  assert choose_splits(4096, 24576, 132) == 1   # 192 column blocks fill the SMs already
+  assert choose_splits(256, 128, 132) == 2      # no slice shorter than one block
 
 
-@pytest.mark.parametrize("tiling", [Fp8Tiling(col_blocks=2), Fp8Tiling(num_warps=8, num_stages=4)])
+@pytest.mark.parametrize("tiling", [Fp8Tiling(num_stages=2), Fp8Tiling(blocks_per_step=1),
+                                    Fp8Tiling(blocks_per_step=4)])
 def test_fp8_matmul_tilings_agree(tiling):
-  rng = np.random.default_rng(7)
-  x = jnp.asarray(rng.standard_normal((5, 384)), jnp.bfloat16)
-  w8 = jnp.asarray(np.clip(rng.standard_normal((384, 256)) * 100, -448, 448)
-                   .astype(ml_dtypes.float8_e4m3fn))
-  scale = jnp.asarray(rng.uniform(1e-4, 1e-2, (3, 2)), jnp.float32)
-  default = np.asarray(fp8_matmul(x, w8, scale, splits=3), np.float32)
-  tiled = np.asarray(fp8_matmul(x, w8, scale, splits=3, tiling=tiling), np.float32)
-  # The same products and float32 sums (the order inside a dot may differ): within one
-  # rounding of the bf16 output.
-  np.testing.assert_allclose(tiled, default, rtol=2.0 ** -7, atol=0)
+  """The same block products and float32 sums in the same order, however they are staged."""
+  rng = np.random.default_rng([RUN_SEED, 2])
+  x = jnp.asarray(rng.standard_normal((5, 1024)), jnp.bfloat16)
+  w8, scale = (jnp.asarray(a) for a in _fp8_weight(rng, 256, 1024))
+  default = np.asarray(fp8_matmul(x, w8, scale, splits=2), np.float32)
+  tiled = np.asarray(fp8_matmul(x, w8, scale, splits=2, tiling=tiling), np.float32)
+  np.testing.assert_array_equal(tiled, default)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+@pytest.mark.parametrize("k, n", [(4096, 4096), (12288, 4096), (4096, 1024)])
+def test_gpu_fp8_matmul_at_model_shapes(rows, k, n):
+  """The register form of the kernel (the GPU's), at Qwen3-8B's q/o, down and k/v shapes."""
+  rng = np.random.default_rng([RUN_SEED, rows, k, n])
+  x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+  w8, scale = _fp8_weight(rng, n, k)
+  y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale)), np.float32)
+  x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
+  exact = x32 @ w32.T
+  bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
+  assert np.isfinite(y).all() and (np.abs(y - exact) <= bound).all()

@@ -88,7 +88,9 @@ def test_fp8_weights_stay_fp8_and_give_the_dequantized_logits(checkpoints):
   fp8, plain = _llm(fp8_dir), _llm(plain_dir)
   attn = fp8.target.layers[0].attn
   assert attn.q_proj[...].dtype == np.dtype(ml_dtypes.float8_e4m3fn)
-  assert attn.q_proj_scale[...].shape == (64 // 32, 4, 32 // 32)  # [D / b, N, H / b]
+  # Kept in the checkpoint's [out, in] order: q_proj [N, H, D], its scales [N, H / b, D / b].
+  assert attn.q_proj[...].shape == (4, 32, 64)
+  assert attn.q_proj_scale[...].shape == (4, 32 // 32, 64 // 32)
   assert fp8.target.layers[0].mlp.down_proj[...].dtype == np.dtype(ml_dtypes.float8_e4m3fn)
   for got, want in zip(fp8.compute_logits(PROMPTS), plain.compute_logits(PROMPTS)):
     # The same float32 weights (e4m3 x scale is exact in float32), multiplied in a fused

@@ -68,33 +68,42 @@ def linear(rngs: nnx.Rngs, shape, dtype, logical_axes, in_axes: int = 1,
            fp8_block: tuple[int, int] | None = None, scale: float | None = None):
   """(weight, block scale or None) of a projection whose first `in_axes` axes are its input.
 
-  Unquantized: a `param`. With `fp8_block` (an FP8 checkpoint, jspec.models.quantization): the
-  weight in float8_e4m3fn and its block scale in float32 over the same logical axes, the last
-  input and the last output axis counted in blocks (so a shard holds whole blocks)."""
+  Unquantized: a `param` of `shape`. With `fp8_block` (an FP8 checkpoint,
+  jspec.models.quantization): the weight in float8_e4m3fn in the checkpoint's order, output
+  axes first (quantization.stored_shape), and its block scale in float32 over the same logical
+  axes, the last output and the last input axis counted in blocks (so a shard holds whole
+  blocks)."""
   weight = param(rngs, shape, dtype, logical_axes, scale=scale)
   if fp8_block is None:
     return weight, None
-  weight = nnx.Param(weight.get_value().astype(jnp.float8_e4m3fn), logical_axes=logical_axes,
+  stored = quantization.stored_shape(shape, in_axes)
+  stored_axes = quantization.stored_shape(logical_axes, in_axes)
+  value = jnp.moveaxis(weight.get_value(), range(in_axes), range(-in_axes, 0))
+  weight = nnx.Param(value.astype(jnp.float8_e4m3fn), logical_axes=stored_axes,
                      init_scale=weight.get_metadata()["init_scale"])
-  grid = quantization.scale_shape(shape, in_axes, fp8_block)
-  return weight, nnx.Param(jnp.ones(grid, jnp.float32), logical_axes=logical_axes,
+  grid = quantization.scale_shape(stored, in_axes, fp8_block)
+  return weight, nnx.Param(jnp.ones(grid, jnp.float32), logical_axes=stored_axes,
                            init_scale=None, fp8_in_axes=in_axes)
 
 
 def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_product=None):
-  """x times a projection weight over x's last and the weight's first `in_axes` axes: `spec`
-  (an einsum) under XLA, else `product` ((x [.., K], w [K, N]) -> [.., N], on free reshapes).
-  An FP8 weight (`scale` given) goes to `fp8_product` ((x, w8 [K, N], scale [K/b, N/b]) ->
-  [.., N]) where one is set, else is multiplied by its scale in float32 and cast to x's dtype
-  before XLA's dot (prefill: the cast weight is read once per call's many rows)."""
-  lead, k = x.shape[:-in_axes], math.prod(weight.shape[:in_axes])
+  """x times a projection weight over x's last and the weight's input axes: `spec` (an einsum
+  over the weight input-first) under XLA, else `product` ((x [.., K], w [K, N]) -> [.., N], on
+  free reshapes). An FP8 weight (`scale` given; stored output-first, its last `in_axes` axes
+  the input) goes to `fp8_product` ((x [.., K], w8 [N, K], scale [N/b, K/b]) -> [.., N])
+  where one is set, else is multiplied by its scale in float32 and cast to x's dtype before
+  XLA's dot (prefill: the cast weight is read once per call's many rows)."""
+  lead = x.shape[:-in_axes]
   if scale is not None:
+    k = math.prod(weight.shape[-in_axes:])
+    out_axes = weight.shape[:-in_axes]
     if fp8_product is not None:
-      out = fp8_product(x.reshape(*lead, k), weight.reshape(k, -1),
-                        scale.reshape(math.prod(scale.shape[:in_axes]), -1))
-      return out.reshape(*lead, *weight.shape[in_axes:])
-    weight = (weight.astype(jnp.float32) * quantization.expand_scale(
-        scale, weight.shape, in_axes, jnp)).astype(x.dtype)
+      out = fp8_product(x.reshape(*lead, k), weight.reshape(-1, k),
+                        scale.reshape(math.prod(scale.shape[:-in_axes]), -1))
+      return out.reshape(*lead, *out_axes)
+    return jnp.einsum(quantization.stored_spec(spec, in_axes), x,
+                      quantization.dequantize(weight, scale, in_axes, x.dtype, jnp))
+  k = math.prod(weight.shape[:in_axes])
   if product is None:
     return jnp.einsum(spec, x, weight)
   out = product(x.reshape(*lead, k), weight.reshape(k, -1))

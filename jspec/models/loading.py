@@ -240,17 +240,20 @@ def load_checkpoint(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh,
 
 
 def _with_fp8_scales(abstract_module, rules: dict, block: tuple[int, int] | None) -> dict:
-  """`rules` and, for each FP8 block scale the module holds (jspec.models.layers.linear), the
-  rule that reads its weight's `weight_scale_inv` tensors (W.fp8_scale_rule)."""
+  """`rules` with each FP8 weight the module holds (jspec.models.layers.linear) read in the
+  checkpoint's order, output axes first, and beside it the rule that reads its
+  `weight_scale_inv` tensors (W.fp8_scale_rule) in the same order."""
   if block is None:
     return rules
-  scales = {}
+  fp8 = {}
   for path, variable in nnx.to_flat_state(nnx.state(abstract_module)):
     in_axes = variable.get_metadata().get("fp8_in_axes")
     if in_axes is not None:
       weight_path = path[:-1] + (path[-1].removesuffix("_scale"),)
-      scales[path] = W.fp8_scale_rule(rules[weight_path], block, in_axes)
-  return {**rules, **scales}
+      weight_rule = rules[weight_path]
+      fp8[path] = W.output_first(W.fp8_scale_rule(weight_rule, block, in_axes), in_axes)
+      fp8[weight_path] = W.output_first(weight_rule, in_axes)
+  return {**rules, **fp8}
 
 
 def _shared_with_target(cfg: ModelConfig, spec: MTPSpec, index: SafetensorsIndex):

@@ -38,19 +38,19 @@ def sharded_projection(mesh: Mesh, rules: ShardingRules, always: bool):
 
 
 def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules):
-  """(x [B, T, K], w8 [K, N], scale [K/128, N/128]) -> [B, T, N] per batch shard, the FP8
+  """(x [B, T, K], w8 [N, K], scale [N/128, K/128]) -> [B, T, N] per batch shard, the FP8
   weight and its scale replicated: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows
   with 128 x 128 blocks, else the weight multiplied by its scale before XLA's dot."""
   from jspec.models.layers import project
   from jspec.pallas_kernels import fp8_gemm
 
-  def product(x_BTK, w8_KN, scale):
+  def product(x_BTK, w8_NK, scale):
     *lead, k = x_BTK.shape
-    rows, n = math.prod(lead), w8_KN.shape[1]
-    block = (k // scale.shape[0], n // scale.shape[1])
+    rows, n = math.prod(lead), w8_NK.shape[0]
+    block = (n // scale.shape[0], k // scale.shape[1])
     if fp8_gemm.fits_kernel(rows, k, n, block):
-      return fp8_gemm.fp8_matmul(x_BTK.reshape(rows, k), w8_KN, scale).reshape(*lead, n)
-    return project(x_BTK, w8_KN, scale, "...k,kn->...n")  # scaled, then XLA's dot
+      return fp8_gemm.fp8_matmul(x_BTK.reshape(rows, k), w8_NK, scale).reshape(*lead, n)
+    return project(x_BTK, w8_NK, scale, "...k,kn->...n")  # scaled, then XLA's dot
 
   x = rules.spec(("batch", "seq", None))
   return jax.shard_map(product, mesh=mesh, in_specs=(x, PartitionSpec(), PartitionSpec()),

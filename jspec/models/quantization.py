@@ -5,8 +5,9 @@ jspec loads unquantized checkpoints (bfloat16, float16, float32) and the fine-gr
 layout of DeepSeek-V3 / R1 and the Qwen FP8 releases (`quant_method: "fp8"`, dynamic
 activation scheme, `weight_block_size` [out, in]): a projection's weight is float8_e4m3fn and
 its `weight_scale_inv` [ceil(out / block), ceil(in / block)] float32 holds, despite its name,
-the factor each block's values are multiplied by. jspec keeps both as they are (half the bytes
-of bf16) and multiplies by the scale inside the product (jspec.models.layers.project).
+the factor each block's values are multiplied by. jspec keeps both as they are, in the
+checkpoint's [out, in] order (half the bytes of bf16, K contiguous for the FP8 kernel), and
+multiplies by the scale inside the product (jspec.models.layers.project).
 So far the attention and dense MLP projections of decoder layers: a checkpoint whose experts,
 latent attention or linear attention are quantized is refused, naming what is missing.
 """
@@ -70,19 +71,39 @@ def refuse_unsupported(cfg, model_dir: str) -> None:
                      "jspec needs whole blocks along every projection axis")
 
 
-def expand_scale(scale, shape, in_axes: int, xp=np):
-  """A block scale [..in blocks.., ..out blocks..] (the weight's own axes, the last input and
-  the last output axis counted in blocks) repeated to the weight's `shape`."""
-  last_in, last_out = in_axes - 1, len(shape) - 1
-  scale = xp.repeat(scale, shape[last_in] // scale.shape[last_in], axis=last_in)
-  return xp.repeat(scale, shape[last_out] // scale.shape[last_out], axis=last_out)
+def stored_shape(shape, in_axes: int) -> tuple[int, ...]:
+  """An FP8 weight's shape as jspec keeps it: the checkpoint's [out, in] order (its output axes
+  first), the K-contiguous layout the FP8 kernel streams, where unquantized weights are kept
+  input-first. `shape`: the unquantized weight's, whose first `in_axes` axes are its input."""
+  return tuple(shape[in_axes:]) + tuple(shape[:in_axes])
 
 
-def scale_shape(shape, in_axes: int, block: tuple[int, int]) -> tuple[int, ...]:
-  """The block grid of a weight of jspec's `shape` whose first `in_axes` axes are its input:
-  the last input axis over the input block, the last axis over the output block."""
+def stored_spec(spec: str, in_axes: int) -> str:
+  """An einsum over an unquantized weight (its operand input-first) rewritten for the FP8
+  weight's stored order."""
+  inputs, out = spec.split("->")
+  x, w = inputs.split(",")
+  return f"{x},{w[in_axes:]}{w[:in_axes]}->{out}"
+
+
+def scale_shape(stored, in_axes: int, block: tuple[int, int]) -> tuple[int, ...]:
+  """The block grid of a stored FP8 weight ([..out.., ..in..], the last `in_axes` axes its
+  input): the last output axis over the output block, the last axis over the input block."""
   out_block, in_block = block
-  grid = list(shape)
-  grid[in_axes - 1] //= in_block
-  grid[-1] //= out_block
+  grid = list(stored)
+  grid[-in_axes - 1] //= out_block
+  grid[-1] //= in_block
   return tuple(grid)
+
+
+def expand_scale(scale, stored, in_axes: int, xp=np):
+  """A block scale (scale_shape's grid) repeated to the stored weight's shape."""
+  last_out = len(stored) - in_axes - 1
+  scale = xp.repeat(scale, stored[last_out] // scale.shape[last_out], axis=last_out)
+  return xp.repeat(scale, stored[-1] // scale.shape[-1], axis=-1)
+
+
+def dequantize(weight, scale, in_axes: int, dtype, xp=np):
+  """The stored FP8 weight times its block scales, in float32, cast to `dtype`."""
+  full = expand_scale(scale, weight.shape, in_axes, xp)
+  return (weight.astype(xp.float32) * full).astype(dtype)

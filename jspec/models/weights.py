@@ -51,6 +51,18 @@ def fp8_scale_rule(weight: TensorRule, block: tuple[int, int], in_axes: int) -> 
   return TensorRule(names, hf_shapes, build)
 
 
+def output_first(rule: TensorRule, in_axes: int) -> TensorRule:
+  """`rule` with the first `in_axes` axes of what it builds moved to the end: an FP8 weight (or
+  its scales) in the checkpoint's [out, in] order (jspec.models.quantization.stored_shape)."""
+  def build(*arrays):
+    built = rule.build(*arrays)
+    return np.ascontiguousarray(np.moveaxis(built, range(in_axes), range(-in_axes, 0)))
+
+  split = None if rule.split is None else (
+      lambda a: rule.split(np.moveaxis(a, range(-in_axes, 0), range(in_axes))))
+  return TensorRule(rule.names, rule.hf_shapes, build, split)
+
+
 def _copy(shape):
   return lambda a: a.reshape(shape)
 

@@ -117,12 +117,16 @@ def _store_transposed(value_CN, o_smem, out_gmem):
 
 
 def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dtype,
-                   in_specs_for, num_sums, stages, epilogue, operands_of, async_mma):
+                   in_specs_for, num_sums, stages, epilogue, operands_of, async_mma,
+                   accumulate=None, out_smem=None):
   """Runs this SM's work items (slot, column block) x k_steps as one pipeline.
 
   in_specs_for(item, delay_release) -> BlockSpecs, given item(i) -> (slot, col) for the
   pipeline's first grid index; operands_of(*smem_refs) -> the (W, X) pairs to multiply at
   each step; epilogue(slot, col, sums, smem_refs, o_smem) stores an item's result.
+  accumulate(slot, col, k, sums, smem_refs) -> sums, where given, replaces a blocking step's
+  products (a kernel whose operands need work in registers, or whose steps are scaled);
+  out_smem: the epilogue's SMEM tile, if not the transposed [tokens_pad, block_cols] one.
   """
   num_sms = platform.num_sms()
   sm = lax.axis_index("sm")
@@ -137,7 +141,10 @@ def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dt
   def blocking_step(o_smem, idx, *refs_and_sums):
     i, k = idx
     *smem_refs, sums = refs_and_sums
-    sums = _accumulate(sums, operands_of(*smem_refs))
+    if accumulate is None:
+      sums = _accumulate(sums, operands_of(*smem_refs))
+    else:
+      sums = accumulate(*item(i), k, sums, smem_refs)
     is_last = k == k_steps - 1
 
     @pl.when(is_last)
@@ -175,8 +182,8 @@ def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dt
       pipeline(functools.partial(blocking_step, o_smem), 0)
     plgpu.wait_smem_to_gmem(0)
 
-  o_smem = plgpu.SMEM((tokens_pad, block_cols), dtype,
-                      transforms=_smem_transforms(block_cols, dtype))
+  o_smem = out_smem or plgpu.SMEM((tokens_pad, block_cols), dtype,
+                                  transforms=_smem_transforms(block_cols, dtype))
   return lambda *gmem_refs: pl.run_scoped(lambda o: run(o, *gmem_refs), o_smem)
 
 

@@ -1,25 +1,31 @@
-"""A few rows against a block-scaled FP8 weight: y[M, N] = x[M, K] @ (w8[K, N] * scale), M <= 64.
+"""A few rows against a block-scaled FP8 weight: y[M, N] = x[M, K] @ (w8[N, K] * scale).T,
+M <= 64, on Hopper (Pallas Mosaic GPU).
 
-The layout is the one FP8 checkpoints are published in (DeepSeek-V3 / R1, Qwen FP8 releases):
-float8_e4m3fn weights with one float32 scale per 128 x 128 block (`weight_scale_inv`, which,
-despite its name, multiplies). Decode and verify steps read every weight once per step, so a
-product that reads the e4m3 bytes reads half of what bf16 weights cost.
+The layout is the one FP8 checkpoints are published in (DeepSeek-V3 / R1, Qwen FP8 releases),
+kept as it is: float8_e4m3fn weights [out, in] with one float32 scale per 128 x 128 block
+(`weight_scale_inv` [out / 128, in / 128], which, despite its name, multiplies). Decode and
+verify steps read every weight once per step, so a product that reads the e4m3 bytes reads half
+of what bf16 weights cost.
 
 Why a kernel: XLA does not keep the FP8 bytes on the wire for a few rows (measured on an H200,
 benchmarks/fp8_matmul.py): a dot over `bf16(w8) * scale` writes the dequantized weight first
 (2-3x the bf16 product), the FP8 tensor-core dot is slower than bf16 below ~512 rows, and a
-product per 128-row block of K reaches at best the bf16 time.
+product per 128-row block of K reaches at best the bf16 time. A first kernel in Pallas Triton
+(e4m3 widened to bf16 for the dot) read the bytes at only 1.0-1.6 TB/s.
 
-Status: correct (tests/test_fp8_gemm.py, interpret mode and H200) but not yet at its ceiling:
-on an H200 it reads e4m3 at 1.0-1.6 TB/s, so it takes about the bf16 product's time (0.9-1.4x)
-where the bytes say 0.5x (BENCHMARKS.md, "FP8 block-scaled products"). FP8 checkpoints'
-projections use it in steps of up to 64 rows on a GPU (jspec.models.projections).
-
-How: Pallas on Triton. Program (n, s) owns the 128 output columns n and the s-th of S slices
-of K; it walks its slice a 128 x 128 block at a time: load the e4m3 block, widen it to bf16 in
-registers, one tensor-core dot with the rows (padded to 16), and the float32 partial times the
-block's scale into the accumulator, so the scale is applied where it is one number. S is chosen
-so that S x N/128 programs fill the SMs; the S partials are summed in float32 outside.
+How: the decode expert kernels' persistent pipeline (jspec.pallas_kernels.decode_gemm), on the
+transposed product out^T[N, M] = W[N, K] @ x^T, so the weight's output rows are wgmma's M
+dimension and the few rows of x its N. The TMA streams each [128-column, 128-K] e4m3 tile of
+the weight as it is stored (K contiguous); the warpgroup widens it in registers to float16
+(exact: e4m3 fits float16's range and mantissa) and multiplies it with x, which waits in shared
+memory as float16. wgmma has no e4m3 x 16-bit form, and Hopper converts e4m3 only to float16 in
+one instruction, hence float16 rather than bfloat16 for x: each row of x is first scaled by a
+power of two into float16's range (exact), and the output row by its inverse. Each 128-K step's
+products land in fresh float32 accumulators and are multiplied by that block's scale, so the
+scale is applied where it is one number. The weight's K is cut into S slices so that S x N/128
+work items fill the SMs; the S float32 partials are summed outside, with the row scales.
+Off the GPU (interpret mode, the CPU tests) the widened tile goes through shared memory, as
+the interpreter's wgmma takes no operand in registers; the GPU tests run the register form.
 """
 
 from __future__ import annotations
@@ -29,15 +35,29 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import platform
+from jspec.pallas_kernels import decode_gemm, decode_routing, platform
+from jspec.pallas_kernels.grouped_gemm import _smem_transforms
 
 BLOCK = 128        # the published weight_block_size, both axes
-MAX_ROWS = 64
-MIN_ROWS = 16      # the tensor cores' smallest M
+MAX_ROWS = 64      # float32 sums of a 128-column item in registers
 E4M3 = jnp.float8_e4m3fn
+# A block's scale travels repeated over this many float32 lanes: one 128-byte TMA block.
+SCALE_LANES = 32
+# x's rows are scaled so that |x| < 2^14, under float16's largest finite value (65504).
+FLOAT16_MAX_EXPONENT = 14
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Tiling:
+  """blocks_per_step: 128-K blocks each pipeline step multiplies (each with its own
+  accumulator and scale; more per step spreads a step's fixed latency over more bytes).
+  num_stages: the pipeline's depth (0: as many as fit its shared-memory budget)."""
+  blocks_per_step: int = 2
+  num_stages: int = 0
 
 
 def fits_kernel(rows: int, k: int, n: int, block: tuple[int, int]) -> bool:
@@ -46,76 +66,136 @@ def fits_kernel(rows: int, k: int, n: int, block: tuple[int, int]) -> bool:
 
 
 def choose_splits(k: int, n: int, num_sms: int) -> int:
-  """The most K slices (a power of two, whole blocks each) keeping every slice at least two
-  blocks long, until the programs fill the SMs twice."""
-  splits = 1
+  """The most K slices (a power of two, whole blocks each) whose work items, one per (slice,
+  128-column block), still fit `num_sms`."""
   col_blocks = n // BLOCK
-  while (splits * col_blocks < 2 * num_sms and k % (2 * splits * BLOCK) == 0
-         and k // (2 * splits) >= 2 * BLOCK):
+  splits = 1
+  while 2 * splits * col_blocks <= num_sms and k % (2 * splits * BLOCK) == 0:
     splits *= 2
   return splits
 
 
-@dataclasses.dataclass(frozen=True)
-class Fp8Tiling:
-  """col_blocks: 128-column blocks a program owns (each its own dot and accumulator, so more
-  loads are in flight); num_warps / num_stages: Triton's (stages: the loop's loads ahead)."""
-  col_blocks: int = 1
-  num_warps: int = 4
-  num_stages: int = 3
+def _to_float16_rows(x_MK):
+  """(x / 2^e as float16, 2^e per row): e puts each row's largest |x| under 2^14."""
+  x32 = x_MK.astype(jnp.float32)
+  _, exponent_M = jnp.frexp(jnp.max(jnp.abs(x32), axis=-1))  # amax < 2^exponent
+  shift_M = exponent_M - FLOAT16_MAX_EXPONENT
+  return jnp.ldexp(x32, -shift_M[:, None]).astype(jnp.float16), jnp.ldexp(1.0, shift_M)
 
 
-def _kernel(x_ref, w_ref, scale_ref, out_ref, *, blocks: int, col_blocks: int):
-  """Program (j, s): output columns from j * col_blocks * 128, K blocks s * blocks ..;
-  whole-array refs indexed here (Triton loads power-of-two tiles; K / S need not be one)."""
-  j, s = pl.program_id(0), pl.program_id(1)
-  first_col = j * col_blocks
-  columns = [pl.ds(pl.multiple_of((first_col + c) * BLOCK, BLOCK), BLOCK)
-             for c in range(col_blocks)]
+def _partials(x16_RK, w8_NK, scale_rows_NbX, splits: int, tiling: Fp8Tiling):
+  """[S, N, R] float32: slice s's sum over its K blocks of (W_block @ x_block^T) * scale.
 
-  def body(b, accs):
-    kb = s * blocks + b
-    rows_k = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
-    x_RB = x_ref[:, rows_k]
-    out = []
-    for c, acc in enumerate(accs):
-      w_BB = w_ref[rows_k, columns[c]].astype(jnp.bfloat16)
-      part = jnp.dot(x_RB, w_BB, preferred_element_type=jnp.float32)
-      out.append(acc + part * scale_ref[kb, first_col + c])
-    return tuple(out)
+  scale_rows_NbX: each block's scale repeated over `lanes` (>= R) lanes ([N/128, K/128 x lanes]),
+  so that a step's scales arrive with its tiles as one TMA block each (a scalar read from
+  global memory in every step would sit in the step's critical path)."""
+  rows, k = x16_RK.shape
+  n = w8_NK.shape[0]
+  per_step = tiling.blocks_per_step
+  step_k = per_step * BLOCK
+  k_steps = k // splits // step_k
+  lanes = scale_rows_NbX.shape[1] // (k // BLOCK)
+  stages = decode_gemm._num_stages(
+      decode_gemm.DecodeTiling(BLOCK, step_k, tiling.num_stages),
+      BLOCK * step_k + rows * step_k * 2 + per_step * lanes * 4)
+  decode_gemm._check_aligned(((rows, step_k), jnp.float16), ((BLOCK, step_k), E4M3),
+                             ((per_step * lanes,), jnp.float32))
 
-  accs = tuple(jnp.zeros((x_ref.shape[0], BLOCK), jnp.float32) for _ in range(col_blocks))
-  accs = jax.lax.fori_loop(0, blocks, body, accs)
-  for c, acc in enumerate(accs):
-    out_ref[s, :, columns[c]] = acc
+  def body(x_ref, w_ref, scale_ref, out_ref):
+    def in_specs_for(item, delay_release):
+      def k_step(i, k):
+        return item(i)[0] * k_steps + k
+
+      x_spec = plgpu.BlockSpec((rows, step_k), lambda i, k: (0, k_step(i, k)),
+                               transforms=_smem_transforms(step_k, jnp.float16),
+                               delay_release=delay_release)
+      w_spec = plgpu.BlockSpec((BLOCK, step_k), lambda i, k: (item(i)[1], k_step(i, k)),
+                               transforms=_smem_transforms(BLOCK, E4M3),
+                               delay_release=delay_release)
+      s_spec = plgpu.BlockSpec((None, per_step * lanes),
+                               lambda i, k: (item(i)[1], k_step(i, k)),
+                               delay_release=delay_release)
+      return [x_spec, w_spec, s_spec]
+
+    def accumulate(slot, col, k, sums, smem_refs):
+      x_smem, w_smem, s_smem = smem_refs
+      columns = [pl.ds(j * BLOCK, BLOCK) for j in range(per_step)]
+      w16 = [w_smem[:, c].astype(jnp.float16) for c in columns]
+
+      def mma(*accs):
+        for acc, a, c in zip(accs, w16, columns):
+          plgpu.wgmma(acc, a, x_smem.at[:, c].T)
+        return tuple(acc[...] for acc in accs)
+
+      def mma_from_smem(*a_smem):
+        for ref, a in zip(a_smem, w16):
+          ref[...] = a
+        plgpu.commit_smem()
+
+        def mma(*accs):
+          for acc, ref, c in zip(accs, a_smem, columns):
+            plgpu.wgmma(acc, ref, x_smem.at[:, c].T)
+          return tuple(acc[...] for acc in accs)
+
+        return pl.run_scoped(mma, *[plgpu.ACC((BLOCK, rows)) for _ in columns])
+
+      if platform.on_gpu():
+        parts = pl.run_scoped(mma, *[plgpu.ACC((BLOCK, rows)) for _ in columns])
+      else:  # the interpreter's wgmma reads both operands from shared memory only
+        parts = pl.run_scoped(mma_from_smem, *[
+            plgpu.SMEM((BLOCK, BLOCK), jnp.float16,
+                       transforms=_smem_transforms(BLOCK, jnp.float16)) for _ in columns])
+      (total,) = sums
+      for j, part in enumerate(parts):
+        scale_R = plgpu.load(s_smem.at[pl.ds(j * lanes, rows)],
+                             layout=plgpu.Layout.WGMMA.reduce(0))
+        total = total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
+      return (total,)
+
+    def epilogue(slot, col, sums, smem_refs, o_smem):
+      (total,) = sums
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_smem[...] = total
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[slot, pl.ds(col * BLOCK, BLOCK)])
+
+    decode_gemm._slot_pipeline(
+        num_slots=splits, col_blocks=n // BLOCK, k_steps=k_steps, block_cols=BLOCK,
+        tokens_pad=rows, dtype=jnp.float32, in_specs_for=in_specs_for, num_sums=1,
+        stages=stages, epilogue=epilogue, operands_of=None, async_mma=False,
+        accumulate=accumulate,
+        out_smem=plgpu.SMEM((BLOCK, rows), jnp.float32,
+                            transforms=_smem_transforms(rows, jnp.float32)),
+    )(x_ref, w_ref, scale_ref)
+
+  return decode_gemm._kernel_call(body, (splits, n, rows), jnp.float32, "fp8_block_gemm")(
+      x16_RK, w8_NK, scale_rows_NbX)
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "tiling"))
-def fp8_matmul(x_MK: jax.Array, w8_KN: jax.Array, scale_KbNb: jax.Array,
+def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
                splits: int | None = None, tiling: Fp8Tiling = Fp8Tiling()) -> jax.Array:
-  """x @ (w8 * scale broadcast over its 128 x 128 blocks), in x's dtype (bfloat16)."""
+  """x @ (w8 * scale broadcast over its 128 x 128 blocks).T, in x's dtype."""
   m, k = x_MK.shape
-  k_w, n = w8_KN.shape
-  if k != k_w or w8_KN.dtype != E4M3 or scale_KbNb.shape != (k // BLOCK, n // BLOCK):
-    raise ValueError(f"fp8_matmul takes x [M, K], w8 [K, N] float8_e4m3fn and scales "
-                     f"[K/{BLOCK}, N/{BLOCK}], got {x_MK.shape}, {w8_KN.shape} {w8_KN.dtype}, "
-                     f"{scale_KbNb.shape}")
+  n, k_w = w8_NK.shape
+  if k != k_w or w8_NK.dtype != E4M3 or scale_NbKb.shape != (n // BLOCK, k // BLOCK):
+    raise ValueError(f"fp8_matmul takes x [M, K], w8 [N, K] float8_e4m3fn and scales "
+                     f"[N/{BLOCK}, K/{BLOCK}], got {x_MK.shape}, {w8_NK.shape} {w8_NK.dtype}, "
+                     f"{scale_NbKb.shape}")
   if not fits_kernel(m, k, n, (BLOCK, BLOCK)):
     raise ValueError(f"fp8_matmul takes M <= {MAX_ROWS} rows and K, N in multiples of "
                      f"{BLOCK}, got M={m}, K={k}, N={n}")
-  col_blocks = tiling.col_blocks if (n // BLOCK) % tiling.col_blocks == 0 else 1
-  splits = splits or choose_splits(k, n // col_blocks, platform.num_sms())
+  splits = splits or choose_splits(k, n, platform.num_sms())
   if k % (splits * BLOCK):
     raise ValueError(f"K={k} does not split into {splits} slices of whole {BLOCK}-blocks")
-  rows = max(MIN_ROWS, 1 << (m - 1).bit_length())
-  x_RK = jnp.pad(x_MK.astype(jnp.bfloat16), ((0, rows - m), (0, 0)))
-  parts_SRN = pl.pallas_call(
-      functools.partial(_kernel, blocks=k // splits // BLOCK, col_blocks=col_blocks),
-      out_shape=jax.ShapeDtypeStruct((splits, rows, n), jnp.float32),
-      grid=(n // BLOCK // col_blocks, splits),
-      compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps,
-                                              num_stages=tiling.num_stages),
-      interpret=not platform.on_gpu(),
-      name="fp8_block_scaled_gemm",
-  )(x_RK, w8_KN, scale_KbNb.astype(jnp.float32))
-  return jnp.sum(parts_SRN[:, :m], axis=0).astype(x_MK.dtype)
+  per_step = tiling.blocks_per_step
+  if k // splits % (per_step * BLOCK):
+    tiling = dataclasses.replace(tiling, blocks_per_step=1)  # a slice of an odd block count
+  x16_MK, row_scale_M = _to_float16_rows(x_MK)
+  rows = decode_routing.padded_tokens(m)
+  x16_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
+  lanes = max(rows, SCALE_LANES)
+  scale_rows_NbX = jnp.repeat(scale_NbKb.astype(jnp.float32), lanes, axis=1)
+  parts_SNR = _partials(x16_RK, w8_NK, scale_rows_NbX, splits, tiling)
+  out_NM = jnp.sum(parts_SNR[:, :, :m], axis=0)
+  return (out_NM.T * row_scale_M[:, None]).astype(x_MK.dtype)
