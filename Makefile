@@ -1,7 +1,10 @@
 # `make demo` and `make test` create or refresh .venv with a Python >= 3.12, install jspec, run.
 VENV := .venv
 PY := $(VENV)/bin/python
+# Installed: jspec and its dependencies (all `make demo` needs); then the extras for the
+# tests, benchmarks and training (`make test`).
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 # The CPU suite's programs are small and each is compiled once: LLVM at -O0 compiles them
 # sooner than the optimised code would save (about 15% of the suite's time).
 CPU_DEVICES := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
@@ -9,23 +12,30 @@ export JSPEC_COMPILATION_CACHE ?= $(CURDIR)/.cache/xla
 
 .PHONY: demo test test-gpu venv clean
 
+# The venv's own pip (23.2 with Python 3.12) installs editable: no upgrade first. --no-compile:
+# pip would byte-compile every module of every package (transformers alone has thousands),
+# half of a fresh install's time on 2 cores; Python compiles the few hundred that jspec
+# imports when it first imports them.
 $(STAMP): pyproject.toml scripts/find_python.sh
 	@python=$$(scripts/find_python.sh) || exit 1; \
 	if [ ! -x $(PY) ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then \
 	  echo "creating $(VENV) with $$python"; rm -rf $(VENV); $$python -m venv $(VENV) || exit 1; \
 	fi
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench,train]'
+	$(PY) -m pip install -q --no-compile -e .
 	@touch $(STAMP)
 
-venv: $(STAMP)
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-compile -e '.[test,bench,train]'
+	@touch $(DEV_STAMP)
+
+venv: $(DEV_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/jspec demo
 
 # CPU suite: 8 fake devices so that every mesh shape runs on one machine. No persistent
 # compilation cache: writing some large CPU executables into it crashes jaxlib 0.11.2.
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(CPU_DEVICES) JSPEC_PROGRESS=0 JSPEC_COMPILATION_CACHE=off $(PY) -m pytest -q -n 2 -m "not gpu" tests
 
 # On a GPU runner: after `pip install -e '.[cuda,test]'`, or with a jax that is already there

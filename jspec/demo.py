@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import jspec
 
+# Both prompts at most 16 tokens: one prompt bucket, so each LLM compiles one program.
 DEMO_PROMPTS = (
     "In the beginning God created",
-    "def read_config(path):\n    \"\"\"Return the parsed configuration file.\"\"\"\n",
+    "def read_config(path):\n    \"\"\"Return the parsed config.\"\"\"\n",
 )
 
 
