@@ -12,20 +12,20 @@ export JSPEC_COMPILATION_CACHE ?= $(CURDIR)/.cache/xla
 
 .PHONY: demo test test-gpu venv clean
 
-# --no-compile: pip would byte-compile every module of every package (transformers alone has
-# thousands), half of a fresh install's time on 2 cores; Python compiles the few hundred that
-# jspec imports when it first imports them.
+# The venv's own pip (23.2 with Python 3.12) installs editable: not upgraded first, and not
+# asked to look for a newer self. --no-compile: pip would byte-compile every module of every
+# package (transformers alone has thousands), half of a fresh install's time on 2 cores;
+# Python compiles the few hundred that jspec imports when it first imports them.
 $(STAMP): pyproject.toml scripts/find_python.sh
 	@python=$$(scripts/find_python.sh) || exit 1; \
 	if [ ! -x $(PY) ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then \
 	  echo "creating $(VENV) with $$python"; rm -rf $(VENV); $$python -m venv $(VENV) || exit 1; \
 	fi
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -e .
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e .
 	@touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	$(PY) -m pip install -q --no-compile -e '.[test,bench,train]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e '.[test,bench,train]'
 	@touch $(DEV_STAMP)
 
 venv: $(DEV_STAMP)
