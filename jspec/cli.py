@@ -112,6 +112,14 @@ def cmd_demo(args):
 
 
 def cmd_convert(args):
+  if args.quantize == "fp8":
+    from jspec.quantize_fp8 import quantize_checkpoint
+    summary = quantize_checkpoint(args.model, args.out,
+                                  128 if args.block_size is None else args.block_size)
+    print(f"wrote {args.out}: {summary.quantized} FP8 weights, {summary.kept} tensors kept")
+    return
+  if args.block_size is not None:
+    raise ValueError("--block-size is the FP8 block of --quantize fp8; add --quantize fp8")
   from jspec.checkpoint import check_output_dir, save_converted
   check_output_dir(args.out)  # before the model is loaded
   llm = _build_llm(args, args.model)
@@ -162,9 +170,15 @@ def main(argv=None):
   demo.add_argument("--max-tokens", type=int, default=96)
   demo.set_defaults(func=cmd_demo)
 
-  conv = sub.add_parser("convert", help="convert a HF checkpoint to jspec's orbax format")
+  conv = sub.add_parser("convert", help="convert a HF checkpoint to jspec's orbax format, or "
+                                         "quantize it to FP8 (--quantize fp8)")
   _add_model_args(conv, model_required=True)
   conv.add_argument("--out", required=True)
+  conv.add_argument("--quantize", choices=["fp8"], default=None,
+                    help="fp8: write the checkpoint as block-scaled FP8 safetensors in the "
+                         "published layout (DeepSeek-V3, Qwen FP8), not orbax")
+  conv.add_argument("--block-size", type=int, default=None,
+                    help="FP8 block (square) of --quantize fp8 (default 128)")
   conv.set_defaults(func=cmd_convert)
 
   bench = sub.add_parser("bench", help="step costs vs the HBM roofline on real-size random "
