@@ -12,15 +12,17 @@ export JSPEC_COMPILATION_CACHE ?= $(CURDIR)/.cache/xla
 
 .PHONY: demo test test-gpu venv clean
 
-# The venv's own pip (23.2 with Python 3.12) installs editable: not upgraded first, and not
-# asked to look for a newer self. --no-compile: pip would byte-compile every module of every
-# package (transformers alone has thousands), half of a fresh install's time on 2 cores;
-# Python compiles the few hundred that jspec imports when it first imports them.
+# pip is upgraded first: a current one installs jspec's dependencies in about 2/3 of the time
+# Python 3.12.1's own pip 23.2 takes (20 s + 2 s for the upgrade against 30 s on 2 cores).
+# --no-compile: pip would byte-compile every module of every package (transformers alone has
+# thousands), half of a fresh install's time; Python compiles the few hundred that jspec
+# imports when it first imports them.
 $(STAMP): pyproject.toml scripts/find_python.sh
 	@python=$$(scripts/find_python.sh) || exit 1; \
 	if [ ! -x $(PY) ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then \
 	  echo "creating $(VENV) with $$python"; rm -rf $(VENV); $$python -m venv $(VENV) || exit 1; \
 	fi
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e .
 	@touch $(STAMP)
 
