@@ -98,14 +98,15 @@ def test_kernel_returns_the_cache_dtype_with_float32_sums():
 
 @pytest.mark.parametrize("batch, row_tiles, slots, sms, splits", [
     (1, 2, 8320, 132, 32),   # batch 1 at 8k: one chunk per 256 slots, not more
-    (1, 2, 32896, 132, 66),  # at 32k the SMs bound it
-    (8, 2, 8320, 132, 9),
-    (32, 2, 8320, 132, 3),
+    (1, 2, 32896, 132, 66),  # at 32k the SMs bound it: 132 programs, one wave
+    (8, 2, 8320, 132, 8),    # 128 programs; 9 chunks would start a second wave for 12
+    (32, 2, 8320, 132, 2),
     (32, 8, 32896, 132, 1),  # verify windows at batch 32 fill the GPU without splitting
     (4, 1, 100, 132, 1),     # a short cache: one chunk
 ])
-def test_splits_fill_the_gpu_about_once(batch, row_tiles, slots, sms, splits):
+def test_splits_fill_one_wave_of_programs(batch, row_tiles, slots, sms, splits):
   assert choose_splits(batch, row_tiles, slots, sms) == splits
+  assert choose_splits(batch, row_tiles, slots, sms, programs_per_sm=2) >= splits
 
 
 def test_the_compiled_kernel_refuses_latent_widths_triton_cannot_tile():

@@ -26,9 +26,17 @@ How (Pallas on Triton, as JAX's jax/experimental/pallas/ops/gpu/decode_attention
           output is the result, written in the cache's dtype).
 A row that sees no slot (padding rows, an idle sequence with position < 0) gives zeros.
 
-K is chosen so that the programs fill the GPU about once (`choose_splits`): a chunk's partial
+K is chosen so that the programs fill the GPU once (`choose_splits`): a chunk's partial
 output ([rows, C] float32) is as large as a few hundred latent rows, so more splits than the
-SMs need cost more than they save.
+SMs need cost more than they save, and a few programs past one wave cost a whole wave.
+
+Measured (one H100, benchmarks/mla_decode.py, results/mla_decode_h100.json; the default
+tiling): 16 heads per device (a tp = 8 shard) is memory-bound and the kernel reads the latent
+at 76-89% of the copy probe at batch 8-32 and context 32k, 1.3-2.1x XLA's path (one row
+slower: batch 1, context 8k, T = 4). 128 heads per device is compute-bound on Hopper (242
+FLOP per latent byte at T = 1, above the H100's ~220 and an H200's ~165; a verify window of 4
+four times that): the kernel is 1.0-1.5x XLA at T = 1 and level with it at T = 4 (~30-36% of
+the FLOP floor, as XLA's batched GEMMs), so there verify(4) costs 2.6-3.6x a decode step.
 
 On a GPU the kernel needs C and R powers of two >= 16 (Triton's block shapes and the tensor
 cores' smallest dot): DeepSeek-V3 / R1, GLM-4.7-Flash and Kimi K2 have C = 512, R = 64.
@@ -57,7 +65,7 @@ class MLATiling:
   block_slots: latent rows per loop step; num_warps / num_stages: Triton's (stages: loads in
   flight ahead of the loop); programs_per_sm: how many programs per SM `choose_splits` aims at."""
   block_rows: int = 64
-  block_slots: int = 32
+  block_slots: int = 64
   num_warps: int = 8
   num_stages: int = 2
   programs_per_sm: int = 1
@@ -78,10 +86,12 @@ def rows_block(rows: int, tiling: MLATiling) -> int:
 
 def choose_splits(batch: int, row_tiles: int, slots: int, num_sms: int,
                   programs_per_sm: int = 1) -> int:
-  """The fewest chunks per sequence that give about `programs_per_sm` programs per SM, at most
-  one per MIN_SPLIT_SLOTS slots of the cache."""
-  want = -(-num_sms * programs_per_sm // (batch * row_tiles))
-  return max(1, min(want, slots // MIN_SPLIT_SLOTS))
+  """The most chunks per sequence whose programs still run in one wave (`programs_per_sm` per
+  SM), at most one per MIN_SPLIT_SLOTS slots of the cache, at least one. One more would start
+  a second wave for a few programs: measured on an H100, 144 programs took about as long as
+  2 x 132."""
+  fit = num_sms * programs_per_sm // (batch * row_tiles)
+  return max(1, min(fit, slots // MIN_SPLIT_SLOTS))
 
 
 def _kernel(q_ref, cache_ref, pos_ref, len_ref, out_ref, lse_ref, *, scale: float,
