@@ -35,8 +35,9 @@ tiling): 16 heads per device (a tp = 8 shard) is memory-bound and the kernel rea
 at 76-89% of the copy probe at batch 8-32 and context 32k, 1.3-2.1x XLA's path (one row
 slower: batch 1, context 8k, T = 4). 128 heads per device is compute-bound on Hopper (242
 FLOP per latent byte at T = 1, above the H100's ~220 and an H200's ~165; a verify window of 4
-four times that): the kernel is 1.0-1.5x XLA at T = 1 and level with it at T = 4 (~30-36% of
-the FLOP floor, as XLA's batched GEMMs), so there verify(4) costs 2.6-3.6x a decode step.
+four times that): the kernel is 1.0-1.5x XLA at T = 1 and level with it at T = 4 (20-36% of
+the FLOP floor; XLA's batched GEMMs reach 17-37%), so there verify(4) costs 1.6-3.6x a decode
+step.
 
 On a GPU the kernel needs C and R powers of two >= 16 (Triton's block shapes and the tensor
 cores' smallest dot): DeepSeek-V3 / R1, GLM-4.7-Flash and Kimi K2 have C = 512, R = 64.
