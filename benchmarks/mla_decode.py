@@ -159,7 +159,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   sweep = SWEEP if args.sweep else []
   if args.smoke:
-    args.context, args.batch, args.heads = [72], [1, 2], [8]
+    args.context, args.batch, args.heads = [72], [2], [8]
     args.latent_dim, args.rope_dim, args.slack = 32, 16, 16
     args.copies, args.bandwidth_bytes, args.matmul_size = args.copies or 2, 16 << 20, 256
     sweep = ["16,16,4,1,1"] if args.sweep else []

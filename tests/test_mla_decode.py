@@ -269,3 +269,22 @@ def test_layer_on_gpu_through_the_kernel_matches_the_xla_path():
   llm = jspec.LLM(model=fixture_dir("deepseek_v3"), dtype="float32", max_model_len=128,
                   attention_backend="pallas")
   assert llm.target.layers[0].attn.latent_kernel is None  # C = 32, R = 8: XLA's path
+
+
+def test_benchmark_smoke_run_checks_and_times_both_paths(tmp_path):
+  """benchmarks/mla_decode.py --smoke: the kernel checked against float32 and XLA's path,
+  both timed, the JSON written (the GPU run is the same script at DeepSeek-V3's shapes)."""
+  import importlib.util
+  import json
+  import os
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "mla_decode.py")
+  spec = importlib.util.spec_from_file_location("mla_decode_benchmark", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  out = tmp_path / "mla.json"
+  assert bench.main(["--smoke", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert result["check"]["ok"] and result["check"]["idle_rows_zero"]
+  assert [(r["batch"], r["width"]) for r in result["rows"]] == [(2, 1), (2, 4)]
+  for row in result["rows"]:
+    assert row["xla"]["us"] > 0 and row["kernel"]["us"] > 0
