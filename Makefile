@@ -41,10 +41,18 @@ test: $(DEV_STAMP)
 	$(CPU_DEVICES) JSPEC_PROGRESS=0 JSPEC_COMPILATION_CACHE=off $(PY) -m pytest -q -n 2 -m "not gpu" tests
 
 # On a GPU runner: after `pip install -e '.[cuda,test]'`, or with a jax that is already there
-# (no registry access), the checkout as it is. PYTHON names another interpreter.
+# (no registry access), the checkout as it is. PYTHON names another interpreter. The tests
+# spend most of their time compiling, on the CPU cores: where pytest-xdist is installed they
+# run in GPU_WORKERS processes (0: one) that share the GPUs, each taking GPU memory as it needs
+# it rather than 75% of every GPU at start (and keeping it). The few that hold tens of GB
+# (marked large_gpu_memory) run afterwards in one process, alone.
 PYTHON ?= python3
+GPU_WORKERS ?= 4
+GPU_PYTEST := PYTHONPATH=. JSPEC_PROGRESS=0 XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pytest -q
 test-gpu:
-	PYTHONPATH=. JSPEC_PROGRESS=0 $(PYTHON) -m pytest -q -m gpu tests
+	@workers=$$($(PYTHON) -c 'import xdist' 2>/dev/null && echo "-n $(GPU_WORKERS)"); set -x; \
+	$(GPU_PYTEST) $$workers --durations=15 -m "gpu and not large_gpu_memory" tests; status=$$?; \
+	$(GPU_PYTEST) --durations=5 -m "gpu and large_gpu_memory" tests || status=1; exit $$status
 
 clean:
 	rm -rf $(VENV) .cache

@@ -20,6 +20,17 @@ def has_gpu() -> bool:
   return any(d.platform == "gpu" for d in jax.devices())
 
 
+# Tests that hold tens of GB of GPU memory (DeepSeek-V3's experts: 22.5 GB in bf16, drawn in
+# float32): `make test-gpu` runs them in a process of their own after the others, which share
+# the GPU in parallel processes that never give back the memory they have taken.
+LARGE_GPU_MEMORY = pytest.mark.large_gpu_memory
+
+
+def large_gpu_memory_cases(names, large=lambda name: name.startswith("deepseek")):
+  """`names` for a parametrize, those that are `large` marked LARGE_GPU_MEMORY."""
+  return [pytest.param(n, marks=LARGE_GPU_MEMORY) if large(n) else n for n in names]
+
+
 def pytest_collection_modifyitems(config, items):
   if has_gpu():
     return

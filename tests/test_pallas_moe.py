@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import large_gpu_memory_cases
 from jspec.models.moe_backends import experts_reference, get_experts_fn
 from jspec.pallas_kernels import (Tiling, choose_tilings, down_weighted, experts_pallas,
                                   gate_up_swiglu, max_tiles, permute_rows, plan_routing,
@@ -249,7 +250,7 @@ GPU_CASES = {
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("case", sorted(GPU_CASES))
+@pytest.mark.parametrize("case", large_gpu_memory_cases(sorted(GPU_CASES)))
 def test_gpu_experts_pallas_matches_reference(case):
   num_tokens, num_experts, top_k, dim, ffn = GPU_CASES[case]
   args = _problem(5, num_tokens, num_experts, top_k, dim, ffn, jnp.bfloat16)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import large_gpu_memory_cases
 from jspec.models.moe_backends import experts_reference, get_experts_fn
 from jspec.pallas_kernels import (DecodeTiling, decode_tilings, experts_decode,
                                   experts_grouped, experts_pallas, plan_decode,
@@ -212,7 +213,7 @@ GPU_SHAPES = {
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("case", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("case", large_gpu_memory_cases(sorted(GPU_SHAPES)))
 def test_gpu_decode_path_matches_reference(case):
   num_tokens, num_experts, top_k, dim, ffn = GPU_SHAPES[case]
   args = _problem(6, num_tokens, num_experts, top_k, dim, ffn, jnp.bfloat16)
