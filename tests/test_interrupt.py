@@ -46,13 +46,12 @@ def test_ctrl_c_during_generate_raises_at_once_and_leaves_the_llm_usable(batchin
                   batching=batching)
   expected = llm.generate(["In the beginning"], SHORT)[0].token_ids
 
-  _interrupt_when_prefill_launches(monkeypatch, module)
-  with pytest.raises(KeyboardInterrupt):
+  with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+    _interrupt_when_prefill_launches(patch, module)
     llm.generate(["In the beginning"], LONG)
   # Raised while the 500 decode steps were still running, not after them.
   running = _device_threads()
   assert running
-  monkeypatch.undo()
 
   for thread in running:  # it ends once its program does, on its own
     thread.join(timeout=120)
