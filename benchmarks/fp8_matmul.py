@@ -15,6 +15,8 @@ from HBM as in a decode step and no launch sits between them):
             whole tensor: not the block recipe, only the tensor cores' ceiling)
   kernel    jspec.pallas_kernels.fp8_gemm (rows <= 64), the weight in the checkpoint's [N, K]
             order: e4m3 tiles streamed by the TMA, widened to float16 in registers
+  kernel_e4m3  the same kernel with x quantized per row and 128 columns to e4m3 (DeepSeek's
+            act_quant): e4m3 x e4m3 wgmma on the tiles as the TMA leaves them
 Columns: µs per weight, the weight's bytes over that time (GB/s), the error against float32.
 """
 
@@ -76,8 +78,12 @@ def kernel_dot(x, w8, scale):
   return fp8_matmul(x, w8, scale)
 
 
+def kernel_e4m3_dot(x, w8, scale):
+  return fp8_matmul(x, w8, scale, activations="e4m3")
+
+
 FORMULATIONS = {"bf16": bf16_dot, "dequant": dequant_dot, "blocked": blocked_dot,
-                "fp8": fp8_dot, "kernel": kernel_dot}
+                "fp8": fp8_dot, "kernel": kernel_dot, "kernel_e4m3": kernel_e4m3_dot}
 
 
 def over_layers(fn):
@@ -142,6 +148,8 @@ def main():
       for text in args.kernel_tilings:
         tiling = Fp8Tiling(*map(int, text.split(",")))  # the fields in order
         variants.append((f"k{text}", lambda x, w, sc, t=tiling: fp8_matmul(x, w, sc, tiling=t)))
+        variants.append((f"k{text}/e4m3", lambda x, w, sc, t=tiling: fp8_matmul(
+            x, w, sc, tiling=t, activations="e4m3")))
       for name, formulation in variants:
         if name.startswith("k") and rows > 64:
           continue

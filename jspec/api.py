@@ -178,7 +178,10 @@ class LLM:
       self.draft_experts_fn = sharded_experts(base_experts, self.mesh, self.draft_rules,
                                               ep_strategy)
     if self.attention_backend == "pallas":
-      self._use_pallas_attention()
+      # "auto" takes the MLA kernel (measured faster than XLA's latent attention); GQA layers
+      # keep XLA's attention unless "pallas" is asked for: the split-S kernel has not been
+      # measured to beat XLA on the default path at short contexts.
+      self._use_pallas_attention(gqa=attention_backend == "pallas")
     self.projection_backend = self._use_projections(projection_backend)
     self._runner = engine.Runner(self)
 
@@ -191,7 +194,7 @@ class LLM:
       if isinstance(node, GatedDeltaNet):
         node.commit_mode = mode
 
-  def _use_pallas_attention(self):
+  def _use_pallas_attention(self, gqa: bool = True):
     """Decode, verify and draft steps of the target and the draft attend through the split-S
     kernels, laid out like their caches (interpreted off GPU, where Triton cannot compile
     them): GQA layers through `window_attention`, MLA layers through `mla_decode` where the
@@ -203,7 +206,7 @@ class LLM:
         continue
       kernel = sharded_window_attention(self.mesh, rules, interpret)
       for _, node in nnx.iter_graph(module):
-        if isinstance(node, Attention):
+        if isinstance(node, Attention) and gqa:
           node.window_attention = kernel
         elif isinstance(node, MLAttention) and (interpret or fits_kernel(node.latent_dim,
                                                                          node.rope_dim)):
@@ -261,7 +264,7 @@ class LLM:
     for module, rules in ((self.target, self.rules), (self.draft_module, self.draft_rules)):
       if module is None or not weights_replicated(self.mesh, rules):
         continue
-      kernel = sharded_fp8_projection(self.mesh, rules)
+      kernel = sharded_fp8_projection(self.mesh, rules, self.config.fp8_block)
       mlp_whole = axis_size(self.mesh, rules.mlp) == 1
       for _, node in nnx.iter_graph(module):
         if isinstance(node, Attention) or (isinstance(node, MLP) and mlp_whole):

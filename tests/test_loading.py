@@ -165,7 +165,8 @@ def test_bad_dtype():
 
 @pytest.mark.parametrize("quantization, match", [
     ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-      "weight_block_size": [128, 128]}, "FP8 blocks of 128 x 128 do not tile.*head_dim': 32"),
+      "weight_block_size": [48, 48]}, "FP8 blocks of 48 x 48 straddle attention heads of "
+                                      "head_dim=32"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "per-tensor scales"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [32, 32]},
      "activation_scheme 'static' is not supported"),

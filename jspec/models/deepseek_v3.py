@@ -44,7 +44,7 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.is_moe = is_moe
     self.mlp = (MoE(cfg, dtype, rngs) if is_moe
-                else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs))
+                else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs, cfg.fp8_block))
 
   def __call__(self, x_BTD, positions_BT, cache, kv_window: int, experts_fn: Callable,
                valid_BT=None):
@@ -116,7 +116,12 @@ def mla_rules(cfg: ModelConfig, p: str) -> dict:
   a = p + "self_attn."
   rule = lambda name, hf_shape, build: W.TensorRule((a + name,), (hf_shape,), build)
   transpose = lambda shape: (lambda w: np.ascontiguousarray(w.T).reshape(shape))
-  kv_b = lambda part: (lambda w: np.ascontiguousarray(w.reshape(n, nope + v, c)[:, part]))
+  # Unquantized w_uk / w_uv are [N, P, C]; FP8 ones are read as [N, C, P] here, the generic
+  # FP8 rule then moves C back last (jspec.models.layers.linear with lead=1).
+  fp8 = cfg.fp8_block is not None
+  kv_b = lambda part: (lambda w: np.ascontiguousarray(
+      np.swapaxes(w.reshape(n, nope + v, c)[:, part], 1, 2) if fp8
+      else w.reshape(n, nope + v, c)[:, part]))
   rules = {
       ("kv_a_proj",): rule("kv_a_proj_with_mqa.weight", (c + r, d), transpose((d, c + r))),
       ("kv_a_norm", "scale"): W.norm_rule(a + "kv_a_layernorm.weight", c),

@@ -65,44 +65,50 @@ def zeros_param(shape, dtype, logical_axes) -> nnx.Param:
 
 
 def linear(rngs: nnx.Rngs, shape, dtype, logical_axes, in_axes: int = 1,
-           fp8_block: tuple[int, int] | None = None, scale: float | None = None):
-  """(weight, block scale or None) of a projection whose first `in_axes` axes are its input.
+           fp8_block: tuple[int, int] | None = None, scale: float | None = None,
+           lead: int = 0, flatten_out: bool = False):
+  """(weight, block scale or None) of a projection: `lead` batch axes (experts), then `in_axes`
+  input axes, then its output axes.
 
   Unquantized: a `param` of `shape`. With `fp8_block` (an FP8 checkpoint,
   jspec.models.quantization): the weight in float8_e4m3fn in the checkpoint's order, output
-  axes first (quantization.stored_shape), and its block scale in float32 over the same logical
-  axes, the last output and the last input axis counted in blocks (so a shard holds whole
-  blocks)."""
+  axes first (quantization.stored_shape; `flatten_out` joins them into one, named by the
+  first), and its block scale in float32 over the same logical axes, the last output and the
+  last input axis counted in blocks (so a shard holds whole blocks)."""
   weight = param(rngs, shape, dtype, logical_axes, scale=scale)
   if fp8_block is None:
     return weight, None
-  stored = quantization.stored_shape(shape, in_axes)
-  stored_axes = quantization.stored_shape(logical_axes, in_axes)
-  value = jnp.moveaxis(weight.get_value(), range(in_axes), range(-in_axes, 0))
-  weight = nnx.Param(value.astype(jnp.float8_e4m3fn), logical_axes=stored_axes,
+  stored = quantization.stored_shape(shape, in_axes, lead, flatten_out)
+  stored_axes = quantization.stored_shape(logical_axes, in_axes, lead, flatten_out)
+  value = jnp.moveaxis(weight.get_value(), range(lead, lead + in_axes), range(-in_axes, 0))
+  weight = nnx.Param(value.reshape(stored).astype(jnp.float8_e4m3fn), logical_axes=stored_axes,
                      init_scale=weight.get_metadata()["init_scale"])
   grid = quantization.scale_shape(stored, in_axes, fp8_block)
   return weight, nnx.Param(jnp.ones(grid, jnp.float32), logical_axes=stored_axes,
-                           init_scale=None, fp8_in_axes=in_axes)
+                           init_scale=None, fp8_in_axes=in_axes, fp8_lead=lead)
 
 
-def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_product=None):
+def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_product=None,
+            fp8_block: tuple[int, int] | None = None):
   """x times a projection weight over x's last and the weight's input axes: `spec` (an einsum
   over the weight input-first) under XLA, else `product` ((x [.., K], w [K, N]) -> [.., N], on
-  free reshapes). An FP8 weight (`scale` given; stored output-first, its last `in_axes` axes
-  the input) goes to `fp8_product` ((x [.., K], w8 [N, K], scale [N/b, K/b]) -> [.., N])
-  where one is set, else is multiplied by its scale in float32 and cast to x's dtype before
-  XLA's dot (prefill: the cast weight is read once per call's many rows)."""
+  free reshapes). An FP8 weight (`scale` given, with its `fp8_block`; stored output-first, its
+  last `in_axes` axes the input) goes to `fp8_product` ((x [.., K], w8 [N, K], scale
+  [N/b, K/b]) -> [.., N]) where one is set, else is multiplied by its scale in float32 and cast
+  to x's dtype before XLA's dot (prefill: the cast weight is read once per call's many rows);
+  the result has the stored weight's output axes."""
   lead = x.shape[:-in_axes]
   if scale is not None:
     k = math.prod(weight.shape[-in_axes:])
     out_axes = weight.shape[:-in_axes]
+    w8_NK, scale_NK = weight.reshape(-1, k), scale.reshape(math.prod(scale.shape[:-in_axes]), -1)
+    x_K = x.reshape(*lead, k)
     if fp8_product is not None:
-      out = fp8_product(x.reshape(*lead, k), weight.reshape(-1, k),
-                        scale.reshape(math.prod(scale.shape[:-in_axes]), -1))
-      return out.reshape(*lead, *out_axes)
-    return jnp.einsum(quantization.stored_spec(spec, in_axes), x,
-                      quantization.dequantize(weight, scale, in_axes, x.dtype, jnp))
+      out = fp8_product(x_K, w8_NK, scale_NK)
+    else:
+      out = jnp.einsum("...k,nk->...n", x_K, quantization.dequantize(
+          w8_NK, scale_NK, 1, fp8_block, x.dtype, jnp))
+    return out.reshape(*lead, *out_axes)
   k = math.prod(weight.shape[:in_axes])
   if product is None:
     return jnp.einsum(spec, x, weight)
@@ -201,7 +207,7 @@ class Attention(nnx.Module):
     # which are split over tp like the query heads: each shard then holds its own group's head.
     self.kv_replicas = cfg.kv_head_replicas
     kv_axis = "kv_heads" if self.kv_replicas == 1 else None
-    block = cfg.fp8_block
+    block = self.fp8_block = cfg.fp8_block
     self._init_query(cfg, dtype, rngs)
     self.k_proj, self.k_proj_scale = linear(rngs, (d, k, h), dtype,
                                             ("embed", kv_axis, "head_dim"), 1, block)
@@ -246,7 +252,7 @@ class Attention(nnx.Module):
     """x times the projection `name` (and its FP8 block scale, if it has one): `project`."""
     scale = getattr(self, name + "_scale")
     return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
-                   in_axes, self.projection, self.fp8_projection)
+                   in_axes, self.projection, self.fp8_projection, self.fp8_block)
 
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
@@ -358,11 +364,12 @@ class MLP(nnx.Module):
                                                   ("mlp", "embed"), 1, fp8_block)
     # FP8 weights only: set by the LLM as Attention.fp8_projection.
     self.fp8_projection = None
+    self.fp8_block = fp8_block
 
   def _dense(self, x, name: str, spec: str):
     scale = getattr(self, name + "_scale")
     return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
-                   fp8_product=self.fp8_projection)
+                   fp8_product=self.fp8_projection, fp8_block=self.fp8_block)
 
   def __call__(self, x_BTD):
     gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf")

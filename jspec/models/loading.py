@@ -246,13 +246,17 @@ def _with_fp8_scales(abstract_module, rules: dict, block: tuple[int, int] | None
   if block is None:
     return rules
   fp8 = {}
-  for path, variable in nnx.to_flat_state(nnx.state(abstract_module)):
-    in_axes = variable.get_metadata().get("fp8_in_axes")
+  flat = dict(nnx.to_flat_state(nnx.state(abstract_module)))
+  for path, variable in flat.items():
+    meta = variable.get_metadata()
+    in_axes = meta.get("fp8_in_axes")
     if in_axes is not None:
       weight_path = path[:-1] + (path[-1].removesuffix("_scale"),)
+      stored = tuple(flat[weight_path].get_value().shape)
       weight_rule = rules[weight_path]
-      fp8[path] = W.output_first(W.fp8_scale_rule(weight_rule, block, in_axes), in_axes)
-      fp8[weight_path] = W.output_first(weight_rule, in_axes)
+      stored_rule = W.fp8_stored_rule(weight_rule, stored, in_axes, meta.get("fp8_lead", 0))
+      fp8[path] = W.fp8_scale_rule(weight_rule, stored_rule, block, in_axes)
+      fp8[weight_path] = stored_rule
   return {**rules, **fp8}
 
 

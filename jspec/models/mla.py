@@ -51,7 +51,8 @@ from flax import nnx
 from jspec.config import ModelConfig
 from jspec.models import rope as rope_lib
 from jspec.models.caches import MLACache
-from jspec.models.layers import RMSNorm, param
+from jspec.models import quantization
+from jspec.models.layers import RMSNorm, linear, param, project
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not the
 # config's rms_norm_eps (DeepseekV3RMSNorm(q_lora_rank), Glm4MoeLiteRMSNorm(kv_lora_rank)).
@@ -94,20 +95,40 @@ class MLAttention(nnx.Module):
     d, n = cfg.hidden_size, cfg.num_heads
     p, r, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     self.q_lora_rank = cfg.q_lora_rank
+    # FP8 checkpoints: every projection kept as published (jspec.models.layers.linear), the
+    # per-head query weights flattened (the checkpoint's blocks straddle heads of p + r).
+    self.fp8_block = block = cfg.fp8_block
     if self.q_lora_rank:
-      self.q_a_proj = param(rngs, (d, self.q_lora_rank), dtype, ("embed", None))
+      self.q_a_proj, self.q_a_proj_scale = linear(rngs, (d, self.q_lora_rank), dtype,
+                                                  ("embed", None), 1, block)
       self.q_a_norm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, dtype, axis_name=None)
-      self.q_b_proj = param(rngs, (self.q_lora_rank, n, p + r), dtype,
-                            (None, "q_heads", "head_dim"))
+      self.q_b_proj, self.q_b_proj_scale = linear(
+          rngs, (self.q_lora_rank, n, p + r), dtype, (None, "q_heads", "head_dim"), 1, block,
+          flatten_out=True)
     else:
-      self.q_proj = param(rngs, (d, n, p + r), dtype, ("embed", "q_heads", "head_dim"))
-    self.kv_a_proj = param(rngs, (d, c + r), dtype, ("embed", "latent"))
+      self.q_proj, self.q_proj_scale = linear(rngs, (d, n, p + r), dtype,
+                                              ("embed", "q_heads", "head_dim"), 1, block,
+                                              flatten_out=True)
+    self.kv_a_proj, self.kv_a_proj_scale = linear(rngs, (d, c + r), dtype, ("embed", "latent"),
+                                                  1, block)
     self.kv_a_norm = RMSNorm(c, LATENT_NORM_EPS, dtype, axis_name="latent")
-    self.w_uk = param(rngs, (n, p, c), dtype, ("q_heads", "head_dim", "latent"), scale=c ** -0.5)
-    self.w_uv = param(rngs, (n, v, c), dtype, ("q_heads", "head_dim", "latent"), scale=c ** -0.5)
-    self.o_proj = param(rngs, (n, v, d), dtype, ("q_heads", "head_dim", "embed"),
-                        scale=(n * v) ** -0.5)
-    self.nope_dim, self.rope_dim, self.latent_dim = p, r, c
+    if block is None:
+      self.w_uk = param(rngs, (n, p, c), dtype, ("q_heads", "head_dim", "latent"),
+                        scale=c ** -0.5)
+      self.w_uv = param(rngs, (n, v, c), dtype, ("q_heads", "head_dim", "latent"),
+                        scale=c ** -0.5)
+      self.w_uk_scale = self.w_uv_scale = None
+    else:  # kv_b_proj's per-head [nope | value] rows: stored [N, P, C] and [N, V, C] alike
+      self.w_uk, self.w_uk_scale = linear(rngs, (n, c, p), dtype,
+                                          ("q_heads", "latent", "head_dim"), 1, block,
+                                          scale=c ** -0.5, lead=1)
+      self.w_uv, self.w_uv_scale = linear(rngs, (n, c, v), dtype,
+                                          ("q_heads", "latent", "head_dim"), 1, block,
+                                          scale=c ** -0.5, lead=1)
+    self.o_proj, self.o_proj_scale = linear(rngs, (n, v, d), dtype,
+                                            ("q_heads", "head_dim", "embed"), 2, block,
+                                            scale=(n * v) ** -0.5)
+    self.nope_dim, self.rope_dim, self.latent_dim, self.num_heads = p, r, c, n
     inv_freq, self.rope_attention_factor = rope_lib.inv_frequencies(r, cfg.rope_theta,
                                                                     cfg.rope_scaling)
     self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a constant of the program
@@ -121,16 +142,31 @@ class MLAttention(nnx.Module):
     return rope_lib.apply_rope(x, positions_BT, jnp.asarray(self.inv_freq, jnp.float32),
                                self.rope_attention_factor, self.rope_interleave)
 
+  def _dense(self, x, name: str, spec: str, in_axes: int = 1):
+    """x times the projection `name` (FP8 or not): jspec.models.layers.project."""
+    scale = getattr(self, name + "_scale")
+    return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
+                   in_axes, fp8_block=self.fp8_block)
+
+  def _head_weight(self, name: str, dtype):
+    """w_uk or w_uv [N, *, C] in `dtype` (an FP8 one multiplied by its block scales)."""
+    weight, scale = getattr(self, name)[...], getattr(self, name + "_scale")
+    if scale is None:
+      return weight
+    return quantization.dequantize(weight, scale[...], 1, self.fp8_block, dtype, jnp)
+
   def project(self, x_BTD, positions_BT):
     """(q_nope [B,T,N,P], roped q_rope [B,T,N,R], the window's cache rows [B,T,L])."""
+    n, h = self.num_heads, self.nope_dim + self.rope_dim
     if self.q_lora_rank:
-      q_BTQ = self.q_a_norm(jnp.einsum("btd,dq->btq", x_BTD, self.q_a_proj[...]))
-      q_BTNH = jnp.einsum("btq,qnh->btnh", q_BTQ, self.q_b_proj[...])
+      q_BTQ = self.q_a_norm(self._dense(x_BTD, "q_a_proj", "btd,dq->btq"))
+      q_BTNH = self._dense(q_BTQ, "q_b_proj", "btq,qnh->btnh")
     else:
-      q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...])
+      q_BTNH = self._dense(x_BTD, "q_proj", "btd,dnh->btnh")
+    q_BTNH = q_BTNH.reshape(*x_BTD.shape[:2], n, h)  # FP8: stored flattened
     q_nope_BTNP = q_BTNH[..., :self.nope_dim]
     q_rope_BTNR = self._rope(q_BTNH[..., self.nope_dim:], positions_BT)
-    kv_BTL = jnp.einsum("btd,dl->btl", x_BTD, self.kv_a_proj[...])
+    kv_BTL = self._dense(x_BTD, "kv_a_proj", "btd,dl->btl")
     latent_BTC = self.kv_a_norm(kv_BTL[..., :self.latent_dim])
     k_rope_BTR = self._rope(kv_BTL[..., self.latent_dim:], positions_BT)
     return q_nope_BTNP, q_rope_BTNR, jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
@@ -151,11 +187,12 @@ class MLAttention(nnx.Module):
     else:
       out_BTNV = self.attend_expanded(q_nope_BTNP, q_rope_BTNR, cache.latent[:, :kv_window],
                                       positions_BT)
-    return jnp.einsum("btnv,nvd->btd", out_BTNV, self.o_proj[...]), cache
+    return self._dense(out_BTNV, "o_proj", "btnv,nvd->btd", in_axes=2), cache
 
   def absorbed_query(self, q_nope_BTNP, q_rope_BTNR):
     """[q_nope W_UK | q_rope] [B,T,N,L]: the query in the cache's row space."""
-    q_latent_BTNC = jnp.einsum("btnp,npc->btnc", q_nope_BTNP, self.w_uk[...])
+    q_latent_BTNC = jnp.einsum("btnp,npc->btnc", q_nope_BTNP,
+                               self._head_weight("w_uk", q_nope_BTNP.dtype))
     return jnp.concatenate([q_latent_BTNC, q_rope_BTNR.astype(q_latent_BTNC.dtype)], axis=-1)
 
   def attend_absorbed(self, q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT,
@@ -163,7 +200,8 @@ class MLAttention(nnx.Module):
     """Attention in latent space: the cached rows are read as they are, never per head."""
     context_BTNC = self.latent_context(self.absorbed_query(q_nope_BTNP, q_rope_BTNR), cache_BSL,
                                        positions_BT, kv_window)
-    return jnp.einsum("btnc,nvc->btnv", context_BTNC, self.w_uv[...])
+    return jnp.einsum("btnc,nvc->btnv", context_BTNC,
+                      self._head_weight("w_uv", context_BTNC.dtype))
 
   def latent_context(self, q_BTNL, cache_BSL, positions_BT, kv_window: int | None = None):
     """The probability-weighted latent rows [B, T, N, C]: through `latent_kernel` where set
@@ -180,8 +218,10 @@ class MLAttention(nnx.Module):
   def attend_expanded(self, q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT):
     """transformers' form: per-head keys and values from every cached latent, then attention."""
     latent_BSC, k_rope_BSR = cache_BSL[..., :self.latent_dim], cache_BSL[..., self.latent_dim:]
-    k_nope_BSNP = jnp.einsum("bsc,npc->bsnp", latent_BSC, self.w_uk[...])
-    values_BSNV = jnp.einsum("bsc,nvc->bsnv", latent_BSC, self.w_uv[...])
+    k_nope_BSNP = jnp.einsum("bsc,npc->bsnp", latent_BSC,
+                             self._head_weight("w_uk", latent_BSC.dtype))
+    values_BSNV = jnp.einsum("bsc,nvc->bsnv", latent_BSC,
+                             self._head_weight("w_uv", latent_BSC.dtype))
     scores_BNTS = (
         jnp.einsum("btnp,bsnp->bnts", q_nope_BTNP, k_nope_BSNP,
                    preferred_element_type=jnp.float32)

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jspec.models.layers import MLP, param
+from jspec.models import quantization
+from jspec.models.layers import MLP, linear, param
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 # What DeepSeek-style configs may say, and what jspec implements exactly of it.
@@ -85,12 +86,31 @@ class MoE(nnx.Module):
     # backend reads these same arrays, and the zeros add nothing (a zero gate/up column gives
     # silu(0) * 0 = 0; a zero down row or hidden column contributes 0 to every sum).
     d_pad, f_pad = cfg.moe_padded_hidden_size, cfg.moe_padded_intermediate_size
-    self.w_gate = param(rngs, (e, d, f), dtype, ("experts", "embed", "moe_mlp"), scale=d ** -0.5,
-                        pad_to=(e, d_pad, f_pad))
-    self.w_up = param(rngs, (e, d, f), dtype, ("experts", "embed", "moe_mlp"), scale=d ** -0.5,
-                      pad_to=(e, d_pad, f_pad))
-    self.w_down = param(rngs, (e, f, d), dtype, ("experts", "moe_mlp", "embed"), scale=f ** -0.5,
-                        pad_to=(e, f_pad, d_pad))
+    self.fp8_block = block = cfg.fp8_block
+    if block is None:
+      self.w_gate = param(rngs, (e, d, f), dtype, ("experts", "embed", "moe_mlp"),
+                          scale=d ** -0.5, pad_to=(e, d_pad, f_pad))
+      self.w_up = param(rngs, (e, d, f), dtype, ("experts", "embed", "moe_mlp"),
+                        scale=d ** -0.5, pad_to=(e, d_pad, f_pad))
+      self.w_down = param(rngs, (e, f, d), dtype, ("experts", "moe_mlp", "embed"),
+                          scale=f ** -0.5, pad_to=(e, f_pad, d_pad))
+      self.w_gate_scale = self.w_up_scale = self.w_down_scale = None
+    else:
+      # FP8 experts as published: [E, out, in] e4m3 with their block scales; whole blocks
+      # (quantization.refuse_unsupported), so the Pallas tile needs no padding.
+      if (d_pad, f_pad) != (d, f):
+        raise ValueError(f"FP8 experts of hidden size {d} and intermediate size {f} would be "
+                         f"padded to the expert kernels' tile ({d_pad}, {f_pad}); FP8 experts "
+                         "take no padding: use moe_backend='reference' or 'ragged_dot'")
+      self.w_gate, self.w_gate_scale = linear(rngs, (e, d, f), dtype,
+                                              ("experts", "embed", "moe_mlp"), 1, block,
+                                              scale=d ** -0.5, lead=1)
+      self.w_up, self.w_up_scale = linear(rngs, (e, d, f), dtype,
+                                          ("experts", "embed", "moe_mlp"), 1, block,
+                                          scale=d ** -0.5, lead=1)
+      self.w_down, self.w_down_scale = linear(rngs, (e, f, d), dtype,
+                                              ("experts", "moe_mlp", "embed"), 1, block,
+                                              scale=f ** -0.5, lead=1)
     self.hidden_padding = d_pad - d
     self.top_k = cfg.num_experts_per_tok
     self.norm_topk_prob = cfg.norm_topk_prob
@@ -105,11 +125,11 @@ class MoE(nnx.Module):
     self.has_shared_expert = cfg.shared_expert_intermediate_size > 0
     if self.has_shared_expert:
       # Every token also goes through one dense SwiGLU, scaled by sigmoid(x @ gate).
-      self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size, dtype, rngs)
+      self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size, dtype, rngs, block)
       self.shared_expert_gate = param(rngs, (d, 1), dtype, ("embed", None))
     self.has_shared_experts = cfg.num_shared_experts > 0
     if self.has_shared_experts:
-      self.shared_experts = MLP(d, f * cfg.num_shared_experts, dtype, rngs)
+      self.shared_experts = MLP(d, f * cfg.num_shared_experts, dtype, rngs, block)
 
   def _route(self, x_TD):
     if self.scoring == "softmax":
@@ -123,14 +143,25 @@ class MoE(nnx.Module):
     return route_sigmoid(router_logits_TE, bias_E, self.top_k, self.n_group, self.topk_group,
                          self.norm_topk_prob, self.routed_scaling_factor, x_TD.dtype)
 
+  def expert_weights(self, dtype):
+    """(w_gate [E, D, F], w_up, w_down [E, F, D]) as the expert backends take them. FP8
+    experts are multiplied by their scales first, every expert in `dtype`: correct on every
+    backend and mesh, but the dequantized copies are written and read each step (no expert
+    kernel reads e4m3 yet)."""
+    weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    if self.fp8_block is None:
+      return weights
+    scales = (self.w_gate_scale[...], self.w_up_scale[...], self.w_down_scale[...])
+    return tuple(jnp.swapaxes(quantization.dequantize(w, s, 1, self.fp8_block, dtype, jnp),
+                              1, 2) for w, s in zip(weights, scales))
+
   def __call__(self, x_BTD, experts_fn: Callable):
     b, t, d = x_BTD.shape
     x_TD = x_BTD.reshape(b * t, d)
     ids_TK, weights_TK = self._route(x_TD)
     # Activations follow the weights' padded hidden size in, and drop it on the way out.
     x_in_TD = jnp.pad(x_TD, ((0, 0), (0, self.hidden_padding))) if self.hidden_padding else x_TD
-    y_TD = experts_fn(x_in_TD, ids_TK, weights_TK, self.w_gate[...], self.w_up[...],
-                      self.w_down[...])
+    y_TD = experts_fn(x_in_TD, ids_TK, weights_TK, *self.expert_weights(x_TD.dtype))
     y_BTD = y_TD[:, :d].reshape(b, t, d)
     if self.has_shared_expert:
       gate_BT1 = jax.nn.sigmoid(jnp.einsum("btd,do->bto", x_BTD, self.shared_expert_gate[...]))

@@ -37,7 +37,7 @@ def sharded_projection(mesh: Mesh, rules: ShardingRules, always: bool):
                        in_specs=(x, PartitionSpec()), out_specs=x, check_vma=False)
 
 
-def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules):
+def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules, block: tuple[int, int]):
   """(x [B, T, K], w8 [N, K], scale [N/128, K/128]) -> [B, T, N] per batch shard, the FP8
   weight and its scale replicated: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows
   with 128 x 128 blocks, else the weight multiplied by its scale before XLA's dot."""
@@ -47,10 +47,9 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules):
   def product(x_BTK, w8_NK, scale):
     *lead, k = x_BTK.shape
     rows, n = math.prod(lead), w8_NK.shape[0]
-    block = (n // scale.shape[0], k // scale.shape[1])
     if fp8_gemm.fits_kernel(rows, k, n, block):
       return fp8_gemm.fp8_matmul(x_BTK.reshape(rows, k), w8_NK, scale).reshape(*lead, n)
-    return project(x_BTK, w8_NK, scale, "...k,kn->...n")  # scaled, then XLA's dot
+    return project(x_BTK, w8_NK, scale, "", fp8_block=block)  # scaled, then XLA's dot
 
   x = rules.spec(("batch", "seq", None))
   return jax.shard_map(product, mesh=mesh, in_specs=(x, PartitionSpec(), PartitionSpec()),

@@ -8,11 +8,13 @@ its `weight_scale_inv` [ceil(out / block), ceil(in / block)] float32 holds, desp
 the factor each block's values are multiplied by. jspec keeps both as they are, in the
 checkpoint's [out, in] order (half the bytes of bf16, K contiguous for the FP8 kernel), and
 multiplies by the scale inside the product (jspec.models.layers.project).
-So far the attention and dense MLP projections of decoder layers: a checkpoint whose experts,
-latent attention or linear attention are quantized is refused, naming what is missing.
+Attention (GQA and multi-head latent), dense MLP and MoE expert projections, MTP / NextN layers
+included; a checkpoint whose linear attention is quantized is refused, naming what is missing.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -53,57 +55,68 @@ def fp8_block_size(hf_config, model_dir: str) -> tuple[int, int] | None:
 
 
 def refuse_unsupported(cfg, model_dir: str) -> None:
-  """What jspec's FP8 layout covers: attention (GQA) and dense MLP projections whose head
-  dim, hidden and intermediate sizes are whole blocks."""
-  out_block, in_block = cfg.fp8_block
-  missing = [what for what, present in (
-      ("MoE experts", cfg.is_moe), ("multi-head latent attention", cfg.kv_lora_rank > 0),
-      ("linear attention", "linear_attention" in cfg.layer_types)) if present]
-  if missing:
-    raise ValueError(f"{model_dir} is an FP8 checkpoint of a model with {', '.join(missing)}: "
-                     "jspec's FP8 loading covers attention and dense MLP projections so far")
-  sizes = {"head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size,
-           "intermediate_size": cfg.intermediate_size}
-  off = {name: size for name, size in sizes.items()
-         if size % out_block or size % in_block}
-  if off:
-    raise ValueError(f"{model_dir}: FP8 blocks of {out_block} x {in_block} do not tile {off}; "
-                     "jspec needs whole blocks along every projection axis")
+  """What jspec's FP8 layout covers: attention (GQA and multi-head latent), dense MLP and MoE
+  expert projections; blocks at a weight's edges may be partial (DeepSeek-V3's 576-row
+  kv_a_proj_with_mqa), except along a dimension that tp or ep splits (jspec.sharding.plan)."""
+  if "linear_attention" in cfg.layer_types:
+    raise ValueError(f"{model_dir} is an FP8 checkpoint of a model with linear attention "
+                     "(Gated DeltaNet): jspec's FP8 loading covers attention, MLA, dense MLP "
+                     "and MoE expert projections so far")
+  # GQA projections are kept split by head ([N, H, D] for q): a block must hold whole heads
+  # or tile each head, or one stored scale would stand for two of the checkpoint's. (MLA's
+  # per-head FP8 weights are kept flattened, as published, and need no such check.)
+  if cfg.kv_lora_rank == 0 and any(cfg.head_dim % b and b % cfg.head_dim
+                                   for b in cfg.fp8_block):
+    raise ValueError(f"{model_dir}: FP8 blocks of {cfg.fp8_block[0]} x {cfg.fp8_block[1]} "
+                     f"straddle attention heads of head_dim={cfg.head_dim}; jspec keeps those "
+                     "weights per head and needs blocks that hold whole heads or tile each")
+  if cfg.kv_lora_rank and any(size % cfg.fp8_block[0] for size in (
+      cfg.qk_nope_head_dim, cfg.v_head_dim)) or cfg.kv_lora_rank and (
+          cfg.v_head_dim % cfg.fp8_block[1]):
+    raise ValueError(f"{model_dir}: FP8 blocks of {cfg.fp8_block[0]} x {cfg.fp8_block[1]} do "
+                     f"not tile kv_b_proj's per-head rows (qk_nope_head_dim="
+                     f"{cfg.qk_nope_head_dim}, v_head_dim={cfg.v_head_dim}); jspec splits them "
+                     "into the key and value parts and needs whole blocks in each")
+  if cfg.is_moe and (cfg.moe_intermediate_size % cfg.fp8_block[0]
+                     or cfg.hidden_size % cfg.fp8_block[1]):
+    raise ValueError(f"{model_dir}: FP8 blocks of {cfg.fp8_block[0]} x {cfg.fp8_block[1]} do "
+                     f"not tile the experts (moe_intermediate_size={cfg.moe_intermediate_size}, "
+                     f"hidden_size={cfg.hidden_size}); jspec needs whole expert blocks")
 
 
-def stored_shape(shape, in_axes: int) -> tuple[int, ...]:
+def stored_shape(shape, in_axes: int, lead: int = 0, flatten_out: bool = False):
   """An FP8 weight's shape as jspec keeps it: the checkpoint's [out, in] order (its output axes
   first), the K-contiguous layout the FP8 kernel streams, where unquantized weights are kept
-  input-first. `shape`: the unquantized weight's, whose first `in_axes` axes are its input."""
-  return tuple(shape[in_axes:]) + tuple(shape[:in_axes])
-
-
-def stored_spec(spec: str, in_axes: int) -> str:
-  """An einsum over an unquantized weight (its operand input-first) rewritten for the FP8
-  weight's stored order."""
-  inputs, out = spec.split("->")
-  x, w = inputs.split(",")
-  return f"{x},{w[in_axes:]}{w[:in_axes]}->{out}"
+  input-first. `shape`: the unquantized weight's: `lead` batch axes (experts), then `in_axes`
+  input axes, then the output axes; `flatten_out`: the output axes as one (a per-head weight
+  whose heads the checkpoint's blocks straddle, as MLA's q_b_proj [N x 192, Q])."""
+  lead_axes, ins, outs = shape[:lead], shape[lead:lead + in_axes], shape[lead + in_axes:]
+  if flatten_out:
+    outs = (math.prod(outs),) if isinstance(outs[0], int) else outs[:1]
+  return tuple(lead_axes) + tuple(outs) + tuple(ins)
 
 
 def scale_shape(stored, in_axes: int, block: tuple[int, int]) -> tuple[int, ...]:
   """The block grid of a stored FP8 weight ([..out.., ..in..], the last `in_axes` axes its
-  input): the last output axis over the output block, the last axis over the input block."""
+  input): the last output axis over the output block, the last axis over the input block,
+  each rounded up (a partial block at the edge has its own scale, as published)."""
   out_block, in_block = block
   grid = list(stored)
-  grid[-in_axes - 1] //= out_block
-  grid[-1] //= in_block
+  grid[-in_axes - 1] = -(-grid[-in_axes - 1] // out_block)
+  grid[-1] = -(-grid[-1] // in_block)
   return tuple(grid)
 
 
-def expand_scale(scale, stored, in_axes: int, xp=np):
+def expand_scale(scale, stored, in_axes: int, block: tuple[int, int], xp=np):
   """A block scale (scale_shape's grid) repeated to the stored weight's shape."""
   last_out = len(stored) - in_axes - 1
-  scale = xp.repeat(scale, stored[last_out] // scale.shape[last_out], axis=last_out)
-  return xp.repeat(scale, stored[-1] // scale.shape[-1], axis=-1)
+  scale = xp.repeat(scale, block[0], axis=last_out)
+  scale = xp.repeat(scale, block[1], axis=-1)
+  return scale[(slice(None),) * last_out + (slice(0, stored[last_out]),) + (slice(None),) * (
+      in_axes - 1) + (slice(0, stored[-1]),)]
 
 
-def dequantize(weight, scale, in_axes: int, dtype, xp=np):
+def dequantize(weight, scale, in_axes: int, block: tuple[int, int], dtype, xp=np):
   """The stored FP8 weight times its block scales, in float32, cast to `dtype`."""
-  full = expand_scale(scale, weight.shape, in_axes, xp)
+  full = expand_scale(scale, weight.shape, in_axes, block, xp)
   return (weight.astype(xp.float32) * full).astype(dtype)

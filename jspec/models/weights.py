@@ -29,11 +29,25 @@ class TensorRule:
   split: Callable[[np.ndarray], list[np.ndarray]] | None = None
 
 
-def fp8_scale_rule(weight: TensorRule, block: tuple[int, int], in_axes: int) -> TensorRule:
-  """The block scales of an FP8 weight read by `weight`: each `{name}_scale_inv` [ceil(out /
-  b_out), ceil(in / b_in)] repeated to the weight's [out, in], laid out by the weight's own
-  rule, then one value per block kept (the weight's last input and last output axis step by
-  their block). Any layout the weight rule makes (transpose, head split, gate/up stack) so
+def fp8_stored_rule(rule: TensorRule, stored: tuple[int, ...], in_axes: int,
+                    lead: int = 0) -> TensorRule:
+  """`rule` with the input axes of what it builds (after `lead` batch axes) moved to the end,
+  reshaped to `stored`: an FP8 weight (or its full-size scales) in the checkpoint's [out, in]
+  order (jspec.models.quantization.stored_shape). Saving FP8 weights back to Hugging Face
+  tensors is not supported (no `split`)."""
+  def build(*arrays):
+    moved = np.moveaxis(rule.build(*arrays), range(lead, lead + in_axes), range(-in_axes, 0))
+    return np.ascontiguousarray(moved).reshape(stored)
+
+  return TensorRule(rule.names, rule.hf_shapes, build)
+
+
+def fp8_scale_rule(weight: TensorRule, stored_rule: TensorRule, block: tuple[int, int],
+                   in_axes: int) -> TensorRule:
+  """The block scales of an FP8 weight: each `{name}_scale_inv` [ceil(out / b_out), ceil(in /
+  b_in)] repeated to the weight's [out, in], laid out as `stored_rule` lays the weight out,
+  then one value per block kept (the stored weight's last output and last input axis step by
+  their block). Any layout the weight rule makes (head split, gate/up stack, expert stack) so
   carries over to the scales."""
   out_block, in_block = block
   names = tuple(name.removesuffix("weight") + "weight_scale_inv" for name in weight.names)
@@ -42,25 +56,13 @@ def fp8_scale_rule(weight: TensorRule, block: tuple[int, int], in_axes: int) -> 
   def build(*scales):
     full = [np.repeat(np.repeat(s.astype(np.float32), out_block, 0), in_block, 1)[:out, :in_]
             for s, (out, in_) in zip(scales, weight.hf_shapes)]
-    laid_out = weight.build(*full)
+    laid_out = stored_rule.build(*full)
     index = [slice(None)] * laid_out.ndim
-    index[in_axes - 1] = slice(None, None, in_block)
-    index[-1] = slice(None, None, out_block)
+    index[-in_axes - 1] = slice(None, None, out_block)
+    index[-1] = slice(None, None, in_block)
     return np.ascontiguousarray(laid_out[tuple(index)])
 
   return TensorRule(names, hf_shapes, build)
-
-
-def output_first(rule: TensorRule, in_axes: int) -> TensorRule:
-  """`rule` with the first `in_axes` axes of what it builds moved to the end: an FP8 weight (or
-  its scales) in the checkpoint's [out, in] order (jspec.models.quantization.stored_shape)."""
-  def build(*arrays):
-    built = rule.build(*arrays)
-    return np.ascontiguousarray(np.moveaxis(built, range(in_axes), range(-in_axes, 0)))
-
-  split = None if rule.split is None else (
-      lambda a: rule.split(np.moveaxis(a, range(-in_axes, 0), range(in_axes))))
-  return TensorRule(rule.names, rule.hf_shapes, build, split)
 
 
 def _copy(shape):

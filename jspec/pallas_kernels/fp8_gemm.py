@@ -45,6 +45,7 @@ from jspec.pallas_kernels.grouped_gemm import _smem_transforms
 BLOCK = 128        # the published weight_block_size, both axes
 MAX_ROWS = 64      # float32 sums of a 128-column item in registers
 E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0
 # A block's scale travels repeated over this many float32 lanes: one 128-byte TMA block.
 SCALE_LANES = 32
 # x's rows are scaled so that |x| < 2^14, under float16's largest finite value (65504).
@@ -57,7 +58,13 @@ class Fp8Tiling:
   accumulator and scale; more per step spreads a step's fixed latency over more bytes).
   num_stages: the pipeline's depth (0: as many as fit its shared-memory budget)."""
   blocks_per_step: int = 2
-  num_stages: int = 0
+  num_stages: int = 4
+
+
+def default_tiling(rows: int) -> Fp8Tiling:
+  """Measured on an H200 (BENCHMARKS.md, "FP8 block-scaled products"): two blocks a step up to
+  16 rows; from there the widened tiles of two blocks crowd the registers, one is faster."""
+  return Fp8Tiling(blocks_per_step=2 if rows <= 16 else 1, num_stages=4)
 
 
 def fits_kernel(rows: int, k: int, n: int, block: tuple[int, int]) -> bool:
@@ -83,31 +90,38 @@ def _to_float16_rows(x_MK):
   return jnp.ldexp(x32, -shift_M[:, None]).astype(jnp.float16), jnp.ldexp(1.0, shift_M)
 
 
-def _partials(x16_RK, w8_NK, scale_rows_NbX, splits: int, tiling: Fp8Tiling):
+def _partials(x_RK, w8_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8Tiling):
   """[S, N, R] float32: slice s's sum over its K blocks of (W_block @ x_block^T) * scale.
 
-  scale_rows_NbX: each block's scale repeated over `lanes` (>= R) lanes ([N/128, K/128 x lanes]),
-  so that a step's scales arrive with its tiles as one TMA block each (a scalar read from
-  global memory in every step would sit in the step's critical path)."""
-  rows, k = x16_RK.shape
+  x_RK: float16, or e4m3 with `act_scale_X` ([K/128 x lanes]: each row's scale per 128-K
+  group, rows on the lanes) for FP8 x FP8 products.
+  scale_rows_NbX: each block's scale repeated over `lanes` (>= R) lanes ([N/128, K/128 x
+  lanes]), so that a step's scales arrive with its tiles as one TMA block each (a scalar read
+  from global memory in every step would sit in the step's critical path)."""
+  rows, k = x_RK.shape
   n = w8_NK.shape[0]
+  x_dtype = x_RK.dtype
+  fp8_x = act_scale_X is not None
   per_step = tiling.blocks_per_step
   step_k = per_step * BLOCK
   k_steps = k // splits // step_k
   lanes = scale_rows_NbX.shape[1] // (k // BLOCK)
+  scale_bytes = per_step * lanes * 4 * (2 if fp8_x else 1)
   stages = decode_gemm._num_stages(
       decode_gemm.DecodeTiling(BLOCK, step_k, tiling.num_stages),
-      BLOCK * step_k + rows * step_k * 2 + per_step * lanes * 4)
-  decode_gemm._check_aligned(((rows, step_k), jnp.float16), ((BLOCK, step_k), E4M3),
+      BLOCK * step_k + rows * step_k * x_dtype.itemsize + scale_bytes)
+  decode_gemm._check_aligned(((rows, step_k), x_dtype), ((BLOCK, step_k), E4M3),
                              ((per_step * lanes,), jnp.float32))
 
-  def body(x_ref, w_ref, scale_ref, out_ref):
+  def body(*refs):
+    *in_refs, out_ref = refs
+
     def in_specs_for(item, delay_release):
       def k_step(i, k):
         return item(i)[0] * k_steps + k
 
       x_spec = plgpu.BlockSpec((rows, step_k), lambda i, k: (0, k_step(i, k)),
-                               transforms=_smem_transforms(step_k, jnp.float16),
+                               transforms=_smem_transforms(step_k, x_dtype),
                                delay_release=delay_release)
       w_spec = plgpu.BlockSpec((BLOCK, step_k), lambda i, k: (item(i)[1], k_step(i, k)),
                                transforms=_smem_transforms(BLOCK, E4M3),
@@ -115,40 +129,56 @@ def _partials(x16_RK, w8_NK, scale_rows_NbX, splits: int, tiling: Fp8Tiling):
       s_spec = plgpu.BlockSpec((None, per_step * lanes),
                                lambda i, k: (item(i)[1], k_step(i, k)),
                                delay_release=delay_release)
-      return [x_spec, w_spec, s_spec]
+      a_spec = plgpu.BlockSpec((per_step * lanes,), lambda i, k: (k_step(i, k),),
+                               delay_release=delay_release)
+      return [x_spec, w_spec, s_spec] + ([a_spec] if fp8_x else [])
 
-    def accumulate(slot, col, k, sums, smem_refs):
-      x_smem, w_smem, s_smem = smem_refs
+    def products(w_smem, x_smem):
+      """Each 128-K block's W @ x^T in float32, fresh accumulators."""
       columns = [pl.ds(j * BLOCK, BLOCK) for j in range(per_step)]
+      accs = [plgpu.ACC((BLOCK, rows)) for _ in columns]
+      if fp8_x:  # e4m3 x e4m3: both operands as the TMA left them
+        def mma_fp8(*acc_refs):
+          for acc, c in zip(acc_refs, columns):
+            plgpu.wgmma(acc, w_smem.at[:, c], x_smem.at[:, c].T)
+          return tuple(acc[...] for acc in acc_refs)
+
+        return pl.run_scoped(mma_fp8, *accs)
       w16 = [w_smem[:, c].astype(jnp.float16) for c in columns]
 
-      def mma(*accs):
-        for acc, a, c in zip(accs, w16, columns):
+      def mma(*acc_refs):
+        for acc, a, c in zip(acc_refs, w16, columns):
           plgpu.wgmma(acc, a, x_smem.at[:, c].T)
-        return tuple(acc[...] for acc in accs)
+        return tuple(acc[...] for acc in acc_refs)
 
       def mma_from_smem(*a_smem):
         for ref, a in zip(a_smem, w16):
           ref[...] = a
         plgpu.commit_smem()
 
-        def mma(*accs):
-          for acc, ref, c in zip(accs, a_smem, columns):
+        def mma(*acc_refs):
+          for acc, ref, c in zip(acc_refs, a_smem, columns):
             plgpu.wgmma(acc, ref, x_smem.at[:, c].T)
-          return tuple(acc[...] for acc in accs)
+          return tuple(acc[...] for acc in acc_refs)
 
-        return pl.run_scoped(mma, *[plgpu.ACC((BLOCK, rows)) for _ in columns])
+        return pl.run_scoped(mma, *accs)
 
       if platform.on_gpu():
-        parts = pl.run_scoped(mma, *[plgpu.ACC((BLOCK, rows)) for _ in columns])
-      else:  # the interpreter's wgmma reads both operands from shared memory only
-        parts = pl.run_scoped(mma_from_smem, *[
-            plgpu.SMEM((BLOCK, BLOCK), jnp.float16,
-                       transforms=_smem_transforms(BLOCK, jnp.float16)) for _ in columns])
+        return pl.run_scoped(mma, *accs)
+      # The interpreter's wgmma reads both operands from shared memory only.
+      return pl.run_scoped(mma_from_smem, *[
+          plgpu.SMEM((BLOCK, BLOCK), jnp.float16,
+                     transforms=_smem_transforms(BLOCK, jnp.float16)) for _ in columns])
+
+    def accumulate(slot, col, k, sums, smem_refs):
+      x_smem, w_smem, s_smem, *a_smem = smem_refs
       (total,) = sums
-      for j, part in enumerate(parts):
-        scale_R = plgpu.load(s_smem.at[pl.ds(j * lanes, rows)],
-                             layout=plgpu.Layout.WGMMA.reduce(0))
+      for j, part in enumerate(products(w_smem, x_smem)):
+        lanes_j = pl.ds(j * lanes, rows)
+        scale_R = plgpu.load(s_smem.at[lanes_j], layout=plgpu.Layout.WGMMA.reduce(0))
+        if fp8_x:
+          scale_R = scale_R * plgpu.load(a_smem[0].at[lanes_j],
+                                         layout=plgpu.Layout.WGMMA.reduce(0))
         total = total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
       return (total,)
 
@@ -166,16 +196,32 @@ def _partials(x16_RK, w8_NK, scale_rows_NbX, splits: int, tiling: Fp8Tiling):
         accumulate=accumulate,
         out_smem=plgpu.SMEM((BLOCK, rows), jnp.float32,
                             transforms=_smem_transforms(rows, jnp.float32)),
-    )(x_ref, w_ref, scale_ref)
+    )(*in_refs)
 
+  inputs = (x_RK, w8_NK, scale_rows_NbX) + ((act_scale_X,) if fp8_x else ())
   return decode_gemm._kernel_call(body, (splits, n, rows), jnp.float32, "fp8_block_gemm")(
-      x16_RK, w8_NK, scale_rows_NbX)
+      *inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "tiling"))
+def quantize_activations(x_MK):
+  """(x8 [M, K] e4m3, scale [M, K/128] float32): each row's 128-wide groups scaled so that their
+  largest |x| maps to e4m3's 448 (DeepSeek-V3's act_quant; the checkpoints' "dynamic"
+  activation scheme)."""
+  m, k = x_MK.shape
+  groups = x_MK.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
+  scale = jnp.maximum(jnp.max(jnp.abs(groups), axis=-1), 1e-12) / E4M3_MAX
+  x8 = (groups / scale[..., None]).astype(E4M3).reshape(m, k)
+  return x8, scale
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations"))
 def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
-               splits: int | None = None, tiling: Fp8Tiling = Fp8Tiling()) -> jax.Array:
-  """x @ (w8 * scale broadcast over its 128 x 128 blocks).T, in x's dtype."""
+               splits: int | None = None, tiling: Fp8Tiling | None = None,
+               activations: str = "float16") -> jax.Array:
+  """x @ (w8 * scale broadcast over its 128 x 128 blocks).T, in x's dtype.
+
+  activations: "float16" (x as it is, exact in float16 after a power-of-two row scale) or
+  "e4m3" (x quantized per row and 128-K group first, quantize_activations)."""
   m, k = x_MK.shape
   n, k_w = w8_NK.shape
   if k != k_w or w8_NK.dtype != E4M3 or scale_NbKb.shape != (n // BLOCK, k // BLOCK):
@@ -185,17 +231,27 @@ def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
   if not fits_kernel(m, k, n, (BLOCK, BLOCK)):
     raise ValueError(f"fp8_matmul takes M <= {MAX_ROWS} rows and K, N in multiples of "
                      f"{BLOCK}, got M={m}, K={k}, N={n}")
+  if activations not in ("float16", "e4m3"):
+    raise ValueError(f"activations must be 'float16' or 'e4m3', got {activations!r}")
   splits = splits or choose_splits(k, n, platform.num_sms())
   if k % (splits * BLOCK):
     raise ValueError(f"K={k} does not split into {splits} slices of whole {BLOCK}-blocks")
+  tiling = tiling or default_tiling(m)
   per_step = tiling.blocks_per_step
   if k // splits % (per_step * BLOCK):
     tiling = dataclasses.replace(tiling, blocks_per_step=1)  # a slice of an odd block count
-  x16_MK, row_scale_M = _to_float16_rows(x_MK)
   rows = decode_routing.padded_tokens(m)
-  x16_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
   lanes = max(rows, SCALE_LANES)
   scale_rows_NbX = jnp.repeat(scale_NbKb.astype(jnp.float32), lanes, axis=1)
-  parts_SNR = _partials(x16_RK, w8_NK, scale_rows_NbX, splits, tiling)
+  if activations == "e4m3":
+    x8_MK, act_scale_MKb = quantize_activations(x_MK)
+    x_RK = jnp.pad(x8_MK, ((0, rows - m), (0, 0)))
+    act_scale_X = jnp.pad(act_scale_MKb, ((0, lanes - m), (0, 0))).T.reshape(-1)
+    row_scale_M = jnp.ones((m,), jnp.float32)
+  else:
+    x16_MK, row_scale_M = _to_float16_rows(x_MK)
+    x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
+    act_scale_X = None
+  parts_SNR = _partials(x_RK, w8_NK, scale_rows_NbX, act_scale_X, splits, tiling)
   out_NM = jnp.sum(parts_SNR[:, :, :m], axis=0)
   return (out_NM.T * row_scale_M[:, None]).astype(x_MK.dtype)

@@ -30,10 +30,19 @@ def validate_mesh(cfg: ModelConfig, mesh: MeshConfig):
       checks.append(("tp", mesh.tp, "shared_expert_intermediate_size",
                      cfg.shared_expert_intermediate_size))
   if cfg.fp8_block is not None:
-    # The MLP's FP8 scales are split over tp like its columns: a shard holds whole blocks.
-    out_block, in_block = cfg.fp8_block
-    checks.append(("tp", mesh.tp, f"intermediate_size / FP8 block {max(cfg.fp8_block)}",
-                   cfg.intermediate_size // max(out_block, in_block)))
+    # FP8 scales are split over tp like the weights' columns: a shard holds whole blocks.
+    block = max(cfg.fp8_block)
+    checks.append(("tp", mesh.tp, f"intermediate_size / FP8 block {block}",
+                   cfg.intermediate_size // block))
+    if cfg.is_moe:
+      checks.append(("tp", mesh.tp, f"moe_intermediate_size / FP8 block {block}",
+                     cfg.moe_intermediate_size // block))
+    if cfg.kv_lora_rank:  # MLA's per-head weights are kept flattened, as published
+      qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+      checks.append(("tp", mesh.tp, f"num_heads x qk_head_dim / FP8 block {block}",
+                     cfg.num_heads * qk // block))
+      checks.append(("tp", mesh.tp, f"num_heads x v_head_dim / FP8 block {block}",
+                     cfg.num_heads * cfg.v_head_dim // block))
   if "linear_attention" in cfg.layer_types:
     # Linear-attention heads are split by key head; each key head's value heads go with it.
     checks.append(("tp", mesh.tp, "linear_num_key_heads", cfg.linear_num_key_heads))
