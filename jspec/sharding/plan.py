@@ -110,9 +110,19 @@ def _abstract_bytes_per_device(shapes, shardings) -> int:
              for leaf, sharding in zip(leaves, placements))
 
 
-def _bytes_per_device(tree) -> int:
-  leaves = jax.tree.leaves(tree)
-  return _abstract_bytes_per_device(leaves, [leaf.sharding for leaf in leaves])
+def _weight_bytes_per_device(module, rules: ShardingRules, jax_mesh) -> int:
+  """A module's parameters per device: as placed, or, for a module built abstractly
+  (nnx.eval_shape: a plan on paper), as its logical axes would place them."""
+  shapes, shardings = [], []
+  for _, variable in nnx.to_flat_state(nnx.state(module)):
+    value = variable.get_value()
+    sharding = getattr(value, "sharding", None)
+    if sharding is None:
+      axes = variable.get_metadata().get("logical_axes") or (None,) * value.ndim
+      sharding = rules.sharding(jax_mesh, axes)
+    shapes.append(value)
+    shardings.append(sharding)
+  return _abstract_bytes_per_device(shapes, shardings)
 
 
 def device_capacity() -> int | None:
@@ -156,8 +166,8 @@ def _plan_at(mesh: MeshConfig, jax_mesh, target, mtp, target_rules, draft_rules,
   draft_cache = 0 if mtp is None else _cache_bytes(mtp, draft_rules, jax_mesh, batch, slots,
                                                    dtype)[0]
   return MemoryPlan(
-      weight_bytes=_bytes_per_device(nnx.state(target)) + (
-          _bytes_per_device(nnx.state(mtp)) if mtp is not None else 0),
+      weight_bytes=_weight_bytes_per_device(target, target_rules, jax_mesh) + (
+          _weight_bytes_per_device(mtp, draft_rules, jax_mesh) if mtp is not None else 0),
       target_cache_bytes=target_cache, draft_cache_bytes=draft_cache,
       capacity_bytes=capacity_bytes, verify_window_bytes=window, max_num_seqs=max_num_seqs,
       batch_rows=batch)
