@@ -197,6 +197,10 @@ def main(argv=None):
   bench.add_argument("--draft-vocab-size", type=int, default=0,
                      help="time the MTP head over a reduced draft vocabulary of this many tokens")
   bench.add_argument("--dtype", default="bfloat16")
+  bench.add_argument("--fp8", action="store_true",
+                     help="the presets as FP8 checkpoints (e4m3 projections and experts with "
+                          "128 x 128 block scales, as DeepSeek-V3 and the Qwen FP8 releases); "
+                          "the roofline counts their bytes")
   bench.add_argument("--moe-backend", default="auto")
   bench.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "pallas"],
                      help="decode/verify attention: XLA, or the split-S Pallas kernels "

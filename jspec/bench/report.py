@@ -41,6 +41,8 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
   """One preset's rows; `save_partial({rows, warm-up})` runs after each row, so a run stopped
   midway keeps what it measured."""
   cfg = PRESETS[name]
+  if getattr(args, "fp8", False):
+    cfg = dataclasses.replace(cfg, fp8_block=(128, 128))
   if args.layers:
     cfg = dataclasses.replace(cfg, num_layers=args.layers,
                               layer_types=cfg.layer_types[:args.layers])
@@ -114,7 +116,7 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
     seconds = timer.prefill(batch, prompt)
     prefill.append(dict(batch=batch, prompt=prompt, tokens_per_second=batch * prompt / seconds))
   draft_ids = llm.mtp.layers[0].draft_ids  # what the timed head really drafts from
-  return dict(model=name, layers=cfg.num_layers, k=k,
+  return dict(model=name, fp8=cfg.fp8_block is not None, layers=cfg.num_layers, k=k,
               recurrent_commit=llm.recurrent_commit if cfg.layer_types else None,
               draft_vocab_size=cfg.vocab_size if draft_ids is None else draft_ids.shape[0],
               device=jax.devices()[0].device_kind,

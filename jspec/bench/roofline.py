@@ -122,7 +122,19 @@ def step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize:
   receive tokens) plus each sequence's valid keys and values (or MLA latent rows) in
   full-attention layers, and each sequence's float32 state in linear-attention layers, read
   once and written once. `experts_used`: the distinct experts each MoE layer routed in the
-  step (`distinct_experts`, in layer order); None: the expectation under uniform routing."""
+  step (`distinct_experts`, in layer order); None: the expectation under uniform routing.
+  With `cfg.fp8_block` set: the layers' weights at one byte each plus a float32 scale per block
+  (FP8 checkpoints; their norms and biases, a negligible share, counted likewise), the
+  routers, the lm_head and the caches at `itemsize`."""
+  layer_itemsize = itemsize
+  if cfg.fp8_block is not None:
+    layer_itemsize = 1 + 4 / (cfg.fp8_block[0] * cfg.fp8_block[1])
+  return _step_bytes(cfg, batch, width, context, itemsize, layer_itemsize, experts_used)
+
+
+def _step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize: float,
+                layer_itemsize: float, experts_used) -> int:
+  """step_bytes with the layers' weights at `layer_itemsize` bytes each."""
   d, h = cfg.hidden_size, cfg.head_dim
   hybrid = bool(cfg.layer_types)
   query = (2 if hybrid else 1) * cfg.num_heads  # gated attention: a query and a gate per head
@@ -149,13 +161,15 @@ def step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize:
     if cfg.layer_is_moe(layer):
       used = (expected_experts_used(cfg.num_experts, cfg.num_experts_per_tok, batch * width)
               if experts_used is None else experts_used[moe_layers.index(layer)])
-      weights += d * cfg.num_experts + used * 3 * d * cfg.moe_intermediate_size
+      weights += used * 3 * d * cfg.moe_intermediate_size
       weights += 3 * d * cfg.shared_expert_intermediate_size + d * bool(
           cfg.shared_expert_intermediate_size)
-      weights += cfg.num_experts * cfg.router_correction_bias
       weights += 3 * d * cfg.moe_intermediate_size * cfg.num_shared_experts
+      # The router in the model's dtype (never quantized), added with the state bytes.
+      state_bytes += (d * cfg.num_experts + cfg.num_experts * cfg.router_correction_bias) * (
+          itemsize)
     else:
       weights += 3 * d * cfg.intermediate_size
-  weights += d * cfg.vocab_size + d  # lm_head (tied or not, it is read once) and final norm
+  head = d * cfg.vocab_size + d  # lm_head (tied or not, it is read once) and final norm
   kv = batch * (context + width) * kv_layers * cache_values_per_token(cfg)
-  return int(np.ceil((weights + kv) * itemsize)) + state_bytes
+  return int(np.ceil(weights * layer_itemsize + (head + kv) * itemsize)) + state_bytes
