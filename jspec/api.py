@@ -20,6 +20,7 @@ from jspec.models.decode_attention import (ATTENTION_BACKENDS, resolve_attention
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
 from jspec.models.mla import MLAttention
+from jspec.models.moe import MoE
 from jspec.models.drafts import check_draft_caches, check_draft_vocabulary, init_random_drafter
 from jspec.models.loading import init_random, load_checkpoint, load_eagle3
 from jspec.models.projections import (PROJECTION_BACKENDS, sharded_fp8_projection,
@@ -173,6 +174,10 @@ class LLM:
              f"{max_model_len} ({self.memory_plan.describe()})")
     base_experts = get_experts_fn(self.moe_backend)
     self.experts_fn = self.draft_experts_fn = base_experts
+    for module, rules in ((self.target, self.rules), (self.draft_module, self.draft_rules)):
+      for _, node in ([] if module is None else nnx.iter_graph(module)):
+        if isinstance(node, MoE):
+          node.expert_shards = axis_size(self.mesh, rules.experts)
     if needs_shard_map(self.mesh):
       self.experts_fn = sharded_experts(base_experts, self.mesh, self.rules, ep_strategy)
       self.draft_experts_fn = sharded_experts(base_experts, self.mesh, self.draft_rules,
@@ -181,7 +186,7 @@ class LLM:
       # "auto" takes the MLA kernel (measured faster than XLA's latent attention); GQA layers
       # keep XLA's attention unless "pallas" is asked for: the split-S kernel has not been
       # measured to beat XLA on the default path at short contexts.
-      self._use_pallas_attention(gqa=attention_backend == "pallas")
+      self._use_pallas_attention(explicit=attention_backend == "pallas")
     self.projection_backend = self._use_projections(projection_backend)
     self._runner = engine.Runner(self)
 
@@ -194,7 +199,7 @@ class LLM:
       if isinstance(node, GatedDeltaNet):
         node.commit_mode = mode
 
-  def _use_pallas_attention(self, gqa: bool = True):
+  def _use_pallas_attention(self, explicit: bool = True):
     """Decode, verify and draft steps of the target and the draft attend through the split-S
     kernels, laid out like their caches (interpreted off GPU, where Triton cannot compile
     them): GQA layers through `window_attention`, MLA layers through `mla_decode` where the
@@ -206,12 +211,19 @@ class LLM:
         continue
       kernel = sharded_window_attention(self.mesh, rules, interpret)
       for _, node in nnx.iter_graph(module):
-        if isinstance(node, Attention) and gqa:
+        if isinstance(node, Attention) and explicit:
           node.window_attention = kernel
         elif isinstance(node, MLAttention) and (interpret or fits_kernel(node.latent_dim,
                                                                          node.rope_dim)):
           node.latent_kernel = sharded_mla_decode(self.mesh, rules, node.latent_dim,
                                                   node.scale, interpret)
+          if not explicit:
+            # "auto": the kernel where it was measured faster than XLA's path on an H200
+            # (BENCHMARKS.md, "MLA decode attention"): windows of up to 128 query rows per
+            # shard (a decode step of 128 heads, a verify window of 16 heads x 4 positions);
+            # wider ones (128 heads x 4 positions: 0.76-0.80x at batch 8 and 32) keep XLA's.
+            node.latent_kernel_max_rows = MLA_KERNEL_MAX_ROWS * axis_size(self.mesh,
+                                                                           rules.q_heads)
 
   def _use_projections(self, backend: str) -> str:
     """Sets the attention layers' projection product (jspec.models.projections); returns the
@@ -469,6 +481,10 @@ class LLM:
     """The target's float32 logits [len, vocab] for each sequence (one forward, no sampling)."""
     ids = self._encode(token_id_lists)
     return self._runner.compute_logits(ids)
+
+
+# "auto"'s limit on an MLA window's query rows per shard for the latent kernel.
+MLA_KERNEL_MAX_ROWS = 128
 
 
 def _load_tokenizer(model_dir: str):

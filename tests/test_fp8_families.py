@@ -14,13 +14,17 @@ import json
 import re
 import shutil
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import jspec
 from helpers import fixture_dir
+from jspec.models.moe import MoE
+from jspec.models.moe_backends import experts_reference
 
 # Names the published FP8 releases keep in e4m3: every linear projection of decoder and MTP
 # layers; never embeddings, lm_head, norms, routers or their biases, nor DeepSeek's MTP eh_proj.
@@ -103,7 +107,6 @@ def test_fp8_family_gives_the_dequantized_logits(name, tmp_path):
 
 
 def _leaves(module):
-  from flax import nnx
   return [("/".join(map(str, path)), variable.get_value())
           for path, variable in nnx.to_flat_state(nnx.state(module))]
 
@@ -142,3 +145,20 @@ def test_fp8_mesh_that_would_split_an_expert_block_is_refused(deepseek):
   # moe_intermediate_size 16 is one block of 16: tp = 2 would split it.
   with pytest.raises(ValueError, match="tp=2 must divide moe_intermediate_size / FP8 block"):
     _llm(deepseek[0], mesh=jspec.MeshConfig(tp=2))
+
+
+def test_fp8_experts_gathered_for_few_tokens_give_the_full_computation(deepseek):
+  """A step of fewer token copies than experts multiplies only its routed experts' scales
+  (gathered); a wider step every expert's. A token's MoE output is the same either way."""
+  llm = _llm(deepseek[0])
+  moe = next(node for _, node in nnx.iter_graph(llm.target) if isinstance(node, MoE))
+  num_experts, top_k = moe.w_gate[...].shape[0], moe.top_k
+  rng = np.random.default_rng(5)
+  x_BTD = jnp.asarray(rng.standard_normal((1, num_experts, llm.config.hidden_size)),
+                      jnp.float32)
+  wide = moe(x_BTD, experts_reference)  # 16 tokens x top-k copies: every expert
+  assert x_BTD.shape[1] * top_k >= num_experts
+  for t in range(3):
+    one = moe(x_BTD[:, t:t + 1], experts_reference)  # top-k copies < experts: gathered
+    np.testing.assert_allclose(np.asarray(one[0, 0]), np.asarray(wide[0, t]), rtol=1e-5,
+                               atol=1e-6)

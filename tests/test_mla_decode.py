@@ -158,6 +158,25 @@ def test_layer_through_the_kernel_equals_the_xla_path(t):
   assert float(jnp.max(jnp.abs(want))) > 0.1
 
 
+def test_windows_past_the_row_limit_keep_the_xla_path():
+  """`latent_kernel_max_rows` ("auto"'s limit): a decode step of 4 heads goes to the kernel, a
+  verify window of 4 heads x 4 positions (16 rows, over a limit of 8) does not."""
+  cfg = _config()
+  attn = MLAttention(cfg, jnp.float32, nnx.Rngs(3))
+  calls = []
+
+  def kernel(q, cache, positions):
+    calls.append(q.shape)
+    return mla_decode(q, cache, positions, latent_dim=cfg.kv_lora_rank, scale=attn.scale,
+                      interpret=True)
+
+  attn.latent_kernel, attn.latent_kernel_max_rows = kernel, 8
+  for t in (1, 4):
+    x, positions, cache = _layer_inputs(cfg, 2, t, 32, t)
+    attn(x, positions, cache, 32)
+  assert calls == [(2, 1, 4, cfg.kv_lora_rank + cfg.qk_rope_head_dim)]
+
+
 def test_sharded_kernel_splits_sequences_over_dp_and_heads_over_tp():
   """Under shard_map on a dp=2 x tp=2 mesh (2 of 4 heads and 1 of 2 sequences per shard, the
   latent whole on each): the unsharded kernel's context."""

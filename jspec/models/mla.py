@@ -137,6 +137,9 @@ class MLAttention(nnx.Module):
     # (q [B,T,N,L], cache [B,S,L], positions [B,T]) -> context [B,T,N,C], set by the LLM for
     # attention_backend "pallas" (jspec.models.decode_attention.sharded_mla_decode); None: XLA.
     self.latent_kernel = None
+    # Windows of more query rows (heads x positions, all shards' heads counted) keep XLA's
+    # path; None: every window through the kernel (set by the LLM with `latent_kernel`).
+    self.latent_kernel_max_rows = None
 
   def _rope(self, x, positions_BT):
     return rope_lib.apply_rope(x, positions_BT, jnp.asarray(self.inv_freq, jnp.float32),
@@ -208,7 +211,9 @@ class MLAttention(nnx.Module):
     (it reads each sequence's slots up to its position, so it takes the whole cache: a
     slice would be copied before the kernel reads it), else `latent_attention` over the first
     `kv_window` slots (None: all)."""
-    if self.latent_kernel is not None:
+    _, t, n, _ = q_BTNL.shape
+    if self.latent_kernel is not None and (self.latent_kernel_max_rows is None
+                                           or t * n <= self.latent_kernel_max_rows):
       return self.latent_kernel(q_BTNL, cache_BSL, positions_BT)
     if kv_window is not None:
       cache_BSL = cache_BSL[:, :kv_window]

@@ -112,6 +112,9 @@ class MoE(nnx.Module):
                                               ("experts", "moe_mlp", "embed"), 1, block,
                                               scale=f ** -0.5, lead=1)
     self.hidden_padding = d_pad - d
+    # Expert-parallel shards the expert weights are split over (set by the LLM): FP8 steps
+    # that gather their routed experts pad them to a multiple of it.
+    self.expert_shards = 1
     self.top_k = cfg.num_experts_per_tok
     self.norm_topk_prob = cfg.norm_topk_prob
     self.scoring = cfg.router_scoring
@@ -143,17 +146,33 @@ class MoE(nnx.Module):
     return route_sigmoid(router_logits_TE, bias_E, self.top_k, self.n_group, self.topk_group,
                          self.norm_topk_prob, self.routed_scaling_factor, x_TD.dtype)
 
-  def expert_weights(self, dtype):
-    """(w_gate [E, D, F], w_up, w_down [E, F, D]) as the expert backends take them. FP8
-    experts are multiplied by their scales first, every expert in `dtype`: correct on every
-    backend and mesh, but the dequantized copies are written and read each step (no expert
-    kernel reads e4m3 yet)."""
+  def _experts_for(self, ids_TK, dtype):
+    """(ids, w_gate [E', D, F], w_up, w_down [E', F, D]) as the expert backends take them.
+
+    FP8 experts are multiplied by their scales first, in `dtype`. Where the step routes fewer
+    token copies than there are experts (decode and verify steps), only the routed experts
+    are: copy c gets its own expert c (a gather of its e4m3 weights and scales), padded to a
+    multiple of `expert_shards` so that expert parallelism splits them evenly; the same
+    products as with every expert. Otherwise every expert is, each step (no expert kernel
+    reads e4m3 yet: both write the multiplied copies and read them again)."""
     weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
     if self.fp8_block is None:
-      return weights
+      return (ids_TK, *weights)
     scales = (self.w_gate_scale[...], self.w_up_scale[...], self.w_down_scale[...])
-    return tuple(jnp.swapaxes(quantization.dequantize(w, s, 1, self.fp8_block, dtype, jnp),
-                              1, 2) for w, s in zip(weights, scales))
+    num_experts = weights[0].shape[0]
+    copies = ids_TK.size
+    if copies < num_experts:
+      rows = -(-copies // self.expert_shards) * self.expert_shards
+      flat_ids = ids_TK.reshape(-1)
+      valid = (flat_ids >= 0) & (flat_ids < num_experts)
+      take = jnp.pad(jnp.where(valid, flat_ids, 0), (0, rows - copies))
+      weights = tuple(w[take] for w in weights)
+      scales = tuple(sc[take] for sc in scales)
+      ids_TK = jnp.where(valid, jnp.arange(copies), -1).reshape(ids_TK.shape).astype(
+          ids_TK.dtype)
+    return (ids_TK, *(jnp.swapaxes(quantization.dequantize(w, sc, 1, self.fp8_block, dtype,
+                                                           jnp), 1, 2)
+                      for w, sc in zip(weights, scales)))
 
   def __call__(self, x_BTD, experts_fn: Callable):
     b, t, d = x_BTD.shape
@@ -161,7 +180,8 @@ class MoE(nnx.Module):
     ids_TK, weights_TK = self._route(x_TD)
     # Activations follow the weights' padded hidden size in, and drop it on the way out.
     x_in_TD = jnp.pad(x_TD, ((0, 0), (0, self.hidden_padding))) if self.hidden_padding else x_TD
-    y_TD = experts_fn(x_in_TD, ids_TK, weights_TK, *self.expert_weights(x_TD.dtype))
+    expert_ids_TK, *expert_weights = self._experts_for(ids_TK, x_TD.dtype)
+    y_TD = experts_fn(x_in_TD, expert_ids_TK, weights_TK, *expert_weights)
     y_BTD = y_TD[:, :d].reshape(b, t, d)
     if self.has_shared_expert:
       gate_BT1 = jax.nn.sigmoid(jnp.einsum("btd,do->bto", x_BTD, self.shared_expert_gate[...]))
