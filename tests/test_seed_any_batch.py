@@ -60,3 +60,10 @@ def test_seeded_request_alone_equals_it_in_any_batch(target, drafter, dtype, bat
     params.insert(place, seeded)
     out = llm.generate(batch, params, use_tqdm=False)
     assert out[place].token_ids == alone, f"batch of {size}"
+
+
+@pytest.mark.gpu
+def test_seeded_mtp_request_alone_equals_it_in_any_batch_on_gpu(drafters):
+  """The same promise on the GPU's kernels and fusions: MTP in bfloat16, continuous batching."""
+  test_seeded_request_alone_equals_it_in_any_batch("qwen3_dense", "mtp", "bfloat16",
+                                                   "continuous", drafters)
