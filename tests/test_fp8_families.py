@@ -22,7 +22,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import jspec
-from helpers import fixture_dir
+from helpers import fixture_dir, two_sample_chi2
 from jspec.models.moe import MoE
 from jspec.models.moe_backends import experts_reference
 
@@ -162,3 +162,17 @@ def test_fp8_experts_gathered_for_few_tokens_give_the_full_computation(deepseek)
     one = moe(x_BTD[:, t:t + 1], experts_reference)  # top-k copies < experts: gathered
     np.testing.assert_allclose(np.asarray(one[0, 0]), np.asarray(wide[0, t]), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_fp8_deepseek_speculative_sampling_is_lossless(deepseek):
+  """With temperature, the second generated token (the first decided by verification) has the
+  same distribution with the FP8 model's NextN drafts as without: a two-sample chi-square on
+  the top tokens, 1500 samples each (each its own random stream)."""
+  params = jspec.SamplingParams(temperature=1.0, max_tokens=2, seed=0, n=1500, ignore_eos=True)
+  second = lambda llm: np.array([c.token_ids[1] for c in llm.generate(
+      [PROMPTS[2]], params, use_tqdm=False)[0].outputs])
+  vanilla = second(_llm(deepseek[0]))
+  speculated = second(_llm(deepseek[0], speculative_config={"method": "mtp",
+                                                            "num_speculative_tokens": 2}))
+  stat, critical, dof = two_sample_chi2(vanilla, speculated)
+  assert dof >= 3 and stat < critical, (stat, critical, dof)
