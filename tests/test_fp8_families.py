@@ -46,7 +46,8 @@ def _quantize(w_OI, block):
   blocks = padded.reshape(go, bo, gi, bi)
   scale = np.maximum(np.abs(blocks).max(axis=(1, 3)), 1e-12) / 448.0
   w8 = (blocks / scale[:, None, :, None]).astype(ml_dtypes.float8_e4m3fn)
-  return w8.reshape(go * bo, gi * bi)[:o, :i], scale.astype(np.float32)
+  # Contiguous: safetensors writes a view's buffer as it lies, not its elements in order.
+  return np.ascontiguousarray(w8.reshape(go * bo, gi * bi)[:o, :i]), scale.astype(np.float32)
 
 
 def _dequantize(w8, scale, block):
@@ -54,9 +55,9 @@ def _dequantize(w8, scale, block):
   return w8.astype(np.float32) * full[:w8.shape[0], :w8.shape[1]]
 
 
-def _write(root, name: str):
+def _write(root, name: str, block=None):
   """(FP8 directory, its dequantized twin, tensors quantized) from the fixture `name`."""
-  block = FAMILIES[name]
+  block = block or FAMILIES[name]
   fp8_dir, plain_dir = root / "fp8", root / "dequantized"
   shutil.copytree(fixture_dir(name), fp8_dir)
   shutil.copytree(fixture_dir(name), plain_dir)
@@ -103,6 +104,17 @@ def test_fp8_family_gives_the_dequantized_logits(name, tmp_path):
   assert any("w_down" in path for path in e4m3) and any("o_proj" in path for path in e4m3)
   for got, want in zip(fp8.compute_logits(PROMPTS), _llm(plain_dir).compute_logits(PROMPTS)):
     # e4m3 x scale is exact in float32: the same weights, multiplied in another order.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_blocks_holding_two_heads_and_a_partial_intermediate_block(tmp_path):
+  """Llama's fixture in blocks of 64: each block row of q / k / v holds two heads of 32 (the
+  heads are stored split, each with its block's scale), o_proj's input likewise, and the
+  intermediate size of 96 leaves gate and up a partial block each. Scaled per axis, the
+  weights are the checkpoint's."""
+  fp8_dir, plain_dir, _ = _write(tmp_path, "llama3", block=(64, 64))
+  for got, want in zip(_llm(fp8_dir).compute_logits(PROMPTS),
+                       _llm(plain_dir).compute_logits(PROMPTS)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 

@@ -101,13 +101,19 @@ def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_pro
   if scale is not None:
     k = math.prod(weight.shape[-in_axes:])
     out_axes = weight.shape[:-in_axes]
-    w8_NK, scale_NK = weight.reshape(-1, k), scale.reshape(math.prod(scale.shape[:-in_axes]), -1)
     x_K = x.reshape(*lead, k)
-    if fp8_product is not None:
-      out = fp8_product(x_K, w8_NK, scale_NK)
+    # The scale grid flattens to the [N, K] weight's own 128 x 128 grid only where the inner
+    # output and input axes are whole blocks (a block holding two heads of 64, or an
+    # intermediate size of 200, gives each head or half its own block row): the kernel takes
+    # the flattened form only then; the scaled weight is built on the stored axes.
+    whole_blocks = (weight.shape[-in_axes - 1] % fp8_block[0] == 0
+                    and weight.shape[-1] % fp8_block[1] == 0)
+    if fp8_product is not None and whole_blocks:
+      out = fp8_product(x_K, weight.reshape(-1, k),
+                        scale.reshape(math.prod(scale.shape[:-in_axes]), -1))
     else:
-      out = jnp.einsum("...k,nk->...n", x_K, quantization.dequantize(
-          w8_NK, scale_NK, 1, fp8_block, x.dtype, jnp))
+      scaled = quantization.dequantize(weight, scale, in_axes, fp8_block, x.dtype, jnp)
+      out = jnp.einsum("...k,nk->...n", x_K, scaled.reshape(-1, k))
     return out.reshape(*lead, *out_axes)
   k = math.prod(weight.shape[:in_axes])
   if product is None:

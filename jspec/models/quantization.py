@@ -57,7 +57,9 @@ def fp8_block_size(hf_config, model_dir: str) -> tuple[int, int] | None:
 def refuse_unsupported(cfg, model_dir: str) -> None:
   """What jspec's FP8 layout covers: attention (GQA and multi-head latent), dense MLP and MoE
   expert projections; blocks at a weight's edges may be partial (DeepSeek-V3's 576-row
-  kv_a_proj_with_mqa), except along a dimension that tp or ep splits (jspec.sharding.plan)."""
+  kv_a_proj_with_mqa), and a block may hold several whole GQA heads, except along a dimension
+  that tp or ep splits (jspec.sharding.plan). Weights whose inner axes are not whole blocks are
+  scaled per axis before XLA's product (jspec.models.layers.project), not by the kernel."""
   if "linear_attention" in cfg.layer_types:
     raise ValueError(f"{model_dir} is an FP8 checkpoint of a model with linear attention "
                      "(Gated DeltaNet): jspec's FP8 loading covers attention, MLA, dense MLP "
