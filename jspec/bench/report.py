@@ -110,8 +110,10 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
                                  capacity) if cfg.is_mla else []
   prefill = []
   for batch, prompt in ((1, 512), (1, 8192), (8, 512)):
-    if prompt > max_context or (capacity and batch * prompt * prompt * cfg.num_heads * 4
-                                > 0.3 * capacity):
+    # The whole-prompt forward materialises float32 scores [B, heads, P, P]; they must fit
+    # beside the weights (DeepSeek-V3's 128 heads at 8k: 32 GiB), or the row is skipped.
+    scores_bytes = batch * prompt * prompt * cfg.num_heads * 4
+    if prompt > max_context or (capacity and scores_bytes > 0.3 * (capacity - weight_bytes)):
       continue
     seconds = timer.prefill(batch, prompt)
     prefill.append(dict(batch=batch, prompt=prompt, tokens_per_second=batch * prompt / seconds))
