@@ -184,20 +184,6 @@ def moe_f48(tmp_path_factory):
                          moe_intermediate_size=48)
 
 
-@pytest.fixture
-def interpreted_on_every_device(monkeypatch):
-  """Mosaic GPU interpret mode (jax 0.11.2) assumes one kernel runs at a time: when a cluster
-  finishes it resets the interpreter's per-cluster state, and at a kernel's end it asserts
-  that no barrier is allocated, both over the state of every device ("clusters are executed
-  sequentially", gpu_callbacks.cluster_finished). Under shard_map each CPU device interprets
-  its own kernel concurrently, so one device would reset or see another's live state. Here
-  those two global steps are skipped; each buffer and barrier is still freed and checked."""
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, shared_memory
-  monkeypatch.setattr(gpu_callbacks, "cluster_finished", lambda *, token: token)
-  monkeypatch.setattr(shared_memory.GPUSharedMemory, "assert_no_barriers_allocated",
-                      lambda self: None)
-
-
 @pytest.mark.skipif(has_gpu(), reason="fp32 on GPU falls back to ragged_dot")
 def test_pallas_moe_pads_expert_weights_to_its_tile_and_equals_reference(
     moe_f48, interpreted_on_every_device):

@@ -29,6 +29,7 @@ from flax import nnx
 
 from jspec.models import quantization
 from jspec.models.layers import MLP, linear, param
+from jspec.pallas_kernels import fp8_experts
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 # What DeepSeek-style configs may say, and what jspec implements exactly of it.
@@ -112,6 +113,10 @@ class MoE(nnx.Module):
                                               ("experts", "moe_mlp", "embed"), 1, block,
                                               scale=f ** -0.5, lead=1)
     self.hidden_padding = d_pad - d
+    # A model built for the Pallas expert kernels (expert_tile > 1) hands them FP8 experts as
+    # stored: at decode sizes they read the e4m3 bytes (jspec.pallas_kernels.fp8_experts).
+    self.fp8_to_backend = (block is not None and tuple(block) == (fp8_experts.BLOCK,) * 2
+                           and cfg.expert_tile > 1)
     # Expert-parallel shards the expert weights are split over (set by the LLM): FP8 steps
     # that gather their routed experts pad them to a multiple of it.
     self.expert_shards = 1
@@ -180,7 +185,13 @@ class MoE(nnx.Module):
     ids_TK, weights_TK = self._route(x_TD)
     # Activations follow the weights' padded hidden size in, and drop it on the way out.
     x_in_TD = jnp.pad(x_TD, ((0, 0), (0, self.hidden_padding))) if self.hidden_padding else x_TD
-    expert_ids_TK, *expert_weights = self._experts_for(ids_TK, x_TD.dtype)
+    if self.fp8_to_backend:
+      expert_ids_TK, expert_weights = ids_TK, [
+          fp8_experts.Fp8Experts(w[...], sc[...]) for w, sc in (
+              (self.w_gate, self.w_gate_scale), (self.w_up, self.w_up_scale),
+              (self.w_down, self.w_down_scale))]
+    else:
+      expert_ids_TK, *expert_weights = self._experts_for(ids_TK, x_TD.dtype)
     y_TD = experts_fn(x_in_TD, expert_ids_TK, weights_TK, *expert_weights)
     y_BTD = y_TD[:, :d].reshape(b, t, d)
     if self.has_shared_expert:

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jspec.models.moe_backends import PALLAS_EXPERT_TILE
-from jspec.pallas_kernels import (decode_gemm, decode_routing, grouped_gemm, permute, platform,
-                                  routing)
+from jspec.pallas_kernels import (decode_gemm, decode_routing, fp8_experts, grouped_gemm,
+                                  permute, platform, routing)
 from jspec.pallas_kernels.decode_gemm import DecodeTiling
 from jspec.pallas_kernels.grouped_gemm import Tiling
 
@@ -89,10 +89,20 @@ def experts_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
 # lowered function per layer instead of holding (and building) a copy of the kernels per layer.
 @jax.jit
 def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
-  """y[t] = sum_k w[t,k] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)); ids outside [0,E) skip."""
+  """y[t] = sum_k w[t,k] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)); ids outside [0,E) skip.
+
+  The weights are [E, D, F] / [E, F, D] arrays, or `fp8_experts.Fp8Experts` as FP8
+  checkpoints store them."""
   num_tokens, top_k = topk_ids_TK.shape
   num_experts, dim, ffn = w_gate_EDF.shape
   dtype = x_TD.dtype
+  if isinstance(w_gate_EDF, fp8_experts.Fp8Experts):
+    # FP8 experts as stored: decode sizes read the e4m3 bytes; larger steps, which read every
+    # expert anyway, take them scaled into `dtype` copies.
+    fp8_weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
+    if use_decode_path(num_tokens, top_k) and fp8_experts.fits_kernel(*fp8_weights):
+      return fp8_experts.experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, *fp8_weights)
+    w_gate_EDF, w_up_EDF, w_down_EFD = (w.dequantized(dtype) for w in fp8_weights)
   if not (w_gate_EDF.dtype == w_up_EDF.dtype == w_down_EFD.dtype == dtype):
     raise ValueError("experts_pallas needs x and all expert weights in one dtype, got "
                      f"{dtype}, {w_gate_EDF.dtype}, {w_up_EDF.dtype}, {w_down_EFD.dtype}")

@@ -90,6 +90,47 @@ def _to_float16_rows(x_MK):
   return jnp.ldexp(x32, -shift_M[:, None]).astype(jnp.float16), jnp.ldexp(1.0, shift_M)
 
 
+def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
+  """Each of a step's `per_step` 128-K blocks' W @ x^T in float32, in fresh accumulators.
+
+  w_smem: [128 columns, per_step x 128] e4m3 as the TMA left it; x_smem: [rows, per_step x
+  128], float16 (the tile is widened to float16 in registers) or e4m3 (both as they are)."""
+  columns = [pl.ds(j * BLOCK, BLOCK) for j in range(per_step)]
+  accs = [plgpu.ACC((BLOCK, rows)) for _ in columns]
+  if fp8_x:  # e4m3 x e4m3: both operands as the TMA left them
+    def mma_fp8(*acc_refs):
+      for acc, c in zip(acc_refs, columns):
+        plgpu.wgmma(acc, w_smem.at[:, c], x_smem.at[:, c].T)
+      return tuple(acc[...] for acc in acc_refs)
+
+    return pl.run_scoped(mma_fp8, *accs)
+  w16 = [w_smem[:, c].astype(jnp.float16) for c in columns]
+
+  def mma(*acc_refs):
+    for acc, a, c in zip(acc_refs, w16, columns):
+      plgpu.wgmma(acc, a, x_smem.at[:, c].T)
+    return tuple(acc[...] for acc in acc_refs)
+
+  def mma_from_smem(*a_smem):
+    for ref, a in zip(a_smem, w16):
+      ref[...] = a
+    plgpu.commit_smem()
+
+    def mma(*acc_refs):
+      for acc, ref, c in zip(acc_refs, a_smem, columns):
+        plgpu.wgmma(acc, ref, x_smem.at[:, c].T)
+      return tuple(acc[...] for acc in acc_refs)
+
+    return pl.run_scoped(mma, *accs)
+
+  if platform.on_gpu():
+    return pl.run_scoped(mma, *accs)
+  # The interpreter's wgmma reads both operands from shared memory only.
+  return pl.run_scoped(mma_from_smem, *[
+      plgpu.SMEM((BLOCK, BLOCK), jnp.float16,
+                 transforms=_smem_transforms(BLOCK, jnp.float16)) for _ in columns])
+
+
 def _partials(x_RK, w8_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8Tiling):
   """[S, N, R] float32: slice s's sum over its K blocks of (W_block @ x_block^T) * scale.
 
@@ -133,47 +174,10 @@ def _partials(x_RK, w8_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
                                delay_release=delay_release)
       return [x_spec, w_spec, s_spec] + ([a_spec] if fp8_x else [])
 
-    def products(w_smem, x_smem):
-      """Each 128-K block's W @ x^T in float32, fresh accumulators."""
-      columns = [pl.ds(j * BLOCK, BLOCK) for j in range(per_step)]
-      accs = [plgpu.ACC((BLOCK, rows)) for _ in columns]
-      if fp8_x:  # e4m3 x e4m3: both operands as the TMA left them
-        def mma_fp8(*acc_refs):
-          for acc, c in zip(acc_refs, columns):
-            plgpu.wgmma(acc, w_smem.at[:, c], x_smem.at[:, c].T)
-          return tuple(acc[...] for acc in acc_refs)
-
-        return pl.run_scoped(mma_fp8, *accs)
-      w16 = [w_smem[:, c].astype(jnp.float16) for c in columns]
-
-      def mma(*acc_refs):
-        for acc, a, c in zip(acc_refs, w16, columns):
-          plgpu.wgmma(acc, a, x_smem.at[:, c].T)
-        return tuple(acc[...] for acc in acc_refs)
-
-      def mma_from_smem(*a_smem):
-        for ref, a in zip(a_smem, w16):
-          ref[...] = a
-        plgpu.commit_smem()
-
-        def mma(*acc_refs):
-          for acc, ref, c in zip(acc_refs, a_smem, columns):
-            plgpu.wgmma(acc, ref, x_smem.at[:, c].T)
-          return tuple(acc[...] for acc in acc_refs)
-
-        return pl.run_scoped(mma, *accs)
-
-      if platform.on_gpu():
-        return pl.run_scoped(mma, *accs)
-      # The interpreter's wgmma reads both operands from shared memory only.
-      return pl.run_scoped(mma_from_smem, *[
-          plgpu.SMEM((BLOCK, BLOCK), jnp.float16,
-                     transforms=_smem_transforms(BLOCK, jnp.float16)) for _ in columns])
-
     def accumulate(slot, col, k, sums, smem_refs):
       x_smem, w_smem, s_smem, *a_smem = smem_refs
       (total,) = sums
-      for j, part in enumerate(products(w_smem, x_smem)):
+      for j, part in enumerate(block_products(w_smem, x_smem, per_step, rows, fp8_x)):
         lanes_j = pl.ds(j * lanes, rows)
         scale_R = plgpu.load(s_smem.at[lanes_j], layout=plgpu.Layout.WGMMA.reduce(0))
         if fp8_x:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jspec.pallas_kernels.fp8_experts import Fp8Experts
 from jspec.sharding.rules import ShardingRules
 
 EP_STRATEGIES = ("auto", "all_gather", "all_to_all")
@@ -94,17 +95,23 @@ def sharded_experts(experts_fn: Callable, mesh: Mesh, rules: ShardingRules,
   tokens = rules.spec(("batch", None))
   w_in = rules.spec(("experts", "embed", "moe_mlp"))
   w_out = rules.spec(("experts", "moe_mlp", "embed"))
+  # FP8 experts as stored, [E, out, in] and their block scales on the same axes.
+  fp8_in, fp8_out = (Fp8Experts(spec, spec) for spec in (rules.spec(("experts", "moe_mlp",
+                                                                      "embed")), w_in))
 
-  def mapped(body):
+  def mapped(body, weight_specs):
     return jax.shard_map(functools.partial(body, experts_fn, tp_sharded), mesh=mesh,
-                         in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+                         in_specs=(tokens, tokens, tokens, *weight_specs),
                          out_specs=tokens, check_vma=False)
 
-  bodies = {"all_gather": mapped(_all_gather_body), "all_to_all": mapped(_all_to_all_body)}
+  bodies = {(name, fp8): mapped(body, (fp8_in, fp8_in, fp8_out) if fp8 else (w_in, w_in, w_out))
+            for name, body in (("all_gather", _all_gather_body), ("all_to_all", _all_to_all_body))
+            for fp8 in (False, True)}
 
   def experts(x_TD, ids_TK, weights_TK, w_gate, w_up, w_down):
     chosen = AUTO_STRATEGY if strategy == "auto" else strategy
-    return bodies[chosen](x_TD, ids_TK, weights_TK, w_gate, w_up, w_down)
+    fp8 = isinstance(w_gate, Fp8Experts)
+    return bodies[chosen, fp8](x_TD, ids_TK, weights_TK, w_gate, w_up, w_down)
 
   return experts
 

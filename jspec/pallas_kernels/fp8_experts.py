@@ -1,0 +1,191 @@
+"""FP8 experts at decode sizes: the decode expert path on block-scaled e4m3 weights, read as
+published (Pallas Mosaic GPU).
+
+DeepSeek-V3 / R1 and the Qwen MoE FP8 releases store each expert projection [out, in] in
+float8_e4m3fn with one float32 scale per 128 x 128 block. A decode or verify step reads the
+weights of the experts its few tokens picked, once each; the bf16 decode kernels
+(jspec.pallas_kernels.decode_gemm) would need them scaled into bf16 copies first, which writes
+and reads every routed expert again in twice the bytes (4-13x slower than bf16 weights on an
+H200, BENCHMARKS.md). Here the TMA streams each picked expert's e4m3 tiles and block scales
+into the FP8 product kernel's pipeline (jspec.pallas_kernels.fp8_gemm: the tile widened to
+float16 in registers, each 128-K block's products scaled in float32), over the slots of the
+decode plan (jspec.pallas_kernels.decode_routing: one slot per picked expert, all T tokens
+multiplied, a token that did not pick the expert weighted 0):
+
+  gate, up  [S, F, N] = W_gate[e_s] @ x^T, W_up[e_s] @ x^T      (one kernel, two sums)
+  act       [S, N, F] = silu(gate) * up                          (XLA, float32, a few KiB)
+  out       [S, D, N] = W_down[e_s] @ act_s^T                     (one kernel)
+  y         [T, D]    = sum over each token's slots of weight x out   (XLA, float32)
+
+x and act go in as float16 with a power-of-two scale per row (exact for bf16 values; the
+products are undone by the inverse), as in fp8_gemm.
+
+Shape letters: T tokens, K experts per token, E experts, D hidden size, F expert intermediate
+size, S slots, N padded tokens (wgmma's N), R lanes of a repeated scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jspec.pallas_kernels import decode_gemm, decode_routing
+from jspec.pallas_kernels.fp8_gemm import (BLOCK, E4M3, SCALE_LANES, _to_float16_rows,
+                                           block_products)
+from jspec.pallas_kernels.grouped_gemm import _smem_transforms
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Experts:
+  """One projection of every expert as an FP8 checkpoint stores it: w8 [E, out, in]
+  float8_e4m3fn, scale [E, ceil(out / 128), ceil(in / 128)] float32 (`weight_scale_inv`,
+  which multiplies). Passed to the expert backends in place of a [E, in, out] array."""
+
+  w8: jax.Array
+  scale: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    """[E, in, out]: the layout of the bf16 experts this stands for."""
+    num_experts, out, inner = self.w8.shape
+    return num_experts, inner, out
+
+  def dequantized(self, dtype) -> jax.Array:
+    """[E, in, out] in `dtype`: each e4m3 value times its block's scale, in float32."""
+    _, out, inner = self.w8.shape
+    full = jnp.repeat(jnp.repeat(self.scale.astype(jnp.float32), BLOCK, axis=1), BLOCK,
+                      axis=2)[:, :out, :inner]
+    return jnp.swapaxes((self.w8.astype(jnp.float32) * full).astype(dtype), 1, 2)
+
+
+def fits_kernel(*weights: Fp8Experts) -> bool:
+  """Whole 128 x 128 blocks on both axes (a tp shard of F always holds whole blocks: a mesh that
+  would split one is refused at load)."""
+  return all(w.w8.dtype == E4M3 and w.w8.shape[1] % BLOCK == 0 and w.w8.shape[2] % BLOCK == 0
+             and w.scale.shape[1:] == (w.w8.shape[1] // BLOCK, w.w8.shape[2] // BLOCK)
+             for w in weights)
+
+
+def _slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1,
+                   blocks_per_step: int, num_stages: int):
+  """[W, S, out, N] float32: for weight j and each used slot s, W_j[e_s] @ x_s^T with each
+  128-K block's products times its scale. x: [N, in] float16 shared by every slot, or
+  [S, N, in] one per slot. Slots past num_slots are not written."""
+  per_slot_x = x.ndim == 3
+  rows, k = x.shape[-2:]
+  num_weights = len(weights)
+  out = weights[0].w8.shape[1]
+  num_slots_max = slot_expert_S.shape[0]
+  if k % (blocks_per_step * BLOCK):
+    blocks_per_step = 1  # an odd number of blocks
+  step_k = blocks_per_step * BLOCK
+  lanes = max(rows, SCALE_LANES)
+  # Each slot's block scales repeated over `lanes` lanes, so that a step's scales arrive with
+  # its tiles as one TMA block (fp8_gemm._partials says why); gathered for the slots only.
+  scale_rows = [jnp.repeat(w.scale[slot_expert_S].astype(jnp.float32), lanes, axis=2)
+                for w in weights]
+  stage_bytes = num_weights * (BLOCK * step_k + blocks_per_step * lanes * 4) + rows * step_k * 2
+  stages = decode_gemm._num_stages(decode_gemm.DecodeTiling(BLOCK, step_k, num_stages),
+                                   stage_bytes)
+  decode_gemm._check_aligned(((rows, step_k), jnp.float16), ((BLOCK, step_k), E4M3),
+                             ((blocks_per_step * lanes,), jnp.float32))
+
+  def body(slot_expert_ref, num_slots_ref, *refs):
+    *in_refs, out_ref = refs
+
+    def in_specs_for(item, delay_release):
+      if per_slot_x:
+        x_spec = plgpu.BlockSpec((None, rows, step_k), lambda i, k: (item(i)[0], 0, k),
+                                 transforms=_smem_transforms(step_k, jnp.float16),
+                                 delay_release=delay_release)
+      else:
+        x_spec = plgpu.BlockSpec((rows, step_k), lambda i, k: (0, k),
+                                 transforms=_smem_transforms(step_k, jnp.float16),
+                                 delay_release=delay_release)
+      w_spec = plgpu.BlockSpec((None, BLOCK, step_k),
+                               lambda i, k: (slot_expert_ref[item(i)[0]], item(i)[1], k),
+                               transforms=_smem_transforms(BLOCK, E4M3),
+                               delay_release=delay_release)
+      s_spec = plgpu.BlockSpec((None, None, blocks_per_step * lanes),
+                               lambda i, k: (item(i)[0], item(i)[1], k),
+                               delay_release=delay_release)
+      return [x_spec] + [w_spec] * num_weights + [s_spec] * num_weights
+
+    def accumulate(slot, col, k, sums, smem_refs):
+      x_smem, *rest = smem_refs
+      totals = []
+      for total, w_smem, s_smem in zip(sums, rest[:num_weights], rest[num_weights:]):
+        for j, part in enumerate(block_products(w_smem, x_smem, blocks_per_step, rows, False)):
+          scale_N = plgpu.load(s_smem.at[pl.ds(j * lanes, rows)],
+                               layout=plgpu.Layout.WGMMA.reduce(0))
+          total = total + part * jax.lax.broadcast_in_dim(scale_N, part.shape, [1])
+        totals.append(total)
+      return tuple(totals)
+
+    def epilogue(slot, col, sums, smem_refs, o_smem):
+      for j, total in enumerate(sums):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's previous store read it
+        o_smem[...] = total
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[j, slot, pl.ds(col * BLOCK, BLOCK)])
+
+    decode_gemm._slot_pipeline(
+        num_slots=num_slots_ref[0], col_blocks=out // BLOCK, k_steps=k // step_k,
+        block_cols=BLOCK, tokens_pad=rows, dtype=jnp.float32, in_specs_for=in_specs_for,
+        num_sums=num_weights, stages=stages, epilogue=epilogue, operands_of=None,
+        async_mma=False, accumulate=accumulate,
+        out_smem=plgpu.SMEM((BLOCK, rows), jnp.float32,
+                            transforms=_smem_transforms(rows, jnp.float32)),
+    )(*in_refs)
+
+  return decode_gemm._kernel_call(body, (num_weights, num_slots_max, out, rows), jnp.float32,
+                                  "fp8_experts_decode")(
+      slot_expert_S, num_slots_1, x, *[w.w8 for w in weights], *scale_rows)
+
+
+def _to_float16_slots(act_SNF):
+  """_to_float16_rows over every (slot, token) row: (act16 [S, N, F], 2^e [S, N])."""
+  s, n, f = act_SNF.shape
+  act16, scale = _to_float16_rows(act_SNF.reshape(s * n, f))
+  return act16.reshape(s, n, f), scale.reshape(s, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8ExpertsTiling:
+  """128-K blocks per pipeline step and pipeline depth (0: as many as fit) of the gate/up
+  kernel (two weights: each block widens two tiles in registers) and of the down kernel."""
+  gate_up_blocks: int = 1
+  down_blocks: int = 2
+  num_stages: int = 4
+
+
+def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
+                       w_up: Fp8Experts, w_down: Fp8Experts,
+                       tiling: Fp8ExpertsTiling = Fp8ExpertsTiling()) -> jax.Array:
+  """y[t] = sum_k w[t,k] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)), the experts in FP8;
+  ids outside [0, E) add nothing. Same semantics as moe_backends.experts_reference on the
+  dequantized weights."""
+  num_tokens, _ = topk_ids_TK.shape
+  num_experts = w_gate.w8.shape[0]
+  plan = decode_routing.plan_decode(topk_ids_TK, topk_weights_TK, num_experts)
+  rows = decode_routing.padded_tokens(num_tokens)
+  x16_TD, x_scale_T = _to_float16_rows(x_TD)
+  x16_ND = jnp.pad(x16_TD, ((0, rows - num_tokens), (0, 0)))
+  x_scale_N = jnp.pad(x_scale_T, (0, rows - num_tokens), constant_values=1.0)
+  gate_up = _slot_products(x16_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
+                           tiling.gate_up_blocks, tiling.num_stages)
+  gate_SFN, up_SFN = gate_up[0] * x_scale_N, gate_up[1] * x_scale_N
+  act_SNF = jnp.swapaxes(jax.nn.silu(gate_SFN) * up_SFN, 1, 2)
+  # Slots past the used ones were not written: zeros keep their (unused) rows finite.
+  used_S = jnp.arange(act_SNF.shape[0]) < plan.num_slots_1[0]
+  act_SNF = jnp.where(used_S[:, None, None], act_SNF, 0.0)
+  act16_SNF, act_scale_SN = _to_float16_slots(act_SNF)
+  (down_SDN,) = _slot_products(act16_SNF, (w_down,), plan.slot_expert_S, plan.num_slots_1,
+                               tiling.down_blocks, tiling.num_stages)
+  out_SND = jnp.swapaxes(down_SDN * (act_scale_SN * plan.weight_SR[:, :rows])[:, None, :], 1, 2)
+  return decode_routing.combine_slots(out_SND, plan, x_TD.dtype)
