@@ -13,8 +13,9 @@ import pytest
 
 from jspec.models.moe_backends import experts_reference
 from jspec.pallas_kernels import platform
-from jspec.pallas_kernels.experts import DECODE_MAX_TOKENS, experts_pallas
-from jspec.pallas_kernels.fp8_experts import BLOCK, Fp8Experts, fits_kernel
+from jspec.pallas_kernels.experts import experts_pallas
+from jspec.pallas_kernels.fp8_experts import (BLOCK, CHUNK_TOKENS, CHUNKED_MAX_TOKENS,
+                                              Fp8Experts, fits_kernel)
 
 RUN_SEED = 20261125
 
@@ -88,11 +89,19 @@ def test_a_single_token_with_an_invalid_pick_adds_nothing_for_it():
   _assert_close(experts_pallas(x, only_first, weights, *fp8), expected)
 
 
-def test_steps_past_the_decode_path_take_scaled_copies():
-  """Above DECODE_MAX_TOKENS tokens the grouped path runs on the dequantized experts in bf16:
-  x @ W in bf16 products, act rounded to bf16 (2^-9) before the down product, so the bound
-  is looser than the decode path's."""
-  problem = _problem(3, DECODE_MAX_TOKENS + 8)
+@pytest.mark.parametrize("num_tokens", [40, 2 * CHUNK_TOKENS + 5])
+def test_verify_sized_steps_run_in_chunks_of_the_kernel(num_tokens):
+  """40 tokens x 3 picks: more copies than the bf16 decode path takes, one sum per kernel
+  (N = 64); 133 tokens: three chunks, the last of 5."""
+  problem = _problem(7, num_tokens, top_k=3)
+  _assert_close(experts_pallas(*problem), _reference64(*problem))
+
+
+def test_prefill_sized_steps_take_scaled_copies():
+  """Above CHUNKED_MAX_TOKENS the grouped path runs on the dequantized experts in bf16: x @ W
+  in bf16 products, act rounded to bf16 (2^-9) before the down product, so the bound is
+  looser than the kernel's."""
+  problem = _problem(3, CHUNKED_MAX_TOKENS + 8)
   y = np.asarray(experts_pallas(*problem), np.float64)
   exact = _reference64(*problem)
   scale = np.abs(exact).max(axis=1, keepdims=True)
@@ -130,7 +139,7 @@ def test_expert_parallel_shards_give_the_one_device_layer(interpreted_on_every_d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not platform.on_hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("num_tokens", [1, 8, 32])
+@pytest.mark.parametrize("num_tokens", [1, 8, 32, 64, 128])
 def test_fp8_experts_on_the_gpu_at_deepseek_shard_shapes(num_tokens):
   """DeepSeek-V3's expert shapes with F split over tp = 8 (256 per shard), 32 experts."""
   problem = _problem(6, num_tokens, num_experts=32, top_k=8, dim=7168, ffn=256)

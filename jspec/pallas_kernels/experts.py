@@ -97,11 +97,11 @@ def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
   num_experts, dim, ffn = w_gate_EDF.shape
   dtype = x_TD.dtype
   if isinstance(w_gate_EDF, fp8_experts.Fp8Experts):
-    # FP8 experts as stored: decode sizes read the e4m3 bytes; larger steps, which read every
-    # expert anyway, take them scaled into `dtype` copies.
+    # FP8 experts as stored: decode and verify sizes read the e4m3 bytes of the picked
+    # experts; prefill-sized steps take every expert scaled into a `dtype` copy.
     fp8_weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
-    if use_decode_path(num_tokens, top_k) and fp8_experts.fits_kernel(*fp8_weights):
-      return fp8_experts.experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, *fp8_weights)
+    if fp8_experts.use_kernel(num_tokens, *fp8_weights):
+      return fp8_experts.experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, *fp8_weights)
     w_gate_EDF, w_up_EDF, w_down_EFD = (w.dequantized(dtype) for w in fp8_weights)
   if not (w_gate_EDF.dtype == w_up_EDF.dtype == w_down_EFD.dtype == dtype):
     raise ValueError("experts_pallas needs x and all expert weights in one dtype, got "

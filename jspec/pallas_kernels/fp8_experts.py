@@ -34,8 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.pallas_kernels import decode_gemm, decode_routing
-from jspec.pallas_kernels.fp8_gemm import (BLOCK, E4M3, SCALE_LANES, _to_float16_rows,
-                                           block_products)
+from jspec.pallas_kernels.fp8_gemm import (BLOCK, E4M3, MAX_ROWS, SCALE_LANES,
+                                           _to_float16_rows, block_products)
 from jspec.pallas_kernels.grouped_gemm import _smem_transforms
 
 
@@ -155,6 +155,33 @@ def _to_float16_slots(act_SNF):
   return act16.reshape(s, n, f), scale.reshape(s, n)
 
 
+# Tokens (wgmma's N) up to which gate and up share one kernel: each adds a [128, N] float32 sum
+# and a step's products of the same size to a thread's registers.
+TWO_SUMS_MAX_ROWS = 32
+# The most tokens one decode-path call multiplies per slot (fp8_gemm's float32 sums of a
+# 128-column item in registers); larger steps go in chunks of this many.
+CHUNK_TOKENS = MAX_ROWS
+# Up to this many tokens a step runs in chunks, each reading its picked experts' e4m3 bytes
+# (every chunk reads them again: at 4 chunks at most twice the bytes bf16 experts would take
+# once); above it (prefill), every expert is scaled into a copy once for all tokens.
+CHUNKED_MAX_TOKENS = 4 * CHUNK_TOKENS
+
+
+def use_kernel(num_tokens: int, *weights: Fp8Experts) -> bool:
+  return num_tokens <= CHUNKED_MAX_TOKENS and fits_kernel(*weights)
+
+
+def experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts, w_up: Fp8Experts,
+                w_down: Fp8Experts) -> jax.Array:
+  """experts_fp8_decode over chunks of at most CHUNK_TOKENS tokens (use_kernel sizes)."""
+  num_tokens = x_TD.shape[0]
+  parts = [experts_fp8_decode(x_TD[start:start + CHUNK_TOKENS],
+                              topk_ids_TK[start:start + CHUNK_TOKENS],
+                              topk_weights_TK[start:start + CHUNK_TOKENS], w_gate, w_up, w_down)
+           for start in range(0, num_tokens, CHUNK_TOKENS)]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8ExpertsTiling:
   """128-K blocks per pipeline step and pipeline depth (0: as many as fit) of the gate/up
@@ -177,8 +204,12 @@ def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
   x16_TD, x_scale_T = _to_float16_rows(x_TD)
   x16_ND = jnp.pad(x16_TD, ((0, rows - num_tokens), (0, 0)))
   x_scale_N = jnp.pad(x_scale_T, (0, rows - num_tokens), constant_values=1.0)
-  gate_up = _slot_products(x16_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
-                           tiling.gate_up_blocks, tiling.num_stages)
+  if rows <= TWO_SUMS_MAX_ROWS:
+    gate_up = _slot_products(x16_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
+                             tiling.gate_up_blocks, tiling.num_stages)
+  else:  # one sum per kernel: two [128, N] float32 sums and their products overflow registers
+    gate_up = [_slot_products(x16_ND, (w,), plan.slot_expert_S, plan.num_slots_1,
+                              tiling.gate_up_blocks, tiling.num_stages)[0] for w in (w_gate, w_up)]
   gate_SFN, up_SFN = gate_up[0] * x_scale_N, gate_up[1] * x_scale_N
   act_SNF = jnp.swapaxes(jax.nn.silu(gate_SFN) * up_SFN, 1, 2)
   # Slots past the used ones were not written: zeros keep their (unused) rows finite.
