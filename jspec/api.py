@@ -279,7 +279,7 @@ class LLM:
       kernel = sharded_fp8_projection(self.mesh, rules, self.config.fp8_block)
       mlp_whole = axis_size(self.mesh, rules.mlp) == 1
       for _, node in nnx.iter_graph(module):
-        if isinstance(node, Attention) or (isinstance(node, MLP) and mlp_whole):
+        if isinstance(node, (Attention, MLAttention)) or (isinstance(node, MLP) and mlp_whole):
           node.fp8_projection = kernel
 
   def _restrict_draft_vocab(self, ids):

@@ -3,8 +3,6 @@ handed e4m3 expert weights [E, out, in] with their 128 x 128 block scales as che
 them, against float64 NumPy on the dequantized weights (e4m3 value x its block's scale). In
 interpret mode here; the GPU run is marked `gpu`."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -145,35 +143,3 @@ def test_fp8_experts_on_the_gpu_at_deepseek_shard_shapes(num_tokens):
   problem = _problem(6, num_tokens, num_experts=32, top_k=8, dim=7168, ffn=256)
   _assert_close(experts_pallas(*problem), _reference64(*problem))
 
-
-def _tiny_fp8_moe():
-  from jspec.bench.presets import PRESETS
-  # Whole 128 x 128 blocks in every expert projection: the kernel's case.
-  return dataclasses.replace(PRESETS["tiny-moe"], hidden_size=128, intermediate_size=256,
-                             num_heads=4, num_kv_heads=2, head_dim=32,
-                             moe_intermediate_size=128, fp8_block=(128, 128))
-
-
-def test_an_fp8_moe_model_on_the_pallas_backend_equals_the_reference_backend():
-  """The same random FP8 model (seeded) through the kernels and through scaled copies under
-  XLA: logits within the kernel's float16 rounding of x and act (2^-11, far under 10^-3 of the
-  largest logit), and the same greedy tokens under MTP speculation (drafts, verify windows
-  and decode steps all through the FP8 kernels)."""
-  import jspec
-
-  cfg = _tiny_fp8_moe()
-  mtp = jspec.MTPSpec("qwen3_next", 1, is_moe=True)
-  spec = {"method": "mtp", "num_speculative_tokens": 2}
-  llms = {backend: jspec.LLM.from_random(cfg, mtp, dtype="float32", seed=3, max_model_len=64,
-                                         max_num_seqs=2, moe_backend=backend,
-                                         speculative_config=spec)
-          for backend in ("pallas", "reference")}
-  assert llms["pallas"].target.layers[0].mlp.fp8_to_backend
-  prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
-  logits = {name: llm.compute_logits(prompts[:1])[0] for name, llm in llms.items()}
-  scale = np.abs(logits["reference"]).max()
-  np.testing.assert_allclose(logits["pallas"], logits["reference"], rtol=0, atol=1e-3 * scale)
-  params = jspec.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-  tokens = {name: [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            for name, llm in llms.items()}
-  assert tokens["pallas"] == tokens["reference"]

@@ -1,0 +1,51 @@
+"""An FP8 DeepSeek-V3-style model as a Hopper GPU runs it, interpreted on the CPU: the FP8
+product kernel on the MLA and MLP projections (jspec.pallas_kernels.fp8_gemm) and the FP8
+expert kernels (jspec.pallas_kernels.fp8_experts), against the same seeded model with its
+weights scaled before XLA's products (the CPU's configuration)."""
+
+import dataclasses
+
+import numpy as np
+from flax import nnx
+
+import jspec
+from jspec.bench.presets import PRESETS
+from jspec.models.layers import MLP
+from jspec.models.mla import MLAttention
+from jspec.pallas_kernels import platform
+
+
+def _tiny_fp8_mla():
+  # Dimensions of whole 128 x 128 blocks where the kernels need them (q_a, q_b, o, the MLPs,
+  # the experts); kv_a's 128 + 64 rows end in a partial block and keep the scaled XLA path.
+  return dataclasses.replace(
+      PRESETS["tiny-mla"], hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=2,
+      q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
+      v_head_dim=128, moe_intermediate_size=128, fp8_block=(128, 128))
+
+
+def _llm(**kwargs):
+  return jspec.LLM.from_random(_tiny_fp8_mla(), jspec.MTPSpec("deepseek_v3", 1, is_moe=True),
+                               dtype="float32", seed=5, max_model_len=64, max_num_seqs=2,
+                               attention_backend="xla",
+                               speculative_config={"method": "mtp",
+                                                   "num_speculative_tokens": 2}, **kwargs)
+
+
+def test_fp8_kernels_in_the_model_equal_the_scaled_xla_products(monkeypatch):
+  cpu = _llm()
+  with monkeypatch.context() as patch:
+    patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
+    gpu = _llm()
+  projections = [node.fp8_projection for _, node in nnx.iter_graph(gpu.target)
+                 if isinstance(node, (MLAttention, MLP))]
+  assert projections and all(p is not None for p in projections)
+  assert gpu.target.layers[1].mlp.fp8_to_backend and not cpu.target.layers[1].mlp.fp8_to_backend
+  prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
+  want, got = cpu.compute_logits(prompts[:1])[0], gpu.compute_logits(prompts[:1])[0]
+  # x goes to float16 (2^-11) in each kernel; 10^-3 of the largest logit bounds it with room.
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+  tokens = [[o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            for llm in (cpu, gpu)]
+  assert tokens[0] == tokens[1]
