@@ -128,7 +128,7 @@ class ModelConfig:
   kv_head_replicas: int = 1
   # Not read from the checkpoint either: zero padding at the end of an axis that the mesh and
   # the kernels need (`padded_for`). The embedding and lm_head hold `padded_vocab_size` rows,
-  # whose logits past vocab_size are -inf (jspec.models.layers.mask_padded_vocab); expert
+  # whose logits past vocab_size are -inf (jspec.models.params.mask_padded_vocab); expert
   # weights are [E, moe_padded_hidden_size, moe_padded_intermediate_size] (a zero gate/up
   # column and a zero down row add nothing). `expert_tile`: the multiple that expert D and each
   # shard's F are padded to, from the MoE backend (the Pallas kernels' tile; 1: none).

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file
 import jspec
 from helpers import fixture_dir
 from jspec.models.hf_config import config_from_dir
-from jspec.models.loading import SafetensorsIndex
+from jspec.models.safetensors_index import SafetensorsIndex
 from jspec.sharding.plan import validate_mesh
 
 BLOCK = (32, 32)  # (out, in): the fixture's head_dim is 32, its hidden size 64

@@ -36,7 +36,8 @@ from flax import nnx
 
 from jspec.models.caches import RecurrentCache, RecurrentWindow, conv_window_after
 from jspec.models.delta_rule import chunked_delta_rule, delta_rule_steps
-from jspec.models.layers import GatedRMSNorm, param
+from jspec.models.norms import GatedRMSNorm
+from jspec.models.params import param
 
 def l2_normalize(x, eps: float = 1e-6):
   """x / sqrt(sum(x^2) + eps), in float32 (transformers' `l2norm`, as the FLA kernels)."""
