@@ -17,9 +17,9 @@ shard with no communication inside the layer. The projections of q, k, v, z, b, 
 [D, G, P] matrix (a single read of the weights at decode) with per-head columns
 [q (Dk) | k (Dk) | v (R*Dv) | z (R*Dv) | b (R) | a (R)], the conv channels are [q | k | v].
 
-Two forms of the same recurrence (jspec.models.delta_rule): `chunked_delta_rule` for prefill (the UT transform over
-chunks of 64 positions, as transformers' `torch_chunk_gated_delta_rule`), and
-`delta_rule_steps` one position at a time for decode and verify windows. XLA fuses each
+Two forms of the same recurrence (jspec.models.delta_rule): `chunked_delta_rule` for prefill
+(the UT transform over chunks of 64 positions, as transformers' `torch_chunk_gated_delta_rule`),
+and `delta_rule_steps` one position at a time for decode and verify windows. XLA fuses each
 position's update into one or two kernels; a hand-written Triton kernel holding the state on
 chip across the window measured slower at decode and at most 20% faster on 4-token windows
 (BENCHMARKS.md "Qwen3.5"), so the XLA form is what runs.

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from jspec.config import ModelConfig
 from jspec.models import weights as W
-from jspec.models.decoder import CausalLM, DecoderLayer, common_fields
-
-__all__ = ["Qwen3CausalLM", "DecoderLayer", "read_config", "moe_rules"]
+from jspec.models.decoder import CausalLM, common_fields
 
 # The family's model is the neutral decoder stack; the name stays for its callers.
 Qwen3CausalLM = CausalLM
