@@ -18,6 +18,7 @@ from jspec.models.caches import RECURRENT_COMMIT_MODES
 from jspec.models.decode_attention import (ATTENTION_BACKENDS, resolve_attention_backend,
                                            sharded_mla_decode, sharded_window_attention)
 from jspec.models.gated_deltanet import GatedDeltaNet
+from jspec.models.hf_config import config_from_dir
 from jspec.models.layers import MLP, Attention
 from jspec.models.mla import MLAttention
 from jspec.models.moe import MoE
@@ -138,7 +139,7 @@ class LLM:
         raise FileNotFoundError(f"model directory {model!r} does not exist")
       self.model_dir = model
       # Expert weights at the backend's tile, where it has one (ModelConfig.padded_for).
-      self.config = dataclasses.replace(ModelConfig.from_dir(model),
+      self.config = dataclasses.replace(config_from_dir(model),
                                         expert_tile=expert_tile(self.moe_backend))
       validate_mesh(self.config, self.mesh_config)
       self.max_model_len = max_model_len = self._resolve_max_model_len(max_model_len)
@@ -298,7 +299,7 @@ class LLM:
     path = spec.model
     if not os.path.isdir(path):
       raise FileNotFoundError(f"draft model directory {path!r} does not exist")
-    return dataclasses.replace(ModelConfig.from_dir(path),
+    return dataclasses.replace(config_from_dir(path),
                                expert_tile=expert_tile(self.moe_backend))
 
   def _check_drafter(self, spec: SpecConfig):

@@ -17,8 +17,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jspec.models.layers import unpadded_shape
 from jspec.models.mtp import MTPHead, MTPSpec
+from jspec.models.params import unpadded_shape
 from jspec.models.registry import family_of
 from jspec.sharding.plan import sharded_configs
 

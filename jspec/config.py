@@ -1,8 +1,8 @@
 """Frozen configuration dataclasses, validated once at the public boundary.
 
-`ModelConfig` is read through `transformers.AutoConfig`, which normalises the key spellings
-of old and new checkpoints (`rope_theta` vs `rope_parameters`, `num_experts` vs
-`num_local_experts`); jspec reads only the normalised attributes.
+Configuration is data that knows no model family: a checkpoint's `ModelConfig` is built by
+its family (jspec.models.hf_config.config_from_dir, through the registry), which imports
+this module and never the other way round.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class ModelConfig:
   kv_head_replicas: int = 1
   # Not read from the checkpoint either: zero padding at the end of an axis that the mesh and
   # the kernels need (`padded_for`). The embedding and lm_head hold `padded_vocab_size` rows,
-  # whose logits past vocab_size are -inf (jspec.models.layers.mask_padded_vocab); expert
+  # whose logits past vocab_size are -inf (jspec.models.params.mask_padded_vocab); expert
   # weights are [E, moe_padded_hidden_size, moe_padded_intermediate_size] (a zero gate/up
   # column and a zero down row add nothing). `expert_tile`: the multiple that expert D and each
   # shard's F are padded to, from the MoE backend (the Pallas kernels' tile; 1: none).
@@ -199,37 +199,6 @@ class ModelConfig:
         or layer_index < self.first_k_dense_replace):
       return False
     return (layer_index + 1) % self.decoder_sparse_step == 0
-
-  @classmethod
-  def from_hf(cls, hf_config) -> "ModelConfig":
-    """The config of a supported architecture, read by its family (jspec.models.registry)."""
-    from jspec.models.registry import read_config  # families import this module
-    return read_config(hf_config)
-
-  @classmethod
-  def from_dir(cls, model_dir: str) -> "ModelConfig":
-    from transformers import AutoConfig  # Imported late: transformers is slow to import.
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-      raise FileNotFoundError(f"{model_dir!r} has no config.json")
-    try:
-      hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except (ValueError, KeyError, json.JSONDecodeError) as err:
-      raise ValueError(f"cannot read {model_dir}/config.json: {err}") from err
-    from jspec.models.quantization import fp8_block_size, refuse_unsupported
-    block = fp8_block_size(hf_config, model_dir)
-    config = cls.from_hf(hf_config)
-    if block is not None:
-      config = dataclasses.replace(config, fp8_block=block)
-      refuse_unsupported(config, model_dir)
-    # generation_config.json may carry extra EOS ids (as Qwen3 instruct checkpoints do).
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(gen_path):
-      with open(gen_path) as f:
-        eos = json.load(f).get("eos_token_id")
-      extra = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-      config = dataclasses.replace(
-          config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
-    return config
 
 
 SPEC_METHODS = ("mtp", "ngram", "draft_model", "eagle3")

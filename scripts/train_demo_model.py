@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jspec.config import ModelConfig  # noqa: E402
+from jspec.models.hf_config import config_from_dir  # noqa: E402
 from jspec.train import corpus as corpus_lib  # noqa: E402
 from jspec.train import tokenizer as tok_lib  # noqa: E402
 
@@ -145,7 +146,7 @@ def main(argv=None):
 
   from jspec.models.loading import load_checkpoint
   from jspec.sharding.rules import MeshConfig, ShardingRules
-  t_saved, m_saved, _ = load_checkpoint(args.out, ModelConfig.from_dir(args.out), jnp.float32,
+  t_saved, m_saved, _ = load_checkpoint(args.out, config_from_dir(args.out), jnp.float32,
                                         MeshConfig(num_devices=1).make_mesh(), ShardingRules())
   if "heldout" in parts:
     report["heldout"] = {s: trainer.evaluate(t_saved, m_saved, heldout[s], args.seq_len,

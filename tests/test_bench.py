@@ -13,6 +13,7 @@ from jspec import cli
 from jspec.bench.presets import PRESETS
 from jspec.bench.roofline import expected_experts_used, step_bytes
 from jspec.bench.report import row_line
+from jspec.models.hf_config import config_from_hf
 
 
 def _param_count(module):
@@ -98,7 +99,7 @@ def test_peer_benchmark_builds_transformers_configs_of_the_same_shapes():
     preset = PRESETS[name]
     hf = peers.hf_config(preset)
     hf.architectures = [preset.architecture]
-    assert dataclasses.replace(jspec.ModelConfig.from_hf(hf), eos_token_ids=()) == preset
+    assert dataclasses.replace(config_from_hf(hf), eos_token_ids=()) == preset
 
 
 def test_step_bytes_counts_mla_weights_and_the_latent_cache():

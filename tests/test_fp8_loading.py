@@ -19,7 +19,8 @@ from safetensors.numpy import load_file, save_file
 
 import jspec
 from helpers import fixture_dir
-from jspec.models.loading import SafetensorsIndex
+from jspec.models.hf_config import config_from_dir
+from jspec.models.safetensors_index import SafetensorsIndex
 from jspec.sharding.plan import validate_mesh
 
 BLOCK = (32, 32)  # (out, in): the fixture's head_dim is 32, its hidden size 64
@@ -143,7 +144,7 @@ def test_fp8_tensors_without_the_config_are_refused(checkpoints, tmp_path):
 
 def test_fp8_mesh_that_would_split_a_block_is_refused(checkpoints):
   # An intermediate size of 3 blocks of 32: tp = 2 divides its 96 columns, not its blocks.
-  cfg = dataclasses.replace(jspec.ModelConfig.from_dir(checkpoints[0]), intermediate_size=96)
+  cfg = dataclasses.replace(config_from_dir(checkpoints[0]), intermediate_size=96)
   validate_mesh(dataclasses.replace(cfg, fp8_block=None), jspec.MeshConfig(tp=2))
   with pytest.raises(ValueError, match="tp=2 must divide intermediate_size / FP8 block 32=3"):
     validate_mesh(cfg, jspec.MeshConfig(tp=2))

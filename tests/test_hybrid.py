@@ -12,6 +12,7 @@ import pytest
 import jspec
 from helpers import cached_llm, fixture_dir, greedy, reference, two_sample_chi2
 from jspec.models import loading
+from jspec.models.hf_config import config_from_dir
 
 HYBRID = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 ARCHITECTURES = {"qwen3_5_dense": "Qwen3_5ForConditionalGeneration",
@@ -29,7 +30,7 @@ MAX_TOKENS = 24
 
 def _prompts(name, lengths, seed):
   """Ragged random prompts that avoid the image/video placeholder ids (text-only)."""
-  cfg = jspec.ModelConfig.from_dir(fixture_dir(name))
+  cfg = config_from_dir(fixture_dir(name))
   allowed = np.setdiff1d(np.arange(cfg.vocab_size), cfg.multimodal_token_ids)
   rng = np.random.default_rng(seed)
   prompts = [rng.choice(allowed, size=n).tolist() for n in lengths]
@@ -214,7 +215,7 @@ def test_speculative_sampling_is_lossless_on_a_hybrid_model():
 
 def test_memory_plan_counts_recurrent_state_and_verify_windows():
   name = "qwen3_next"
-  cfg = jspec.ModelConfig.from_dir(fixture_dir(name))
+  cfg = config_from_dir(fixture_dir(name))
   llm = jspec.LLM(model=fixture_dir(name), dtype="float32", max_model_len=64, max_num_seqs=4,
                   speculative_config={"method": "mtp", "num_speculative_tokens": 3},
                   recurrent_commit="store")

@@ -20,6 +20,7 @@ import jspec
 from helpers import cached_llm, fixture_dir, greedy, reference
 from jspec.config import ModelConfig
 from jspec.models import rope as rope_lib
+from jspec.models.hf_config import config_from_dir, config_from_hf
 from jspec.models.layers import Attention
 
 TOL = 1e-4
@@ -175,13 +176,13 @@ def test_max_model_len_past_the_sliding_window_is_refused():
 def test_qwen2_window_applies_only_with_use_sliding_window(tmp_path, max_window_layers, window):
   """use_sliding_window true: layers from max_window_layers on slide (transformers
   Qwen2Config.layer_types), so the window counts only if some layer is past it."""
-  cfg = ModelConfig.from_dir(_edited_config(tmp_path, "qwen2", use_sliding_window=True,
+  cfg = config_from_dir(_edited_config(tmp_path, "qwen2", use_sliding_window=True,
                                             max_window_layers=max_window_layers))
   assert cfg.sliding_window == window
 
 
 def test_mixtral_sliding_window_is_read(tmp_path):
-  cfg = ModelConfig.from_dir(_edited_config(tmp_path, "mixtral", sliding_window=4096))
+  cfg = config_from_dir(_edited_config(tmp_path, "mixtral", sliding_window=4096))
   assert cfg.sliding_window == 4096
 
 
@@ -279,7 +280,7 @@ def test_presets_are_the_published_configs(name):
   from jspec.bench.presets import PRESETS
   fields = dict(_PUBLISHED[name])
   hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
-  assert dataclasses.replace(ModelConfig.from_hf(hf), eos_token_ids=()) == PRESETS[name]
+  assert dataclasses.replace(config_from_hf(hf), eos_token_ids=()) == PRESETS[name]
 
 
 @pytest.mark.parametrize("changes", [dict(attention_bias=True, o_proj_bias=True),
@@ -337,4 +338,4 @@ _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 ])
 def test_unsupported_llama_config_is_refused(tmp_path, changes, match):
   with pytest.raises(ValueError, match=match):
-    ModelConfig.from_dir(_edited_config(tmp_path, "llama3", **changes))
+    config_from_dir(_edited_config(tmp_path, "llama3", **changes))

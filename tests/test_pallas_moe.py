@@ -14,74 +14,20 @@ import numpy as np
 import pytest
 
 from conftest import large_gpu_memory_cases
+from moe_helpers import (TOLERANCE, chunked_reference, expert_problem, gpu_only, poison,
+                         rel_err)
 from jspec.models.moe_backends import experts_reference, get_experts_fn
 from jspec.pallas_kernels import (Tiling, choose_tilings, down_weighted, experts_pallas,
                                   gate_up_swiglu, max_tiles, permute_rows, plan_routing,
                                   unpermute_combine)
 
-ON_GPU = jax.devices()[0].platform == "gpu"
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
-
-# Relative L2 error allowed: bf16 operands round to ~4e-3; fp32 runs exact in interpret mode.
-TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 1e-4}
-
-
-def _rel_err(got, want):
-  got = np.asarray(got, np.float64)
-  want = np.asarray(want, np.float64)
-  assert np.all(np.isfinite(got)), "output holds NaN/inf: a row was left unwritten"
-  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-
-
-def _poison(shape, dtype):
-  """Leaves a freed NaN buffer for the next allocation to reuse (GPU); no-op in interpret."""
-  if ON_GPU:
-    jnp.full(shape, jnp.nan, dtype).block_until_ready()
-
-
-def _problem(seed, num_tokens, num_experts, top_k, dim, ffn, dtype, experts_used=None,
-             invalid_fraction=0.0):
-  keys = jax.random.split(jax.random.key(seed), 7)
-  x = jax.random.normal(keys[0], (num_tokens, dim), jnp.float32).astype(dtype)
-  w_gate = (jax.random.normal(keys[1], (num_experts, dim, ffn)) / np.sqrt(dim)).astype(dtype)
-  w_up = (jax.random.normal(keys[2], (num_experts, dim, ffn)) / np.sqrt(dim)).astype(dtype)
-  w_down = (jax.random.normal(keys[3], (num_experts, ffn, dim)) / np.sqrt(ffn)).astype(dtype)
-  pool = np.arange(num_experts) if experts_used is None else np.asarray(experts_used)
-  # Distinct experts per token where the pool allows it, as a router's top-k gives.
-  scores = jax.random.uniform(keys[4], (num_tokens, len(pool)))
-  picks = jnp.argsort(scores, axis=1)[:, :top_k] if top_k <= len(pool) else (
-      jax.random.randint(keys[4], (num_tokens, top_k), 0, len(pool)))
-  ids = jnp.asarray(pool, jnp.int32)[picks]
-  if invalid_fraction:
-    drop = jax.random.uniform(keys[5], ids.shape) < invalid_fraction
-    ids = jnp.where(drop, -1, ids)
-  weights = jax.nn.softmax(jax.random.normal(keys[6], (num_tokens, top_k)), axis=-1)
-  return x, ids, weights, w_gate, w_up, w_down
-
-
-def _reference(x, ids, weights, w_gate, w_up, w_down, chunk=16):
-  """experts_reference, over token chunks when gathering every token's weights would not fit."""
-  num_tokens, top_k = ids.shape
-  if num_tokens <= chunk:
-    return experts_reference(x, ids, weights, w_gate, w_up, w_down)
-  pad = -num_tokens % chunk
-  xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, chunk, x.shape[1])
-  ids_c = jnp.pad(ids, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, chunk, top_k)
-  w_c = jnp.pad(weights, ((0, pad), (0, 0))).reshape(-1, chunk, top_k)
-  # The weights are arguments, not closed-over constants: a DeepSeek-sized constant would be
-  # embedded in (and hashed with) the program.
-  ys = jax.jit(lambda xs, ids_c, w_c, w_gate, w_up, w_down: jax.lax.map(
-      lambda a: experts_reference(a[0], a[1], a[2], w_gate, w_up, w_down), (xs, ids_c, w_c)))(
-          xs, ids_c, w_c, w_gate, w_up, w_down)
-  return ys.reshape(-1, x.shape[1])[:num_tokens]
-
 
 def _check_experts(args, dtype, tolerance=None):
   x = args[0]
-  _poison(x.shape, x.dtype)
+  poison(x.shape, x.dtype)
   got = jax.jit(experts_pallas)(*args)
   assert got.shape == x.shape and got.dtype == x.dtype
-  assert _rel_err(got, _reference(*args)) < (tolerance or TOLERANCE[dtype])
+  assert rel_err(got, chunked_reference(*args)) < (tolerance or TOLERANCE[dtype])
 
 
 # --- routing metadata ----------------------------------------------------------------------
@@ -90,8 +36,8 @@ def _check_experts(args, dtype, tolerance=None):
                          [(1, 8, 16, 8), (37, 2, 8, 16), (50, 4, 4, 64)])
 def test_plan_places_every_copy_in_a_tile_of_its_expert(num_tokens, top_k, num_experts,
                                                         block_rows):
-  _, ids, weights, *_ = _problem(0, num_tokens, num_experts, top_k, 64, 64, jnp.float32,
-                                 invalid_fraction=0.2)
+  _, ids, weights, *_ = expert_problem(0, num_tokens, num_experts, top_k, 64, 64, jnp.float32,
+                                       invalid_fraction=0.2)
   plan = plan_routing(ids, weights, num_experts, block_rows)
   ids, weights = np.asarray(ids), np.asarray(weights)
   pos = np.asarray(plan.pos_TK)
@@ -123,7 +69,7 @@ def test_plan_gives_empty_experts_no_tiles():
 # --- permute / combine -----------------------------------------------------------------------
 
 def test_permute_then_combine_of_weighted_rows_is_the_weighted_sum():
-  x, ids, weights, *_ = _problem(1, 13, 6, 3, 64, 64, jnp.float32, invalid_fraction=0.2)
+  x, ids, weights, *_ = expert_problem(1, 13, 6, 3, 64, 64, jnp.float32, invalid_fraction=0.2)
   plan = plan_routing(ids, weights, 6, 8)
   x_PD = permute_rows(x, plan)
   y = unpermute_combine(x_PD * plan.row_weight_P[:, None], plan, jnp.float32)
@@ -160,16 +106,16 @@ def _kernel_refs(x_PD, plan, w_gate, w_up, w_down):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_grouped_gemm_kernels_match_per_row_reference(tiling_name, dtype):
   gate_up_tiling, down_tiling = TILINGS[tiling_name]
-  x, ids, weights, w_gate, w_up, w_down = _problem(2, 11, 4, 2, 128, 128, dtype,
-                                                   invalid_fraction=0.1)
+  x, ids, weights, w_gate, w_up, w_down = expert_problem(2, 11, 4, 2, 128, 128, dtype,
+                                                         invalid_fraction=0.1)
   plan = plan_routing(ids, weights, 4, gate_up_tiling.block_rows)
   x_PD = permute_rows(x, plan)
   act = gate_up_swiglu(x_PD, w_gate, w_up, plan.tile_expert_N, gate_up_tiling)
   out = down_weighted(act, w_down, plan.row_weight_P, plan.tile_expert_N, down_tiling)
   want_act, want_out, used = _kernel_refs(x_PD, plan, w_gate, w_up, w_down)
   # Every row of every used tile must be written (pad rows too), and match.
-  assert _rel_err(act[used], want_act[used]) < TOLERANCE[dtype]
-  assert _rel_err(out[used], want_out[used]) < TOLERANCE[dtype]
+  assert rel_err(act[used], want_act[used]) < TOLERANCE[dtype]
+  assert rel_err(out[used], want_out[used]) < TOLERANCE[dtype]
 
 
 # --- the whole experts function --------------------------------------------------------------
@@ -194,7 +140,7 @@ EXPERT_CASES = ([(case, jnp.bfloat16) for case in sorted(CASES)]
 @pytest.mark.parametrize("case, dtype", EXPERT_CASES)
 def test_experts_pallas_matches_reference(case, dtype):
   num_tokens, num_experts, top_k, used, invalid = CASES[case]
-  args = _problem(3, num_tokens, num_experts, top_k, 128, 64, dtype, used, invalid)
+  args = expert_problem(3, num_tokens, num_experts, top_k, 128, 64, dtype, used, invalid)
   _check_experts(args, dtype)
 
 
@@ -212,7 +158,7 @@ def test_hidden_size_of_one_tile_takes_the_64_column_down_tiling():
   blocks instead of 128, and matches the reference."""
   _, down = choose_tilings(num_copies=300, num_experts=4, dim=64, ffn=64)
   assert not down.swapped and down.block_cols == 64
-  args = _problem(5, 300, 4, 1, 64, 64, jnp.bfloat16)
+  args = expert_problem(5, 300, 4, 1, 64, 64, jnp.bfloat16)
   _check_experts(args, jnp.bfloat16)
 
 
@@ -226,14 +172,14 @@ def test_backend_registry_returns_pallas_kernels():
 
 
 def test_runs_inside_while_loop_and_jit():
-  args = _problem(4, 5, 8, 2, 128, 64, jnp.bfloat16)
+  args = expert_problem(4, 5, 8, 2, 128, 64, jnp.bfloat16)
 
   def body(i, y):
     return y + experts_pallas(*args).astype(jnp.float32)
 
   got = jax.jit(lambda: jax.lax.fori_loop(0, 2, body, jnp.zeros(args[0].shape)))()
   want = 2 * experts_reference(*args).astype(jnp.float32)
-  assert _rel_err(got, want) < TOLERANCE[jnp.bfloat16]
+  assert rel_err(got, want) < TOLERANCE[jnp.bfloat16]
 
 
 # --- realistic shapes on the GPU -------------------------------------------------------------
@@ -253,7 +199,7 @@ GPU_CASES = {
 @pytest.mark.parametrize("case", large_gpu_memory_cases(sorted(GPU_CASES)))
 def test_gpu_experts_pallas_matches_reference(case):
   num_tokens, num_experts, top_k, dim, ffn = GPU_CASES[case]
-  args = _problem(5, num_tokens, num_experts, top_k, dim, ffn, jnp.bfloat16)
+  args = expert_problem(5, num_tokens, num_experts, top_k, dim, ffn, jnp.bfloat16)
   _check_experts(args, jnp.bfloat16)
 
 
@@ -263,7 +209,8 @@ def test_gpu_experts_pallas_matches_reference(case):
                                   "one_token_top8"])
 def test_gpu_edge_cases(case):
   num_tokens, num_experts, top_k, used, invalid = CASES[case]
-  args = _problem(6, num_tokens * 8, num_experts, top_k, 256, 128, jnp.bfloat16, used, invalid)
+  args = expert_problem(6, num_tokens * 8, num_experts, top_k, 256, 128, jnp.bfloat16, used,
+                        invalid)
   _check_experts(args, jnp.bfloat16)
 
 
@@ -272,20 +219,20 @@ def test_gpu_edge_cases(case):
 @pytest.mark.parametrize("tiling_name", sorted(TILINGS))
 def test_gpu_grouped_gemm_kernels(tiling_name):
   gate_up_tiling, down_tiling = TILINGS[tiling_name]
-  x, ids, weights, w_gate, w_up, w_down = _problem(7, 300, 16, 4, 512, 256, jnp.bfloat16)
+  x, ids, weights, w_gate, w_up, w_down = expert_problem(7, 300, 16, 4, 512, 256, jnp.bfloat16)
   plan = plan_routing(ids, weights, 16, gate_up_tiling.block_rows)
   x_PD = permute_rows(x, plan)
-  _poison((plan.num_rows, 256), jnp.bfloat16)
+  poison((plan.num_rows, 256), jnp.bfloat16)
   act = gate_up_swiglu(x_PD, w_gate, w_up, plan.tile_expert_N, gate_up_tiling)
-  _poison((plan.num_rows, 512), jnp.bfloat16)
+  poison((plan.num_rows, 512), jnp.bfloat16)
   out = down_weighted(act, w_down, plan.row_weight_P, plan.tile_expert_N, down_tiling)
   want_act, want_out, used = _kernel_refs(x_PD, plan, w_gate, w_up, w_down)
-  assert _rel_err(act[used], want_act[used]) < TOLERANCE[jnp.bfloat16]
-  assert _rel_err(out[used], want_out[used]) < TOLERANCE[jnp.bfloat16]
+  assert rel_err(act[used], want_act[used]) < TOLERANCE[jnp.bfloat16]
+  assert rel_err(out[used], want_out[used]) < TOLERANCE[jnp.bfloat16]
 
 
 @pytest.mark.gpu
 @gpu_only
 def test_gpu_float32_falls_back_and_matches():
-  args = _problem(8, 64, 16, 4, 256, 128, jnp.float32)
+  args = expert_problem(8, 64, 16, 4, 256, 128, jnp.float32)
   _check_experts(args, jnp.float32, tolerance=1e-2)  # XLA may use tf32 for float32 dots.

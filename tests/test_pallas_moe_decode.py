@@ -14,24 +14,13 @@ import numpy as np
 import pytest
 
 from conftest import large_gpu_memory_cases
+from moe_helpers import (ON_GPU, TOLERANCE, chunked_reference, expert_problem, gpu_only, poison,
+                         rel_err)
 from jspec.models.moe_backends import experts_reference, get_experts_fn
 from jspec.pallas_kernels import (DecodeTiling, decode_tilings, experts_decode,
                                   experts_grouped, experts_pallas, plan_decode,
                                   use_decode_path)
 from jspec.pallas_kernels.decode_routing import max_slots, padded_tokens
-
-ON_GPU = jax.devices()[0].platform == "gpu"
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
-
-# Relative L2 error allowed: bf16 operands round to ~4e-3; fp32 runs exact in interpret mode.
-TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 1e-4}
-
-
-def _rel_err(got, want):
-  got = np.asarray(got, np.float64)
-  want = np.asarray(want, np.float64)
-  assert np.all(np.isfinite(got)), "output holds NaN/inf: a row was left unwritten"
-  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def _poison(num_tokens, top_k, num_experts, dim, ffn, dtype):
@@ -40,42 +29,7 @@ def _poison(num_tokens, top_k, num_experts, dim, ffn, dtype):
     return
   slots, n = max_slots(num_tokens, top_k, num_experts), padded_tokens(num_tokens)
   for shape in [(slots, n, ffn), (slots, n, dim), (num_tokens, dim)]:
-    jnp.full(shape, jnp.nan, dtype).block_until_ready()
-
-
-def _problem(seed, num_tokens, num_experts, top_k, dim, ffn, dtype, experts_used=None,
-             invalid_fraction=0.0, distinct=True):
-  keys = jax.random.split(jax.random.key(seed), 7)
-  x = jax.random.normal(keys[0], (num_tokens, dim), jnp.float32).astype(dtype)
-  w_gate = (jax.random.normal(keys[1], (num_experts, dim, ffn)) / np.sqrt(dim)).astype(dtype)
-  w_up = (jax.random.normal(keys[2], (num_experts, dim, ffn)) / np.sqrt(dim)).astype(dtype)
-  w_down = (jax.random.normal(keys[3], (num_experts, ffn, dim)) / np.sqrt(ffn)).astype(dtype)
-  pool = np.arange(num_experts) if experts_used is None else np.asarray(experts_used)
-  if distinct and top_k <= len(pool):  # Distinct experts per token, as a router's top-k gives.
-    picks = jnp.argsort(jax.random.uniform(keys[4], (num_tokens, len(pool))), axis=1)[:, :top_k]
-  else:
-    picks = jax.random.randint(keys[4], (num_tokens, top_k), 0, len(pool))
-  ids = jnp.asarray(pool, jnp.int32)[picks]
-  if invalid_fraction:
-    drop = jax.random.uniform(keys[5], ids.shape) < invalid_fraction
-    ids = jnp.where(drop, -1, ids)
-  weights = jax.nn.softmax(jax.random.normal(keys[6], (num_tokens, top_k)), axis=-1)
-  return x, ids, weights, w_gate, w_up, w_down
-
-
-def _reference(x, ids, weights, w_gate, w_up, w_down, chunk=8):
-  """experts_reference over token chunks (each token gathers its K experts' weights)."""
-  num_tokens, top_k = ids.shape
-  if num_tokens <= chunk:
-    return experts_reference(x, ids, weights, w_gate, w_up, w_down)
-  pad = -num_tokens % chunk
-  xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, chunk, x.shape[1])
-  ids_c = jnp.pad(ids, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, chunk, top_k)
-  w_c = jnp.pad(weights, ((0, pad), (0, 0))).reshape(-1, chunk, top_k)
-  ys = jax.jit(lambda xs, ids_c, w_c, w_gate, w_up, w_down: jax.lax.map(
-      lambda a: experts_reference(a[0], a[1], a[2], w_gate, w_up, w_down), (xs, ids_c, w_c)))(
-          xs, ids_c, w_c, w_gate, w_up, w_down)
-  return ys.reshape(-1, x.shape[1])[:num_tokens]
+    poison(shape, dtype)
 
 
 def _check(args, dtype, fn=experts_decode, tolerance=None):
@@ -83,7 +37,7 @@ def _check(args, dtype, fn=experts_decode, tolerance=None):
   _poison(ids.shape[0], ids.shape[1], w_gate.shape[0], w_gate.shape[1], w_gate.shape[2], dtype)
   got = jax.jit(fn)(*args)
   assert got.shape == x.shape and got.dtype == x.dtype
-  assert _rel_err(got, _reference(*args)) < (tolerance or TOLERANCE[dtype])
+  assert rel_err(got, chunked_reference(*args, chunk=8)) < (tolerance or TOLERANCE[dtype])
 
 
 # --- the slot plan ---------------------------------------------------------------------------
@@ -144,12 +98,13 @@ DECODE_CASES = ([(case, jnp.bfloat16) for case in sorted(CASES)]
 def test_decode_path_matches_reference(case, dtype):
   num_tokens, num_experts, top_k, used, invalid, distinct = CASES[case]
   seed = sum(map(ord, case))
-  args = _problem(seed, num_tokens, num_experts, top_k, 128, 64, dtype, used, invalid, distinct)
+  args = expert_problem(seed, num_tokens, num_experts, top_k, 128, 64, dtype, used, invalid,
+                        distinct)
   _check(args, dtype)
 
 
 def test_no_valid_id_gives_zeros():
-  x, _, weights, w_gate, w_up, w_down = _problem(1, 3, 4, 2, 128, 64, jnp.bfloat16)
+  x, _, weights, w_gate, w_up, w_down = expert_problem(1, 3, 4, 2, 128, 64, jnp.bfloat16)
   ids = jnp.full((3, 2), -1, jnp.int32)
   got = jax.jit(experts_decode)(x, ids, weights, w_gate, w_up, w_down)
   assert np.all(np.asarray(got, np.float32) == 0.0)
@@ -159,13 +114,13 @@ def test_no_valid_id_gives_zeros():
 def test_wide_tiles_and_shallow_pipeline_match_reference(async_mma):
   """128-column work items for both kernels (the down tiling real shapes take), 2 stages, both
   ways of restarting the sums between items."""
-  args = _problem(2, 6, 8, 3, 256, 128, jnp.bfloat16)
+  args = expert_problem(2, 6, 8, 3, 256, 128, jnp.bfloat16)
   tilings = (DecodeTiling(128, 128, 2, async_mma), DecodeTiling(128, 64, 2, async_mma))
   _check(args, jnp.bfloat16, fn=lambda *a: experts_decode(*a, tilings=tilings))
 
 
 def test_blocking_accumulation_matches_reference_over_many_items():
-  args = _problem(3, 13, 8, 4, 128, 128, jnp.float32)
+  args = expert_problem(3, 13, 8, 4, 128, 128, jnp.float32)
   tilings = (DecodeTiling(64, 64, 3, False), DecodeTiling(64, 64, 3, False))
   _check(args, jnp.float32, fn=lambda *a: experts_decode(*a, tilings=tilings))
 
@@ -175,26 +130,26 @@ def test_pallas_backend_takes_the_decode_path_by_size():
   assert not use_decode_path(33, 8) and not use_decode_path(65, 1)
   assert decode_tilings(2048, 768) == (DecodeTiling(64, 128), DecodeTiling(128, 128))
   assert get_experts_fn("pallas") is experts_pallas
-  args = _problem(3, 4, 8, 2, 128, 64, jnp.bfloat16)
+  args = expert_problem(3, 4, 8, 2, 128, 64, jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(experts_pallas(*args), np.float32),
                                 np.asarray(jax.jit(experts_decode)(*args), np.float32))
 
 
 def test_grouped_path_still_matches_reference_at_decode_sizes():
   """The previous (sorted, padded-tile) path, kept for larger sizes and as a baseline."""
-  args = _problem(4, 5, 8, 2, 128, 64, jnp.bfloat16)
+  args = expert_problem(4, 5, 8, 2, 128, 64, jnp.bfloat16)
   _check(args, jnp.bfloat16, fn=experts_grouped)
 
 
 def test_runs_inside_while_loop_and_jit():
-  args = _problem(5, 3, 8, 2, 128, 64, jnp.bfloat16)
+  args = expert_problem(5, 3, 8, 2, 128, 64, jnp.bfloat16)
 
   def body(i, y):
     return y + experts_pallas(*args).astype(jnp.float32)
 
   got = jax.jit(lambda: jax.lax.fori_loop(0, 2, body, jnp.zeros(args[0].shape)))()
   want = 2 * experts_reference(*args).astype(jnp.float32)
-  assert _rel_err(got, want) < TOLERANCE[jnp.bfloat16]
+  assert rel_err(got, want) < TOLERANCE[jnp.bfloat16]
 
 
 # --- realistic shapes on the GPU -------------------------------------------------------------
@@ -216,7 +171,7 @@ GPU_SHAPES = {
 @pytest.mark.parametrize("case", large_gpu_memory_cases(sorted(GPU_SHAPES)))
 def test_gpu_decode_path_matches_reference(case):
   num_tokens, num_experts, top_k, dim, ffn = GPU_SHAPES[case]
-  args = _problem(6, num_tokens, num_experts, top_k, dim, ffn, jnp.bfloat16)
+  args = expert_problem(6, num_tokens, num_experts, top_k, dim, ffn, jnp.bfloat16)
   _check(args, jnp.bfloat16, fn=experts_pallas)
 
 
@@ -225,13 +180,13 @@ def test_gpu_decode_path_matches_reference(case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gpu_edge_cases(case):
   num_tokens, num_experts, top_k, used, invalid, distinct = CASES[case]
-  args = _problem(7, num_tokens, num_experts, top_k, 256, 128, jnp.bfloat16, used, invalid,
-                  distinct)
+  args = expert_problem(7, num_tokens, num_experts, top_k, 256, 128, jnp.bfloat16, used, invalid,
+                        distinct)
   _check(args, jnp.bfloat16, fn=experts_pallas)
 
 
 @pytest.mark.gpu
 @gpu_only
 def test_gpu_float32_falls_back_and_matches():
-  args = _problem(8, 5, 16, 4, 256, 128, jnp.float32)
+  args = expert_problem(8, 5, 16, 4, 256, 128, jnp.float32)
   _check(args, jnp.float32, fn=experts_pallas, tolerance=1e-2)  # XLA may use tf32.

@@ -8,6 +8,7 @@ import json
 import pytest
 
 import jspec
+from jspec.models.hf_config import config_from_dir
 from jspec.models.mtp import MTPSpec
 from jspec.paper_plan import plan_for_config
 
@@ -41,7 +42,7 @@ def _config(tmp_path, fp8: bool):
   if not fp8:
     del raw["quantization_config"]
   (tmp_path / "config.json").write_text(json.dumps(raw))
-  return jspec.ModelConfig.from_dir(str(tmp_path))
+  return config_from_dir(str(tmp_path))
 
 
 def _plan(cfg, **kwargs):

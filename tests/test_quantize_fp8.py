@@ -22,7 +22,7 @@ import jspec
 from helpers import fixture_dir
 from jspec import cli
 from jspec.checkpoint import save_converted
-from jspec.models.loading import SafetensorsIndex
+from jspec.models.safetensors_index import SafetensorsIndex
 from jspec.quantize_fp8 import quantize_block_fp8, quantize_checkpoint
 
 PUBLISHED_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}

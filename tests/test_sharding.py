@@ -13,6 +13,7 @@ from flax import nnx
 
 import jspec
 from helpers import fixture_dir, greedy, wide_moe_llm
+from jspec.models.hf_config import config_from_dir
 
 MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 2, 4), (8, 1, 1)]
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 8, 7, 8, 7, 8], [100, 3, 44, 9]]
@@ -140,7 +141,7 @@ def test_invalid_meshes_name_the_constraint(mesh, match):
 
 def test_ep_must_divide_experts():
   import dataclasses
-  config = dataclasses.replace(jspec.ModelConfig.from_dir(fixture_dir("qwen3_moe")), num_experts=6)
+  config = dataclasses.replace(config_from_dir(fixture_dir("qwen3_moe")), num_experts=6)
   with pytest.raises(ValueError, match="ep=4 must divide num_experts=6"):
     jspec.LLM.from_random(config, mesh=jspec.MeshConfig(ep=4, num_devices=4), dtype="float32")
 
@@ -154,7 +155,7 @@ def test_memory_plan_refuses_what_does_not_fit():
   assert plan.draft_cache_bytes > 0 and plan.target_cache_bytes == 3 * plan.draft_cache_bytes
   # 33 sequences are padded to a 64-row bucket: the plan counts the rows really allocated.
   plan = _llm("qwen3_dense", _mesh(1, 1, 1), "none", max_num_seqs=33).memory_plan
-  cfg = jspec.ModelConfig.from_dir(fixture_dir("qwen3_dense"))
+  cfg = config_from_dir(fixture_dir("qwen3_dense"))
   slots = 128  # max_model_len + k + 1 = 65, rounded up to a multiple of 128 (buckets)
   assert plan.target_cache_bytes == (cfg.num_layers * 2 * 64 * slots * cfg.num_kv_heads
                                      * cfg.head_dim * 4)

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jspec.models.delta_rule import advance_state  # the recurrence, one definition
+
 RECURRENT_COMMIT_MODES = ("store", "replay")
 
 
@@ -135,7 +137,6 @@ class RecurrentWindow:
                                    index_B[:, None, None, None, None, None], axis=1)[:, 0]
       state = jnp.where((num_emit_B > 0)[:, None, None, None, None], picked, self.start.state)
       return RecurrentCache(conv, state)
-    from jspec.models.gated_deltanet import advance_state  # the recurrence, one definition
     state = advance_state(self.start.state, self.keys, self.values, self.log_decay, self.beta,
                           num_emit_B)
     return RecurrentCache(conv, state)

@@ -18,60 +18,33 @@ does jspec.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
-from flax import nnx
 
 from jspec.config import ModelConfig
 from jspec.models import weights as W
-from jspec.models.layers import MLP, RMSNorm
+from jspec.models.decoder import CausalLM, DecoderLayer, common_fields
 from jspec.models.mla import MLAttention, mla_cache
-from jspec.models.moe import MoE, read_sigmoid_moe_fields
-from jspec.models.qwen3 import CausalLM, common_fields
+from jspec.models.moe import read_sigmoid_moe_fields
 from jspec.models.rope import rope_scaling_items
 
 GLM4_MOE_LITE = "Glm4MoeLiteForCausalLM"
 MLP_LAYER_TYPES = ("dense", "sparse")
 
 
-class DecoderLayer(nnx.Module):
+class MLADecoderLayer(DecoderLayer):
   """x + mla(norm(x)), then h + mlp(norm(h)); the MLP is dense or MoE."""
 
-  def __init__(self, cfg: ModelConfig, is_moe: bool, dtype, rngs: nnx.Rngs):
-    self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-    self.attn = MLAttention(cfg, dtype, rngs)
-    self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-    self.is_moe = is_moe
-    self.mlp = (MoE(cfg, dtype, rngs) if is_moe
-                else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs, cfg.fp8_block))
-
-  def __call__(self, x_BTD, positions_BT, cache, kv_window: int, experts_fn: Callable,
-               valid_BT=None):
-    del valid_BT  # A latent cache needs no padding mask: padded slots are never attended to.
-    attn_out_BTD, cache = self.attn(self.input_norm(x_BTD), positions_BT, cache, kv_window)
-    h_BTD = x_BTD + attn_out_BTD
-    normed_BTD = self.post_attn_norm(h_BTD)
-    mlp_out_BTD = self.mlp(normed_BTD, experts_fn) if self.is_moe else self.mlp(normed_BTD)
-    return h_BTD + mlp_out_BTD, cache
+  make_attention = MLAttention
 
 
 class DeepseekV3CausalLM(CausalLM):
+  """The neutral decoder stack over MLA layers and their latent caches; its NextN layers are
+  full MLA decoder layers too (vLLM deepseek_mtp.py), each with a latent cache."""
 
-  make_norm = RMSNorm
-
-  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-    self._init_embeddings(cfg, dtype, rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, cfg.layer_is_moe(i), dtype, rngs)
-                            for i in range(cfg.num_layers)])
+  layer_class = MLADecoderLayer
 
   def layer_cache(self, layer_index: int, batch: int, slots: int, dtype):
     return mla_cache(self.cfg, batch, slots, dtype)
-
-  @staticmethod
-  def make_mtp_decoder(cfg: ModelConfig, is_moe: bool, dtype, rngs: nnx.Rngs):
-    # vLLM deepseek_mtp.py: the NextN layer is a full decoder layer of the model (MLA + MoE).
-    return DecoderLayer(cfg, is_moe, dtype, rngs)
 
   @staticmethod
   def make_mtp_cache(cfg: ModelConfig, batch: int, slots: int, dtype):
@@ -117,7 +90,7 @@ def mla_rules(cfg: ModelConfig, p: str) -> dict:
   rule = lambda name, hf_shape, build: W.TensorRule((a + name,), (hf_shape,), build)
   transpose = lambda shape: (lambda w: np.ascontiguousarray(w.T).reshape(shape))
   # Unquantized w_uk / w_uv are [N, P, C]; FP8 ones are read as [N, C, P] here, the generic
-  # FP8 rule then moves C back last (jspec.models.layers.linear with lead=1).
+  # FP8 rule then moves C back last (jspec.models.linear.linear with lead=1).
   fp8 = cfg.fp8_block is not None
   kv_b = lambda part: (lambda w: np.ascontiguousarray(
       np.swapaxes(w.reshape(n, nope + v, c)[:, part], 1, 2) if fp8
@@ -139,25 +112,10 @@ def mla_rules(cfg: ModelConfig, p: str) -> dict:
   return rules
 
 
-def _layer_rules(cfg: ModelConfig, p: str, is_moe: bool, names: set[str]) -> dict:
-  d = cfg.hidden_size
-  rules = {("input_norm", "scale"): W.norm_rule(p + "input_layernorm.weight", d),
-           ("post_attn_norm", "scale"): W.norm_rule(p + "post_attention_layernorm.weight", d)}
-  rules.update(W.prefixed(("attn",), mla_rules(cfg, p)))
-  mlp = (W.sigmoid_moe_rules(cfg, p, names) if is_moe
-         else W.dense_mlp_rules(p + "mlp.", d, cfg.intermediate_size))
-  rules.update(W.prefixed(("mlp",), mlp))
-  return rules
+def mixer_rules(cfg: ModelConfig, p: str, layer_type: str, names: set[str]) -> dict:
+  """Every layer's token mixer is latent attention (`mla_rules`)."""
+  del layer_type, names
+  return W.prefixed(("attn",), mla_rules(cfg, p))
 
 
-def decoder_rules(cfg: ModelConfig, names: set[str]) -> Callable[[str, bool], dict]:
-  """(prefix, is_moe) -> the rules of one decoder layer (an MTP layer's)."""
-  return lambda p, is_moe: _layer_rules(cfg, p, is_moe, names)
-
-
-def target_rules(cfg: ModelConfig, names: set[str]) -> dict:
-  rules = W.embedding_rules(cfg, "norm.weight")
-  for i in range(cfg.num_layers):
-    rules.update(W.prefixed(("layers", i), _layer_rules(
-        cfg, f"{cfg.weight_prefix}layers.{i}.", cfg.layer_is_moe(i), names)))
-  return rules
+moe_rules = W.sigmoid_moe_rules

@@ -1,6 +1,6 @@
 """GLM-4.5 / 4.5-Air / 4.6 / 4.7 (transformers `Glm4MoeForCausalLM`), with its NextN MTP layer.
 
-transformers' `Glm4MoeDecoderLayer` is the pre-norm block of Qwen3 (jspec.models.qwen3) with
+transformers' `Glm4MoeDecoderLayer` is the neutral pre-norm block (jspec.models.decoder) with
 other options, all read from the config:
   - attention: GQA with biases on q/k/v (`attention_bias`), q/k RMSNorm only where
     `use_qk_norm`, RoPE over the first `partial_rotary_factor` (0.5) of each head in the
@@ -17,33 +17,19 @@ a copy of the embedding (jspec.models.mtp).
 
 from __future__ import annotations
 
-from typing import Callable
-
-from flax import nnx
-
 from jspec.config import ModelConfig
 from jspec.models import weights as W
-from jspec.models.layers import RMSNorm
+from jspec.models.decoder import CausalLM, common_fields
 from jspec.models.moe import read_sigmoid_moe_fields
-from jspec.models.qwen3 import CausalLM, DecoderLayer, common_fields
 
 ACTIVATIONS = ("silu",)
 ROPE_TYPES = ("default",)  # the family's attention applies plain RoPE only
 
 
-class Glm4MoeCausalLM(CausalLM):
-  """Dense layers below `first_k_dense_replace`, MoE from there (`cfg.layer_is_moe`)."""
-
-  make_norm = RMSNorm
-
-  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-    self._init_embeddings(cfg, dtype, rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, cfg.layer_is_moe(i), dtype, rngs)
-                            for i in range(cfg.num_layers)])
-
-  @staticmethod
-  def make_mtp_decoder(cfg: ModelConfig, is_moe: bool, dtype, rngs: nnx.Rngs):
-    return DecoderLayer(cfg, is_moe, dtype, rngs)
+# The family's model is the neutral decoder stack, dense layers below
+# `first_k_dense_replace` and MoE from there (`cfg.layer_is_moe`); the name stays for its callers.
+Glm4MoeCausalLM = CausalLM
+moe_rules = W.sigmoid_moe_rules
 
 
 # ---- configuration and checkpoint layout ------------------------------------------------------
@@ -65,26 +51,3 @@ def read_config(hf_config, arch: str) -> ModelConfig:
       partial_rotary_factor=float(partial),
       attention_bias=bool(getattr(hf_config, "attention_bias", False)),
       use_qk_norm=bool(getattr(hf_config, "use_qk_norm", False)))
-
-
-def decoder_rules(cfg: ModelConfig, names: set[str]) -> Callable[[str, bool], dict]:
-  """(prefix, is_moe) -> the rules of one decoder layer whose tensors start with prefix."""
-  def rules(p: str, is_moe: bool) -> dict:
-    d = cfg.hidden_size
-    out = {("input_norm", "scale"): W.norm_rule(p + "input_layernorm.weight", d),
-           ("post_attn_norm", "scale"): W.norm_rule(p + "post_attention_layernorm.weight", d)}
-    out.update(W.prefixed(("attn",), W.attention_rules(cfg, p)))
-    mlp = (W.sigmoid_moe_rules(cfg, p, names) if is_moe
-           else W.dense_mlp_rules(p + "mlp.", d, cfg.intermediate_size))
-    out.update(W.prefixed(("mlp",), mlp))
-    return out
-  return rules
-
-
-def target_rules(cfg: ModelConfig, names: set[str]) -> dict:
-  rules = W.embedding_rules(cfg, "norm.weight")
-  layer = decoder_rules(cfg, names)
-  for i in range(cfg.num_layers):
-    rules.update(W.prefixed(("layers", i),
-                            layer(f"{cfg.weight_prefix}layers.{i}.", cfg.layer_is_moe(i))))
-  return rules

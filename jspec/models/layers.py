@@ -1,8 +1,6 @@
-"""Building blocks shared by every model family: RMSNorms, RoPE, attention over a KV cache, MLP.
-
-Every parameter is an `nnx.Param` whose metadata `logical_axes` names each dimension; the
-sharding rules (jspec.sharding.rules) map those names to mesh axes, so no module here mentions
-a mesh axis.
+"""Building blocks shared by every model family: RoPE, attention over a KV cache, the MLP.
+Their parameters come from jspec.models.params, their projections (FP8 or not) from
+jspec.models.linear, their norms from jspec.models.norms.
 
 Shape letters: B batch, T query tokens, S cache slots, D hidden, N query heads, K kv heads,
 G query heads per kv head, H head dim, F MLP intermediate, V vocabulary.
@@ -10,158 +8,16 @@ G query heads per kv head, H head dim, F MLP intermediate, V vocabulary.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jspec.models import quantization
 from jspec.models import rope as rope_lib
 from jspec.models.caches import KVCache
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
-
-
-def param(rngs: nnx.Rngs, shape, dtype, logical_axes, scale: float | None = None,
-          pad_to=None) -> nnx.Param:
-  """A normal(0, scale) parameter; scale defaults to 1/sqrt(fan_in) (the first axis).
-
-  `pad_to`: a shape at least as large (a vocabulary split over tp, expert weights at the
-  Pallas tile): the parameter has that shape, zeros past `shape` at the end of each axis, and
-  remembers `shape` as its `unpadded_shape` metadata, which loading, random initialisation and
-  saving read (they pad the true tensor, draw only it, and strip the zeros).
-  """
-  scale = shape[0] ** -0.5 if scale is None else scale
-  value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
-  if pad_to is None:
-    return nnx.Param(value.astype(dtype), logical_axes=logical_axes, init_scale=scale)
-  value = jnp.pad(value, [(0, p - n) for n, p in zip(shape, pad_to)])
-  return nnx.Param(value.astype(dtype), logical_axes=logical_axes, init_scale=scale,
-                   unpadded_shape=tuple(shape))
-
-
-def unpadded_shape(variable) -> tuple:
-  """The true shape of a parameter made with `param(pad_to=...)`; else its shape."""
-  shape = variable.get_metadata().get("unpadded_shape")
-  return tuple(variable.get_value().shape) if shape is None else tuple(shape)
-
-
-def mask_padded_vocab(logits_BTV, vocab_size: int):
-  """-inf for the ids past the true vocabulary (rows that pad the embedding and lm_head to a
-  multiple of the vocabulary shards): they are never sampled, drafted or accepted."""
-  if logits_BTV.shape[-1] == vocab_size:
-    return logits_BTV
-  ids_BTV = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, logits_BTV.ndim - 1)
-  return jnp.where(ids_BTV < vocab_size, logits_BTV, -jnp.inf)
-
-
-def ones_param(shape, dtype, logical_axes) -> nnx.Param:
-  return nnx.Param(jnp.ones(shape, dtype), logical_axes=logical_axes, init_scale=None)
-
-
-def zeros_param(shape, dtype, logical_axes) -> nnx.Param:
-  # init_scale 0: random initialisation (loading.init_random) draws 0 * normal = 0.
-  return nnx.Param(jnp.zeros(shape, dtype), logical_axes=logical_axes, init_scale=0.0)
-
-
-def linear(rngs: nnx.Rngs, shape, dtype, logical_axes, in_axes: int = 1,
-           fp8_block: tuple[int, int] | None = None, scale: float | None = None,
-           lead: int = 0, flatten_out: bool = False):
-  """(weight, block scale or None) of a projection: `lead` batch axes (experts), then `in_axes`
-  input axes, then its output axes.
-
-  Unquantized: a `param` of `shape`. With `fp8_block` (an FP8 checkpoint,
-  jspec.models.quantization): the weight in float8_e4m3fn in the checkpoint's order, output
-  axes first (quantization.stored_shape; `flatten_out` joins them into one, named by the
-  first), and its block scale in float32 over the same logical axes, the last output and the
-  last input axis counted in blocks (so a shard holds whole blocks)."""
-  weight = param(rngs, shape, dtype, logical_axes, scale=scale)
-  if fp8_block is None:
-    return weight, None
-  stored = quantization.stored_shape(shape, in_axes, lead, flatten_out)
-  stored_axes = quantization.stored_shape(logical_axes, in_axes, lead, flatten_out)
-  value = jnp.moveaxis(weight.get_value(), range(lead, lead + in_axes), range(-in_axes, 0))
-  weight = nnx.Param(value.reshape(stored).astype(jnp.float8_e4m3fn), logical_axes=stored_axes,
-                     init_scale=weight.get_metadata()["init_scale"])
-  grid = quantization.scale_shape(stored, in_axes, fp8_block)
-  return weight, nnx.Param(jnp.ones(grid, jnp.float32), logical_axes=stored_axes,
-                           init_scale=None, fp8_in_axes=in_axes, fp8_lead=lead)
-
-
-def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_product=None,
-            fp8_block: tuple[int, int] | None = None):
-  """x times a projection weight over x's last and the weight's input axes: `spec` (an einsum
-  over the weight input-first) under XLA, else `product` ((x [.., K], w [K, N]) -> [.., N], on
-  free reshapes). An FP8 weight (`scale` given, with its `fp8_block`; stored output-first, its
-  last `in_axes` axes the input) goes to `fp8_product` ((x [.., K], w8 [N, K], scale
-  [N/b, K/b]) -> [.., N]) where one is set, else is multiplied by its scale in float32 and cast
-  to x's dtype before XLA's dot (prefill: the cast weight is read once per call's many rows);
-  the result has the stored weight's output axes."""
-  lead = x.shape[:-in_axes]
-  if scale is not None:
-    k = math.prod(weight.shape[-in_axes:])
-    out_axes = weight.shape[:-in_axes]
-    x_K = x.reshape(*lead, k)
-    # The scale grid flattens to the [N, K] weight's own 128 x 128 grid only where the inner
-    # output and input axes are whole blocks (a block holding two heads of 64, or an
-    # intermediate size of 200, gives each head or half its own block row): the kernel takes
-    # the flattened form only then; the scaled weight is built on the stored axes.
-    whole_blocks = (weight.shape[-in_axes - 1] % fp8_block[0] == 0
-                    and weight.shape[-1] % fp8_block[1] == 0)
-    if fp8_product is not None and whole_blocks:
-      out = fp8_product(x_K, weight.reshape(-1, k),
-                        scale.reshape(math.prod(scale.shape[:-in_axes]), -1))
-    else:
-      scaled = quantization.dequantize(weight, scale, in_axes, fp8_block, x.dtype, jnp)
-      out = jnp.einsum("...k,nk->...n", x_K, scaled.reshape(-1, k))
-    return out.reshape(*lead, *out_axes)
-  k = math.prod(weight.shape[:in_axes])
-  if product is None:
-    return jnp.einsum(spec, x, weight)
-  out = product(x.reshape(*lead, k), weight.reshape(k, -1))
-  return out.reshape(*lead, *weight.shape[in_axes:])
-
-
-def _normalized_f32(x, eps):
-  x32 = x.astype(jnp.float32)
-  return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-
-
-class RMSNorm(nnx.Module):
-  """Qwen3RMSNorm: normalise in float32, cast back, then scale in the parameter dtype."""
-
-  def __init__(self, dim: int, eps: float, dtype, axis_name: str = "embed"):
-    self.scale = ones_param((dim,), dtype, (axis_name,))
-    self.eps = eps
-
-  def __call__(self, x):
-    return self.scale[...] * _normalized_f32(x, self.eps).astype(x.dtype)
-
-
-class ZeroCenteredRMSNorm(nnx.Module):
-  """Scale by (1 + w), in float32 before the cast (Qwen3-Next / Qwen3.5 `Qwen3NextRMSNorm`,
-  Gemma3's norm): the stored weight is centred on 0, so a checkpoint's zeros mean identity."""
-
-  def __init__(self, dim: int, eps: float, dtype, axis_name: str = "embed"):
-    self.scale = zeros_param((dim,), dtype, (axis_name,))
-    self.eps = eps
-
-  def __call__(self, x):
-    scale = 1.0 + self.scale[...].astype(jnp.float32)
-    return (_normalized_f32(x, self.eps) * scale).astype(x.dtype)
-
-
-class GatedRMSNorm(nnx.Module):
-  """RMSNorm(x) * silu(gate) over the last axis, plain w (Qwen3-Next `Qwen3NextRMSNormGated`,
-  the linear-attention output norm): normalise in float32, cast, scale, gate in float32."""
-
-  def __init__(self, dim: int, eps: float, dtype):
-    self.scale = ones_param((dim,), dtype, (None,))
-    self.eps = eps
-
-  def __call__(self, x, gate):
-    normed = self.scale[...] * _normalized_f32(x, self.eps).astype(x.dtype)
-    return (normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+from jspec.models.linear import linear, project
+from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
+from jspec.models.params import param
 
 
 def rope(x_BTNH, positions_BT, theta: float, rotary_dim: int | None = None):

@@ -1,7 +1,7 @@
 """Llama 2 / 3.x, Mistral, Mixtral and Qwen2 (transformers `LlamaForCausalLM`,
 `MistralForCausalLM`, `MixtralForCausalLM`, `Qwen2ForCausalLM`).
 
-Each is the pre-norm block of Qwen3 (jspec.models.qwen3.DecoderLayer) without q/k norms; they
+Each is the neutral pre-norm block (jspec.models.decoder.DecoderLayer) without q/k norms; they
 differ only where the config says so (transformers modeling_llama.py, modeling_mistral.py,
 modeling_mixtral.py, modeling_qwen2.py):
   - Llama: `attention_bias` biases q/k/v AND o_proj (`LlamaAttention`); `mlp_bias` is refused;
@@ -20,23 +20,18 @@ modeling_mixtral.py, modeling_qwen2.py):
 Sliding windows are not applied: attention covers the whole context, exact while every position
 is inside the window, and jspec.LLM refuses a longer max_model_len (`ModelConfig.sliding_window`).
 
-`DecoderLayer` (the Qwen3 layer, whose attention follows the config's flags) and
+`DecoderLayer` (the neutral layer, whose attention follows the config's flags) and
 `LlamaCausalLM` are built from a ModelConfig alone, as draft models built on this family are.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
-from flax import nnx
-
 from jspec.config import ModelConfig
 from jspec.models import weights as W
-from jspec.models.layers import RMSNorm
-from jspec.models.qwen3 import CausalLM, DecoderLayer, common_fields
+from jspec.models.decoder import CausalLM, DecoderLayer, common_fields
 from jspec.models.rope import rope_scaling_items
 
-__all__ = ["DecoderLayer", "LlamaCausalLM", "read_config", "target_rules", "decoder_rules"]
+__all__ = ["DecoderLayer", "LlamaCausalLM", "read_config", "moe_rules"]
 
 LLAMA = "LlamaForCausalLM"
 MISTRAL = "MistralForCausalLM"
@@ -46,19 +41,9 @@ ACTIVATIONS = ("silu",)
 ROPE_TYPES = ("default", "llama3", "yarn")
 
 
-class LlamaCausalLM(CausalLM):
-  """Every layer dense, or (Mixtral) every layer MoE: `cfg.layer_is_moe`."""
-
-  make_norm = RMSNorm
-
-  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-    self._init_embeddings(cfg, dtype, rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, cfg.layer_is_moe(i), dtype, rngs)
-                            for i in range(cfg.num_layers)])
-
-  @staticmethod
-  def make_mtp_decoder(cfg: ModelConfig, is_moe: bool, dtype, rngs: nnx.Rngs):
-    return DecoderLayer(cfg, is_moe, dtype, rngs)
+# The family's model is the neutral decoder stack, every layer dense or (Mixtral) every layer
+# MoE (`cfg.layer_is_moe`); the name stays for its callers.
+LlamaCausalLM = CausalLM
 
 
 # ---- configuration ----------------------------------------------------------------------------
@@ -100,7 +85,7 @@ def _qwen2_window(hf_config) -> int:
 
 # ---- checkpoint layout ------------------------------------------------------------------------
 
-def _expert_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
+def moe_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
   """Mixtral's experts as published (`block_sparse_moe.experts.{e}.w1/w3/w2`, what
   transformers' save_pretrained writes too), or under transformers' own module names
   (`mlp.gate`, `mlp.experts.gate_up_proj`) where a checkpoint holds those."""
@@ -108,26 +93,3 @@ def _expert_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
     return W.expert_rules(cfg, p, names)
   return W.expert_rules(cfg, p, names, block="block_sparse_moe.",
                         expert_names=("w1", "w3", "w2"))
-
-
-def decoder_rules(cfg: ModelConfig, names: set[str]) -> Callable[[str, bool], dict]:
-  """(prefix, is_moe) -> the rules of one DecoderLayer whose tensors start with prefix."""
-  def rules(p: str, is_moe: bool) -> dict:
-    d = cfg.hidden_size
-    out = {("input_norm", "scale"): W.norm_rule(p + "input_layernorm.weight", d),
-           ("post_attn_norm", "scale"): W.norm_rule(p + "post_attention_layernorm.weight", d)}
-    out.update(W.prefixed(("attn",), W.attention_rules(cfg, p)))
-    mlp = (_expert_rules(cfg, p, names) if is_moe
-           else W.dense_mlp_rules(p + "mlp.", d, cfg.intermediate_size))
-    out.update(W.prefixed(("mlp",), mlp))
-    return out
-  return rules
-
-
-def target_rules(cfg: ModelConfig, names: set[str]) -> dict:
-  rules = W.embedding_rules(cfg, "norm.weight")
-  layer = decoder_rules(cfg, names)
-  for i in range(cfg.num_layers):
-    rules.update(W.prefixed(("layers", i),
-                            layer(f"{cfg.weight_prefix}layers.{i}.", cfg.layer_is_moe(i))))
-  return rules

@@ -52,7 +52,9 @@ from jspec.config import ModelConfig
 from jspec.models import rope as rope_lib
 from jspec.models.caches import MLACache
 from jspec.models import quantization
-from jspec.models.layers import RMSNorm, linear, param, project
+from jspec.models.linear import linear, project
+from jspec.models.norms import RMSNorm
+from jspec.models.params import param
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not the
 # config's rms_norm_eps (DeepseekV3RMSNorm(q_lora_rank), Glm4MoeLiteRMSNorm(kv_lora_rank)).
@@ -95,7 +97,7 @@ class MLAttention(nnx.Module):
     d, n = cfg.hidden_size, cfg.num_heads
     p, r, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     self.q_lora_rank = cfg.q_lora_rank
-    # FP8 checkpoints: every projection kept as published (jspec.models.layers.linear), the
+    # FP8 checkpoints: every projection kept as published (jspec.models.linear.linear), the
     # per-head query weights flattened (the checkpoint's blocks straddle heads of p + r).
     self.fp8_block = block = cfg.fp8_block
     if self.q_lora_rank:
@@ -149,7 +151,7 @@ class MLAttention(nnx.Module):
                                self.rope_attention_factor, self.rope_interleave)
 
   def _dense(self, x, name: str, spec: str, in_axes: int = 1):
-    """x times the projection `name` (FP8 or not): jspec.models.layers.project."""
+    """x times the projection `name` (FP8 or not): jspec.models.linear.project."""
     scale = getattr(self, name + "_scale")
     return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
                    in_axes, fp8_product=self.fp8_projection, fp8_block=self.fp8_block)

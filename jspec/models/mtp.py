@@ -10,8 +10,9 @@ t_{i+1}) with the embedding of t_{i+1}, and predicts t_{i+2}:
 
 h_i is the target's final hidden state AFTER its final norm (what vLLM's model runner hands
 to the proposer). The norms and the decoder layer are the target family's own (`make_norm`,
-`make_mtp_decoder` of its model class): plain RMSNorm and a Qwen3 layer for Qwen3 and GLM-4.5,
-(1 + w) norms and a gated-attention layer for Qwen3-Next / Qwen3.5 (vLLM `qwen3_5_mtp.py`).
+`make_mtp_decoder` of its model class): plain RMSNorm and the neutral decoder layer
+(jspec.models.decoder) for Qwen3 and GLM-4.5, (1 + w) norms and a gated-attention layer for
+Qwen3-Next / Qwen3.5 (vLLM `qwen3_5_mtp.py`).
 The layer's cache is the family's too (`make_mtp_cache`: a KV cache, or MLA's latent cache).
 `embed` and `lm_head` are the target's, except in the DeepSeek-V3 layout where the layer's own
 `embed_tokens` / `shared_head.head` differ from them (loading compares the bytes and keeps one
@@ -43,7 +44,7 @@ from flax import nnx
 
 from jspec.config import ModelConfig
 from jspec.models.caches import KVCache
-from jspec.models.layers import mask_padded_vocab, param
+from jspec.models.params import mask_padded_vocab, param
 
 MTP_LAYOUTS = ("qwen3_next", "deepseek_v3")
 

@@ -41,7 +41,7 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules, block: tuple[int, i
   """(x [B, T, K], w8 [N, K], scale [N/128, K/128]) -> [B, T, N] per batch shard, the FP8
   weight and its scale replicated: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows
   with 128 x 128 blocks, else the weight multiplied by its scale before XLA's dot."""
-  from jspec.models.layers import project
+  from jspec.models.linear import project
   from jspec.pallas_kernels import fp8_gemm
 
   def product(x_BTK, w8_NK, scale):

@@ -7,7 +7,7 @@ activation scheme, `weight_block_size` [out, in]): a projection's weight is floa
 its `weight_scale_inv` [ceil(out / block), ceil(in / block)] float32 holds, despite its name,
 the factor each block's values are multiplied by. jspec keeps both as they are, in the
 checkpoint's [out, in] order (half the bytes of bf16, K contiguous for the FP8 kernel), and
-multiplies by the scale inside the product (jspec.models.layers.project).
+multiplies by the scale inside the product (jspec.models.linear.project).
 Attention (GQA and multi-head latent), dense MLP and MoE expert projections, MTP / NextN layers
 included; a checkpoint whose linear attention is quantized is refused, naming what is missing.
 """
@@ -59,7 +59,7 @@ def refuse_unsupported(cfg, model_dir: str) -> None:
   expert projections; blocks at a weight's edges may be partial (DeepSeek-V3's 576-row
   kv_a_proj_with_mqa), and a block may hold several whole GQA heads, except along a dimension
   that tp or ep splits (jspec.sharding.plan). Weights whose inner axes are not whole blocks are
-  scaled per axis before XLA's product (jspec.models.layers.project), not by the kernel."""
+  scaled per axis before XLA's product (jspec.models.linear.project), not by the kernel."""
   if "linear_attention" in cfg.layer_types:
     raise ValueError(f"{model_dir} is an FP8 checkpoint of a model with linear attention "
                      "(Gated DeltaNet): jspec's FP8 loading covers attention, MLA, dense MLP "

@@ -25,10 +25,11 @@ from flax import nnx
 from jspec.config import ModelConfig
 from jspec.models import weights as W
 from jspec.models.caches import KVCache
+from jspec.models.decoder import CausalLM, common_fields
 from jspec.models.gated_deltanet import GatedDeltaNet
-from jspec.models.layers import MLP, GatedAttention, ZeroCenteredRMSNorm
+from jspec.models.layers import MLP, GatedAttention
 from jspec.models.moe import MoE
-from jspec.models.qwen3 import CausalLM, common_fields
+from jspec.models.norms import ZeroCenteredRMSNorm
 
 LAYER_TYPES = ("full_attention", "linear_attention")
 MULTIMODAL = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
@@ -132,7 +133,7 @@ def skipped_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
 
 # ---- checkpoint layout ----------------------------------------------------------------------
 
-def _linear_attention_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
+def linear_attention_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
   """`{p}linear_attn.*` -> GatedDeltaNet, from Qwen3.5's separate in_proj_{qkv,z,b,a} or
   Qwen3-Next's per-key-head fused in_proj_qkvz / in_proj_ba (transformers'
   `fix_query_key_value_ordering`), whichever the layer has."""
@@ -181,7 +182,7 @@ def _linear_attention_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
   }
 
 
-def _moe_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
+def moe_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
   rules = W.expert_rules(cfg, p, names)
   if cfg.shared_expert_intermediate_size:
     d = cfg.hidden_size
@@ -192,28 +193,8 @@ def _moe_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
   return rules
 
 
-def _layer_rules(cfg: ModelConfig, p: str, layer_type: str, is_moe: bool, names: set[str]) -> dict:
-  d = cfg.hidden_size
-  rules = {("input_norm", "scale"): W.norm_rule(p + "input_layernorm.weight", d),
-           ("post_attn_norm", "scale"): W.norm_rule(p + "post_attention_layernorm.weight", d)}
+def mixer_rules(cfg: ModelConfig, p: str, layer_type: str, names: set[str]) -> dict:
+  """Gated attention in full-attention layers, Gated DeltaNet in the others."""
   if layer_type == "full_attention":
-    rules.update(W.prefixed(("attn",), W.attention_rules(cfg, p, gated=True)))
-  else:
-    rules.update(W.prefixed(("linear_attn",), _linear_attention_rules(cfg, p, names)))
-  mlp = (_moe_rules(cfg, p, names) if is_moe
-         else W.dense_mlp_rules(p + "mlp.", d, cfg.intermediate_size))
-  rules.update(W.prefixed(("mlp",), mlp))
-  return rules
-
-
-def decoder_rules(cfg: ModelConfig, names: set[str]) -> Callable[[str, bool], dict]:
-  """(prefix, is_moe) -> the rules of a full-attention decoder layer (an MTP layer)."""
-  return lambda p, is_moe: _layer_rules(cfg, p, "full_attention", is_moe, names)
-
-
-def target_rules(cfg: ModelConfig, names: set[str]) -> dict:
-  rules = W.embedding_rules(cfg, "norm.weight")
-  for i in range(cfg.num_layers):
-    rules.update(W.prefixed(("layers", i), _layer_rules(
-        cfg, f"{cfg.weight_prefix}layers.{i}.", cfg.layer_type(i), cfg.layer_is_moe(i), names)))
-  return rules
+    return W.prefixed(("attn",), W.attention_rules(cfg, p, gated=True))
+  return W.prefixed(("linear_attn",), linear_attention_rules(cfg, p, names))

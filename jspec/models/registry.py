@@ -1,14 +1,18 @@
 """Model families: a config's `architectures` name -> how to read it, build it and load it.
 
-A family is one file under jspec/models/ (qwen3.py, qwen3_5.py, ...) providing
+A family is one file under jspec/models/ (qwen3.py, qwen3_5.py, ...) built on the neutral
+decoder (jspec.models.decoder), and a `Family` record here naming what it does differently:
   - `read_config(hf_config, arch) -> ModelConfig`,
   - a model class with the surface the loop uses (`__call__`, `logits`, `embed_tokens`,
     `init_caches`; `make_norm` / `make_mtp_decoder` / `make_mtp_cache` for its MTP heads),
-  - `target_rules(cfg, names)` and `decoder_rules(cfg, names)`: checkpoint tensor names ->
-    parameters (jspec.models.weights), for the target and for an MTP head's decoder layer,
+  - `moe_rules` and `mixer_rules`: how its MoE blocks and token mixers are published, from
+    which the decoder's builders make `target_rules(cfg, names)` and `decoder_rules(cfg,
+    names)` (checkpoint tensor names -> parameters, jspec.models.weights) for the target and
+    for an MTP head's decoder layer,
   - optionally `skipped_prefixes(cfg)`: tensors present in published checkpoints that are
     never read (a multimodal model's vision tower).
 Nothing outside jspec/models/ names a family; the speculative loop sees only the surface.
+A checkpoint directory's config is read through this table by jspec.models.hf_config.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import dataclasses
 from typing import Callable
 
 from jspec.config import ModelConfig
-from jspec.models import deepseek_v3, glm4_moe, llama, qwen3, qwen3_5
+from jspec.models import decoder, deepseek_v3, glm4_moe, llama, qwen3, qwen3_5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,21 +29,25 @@ class Family:
   name: str
   read_config: Callable
   model: type
-  target_rules: Callable
-  decoder_rules: Callable
+  moe_rules: decoder.MoeRules
+  mixer_rules: decoder.MixerRules = decoder.attention_mixer_rules
   skipped_prefixes: Callable[[ModelConfig], tuple[str, ...]] = lambda cfg: ()
 
+  def target_rules(self, cfg: ModelConfig, names: set[str]) -> dict:
+    return decoder.target_rules(cfg, names, self.moe_rules, self.mixer_rules)
 
-_QWEN3 = Family("qwen3", qwen3.read_config, qwen3.Qwen3CausalLM, qwen3.target_rules,
-                qwen3.decoder_rules)
-_QWEN3_5 = Family("qwen3_5", qwen3_5.read_config, qwen3_5.Qwen35CausalLM, qwen3_5.target_rules,
-                  qwen3_5.decoder_rules, qwen3_5.skipped_prefixes)
+  def decoder_rules(self, cfg: ModelConfig, names: set[str]) -> Callable[[str, bool], dict]:
+    return decoder.decoder_rules(cfg, names, self.moe_rules, self.mixer_rules)
+
+
+_QWEN3 = Family("qwen3", qwen3.read_config, qwen3.Qwen3CausalLM, qwen3.moe_rules)
+_QWEN3_5 = Family("qwen3_5", qwen3_5.read_config, qwen3_5.Qwen35CausalLM, qwen3_5.moe_rules,
+                  qwen3_5.mixer_rules, qwen3_5.skipped_prefixes)
 _DEEPSEEK_V3 = Family("deepseek_v3", deepseek_v3.read_config, deepseek_v3.DeepseekV3CausalLM,
-                      deepseek_v3.target_rules, deepseek_v3.decoder_rules)
+                      deepseek_v3.moe_rules, deepseek_v3.mixer_rules)
 _GLM4_MOE = Family("glm4_moe", glm4_moe.read_config, glm4_moe.Glm4MoeCausalLM,
-                   glm4_moe.target_rules, glm4_moe.decoder_rules)
-_LLAMA = Family("llama", llama.read_config, llama.LlamaCausalLM, llama.target_rules,
-                llama.decoder_rules)
+                   glm4_moe.moe_rules)
+_LLAMA = Family("llama", llama.read_config, llama.LlamaCausalLM, llama.moe_rules)
 
 ARCHITECTURES = {
     "Qwen3ForCausalLM": _QWEN3,

@@ -17,12 +17,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.models.moe_backends import PALLAS_EXPERT_TILE
+from jspec.models.experts_ragged import experts_ragged_dot
 from jspec.pallas_kernels import (decode_gemm, decode_routing, fp8_experts, grouped_gemm,
                                   permute, platform, routing)
 from jspec.pallas_kernels.decode_gemm import DecodeTiling
 from jspec.pallas_kernels.grouped_gemm import Tiling
 
+# The kernels' tile: a model built for the "pallas" backend holds expert weights with D and
+# each tp shard's F padded to a multiple of it (ModelConfig.padded_for; zeros, so every
+# backend computes the same layer on those arrays). The XLA backends take any size.
+PALLAS_EXPERT_TILE = 64
 # Average token copies per expert up to which tokens go on wgmma's N dimension.
 SWAPPED_MAX_ROWS_PER_EXPERT = 32
 # The decode path multiplies every selected expert by all T tokens (padded to N, a power of
@@ -108,7 +112,6 @@ def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
                      f"{dtype}, {w_gate_EDF.dtype}, {w_up_EDF.dtype}, {w_down_EFD.dtype}")
   if platform.on_gpu() and jnp.dtype(dtype).itemsize != 2:
     # Hopper wgmma reads 32-bit operands only K-major; the [E, D, F] weights are N-major.
-    from jspec.models.moe_backends import experts_ragged_dot
     return experts_ragged_dot(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF,
                               w_down_EFD)
   if use_decode_path(num_tokens, top_k):

@@ -20,6 +20,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from jspec.config import ModelConfig
+from jspec.models.hf_config import config_from_dir
 from jspec.models.loading import load_checkpoint
 from jspec.sharding.rules import MeshConfig, ShardingRules
 from jspec.train import saver
@@ -83,7 +84,7 @@ def train_mtp_head(target_dir: str, corpus: Corpus, *, steps: int = 500, seq_len
   """Trains a one-layer Qwen3-Next MTP head for the (dense) target in `target_dir` and writes it
   there. `corpus`: texts (tokenized with the directory's tokenizer), token-id lists, or one id
   stream. Returns the training info (history of distillation loss and argmax agreement)."""
-  cfg = ModelConfig.from_dir(target_dir)
+  cfg = config_from_dir(target_dir)
   if cfg.is_moe:
     raise ValueError("train_mtp_head supports dense targets (Qwen3ForCausalLM)")
   eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0

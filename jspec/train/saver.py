@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 
 from jspec.config import ModelConfig
 from jspec.models import weights as W
-from jspec.models.layers import unpadded_shape
+from jspec.models.params import unpadded_shape
 from jspec.models.mtp import MTPSpec
 from jspec.models.registry import family_of
 

@@ -1,0 +1,73 @@
+"""Projections: a weight over some input axes and its output axes, unquantized or as a
+fine-grained FP8 checkpoint publishes it (float8_e4m3fn weight, output axes first, with a
+float32 scale per block: jspec.models.quantization), and the product of activations with
+either form (`project`), under XLA or a kernel (jspec.models.projections picks one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jspec.models import quantization
+from jspec.models.params import param
+
+
+def linear(rngs: nnx.Rngs, shape, dtype, logical_axes, in_axes: int = 1,
+           fp8_block: tuple[int, int] | None = None, scale: float | None = None,
+           lead: int = 0, flatten_out: bool = False):
+  """(weight, block scale or None) of a projection: `lead` batch axes (experts), then `in_axes`
+  input axes, then its output axes.
+
+  Unquantized: a `param` of `shape`. With `fp8_block` (an FP8 checkpoint,
+  jspec.models.quantization): the weight in float8_e4m3fn in the checkpoint's order, output
+  axes first (quantization.stored_shape; `flatten_out` joins them into one, named by the
+  first), and its block scale in float32 over the same logical axes, the last output and the
+  last input axis counted in blocks (so a shard holds whole blocks)."""
+  weight = param(rngs, shape, dtype, logical_axes, scale=scale)
+  if fp8_block is None:
+    return weight, None
+  stored = quantization.stored_shape(shape, in_axes, lead, flatten_out)
+  stored_axes = quantization.stored_shape(logical_axes, in_axes, lead, flatten_out)
+  value = jnp.moveaxis(weight.get_value(), range(lead, lead + in_axes), range(-in_axes, 0))
+  weight = nnx.Param(value.reshape(stored).astype(jnp.float8_e4m3fn), logical_axes=stored_axes,
+                     init_scale=weight.get_metadata()["init_scale"])
+  grid = quantization.scale_shape(stored, in_axes, fp8_block)
+  return weight, nnx.Param(jnp.ones(grid, jnp.float32), logical_axes=stored_axes,
+                           init_scale=None, fp8_in_axes=in_axes, fp8_lead=lead)
+
+
+def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_product=None,
+            fp8_block: tuple[int, int] | None = None):
+  """x times a projection weight over x's last and the weight's input axes: `spec` (an einsum
+  over the weight input-first) under XLA, else `product` ((x [.., K], w [K, N]) -> [.., N], on
+  free reshapes). An FP8 weight (`scale` given, with its `fp8_block`; stored output-first, its
+  last `in_axes` axes the input) goes to `fp8_product` ((x [.., K], w8 [N, K], scale
+  [N/b, K/b]) -> [.., N]) where one is set, else is multiplied by its scale in float32 and cast
+  to x's dtype before XLA's dot (prefill: the cast weight is read once per call's many rows);
+  the result has the stored weight's output axes."""
+  lead = x.shape[:-in_axes]
+  if scale is not None:
+    k = math.prod(weight.shape[-in_axes:])
+    out_axes = weight.shape[:-in_axes]
+    x_K = x.reshape(*lead, k)
+    # The scale grid flattens to the [N, K] weight's own 128 x 128 grid only where the inner
+    # output and input axes are whole blocks (a block holding two heads of 64, or an
+    # intermediate size of 200, gives each head or half its own block row): the kernel takes
+    # the flattened form only then; the scaled weight is built on the stored axes.
+    whole_blocks = (weight.shape[-in_axes - 1] % fp8_block[0] == 0
+                    and weight.shape[-1] % fp8_block[1] == 0)
+    if fp8_product is not None and whole_blocks:
+      out = fp8_product(x_K, weight.reshape(-1, k),
+                        scale.reshape(math.prod(scale.shape[:-in_axes]), -1))
+    else:
+      scaled = quantization.dequantize(weight, scale, in_axes, fp8_block, x.dtype, jnp)
+      out = jnp.einsum("...k,nk->...n", x_K, scaled.reshape(-1, k))
+    return out.reshape(*lead, *out_axes)
+  k = math.prod(weight.shape[:in_axes])
+  if product is None:
+    return jnp.einsum(spec, x, weight)
+  out = product(x.reshape(*lead, k), weight.reshape(k, -1))
+  return out.reshape(*lead, *weight.shape[in_axes:])

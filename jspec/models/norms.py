@@ -1,0 +1,54 @@
+"""The RMSNorms of the families: plain scale (Qwen3, Llama, DeepSeek-V3), (1 + w) scale
+(Qwen3-Next / Qwen3.5) and the SiLU-gated one of the linear-attention output. All normalise in
+float32, as transformers does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jspec.models.params import ones_param, zeros_param
+
+
+def _normalized_f32(x, eps):
+  x32 = x.astype(jnp.float32)
+  return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+  """Qwen3RMSNorm: normalise in float32, cast back, then scale in the parameter dtype."""
+
+  def __init__(self, dim: int, eps: float, dtype, axis_name: str = "embed"):
+    self.scale = ones_param((dim,), dtype, (axis_name,))
+    self.eps = eps
+
+  def __call__(self, x):
+    return self.scale[...] * _normalized_f32(x, self.eps).astype(x.dtype)
+
+
+class ZeroCenteredRMSNorm(nnx.Module):
+  """Scale by (1 + w), in float32 before the cast (Qwen3-Next / Qwen3.5 `Qwen3NextRMSNorm`,
+  Gemma3's norm): the stored weight is centred on 0, so a checkpoint's zeros mean identity."""
+
+  def __init__(self, dim: int, eps: float, dtype, axis_name: str = "embed"):
+    self.scale = zeros_param((dim,), dtype, (axis_name,))
+    self.eps = eps
+
+  def __call__(self, x):
+    scale = 1.0 + self.scale[...].astype(jnp.float32)
+    return (_normalized_f32(x, self.eps) * scale).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+  """RMSNorm(x) * silu(gate) over the last axis, plain w (Qwen3-Next `Qwen3NextRMSNormGated`,
+  the linear-attention output norm): normalise in float32, cast, scale, gate in float32."""
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.scale = ones_param((dim,), dtype, (None,))
+    self.eps = eps
+
+  def __call__(self, x, gate):
+    normed = self.scale[...] * _normalized_f32(x, self.eps).astype(x.dtype)
+    return (normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
