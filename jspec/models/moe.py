@@ -28,7 +28,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.models import quantization
-from jspec.models.layers import MLP, linear, param
+from jspec.models.layers import MLP
+from jspec.models.linear import linear
+from jspec.models.params import param
 from jspec.pallas_kernels import fp8_experts
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
