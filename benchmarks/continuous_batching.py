@@ -153,8 +153,8 @@ def dispatch_cost(args, prompts, rows):
   # (many boundaries, so that their cost stands out of the run-to-run noise); `one` has no
   # iteration budget: a single dispatch.
   for llm, budget in ((many, args.dispatch_budget), (one, 1 << 30)):
-    llm._runner.batcher.finished_rows = 2 * num
-    llm._runner.batcher.budget = budget
+    llm.scheduler.finished_rows = 2 * num
+    llm.scheduler.budget = budget
   results = {}
   for name, llm in (("dispatches", many), ("one_dispatch", one)):
     llm.generate(prompts[:2], [jspec.SamplingParams(temperature=0.0, max_tokens=2,

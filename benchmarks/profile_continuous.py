@@ -56,7 +56,7 @@ def main():
              for _ in range(args.num_prompts)]
   params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
   llm.generate(prompts, params, use_tqdm=False)  # compiles, warms up
-  dispatch_c, = llm._runner.batcher._compiled.values()
+  dispatch_c, = llm.scheduler.dispatch_programs.values()
   text = dispatch_c.as_text()
   if args.hlo_out:
     with open(args.hlo_out, "w") as f:

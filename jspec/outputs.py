@@ -143,7 +143,7 @@ class GenerateOutputs(list):
   """A list of RequestOutput, in prompt order, with the aggregate `metrics` of the call and,
   under continuous batching, how many device dispatches and loop iterations it took, the
   host's work per dispatch (seconds, overlapped with the next dispatch's device work) and each
-  dispatch's timing (jspec.continuous.DispatchTiming)."""
+  dispatch's timing (jspec.schedulers.base.DispatchTiming)."""
 
   def __init__(self, outputs, metrics: RequestMetrics, host_seconds_per_dispatch: float = 0.0,
                dispatches: list | None = None):

@@ -12,7 +12,7 @@ import pytest
 
 import jspec
 from helpers import fixture_dir, greedy
-from jspec.continuous import DispatchChain
+from jspec.schedulers.dispatch_chain import DispatchChain
 from jspec.speculative.dispatch import run_if
 
 RNG = np.random.default_rng(18)

@@ -23,7 +23,7 @@ def test_bad_prompts_raise_before_device_work(prompts, match):
   llm = jspec.LLM(model=cached_llm(DENSE).model_dir, dtype="float32", max_model_len=64)
   with pytest.raises(ValueError, match=match):
     llm.generate(prompts, greedy(4))
-  assert not llm._runner.batcher._compiled  # nothing was compiled or run
+  assert not llm.scheduler.dispatch_programs  # nothing was compiled or run
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -104,7 +104,7 @@ def test_long_continuations_move_to_a_larger_cache_bucket():
   short = llm.generate([PROMPTS[1]], greedy(20, ignore_eos=True))[0]
   long = llm.generate([PROMPTS[1]], greedy(200, ignore_eos=True))[0]
   assert len(long.token_ids) == 200 and long.token_ids[:20] == short.token_ids
-  cache_lens = sorted(plan.loop.cache_len for plan, _ in llm._runner.batcher._compiled)
+  cache_lens = sorted(plan.loop.cache_len for plan, _ in llm.scheduler.dispatch_programs)
   assert cache_lens[0] < cache_lens[-1] <= 256 + 1
 
 

@@ -27,9 +27,9 @@ def test_dispatch_program_copies_no_cache_buffer(method):
                                    for m in rng.integers(1, 40, size=12)])
   assert len(outputs) == 12
 
-  batcher = llm._runner.batcher
-  (plan, _), = batcher._compiled.keys()
-  dispatch_c, = batcher._compiled.values()
+  scheduler = llm.scheduler
+  (plan, _), = scheduler.dispatch_programs.keys()
+  dispatch_c, = scheduler.dispatch_programs.values()
   caches = jax.eval_shape(lambda: llm.target.init_caches(plan.loop.batch, plan.loop.cache_len,
                                                          llm.dtype))
   leaf_bytes = min(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(caches))

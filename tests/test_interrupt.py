@@ -14,7 +14,8 @@ import time
 import pytest
 
 import jspec
-from jspec import continuous, engine, timing
+from jspec import timing
+from jspec.schedulers import continuous, waves
 
 DEVICE_THREADS = ("jspec-dispatch", "jspec-device")  # the schedulers' device work
 # Two lengths that share a cache bucket (512 slots at max_model_len=512): one compile.
@@ -37,7 +38,7 @@ def _device_threads():
   return [t for t in threading.enumerate() if t.name in DEVICE_THREADS]
 
 
-@pytest.mark.parametrize("batching, module", [("continuous", continuous), ("waves", engine)])
+@pytest.mark.parametrize("batching, module", [("continuous", continuous), ("waves", waves)])
 def test_ctrl_c_during_generate_raises_at_once_and_leaves_the_llm_usable(batching, module,
                                                                          monkeypatch):
   thread_errors = []

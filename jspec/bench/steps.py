@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jspec.bench.roofline import seconds_per_call
-from jspec.engine import module_cache_shardings
+from jspec.device import module_cache_shardings
 from jspec.models import caches as cache_lib
 from jspec.speculative import buckets
 

@@ -1,10 +1,10 @@
 """A dispatch of the continuous-batching loop: its rounds, and which of their parts are due.
 
-jspec.speculative.batching holds the slots and what happens to them (admit, prefill a chunk,
-decode, harvest); this module decides, inside the jitted `lax.while_loop`, when each runs:
-admission and prefill only when a slot is free and requests wait (or a prompt is in progress),
-decode steps in an inner loop for as long as nothing else is due, harvest only when a slot
-finished. Conditional parts run as one-trip while loops (`run_if`), never `lax.cond`.
+jspec.speculative.slots holds the slots, jspec.speculative.batching what happens to them
+(admit, prefill a chunk, decode, harvest); this module decides, inside the jitted
+`lax.while_loop`, when each runs: admission and prefill only when a slot is free and requests
+wait (or a prompt is in progress), decode steps in an inner loop for as long as nothing else
+is due, harvest only when a slot finished. Conditional parts run as one-trip while loops (`run_if`), never `lax.cond`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.speculative.batching import (FREE, RUN, BatchPlan, BatchState, Finished, Queue,
-                                        admit, decode, harvest, prefill_chunk)
+from jspec.speculative.batching import admit, decode, harvest, prefill_chunk
 from jspec.speculative.drafters import make_drafter
-from jspec.speculative.loop import LoopContext
+from jspec.speculative.queue import Queue
+from jspec.speculative.slots import FREE, RUN, BatchPlan, BatchState, Finished
+from jspec.speculative.step import LoopContext
 
 
 def run_if(flag, fn, operand):

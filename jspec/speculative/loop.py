@@ -1,107 +1,26 @@
-"""Prefill and the draft -> verify -> accept loop, as pure functions over `DecodeState`.
+"""The wave loop: prefill a batch, then one `lax.while_loop` of steps until it is done.
 
-One `lax.while_loop` runs the whole generation on device; k = 0 (no drafter) is vanilla
-decoding through the same body. Each step, for every running sequence of length L:
-
-  1. draft k tokens d_1..d_k through the drafter surface (jspec.speculative.drafters: an MTP
-     or EAGLE head, a draft model, n-gram lookup);
-  2. verify: one target forward over [t_{L-1}, d_1..d_k] at positions L-1..L+k-1;
-  3. accept: greedy prefix match or lossless rejection sampling -> accept_len in 0..k, plus
-     the target's own token after the accepted run;
-  4. update: stop exactly where vanilla decoding would (EOS / stop id / max length inside the
-     accepted run), append the emitted tokens, advance the length, commit the target's caches
-     to the emitted tokens (KV caches roll back by length alone; recurrent layers keep the
-     state after the last emitted token: jspec.models.caches), then "draft extend": hand
-     the drafter over the verified window with the target's hidden states there, so its
-     state always follows the committed tokens (SGLang / vLLM draft extend).
+Pure functions over `DecodeState`. `prefill` runs the prompts and samples each sequence's first
+token; `decode_loop` repeats the shared draft -> verify -> accept step (jspec.speculative.step)
+until every sequence of the batch has finished. The continuous loop reuses `prefill_with_logits`
+for the first requests of a call (jspec.speculative.batching.start_state).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
 from jspec.models import caches as cache_lib
-from jspec.speculative import sampling, verify
+from jspec.speculative import sampling
 from jspec.speculative.chunks import in_chunks
-from jspec.speculative.drafters import DraftState, TargetOut, make_drafter
-from jspec.speculative.drafters.base import take_rows as _take_rows
-from jspec.speculative.logprobs import TokenLogprobs, window_logprobs
+from jspec.speculative.drafters import make_drafter
+from jspec.speculative.drafters.base import take_rows
 from jspec.speculative.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState,
                                      Metrics, RequestInputs)
-
-_TARGET_STREAM, _DRAFT_STREAM = 0, 1
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopContext:
-  """How the loop runs its modules: expert backends (EP-wrapped on a mesh) and cache layout."""
-  experts_fn: Callable
-  draft_experts_fn: Callable
-  dtype: object
-  # Per-layer cache shardings (jspec.models.caches.shardings) of the target and the draft, or
-  # None (no constraint).
-  cache_shardings: tuple | None = None
-  draft_cache_shardings: tuple | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopPlan:
-  """Everything static about one compiled program (hashable: it keys the jit cache)."""
-  batch: int
-  cache_len: int
-  method: str | None       # None or a drafter (jspec.speculative.drafters.DRAFTERS)
-  k: int                   # drafts per step; 0 without speculation
-  all_greedy: bool         # every request has temperature 0: argmax paths only
-  any_filtered: bool = True  # some request uses top-k or top-p (the sampling path sorts)
-  ngram_min: int = 1
-  ngram_max: int = 3
-  prefill_chunk: int = 1024  # prompt tokens per sequence per prefill pass (bounds attention memory)
-  # Log-probabilities of emitted tokens with this many alternatives (jspec.speculative.logprobs),
-  # from the verify pass; None: not computed.
-  num_logprobs: int | None = None
-
-
-@struct.dataclass
-class StepOutputs:
-  """What one step emitted, beside the new state: the window's tokens (the first num_emit_B
-  of each running row) and, when the plan asks, their log-probabilities [B, k+1]."""
-  out_tokens_BT: jax.Array
-  num_emit_B: jax.Array
-  logprobs: TokenLogprobs | None = None
-
-
-def _stream_keys(req: RequestInputs, stream: int):
-  return jax.vmap(lambda seed: jax.random.fold_in(jax.random.key(seed), stream))(req.seeds_B)
-
-
-def _choose(logits_NV, temperature_N, top_k_N, top_p_N, keys_N, plan: "LoopPlan"):
-  """Token and the distribution it was drawn from (None when every row is greedy)."""
-  if plan.all_greedy:
-    return jnp.argmax(logits_NV, axis=-1).astype(jnp.int32), None
-  probs_NV = sampling.processed_probs(logits_NV, temperature_N, top_k_N, top_p_N,
-                                      plan.any_filtered)
-  return sampling.sample(probs_NV, keys_N), probs_NV
-
-
-def _is_stop(tokens_BT, stop_ids_BX):
-  return jnp.any(tokens_BT[..., None] == stop_ids_BX[:, None, :], axis=-1)
-
-
-def _target_forward(target, drafter, tokens_BT, positions_BT, caches, kv_window: int,
-                    experts_fn, seq_lens_B=None):
-  """The target over a window, with the layer inputs the drafter reads (TargetOut)."""
-  if drafter.aux_layers:
-    hidden_BTD, caches, aux = target(tokens_BT, positions_BT, caches, kv_window, experts_fn,
-                                     seq_lens_B=seq_lens_B, aux_layers=drafter.aux_layers)
-    return TargetOut(hidden_BTD, aux), caches
-  hidden_BTD, caches = target(tokens_BT, positions_BT, caches, kv_window, experts_fn,
-                              seq_lens_B=seq_lens_B)
-  return TargetOut(hidden_BTD), caches
+from jspec.speculative.step import (TARGET_STREAM, LoopContext, LoopPlan, choose_tokens,
+                                    decode_step, is_stop, stream_keys, target_forward)
 
 
 def prefill(target, draft_module, tokens_BP, prompt_lens_B, req: RequestInputs, plan: LoopPlan,
@@ -120,20 +39,20 @@ def prefill_with_logits(target, draft_module, tokens_BP, prompt_lens_B, req: Req
   caches = cache_lib.constrain(target.init_caches(batch, plan.cache_len, ctx.dtype),
                                ctx.cache_shardings)
   target_out, caches = in_chunks(
-      lambda t, p, c: _target_forward(target, drafter, t, p, c, prompt_bucket, ctx.experts_fn,
-                                      seq_lens_B=prompt_lens_B),
+      lambda t, p, c: target_forward(target, drafter, t, p, c, prompt_bucket, ctx.experts_fn,
+                                     seq_lens_B=prompt_lens_B),
       (tokens_BP, positions_BP), caches, plan.prefill_chunk)
   last_B = prompt_lens_B - 1
-  logits_BV = target.logits(_take_rows(target_out.hidden_BTD, last_B)[:, None])[:, 0]
-  keys_B = sampling.position_keys(_stream_keys(req, _TARGET_STREAM), prompt_lens_B[:, None])[:, 0]
-  first_B, _ = _choose(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B, keys_B,
-                       plan)
+  logits_BV = target.logits(take_rows(target_out.hidden_BTD, last_B)[:, None])[:, 0]
+  keys_B = sampling.position_keys(stream_keys(req, TARGET_STREAM), prompt_lens_B[:, None])[:, 0]
+  first_B, _ = choose_tokens(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B, keys_B,
+                             plan)
 
   rows_B = jnp.arange(batch)
   tokens_BS = jnp.zeros((batch, plan.cache_len), jnp.int32).at[:, :prompt_bucket].set(tokens_BP)
   tokens_BS = tokens_BS.at[rows_B, prompt_lens_B].set(first_B)
   lengths_B = prompt_lens_B + 1
-  stop_B = _is_stop(first_B[:, None], req.stop_ids_BX)[:, 0]
+  stop_B = is_stop(first_B[:, None], req.stop_ids_BX)[:, 0]
   finish_B = jnp.where(stop_B, FINISH_STOP,
                        jnp.where(lengths_B >= req.max_len_B, FINISH_LENGTH, FINISH_NONE))
   draft = drafter.prefill(tokens_BP, prompt_lens_B, first_B, target_out)
@@ -142,109 +61,6 @@ def prefill_with_logits(target, draft_module, tokens_BP, prompt_lens_B, req: Req
                       metrics=Metrics.zeros(batch, plan.k), step=jnp.int32(0),
                       emitted_at_BS=jnp.zeros((batch, plan.cache_len), jnp.int32))
   return state, logits_BV
-
-
-def _draft_chooser(req: RequestInputs, lengths_B, plan: LoopPlan):
-  """choose(logits_BV, j) for the drafter: draft j's token and distribution, drawn from the
-  draft random stream at its own position (so a draft never reuses a verify key)."""
-  keys_BK = sampling.position_keys(
-      _stream_keys(req, _DRAFT_STREAM), lengths_B[:, None] + jnp.arange(plan.k, dtype=jnp.int32))
-
-  def choose(logits_BV, j: int):
-    return _choose(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B, keys_BK[:, j], plan)
-
-  return choose
-
-
-def _accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, req, plan):
-  k = plan.k
-  if plan.all_greedy:
-    return verify.greedy_verify(drafts_BK, draft_len_B, target_logits_BTV)
-  batch, width, vocab = target_logits_BTV.shape
-  repeat = lambda x_B: jnp.repeat(x_B, width)
-  target_probs_BTV = sampling.processed_probs(
-      target_logits_BTV.reshape(batch * width, vocab), repeat(req.temperature_B),
-      repeat(req.top_k_B), repeat(req.top_p_B), plan.any_filtered).reshape(batch, width, vocab)
-  keys_BT = sampling.position_keys(_stream_keys(req, _TARGET_STREAM),
-                                   state.lengths_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32))
-  if k == 0:  # Vanilla sampling: the "bonus" token is the only token.
-    return jnp.zeros((batch,), jnp.int32), sampling.sample(
-        target_probs_BTV[:, 0], keys_BT[:, 0])[:, None]
-  return verify.rejection_verify(drafts_BK, draft_len_B, draft_probs_BKV, target_probs_BTV,
-                                 keys_BT)
-
-
-def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, plan: LoopPlan,
-                ctx: LoopContext) -> tuple[DecodeState, StepOutputs]:
-  k, batch, lengths_B = plan.k, plan.batch, state.lengths_B
-  rows_B = jnp.arange(batch)
-  running_B = ~state.done_B
-  last_token_B = state.tokens_BS[rows_B, lengths_B - 1]
-  drafter = make_drafter(plan.method, target, draft_module, plan, ctx)
-
-  draft, draft_probs_BKV = state.draft, None
-  if k > 0:
-    drafts_BK, draft_len_B, draft_probs_BKV, draft = drafter.propose(
-        draft, state.tokens_BS, lengths_B, _draft_chooser(req, lengths_B, plan))
-  else:
-    drafts_BK, draft_len_B = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32)
-
-  verify_tokens_BT = jnp.concatenate([last_token_B[:, None], drafts_BK], axis=1)
-  positions_BT = lengths_B[:, None] - 1 + jnp.arange(k + 1, dtype=jnp.int32)
-  target_out, window_caches = _target_forward(target, drafter, verify_tokens_BT, positions_BT,
-                                              state.target_caches, plan.cache_len,
-                                              ctx.experts_fn)
-  logits_BTV = target.logits(target_out.hidden_BTD)
-  accept_len_B, out_tokens_BT = _accept(logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV,
-                                        state, req, plan)
-
-  # Stop exactly where one-token-at-a-time decoding would: the first emitted token that is a
-  # stop id, or that brings the sequence to its maximum length, ends it.
-  offsets_T = jnp.arange(k + 1, dtype=jnp.int32)
-  emitted_BT = offsets_T[None, :] <= accept_len_B[:, None]
-  stop_tok_BT = _is_stop(out_tokens_BT, req.stop_ids_BX)
-  full_BT = lengths_B[:, None] + offsets_T + 1 >= req.max_len_B[:, None]
-  ends_BT = emitted_BT & (stop_tok_BT | full_BT)
-  any_end_B = jnp.any(ends_BT, axis=1)
-  first_end_B = jnp.argmax(ends_BT, axis=1).astype(jnp.int32)
-  num_emit_B = jnp.where(any_end_B, first_end_B + 1, accept_len_B + 1)
-  end_reason_B = jnp.where(_take_rows(stop_tok_BT, first_end_B), FINISH_STOP, FINISH_LENGTH)
-  finish_B = jnp.where(running_B & any_end_B, end_reason_B, state.finish_B)
-
-  # Slots past the new length hold garbage that is never read; a finished row writes there too.
-  write_positions_BT = lengths_B[:, None] + offsets_T
-  tokens_BS = state.tokens_BS.at[rows_B[:, None], write_positions_BT].set(out_tokens_BT)
-  emitted_at_BS = state.emitted_at_BS.at[rows_B[:, None], write_positions_BT].set(state.step + 1)
-  new_lengths_B = jnp.where(running_B, lengths_B + num_emit_B, lengths_B)
-  # A finished row keeps its caches as they were: none of its window is committed.
-  target_caches = cache_lib.commit(window_caches, jnp.where(running_B, num_emit_B, 0))
-
-  if k > 0:
-    draft = drafter.extend(draft, out_tokens_BT, positions_BT, num_emit_B, running_B, target_out)
-
-  m = state.metrics
-  run_i = running_B.astype(jnp.int32)
-  if k > 0:
-    positions_K = jnp.arange(k, dtype=jnp.int32)
-    drafted_BK = (positions_K[None] < draft_len_B[:, None]).astype(jnp.int32) * run_i[:, None]
-    accepted_BK = (positions_K[None] < (num_emit_B - 1)[:, None]).astype(jnp.int32)
-    accepted_BK = accepted_BK * run_i[:, None]
-  else:
-    drafted_BK = accepted_BK = jnp.zeros_like(m.drafted_at_BK)
-  metrics = Metrics(num_steps_B=m.num_steps_B + run_i,
-                    num_drafted_B=m.num_drafted_B + jnp.sum(drafted_BK, axis=1),
-                    num_accepted_B=m.num_accepted_B + run_i * (num_emit_B - 1),
-                    drafted_at_BK=m.drafted_at_BK + drafted_BK,
-                    accepted_at_BK=m.accepted_at_BK + accepted_BK)
-  # The verify pass scored every window position with the target given the accepted prefix:
-  # the same logits one-token decoding samples from, hence its log-probabilities.
-  logprobs = (None if plan.num_logprobs is None else
-              window_logprobs(logits_BTV, jnp.maximum(out_tokens_BT, 0), plan.num_logprobs))
-  return DecodeState(tokens_BS=tokens_BS, lengths_B=new_lengths_B,
-                     done_B=state.done_B | (running_B & any_end_B), finish_B=finish_B,
-                     target_caches=target_caches, draft=draft, metrics=metrics,
-                     step=state.step + 1, emitted_at_BS=emitted_at_BS), StepOutputs(
-                         out_tokens_BT, num_emit_B, logprobs)
 
 
 def decode_loop(target, draft_module, state: DecodeState, req: RequestInputs, plan: LoopPlan,

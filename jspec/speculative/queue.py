@@ -1,9 +1,10 @@
-"""Host side of a generate call: requests become a device queue, finished rows become outputs.
+"""The request queue of a continuous-batching call: its host half (numpy arrays in queue order)
+and its device half (the `Queue` the jitted loop admits from).
 
 A request asks for `n` completions of one prompt (SamplingParams.n). It enters the queue as
 one or more *groups* of at most `group` samples: a group is admitted into that many slots of
 one data-parallel shard at once, its prompt is prefilled once, and the prefilled state is
-written to every slot of the group (jspec.speculative.batching). Sample 0 draws with the
+written to every slot of the group (jspec.speculative.batching.admit). Sample 0 draws with the
 request's own seed, so its tokens are those n = 1 gives; sample i > 0 with a seed derived
 from (seed, i).
 
@@ -17,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jspec.config import SamplingParams
-from jspec.outputs import (CompletionOutput, RequestMetrics, RequestOutput, aggregate,
-                           position_logprobs)
 from jspec.speculative import buckets
-
 
 MIN_QUEUE_GROUPS = 64
 MIN_QUEUE_TOKENS = 4096
@@ -115,69 +116,26 @@ def queue_arrays(plan: QueuePlan, eos_ids, max_model_len: int) -> dict[str, np.n
   return arrays
 
 
-@dataclasses.dataclass
-class FinishedCompletion:
-  """One finished completion as it comes off the device (host arrays)."""
-  group: int
-  member: int            # index within its group
-  token_ids: list[int]
-  finish_reason: str
-  num_steps: int
-  drafted_at_K: np.ndarray
-  accepted_at_K: np.ndarray
-  logprobs: tuple | None  # (logprob_T, rank_T, top_ids_TX, top_logprobs_TX) or None
-  emitted_at: np.ndarray | None = None  # each token's loop clock value (jspec.timing)
+@struct.dataclass
+class Queue:
+  """The waiting requests, in admission order (`queue_arrays` on device)."""
+  prompt_tokens_N: jax.Array
+  prompt_start_Q: jax.Array
+  prompt_len_Q: jax.Array
+  size_Q: jax.Array          # samples in the group; 0 for padding
+  temperature_Q: jax.Array
+  top_k_Q: jax.Array
+  top_p_Q: jax.Array
+  max_len_Q: jax.Array
+  stop_ids_QX: jax.Array
+  seeds_QM: jax.Array        # uint32 seed of each sample of the group
+
+  @property
+  def num_groups(self):
+    return jnp.sum(self.size_Q > 0).astype(jnp.int32)
 
 
-class OutputCollector:
-  """Completions gathered as dispatches return them; `outputs()` in prompt order."""
-
-  def __init__(self, plan: QueuePlan, k: int, decode=None):
-    self.plan, self.k, self.decode = plan, k, decode
-    self.completions: list[dict[int, CompletionOutput]] = [{} for _ in plan.prompts]
-    self.num_finished = 0
-    self.num_tokens = 0
-    self._counts: dict[tuple[int, int], FinishedCompletion] = {}
-
-  def add(self, done: FinishedCompletion):
-    group = self.plan.groups[done.group]
-    params = self.plan.params[group.request]
-    logprobs = cumulative = None
-    if params.logprobs is not None and done.logprobs is not None:
-      logprob_T, rank_T, top_ids_TX, top_logprobs_TX = done.logprobs
-      top = params.logprobs
-      logprobs = position_logprobs(done.token_ids, logprob_T, rank_T, top_ids_TX[:, :top],
-                                   top_logprobs_TX[:, :top], self.decode)
-      cumulative = float(np.sum(np.asarray(logprob_T, np.float64)))
-    index = group.first_sample + done.member
-    self.completions[group.request][index] = CompletionOutput(
-        index=index, token_ids=done.token_ids, text=None, finish_reason=done.finish_reason,
-        logprobs=logprobs, cumulative_logprob=cumulative)
-    self._counts[group.request, index] = done
-    self.num_finished += 1
-    self.num_tokens += len(done.token_ids)
-
-  def outputs(self, wall_time_s: float, prompt_logprobs=None, clock=None) -> list[RequestOutput]:
-    """In prompt order; `clock` (jspec.timing.Clock) times each completion's tokens, else
-    each completion counts the call's wall time."""
-    results = []
-    for i, prompt in enumerate(self.plan.prompts):
-      found = self.completions[i]
-      n = self.plan.params[i].n
-      assert len(found) == n, f"request {i}: {len(found)} of {n} completions came back"
-      completions = [found[j] for j in range(n)]
-      for j, c in enumerate(completions):
-        done = self._counts[i, j]
-        times = (None if clock is None or done.emitted_at is None
-                 else clock.seconds(done.emitted_at))
-        c.metrics = RequestMetrics.from_counts(
-            done.drafted_at_K[:self.k], done.accepted_at_K[:self.k], done.num_steps,
-            len(done.token_ids), None if times is not None else wall_time_s,
-            token_times_s=times)
-      metrics = (completions[0].metrics if n == 1 else
-                 aggregate(completions, self.k, max(c.metrics.wall_time_s for c in completions)))
-      results.append(RequestOutput(prompt_token_ids=list(prompt), outputs=completions,
-                                   metrics=metrics,
-                                   prompt_logprobs=None if prompt_logprobs is None
-                                   else prompt_logprobs[i]))
-    return results
+def device_queue(plan: QueuePlan, eos_ids, max_model_len: int, put) -> Queue:
+  """The queue on device, every array replicated: `put(host, logical_axes)` places one."""
+  arrays = queue_arrays(plan, eos_ids, max_model_len)
+  return Queue(**{name: put(a, (None,) * a.ndim) for name, a in arrays.items()})

@@ -1,0 +1,115 @@
+"""Kernel backends put into a built model's layers: experts, decode attention, projections,
+and how linear-attention layers commit a verify window.
+
+Each function walks the NNX graphs of the target and the drafter and sets a layer's backend
+attribute; the layers read them when they run (jspec.models). Nothing here reads weights.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jspec.models.decode_attention import sharded_mla_decode, sharded_window_attention
+from jspec.models.gated_deltanet import GatedDeltaNet
+from jspec.models.layers import MLP, Attention
+from jspec.models.mla import MLAttention
+from jspec.models.moe import MoE
+from jspec.models.moe_backends import get_experts_fn
+from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
+                                      weights_replicated)
+from jspec.pallas_kernels import platform
+from jspec.sharding.moe import needs_shard_map, sharded_experts
+from jspec.sharding.rules import axis_size
+
+# "auto"'s limit on an MLA window's query rows per shard for the latent kernel.
+MLA_KERNEL_MAX_ROWS = 128
+
+
+def _modules(pairs):
+  return [(module, rules) for module, rules in pairs if module is not None]
+
+
+def set_recurrent_commit(target, mode: str):
+  """How linear-attention layers keep a verify window until commit (jspec.models.caches):
+  "replay" reruns the emitted positions from the state before the window, "store" keeps
+  the state after every position and picks one."""
+  for _, node in nnx.iter_graph(target):
+    if isinstance(node, GatedDeltaNet):
+      node.commit_mode = mode
+
+
+def use_experts(moe_backend: str, mesh, ep_strategy: str, target_and_rules, draft_and_rules):
+  """(experts_fn, draft_experts_fn): the backend's expert product, wrapped in a shard_map over
+  the expert axes where the mesh has them; each MoE layer told its expert shards."""
+  base_experts = get_experts_fn(moe_backend)
+  for module, rules in _modules((target_and_rules, draft_and_rules)):
+    for _, node in nnx.iter_graph(module):
+      if isinstance(node, MoE):
+        node.expert_shards = axis_size(mesh, rules.experts)
+  if not needs_shard_map(mesh):
+    return base_experts, base_experts
+  return (sharded_experts(base_experts, mesh, target_and_rules[1], ep_strategy),
+          sharded_experts(base_experts, mesh, draft_and_rules[1], ep_strategy))
+
+
+def use_pallas_attention(mesh, pairs, explicit: bool = True):
+  """Decode, verify and draft steps of the given (module, rules) pairs attend through the
+  split-S kernels, laid out like their caches (interpreted off GPU, where Triton cannot compile
+  them): GQA layers through `window_attention`, MLA layers through `mla_decode` where the
+  compiled kernel takes their latent width (jspec.pallas_kernels.mla_decode.fits_kernel)."""
+  from jspec.pallas_kernels.mla_decode import fits_kernel
+  interpret = jax.devices()[0].platform != "gpu"
+  for module, rules in _modules(pairs):
+    kernel = sharded_window_attention(mesh, rules, interpret)
+    for _, node in nnx.iter_graph(module):
+      if isinstance(node, Attention) and explicit:
+        node.window_attention = kernel
+      elif isinstance(node, MLAttention) and (interpret or fits_kernel(node.latent_dim,
+                                                                       node.rope_dim)):
+        node.latent_kernel = sharded_mla_decode(mesh, rules, node.latent_dim, node.scale,
+                                                interpret)
+        if not explicit:
+          # "auto": the kernel where it was measured faster than XLA's path on an H200
+          # (BENCHMARKS.md, "MLA decode attention"): windows of up to 128 query rows per
+          # shard (a decode step of 128 heads, a verify window of 16 heads x 4 positions);
+          # wider ones (128 heads x 4 positions: 0.76-0.80x at batch 8 and 32) keep XLA's.
+          node.latent_kernel_max_rows = MLA_KERNEL_MAX_ROWS * axis_size(mesh, rules.q_heads)
+
+
+def use_projections(backend: str, fp8_block, mesh, pairs) -> str:
+  """Sets the attention layers' projection product (jspec.models.projections); returns the
+  backend in effect: "auto" becomes "pallas" on Hopper where the weights are whole on every
+  shard (the kernel then takes only the products XLA would strength-reduce), else "xla"."""
+  forced = backend == "pallas"
+  if fp8_block is not None and backend != "xla":
+    _use_fp8_projections(fp8_block, mesh, pairs)
+  if backend == "auto":
+    replicated = all(weights_replicated(mesh, rules) for _, rules in pairs)
+    backend = "pallas" if platform.on_hopper() and replicated else "xla"
+  if backend == "xla":
+    return backend
+  for module, rules in _modules(pairs):
+    if not weights_replicated(mesh, rules):
+      raise ValueError("projection_backend='pallas' needs the attention weights whole on "
+                       "every shard, and this mesh splits them over tp; use 'auto' or 'xla'")
+    kernel = sharded_projection(mesh, rules, always=forced)
+    for _, node in nnx.iter_graph(module):
+      if isinstance(node, Attention):
+        node.projection = kernel
+  return backend
+
+
+def _use_fp8_projections(fp8_block, mesh, pairs):
+  """On a GPU, FP8 projections of steps with few rows go to the FP8 kernel where the mesh
+  keeps the weights whole on every shard; elsewhere they are scaled before XLA's dot."""
+  if not platform.on_hopper():
+    return
+  for module, rules in _modules(pairs):
+    if not weights_replicated(mesh, rules):
+      continue
+    kernel = sharded_fp8_projection(mesh, rules, fp8_block)
+    mlp_whole = axis_size(mesh, rules.mlp) == 1
+    for _, node in nnx.iter_graph(module):
+      if isinstance(node, (Attention, MLAttention)) or (isinstance(node, MLP) and mlp_whole):
+        node.fp8_projection = kernel

@@ -1,0 +1,275 @@
+"""Building an LLM: options checked, then config -> target -> drafter -> memory plan ->
+backends -> scheduler, in that order (each step needs the ones before it).
+
+`build` returns an `LLMParts`: everything `jspec.LLM` serves from. Every refusal that can be
+made before weights are read is made before (options here, a drafter's by its method's
+setup, jspec.speculative.drafters.setup), so a wrong argument costs no loading or compiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+
+from jspec.backends import set_recurrent_commit, use_experts, use_pallas_attention, use_projections
+from jspec.checkpoint import is_converted, restore_converted
+from jspec.config import ModelConfig, SpecConfig, checkpoint_dtype, resolve_dtype
+from jspec.models.hf_config import config_from_dir
+from jspec.device import DeviceModel
+from jspec.models.caches import RECURRENT_COMMIT_MODES
+from jspec.models.decode_attention import ATTENTION_BACKENDS, resolve_attention_backend
+from jspec.models.drafts import init_random_drafter
+from jspec.models.loading import init_random, load_checkpoint
+from jspec.models.moe_backends import expert_tile, resolve_moe_backend
+from jspec.models.projections import PROJECTION_BACKENDS
+from jspec.progress import notice, stage
+from jspec.schedulers.continuous import ContinuousScheduler
+from jspec.schedulers.waves import WavesScheduler
+from jspec.scoring import Scorer
+from jspec.sharding.moe import EP_STRATEGIES
+from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
+from jspec.sharding.rules import MeshConfig, ShardingRules
+from jspec.speculative.drafters.setup import TargetContext, setup_for
+from jspec.tokenizer import load_tokenizer
+
+# batching= -> the scheduler that runs every generate call (jspec.schedulers).
+# "continuous": a finished sequence's slot takes the next request inside the loop;
+# "waves": batches that end with their longest request (kept to compare against).
+SCHEDULERS = {"continuous": ContinuousScheduler, "waves": WavesScheduler}
+BATCHING_MODES = tuple(SCHEDULERS)
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclasses.dataclass
+class LLMParts:
+  """A target model (and its drafter) on a mesh, with the programs that run it."""
+  model_dir: str | None
+  tokenizer: object | None
+  config: ModelConfig
+  dtype: object
+  spec: SpecConfig | None
+  mesh_config: MeshConfig
+  mesh: object
+  rules: ShardingRules
+  draft_rules: ShardingRules
+  target: object
+  mtp: object | None
+  mtp_spec: object | None
+  draft_module: object | None  # the module the drafter runs (jspec.speculative.drafters)
+  max_model_len: int
+  max_num_seqs: int
+  prefill_chunk_size: int
+  memory_plan: object
+  batching: str
+  seed: int
+  moe_backend: str
+  attention_backend: str
+  projection_backend: str
+  recurrent_commit: str
+  experts_fn: object
+  draft_experts_fn: object
+  device: DeviceModel | None = None
+  scheduler: object = None
+  scorer: Scorer | None = None
+
+
+def enable_compilation_cache(directory: str | None):
+  """JAX's persistent cache: a program compiled once is reused by later processes.
+  JSPEC_COMPILATION_CACHE=off leaves it disabled (the CPU test suite does: a fresh clone has
+  nothing to reuse, and serialising every program it compiles would only add work)."""
+  directory = directory or os.environ.get("JSPEC_COMPILATION_CACHE",
+                                          os.path.expanduser("~/.cache/jspec/xla"))
+  from jax.experimental.compilation_cache import compilation_cache
+  if directory == "off":
+    # JAX decides once per process whether its cache is used; an earlier LLM with a cache
+    # directory leaves it on until the cache is reset.
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    return
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_enable_compilation_cache", True)
+  if jax.config.jax_compilation_cache_dir != directory:
+    # JAX opens its cache once per process; a new directory needs the old one closed first.
+    compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", directory)
+  # jspec's programs are few and reused across processes: cache every one, however quick.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def check_options(*, attention_backend, projection_backend, ep_strategy, recurrent_commit,
+                  speculative_config, max_model_len, max_num_seqs, prefill_chunk_size,
+                  batching) -> SpecConfig | None:
+  """The options that need no model, refused with the offending value and what is valid;
+  returns the parsed speculative_config."""
+  if attention_backend not in ATTENTION_BACKENDS:
+    raise ValueError(f"attention_backend={attention_backend!r} is not supported; choose one "
+                     f"of {ATTENTION_BACKENDS}")
+  if projection_backend not in PROJECTION_BACKENDS:
+    raise ValueError(f"projection_backend={projection_backend!r} is not supported; choose "
+                     f"one of {PROJECTION_BACKENDS}")
+  if ep_strategy not in EP_STRATEGIES:  # checked on every mesh, not only where ep > 1
+    raise ValueError(f"ep_strategy={ep_strategy!r} is not supported; choose one of "
+                     f"{EP_STRATEGIES}")
+  if recurrent_commit not in RECURRENT_COMMIT_MODES:
+    raise ValueError(f"recurrent_commit={recurrent_commit!r} is not supported; choose one of "
+                     f"{RECURRENT_COMMIT_MODES}")
+  spec = SpecConfig.parse(speculative_config)
+  if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+    raise ValueError(f"max_model_len={max_model_len!r} must be an integer >= 2")
+  if max_num_seqs != "auto" and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
+    raise ValueError(f"max_num_seqs={max_num_seqs!r} must be an integer >= 1 or 'auto'")
+  if not (isinstance(prefill_chunk_size, int) and prefill_chunk_size >= 16
+          and prefill_chunk_size & (prefill_chunk_size - 1) == 0):
+    raise ValueError(f"prefill_chunk_size={prefill_chunk_size!r} must be a power of two >= 16")
+  if batching not in BATCHING_MODES:
+    raise ValueError(f"batching={batching!r} is not supported; choose one of {BATCHING_MODES}")
+  return spec
+
+
+def resolve_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
+  """The requested max_model_len checked against the config, or its default (the model's
+  context, capped to keep caches modest, and to a sliding window: inside it, attending to
+  the whole context is exact)."""
+  window = config.sliding_window
+  if max_model_len is None:
+    return min(DEFAULT_MAX_MODEL_LEN, config.max_position_embeddings,
+               window or DEFAULT_MAX_MODEL_LEN)
+  if max_model_len > config.max_position_embeddings:
+    raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                     f"max_position_embeddings={config.max_position_embeddings}")
+  if window and max_model_len > window:
+    raise ValueError(f"max_model_len={max_model_len} exceeds the sliding attention window of "
+                     f"{window} tokens in this {config.architecture} config; jspec "
+                     "attends over the whole context, which equals sliding-window attention "
+                     f"only while every sequence fits in the window: lower max_model_len to "
+                     f"at most {window}")
+  return max_model_len
+
+
+def draft_rules_for(spec: SpecConfig | None, rules: ShardingRules) -> ShardingRules:
+  """The drafter's sharding rules: draft_tp=1 replicates it over tp."""
+  return rules.without_tp() if spec and spec.draft_tp == 1 else rules
+
+
+def build(model: str | None = None, *, mesh: MeshConfig | None = None,
+          speculative_config: SpecConfig | dict | None = None,
+          max_model_len: int | None = None, dtype="bfloat16", moe_backend: str = "auto",
+          seed: int = 0, max_num_seqs: int | str = "auto",
+          compilation_cache_dir: str | None = None, ep_strategy: str = "auto",
+          device_memory_bytes: int | None = None, prefill_chunk_size: int = 256,
+          attention_backend: str = "auto", recurrent_commit: str = "store",
+          sharding_rules: ShardingRules | None = None, batching: str = "continuous",
+          projection_backend: str = "auto", random_modules=None,
+          random_draft=None) -> LLMParts:
+  """The parts of `jspec.LLM` (its arguments are this function's; `random_modules`,
+  `random_draft`: what `random_modules` built instead of loading)."""
+  dtype = resolve_dtype(checkpoint_dtype(model) if dtype == "auto" else dtype)
+  spec = check_options(attention_backend=attention_backend,
+                       projection_backend=projection_backend, ep_strategy=ep_strategy,
+                       recurrent_commit=recurrent_commit, speculative_config=speculative_config,
+                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                       prefill_chunk_size=prefill_chunk_size, batching=batching)
+  # "auto": the Pallas decode kernels on a Hopper GPU, XLA's attention elsewhere.
+  resolved_attention = resolve_attention_backend(attention_backend)
+  mesh_config = mesh or MeshConfig()
+  moe_backend = resolve_moe_backend(moe_backend)
+  enable_compilation_cache(compilation_cache_dir)
+  device_mesh = mesh_config.make_mesh()
+  # The logical-axis -> mesh-axis table (jspec.sharding.rules); e.g. ShardingRules(vocab=None)
+  # keeps the embedding and lm_head whole on every tp shard.
+  rules = sharding_rules or ShardingRules()
+  if spec and spec.draft_tp not in (None, 1, mesh_config.tp):
+    raise ValueError(f"draft_tp={spec.draft_tp} must be 1 (the draft replicated over tp) "
+                     f"or the target's tp={mesh_config.tp}")
+  draft_rules = draft_rules_for(spec, rules)
+  drafter_setup = setup_for(spec)
+
+  # ---- config and target ----
+  if random_modules is not None:
+    model_dir, config, target, mtp, mtp_spec = random_modules
+    max_model_len = resolve_max_model_len(config, max_model_len)
+    tokenizer = None
+  else:
+    if model is None:
+      raise ValueError("LLM needs `model`, a local Hugging Face checkpoint directory")
+    if not os.path.isdir(model):
+      raise FileNotFoundError(f"model directory {model!r} does not exist")
+    model_dir = model
+    # Expert weights at the backend's tile, where it has one (ModelConfig.padded_for).
+    config = dataclasses.replace(config_from_dir(model),
+                                 expert_tile=expert_tile(moe_backend))
+    validate_mesh(config, mesh_config)
+    max_model_len = resolve_max_model_len(config, max_model_len)
+    tokenizer = load_tokenizer(model)
+  target_context = TargetContext(config, model_dir, tokenizer, mesh_config, device_mesh,
+                                 draft_rules, dtype, moe_backend)
+  if random_modules is None:
+    drafter_setup.check(spec, target_context)  # before any weight is read
+    load = restore_converted if is_converted(model) else load_checkpoint
+    with stage(f"loading {model}"):
+      target, mtp, mtp_spec = load(model, config, dtype, device_mesh, rules, draft_rules)
+
+  # ---- drafter ----
+  draft_module = drafter_setup.module(spec, target_context, target, mtp, random_draft)
+  set_recurrent_commit(target, recurrent_commit)
+
+  # ---- memory plan ----
+  k = spec.num_speculative_tokens if spec else 0
+  memory_plan = plan_memory(mesh_config, device_mesh, target, draft_module, rules, draft_rules,
+                            dtype, max_num_seqs, max_model_len, k,
+                            capacity_bytes=device_memory_bytes or device_capacity())
+  if max_num_seqs == "auto":
+    notice(f"max_num_seqs='auto': {memory_plan.max_num_seqs} sequences at max_model_len="
+           f"{max_model_len} ({memory_plan.describe()})")
+
+  # ---- backends ----
+  target_pair, draft_pair = (target, rules), (draft_module, draft_rules)
+  experts_fn, draft_experts_fn = use_experts(moe_backend, device_mesh, ep_strategy, target_pair,
+                                             draft_pair)
+  if resolved_attention == "pallas":
+    # "auto" takes the MLA kernel (measured faster than XLA's latent attention); GQA layers
+    # keep XLA's attention unless "pallas" is asked for: the split-S kernel has not been
+    # measured to beat XLA on the default path at short contexts. The MTP head is set up
+    # even where another drafter runs (a benchmark may time it).
+    use_pallas_attention(device_mesh, (target_pair, (mtp, draft_rules)),
+                         explicit=attention_backend == "pallas")
+  projection_backend = use_projections(projection_backend, config.fp8_block, device_mesh,
+                                       (target_pair, draft_pair))
+
+  # ---- scheduler ----
+  parts = LLMParts(
+      model_dir=model_dir, tokenizer=tokenizer, config=config, dtype=dtype, spec=spec,
+      mesh_config=mesh_config, mesh=device_mesh, rules=rules, draft_rules=draft_rules,
+      target=target, mtp=mtp, mtp_spec=mtp_spec, draft_module=draft_module,
+      max_model_len=max_model_len, max_num_seqs=memory_plan.max_num_seqs,
+      prefill_chunk_size=prefill_chunk_size, memory_plan=memory_plan, batching=batching,
+      seed=seed, moe_backend=moe_backend, attention_backend=resolved_attention,
+      projection_backend=projection_backend, recurrent_commit=recurrent_commit,
+      experts_fn=experts_fn, draft_experts_fn=draft_experts_fn)
+  parts.device = DeviceModel(parts)
+  parts.scorer = Scorer(parts.device, parts)
+  parts.scheduler = SCHEDULERS[batching](parts.device, parts)
+  return parts
+
+
+def random_modules(config: ModelConfig, mtp_spec, mesh_config: MeshConfig, dtype: str,
+                   seed: int, draft_config=None, sharding_rules: ShardingRules | None = None,
+                   speculative_config=None, moe_backend: str | None = None):
+  """((None, config, target, mtp, mtp_spec), draft or None): random weights of the given
+  shapes, born sharded on the mesh (benchmarks, tests), for `build`'s `random_modules` and
+  `random_draft`. `draft_config`: the drafter of a "draft_model" (a ModelConfig) or "eagle3"
+  (an Eagle3Config) speculative_config, also random."""
+  rules = sharding_rules or ShardingRules()
+  draft_rules = draft_rules_for(SpecConfig.parse(speculative_config), rules)
+  config = dataclasses.replace(config, expert_tile=expert_tile(moe_backend or "auto"))
+  validate_mesh(config, mesh_config)
+  with stage("initialising random weights"):
+    target, mtp = init_random(config, mtp_spec, resolve_dtype(dtype), mesh_config.make_mesh(),
+                              rules, draft_rules, seed)
+    draft = None
+    if draft_config is not None:
+      draft = init_random_drafter(draft_config, config, resolve_dtype(dtype),
+                                  mesh_config.make_mesh(), draft_rules, seed)
+  return (None, config, target, mtp, mtp_spec), draft
