@@ -34,6 +34,12 @@ def greedy(max_tokens: int, **kwargs) -> jspec.SamplingParams:
   return jspec.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
 
 
+def greedy_token_ids(llm: jspec.LLM, prompts, max_tokens: int) -> list[list[int]]:
+  """Each prompt's greedy continuation of exactly max_tokens tokens (EOS ignored)."""
+  params = greedy(max_tokens, ignore_eos=True)
+  return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
 def two_sample_chi2(a: np.ndarray, b: np.ndarray, min_count: int = 20):
   """Chi-square statistic that samples a and b share one distribution, over the tokens seen at
   least `min_count` times (the rest pooled), with its upper 1e-4 critical value and the

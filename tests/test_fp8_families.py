@@ -22,7 +22,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import jspec
-from helpers import fixture_dir, two_sample_chi2
+from helpers import fixture_dir, greedy_token_ids, two_sample_chi2
 from jspec.models.moe import MoE
 from jspec.models.moe_backends import experts_reference
 
@@ -125,32 +125,27 @@ def _leaves(module):
 
 def test_fp8_deepseek_mtp_equals_vanilla_and_the_dequantized_model(deepseek):
   fp8_dir, plain_dir, _ = deepseek
-  params = jspec.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-  want = [o.token_ids for o in _llm(plain_dir).generate(PROMPTS, params, use_tqdm=False)]
+  want = greedy_token_ids(_llm(plain_dir), PROMPTS, 10)
   mtp = _llm(fp8_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
   # The NextN layers' own projections and experts are e4m3 too.
   assert any(_is_e4m3(leaf) and "w_gate" in path for path, leaf in _leaves(mtp.mtp))
-  vanilla = [o.token_ids for o in _llm(fp8_dir).generate(PROMPTS, params, use_tqdm=False)]
-  speculated = [o.token_ids for o in mtp.generate(PROMPTS, params, use_tqdm=False)]
+  vanilla = greedy_token_ids(_llm(fp8_dir), PROMPTS, 10)
+  speculated = greedy_token_ids(mtp, PROMPTS, 10)
   assert vanilla == want and speculated == vanilla
 
 
 @pytest.mark.parametrize("mesh", [jspec.MeshConfig(ep=2), jspec.MeshConfig(dp=2, ep=2)])
 def test_fp8_deepseek_on_a_mesh_gives_one_devices_tokens(deepseek, mesh):
-  params = jspec.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-  one = [o.token_ids for o in _llm(deepseek[0]).generate(PROMPTS, params, use_tqdm=False)]
+  one = greedy_token_ids(_llm(deepseek[0]), PROMPTS, 8)
   sharded = _llm(deepseek[0], mesh=mesh)
-  assert [o.token_ids for o in sharded.generate(PROMPTS, params, use_tqdm=False)] == one
+  assert greedy_token_ids(sharded, PROMPTS, 8) == one
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe_lite"])
 def test_fp8_with_heads_and_experts_split_over_tp_gives_one_devices_tokens(name, tmp_path):
   fp8_dir, _, _ = _write(tmp_path, name)
-  params = jspec.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-  one = [o.token_ids for o in _llm(fp8_dir).generate(PROMPTS, params, use_tqdm=False)]
-  got = [o.token_ids for o in _llm(fp8_dir, mesh=jspec.MeshConfig(tp=2, ep=2)).generate(
-      PROMPTS, params, use_tqdm=False)]
-  assert got == one
+  one = greedy_token_ids(_llm(fp8_dir), PROMPTS, 8)
+  assert greedy_token_ids(_llm(fp8_dir, mesh=jspec.MeshConfig(tp=2, ep=2)), PROMPTS, 8) == one
 
 
 def test_fp8_mesh_that_would_split_an_expert_block_is_refused(deepseek):

@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jspec
-from helpers import fixture_dir
+from helpers import fixture_dir, greedy_token_ids
 from jspec.models.hf_config import config_from_dir
 from jspec.models.safetensors_index import SafetensorsIndex
 from jspec.sharding.plan import validate_mesh
@@ -109,21 +109,19 @@ def test_fp8_llama_gives_the_dequantized_logits(tmp_path):
 
 def test_fp8_generation_equals_the_dequantized_model_and_mtp_equals_vanilla(checkpoints):
   fp8_dir, plain_dir = checkpoints
-  params = jspec.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-  want = [o.token_ids for o in _llm(plain_dir).generate(PROMPTS, params, use_tqdm=False)]
-  vanilla = [o.token_ids for o in _llm(fp8_dir).generate(PROMPTS, params, use_tqdm=False)]
+  want = greedy_token_ids(_llm(plain_dir), PROMPTS, 12)
+  vanilla = greedy_token_ids(_llm(fp8_dir), PROMPTS, 12)
   mtp = _llm(fp8_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
   assert mtp.mtp.layers[0].decoder.attn.q_proj[...].dtype == np.dtype(ml_dtypes.float8_e4m3fn)
-  speculated = [o.token_ids for o in mtp.generate(PROMPTS, params, use_tqdm=False)]
+  speculated = greedy_token_ids(mtp, PROMPTS, 12)
   assert vanilla == want and speculated == vanilla
 
 
 @pytest.mark.parametrize("mesh", [jspec.MeshConfig(tp=2), jspec.MeshConfig(dp=2, tp=2)])
 def test_fp8_on_a_mesh_gives_one_devices_tokens(checkpoints, mesh):
-  params = jspec.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-  one = [o.token_ids for o in _llm(checkpoints[0]).generate(PROMPTS, params, use_tqdm=False)]
+  one = greedy_token_ids(_llm(checkpoints[0]), PROMPTS, 8)
   sharded = _llm(checkpoints[0], mesh=mesh)
-  assert [o.token_ids for o in sharded.generate(PROMPTS, params, use_tqdm=False)] == one
+  assert greedy_token_ids(sharded, PROMPTS, 8) == one
 
 
 def test_fp8_tensors_without_the_config_are_refused(checkpoints, tmp_path):

@@ -139,9 +139,6 @@ def test_jspec_imports_form_no_circle():
   assert not cycles, "import circles in jspec/:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-# EXPECTED TO FAIL until jspec/api.py, jspec/speculative/batching.py and jspec/continuous.py
-# are split (the engine side's refactor, a change of its own); deliberately not skipped or
-# xfailed, so the debt stays visible and the test turns green by itself once they shrink.
 def test_every_module_is_at_most_350_lines():
   long = {}
   for module, path in module_files().items():

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jspec.models import quantization
 from jspec.pallas_kernels import decode_gemm, decode_routing
 from jspec.pallas_kernels.fp8_gemm import (BLOCK, E4M3, MAX_ROWS, SCALE_LANES,
                                            _to_float16_rows, block_products)
@@ -57,10 +58,8 @@ class Fp8Experts:
 
   def dequantized(self, dtype) -> jax.Array:
     """[E, in, out] in `dtype`: each e4m3 value times its block's scale, in float32."""
-    _, out, inner = self.w8.shape
-    full = jnp.repeat(jnp.repeat(self.scale.astype(jnp.float32), BLOCK, axis=1), BLOCK,
-                      axis=2)[:, :out, :inner]
-    return jnp.swapaxes((self.w8.astype(jnp.float32) * full).astype(dtype), 1, 2)
+    scaled = quantization.dequantize(self.w8, self.scale, 1, (BLOCK, BLOCK), dtype, jnp)
+    return jnp.swapaxes(scaled, 1, 2)
 
 
 def fits_kernel(*weights: Fp8Experts) -> bool:
