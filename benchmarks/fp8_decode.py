@@ -56,6 +56,10 @@ def main():
   parser.add_argument("--max-tokens", type=int, default=128)
   parser.add_argument("--prefill-len", type=int, default=4096)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--profile", action="store_true",
+                      help="also trace one call at the first batch size per precision: GPU "
+                           "time by op")
+  parser.add_argument("--no-prefill", action="store_true", help="skip the long-prompt row")
   args = parser.parse_args()
   base = PRESETS[args.model]
   if args.layers:
@@ -83,12 +87,19 @@ def main():
             f"{np.abs(got - want).max() / np.abs(want).max():.2e}, same argmax "
             f"{(got.argmax(-1) == want.argmax(-1)).mean():.2f}", flush=True)
       del xla
-    prefill = median_call(llm, long_prompt, 1, args.repeats)
+    prefill = None if args.no_prefill else median_call(llm, long_prompt, 1, args.repeats)
     for batch in args.batch:
       m = median_call(llm, prompts[:batch], args.max_tokens, args.repeats)
+      if args.profile and batch == args.batch[0]:
+        from jspec.bench.profile import profile, summary
+        params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                      ignore_eos=True)
+        wall, times = profile(lambda: llm.generate(prompts[:batch], params, use_tqdm=False))
+        print(f"\n== profile: {precision} batch {batch}, {args.max_tokens} tokens\n"
+              f"{summary(wall, times, 30)}\n", flush=True)
       rows.append(dict(precision=precision, batch=batch, weight_gb=size / 1e9,
                        tokens_per_second=m.tokens_per_second, tpot_ms=1e3 * m.tpot_s,
-                       prefill_ms=1e3 * prefill.ttft_s))
+                       prefill_ms=1e3 * prefill.ttft_s if prefill else float("nan")))
       print(rows[-1], flush=True)
     del llm
     gc.collect()

@@ -17,6 +17,8 @@ from HBM as in a decode step and no launch sits between them):
             order: e4m3 tiles streamed by the TMA, widened to float16 in registers
   kernel_e4m3  the same kernel with x quantized per row and 128 columns to e4m3 (DeepSeek's
             act_quant): e4m3 x e4m3 wgmma on the tiles as the TMA leaves them
+  reduce    no dot: f32(w8[N, K]) * scale * x summed over K in one XLA reduction fusion (the
+            weight in the checkpoint's order; each row of x reads the weight again)
 Columns: µs per weight, the weight's bytes over that time (GB/s), the error against float32.
 """
 
@@ -82,7 +84,13 @@ def kernel_e4m3_dot(x, w8, scale):
   return fp8_matmul(x, w8, scale, activations="e4m3")
 
 
-FORMULATIONS = {"bf16": bf16_dot, "dequant": dequant_dot, "blocked": blocked_dot,
+def reduce_dot(x, w8_NK, scale_NbKb):
+  full_NK = expand(scale_NbKb)
+  prod_MNK = (w8_NK.astype(jnp.float32) * full_NK)[None] * x.astype(jnp.float32)[:, None, :]
+  return jnp.sum(prod_MNK, axis=-1).astype(jnp.bfloat16)
+
+
+FORMULATIONS = {"bf16": bf16_dot, "reduce": reduce_dot, "dequant": dequant_dot, "blocked": blocked_dot,
                 "fp8": fp8_dot, "kernel": kernel_dot, "kernel_e4m3": kernel_e4m3_dot}
 
 
@@ -151,9 +159,9 @@ def main():
         variants.append((f"k{text}/e4m3", lambda x, w, sc, t=tiling: fp8_matmul(
             x, w, sc, tiling=t, activations="e4m3")))
       for name, formulation in variants:
-        if name.startswith("k") and rows > 64:
+        if (name.startswith("k") and rows > 64) or (name == "reduce" and rows > 8):
           continue
-        kernel = name.startswith("k")
+        kernel = name.startswith("k") or name == "reduce"  # the checkpoint's [N, K] order
         weights = w_bf16 if name == "bf16" else (w8_NK if kernel else w8)
         weight_scales = scales_NK if kernel else scales
         fn = over_layers(formulation)

@@ -110,6 +110,8 @@ def _use_fp8_projections(fp8_block, mesh, pairs):
       continue
     kernel = sharded_fp8_projection(mesh, rules, fp8_block)
     mlp_whole = axis_size(mesh, rules.mlp) == 1
+    linear_heads_whole = axis_size(mesh, rules.linear_heads) == 1
     for _, node in nnx.iter_graph(module):
-      if isinstance(node, (Attention, MLAttention)) or (isinstance(node, MLP) and mlp_whole):
+      if (isinstance(node, (Attention, MLAttention)) or (isinstance(node, MLP) and mlp_whole)
+          or (isinstance(node, GatedDeltaNet) and linear_heads_whole)):
         node.fp8_projection = kernel

@@ -16,6 +16,10 @@ key-head axis G first, and splitting G over tp keeps each group's q, k, v, z and
 shard with no communication inside the layer. The projections of q, k, v, z, b, a are one
 [D, G, P] matrix (a single read of the weights at decode) with per-head columns
 [q (Dk) | k (Dk) | v (R*Dv) | z (R*Dv) | b (R) | a (R)], the conv channels are [q | k | v].
+In an FP8 checkpoint (jspec.models.quantization) the q, k, v, z and output projections are
+e4m3 with block scales, and b, a stay unquantized (the Qwen FP8 releases list `in_proj_ba` /
+`in_proj_a` / `in_proj_b` in modules_to_not_convert): the in-projection is then two, `in_proj`
+[G, q | k | v | z, D] in FP8 and `in_proj_ba` [D, G, b | a].
 
 Two forms of the same recurrence (jspec.models.delta_rule): `chunked_delta_rule` for prefill
 (the UT transform over chunks of 64 positions, as transformers' `torch_chunk_gated_delta_rule`),
@@ -36,6 +40,7 @@ from flax import nnx
 
 from jspec.models.caches import RecurrentCache, RecurrentWindow, conv_window_after
 from jspec.models.delta_rule import chunked_delta_rule, delta_rule_steps
+from jspec.models.linear import linear, project
 from jspec.models.norms import GatedRMSNorm
 from jspec.models.params import param
 
@@ -66,15 +71,26 @@ class GatedDeltaNet(nnx.Module):
     self.kernel = cfg.linear_conv_kernel
     g, r, dk, dv = self.heads, self.per_key, self.key_dim, self.value_dim
     self.channels = 2 * dk + r * dv
-    width = self.channels + r * dv + 2 * r
-    self.in_proj = param(rngs, (d, g, width), dtype, ("embed", "linear_heads", None))
+    self.fp8_block = block = cfg.fp8_block
+    heads_axes = ("embed", "linear_heads", None)
+    if block is None:  # one matrix: a single read of the weights at decode
+      self.in_proj = param(rngs, (d, g, self.channels + r * dv + 2 * r), dtype, heads_axes)
+      self.in_proj_scale = self.in_proj_ba = None
+    else:
+      self.in_proj, self.in_proj_scale = linear(rngs, (d, g, self.channels + r * dv), dtype,
+                                                heads_axes, 1, block)
+      self.in_proj_ba = param(rngs, (d, g, 2 * r), dtype, heads_axes)
     self.conv = param(rngs, (self.kernel, g, self.channels), dtype,
                       (None, "linear_heads", None), scale=self.kernel ** -0.5)
     self.a_log = param(rngs, (g, r), dtype, ("linear_heads", None), scale=0.5)
     self.dt_bias = param(rngs, (g, r), dtype, ("linear_heads", None), scale=0.5)
     self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps, dtype)
-    self.out_proj = param(rngs, (g, r, dv, d), dtype, ("linear_heads", None, None, "embed"),
-                          scale=(g * r * dv) ** -0.5)
+    self.out_proj, self.out_proj_scale = linear(
+        rngs, (g, r, dv, d), dtype, ("linear_heads", None, None, "embed"), 3, block,
+        scale=(g * r * dv) ** -0.5)
+    # FP8 weights only: the product of steps with few rows, set by the LLM as
+    # Attention.fp8_projection is (None: scaled, then XLA's dot).
+    self.fp8_projection = None
     # How a verify window is kept until commit (jspec.models.caches): "replay" or "store".
     # Set by the LLM (`recurrent_commit`); static, so it is part of the compiled program.
     self.commit_mode = "store"
@@ -89,11 +105,12 @@ class GatedDeltaNet(nnx.Module):
     decode/verify window, returned as a RecurrentWindow for the loop to commit."""
     b, t, _ = x_BTD.shape
     g, r, dk, dv, c = self.heads, self.per_key, self.key_dim, self.value_dim, self.channels
-    proj_BTGP = jnp.einsum("btd,dgp->btgp", x_BTD, self.in_proj[...])
+    proj_BTGP = self._dense(x_BTD, "in_proj", "btd,dgp->btgp", 1)
+    ba_BTGP = proj_BTGP[..., c + r * dv:] if self.in_proj_ba is None else jnp.einsum(
+        "btd,dgp->btgp", x_BTD, self.in_proj_ba[...])
     conv_in_BTGC = proj_BTGP[..., :c]
     z_BTGRV = proj_BTGP[..., c:c + r * dv].reshape(b, t, g, r, dv)
-    b_BTGR = proj_BTGP[..., c + r * dv:c + r * dv + r]
-    a_BTGR = proj_BTGP[..., c + r * dv + r:]
+    b_BTGR, a_BTGR = ba_BTGP[..., :r], ba_BTGP[..., r:]
     mixed_BTGC = causal_conv(cache.conv, conv_in_BTGC, self.conv[...])
     q_BTGK = l2_normalize(mixed_BTGC[..., :dk])
     k_BTGK = l2_normalize(mixed_BTGC[..., dk:2 * dk])
@@ -121,4 +138,10 @@ class GatedDeltaNet(nnx.Module):
         new_cache = RecurrentWindow(cache, conv_in_BTGC, keys=k_BTGK, values=v_BTGRV,
                                     log_decay=g_BTGR, beta=beta_BTGR)
     normed_BTGRV = self.norm(out_BTGRV.astype(x_BTD.dtype), z_BTGRV)
-    return jnp.einsum("btgrv,grvd->btd", normed_BTGRV, self.out_proj[...]), new_cache
+    return self._dense(normed_BTGRV, "out_proj", "btgrv,grvd->btd", 3), new_cache
+
+  def _dense(self, x, name: str, spec: str, in_axes: int):
+    """x times the projection `name` (and its FP8 block scale, if it has one): `project`."""
+    scale = getattr(self, name + "_scale")
+    return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
+                   in_axes, fp8_product=self.fp8_projection, fp8_block=self.fp8_block)

@@ -8,8 +8,8 @@ its `weight_scale_inv` [ceil(out / block), ceil(in / block)] float32 holds, desp
 the factor each block's values are multiplied by. jspec keeps both as they are, in the
 checkpoint's [out, in] order (half the bytes of bf16, K contiguous for the FP8 kernel), and
 multiplies by the scale inside the product (jspec.models.linear.project).
-Attention (GQA and multi-head latent), dense MLP and MoE expert projections, MTP / NextN layers
-included; a checkpoint whose linear attention is quantized is refused, naming what is missing.
+Attention (GQA, gated and multi-head latent), Gated DeltaNet's q / k / v / z and output
+projections, dense MLP and MoE expert projections, MTP / NextN layers included.
 """
 
 from __future__ import annotations
@@ -55,15 +55,22 @@ def fp8_block_size(hf_config, model_dir: str) -> tuple[int, int] | None:
 
 
 def refuse_unsupported(cfg, model_dir: str) -> None:
-  """What jspec's FP8 layout covers: attention (GQA and multi-head latent), dense MLP and MoE
-  expert projections; blocks at a weight's edges may be partial (DeepSeek-V3's 576-row
+  """What jspec's FP8 layout covers: attention (GQA and multi-head latent), linear attention,
+  dense MLP and MoE expert projections; blocks at a weight's edges may be partial (DeepSeek-V3's 576-row
   kv_a_proj_with_mqa), and a block may hold several whole GQA heads, except along a dimension
   that tp or ep splits (jspec.sharding.plan). Weights whose inner axes are not whole blocks are
   scaled per axis before XLA's product (jspec.models.linear.project), not by the kernel."""
-  if "linear_attention" in cfg.layer_types:
-    raise ValueError(f"{model_dir} is an FP8 checkpoint of a model with linear attention "
-                     "(Gated DeltaNet): jspec's FP8 loading covers attention, MLA, dense MLP "
-                     "and MoE expert projections so far")
+  # Gated DeltaNet's projections are kept per key head (jspec.models.gated_deltanet): the
+  # checkpoint's row blocks must each fall in one head's q, k, v or z rows, and out_proj's
+  # column blocks in one value head.
+  if "linear_attention" in cfg.layer_types and any(
+      size % cfg.fp8_block[0] for size in (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+  ) or "linear_attention" in cfg.layer_types and cfg.linear_value_head_dim % cfg.fp8_block[1]:
+    raise ValueError(f"{model_dir}: FP8 blocks of {cfg.fp8_block[0]} x {cfg.fp8_block[1]} do "
+                     f"not tile the linear-attention heads (linear_key_head_dim="
+                     f"{cfg.linear_key_head_dim}, linear_value_head_dim="
+                     f"{cfg.linear_value_head_dim}); jspec keeps those projections per head "
+                     "and needs whole blocks in each")
   # GQA projections are kept split by head ([N, H, D] for q): a block must hold whole heads
   # or tile each head, or one stored scale would stand for two of the checkpoint's. (MLA's
   # per-head FP8 weights are kept flattened, as published, and need no such check.)

@@ -48,7 +48,7 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.is_moe = is_moe
     self.mlp = (MoE(cfg, dtype, rngs) if is_moe
-                else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs))
+                else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs, cfg.fp8_block))
 
   def __call__(self, x_BTD, positions_BT, cache, kv_window: int, experts_fn: Callable,
                valid_BT=None):
@@ -146,24 +146,32 @@ def linear_attention_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
   def heads_last(a, width):  # HF [rows, D] with rows grouped by head -> [D, G, width]
     return a.T.reshape(d, g, width)
 
+  qkvz_width = 2 * dk + 2 * r * dv
   if q + "in_proj_qkvz.weight" in names:  # rows per key head: [q | k | v | z], then [b | a]
-    in_proj = W.TensorRule(
-        (q + "in_proj_qkvz.weight", q + "in_proj_ba.weight"),
-        ((g * (2 * dk + 2 * r * dv), d), (g * 2 * r, d)),
-        lambda qkvz, ba: np.concatenate([heads_last(qkvz, 2 * dk + 2 * r * dv),
-                                         heads_last(ba, 2 * r)], axis=-1))
+    qkvz = W.TensorRule((q + "in_proj_qkvz.weight",), ((g * qkvz_width, d),),
+                        lambda a: heads_last(a, qkvz_width))
+    ba = W.TensorRule((q + "in_proj_ba.weight",), ((g * 2 * r, d),),
+                      lambda a: heads_last(a, 2 * r))
   else:  # rows: [q (all heads) | k | v], z, b, a each by value head
 
-    def build(qkv, z, b, a):
+    def split_qkvz(qkv, z):
       qkv = qkv.T
       parts = (qkv[:, :g * dk].reshape(d, g, dk), qkv[:, g * dk:2 * g * dk].reshape(d, g, dk),
-               qkv[:, 2 * g * dk:].reshape(d, g, r * dv), heads_last(z, r * dv),
-               heads_last(b, r), heads_last(a, r))
+               qkv[:, 2 * g * dk:].reshape(d, g, r * dv), heads_last(z, r * dv))
       return np.concatenate(parts, axis=-1)
 
-    in_proj = W.TensorRule(
-        tuple(q + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")),
-        ((channels, d), (g * r * dv, d), (g * r, d), (g * r, d)), build)
+    qkvz = W.TensorRule((q + "in_proj_qkv.weight", q + "in_proj_z.weight"),
+                        ((channels, d), (g * r * dv, d)), split_qkvz)
+    ba = W.TensorRule((q + "in_proj_b.weight", q + "in_proj_a.weight"),
+                      ((g * r, d), (g * r, d)),
+                      lambda b, a: np.concatenate([heads_last(b, r), heads_last(a, r)], -1))
+  if cfg.fp8_block:  # q, k, v, z in FP8, b and a unquantized (GatedDeltaNet says why)
+    projections = {("in_proj",): qkvz, ("in_proj_ba",): ba}
+  else:
+    projections = {("in_proj",): W.TensorRule(
+        qkvz.names + ba.names, qkvz.hf_shapes + ba.hf_shapes,
+        lambda *a: np.concatenate([qkvz.build(*a[:len(qkvz.names)]),
+                                   ba.build(*a[len(qkvz.names):])], axis=-1))}
 
   def conv(w):  # [channels, 1, X], channels [q all | k all | v all] -> [X, G, q_g | k_g | v_g]
     w = w[:, 0, :].T
@@ -172,7 +180,7 @@ def linear_attention_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
                            w[:, 2 * g * dk:].reshape(x, g, r * dv)], axis=-1)
 
   return {
-      ("in_proj",): in_proj,
+      **projections,
       ("conv",): W.TensorRule((q + "conv1d.weight",), ((channels, 1, x),), conv),
       ("a_log",): W.TensorRule((q + "A_log",), ((g * r,),), lambda a: a.reshape(g, r)),
       ("dt_bias",): W.TensorRule((q + "dt_bias",), ((g * r,),), lambda a: a.reshape(g, r)),
