@@ -7,6 +7,7 @@ same seeded model with its weights scaled before XLA's products (the CPU's confi
 import dataclasses
 
 import numpy as np
+import pytest
 from flax import nnx
 
 import jspec
@@ -85,4 +86,31 @@ def test_fp8_kernel_in_a_hybrid_model_equals_the_scaled_xla_products(monkeypatch
   params = jspec.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
   tokens = [[o.token_ids for o in model.generate(prompts, params, use_tqdm=False)]
             for model in (cpu, gpu)]
+  assert tokens[0] == tokens[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not platform.on_hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config, mtp", [
+    (_tiny_fp8_mla, jspec.MTPSpec("deepseek_v3", 1, is_moe=True)),
+    (_tiny_fp8_hybrid, jspec.MTPSpec("qwen3_next", 1, is_moe=False))], ids=["mla", "hybrid"])
+def test_on_the_gpu_fp8_kernels_equal_the_scaled_xla_products(config, mtp):
+  """The compiled kernels (registers, TMA, wgmma) where the tests above interpret them."""
+  def llm(backend):
+    return jspec.LLM.from_random(config(), mtp, dtype="float32", seed=3, max_model_len=64,
+                                 max_num_seqs=2, projection_backend=backend,
+                                 speculative_config={"method": "mtp",
+                                                     "num_speculative_tokens": 2})
+
+  xla, kernels = llm("xla"), llm("auto")
+  assert all(node.fp8_projection is None for _, node in nnx.iter_graph(xla.target)
+             if hasattr(node, "fp8_projection"))
+  assert any(node.fp8_projection is not None for _, node in nnx.iter_graph(kernels.target)
+             if hasattr(node, "fp8_projection"))
+  prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
+  want, got = xla.compute_logits(prompts[:1])[0], kernels.compute_logits(prompts[:1])[0]
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+  tokens = [[o.token_ids for o in model.generate(prompts, params, use_tqdm=False)]
+            for model in (xla, kernels)]
   assert tokens[0] == tokens[1]
