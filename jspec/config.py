@@ -122,6 +122,9 @@ class ModelConfig:
   # Fine-grained FP8 checkpoints (jspec.models.quantization): the (out, in) block size of the
   # projections' float8_e4m3fn weights and their scales; None: unquantized.
   fp8_block: tuple[int, int] | None = None
+  # Projection kinds the FP8 checkpoint keeps unquantized (its modules_to_not_convert, read
+  # by jspec.models.quantization.unconverted_kinds), built unquantized.
+  fp8_unconverted: tuple[str, ...] = ()
   # Not read from the checkpoint: how many copies of each KV head the cache holds. 1 unless
   # tensor parallelism is wider than num_kv_heads; then every tp shard keeps the one KV head
   # its query heads read (vLLM's rule), and this is tp / num_kv_heads (`for_kv_shards`).

@@ -2,9 +2,13 @@
 
 import dataclasses
 import functools
+import json
 import os
+import shutil
 
+import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
 import jspec
 from jspec.bench.presets import PRESETS
@@ -70,3 +74,46 @@ def wide_moe_llm(dp: int, tp: int, ep: int, spec=None) -> jspec.LLM:
       WIDE_MOE, jspec.MTPSpec("qwen3_next", 1, is_moe=True), dtype="float32", max_model_len=64,
       mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep, num_devices=dp * tp * ep),
       speculative_config=spec)
+
+
+def unquantize(fp8_dir, out, block: int, which=lambda name: True) -> str:
+  """A copy of the FP8 checkpoint `fp8_dir` (one safetensors file, jspec convert's) at `out`
+  with each e4m3 weight whose name `which` accepts multiplied by its block scale into float32
+  (exact) and its scale dropped. Every weight: the model the FP8 one stands for, with no
+  quantization_config. Some: those modules appended to modules_to_not_convert, as a checkpoint
+  that keeps them unquantized lists them."""
+  from jspec.models.safetensors_index import SafetensorsIndex  # noqa: PLC0415
+  out = str(out)
+  shutil.copytree(str(fp8_dir), out)
+  index = SafetensorsIndex(str(fp8_dir))
+  tensors, kept, still_fp8 = {}, [], False
+  for name in sorted(index.names):
+    if name.endswith("_scale_inv"):
+      continue
+    value = index.read(name)
+    if value.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+      if not which(name):
+        tensors[name], tensors[name + "_scale_inv"] = value, index.read(name + "_scale_inv")
+        still_fp8 = True
+        continue
+      scale = index.read(name + "_scale_inv")
+      full = np.repeat(np.repeat(scale, block, axis=0), block, axis=1)
+      value = value.astype(np.float32) * full[:value.shape[0], :value.shape[1]]
+      kept.append(name.removesuffix(".weight"))
+    tensors[name] = np.asarray(value, np.float32)
+  for file in os.listdir(out):
+    if file.startswith("model") and ".safetensors" in file:
+      os.remove(os.path.join(out, file))
+  save_file(tensors, os.path.join(out, "model.safetensors"))
+  config_path = os.path.join(out, "config.json")
+  with open(config_path) as f:
+    config = json.load(f)
+  if still_fp8:
+    quantization = config["quantization_config"]
+    quantization["modules_to_not_convert"] = (
+        quantization.get("modules_to_not_convert") or []) + kept
+  else:
+    del config["quantization_config"]
+  with open(config_path, "w") as f:
+    json.dump(config, f)
+  return out

@@ -1,16 +1,19 @@
-"""An FP8 DeepSeek-V3-style model as a Hopper GPU runs it, interpreted on the CPU: the FP8
-product kernel on the MLA and MLP projections (jspec.pallas_kernels.fp8_gemm) and the FP8
-expert kernels (jspec.pallas_kernels.fp8_experts), against the same seeded model with its
-weights scaled before XLA's products (the CPU's configuration)."""
+"""FP8 models as a Hopper GPU runs them, interpreted on the CPU: a DeepSeek-V3-style one with
+the FP8 product kernel on the MLA and MLP projections (jspec.pallas_kernels.fp8_gemm) and the
+FP8 expert kernels (jspec.pallas_kernels.fp8_experts), and a Qwen3.5-style hybrid one with the
+product kernel on the Gated DeltaNet, gated attention and MLP projections, each against the
+same seeded model with its weights scaled before XLA's products (the CPU's configuration)."""
 
 import dataclasses
 
 import numpy as np
+import pytest
 from flax import nnx
 
 import jspec
 from jspec.bench.presets import PRESETS
-from jspec.models.layers import MLP
+from jspec.models.gated_deltanet import GatedDeltaNet
+from jspec.models.layers import MLP, Attention
 from jspec.models.mla import MLAttention
 from jspec.pallas_kernels import platform
 
@@ -48,4 +51,66 @@ def test_fp8_kernels_in_the_model_equal_the_scaled_xla_products(monkeypatch):
   params = jspec.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
   tokens = [[o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             for llm in (cpu, gpu)]
+  assert tokens[0] == tokens[1]
+
+
+def _tiny_fp8_hybrid():
+  # One Gated DeltaNet and one gated-attention layer, every projection whole 128 x 128 blocks:
+  # in_proj [1 key head, q | k | v | z = 4 x 128, 128], out_proj [128, 128], q [2 x 128, 128].
+  return dataclasses.replace(
+      PRESETS["qwen3.5-9b"], vocab_size=512, hidden_size=128, intermediate_size=256,
+      num_layers=2, layer_types=("linear_attention", "full_attention"), num_heads=1,
+      num_kv_heads=1, head_dim=128, linear_num_key_heads=1, linear_num_value_heads=1,
+      fp8_block=(128, 128))
+
+
+def test_fp8_kernel_in_a_hybrid_model_equals_the_scaled_xla_products(monkeypatch):
+  def llm():
+    return jspec.LLM.from_random(_tiny_fp8_hybrid(), jspec.MTPSpec("qwen3_next", 1, is_moe=False),
+                                 dtype="float32", seed=3, max_model_len=64, max_num_seqs=2,
+                                 attention_backend="xla",
+                                 speculative_config={"method": "mtp",
+                                                     "num_speculative_tokens": 2})
+
+  cpu = llm()
+  with monkeypatch.context() as patch:
+    patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
+    gpu = llm()
+  kinds = {type(node) for _, node in nnx.iter_graph(gpu.target)
+           if isinstance(node, (GatedDeltaNet, Attention, MLP)) and node.fp8_projection}
+  assert {GatedDeltaNet, MLP} <= kinds and any(issubclass(k, Attention) for k in kinds)
+  prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
+  want, got = cpu.compute_logits(prompts[:1])[0], gpu.compute_logits(prompts[:1])[0]
+  # As above: x in float16 inside each kernel.
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+  tokens = [[o.token_ids for o in model.generate(prompts, params, use_tqdm=False)]
+            for model in (cpu, gpu)]
+  assert tokens[0] == tokens[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not platform.on_hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config, mtp", [
+    (_tiny_fp8_mla, jspec.MTPSpec("deepseek_v3", 1, is_moe=True)),
+    (_tiny_fp8_hybrid, jspec.MTPSpec("qwen3_next", 1, is_moe=False))], ids=["mla", "hybrid"])
+def test_on_the_gpu_fp8_kernels_equal_the_scaled_xla_products(config, mtp):
+  """The compiled kernels (registers, TMA, wgmma) where the tests above interpret them."""
+  def llm(backend):
+    return jspec.LLM.from_random(config(), mtp, dtype="float32", seed=3, max_model_len=64,
+                                 max_num_seqs=2, projection_backend=backend,
+                                 speculative_config={"method": "mtp",
+                                                     "num_speculative_tokens": 2})
+
+  xla, kernels = llm("xla"), llm("auto")
+  assert all(node.fp8_projection is None for _, node in nnx.iter_graph(xla.target)
+             if hasattr(node, "fp8_projection"))
+  assert any(node.fp8_projection is not None for _, node in nnx.iter_graph(kernels.target)
+             if hasattr(node, "fp8_projection"))
+  prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
+  want, got = xla.compute_logits(prompts[:1])[0], kernels.compute_logits(prompts[:1])[0]
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+  tokens = [[o.token_ids for o in model.generate(prompts, params, use_tqdm=False)]
+            for model in (xla, kernels)]
   assert tokens[0] == tokens[1]

@@ -10,18 +10,13 @@ The FP8 checkpoints are the repository's fixtures written by `jspec convert --qu
 blocks as the published ones (128 wide, blocks of 128) do. The reference is each checkpoint
 dequantized (e4m3 value x its block's scale, exact in float32) and written as a plain one."""
 
-import json
-import shutil
-
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 import jspec
-from helpers import fixture_dir, greedy_token_ids
-from jspec.models.safetensors_index import SafetensorsIndex
-from jspec.quantize_fp8 import SCALE_SUFFIX, quantize_checkpoint
+from helpers import fixture_dir, greedy_token_ids, unquantize
+from jspec.quantize_fp8 import quantize_checkpoint
 
 BLOCK = 8
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -31,34 +26,10 @@ PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [100, 3, 44, 44, 44, 44]]
 NAMES = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
 
 
-def _dequantized(fp8_dir, out):
-  """The FP8 checkpoint with every e4m3 weight times its block scale, in float32, and no
-  quantization_config: the model the FP8 one stands for."""
-  shutil.copytree(fp8_dir, out)
-  index = SafetensorsIndex(str(fp8_dir))
-  plain = {}
-  for name in index.names:
-    if name.endswith(SCALE_SUFFIX):
-      continue
-    value = index.read(name)
-    if value.dtype == E4M3:
-      scale = index.read(name + SCALE_SUFFIX)
-      full = np.repeat(np.repeat(scale, BLOCK, axis=0), BLOCK, axis=1)
-      value = value.astype(np.float32) * full[:value.shape[0], :value.shape[1]]
-    plain[name] = np.asarray(value, np.float32)
-  for path in out.glob("*.safetensors*"):
-    path.unlink()
-  save_file(plain, str(out / "model.safetensors"))
-  config = json.loads((out / "config.json").read_text())
-  del config["quantization_config"]
-  (out / "config.json").write_text(json.dumps(config))
-  return str(out)
-
-
 def _write(name, root):
   """(FP8 directory, its dequantized twin) of the fixture `name`."""
   quantize_checkpoint(fixture_dir(name), str(root / "fp8"), block_size=BLOCK)
-  return str(root / "fp8"), _dequantized(root / "fp8", root / "dequantized")
+  return str(root / "fp8"), unquantize(root / "fp8", root / "dequantized", BLOCK)
 
 
 @pytest.fixture(scope="module", params=NAMES)

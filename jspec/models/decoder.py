@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.config import ModelConfig
+from jspec.models import quantization
 from jspec.models import weights as W
 from jspec.models.caches import KVCache
 from jspec.models.layers import MLP, Attention
@@ -47,7 +48,8 @@ class DecoderLayer(nnx.Module):
     if is_moe:
       self.mlp = MoE(cfg, dtype, rngs)
     else:
-      self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs, cfg.fp8_block)
+      self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs,
+                     quantization.blocks_for(cfg, quantization.MLP_KINDS))
 
   def __call__(self, x_BTD, positions_BT, cache, kv_window: int, experts_fn: Callable,
                valid_BT=None):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from jspec.config import ModelConfig
+from jspec.models import quantization
 from jspec.models import weights as W
 from jspec.models.decoder import CausalLM, DecoderLayer, common_fields
 from jspec.models.mla import MLAttention, mla_cache
@@ -91,7 +92,7 @@ def mla_rules(cfg: ModelConfig, p: str) -> dict:
   transpose = lambda shape: (lambda w: np.ascontiguousarray(w.T).reshape(shape))
   # Unquantized w_uk / w_uv are [N, P, C]; FP8 ones are read as [N, C, P] here, the generic
   # FP8 rule then moves C back last (jspec.models.linear.linear with lead=1).
-  fp8 = cfg.fp8_block is not None
+  fp8 = quantization.block_for(cfg, "self_attn.kv_b_proj") is not None
   kv_b = lambda part: (lambda w: np.ascontiguousarray(
       np.swapaxes(w.reshape(n, nope + v, c)[:, part], 1, 2) if fp8
       else w.reshape(n, nope + v, c)[:, part]))

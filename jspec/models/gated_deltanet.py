@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.models.caches import RecurrentCache, RecurrentWindow, conv_window_after
+from jspec.models import quantization
 from jspec.models.delta_rule import chunked_delta_rule, delta_rule_steps
 from jspec.models.linear import linear, project
 from jspec.models.norms import GatedRMSNorm
@@ -77,8 +78,9 @@ class GatedDeltaNet(nnx.Module):
       self.in_proj = param(rngs, (d, g, self.channels + r * dv + 2 * r), dtype, heads_axes)
       self.in_proj_scale = self.in_proj_ba = None
     else:
-      self.in_proj, self.in_proj_scale = linear(rngs, (d, g, self.channels + r * dv), dtype,
-                                                heads_axes, 1, block)
+      self.in_proj, self.in_proj_scale = linear(
+          rngs, (d, g, self.channels + r * dv), dtype, heads_axes, 1,
+          quantization.block_for(cfg, "linear_attn.in_proj_qkvz"))
       self.in_proj_ba = param(rngs, (d, g, 2 * r), dtype, heads_axes)
     self.conv = param(rngs, (self.kernel, g, self.channels), dtype,
                       (None, "linear_heads", None), scale=self.kernel ** -0.5)
@@ -86,8 +88,8 @@ class GatedDeltaNet(nnx.Module):
     self.dt_bias = param(rngs, (g, r), dtype, ("linear_heads", None), scale=0.5)
     self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps, dtype)
     self.out_proj, self.out_proj_scale = linear(
-        rngs, (g, r, dv, d), dtype, ("linear_heads", None, None, "embed"), 3, block,
-        scale=(g * r * dv) ** -0.5)
+        rngs, (g, r, dv, d), dtype, ("linear_heads", None, None, "embed"), 3,
+        quantization.block_for(cfg, "linear_attn.out_proj"), scale=(g * r * dv) ** -0.5)
     # FP8 weights only: the product of steps with few rows, set by the LLM as
     # Attention.fp8_projection is (None: scaled, then XLA's dot).
     self.fp8_projection = None

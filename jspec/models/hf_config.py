@@ -15,7 +15,7 @@ import json
 import os
 
 from jspec.config import ModelConfig
-from jspec.models.quantization import fp8_block_size, refuse_unsupported
+from jspec.models.quantization import fp8_block_size, refuse_unsupported, unconverted_kinds
 from jspec.models.registry import read_config
 
 
@@ -36,7 +36,8 @@ def config_from_dir(model_dir: str) -> ModelConfig:
   block = fp8_block_size(hf_config, model_dir)
   config = config_from_hf(hf_config)
   if block is not None:
-    config = dataclasses.replace(config, fp8_block=block)
+    config = dataclasses.replace(config, fp8_block=block, fp8_unconverted=unconverted_kinds(
+        hf_config, config, model_dir))
     refuse_unsupported(config, model_dir)
   # generation_config.json may carry extra EOS ids (as Qwen3 instruct checkpoints do).
   gen_path = os.path.join(model_dir, "generation_config.json")

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jspec.models import quantization
 from jspec.models import rope as rope_lib
 from jspec.models.caches import KVCache
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
@@ -69,14 +70,15 @@ class Attention(nnx.Module):
     # which are split over tp like the query heads: each shard then holds its own group's head.
     self.kv_replicas = cfg.kv_head_replicas
     kv_axis = "kv_heads" if self.kv_replicas == 1 else None
-    block = self.fp8_block = cfg.fp8_block
+    self.fp8_block = cfg.fp8_block
+    block = lambda name: quantization.block_for(cfg, "self_attn." + name)
     self._init_query(cfg, dtype, rngs)
     self.k_proj, self.k_proj_scale = linear(rngs, (d, k, h), dtype,
-                                            ("embed", kv_axis, "head_dim"), 1, block)
+                                            ("embed", kv_axis, "head_dim"), 1, block("k_proj"))
     self.v_proj, self.v_proj_scale = linear(rngs, (d, k, h), dtype,
-                                            ("embed", kv_axis, "head_dim"), 1, block)
+                                            ("embed", kv_axis, "head_dim"), 1, block("v_proj"))
     self.o_proj, self.o_proj_scale = linear(rngs, (n, h, d), dtype,
-                                            ("q_heads", "head_dim", "embed"), 2, block,
+                                            ("q_heads", "head_dim", "embed"), 2, block("o_proj"),
                                             scale=(n * h) ** -0.5)
     self.use_qk_norm = cfg.use_qk_norm
     if self.use_qk_norm:
@@ -119,7 +121,8 @@ class Attention(nnx.Module):
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     self.q_proj, self.q_proj_scale = linear(rngs, (d, n, h), dtype,
-                                            ("embed", "q_heads", "head_dim"), 1, cfg.fp8_block)
+                                            ("embed", "q_heads", "head_dim"), 1,
+                                            quantization.block_for(cfg, "self_attn.q_proj"))
 
   def _project(self, x_BTD):
     """(queries [B,T,N,H], keys, values [B,T,K,H], output gate [B,T,N,H] or None)."""
@@ -200,7 +203,7 @@ class GatedAttention(Attention):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     self.q_proj, self.q_proj_scale = linear(rngs, (d, n, 2, h), dtype,
                                             ("embed", "q_heads", None, "head_dim"), 1,
-                                            cfg.fp8_block)
+                                            quantization.block_for(cfg, "self_attn.q_proj"))
 
   def _project(self, x_BTD):
     qg_BTNCH = self._dense(x_BTD, "q_proj", "btd,dnch->btnch")
@@ -219,14 +222,16 @@ class MLP(nnx.Module):
   """
 
   def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs,
-               fp8_block: tuple[int, int] | None = None):
+               fp8_blocks: tuple = (None, None)):
+    """fp8_blocks: the FP8 blocks of (gate_up_proj, down_proj), None where unquantized."""
+    gate_up_block, down_block = fp8_blocks
     self.gate_up_proj, self.gate_up_proj_scale = linear(
-        rngs, (hidden, 2, intermediate), dtype, ("embed", None, "mlp"), 1, fp8_block)
+        rngs, (hidden, 2, intermediate), dtype, ("embed", None, "mlp"), 1, gate_up_block)
     self.down_proj, self.down_proj_scale = linear(rngs, (intermediate, hidden), dtype,
-                                                  ("mlp", "embed"), 1, fp8_block)
+                                                  ("mlp", "embed"), 1, down_block)
     # FP8 weights only: set by the LLM as Attention.fp8_projection.
     self.fp8_projection = None
-    self.fp8_block = fp8_block
+    self.fp8_block = gate_up_block or down_block
 
   def _dense(self, x, name: str, spec: str):
     scale = getattr(self, name + "_scale")

@@ -49,7 +49,10 @@ def _validate_names(index: SafetensorsIndex, rules: dict, skipped: tuple[str, ..
     shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)"
                                          if len(unexpected) > 8 else "")
     hint = ("; the *.weight_scale_inv are FP8 block scales, which jspec reads where config.json "
-            "has an FP8 quantization_config and the weight's FP8 form is supported"
+            "has an FP8 quantization_config and the weight's FP8 form is supported, and not "
+            "for a projection kind that modules_to_not_convert lists in some layer (jspec "
+            "keeps each kind in one precision: it must list a projection in every layer or in "
+            "none)"
             if any(n.endswith("weight_scale_inv") for n in unexpected) else "")
     raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensors: {shown}{hint}")
 
@@ -78,8 +81,10 @@ def _materialize(abstract_module, rules: dict, index: SafetensorsIndex, mesh: Me
         # a plain one stored as FP8 would lose its precision.
         expected = "an FP8 weight (float8 with block scales)" if not float8 else "an unquantized one"
         raise ValueError(f"tensor {name!r} has dtype {array.dtype}; jspec expects {expected} "
-                         "there (the checkpoint's quantization_config and its tensors disagree, "
-                         "or this weight's FP8 form is not supported yet)")
+                         "there (the checkpoint's quantization_config and its tensors disagree: "
+                         "modules_to_not_convert must list a projection in every layer or in "
+                         "none, as jspec keeps each kind in one precision; or this weight's FP8 "
+                         "form is not supported yet)")
       hf_arrays.append(array)
     # The module's own dtype for each parameter: `dtype`, except what it keeps in float32.
     host = rule.build(*hf_arrays).astype(variable.get_value().dtype)

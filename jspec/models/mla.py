@@ -99,22 +99,23 @@ class MLAttention(nnx.Module):
     self.q_lora_rank = cfg.q_lora_rank
     # FP8 checkpoints: every projection kept as published (jspec.models.linear.linear), the
     # per-head query weights flattened (the checkpoint's blocks straddle heads of p + r).
-    self.fp8_block = block = cfg.fp8_block
+    self.fp8_block = cfg.fp8_block
+    block = lambda name: quantization.block_for(cfg, "self_attn." + name)
     if self.q_lora_rank:
       self.q_a_proj, self.q_a_proj_scale = linear(rngs, (d, self.q_lora_rank), dtype,
-                                                  ("embed", None), 1, block)
+                                                  ("embed", None), 1, block("q_a_proj"))
       self.q_a_norm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, dtype, axis_name=None)
       self.q_b_proj, self.q_b_proj_scale = linear(
-          rngs, (self.q_lora_rank, n, p + r), dtype, (None, "q_heads", "head_dim"), 1, block,
-          flatten_out=True)
+          rngs, (self.q_lora_rank, n, p + r), dtype, (None, "q_heads", "head_dim"), 1,
+          block("q_b_proj"), flatten_out=True)
     else:
       self.q_proj, self.q_proj_scale = linear(rngs, (d, n, p + r), dtype,
-                                              ("embed", "q_heads", "head_dim"), 1, block,
-                                              flatten_out=True)
+                                              ("embed", "q_heads", "head_dim"), 1,
+                                              block("q_proj"), flatten_out=True)
     self.kv_a_proj, self.kv_a_proj_scale = linear(rngs, (d, c + r), dtype, ("embed", "latent"),
-                                                  1, block)
+                                                  1, block("kv_a_proj_with_mqa"))
     self.kv_a_norm = RMSNorm(c, LATENT_NORM_EPS, dtype, axis_name="latent")
-    if block is None:
+    if block("kv_b_proj") is None:
       self.w_uk = param(rngs, (n, p, c), dtype, ("q_heads", "head_dim", "latent"),
                         scale=c ** -0.5)
       self.w_uv = param(rngs, (n, v, c), dtype, ("q_heads", "head_dim", "latent"),
@@ -122,14 +123,14 @@ class MLAttention(nnx.Module):
       self.w_uk_scale = self.w_uv_scale = None
     else:  # kv_b_proj's per-head [nope | value] rows: stored [N, P, C] and [N, V, C] alike
       self.w_uk, self.w_uk_scale = linear(rngs, (n, c, p), dtype,
-                                          ("q_heads", "latent", "head_dim"), 1, block,
-                                          scale=c ** -0.5, lead=1)
+                                          ("q_heads", "latent", "head_dim"), 1,
+                                          block("kv_b_proj"), scale=c ** -0.5, lead=1)
       self.w_uv, self.w_uv_scale = linear(rngs, (n, c, v), dtype,
-                                          ("q_heads", "latent", "head_dim"), 1, block,
-                                          scale=c ** -0.5, lead=1)
+                                          ("q_heads", "latent", "head_dim"), 1,
+                                          block("kv_b_proj"), scale=c ** -0.5, lead=1)
     self.o_proj, self.o_proj_scale = linear(rngs, (n, v, d), dtype,
-                                            ("q_heads", "head_dim", "embed"), 2, block,
-                                            scale=(n * v) ** -0.5)
+                                            ("q_heads", "head_dim", "embed"), 2,
+                                            block("o_proj"), scale=(n * v) ** -0.5)
     self.nope_dim, self.rope_dim, self.latent_dim, self.num_heads = p, r, c, n
     inv_freq, self.rope_attention_factor = rope_lib.inv_frequencies(r, cfg.rope_theta,
                                                                     cfg.rope_scaling)

@@ -89,7 +89,7 @@ class MoE(nnx.Module):
     # backend reads these same arrays, and the zeros add nothing (a zero gate/up column gives
     # silu(0) * 0 = 0; a zero down row or hidden column contributes 0 to every sum).
     d_pad, f_pad = cfg.moe_padded_hidden_size, cfg.moe_padded_intermediate_size
-    self.fp8_block = block = cfg.fp8_block
+    self.fp8_block = block = quantization.block_for(cfg, "mlp.experts")
     if block is None:
       self.w_gate = param(rngs, (e, d, f), dtype, ("experts", "embed", "moe_mlp"),
                           scale=d ** -0.5, pad_to=(e, d_pad, f_pad))
@@ -135,11 +135,13 @@ class MoE(nnx.Module):
     self.has_shared_expert = cfg.shared_expert_intermediate_size > 0
     if self.has_shared_expert:
       # Every token also goes through one dense SwiGLU, scaled by sigmoid(x @ gate).
-      self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size, dtype, rngs, block)
+      self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size, dtype, rngs,
+                               quantization.blocks_for(cfg, quantization.SHARED_KINDS))
       self.shared_expert_gate = param(rngs, (d, 1), dtype, ("embed", None))
     self.has_shared_experts = cfg.num_shared_experts > 0
     if self.has_shared_experts:
-      self.shared_experts = MLP(d, f * cfg.num_shared_experts, dtype, rngs, block)
+      self.shared_experts = MLP(d, f * cfg.num_shared_experts, dtype, rngs,
+                                quantization.blocks_for(cfg, quantization.SHARED_KINDS))
 
   def _route(self, x_TD):
     if self.scoring == "softmax":

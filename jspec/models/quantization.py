@@ -14,11 +14,25 @@ projections, dense MLP and MoE expert projections, MTP / NextN layers included.
 
 from __future__ import annotations
 
+import collections
 import math
+import re
 
 import numpy as np
 
 FP8_METHOD = "fp8"
+
+# The projection kinds jspec holds in FP8, each in one precision in every layer (target and
+# MTP): attention's (GQA and MLA), the dense MLP's and the shared expert's (gate and up as one
+# matrix), the routed experts (all of a layer's, as one stack) and Gated DeltaNet's.
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+                         "kv_a_proj_with_mqa", "kv_b_proj")
+MLP_KINDS = ("mlp.gate_up_proj", "mlp.down_proj")
+SHARED_KINDS = ("mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj")
+LINEAR_KINDS = ("linear_attn.in_proj_qkvz", "linear_attn.out_proj")
+# A module of a decoder or MTP layer, as modules_to_not_convert names it.
+_LAYER_MODULE = re.compile(r"^(.*?)(?:^|\.)layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts(?:\.(\d+)(?:\.(\w+))?)?$")
 
 
 def quantization_config(hf_config) -> dict | None:
@@ -54,6 +68,80 @@ def fp8_block_size(hf_config, model_dir: str) -> tuple[int, int] | None:
   return int(blocks[0]), int(blocks[1])
 
 
+def _kinds_of(module: str):
+  """(kinds, group member or None) of a module under a layer: the projection kinds listing
+  `module` keeps unquantized, and, where jspec holds it with others as one matrix, which part
+  it is (those parts must be listed together)."""
+  attention = tuple(f"self_attn.{p}" for p in ATTENTION_PROJECTIONS)
+  whole = {"self_attn": attention, "linear_attn": LINEAR_KINDS,
+           "mlp": MLP_KINDS + SHARED_KINDS + ("mlp.experts",), "block_sparse_moe": ("mlp.experts",),
+           "mlp.shared_expert": SHARED_KINDS, "mlp.shared_experts": SHARED_KINDS}
+  if module in whole:
+    return whole[module], None
+  if module in attention or module in ("mlp.down_proj", "linear_attn.out_proj",
+                                       "linear_attn.in_proj_qkvz"):
+    return (module,), None
+  parts = module.rsplit(".", 1)
+  if module in ("mlp.gate_proj", "mlp.up_proj"):
+    return ("mlp.gate_up_proj",), parts[1]
+  if parts[0] in ("mlp.shared_expert", "mlp.shared_experts"):
+    if parts[1] == "down_proj":
+      return ("mlp.shared_expert.down_proj",), None
+    if parts[1] in ("gate_proj", "up_proj"):
+      return ("mlp.shared_expert.gate_up_proj",), parts[1]
+  if module in ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"):
+    return ("linear_attn.in_proj_qkvz",), parts[1]
+  expert = _EXPERT.match(module)
+  if expert:  # a whole expert, or one of its projections
+    return ("mlp.experts",), (expert.group(1), expert.group(2)) if expert.group(1) else None
+  return (), None  # norms, routers, b / a projections...: unquantized in jspec anyway
+
+
+def unconverted_kinds(hf_config, cfg, model_dir: str) -> tuple[str, ...]:
+  """The projection kinds an FP8 checkpoint's `modules_to_not_convert` keeps unquantized,
+  which jspec then builds unquantized. A list naming only part of what jspec multiplies as one
+  matrix (gate without up, in_proj_qkv without in_proj_z, some of a layer's experts) is
+  refused; that every layer lists a kind, or none, is checked by the loader (tensor dtypes)."""
+  listed = (quantization_config(hf_config) or {}).get("modules_to_not_convert") or ()
+  kinds, members = set(), collections.defaultdict(set)
+  for name in listed:
+    layer_module = _LAYER_MODULE.match(name)
+    if not layer_module:
+      continue  # lm_head, embeddings, mtp.fc, a vision tower: never FP8 in jspec
+    scope, layer, module = layer_module.groups()
+    found, member = _kinds_of(module)
+    kinds.update(found)
+    for kind in found:
+      if member is not None:
+        members[(scope, layer, kind)].add(member)
+  experts = cfg.num_experts * 3
+  for (scope, layer, kind), seen in members.items():
+    if kind == "mlp.experts":
+      whole = {e for e, part in seen if part is None}
+      covered = len(whole) * 3 + len({(e, p) for e, p in seen if e not in whole})
+      complete = covered == experts
+    else:
+      complete = len(seen) == 2
+    if not complete:
+      layer_name = f"{scope + '.' if scope else ''}layers.{layer}"
+      raise ValueError(
+          f"{model_dir}: modules_to_not_convert lists only part of {layer_name}'s {kind} "
+          f"({', '.join(sorted(map(str, seen)))}); jspec multiplies those weights as one "
+          "matrix in one precision and needs all of them listed, or none")
+  return tuple(sorted(kinds))
+
+
+def block_for(cfg, kind: str) -> tuple[int, int] | None:
+  """The FP8 block of a projection kind (ATTENTION_PROJECTIONS under "self_attn.", MLP_KINDS,
+  SHARED_KINDS, "mlp.experts", LINEAR_KINDS), None where it is unquantized: an unquantized
+  checkpoint, or a kind its modules_to_not_convert lists."""
+  return None if cfg.fp8_block is None or kind in cfg.fp8_unconverted else cfg.fp8_block
+
+
+def blocks_for(cfg, kinds) -> tuple:
+  return tuple(block_for(cfg, kind) for kind in kinds)
+
+
 def refuse_unsupported(cfg, model_dir: str) -> None:
   """What jspec's FP8 layout covers: attention (GQA and multi-head latent), linear attention,
   dense MLP and MoE expert projections; blocks at a weight's edges may be partial (DeepSeek-V3's 576-row
@@ -86,7 +174,8 @@ def refuse_unsupported(cfg, model_dir: str) -> None:
                      f"not tile kv_b_proj's per-head rows (qk_nope_head_dim="
                      f"{cfg.qk_nope_head_dim}, v_head_dim={cfg.v_head_dim}); jspec splits them "
                      "into the key and value parts and needs whole blocks in each")
-  if cfg.is_moe and (cfg.moe_intermediate_size % cfg.fp8_block[0]
+  if cfg.is_moe and "mlp.experts" not in cfg.fp8_unconverted and (
+      cfg.moe_intermediate_size % cfg.fp8_block[0]
                      or cfg.hidden_size % cfg.fp8_block[1]):
     raise ValueError(f"{model_dir}: FP8 blocks of {cfg.fp8_block[0]} x {cfg.fp8_block[1]} do "
                      f"not tile the experts (moe_intermediate_size={cfg.moe_intermediate_size}, "

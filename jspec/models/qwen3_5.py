@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jspec.config import ModelConfig
+from jspec.models import quantization
 from jspec.models import weights as W
 from jspec.models.caches import KVCache
 from jspec.models.decoder import CausalLM, common_fields
@@ -48,7 +49,8 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.is_moe = is_moe
     self.mlp = (MoE(cfg, dtype, rngs) if is_moe
-                else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs, cfg.fp8_block))
+                else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs,
+                         quantization.blocks_for(cfg, quantization.MLP_KINDS)))
 
   def __call__(self, x_BTD, positions_BT, cache, kv_window: int, experts_fn: Callable,
                valid_BT=None):
@@ -165,7 +167,7 @@ def linear_attention_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
     ba = W.TensorRule((q + "in_proj_b.weight", q + "in_proj_a.weight"),
                       ((g * r, d), (g * r, d)),
                       lambda b, a: np.concatenate([heads_last(b, r), heads_last(a, r)], -1))
-  if cfg.fp8_block:  # q, k, v, z in FP8, b and a unquantized (GatedDeltaNet says why)
+  if cfg.fp8_block:  # b and a unquantized, beside q, k, v, z (GatedDeltaNet says why)
     projections = {("in_proj",): qkvz, ("in_proj_ba",): ba}
   else:
     projections = {("in_proj",): W.TensorRule(
