@@ -18,13 +18,18 @@ Each fixture, in order; a failing one is reported and the others still run (exit
      `save_pretrained` writes the weights and config.json (its quantization_config included).
   2. The MTP / NextN layers' tensors (`mtp.*`, `model.layers.{L + m}.*`), which no transformers
      class holds, are quantized by the same Fp8Quantize (the quantizer's own `get_quantize_ops()`),
-     which must reproduce byte for byte what transformers wrote for every target projection.
+     fed as the load path fed it in step 1 (recorded there): the source weight cast to the dtype
+     and device the op was handed. transformers 5.24 hands it the float32 weight; 5.17 casts the
+     weight to the FP8 parameter's dtype, float8_e4m3fn, before its Fp8Quantize (a second
+     rounding), and so is followed. Every target weight handed whole must equal the source so
+     cast, and the op must reproduce byte for byte what transformers wrote for every target
+     projection (a mismatch is reported with how many e4m3 bytes differ and how the scales do).
   3. transformers 5.24 writes the experts' weights per expert but their scales fused
      (`mlp.experts.gate_up_proj_scale_inv` [E, 2F / b, D / b]); those are written per expert
      (`mlp.experts.{e}.gate_proj.weight_scale_inv`, ...), as the published checkpoints and jspec
      have them. Slicing only: no value changes.
   4. Every tensor of the source is checked: each projection e4m3 with its scales, within e4m3's
-     rounding of the source weight; everything else (embeddings, lm_head, norms, routers and their
+     rounding of the weight the quantize op was given; everything else (embeddings, lm_head, norms, routers and their
      bias, eh_proj / mtp.fc, Gated DeltaNet's A_log / conv1d / dt_bias / in_proj_a / in_proj_b /
      in_proj_ba / norm) byte for byte the source's.
   5. The reference: the written checkpoint loaded by transformers with
@@ -142,9 +147,31 @@ def fp8_config(**kwargs):
 
 
 def load_quantized(src: str, block: int, kept: list[str], device: str):
+  """transformers' FP8 model of `src`; its quantizer; and what its load path handed the quantize
+  op, {target key: the tensor (on the CPU), its dtype, its device}."""
+  from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
   config = fp8_config(weight_block_size=(block, block), modules_to_not_convert=kept)
-  model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config,
-                                               dtype=torch.float32, device_map=device)
+  handed, get_ops = {}, FineGrainedFP8HfQuantizer.get_quantize_ops
+
+  def recording_ops(self):  # the load path's own op, its inputs recorded on their way in
+    op = get_ops(self)
+    convert = op.convert
+
+    def recorded(input_dict, **kwargs):
+      for key, value in input_dict.items():
+        tensor = value[0] if isinstance(value, list) else value
+        handed[key] = (tensor.detach().cpu().clone(), tensor.dtype, tensor.device)
+      return convert(input_dict, **kwargs)
+
+    op.convert = recorded
+    return op
+
+  FineGrainedFP8HfQuantizer.get_quantize_ops = recording_ops
+  try:
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config,
+                                                 dtype=torch.float32, device_map=device)
+  finally:
+    FineGrainedFP8HfQuantizer.get_quantize_ops = get_ops
   quantizer = getattr(model, "hf_quantizer", None)
   if type(quantizer).__name__ != "FineGrainedFP8HfQuantizer":
     raise FixtureError(f"the model was loaded with quantizer {type(quantizer).__name__}, "
@@ -152,26 +179,93 @@ def load_quantized(src: str, block: int, kept: list[str], device: str):
   if getattr(quantizer.quantization_config, "dequantize", False):
     raise FixtureError("transformers chose to dequantize instead of quantizing (no GPU of compute "
                        "capability >= 8.9?): nothing FP8 would be written")
-  return model, quantizer
+  if not handed:
+    raise FixtureError("transformers' load path never called its quantize op "
+                       "(get_quantize_ops().convert): nothing was quantized on the way in")
+  return model, quantizer, handed
 
 
-def quantize_op(quantizer, device: str):
-  """transformers' own weight -> (e4m3, scale_inv) operation, for the MTP tensors."""
+def quantize_op(quantizer, handed: dict, source: dict):
+  """transformers' own weight -> (e4m3, scale_inv) operation, for the MTP tensors, fed as its load
+  path feeds it: the source weight cast by one `.to(device=, dtype=)` to the dtype and device the
+  load path handed the op (float32 in transformers 5.24; transformers 5.17 casts to the FP8
+  parameter's own dtype, float8_e4m3fn, first, so every weight is rounded twice), checked on every
+  target weight handed whole. (quantize(name, weight) -> (e4m3, scale_inv, the tensor the op was
+  given, on the CPU), the op's name, what the load path handed it.)"""
   get_ops = getattr(quantizer, "get_quantize_ops", None)
   if get_ops is None:
     raise FixtureError(f"transformers {transformers.__version__}'s FP8 quantizer has no "
                        "get_quantize_ops(): find its weight quantization routine")
   op = get_ops()
+  kinds = {(dtype, device) for _, dtype, device in handed.values()}
+  if len(kinds) != 1:
+    raise FixtureError(f"the load path handed the quantize op tensors of several dtypes / devices: "
+                       f"{sorted(map(str, kinds))}")
+  (dtype, device), = kinds
 
-  def quantize(name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out = op.convert({name: weight.to(device)})
+  def prepare(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to(device=device, dtype=dtype)  # as transformers materializes a tensor
+
+  whole = 0
+  for key, (tensor, _, _) in sorted(handed.items()):
+    if key not in source:
+      continue  # fused experts: checked through what was written, per expert
+    mine = prepare(source[key]).cpu()
+    if mine.shape != tensor.shape or not torch.equal(_bytes(mine), _bytes(tensor)):
+      raise FixtureError(f"{key}: the load path handed the quantize op a {tensor.dtype} tensor "
+                         f"unequal to the source weight cast to it ({mismatch(mine, tensor)})")
+    whole += 1
+
+  def quantize(name: str, weight: torch.Tensor):
+    given = prepare(weight)
+    out = op.convert({name: given})
     scale_name = name + SCALE_SUFFIX
     if set(out) != {name, scale_name} or out[name].dtype != torch.float8_e4m3fn:
       raise FixtureError(f"{type(op).__name__}.convert gave {sorted(out)} "
                          f"({out[name].dtype}) for {name}, not e4m3 + {scale_name}")
-    return out[name].cpu(), out[scale_name].cpu()
+    return out[name].cpu(), out[scale_name].cpu(), given.cpu()
 
-  return quantize, type(op).__name__
+  fed = {"dtype": str(dtype).removeprefix("torch."), "device": str(device),
+         "target_weights_checked_equal_to_the_source_so_cast": whole,
+         "fused_inputs": len(handed) - whole}
+  return quantize, type(op).__name__, fed
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+  return tensor.contiguous().view(torch.uint8)
+
+
+def mismatch(mine: torch.Tensor, theirs: torch.Tensor, scale=None, their_scale=None) -> str:
+  """How two quantizations of one weight differ, for the log: differing bytes, the largest
+  relative scale difference, and whether the scales are each other's reciprocal or transpose."""
+  parts = []
+  if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+    parts.append(f"{mine.dtype} {tuple(mine.shape)} vs {theirs.dtype} {tuple(theirs.shape)}")
+  else:
+    differ = _bytes(mine) != _bytes(theirs)
+    parts.append(f"{int(differ.sum())} of {differ.numel()} bytes differ")
+    if theirs.dtype == torch.float8_e4m3fn and differ.any():
+      a, b = mine.float(), theirs.float()
+      off = (a - b).abs()[differ.reshape(mine.shape)]
+      parts.append(f"largest value difference {float(off.max()):.3g}; "
+                   f"as e4m3 codes up to {int((_bytes(mine).int() - _bytes(theirs).int()).abs().max())} apart")
+  if scale is not None and their_scale is None:
+    parts.append("no scale written")
+  elif scale is not None:
+    s, t = scale.float(), their_scale.float()
+    if their_scale.dtype != scale.dtype:
+      parts.append(f"scales {scale.dtype} vs written {their_scale.dtype}")
+    if s.shape != t.shape:
+      parts.append(f"scales {tuple(s.shape)} vs written {tuple(t.shape)}")
+      if s.ndim == 2 and s.T.shape == t.shape:
+        parts.append(f"transposed: {'equal' if torch.equal(s.T, t) else 'unequal'}")
+    else:
+      rel = lambda x, y: float(((x - y).abs() / y.abs().clamp(min=1e-30)).max())
+      parts.append(f"scales: {int((s != t).sum())} of {s.numel()} differ, largest relative "
+                   f"difference {rel(s, t):.3g}; as reciprocals {rel(1 / s, t):.3g}")
+      if s.ndim == 2 and s.shape[0] == s.shape[1]:
+        parts.append(f"as transposes {rel(s.T, t):.3g}")
+  return "; ".join(parts)
 
 
 # ---- the written checkpoint ---------------------------------------------------------------------
@@ -231,23 +325,28 @@ def check_quantized(name: str, source: torch.Tensor, w8, scale, block: int):
 
 def complete_checkpoint(source: dict, written: dict, block: int, quantize) -> dict:
   """(the written tensors with the MTP ones added, every source tensor checked; how many were
-  quantized in the target and MTP layers and kept)."""
+  quantized in the target and MTP layers and kept; the largest difference between the source
+  weights and what the quantize op was given)."""
   tensors, counts = dict(written), {"target": 0, "mtp": 0, "kept": 0}
+  precast = 0.0
   for name, value in sorted(source.items()):
     if QUANTIZED.search(name):
-      mine = quantize(name, value)
+      w8, scale, given = quantize(name, value)
+      precast = max(precast, float((given.float() - value).abs().max()))
       if name in written:  # transformers' own: the MTP path must reproduce it exactly
         theirs = (written[name], written.get(name + SCALE_SUFFIX))
-        if theirs[1] is None or not (torch.equal(mine[0].view(torch.uint8),
-                                                 theirs[0].view(torch.uint8))
-                                     and torch.equal(mine[1], theirs[1])):
+        if theirs[1] is None or not (w8.shape == theirs[0].shape and w8.dtype == theirs[0].dtype
+                                     and torch.equal(_bytes(w8), _bytes(theirs[0]))
+                                     and scale.dtype == theirs[1].dtype
+                                     and scale.shape == theirs[1].shape
+                                     and torch.equal(scale, theirs[1])):
           raise FixtureError(f"{name}: transformers wrote it otherwise than its quantize op "
-                             "makes it now (or without its scales)")
+                             f"makes it now: {mismatch(w8, theirs[0], scale, theirs[1])}")
         counts["target"] += 1
       else:
-        tensors[name], tensors[name + SCALE_SUFFIX] = mine
+        tensors[name], tensors[name + SCALE_SUFFIX] = w8, scale
         counts["mtp"] += 1
-      check_quantized(name, value, tensors[name], tensors[name + SCALE_SUFFIX], block)
+      check_quantized(name, given.float(), tensors[name], tensors[name + SCALE_SUFFIX], block)
     else:
       if name not in written:
         tensors[name] = value  # an MTP layer's norm, head, router, eh_proj: kept as it is
@@ -261,7 +360,7 @@ def complete_checkpoint(source: dict, written: dict, block: int, quantize) -> di
     raise FixtureError(f"written tensors differ from the source's: extra "
                        f"{sorted(set(tensors) - expected)[:6]}, missing "
                        f"{sorted(expected - set(tensors))[:6]}")
-  return tensors, counts
+  return tensors, counts, precast
 
 
 def write_config(src: str, written_dir: str, out_dir: str) -> list[str]:
@@ -440,6 +539,7 @@ class Made:
   block: int
   kept: list[str]
   quantize_op: str = ""
+  fed: dict = dataclasses.field(default_factory=dict)  # what the load path gave the quantize op
   counts: dict = dataclasses.field(default_factory=dict)
   relaid: bool = False
   restored: list[str] = dataclasses.field(default_factory=list)
@@ -480,12 +580,15 @@ def build(name: str, out_root: str, device: str) -> dict:
 def write_checkpoint(src: str, source: dict, made: Made, device: str, staging: str,
                      out_dir: str) -> dict:
   """Steps 1-4: the FP8 checkpoint in `out_dir`; its tensors."""
-  model, quantizer = load_quantized(src, made.block, made.kept, device)
-  quantize, made.quantize_op = quantize_op(quantizer, device)
+  model, quantizer, handed = load_quantized(src, made.block, made.kept, device)
+  quantize, made.quantize_op, made.fed = quantize_op(quantizer, handed, source)
+  print(f"  the load path hands {made.quantize_op} {made.fed['dtype']} weights on "
+        f"{made.fed['device']}; the MTP weights are cast so too", flush=True)
   written_dir = os.path.join(staging, "save_pretrained")
   model.save_pretrained(written_dir)
   written, made.relaid = expert_scales_per_expert(read_tensors(written_dir))
-  tensors, made.counts = complete_checkpoint(source, written, made.block, quantize)
+  tensors, made.counts, made.fed["max_abs_difference_from_the_source"] = complete_checkpoint(
+      source, written, made.block, quantize)
   os.makedirs(out_dir)
   weights = os.path.join(out_dir, "model.safetensors")
   save_file(dict(sorted(tensors.items())), weights, metadata={"format": "pt"})
@@ -534,8 +637,10 @@ def describe(name: str, made: Made, device: str) -> dict:
                     f"FineGrainedFP8Config(weight_block_size=({block}, {block}), "
                     f"modules_to_not_convert=[...]), dtype=float32, device_map={device!r}) then "
                     "save_pretrained",
-          "mtp": f"transformers' {made.quantize_op} (the quantizer's get_quantize_ops()), "
-                 "checked to reproduce every target projection byte for byte",
+          "mtp": f"transformers' {made.quantize_op} (the quantizer's get_quantize_ops()), fed "
+                 "as the load path fed it, checked to reproduce every target projection byte "
+                 "for byte",
+          "quantize_op_input": made.fed,
           "expert_scales_written_per_expert": made.relaid,
           "config_keys_restored_from_source": made.restored,
           "modules_to_not_convert_passed": made.kept,
