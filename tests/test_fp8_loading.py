@@ -146,3 +146,30 @@ def test_fp8_mesh_that_would_split_a_block_is_refused(checkpoints):
   validate_mesh(dataclasses.replace(cfg, fp8_block=None), jspec.MeshConfig(tp=2))
   with pytest.raises(ValueError, match="tp=2 must divide intermediate_size / FP8 block 32=3"):
     validate_mesh(cfg, jspec.MeshConfig(tp=2))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("fmt", "e5m2", "FP8 weights in format 'e5m2' are not supported"),
+    ("scale_fmt", "e8m0_packed", "block scales in format 'e8m0_packed' are not supported")])
+def test_fp8_formats_other_than_e4m3_with_float32_scales_are_refused(checkpoints, tmp_path,
+                                                                    field, value, message):
+  out = tmp_path / "other_format"
+  shutil.copytree(checkpoints[0], out)
+  config = json.loads((out / "config.json").read_text())
+  config["quantization_config"][field] = value
+  (out / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=message):
+    _llm(str(out))
+
+
+def test_fp8_weights_stored_as_e5m2_are_refused_not_re_rounded(checkpoints, tmp_path):
+  # The config says e4m3 but a weight is float8_e5m2: converting it would change its values.
+  out = tmp_path / "e5m2"
+  shutil.copytree(checkpoints[0], out)
+  index = SafetensorsIndex(str(out))
+  tensors = {n: index.read(n) for n in index.names}
+  name = "model.layers.0.self_attn.q_proj.weight"
+  tensors[name] = tensors[name].astype(ml_dtypes.float8_e5m2)
+  save_file(tensors, str(out / "model.safetensors"))
+  with pytest.raises(ValueError, match="float8_e5m2; jspec reads FP8 weights as float8_e4m3fn"):
+    _llm(str(out))

@@ -76,6 +76,10 @@ def _materialize(abstract_module, rules: dict, index: SafetensorsIndex, mesh: Me
       if not (np.issubdtype(array.dtype, np.floating) or float8
               or array.dtype.name == "bfloat16"):
         raise ValueError(f"tensor {name!r} has dtype {array.dtype}, expected a float type")
+      if float8 and jnp.dtype(target_dtype).name.startswith("float8") and (
+          array.dtype.name != jnp.dtype(target_dtype).name):  # e5m2 would be re-rounded
+        raise ValueError(f"tensor {name!r} has dtype {array.dtype}; jspec reads FP8 weights "
+                         f"as {jnp.dtype(target_dtype).name} and converts none")
       if float8 != jnp.dtype(target_dtype).name.startswith("float8"):
         # An FP8 weight read as a plain one would lose its block scales (wrong weights), and
         # a plain one stored as FP8 would lose its precision.

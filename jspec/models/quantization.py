@@ -63,6 +63,13 @@ def fp8_block_size(hf_config, model_dir: str) -> tuple[int, int] | None:
   if qc.get("activation_scheme", "dynamic") != "dynamic":
     raise ValueError(f"{model_dir}: FP8 activation_scheme {qc['activation_scheme']!r} is not "
                      "supported; jspec loads the 'dynamic' scheme (weights quantized only)")
+  if qc.get("fmt", "e4m3") != "e4m3":
+    raise ValueError(f"{model_dir}: FP8 weights in format {qc['fmt']!r} are not supported; "
+                     "jspec loads e4m3 (float8_e4m3fn) weights")
+  # "ue8m0" scales (DeepSeek-V3.1) are powers of two, stored as float32 like the others.
+  if qc.get("scale_fmt") not in (None, "float", "ue8m0"):
+    raise ValueError(f"{model_dir}: FP8 block scales in format {qc['scale_fmt']!r} are not "
+                     "supported; jspec reads float32 scales ('float' or 'ue8m0')")
   if qc.get("modules_to_convert"):
     raise ValueError(f"{model_dir}: FP8 'modules_to_convert' is not supported")
   return int(blocks[0]), int(blocks[1])
