@@ -117,3 +117,20 @@ def unquantize(fp8_dir, out, block: int, which=lambda name: True) -> str:
   with open(config_path, "w") as f:
     json.dump(config, f)
   return out
+
+
+def small_llm(model_dir, **kwargs) -> jspec.LLM:
+  """A fixture-sized LLM: float32 (exact on CPU), 64 positions, 4 sequences."""
+  return jspec.LLM(model=str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=4,
+                   **kwargs)
+
+
+def assert_fp8_greedy_is_the_dequantized_models(fp8_dir, plain_dir, prompts,
+                                                max_tokens: int) -> jspec.LLM:
+  """The FP8 checkpoint's greedy tokens are its dequantized twin's, and MTP speculation over
+  the FP8 checkpoint gives them too; returns that speculating LLM."""
+  want = greedy_token_ids(small_llm(plain_dir), prompts, max_tokens)
+  assert greedy_token_ids(small_llm(fp8_dir), prompts, max_tokens) == want
+  mtp = small_llm(fp8_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+  assert greedy_token_ids(mtp, prompts, max_tokens) == want
+  return mtp

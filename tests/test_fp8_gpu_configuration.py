@@ -18,6 +18,20 @@ from jspec.models.mla import MLAttention
 from jspec.pallas_kernels import platform
 
 
+PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
+
+
+def _assert_same_outputs(reference, candidate, max_tokens: int):
+  """candidate's logits within 10^-3 of the largest of reference's (x goes to float16, 2^-11,
+  in each kernel: 10^-3 bounds it with room), and the same greedy tokens."""
+  want, got = reference.compute_logits(PROMPTS[:1])[0], candidate.compute_logits(PROMPTS[:1])[0]
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+  tokens = [[o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+            for llm in (reference, candidate)]
+  assert tokens[0] == tokens[1]
+
+
 def _tiny_fp8_mla():
   # Dimensions of whole 128 x 128 blocks where the kernels need them (q_a, q_b, o, the MLPs,
   # the experts); kv_a's 128 + 64 rows end in a partial block and keep the scaled XLA path.
@@ -44,14 +58,7 @@ def test_fp8_kernels_in_the_model_equal_the_scaled_xla_products(monkeypatch):
                  if isinstance(node, (MLAttention, MLP))]
   assert projections and all(p is not None for p in projections)
   assert gpu.target.layers[1].mlp.fp8_to_backend and not cpu.target.layers[1].mlp.fp8_to_backend
-  prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
-  want, got = cpu.compute_logits(prompts[:1])[0], gpu.compute_logits(prompts[:1])[0]
-  # x goes to float16 (2^-11) in each kernel; 10^-3 of the largest logit bounds it with room.
-  np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
-  params = jspec.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-  tokens = [[o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            for llm in (cpu, gpu)]
-  assert tokens[0] == tokens[1]
+  _assert_same_outputs(cpu, gpu, max_tokens=6)
 
 
 def _tiny_fp8_hybrid():
@@ -79,14 +86,7 @@ def test_fp8_kernel_in_a_hybrid_model_equals_the_scaled_xla_products(monkeypatch
   kinds = {type(node) for _, node in nnx.iter_graph(gpu.target)
            if isinstance(node, (GatedDeltaNet, Attention, MLP)) and node.fp8_projection}
   assert {GatedDeltaNet, MLP} <= kinds and any(issubclass(k, Attention) for k in kinds)
-  prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
-  want, got = cpu.compute_logits(prompts[:1])[0], gpu.compute_logits(prompts[:1])[0]
-  # As above: x in float16 inside each kernel.
-  np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
-  params = jspec.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-  tokens = [[o.token_ids for o in model.generate(prompts, params, use_tqdm=False)]
-            for model in (cpu, gpu)]
-  assert tokens[0] == tokens[1]
+  _assert_same_outputs(cpu, gpu, max_tokens=4)
 
 
 @pytest.mark.gpu
@@ -107,10 +107,4 @@ def test_on_the_gpu_fp8_kernels_equal_the_scaled_xla_products(config, mtp):
              if hasattr(node, "fp8_projection"))
   assert any(node.fp8_projection is not None for _, node in nnx.iter_graph(kernels.target)
              if hasattr(node, "fp8_projection"))
-  prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
-  want, got = xla.compute_logits(prompts[:1])[0], kernels.compute_logits(prompts[:1])[0]
-  np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
-  params = jspec.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-  tokens = [[o.token_ids for o in model.generate(prompts, params, use_tqdm=False)]
-            for model in (xla, kernels)]
-  assert tokens[0] == tokens[1]
+  _assert_same_outputs(xla, kernels, max_tokens=6)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import jspec
-from helpers import fixture_dir, greedy_token_ids, unquantize
+from helpers import (assert_fp8_greedy_is_the_dequantized_models, fixture_dir, greedy_token_ids,
+                     small_llm as _llm, unquantize)
 from jspec.quantize_fp8 import quantize_checkpoint
 
 BLOCK = 8
@@ -35,11 +36,6 @@ def _write(name, root):
 @pytest.fixture(scope="module", params=NAMES)
 def checkpoints(request, tmp_path_factory):
   return _write(request.param, tmp_path_factory.mktemp(request.param))
-
-
-def _llm(model_dir, **kwargs):
-  return jspec.LLM(model=model_dir, dtype="float32", max_model_len=64, max_num_seqs=4,
-                   **kwargs)
 
 
 def _linear_attention(llm):
@@ -64,12 +60,7 @@ def test_fp8_linear_attention_stays_fp8_and_gives_the_dequantized_logits(checkpo
 
 
 def test_fp8_hybrid_generation_equals_the_dequantized_model_and_mtp_equals_vanilla(checkpoints):
-  fp8_dir, plain_dir = checkpoints
-  want = greedy_token_ids(_llm(plain_dir), PROMPTS, 8)
-  vanilla = greedy_token_ids(_llm(fp8_dir), PROMPTS, 8)
-  mtp = _llm(fp8_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-  assert vanilla == want
-  assert greedy_token_ids(mtp, PROMPTS, 8) == vanilla
+  assert_fp8_greedy_is_the_dequantized_models(*checkpoints, PROMPTS, 8)
 
 
 def test_fp8_hybrid_over_dp_and_tp_gives_one_devices_tokens(tmp_path):
