@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jspec.pallas_kernels import fp8_gemm
 from jspec.pallas_kernels.fp8_gemm import (BLOCK, Fp8Tiling, choose_splits, fits_kernel,
                                            fp8_matmul, quantize_activations)
 
@@ -159,3 +160,18 @@ def test_fp8_matmul_with_e4m3_activations_equals_the_quantized_product(rows, k, 
   assert y.shape == (rows, n) and np.isfinite(y).all()
   bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
   assert (np.abs(y - exact) <= bound).all()
+
+
+@pytest.mark.parametrize("rows", [1, 30, 40])
+def test_scales_repeated_beforehand_give_the_same_product(rows):
+  # Up to 32 padded rows the kernel reads the lanes made before a loop of steps; from 33 on it
+  # needs more lanes and repeats the scales itself: the same product either way.
+  rng = np.random.default_rng([RUN_SEED, 7, rows])
+  x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
+  w8, scale = (jnp.asarray(a) for a in _fp8_weight(rng, 256, 256))
+  lanes = fp8_gemm.scale_lanes(scale)
+  assert lanes.shape == (2, 2 * fp8_gemm.SCALE_LANES)
+  np.testing.assert_array_equal(np.asarray(fp8_matmul(x, w8, scale, lanes_NbX=lanes)),
+                                np.asarray(fp8_matmul(x, w8, scale)))
+  with pytest.raises(ValueError, match="not scale_lanes"):
+    fp8_matmul(x[:1], w8, scale, lanes_NbX=lanes[:, :8])

@@ -93,6 +93,7 @@ class GatedDeltaNet(nnx.Module):
     # FP8 weights only: the product of steps with few rows, set by the LLM as
     # Attention.fp8_projection is (None: scaled, then XLA's dot).
     self.fp8_projection = None
+    self.fp8_lanes = None  # as Attention.fp8_lanes
     # How a verify window is kept until commit (jspec.models.caches): "replay" or "store".
     # Set by the LLM (`recurrent_commit`); static, so it is part of the compiled program.
     self.commit_mode = "store"
@@ -146,4 +147,5 @@ class GatedDeltaNet(nnx.Module):
     """x times the projection `name` (and its FP8 block scale, if it has one): `project`."""
     scale = getattr(self, name + "_scale")
     return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
-                   in_axes, fp8_product=self.fp8_projection, fp8_block=self.fp8_block)
+                   in_axes, fp8_product=self.fp8_projection, fp8_block=self.fp8_block,
+                   fp8_lanes=None if self.fp8_lanes is None else self.fp8_lanes.get(name))

@@ -111,12 +111,16 @@ class Attention(nnx.Module):
     # scale as a third argument. None: XLA's dot.
     self.projection = None
     self.fp8_projection = None
+    # Set inside a traced program before a loop of steps: each FP8 scale repeated over the
+    # kernel's lanes (jspec.models.projections.with_kernel_scales), by weight name.
+    self.fp8_lanes = None
 
   def _dense(self, x, name: str, spec: str, in_axes: int = 1):
     """x times the projection `name` (and its FP8 block scale, if it has one): `project`."""
     scale = getattr(self, name + "_scale")
     return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
-                   in_axes, self.projection, self.fp8_projection, self.fp8_block)
+                   in_axes, self.projection, self.fp8_projection, self.fp8_block,
+                   None if self.fp8_lanes is None else self.fp8_lanes.get(name))
 
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
@@ -229,14 +233,16 @@ class MLP(nnx.Module):
         rngs, (hidden, 2, intermediate), dtype, ("embed", None, "mlp"), 1, gate_up_block)
     self.down_proj, self.down_proj_scale = linear(rngs, (intermediate, hidden), dtype,
                                                   ("mlp", "embed"), 1, down_block)
-    # FP8 weights only: set by the LLM as Attention.fp8_projection.
+    # FP8 weights only: set as Attention.fp8_projection and Attention.fp8_lanes are.
     self.fp8_projection = None
+    self.fp8_lanes = None
     self.fp8_block = gate_up_block or down_block
 
   def _dense(self, x, name: str, spec: str):
     scale = getattr(self, name + "_scale")
     return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
-                   fp8_product=self.fp8_projection, fp8_block=self.fp8_block)
+                   fp8_product=self.fp8_projection, fp8_block=self.fp8_block,
+                   fp8_lanes=None if self.fp8_lanes is None else self.fp8_lanes.get(name))
 
   def __call__(self, x_BTD):
     gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf")

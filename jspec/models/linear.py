@@ -40,14 +40,15 @@ def linear(rngs: nnx.Rngs, shape, dtype, logical_axes, in_axes: int = 1,
 
 
 def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_product=None,
-            fp8_block: tuple[int, int] | None = None):
+            fp8_block: tuple[int, int] | None = None, fp8_lanes=None):
   """x times a projection weight over x's last and the weight's input axes: `spec` (an einsum
   over the weight input-first) under XLA, else `product` ((x [.., K], w [K, N]) -> [.., N], on
   free reshapes). An FP8 weight (`scale` given, with its `fp8_block`; stored output-first, its
   last `in_axes` axes the input) goes to `fp8_product` ((x [.., K], w8 [N, K], scale
   [N/b, K/b]) -> [.., N]) where one is set, else is multiplied by its scale in float32 and cast
   to x's dtype before XLA's dot (prefill: the cast weight is read once per call's many rows);
-  the result has the stored weight's output axes."""
+  the result has the stored weight's output axes. fp8_lanes: the scale repeated over the
+  kernel's lanes beforehand (jspec.models.projections.with_kernel_scales), or None."""
   lead = x.shape[:-in_axes]
   if scale is not None:
     k = math.prod(weight.shape[-in_axes:])
@@ -60,8 +61,9 @@ def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_pro
     whole_blocks = (weight.shape[-in_axes - 1] % fp8_block[0] == 0
                     and weight.shape[-1] % fp8_block[1] == 0)
     if fp8_product is not None and whole_blocks:
-      out = fp8_product(x_K, weight.reshape(-1, k),
-                        scale.reshape(math.prod(scale.shape[:-in_axes]), -1))
+      flat = lambda s: s.reshape(math.prod(s.shape[:-in_axes]), -1)
+      lanes = () if fp8_lanes is None else (flat(fp8_lanes),)
+      out = fp8_product(x_K, weight.reshape(-1, k), flat(scale), *lanes)
     else:
       scaled = quantization.dequantize(weight, scale, in_axes, fp8_block, x.dtype, jnp)
       out = jnp.einsum("...k,nk->...n", x_K, scaled.reshape(-1, k))

@@ -146,6 +146,7 @@ class MLAttention(nnx.Module):
     # FP8 weights only: (x [.., K], w8 [N, K], scale) -> [.., N], set by the LLM on Hopper
     # (jspec.models.projections.sharded_fp8_projection); None: scaled, then XLA's dot.
     self.fp8_projection = None
+    self.fp8_lanes = None  # as Attention.fp8_lanes
 
   def _rope(self, x, positions_BT):
     return rope_lib.apply_rope(x, positions_BT, jnp.asarray(self.inv_freq, jnp.float32),
@@ -155,7 +156,8 @@ class MLAttention(nnx.Module):
     """x times the projection `name` (FP8 or not): jspec.models.linear.project."""
     scale = getattr(self, name + "_scale")
     return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
-                   in_axes, fp8_product=self.fp8_projection, fp8_block=self.fp8_block)
+                   in_axes, fp8_product=self.fp8_projection, fp8_block=self.fp8_block,
+                   fp8_lanes=None if self.fp8_lanes is None else self.fp8_lanes.get(name))
 
   def _head_weight(self, name: str, dtype):
     """w_uk or w_uv [N, *, C] in `dtype` (an FP8 one multiplied by its block scales)."""

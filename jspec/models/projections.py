@@ -38,19 +38,45 @@ def sharded_projection(mesh: Mesh, rules: ShardingRules, always: bool):
 
 
 def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules, block: tuple[int, int]):
-  """(x [B, T, K], w8 [N, K], scale [N/128, K/128]) -> [B, T, N] per batch shard, the FP8
-  weight and its scale replicated: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows
-  with 128 x 128 blocks, else the weight multiplied by its scale before XLA's dot."""
+  """(x [B, T, K], w8 [N, K], scale [N/128, K/128], optional lanes: the scale repeated by
+  fp8_gemm.scale_lanes) -> [B, T, N] per batch shard, the FP8 weight and its scales
+  replicated: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows with 128 x 128 blocks,
+  else the weight multiplied by its scale before XLA's dot."""
   from jspec.models.linear import project
   from jspec.pallas_kernels import fp8_gemm
 
-  def product(x_BTK, w8_NK, scale):
+  def product(x_BTK, w8_NK, scale, lanes=None):
     *lead, k = x_BTK.shape
     rows, n = math.prod(lead), w8_NK.shape[0]
     if fp8_gemm.fits_kernel(rows, k, n, block):
-      return fp8_gemm.fp8_matmul(x_BTK.reshape(rows, k), w8_NK, scale).reshape(*lead, n)
+      return fp8_gemm.fp8_matmul(x_BTK.reshape(rows, k), w8_NK, scale,
+                                 lanes_NbX=lanes).reshape(*lead, n)
     return project(x_BTK, w8_NK, scale, "", fp8_block=block)  # scaled, then XLA's dot
 
-  x = rules.spec(("batch", "seq", None))
-  return jax.shard_map(product, mesh=mesh, in_specs=(x, PartitionSpec(), PartitionSpec()),
-                       out_specs=x, check_vma=False)
+  x, whole = rules.spec(("batch", "seq", None)), PartitionSpec()
+  without_lanes = jax.shard_map(product, mesh=mesh, in_specs=(x, whole, whole), out_specs=x,
+                                check_vma=False)
+  with_lanes = jax.shard_map(product, mesh=mesh, in_specs=(x, whole, whole, whole),
+                             out_specs=x, check_vma=False)
+  return lambda x_BTK, w8_NK, scale, lanes=None: (
+      without_lanes(x_BTK, w8_NK, scale) if lanes is None
+      else with_lanes(x_BTK, w8_NK, scale, lanes))
+
+
+def with_kernel_scales(module):
+  """`module` (merged inside a traced program) with each layer whose FP8 projections go to the
+  kernel (`fp8_projection` set) given their block scales repeated over the kernel's lanes
+  (`fp8_lanes`, by weight name): computed here, before a loop of steps, they are constants of
+  the loop instead of a repeat in every step. Layers read them in `_dense`."""
+  from flax import nnx
+  from jspec.pallas_kernels import fp8_gemm
+  if module is None:
+    return module
+  for _, node in nnx.iter_graph(module):
+    if getattr(node, "fp8_projection", None) is None:
+      continue
+    node.fp8_lanes = {
+        name.removesuffix("_scale"): fp8_gemm.scale_lanes(value[...])
+        for name, value in vars(node).items()
+        if name.endswith("_scale") and isinstance(value, nnx.Variable)}
+  return module

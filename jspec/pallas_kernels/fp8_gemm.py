@@ -207,6 +207,13 @@ def _partials(x_RK, w8_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
       *inputs)
 
 
+def scale_lanes(scale):
+  """A block scale (any shape, its last axis the input blocks) with each value repeated over
+  SCALE_LANES lanes along that axis: the form the kernel reads for steps of up to SCALE_LANES
+  padded rows. Made once before a loop of steps, it keeps a repeat out of every step."""
+  return jnp.repeat(scale.astype(jnp.float32), SCALE_LANES, axis=-1)
+
+
 def quantize_activations(x_MK):
   """(x8 [M, K] e4m3, scale [M, K/128] float32): each row's 128-wide groups scaled so that their
   largest |x| maps to e4m3's 448 (DeepSeek-V3's act_quant; the checkpoints' "dynamic"
@@ -221,8 +228,11 @@ def quantize_activations(x_MK):
 @functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations"))
 def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
                splits: int | None = None, tiling: Fp8Tiling | None = None,
-               activations: str = "float16") -> jax.Array:
+               activations: str = "float16", lanes_NbX: jax.Array | None = None) -> jax.Array:
   """x @ (w8 * scale broadcast over its 128 x 128 blocks).T, in x's dtype.
+
+  lanes_NbX: scale_lanes(scale) made beforehand, used where the step's padded rows fit
+  SCALE_LANES (else the scales are repeated here, over more lanes).
 
   activations: "float16" (x as it is, exact in float16 after a power-of-two row scale) or
   "e4m3" (x quantized per row and 128-K group first, quantize_activations)."""
@@ -246,7 +256,13 @@ def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
     tiling = dataclasses.replace(tiling, blocks_per_step=1)  # a slice of an odd block count
   rows = decode_routing.padded_tokens(m)
   lanes = max(rows, SCALE_LANES)
-  scale_rows_NbX = jnp.repeat(scale_NbKb.astype(jnp.float32), lanes, axis=1)
+  if lanes_NbX is not None and lanes == SCALE_LANES:
+    if lanes_NbX.shape != (n // BLOCK, k // BLOCK * SCALE_LANES):
+      raise ValueError(f"lanes_NbX has shape {lanes_NbX.shape}, not scale_lanes(scale)'s "
+                       f"{(n // BLOCK, k // BLOCK * SCALE_LANES)}")
+    scale_rows_NbX = lanes_NbX
+  else:
+    scale_rows_NbX = jnp.repeat(scale_NbKb.astype(jnp.float32), lanes, axis=1)
   if activations == "e4m3":
     x8_MK, act_scale_MKb = quantize_activations(x_MK)
     x_RK = jnp.pad(x8_MK, ((0, rows - m), (0, 0)))

@@ -30,6 +30,7 @@ from flax import nnx
 
 from jspec import interrupt
 from jspec.device import DeviceModel
+from jspec.models.projections import with_kernel_scales
 from jspec.progress import RequestProgress, stage
 from jspec.schedulers.base import (DispatchTiming, RunResult, cache_len_for, loop_plan,
                                    num_drafts)
@@ -167,7 +168,9 @@ class ContinuousScheduler:
       if key not in self.dispatch_programs:
 
         def dispatch_fn(target_state, draft_state, state, queue, budget):
-          return dispatch.dispatch(nnx.merge(tgd, target_state), merge_module(dgd, draft_state),
+          # FP8 kernel scales prepared once, outside the loop of steps.
+          return dispatch.dispatch(with_kernel_scales(nnx.merge(tgd, target_state)),
+                                   with_kernel_scales(merge_module(dgd, draft_state)),
                                    state, queue, budget, plan, ctx)
 
         state_in = jax.tree.map(

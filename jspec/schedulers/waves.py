@@ -16,6 +16,7 @@ from flax import nnx
 from jspec import interrupt
 from jspec.config import SamplingParams
 from jspec.device import DeviceModel
+from jspec.models.projections import with_kernel_scales
 from jspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jspec.progress import stage
 from jspec.schedulers.base import RunResult, cache_len_for, loop_plan, num_drafts
@@ -47,8 +48,10 @@ class WavesScheduler:
       return state, jnp.sum(state.lengths_B)
 
     def loop_fn(target_state, draft_state, state, req):
-      return decode_loop(nnx.merge(tgd, target_state), merge_module(dgd, draft_state), state,
-                         req, plan, ctx)
+      # FP8 kernel scales prepared once, outside the loop of steps.
+      return decode_loop(with_kernel_scales(nnx.merge(tgd, target_state)),
+                         with_kernel_scales(merge_module(dgd, draft_state)), state, req, plan,
+                         ctx)
 
     return prefill_fn, loop_fn
 
