@@ -41,7 +41,7 @@ from flax import nnx
 from jspec.models.caches import RecurrentCache, RecurrentWindow, conv_window_after
 from jspec.models import quantization
 from jspec.models.delta_rule import chunked_delta_rule, delta_rule_steps
-from jspec.models.linear import linear, project
+from jspec.models.linear import linear, project_named
 from jspec.models.norms import GatedRMSNorm
 from jspec.models.params import param
 
@@ -108,7 +108,7 @@ class GatedDeltaNet(nnx.Module):
     decode/verify window, returned as a RecurrentWindow for the loop to commit."""
     b, t, _ = x_BTD.shape
     g, r, dk, dv, c = self.heads, self.per_key, self.key_dim, self.value_dim, self.channels
-    proj_BTGP = self._dense(x_BTD, "in_proj", "btd,dgp->btgp", 1)
+    proj_BTGP = project_named(self, x_BTD, "in_proj", "btd,dgp->btgp")
     ba_BTGP = proj_BTGP[..., c + r * dv:] if self.in_proj_ba is None else jnp.einsum(
         "btd,dgp->btgp", x_BTD, self.in_proj_ba[...])
     conv_in_BTGC = proj_BTGP[..., :c]
@@ -141,11 +141,4 @@ class GatedDeltaNet(nnx.Module):
         new_cache = RecurrentWindow(cache, conv_in_BTGC, keys=k_BTGK, values=v_BTGRV,
                                     log_decay=g_BTGR, beta=beta_BTGR)
     normed_BTGRV = self.norm(out_BTGRV.astype(x_BTD.dtype), z_BTGRV)
-    return self._dense(normed_BTGRV, "out_proj", "btgrv,grvd->btd", 3), new_cache
-
-  def _dense(self, x, name: str, spec: str, in_axes: int):
-    """x times the projection `name` (and its FP8 block scale, if it has one): `project`."""
-    scale = getattr(self, name + "_scale")
-    return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
-                   in_axes, fp8_product=self.fp8_projection, fp8_block=self.fp8_block,
-                   fp8_lanes=None if self.fp8_lanes is None else self.fp8_lanes.get(name))
+    return project_named(self, normed_BTGRV, "out_proj", "btgrv,grvd->btd", 3), new_cache

@@ -16,7 +16,7 @@ from jspec.models import quantization
 from jspec.models import rope as rope_lib
 from jspec.models.caches import KVCache
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
-from jspec.models.linear import linear, project
+from jspec.models.linear import linear, project_named
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.models.params import param
 
@@ -116,11 +116,7 @@ class Attention(nnx.Module):
     self.fp8_lanes = None
 
   def _dense(self, x, name: str, spec: str, in_axes: int = 1):
-    """x times the projection `name` (and its FP8 block scale, if it has one): `project`."""
-    scale = getattr(self, name + "_scale")
-    return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
-                   in_axes, self.projection, self.fp8_projection, self.fp8_block,
-                   None if self.fp8_lanes is None else self.fp8_lanes.get(name))
+    return project_named(self, x, name, spec, in_axes, self.projection)
 
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
@@ -239,10 +235,7 @@ class MLP(nnx.Module):
     self.fp8_block = gate_up_block or down_block
 
   def _dense(self, x, name: str, spec: str):
-    scale = getattr(self, name + "_scale")
-    return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
-                   fp8_product=self.fp8_projection, fp8_block=self.fp8_block,
-                   fp8_lanes=None if self.fp8_lanes is None else self.fp8_lanes.get(name))
+    return project_named(self, x, name, spec)
 
   def __call__(self, x_BTD):
     gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf")

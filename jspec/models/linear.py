@@ -39,6 +39,16 @@ def linear(rngs: nnx.Rngs, shape, dtype, logical_axes, in_axes: int = 1,
                            init_scale=None, fp8_in_axes=in_axes, fp8_lead=lead)
 
 
+def project_named(layer, x, name: str, spec: str, in_axes: int = 1, product=None):
+  """x times `layer`'s projection `name`: its weight, its `{name}_scale` (FP8 or None), and
+  the layer's FP8 product (`fp8_projection`), block (`fp8_block`) and prepared scale lanes
+  (`fp8_lanes`, by name), through `project`."""
+  scale = getattr(layer, name + "_scale")
+  lanes = None if layer.fp8_lanes is None else layer.fp8_lanes.get(name)
+  return project(x, getattr(layer, name)[...], None if scale is None else scale[...], spec,
+                 in_axes, product, layer.fp8_projection, layer.fp8_block, lanes)
+
+
 def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_product=None,
             fp8_block: tuple[int, int] | None = None, fp8_lanes=None):
   """x times a projection weight over x's last and the weight's input axes: `spec` (an einsum

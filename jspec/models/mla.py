@@ -52,7 +52,7 @@ from jspec.config import ModelConfig
 from jspec.models import rope as rope_lib
 from jspec.models.caches import MLACache
 from jspec.models import quantization
-from jspec.models.linear import linear, project
+from jspec.models.linear import linear, project_named
 from jspec.models.norms import RMSNorm
 from jspec.models.params import param
 
@@ -153,11 +153,7 @@ class MLAttention(nnx.Module):
                                self.rope_attention_factor, self.rope_interleave)
 
   def _dense(self, x, name: str, spec: str, in_axes: int = 1):
-    """x times the projection `name` (FP8 or not): jspec.models.linear.project."""
-    scale = getattr(self, name + "_scale")
-    return project(x, getattr(self, name)[...], None if scale is None else scale[...], spec,
-                   in_axes, fp8_product=self.fp8_projection, fp8_block=self.fp8_block,
-                   fp8_lanes=None if self.fp8_lanes is None else self.fp8_lanes.get(name))
+    return project_named(self, x, name, spec, in_axes)
 
   def _head_weight(self, name: str, dtype):
     """w_uk or w_uv [N, *, C] in `dtype` (an FP8 one multiplied by its block scales)."""

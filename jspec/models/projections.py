@@ -67,7 +67,7 @@ def with_kernel_scales(module):
   """`module` (merged inside a traced program) with each layer whose FP8 projections go to the
   kernel (`fp8_projection` set) given their block scales repeated over the kernel's lanes
   (`fp8_lanes`, by weight name): computed here, before a loop of steps, they are constants of
-  the loop instead of a repeat in every step. Layers read them in `_dense`."""
+  the loop instead of a repeat in every step. Layers read them in linear.project_named."""
   from flax import nnx
   from jspec.pallas_kernels import fp8_gemm
   if module is None:

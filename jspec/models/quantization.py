@@ -151,16 +151,19 @@ def blocks_for(cfg, kinds) -> tuple:
 
 def refuse_unsupported(cfg, model_dir: str) -> None:
   """What jspec's FP8 layout covers: attention (GQA and multi-head latent), linear attention,
-  dense MLP and MoE expert projections; blocks at a weight's edges may be partial (DeepSeek-V3's 576-row
-  kv_a_proj_with_mqa), and a block may hold several whole GQA heads, except along a dimension
-  that tp or ep splits (jspec.sharding.plan). Weights whose inner axes are not whole blocks are
-  scaled per axis before XLA's product (jspec.models.linear.project), not by the kernel."""
+  dense MLP and MoE expert projections; blocks at a weight's edges may be partial
+  (DeepSeek-V3's 576-row kv_a_proj_with_mqa), and a block may hold several whole GQA heads,
+  except along a dimension that tp or ep splits (jspec.sharding.plan). Weights whose inner
+  axes are not whole blocks are scaled per axis before XLA's product
+  (jspec.models.linear.project), not by the kernel."""
   # Gated DeltaNet's projections are kept per key head (jspec.models.gated_deltanet): the
   # checkpoint's row blocks must each fall in one head's q, k, v or z rows, and out_proj's
   # column blocks in one value head.
-  if "linear_attention" in cfg.layer_types and any(
-      size % cfg.fp8_block[0] for size in (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-  ) or "linear_attention" in cfg.layer_types and cfg.linear_value_head_dim % cfg.fp8_block[1]:
+  bo, bi = cfg.fp8_block
+  fp8_linear_attention = "linear_attention" in cfg.layer_types and any(
+      block_for(cfg, kind) for kind in LINEAR_KINDS)
+  if fp8_linear_attention and (cfg.linear_key_head_dim % bo or cfg.linear_value_head_dim % bo
+                               or cfg.linear_value_head_dim % bi):
     raise ValueError(f"{model_dir}: FP8 blocks of {cfg.fp8_block[0]} x {cfg.fp8_block[1]} do "
                      f"not tile the linear-attention heads (linear_key_head_dim="
                      f"{cfg.linear_key_head_dim}, linear_value_head_dim="
@@ -181,9 +184,8 @@ def refuse_unsupported(cfg, model_dir: str) -> None:
                      f"not tile kv_b_proj's per-head rows (qk_nope_head_dim="
                      f"{cfg.qk_nope_head_dim}, v_head_dim={cfg.v_head_dim}); jspec splits them "
                      "into the key and value parts and needs whole blocks in each")
-  if cfg.is_moe and "mlp.experts" not in cfg.fp8_unconverted and (
-      cfg.moe_intermediate_size % cfg.fp8_block[0]
-                     or cfg.hidden_size % cfg.fp8_block[1]):
+  if cfg.is_moe and block_for(cfg, "mlp.experts") and (
+      cfg.moe_intermediate_size % cfg.fp8_block[0] or cfg.hidden_size % cfg.fp8_block[1]):
     raise ValueError(f"{model_dir}: FP8 blocks of {cfg.fp8_block[0]} x {cfg.fp8_block[1]} do "
                      f"not tile the experts (moe_intermediate_size={cfg.moe_intermediate_size}, "
                      f"hidden_size={cfg.hidden_size}); jspec needs whole expert blocks")

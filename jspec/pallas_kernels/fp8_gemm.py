@@ -207,11 +207,11 @@ def _partials(x_RK, w8_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
       *inputs)
 
 
-def scale_lanes(scale):
+def scale_lanes(scale, lanes: int = SCALE_LANES):
   """A block scale (any shape, its last axis the input blocks) with each value repeated over
-  SCALE_LANES lanes along that axis: the form the kernel reads for steps of up to SCALE_LANES
-  padded rows. Made once before a loop of steps, it keeps a repeat out of every step."""
-  return jnp.repeat(scale.astype(jnp.float32), SCALE_LANES, axis=-1)
+  `lanes` lanes along that axis: the form the kernel reads for steps of up to that many padded
+  rows. Made once before a loop of steps, it keeps a repeat out of every step."""
+  return jnp.repeat(scale.astype(jnp.float32), lanes, axis=-1)
 
 
 def quantize_activations(x_MK):
@@ -262,7 +262,7 @@ def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
                        f"{(n // BLOCK, k // BLOCK * SCALE_LANES)}")
     scale_rows_NbX = lanes_NbX
   else:
-    scale_rows_NbX = jnp.repeat(scale_NbKb.astype(jnp.float32), lanes, axis=1)
+    scale_rows_NbX = scale_lanes(scale_NbKb, lanes)
   if activations == "e4m3":
     x8_MK, act_scale_MKb = quantize_activations(x_MK)
     x_RK = jnp.pad(x8_MK, ((0, rows - m), (0, 0)))
