@@ -17,6 +17,8 @@ from HBM as in a decode step and no launch sits between them):
             order: e4m3 tiles streamed by the TMA, widened to float16 in registers
   kernel_e4m3  the same kernel with x quantized per row and 128 columns to e4m3 (DeepSeek's
             act_quant): e4m3 x e4m3 wgmma on the tiles as the TMA leaves them
+  prefill   jspec.pallas_kernels.fp8_prefill (any rows; the model's past 64): x quantized as
+            kernel_e4m3's, e4m3 x e4m3 wgmma over 64 columns x 128 rows an item
   reduce    no dot: f32(w8[N, K]) * scale * x summed over K in one XLA reduction fusion (the
             weight in the checkpoint's order; each row of x reads the weight again)
 Columns: µs per weight, the weight's bytes over that time (GB/s), the error against float32.
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.pallas_kernels.fp8_gemm import Fp8Tiling, fp8_matmul
+from jspec.pallas_kernels.fp8_prefill import PrefillTiling, fp8_prefill_matmul
 
 BLOCK = 128
 E4M3 = jnp.float8_e4m3fn
@@ -91,7 +94,8 @@ def reduce_dot(x, w8_NK, scale_NbKb):
 
 
 FORMULATIONS = {"bf16": bf16_dot, "reduce": reduce_dot, "dequant": dequant_dot, "blocked": blocked_dot,
-                "fp8": fp8_dot, "kernel": kernel_dot, "kernel_e4m3": kernel_e4m3_dot}
+                "fp8": fp8_dot, "kernel": kernel_dot, "kernel_e4m3": kernel_e4m3_dot,
+                "prefill": fp8_prefill_matmul}
 
 
 def over_layers(fn):
@@ -130,6 +134,9 @@ def main():
   parser.add_argument("--kernel-tilings", nargs="*", default=[],
                       help="also time the kernel at these tilings: Fp8Tiling's fields in "
                            "order, e.g. 4 (its pipeline depth)")
+  parser.add_argument("--prefill-tilings", nargs="*", default=[],
+                      help="also time the prefill kernel at these tilings: PrefillTiling's "
+                           "fields in order, e.g. 2,3 (programs per SM, pipeline depth)")
   args = parser.parse_args()
   print(f"device: {jax.devices()[0].device_kind}", flush=True)
   print(f"{'K x N':>11s} {'rows':>5s} {'formulation':>11s} {'us/weight':>10s} {'GB/s':>7s} "
@@ -158,10 +165,15 @@ def main():
         variants.append((f"k{text}", lambda x, w, sc, t=tiling: fp8_matmul(x, w, sc, tiling=t)))
         variants.append((f"k{text}/e4m3", lambda x, w, sc, t=tiling: fp8_matmul(
             x, w, sc, tiling=t, activations="e4m3")))
+      for text in args.prefill_tilings:
+        tiling = PrefillTiling(*map(int, text.split(",")))
+        variants.append((f"prefill/{text}", lambda x, w, sc, t=tiling: fp8_prefill_matmul(
+            x, w, sc, tiling=t)))
       for name, formulation in variants:
         if (name.startswith("k") and rows > 64) or (name == "reduce" and rows > 8):
           continue
-        kernel = name.startswith("k") or name == "reduce"  # the checkpoint's [N, K] order
+        # the checkpoint's [N, K] order
+        kernel = name.startswith(("k", "prefill")) or name == "reduce"
         weights = w_bf16 if name == "bf16" else (w8_NK if kernel else w8)
         weight_scales = scales_NK if kernel else scales
         fn = over_layers(formulation)

@@ -101,8 +101,9 @@ def use_projections(backend: str, fp8_block, mesh, pairs) -> str:
 
 
 def _use_fp8_projections(fp8_block, mesh, pairs):
-  """On a GPU, FP8 projections of steps with few rows go to the FP8 kernel where the mesh
-  keeps the weights whole on every shard; elsewhere they are scaled before XLA's dot."""
+  """On a GPU, FP8 projections go to the FP8 kernels (a few rows: fp8_gemm; more: fp8_prefill)
+  where the mesh keeps the weights whole on every shard; elsewhere they are scaled before XLA's
+  dot."""
   if not platform.on_hopper():
     return
   for module, rules in _modules(pairs):

@@ -40,10 +40,12 @@ def sharded_projection(mesh: Mesh, rules: ShardingRules, always: bool):
 def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules, block: tuple[int, int]):
   """(x [B, T, K], w8 [N, K], scale [N/128, K/128], optional lanes: the scale repeated by
   fp8_gemm.scale_lanes) -> [B, T, N] per batch shard, the FP8 weight and its scales
-  replicated: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows with 128 x 128 blocks,
-  else the weight multiplied by its scale before XLA's dot."""
+  replicated, with 128 x 128 blocks: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows
+  (float16 activations, read-bound), jspec.pallas_kernels.fp8_prefill past that (prefill chunks,
+  wide verify windows: e4m3 activations on the FP8 tensor cores, the checkpoints' "dynamic"
+  activation scheme); another block size: the weight multiplied by its scale before XLA's dot."""
   from jspec.models.linear import project
-  from jspec.pallas_kernels import fp8_gemm
+  from jspec.pallas_kernels import fp8_gemm, fp8_prefill
 
   def product(x_BTK, w8_NK, scale, lanes=None):
     *lead, k = x_BTK.shape
@@ -51,6 +53,9 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules, block: tuple[int, i
     if fp8_gemm.fits_kernel(rows, k, n, block):
       return fp8_gemm.fp8_matmul(x_BTK.reshape(rows, k), w8_NK, scale,
                                  lanes_NbX=lanes).reshape(*lead, n)
+    if fp8_prefill.fits_kernel(k, n, block):
+      return fp8_prefill.fp8_prefill_matmul(x_BTK.reshape(rows, k), w8_NK,
+                                            scale).reshape(*lead, n)
     return project(x_BTK, w8_NK, scale, "", fp8_block=block)  # scaled, then XLA's dot
 
   x, whole = rules.spec(("batch", "seq", None)), PartitionSpec()

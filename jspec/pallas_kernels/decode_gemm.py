@@ -118,8 +118,8 @@ def _store_transposed(value_CN, o_smem, out_gmem):
 
 def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dtype,
                    in_specs_for, num_sums, stages, epilogue, operands_of, async_mma,
-                   accumulate=None, out_smem=None):
-  """Runs this SM's work items (slot, column block) x k_steps as one pipeline.
+                   accumulate=None, out_smem=None, programs: int | None = None):
+  """Runs this program's work items (slot, column block) x k_steps as one pipeline.
 
   in_specs_for(item, delay_release) -> BlockSpecs, given item(i) -> (slot, col) for the
   pipeline's first grid index; operands_of(*smem_refs) -> the (W, X) pairs to multiply at
@@ -127,8 +127,9 @@ def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dt
   accumulate(slot, col, k, sums, smem_refs) -> sums, where given, replaces a blocking step's
   products (a kernel whose operands need work in registers, or whose steps are scaled);
   out_smem: the epilogue's SMEM tile, if not the transposed [tokens_pad, block_cols] one.
+  programs: the persistent grid's size (_kernel_call's; default one program per SM).
   """
-  num_sms = platform.num_sms()
+  num_sms = programs or platform.num_sms()
   sm = lax.axis_index("sm")
   num_items = num_slots * col_blocks
   my_items = lax.div(num_items - sm + (num_sms - 1), jnp.int32(num_sms))
@@ -187,11 +188,12 @@ def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dt
   return lambda *gmem_refs: pl.run_scoped(lambda o: run(o, *gmem_refs), o_smem)
 
 
-def _kernel_call(body, out_shape, dtype, name):
+def _kernel_call(body, out_shape, dtype, name, programs: int | None = None):
+  """A persistent kernel of `programs` programs (default: one per SM; the interpreter runs one)."""
   return plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct(out_shape, dtype),
-      grid=(platform.num_sms(),),
+      grid=(programs or platform.num_sms(),),
       grid_names=("sm",),
       interpret=platform.interpret_params(),
       kernel_name=name,

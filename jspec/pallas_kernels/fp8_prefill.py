@@ -1,0 +1,190 @@
+"""Many rows against a block-scaled FP8 weight on the FP8 tensor cores: prefill chunks and verify
+windows of more than fp8_gemm.MAX_ROWS rows, y[M, N] = x[M, K] @ (w8[N, K] * scale).T, on Hopper
+(Pallas Mosaic GPU).
+
+Why: a prefill chunk (256 rows by default) is bound by the tensor cores, not by the weight's
+bytes, so the decode kernel's float16 products gain nothing there, and scaling the e4m3 weight
+into bf16 before XLA's dot writes and reads a bf16 copy of every weight in every chunk (a
+4096-token prefill took 1.6x the bf16 time, BENCHMARKS.md). FP8 tensor cores do twice bf16's
+operations a cycle. The checkpoints' own recipe (`"activation_scheme": "dynamic"`: DeepSeek-V3's
+inference code, and what vLLM and SGLang run for these checkpoints) quantizes the activations
+per row and 128 channels to e4m3 (fp8_gemm.quantize_activations) and multiplies e4m3 by e4m3.
+
+How: each work item is 64 output columns (half a scale block of the weight's rows: wgmma's M)
+by 128 rows of x (wgmma's N), over all of K in 128-K steps. A step's product lands in a fresh
+float32 accumulator and is added to the item's sums times the step's scales, the weight block's
+(one number for the item) times each row's for that 128-K group, so every scale is applied where
+it is one number per row. Items run on the decode kernels' persistent pipeline
+(jspec.pallas_kernels.decode_gemm), ordered so that the SMs working at the same time share
+weight tiles (each tile comes from HBM once, then from L2, whatever the row count), and the
+result is written transposed, straight into y's [M, N].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jspec.pallas_kernels import decode_gemm, platform
+from jspec.pallas_kernels.fp8_gemm import BLOCK, E4M3, quantize_activations, scale_lanes
+from jspec.pallas_kernels.grouped_gemm import _smem_transforms
+
+ROW_TILE = 128     # rows of x per work item: wgmma's N
+COLUMN_TILE = 64   # output columns (weight rows) per work item: wgmma's M
+MIN_SLICE_STEPS = 8  # 128-K steps a K slice keeps at least (choose_splits)
+# Two float32 [64, 128] register arrays (a step's product and the item's sums) take 128 of a
+# thread's registers; a wider item would spill.
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTiling:
+  """programs_per_sm: programs of the persistent grid sharing each SM (one waits for its
+  products and applies their scales while another's run); num_stages: each one's pipeline
+  depth (their shared memory together under the SM's)."""
+  programs_per_sm: int = 3
+  num_stages: int = 2
+
+
+def fits_kernel(k: int, n: int, block: tuple[int, int]) -> bool:
+  return tuple(block) == (BLOCK, BLOCK) and k % BLOCK == 0 and n % BLOCK == 0
+
+
+def choose_splits(items: int, k_steps: int, programs: int) -> int:
+  """K slices (a power of two) for a product of few work items: doubled while the items do
+  not fill the grid's programs and each slice keeps at least MIN_SLICE_STEPS steps. Each
+  slice's float32 partials are summed outside, so no more than that."""
+  splits = 1
+  while (items * splits < programs and k_steps % (2 * splits) == 0
+         and k_steps // (2 * splits) >= MIN_SLICE_STEPS):
+    splits *= 2
+  return splits
+
+
+def _products(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype, tiling: PrefillTiling,
+              splits: int):
+  """The sum over K blocks of (x8 @ w8^T) * w scale * x row scale: [M, N] in out_dtype where
+  that is a 2-byte type and K is one slice (stored transposed, straight into y's order);
+  else [splits, N, M] float32 partials, one per K slice (Mosaic GPU has no transposed store
+  for a float32 tile).
+
+  x8_MK: e4m3, M a multiple of ROW_TILE; w_lanes_NbX: the weight's block scales repeated over
+  ROW_TILE lanes (scale_lanes); act_scale_KbM: x's scale per 128-K group and row, rows last
+  (one TMA block per step and row tile)."""
+  m, k = x8_MK.shape
+  n = w8_NK.shape[0]
+  row_tiles, column_tiles = m // ROW_TILE, n // COLUMN_TILE
+  slice_steps = k // BLOCK // splits
+  tiles_per_scale_row = BLOCK // COLUMN_TILE
+  stage_bytes = (COLUMN_TILE + ROW_TILE) * BLOCK + 2 * ROW_TILE * 4
+  stages = decode_gemm._num_stages(
+      decode_gemm.DecodeTiling(COLUMN_TILE, BLOCK, tiling.num_stages), stage_bytes)
+  transposed = splits == 1 and jnp.dtype(out_dtype).itemsize == 2
+  dtype = out_dtype if transposed else jnp.float32
+  decode_gemm._check_aligned(((ROW_TILE, BLOCK), E4M3), ((COLUMN_TILE, BLOCK), E4M3),
+                             ((ROW_TILE,), jnp.float32))
+
+  def body(x_ref, w_ref, w_scale_ref, x_scale_ref, out_ref):
+    # The pipeline's items are (column tile, (K slice, row tile)), row tiles fastest:
+    # consecutive items, which run at the same time on neighbouring SMs, read the same weight
+    # tile.
+    def in_specs_for(item, delay_release):
+      def row(i):
+        return lax.rem(item(i)[1], jnp.int32(row_tiles))
+
+      def step(i, s):
+        return lax.div(item(i)[1], jnp.int32(row_tiles)) * slice_steps + s
+
+      def spec(shape, index, transforms=()):
+        return plgpu.BlockSpec(shape, index, transforms=transforms, delay_release=delay_release)
+
+      return [
+          spec((ROW_TILE, BLOCK), lambda i, s: (row(i), step(i, s)),
+               _smem_transforms(BLOCK, E4M3)),
+          spec((COLUMN_TILE, BLOCK), lambda i, s: (item(i)[0], step(i, s)),
+               _smem_transforms(BLOCK, E4M3)),
+          spec((None, ROW_TILE), lambda i, s: (item(i)[0] // tiles_per_scale_row, step(i, s))),
+          spec((None, ROW_TILE), lambda i, s: (step(i, s), row(i))),
+      ]
+
+    def accumulate(column, slice_row, step, sums, smem_refs):
+      x_smem, w_smem, w_scale_smem, x_scale_smem = smem_refs
+      (total,) = sums
+
+      def mma(acc):
+        plgpu.wgmma(acc, w_smem, x_smem.T)
+        return acc[...]
+
+      part = pl.run_scoped(mma, plgpu.ACC((COLUMN_TILE, ROW_TILE)))
+      lanes = pl.ds(0, ROW_TILE)
+      scale_R = (plgpu.load(w_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0))
+                 * plgpu.load(x_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0)))
+      return (total + part * lax.broadcast_in_dim(scale_R, part.shape, [1]),)
+
+    def epilogue(column, slice_row, sums, smem_refs, o_smem):
+      (total,) = sums
+      k_slice, row = lax.div(slice_row, jnp.int32(row_tiles)), lax.rem(slice_row,
+                                                                       jnp.int32(row_tiles))
+      rows, columns = pl.ds(row * ROW_TILE, ROW_TILE), pl.ds(column * COLUMN_TILE, COLUMN_TILE)
+      if transposed:
+        decode_gemm._store_transposed(total, o_smem, out_ref.at[rows, columns])
+        return
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_smem[...] = total
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[k_slice, columns, rows])
+
+    decode_gemm._slot_pipeline(
+        num_slots=column_tiles, col_blocks=splits * row_tiles, k_steps=slice_steps,
+        block_cols=COLUMN_TILE, tokens_pad=ROW_TILE, dtype=dtype, in_specs_for=in_specs_for,
+        num_sums=1, stages=stages, epilogue=epilogue, operands_of=None, async_mma=False,
+        accumulate=accumulate, programs=_programs(tiling),
+        out_smem=None if transposed else plgpu.SMEM(
+            (COLUMN_TILE, ROW_TILE), dtype, transforms=_smem_transforms(ROW_TILE, dtype)),
+    )(x_ref, w_ref, w_scale_ref, x_scale_ref)
+
+  out_shape = (m, n) if transposed else (splits, n, m)
+  return decode_gemm._kernel_call(body, out_shape, dtype, "fp8_prefill_gemm",
+                                  _programs(tiling))(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM)
+
+
+def _programs(tiling: PrefillTiling) -> int:
+  return platform.num_sms() * tiling.programs_per_sm if platform.on_gpu() else 1
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "splits"))
+def fp8_prefill_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
+                       tiling: PrefillTiling = PrefillTiling(),
+                       splits: int | None = None) -> jax.Array:
+  """x @ (w8 * scale broadcast over its 128 x 128 blocks).T in x's dtype, x quantized per row
+  and 128 columns to e4m3 first (fp8_gemm.quantize_activations). Any number of rows; K and N
+  in whole blocks. splits: K slices (default: choose_splits, for the grid of `tiling`)."""
+  m, k = x_MK.shape
+  n, k_w = w8_NK.shape
+  if k != k_w or w8_NK.dtype != E4M3 or scale_NbKb.shape != (n // BLOCK, k // BLOCK):
+    raise ValueError(f"fp8_prefill_matmul takes x [M, K], w8 [N, K] float8_e4m3fn and scales "
+                     f"[N/{BLOCK}, K/{BLOCK}], got {x_MK.shape}, {w8_NK.shape} {w8_NK.dtype}, "
+                     f"{scale_NbKb.shape}")
+  if not fits_kernel(k, n, (BLOCK, BLOCK)):
+    raise ValueError(f"fp8_prefill_matmul takes K and N in multiples of {BLOCK}, got K={k}, "
+                     f"N={n}")
+  pad = -m % ROW_TILE
+  x8_MK, act_scale_MKb = quantize_activations(x_MK)
+  # Padded rows are zeros with zero scales: their products are zeros, sliced off below.
+  x8_MK = jnp.pad(x8_MK, ((0, pad), (0, 0)))
+  act_scale_KbM = jnp.pad(act_scale_MKb, ((0, pad), (0, 0))).T
+  if splits is None:
+    items = (m + pad) // ROW_TILE * (n // COLUMN_TILE)
+    splits = choose_splits(items, k // BLOCK, _programs(tiling))
+  if k // BLOCK % splits:
+    raise ValueError(f"K={k} does not split into {splits} slices of whole {BLOCK}-blocks")
+  out = _products(x8_MK, w8_NK, scale_lanes(scale_NbKb, ROW_TILE), act_scale_KbM,
+                  x_MK.dtype, tiling, splits)
+  if out.ndim == 2:
+    return out[:m]
+  return jnp.sum(out, axis=0)[:, :m].T.astype(x_MK.dtype)
