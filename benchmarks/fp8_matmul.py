@@ -18,7 +18,7 @@ from HBM as in a decode step and no launch sits between them):
   kernel_e4m3  the same kernel with x quantized per row and 128 columns to e4m3 (DeepSeek's
             act_quant): e4m3 x e4m3 wgmma on the tiles as the TMA leaves them
   prefill   jspec.pallas_kernels.fp8_prefill (any rows; the model's past 64): x quantized as
-            kernel_e4m3's, e4m3 x e4m3 wgmma over 64 columns x 128 rows an item
+            kernel_e4m3's, e4m3 x e4m3 wgmma, in the form the kernel picks for the shape
   reduce    no dot: f32(w8[N, K]) * scale * x summed over K in one XLA reduction fusion (the
             weight in the checkpoint's order; each row of x reads the weight again)
 Columns: µs per weight, the weight's bytes over that time (GB/s), the error against float32.
@@ -135,8 +135,9 @@ def main():
                       help="also time the kernel at these tilings: Fp8Tiling's fields in "
                            "order, e.g. 4 (its pipeline depth)")
   parser.add_argument("--prefill-tilings", nargs="*", default=[],
-                      help="also time the prefill kernel at these tilings: PrefillTiling's "
-                           "fields in order, e.g. 2,3 (programs per SM, pipeline depth)")
+                      help="also time the prefill kernel's item form at these tilings: "
+                           "PrefillTiling's fields in order, e.g. 3,2 (programs per SM, "
+                           "pipeline depth), and its warp-specialized form")
   args = parser.parse_args()
   print(f"device: {jax.devices()[0].device_kind}", flush=True)
   print(f"{'K x N':>11s} {'rows':>5s} {'formulation':>11s} {'us/weight':>10s} {'GB/s':>7s} "
@@ -168,7 +169,10 @@ def main():
       for text in args.prefill_tilings:
         tiling = PrefillTiling(*map(int, text.split(",")))
         variants.append((f"prefill/{text}", lambda x, w, sc, t=tiling: fp8_prefill_matmul(
-            x, w, sc, tiling=t)))
+            x, w, sc, tiling=t, warp_specialized=False)))
+      if args.prefill_tilings:
+        variants.append(("prefill/ws", lambda x, w, sc: fp8_prefill_matmul(
+            x, w, sc, warp_specialized=True)))
       for name, formulation in variants:
         if (name.startswith("k") and rows > 64) or (name == "reduce" and rows > 8):
           continue

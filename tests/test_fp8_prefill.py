@@ -81,14 +81,17 @@ def test_any_activations_are_quantized_as_deepseeks_act_quant():
   assert (np.abs(y - x32 @ w32.T) <= 2.0 ** -4 * (np.abs(x32) @ np.abs(w32).T)).all()
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_bf16_rows_give_bf16(splits):
-  # One slice: stored transposed from the kernel in bf16; two: float32 partials summed after.
+@pytest.mark.parametrize("form", [dict(splits=1), dict(splits=2),
+                                  dict(warp_specialized=True)])
+def test_bf16_rows_give_bf16(form):
+  # One slice: stored transposed from the kernel in bf16; two: float32 partials summed after;
+  # the warp-specialized form: two warpgroups' halves of 128-column tiles, stored transposed.
   rng = np.random.default_rng([RUN_SEED, 2])
-  x32 = _exactly_quantizable(rng, 70, 256)
-  w8, scale = _fp8_weight(rng, 128, 256)
+  x32 = _exactly_quantizable(rng, 200, 256)
+  w8, scale = _fp8_weight(rng, 384, 256)
   y = fp8_prefill_matmul(jnp.asarray(x32, jnp.bfloat16), jnp.asarray(w8), jnp.asarray(scale),
-                         splits=splits)
+                         warp_specialized=form.get("warp_specialized", False),
+                         splits=form.get("splits"))
   assert y.dtype == jnp.bfloat16
   exact = x32 @ _dequantized(w8, scale).T
   np.testing.assert_allclose(np.asarray(y, np.float32), exact, rtol=2.0 ** -8,
@@ -105,8 +108,20 @@ def test_prefill_matmul_refuses_what_it_cannot_take():
     fp8_prefill_matmul(x, w8, jnp.ones((2, 2), jnp.float32))
   with pytest.raises(ValueError, match="slices"):
     fp8_prefill_matmul(x, w8, scale, splits=4)
+  with pytest.raises(ValueError, match="2-byte"):
+    fp8_prefill_matmul(x.astype(jnp.float32), w8, scale, warp_specialized=True)
   assert not fp8_prefill.fits_kernel(256, 192, (128, 128))
   assert not fp8_prefill.fits_kernel(256, 256, (64, 64))
+
+
+def test_the_form_for_the_shape(monkeypatch):
+  # An H200's 132 SMs: at a 256-row prefill chunk, Qwen3-8B's fused gate/up (192 x 2 tiles of
+  # 128 x 128) takes the warp-specialized form, its down projection (32 x 2) the items.
+  monkeypatch.setattr(fp8_prefill.platform, "num_sms", lambda: 132)
+  assert fp8_prefill.uses_warp_specialized(256, 24576, jnp.bfloat16)
+  assert not fp8_prefill.uses_warp_specialized(256, 4096, jnp.bfloat16)
+  assert fp8_prefill.uses_warp_specialized(4096, 4096, jnp.bfloat16)
+  assert not fp8_prefill.uses_warp_specialized(4096, 4096, jnp.float32)
 
 
 def test_k_slices_only_for_products_of_few_items():
@@ -145,17 +160,23 @@ def test_projection_takes_the_prefill_kernel_past_64_rows(rows, kernel, monkeypa
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [65, 256, 1000])
 @pytest.mark.parametrize("k, n", [(4096, 4096), (12288, 4096), (4096, 1024)])
-def test_gpu_prefill_matmul_at_model_shapes(rows, k, n):
-  """The compiled kernel at Qwen3-8B's q/o, down and k/v shapes."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_prefill_matmul_at_model_shapes(rows, k, n, dtype):
+  """The compiled kernel at Qwen3-8B's q/o, down and k/v shapes, in the form it picks (bf16 at
+  1000 rows x 4096 columns: the warp-specialized one)."""
   rng = np.random.default_rng([RUN_SEED, rows, k, n])
   x32 = _exactly_quantizable(rng, rows, k)
+  assert (np.asarray(jnp.asarray(x32, dtype), np.float32) == x32).all()
   w8, scale = _fp8_weight(rng, n, k)
-  y = np.asarray(fp8_prefill_matmul(jnp.asarray(x32), jnp.asarray(w8), jnp.asarray(scale)))
+  y = np.asarray(fp8_prefill_matmul(jnp.asarray(x32, dtype), jnp.asarray(w8),
+                                    jnp.asarray(scale)), np.float32)
   w32 = _dequantized(w8, scale)
   exact = x32 @ w32.T
   assert np.isfinite(y).all()
   # Hopper's FP8 tensor cores keep about 14 significant bits while they sum a wgmma's products
   # (DeepSeek-V3's report, section 3.3.2; its reason to scale and add each 128-K block's sum in
   # float32, as this kernel does): each block's sum is within ~2^-13 of its sum of |x| |w|.
-  bound = 2.0 ** -18 * np.abs(exact) + 2.0 ** -12 * (np.abs(x32) @ np.abs(w32).T)
+  # A bf16 result adds its rounding, 2^-9 relative.
+  rounding = 2.0 ** -18 if dtype == jnp.float32 else 2.0 ** -8
+  bound = rounding * np.abs(exact) + 2.0 ** -12 * (np.abs(x32) @ np.abs(w32).T)
   assert (np.abs(y - exact) <= bound).all()

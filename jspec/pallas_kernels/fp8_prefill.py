@@ -38,6 +38,8 @@ from jspec.pallas_kernels.grouped_gemm import _smem_transforms
 ROW_TILE = 128     # rows of x per work item: wgmma's N
 COLUMN_TILE = 64   # output columns (weight rows) per work item: wgmma's M
 MIN_SLICE_STEPS = 8  # 128-K steps a K slice keeps at least (choose_splits)
+# The warp-specialized form's pipeline depth: 3 to 5 measured within a few percent on an H200.
+WARP_SPECIALIZED_STAGES = 4
 # Two float32 [64, 128] register arrays (a step's product and the item's sums) take 128 of a
 # thread's registers; a wider item would spill.
 
@@ -153,17 +155,104 @@ def _products(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype, tiling: Prefi
                                   _programs(tiling))(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM)
 
 
+def _products_warp_specialized(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype,
+                               num_stages: int):
+  """[M, N] in out_dtype (2 bytes), as _products with one K slice, on tiles of 128 output
+  columns (a whole scale block's rows) x 128 rows a program: two compute warpgroups take 64
+  columns each and share the tile of x, and a third issues the loads. Each loaded byte then
+  feeds 1.5x the products of _products' items, whose L2-to-SM traffic (about 7 TB/s at 600
+  TFLOP/s) bounds them."""
+  m, k = x8_MK.shape
+  n = w8_NK.shape[0]
+  row_tiles, column_tiles, k_steps = m // ROW_TILE, n // BLOCK, k // BLOCK
+  tiles = row_tiles * column_tiles
+  num_sms = platform.num_sms()
+  wgmma_rows = BLOCK // 2
+
+  def body(x_gmem, w_gmem, w_scale_gmem, x_scale_gmem, out_gmem, o_smem):
+    wg = lax.axis_index("wg")
+
+    def pipeline(step_body, compute_context):
+      return plgpu.emit_pipeline_warp_specialized(
+          step_body, grid=(k_steps,), memory_registers=40,
+          in_specs=[
+              plgpu.BlockSpec((ROW_TILE, BLOCK), lambda s: (0, s),
+                              transforms=_smem_transforms(BLOCK, E4M3)),
+              plgpu.BlockSpec((BLOCK, BLOCK), lambda s: (0, s),
+                              transforms=_smem_transforms(BLOCK, E4M3)),
+              plgpu.BlockSpec((ROW_TILE,), lambda s: (s,)),
+              plgpu.BlockSpec((None, ROW_TILE), lambda s: (s, 0)),
+          ],
+          wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=num_stages,
+          compute_context=compute_context)
+
+    @plgpu.nd_loop((tiles,), collective_axes="sm")
+    def _tile_loop(loop_info):
+      (tile,) = loop_info.index
+      # Row tiles fastest: the programs running at once share weight tiles.
+      column, row = lax.div(tile, jnp.int32(row_tiles)), lax.rem(tile, jnp.int32(row_tiles))
+      rows, columns = pl.ds(row * ROW_TILE, ROW_TILE), pl.ds(column * BLOCK, BLOCK)
+
+      def compute_context(run):
+        zeros = plgpu.layout_cast(jnp.zeros((wgmma_rows, ROW_TILE), jnp.float32),
+                                  plgpu.Layout.WGMMA)
+        total = run(zeros)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_smem.at[wg].T[...] = total.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            o_smem.at[wg],
+            out_gmem.at[rows, pl.ds(column * BLOCK + wg * wgmma_rows, wgmma_rows)])
+
+      def step(_, x_smem, w_smem, w_scale_smem, x_scale_smem, total):
+        def mma(acc):
+          plgpu.wgmma(acc, w_smem.at[pl.ds(wg * wgmma_rows, wgmma_rows)], x_smem.T)
+          return acc[...]
+
+        part = pl.run_scoped(mma, plgpu.ACC((wgmma_rows, ROW_TILE)))
+        lanes = pl.ds(0, ROW_TILE)
+        scale_R = (plgpu.load(w_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0))
+                   * plgpu.load(x_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0)))
+        return total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
+
+      pipeline(step, compute_context)(
+          x_gmem.at[rows], w_gmem.at[columns], w_scale_gmem.at[column], x_scale_gmem.at[:, rows])
+
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+      grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
+      scratch_types=dict(o_smem=plgpu.SMEM(
+          (2, ROW_TILE, wgmma_rows), out_dtype,
+          transforms=_smem_transforms(wgmma_rows, out_dtype))),
+      interpret=platform.interpret_params(), kernel_name="fp8_prefill_gemm_ws",
+  )(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM)
+
+
 def _programs(tiling: PrefillTiling) -> int:
   return platform.num_sms() * tiling.programs_per_sm if platform.on_gpu() else 1
 
 
-@functools.partial(jax.jit, static_argnames=("tiling", "splits"))
+def uses_warp_specialized(m: int, n: int, dtype) -> bool:
+  """The warp-specialized form where its 128 x 128 tiles fill the SMs (a 2-byte result, one
+  K slice); products of fewer tiles (Qwen3-8B's q, o, k, v and down projections at a 256-row
+  prefill chunk) are faster as _products' smaller items with K slices (BENCHMARKS.md)."""
+  tiles = -(-m // ROW_TILE) * (n // BLOCK)
+  return jnp.dtype(dtype).itemsize == 2 and tiles >= platform.num_sms()
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "splits", "warp_specialized"))
 def fp8_prefill_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
-                       tiling: PrefillTiling = PrefillTiling(),
-                       splits: int | None = None) -> jax.Array:
+                       tiling: PrefillTiling = PrefillTiling(), splits: int | None = None,
+                       warp_specialized: bool | None = None) -> jax.Array:
   """x @ (w8 * scale broadcast over its 128 x 128 blocks).T in x's dtype, x quantized per row
   and 128 columns to e4m3 first (fp8_gemm.quantize_activations). Any number of rows; K and N
-  in whole blocks. splits: K slices (default: choose_splits, for the grid of `tiling`)."""
+  in whole blocks.
+
+  warp_specialized: the form of _products_warp_specialized (None: uses_warp_specialized's
+  choice); else _products' with `tiling` and `splits` K slices (default: choose_splits)."""
   m, k = x_MK.shape
   n, k_w = w8_NK.shape
   if k != k_w or w8_NK.dtype != E4M3 or scale_NbKb.shape != (n // BLOCK, k // BLOCK):
@@ -178,6 +267,13 @@ def fp8_prefill_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
   # Padded rows are zeros with zero scales: their products are zeros, sliced off below.
   x8_MK = jnp.pad(x8_MK, ((0, pad), (0, 0)))
   act_scale_KbM = jnp.pad(act_scale_MKb, ((0, pad), (0, 0))).T
+  if warp_specialized is None:
+    warp_specialized = splits is None and uses_warp_specialized(m, n, x_MK.dtype)
+  if warp_specialized:
+    if jnp.dtype(x_MK.dtype).itemsize != 2:
+      raise ValueError(f"the warp-specialized form stores 2-byte results, not {x_MK.dtype}")
+    return _products_warp_specialized(x8_MK, w8_NK, scale_lanes(scale_NbKb, ROW_TILE),
+                                      act_scale_KbM, x_MK.dtype, WARP_SPECIALIZED_STAGES)[:m]
   if splits is None:
     items = (m + pad) // ROW_TILE * (n // COLUMN_TILE)
     splits = choose_splits(items, k // BLOCK, _programs(tiling))
