@@ -225,6 +225,17 @@ def quantize_activations(x_MK):
   return x8, scale
 
 
+def check_operands(name: str, x_MK, w8_NK, scale_NbKb) -> tuple[int, int, int]:
+  """(M, K, N) of a product's operands, or a ValueError naming what `name` takes."""
+  m, k = x_MK.shape
+  n, k_w = w8_NK.shape
+  if k != k_w or w8_NK.dtype != E4M3 or scale_NbKb.shape != (n // BLOCK, k // BLOCK):
+    raise ValueError(f"{name} takes x [M, K], w8 [N, K] float8_e4m3fn and scales "
+                     f"[N/{BLOCK}, K/{BLOCK}], got {x_MK.shape}, {w8_NK.shape} {w8_NK.dtype}, "
+                     f"{scale_NbKb.shape}")
+  return m, k, n
+
+
 @functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations"))
 def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
                splits: int | None = None, tiling: Fp8Tiling | None = None,
@@ -236,12 +247,7 @@ def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
 
   activations: "float16" (x as it is, exact in float16 after a power-of-two row scale) or
   "e4m3" (x quantized per row and 128-K group first, quantize_activations)."""
-  m, k = x_MK.shape
-  n, k_w = w8_NK.shape
-  if k != k_w or w8_NK.dtype != E4M3 or scale_NbKb.shape != (n // BLOCK, k // BLOCK):
-    raise ValueError(f"fp8_matmul takes x [M, K], w8 [N, K] float8_e4m3fn and scales "
-                     f"[N/{BLOCK}, K/{BLOCK}], got {x_MK.shape}, {w8_NK.shape} {w8_NK.dtype}, "
-                     f"{scale_NbKb.shape}")
+  m, k, n = check_operands("fp8_matmul", x_MK, w8_NK, scale_NbKb)
   if not fits_kernel(m, k, n, (BLOCK, BLOCK)):
     raise ValueError(f"fp8_matmul takes M <= {MAX_ROWS} rows and K, N in multiples of "
                      f"{BLOCK}, got M={m}, K={k}, N={n}")

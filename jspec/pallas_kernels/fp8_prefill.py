@@ -32,7 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.pallas_kernels import decode_gemm, platform
-from jspec.pallas_kernels.fp8_gemm import BLOCK, E4M3, quantize_activations, scale_lanes
+from jspec.pallas_kernels.fp8_gemm import (BLOCK, E4M3, check_operands, quantize_activations,
+                                           scale_lanes)
 from jspec.pallas_kernels.grouped_gemm import _smem_transforms
 
 ROW_TILE = 128     # rows of x per work item: wgmma's N
@@ -253,12 +254,7 @@ def fp8_prefill_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
 
   warp_specialized: the form of _products_warp_specialized (None: uses_warp_specialized's
   choice); else _products' with `tiling` and `splits` K slices (default: choose_splits)."""
-  m, k = x_MK.shape
-  n, k_w = w8_NK.shape
-  if k != k_w or w8_NK.dtype != E4M3 or scale_NbKb.shape != (n // BLOCK, k // BLOCK):
-    raise ValueError(f"fp8_prefill_matmul takes x [M, K], w8 [N, K] float8_e4m3fn and scales "
-                     f"[N/{BLOCK}, K/{BLOCK}], got {x_MK.shape}, {w8_NK.shape} {w8_NK.dtype}, "
-                     f"{scale_NbKb.shape}")
+  m, k, n = check_operands("fp8_prefill_matmul", x_MK, w8_NK, scale_NbKb)
   if not fits_kernel(k, n, (BLOCK, BLOCK)):
     raise ValueError(f"fp8_prefill_matmul takes K and N in multiples of {BLOCK}, got K={k}, "
                      f"N={n}")
