@@ -10,14 +10,20 @@ operations a cycle. The checkpoints' own recipe (`"activation_scheme": "dynamic"
 inference code, and what vLLM and SGLang run for these checkpoints) quantizes the activations
 per row and 128 channels to e4m3 (fp8_gemm.quantize_activations) and multiplies e4m3 by e4m3.
 
-How: each work item is 64 output columns (half a scale block of the weight's rows: wgmma's M)
-by 128 rows of x (wgmma's N), over all of K in 128-K steps. A step's product lands in a fresh
-float32 accumulator and is added to the item's sums times the step's scales, the weight block's
-(one number for the item) times each row's for that 128-K group, so every scale is applied where
-it is one number per row. Items run on the decode kernels' persistent pipeline
-(jspec.pallas_kernels.decode_gemm), ordered so that the SMs working at the same time share
-weight tiles (each tile comes from HBM once, then from L2, whatever the row count), and the
-result is written transposed, straight into y's [M, N].
+How: a warpgroup multiplies 64 output columns (half a scale block of the weight's rows:
+wgmma's M) by 128 rows of x (wgmma's N) in 128-K steps. A step's product lands in a fresh
+float32 accumulator and is added to the sums times the step's scales, the weight block's (one
+number for the 64 columns) times each row's for that 128-K group, so every scale is applied
+where it is one number per row. The result is written transposed, straight into y's [M, N].
+Two forms (uses_warp_specialized picks one):
+  items              each 64 x 128 product over a K slice is a work item of the decode kernels'
+                     persistent pipeline (jspec.pallas_kernels.decode_gemm), three programs
+                     per SM, K split into slices where the items are few (choose_splits);
+  warp-specialized   a program per 128 x 128 tile, two compute warpgroups sharing the tile of
+                     x and a third issuing the loads: 1.5x the products per byte loaded, the
+                     faster form where its tiles fill the SMs.
+Both order their work so that the SMs busy at the same time share weight tiles (each tile
+comes from HBM once, then from L2, whatever the row count).
 """
 
 from __future__ import annotations
@@ -38,11 +44,11 @@ from jspec.pallas_kernels.grouped_gemm import _smem_transforms
 
 ROW_TILE = 128     # rows of x per work item: wgmma's N
 COLUMN_TILE = 64   # output columns (weight rows) per work item: wgmma's M
+# Two float32 [64, 128] register arrays (a step's product and the item's sums) take 128 of a
+# thread's registers; a wider item would spill.
 MIN_SLICE_STEPS = 8  # 128-K steps a K slice keeps at least (choose_splits)
 # The warp-specialized form's pipeline depth: 3 to 5 measured within a few percent on an H200.
 WARP_SPECIALIZED_STAGES = 4
-# Two float32 [64, 128] register arrays (a step's product and the item's sums) take 128 of a
-# thread's registers; a wider item would spill.
 
 
 @dataclasses.dataclass(frozen=True)
