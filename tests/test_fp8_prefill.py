@@ -49,12 +49,13 @@ def _within_float32_sums(y, exact, x32, w32):
 # 64 that pads to one tile; column tiles of two scale rows; K of three blocks; slices of K.
 @pytest.mark.parametrize("rows, k, n, splits", [(130, 256, 256, 1), (65, 384, 128, 1),
                                                 (256, 128, 384, 1), (100, 512, 256, 4)])
-def test_prefill_matmul_equals_the_dequantized_product(rows, k, n, splits):
+@pytest.mark.parametrize("warp_specialized", [False, True])
+def test_prefill_matmul_equals_the_dequantized_product(rows, k, n, splits, warp_specialized):
   rng = np.random.default_rng([RUN_SEED, rows, k, n])
   x32 = _exactly_quantizable(rng, rows, k)
   w8, scale = _fp8_weight(rng, n, k)
   y = np.asarray(fp8_prefill_matmul(jnp.asarray(x32), jnp.asarray(w8), jnp.asarray(scale),
-                                    splits=splits))
+                                    splits=splits, warp_specialized=warp_specialized))
   w32 = _dequantized(w8, scale)
   exact = x32 @ w32.T
   assert y.shape == (rows, n) and np.isfinite(y).all()  # interpret mode fills with NaN
@@ -82,10 +83,11 @@ def test_any_activations_are_quantized_as_deepseeks_act_quant():
 
 
 @pytest.mark.parametrize("form", [dict(splits=1), dict(splits=2),
-                                  dict(warp_specialized=True)])
+                                  dict(warp_specialized=True),
+                                  dict(warp_specialized=True, splits=2)])
 def test_bf16_rows_give_bf16(form):
   # One slice: stored transposed from the kernel in bf16; two: float32 partials summed after;
-  # the warp-specialized form: two warpgroups' halves of 128-column tiles, stored transposed.
+  # the warp-specialized form: two warpgroups' halves of 128-column tiles, likewise.
   rng = np.random.default_rng([RUN_SEED, 2])
   x32 = _exactly_quantizable(rng, 200, 256)
   w8, scale = _fp8_weight(rng, 384, 256)
@@ -108,20 +110,14 @@ def test_prefill_matmul_refuses_what_it_cannot_take():
     fp8_prefill_matmul(x, w8, jnp.ones((2, 2), jnp.float32))
   with pytest.raises(ValueError, match="slices"):
     fp8_prefill_matmul(x, w8, scale, splits=4)
-  with pytest.raises(ValueError, match="2-byte"):
-    fp8_prefill_matmul(x.astype(jnp.float32), w8, scale, warp_specialized=True)
   assert not fp8_prefill.fits_kernel(256, 192, (128, 128))
   assert not fp8_prefill.fits_kernel(256, 256, (64, 64))
 
 
-def test_the_form_for_the_shape(monkeypatch):
-  # An H200's 132 SMs: at a 256-row prefill chunk, Qwen3-8B's fused gate/up (192 x 2 tiles of
-  # 128 x 128) takes the warp-specialized form, its down projection (32 x 2) the items.
-  monkeypatch.setattr(fp8_prefill.platform, "num_sms", lambda: 132)
-  assert fp8_prefill.uses_warp_specialized(256, 24576, jnp.bfloat16)
-  assert not fp8_prefill.uses_warp_specialized(256, 4096, jnp.bfloat16)
-  assert fp8_prefill.uses_warp_specialized(4096, 4096, jnp.bfloat16)
-  assert not fp8_prefill.uses_warp_specialized(4096, 4096, jnp.float32)
+def test_the_form_for_the_result_type():
+  assert fp8_prefill.uses_warp_specialized(jnp.bfloat16)
+  assert fp8_prefill.uses_warp_specialized(jnp.float16)
+  assert not fp8_prefill.uses_warp_specialized(jnp.float32)
 
 
 def test_k_slices_only_for_products_of_few_items():
@@ -132,6 +128,13 @@ def test_k_slices_only_for_products_of_few_items():
   assert fp8_prefill.choose_splits(128, 96, 396) == 4
   assert fp8_prefill.choose_splits(32, 32, 396) == 4
   assert fp8_prefill.choose_splits(32, 24, 396) == 2   # 24 = 3 x 8: halved once
+  # The warp-specialized form's 128 x 128 tiles, one wave of 132 programs: the down projection
+  # (32 x 2 tiles) in 2 slices, q and o (32 x 2, K = 32 blocks) in 2, k and v (8 x 2) in 4 of 8
+  # steps; the gate/up projection (192 x 2) in one.
+  assert fp8_prefill.choose_tile_splits(64, 96, 132) == 2
+  assert fp8_prefill.choose_tile_splits(64, 32, 132) == 2
+  assert fp8_prefill.choose_tile_splits(16, 32, 132) == 4
+  assert fp8_prefill.choose_tile_splits(384, 32, 132) == 1
 
 
 @pytest.mark.parametrize("rows, kernel", [(64, "fp8_gemm"), (65, "fp8_prefill")])
@@ -161,15 +164,18 @@ def test_projection_takes_the_prefill_kernel_past_64_rows(rows, kernel, monkeypa
 @pytest.mark.parametrize("rows", [65, 256, 1000])
 @pytest.mark.parametrize("k, n", [(4096, 4096), (12288, 4096), (4096, 1024)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_prefill_matmul_at_model_shapes(rows, k, n, dtype):
-  """The compiled kernel at Qwen3-8B's q/o, down and k/v shapes, in the form it picks (bf16 at
-  1000 rows x 4096 columns: the warp-specialized one)."""
+@pytest.mark.parametrize("warp_specialized", [None, True])
+def test_gpu_prefill_matmul_at_model_shapes(rows, k, n, dtype, warp_specialized):
+  """The compiled kernel at Qwen3-8B's q/o, down and k/v shapes, in the form it picks (bf16:
+  warp-specialized; float32: items) and in the warp-specialized one (with the K slices it
+  picks)."""
   rng = np.random.default_rng([RUN_SEED, rows, k, n])
   x32 = _exactly_quantizable(rng, rows, k)
   assert (np.asarray(jnp.asarray(x32, dtype), np.float32) == x32).all()
   w8, scale = _fp8_weight(rng, n, k)
   y = np.asarray(fp8_prefill_matmul(jnp.asarray(x32, dtype), jnp.asarray(w8),
-                                    jnp.asarray(scale)), np.float32)
+                                    jnp.asarray(scale), warp_specialized=warp_specialized),
+                 np.float32)
   w32 = _dequantized(w8, scale)
   exact = x32 @ w32.T
   assert np.isfinite(y).all()

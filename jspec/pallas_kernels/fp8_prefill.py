@@ -15,13 +15,14 @@ wgmma's M) by 128 rows of x (wgmma's N) in 128-K steps. A step's product lands i
 float32 accumulator and is added to the sums times the step's scales, the weight block's (one
 number for the 64 columns) times each row's for that 128-K group, so every scale is applied
 where it is one number per row. The result is written transposed, straight into y's [M, N].
-Two forms (uses_warp_specialized picks one):
-  items              each 64 x 128 product over a K slice is a work item of the decode kernels'
-                     persistent pipeline (jspec.pallas_kernels.decode_gemm), three programs
-                     per SM, K split into slices where the items are few (choose_splits);
+Two forms (uses_warp_specialized picks one), each splitting K into slices where its work is
+too little to fill the SMs, the slices' float32 partials summed after:
   warp-specialized   a program per 128 x 128 tile, two compute warpgroups sharing the tile of
-                     x and a third issuing the loads: 1.5x the products per byte loaded, the
-                     faster form where its tiles fill the SMs.
+                     x and a third issuing the loads: 1.5x the products per byte loaded
+                     (choose_tile_splits);
+  items              each 64 x 128 product is a work item of the decode kernels' persistent
+                     pipeline (jspec.pallas_kernels.decode_gemm), three programs per SM
+                     (choose_splits): the first form, slower, kept for float32 results.
 Both order their work so that the SMs busy at the same time share weight tiles (each tile
 comes from HBM once, then from L2, whatever the row count).
 """
@@ -62,6 +63,21 @@ class PrefillTiling:
 
 def fits_kernel(k: int, n: int, block: tuple[int, int]) -> bool:
   return tuple(block) == (BLOCK, BLOCK) and k % BLOCK == 0 and n % BLOCK == 0
+
+
+def _add_scaled_step(total, w_smem, x_smem, w_scale_smem, x_scale_smem):
+  """total + (w @ x^T for one 128-K step, in a fresh float32 accumulator) x the weight block's
+  scale x each row's: w_smem [64 columns, 128] and x_smem [128 rows, 128] e4m3, the scales
+  over the rows' lanes ([128] float32 each)."""
+  def mma(acc):
+    plgpu.wgmma(acc, w_smem, x_smem.T)
+    return acc[...]
+
+  part = pl.run_scoped(mma, plgpu.ACC((COLUMN_TILE, ROW_TILE)))
+  lanes = pl.ds(0, ROW_TILE)
+  scale_R = (plgpu.load(w_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0))
+             * plgpu.load(x_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0)))
+  return total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
 
 
 def choose_splits(items: int, k_steps: int, programs: int) -> int:
@@ -124,16 +140,7 @@ def _products(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype, tiling: Prefi
     def accumulate(column, slice_row, step, sums, smem_refs):
       x_smem, w_smem, w_scale_smem, x_scale_smem = smem_refs
       (total,) = sums
-
-      def mma(acc):
-        plgpu.wgmma(acc, w_smem, x_smem.T)
-        return acc[...]
-
-      part = pl.run_scoped(mma, plgpu.ACC((COLUMN_TILE, ROW_TILE)))
-      lanes = pl.ds(0, ROW_TILE)
-      scale_R = (plgpu.load(w_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0))
-                 * plgpu.load(x_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0)))
-      return (total + part * lax.broadcast_in_dim(scale_R, part.shape, [1]),)
+      return (_add_scaled_step(total, w_smem, x_smem, w_scale_smem, x_scale_smem),)
 
     def epilogue(column, slice_row, sums, smem_refs, o_smem):
       (total,) = sums
@@ -162,26 +169,38 @@ def _products(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype, tiling: Prefi
                                   _programs(tiling))(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM)
 
 
+def choose_tile_splits(tiles: int, k_steps: int, num_sms: int) -> int:
+  """K slices for the warp-specialized form (a power of two): doubled while the slices' tiles
+  still fit one wave of programs, one per SM, and each slice keeps MIN_SLICE_STEPS steps."""
+  splits = 1
+  while (tiles * 2 * splits <= num_sms and k_steps % (2 * splits) == 0
+         and k_steps // (2 * splits) >= MIN_SLICE_STEPS):
+    splits *= 2
+  return splits
+
+
 def _products_warp_specialized(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype,
-                               num_stages: int):
-  """[M, N] in out_dtype (2 bytes), as _products with one K slice, on tiles of 128 output
-  columns (a whole scale block's rows) x 128 rows a program: two compute warpgroups take 64
-  columns each and share the tile of x, and a third issues the loads. Each loaded byte then
-  feeds 1.5x the products of _products' items, whose L2-to-SM traffic (about 7 TB/s at 600
-  TFLOP/s) bounds them."""
+                               num_stages: int, splits: int):
+  """As _products (the same results and output forms), on tiles of 128 output columns (a
+  whole scale block's rows) x 128 rows over a K slice, a program each: two compute warpgroups
+  take 64 columns each and share the tile of x, and a third issues the loads. Each loaded
+  byte then feeds 1.5x the products of _products' items, whose L2-to-SM traffic (about 7 TB/s
+  at 600 TFLOP/s) bounds them."""
   m, k = x8_MK.shape
   n = w8_NK.shape[0]
-  row_tiles, column_tiles, k_steps = m // ROW_TILE, n // BLOCK, k // BLOCK
-  tiles = row_tiles * column_tiles
-  num_sms = platform.num_sms()
-  wgmma_rows = BLOCK // 2
+  row_tiles, column_tiles = m // ROW_TILE, n // BLOCK
+  slice_steps = k // BLOCK // splits
+  slice_k = slice_steps * BLOCK
+  wgmma_rows = COLUMN_TILE  # each compute warpgroup's half of a 128-column tile
+  transposed = splits == 1 and jnp.dtype(out_dtype).itemsize == 2
+  dtype = out_dtype if transposed else jnp.float32
 
   def body(x_gmem, w_gmem, w_scale_gmem, x_scale_gmem, out_gmem, o_smem):
     wg = lax.axis_index("wg")
 
     def pipeline(step_body, compute_context):
       return plgpu.emit_pipeline_warp_specialized(
-          step_body, grid=(k_steps,), memory_registers=40,
+          step_body, grid=(slice_steps,), memory_registers=40,
           in_specs=[
               plgpu.BlockSpec((ROW_TILE, BLOCK), lambda s: (0, s),
                               transforms=_smem_transforms(BLOCK, E4M3)),
@@ -193,47 +212,50 @@ def _products_warp_specialized(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dty
           wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=num_stages,
           compute_context=compute_context)
 
-    @plgpu.nd_loop((tiles,), collective_axes="sm")
+    @plgpu.nd_loop((column_tiles * splits * row_tiles,), collective_axes="sm")
     def _tile_loop(loop_info):
       (tile,) = loop_info.index
-      # Row tiles fastest: the programs running at once share weight tiles.
-      column, row = lax.div(tile, jnp.int32(row_tiles)), lax.rem(tile, jnp.int32(row_tiles))
+      # Row tiles fastest, then K slices: the programs running at once share weight tiles.
+      column, slice_row = lax.div(tile, jnp.int32(splits * row_tiles)), lax.rem(
+          tile, jnp.int32(splits * row_tiles))
+      k_slice, row = lax.div(slice_row, jnp.int32(row_tiles)), lax.rem(slice_row,
+                                                                       jnp.int32(row_tiles))
       rows, columns = pl.ds(row * ROW_TILE, ROW_TILE), pl.ds(column * BLOCK, BLOCK)
+      my_columns = pl.ds(column * BLOCK + wg * wgmma_rows, wgmma_rows)
 
       def compute_context(run):
         zeros = plgpu.layout_cast(jnp.zeros((wgmma_rows, ROW_TILE), jnp.float32),
                                   plgpu.Layout.WGMMA)
         total = run(zeros)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_smem.at[wg].T[...] = total.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            o_smem.at[wg],
-            out_gmem.at[rows, pl.ds(column * BLOCK + wg * wgmma_rows, wgmma_rows)])
+        if transposed:
+          o_smem.at[wg].T[...] = total.astype(dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[rows, my_columns])
+        else:
+          o_smem.at[wg][...] = total
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[k_slice, my_columns, rows])
 
       def step(_, x_smem, w_smem, w_scale_smem, x_scale_smem, total):
-        def mma(acc):
-          plgpu.wgmma(acc, w_smem.at[pl.ds(wg * wgmma_rows, wgmma_rows)], x_smem.T)
-          return acc[...]
+        return _add_scaled_step(total, w_smem.at[pl.ds(wg * wgmma_rows, wgmma_rows)], x_smem,
+                                w_scale_smem, x_scale_smem)
 
-        part = pl.run_scoped(mma, plgpu.ACC((wgmma_rows, ROW_TILE)))
-        lanes = pl.ds(0, ROW_TILE)
-        scale_R = (plgpu.load(w_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0))
-                   * plgpu.load(x_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0)))
-        return total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
-
+      ks = pl.ds(k_slice * slice_k, slice_k)
       pipeline(step, compute_context)(
-          x_gmem.at[rows], w_gmem.at[columns], w_scale_gmem.at[column], x_scale_gmem.at[:, rows])
+          x_gmem.at[rows, ks], w_gmem.at[columns, ks],
+          w_scale_gmem.at[column, pl.ds(k_slice * slice_steps * ROW_TILE, slice_steps * ROW_TILE)],
+          x_scale_gmem.at[pl.ds(k_slice * slice_steps, slice_steps), rows])
 
     plgpu.wait_smem_to_gmem(0)
 
+  o_shape = (2, ROW_TILE, wgmma_rows) if transposed else (2, wgmma_rows, ROW_TILE)
   return plgpu.kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
-      scratch_types=dict(o_smem=plgpu.SMEM(
-          (2, ROW_TILE, wgmma_rows), out_dtype,
-          transforms=_smem_transforms(wgmma_rows, out_dtype))),
+      out_type=jax.ShapeDtypeStruct((m, n) if transposed else (splits, n, m), dtype),
+      grid=(platform.num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+      scratch_types=dict(o_smem=plgpu.SMEM(o_shape, dtype,
+                                           transforms=_smem_transforms(o_shape[-1], dtype))),
       interpret=platform.interpret_params(), kernel_name="fp8_prefill_gemm_ws",
   )(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM)
 
@@ -242,12 +264,12 @@ def _programs(tiling: PrefillTiling) -> int:
   return platform.num_sms() * tiling.programs_per_sm if platform.on_gpu() else 1
 
 
-def uses_warp_specialized(m: int, n: int, dtype) -> bool:
-  """The warp-specialized form where its 128 x 128 tiles fill the SMs (a 2-byte result, one
-  K slice); products of fewer tiles (Qwen3-8B's q, o, k, v and down projections at a 256-row
-  prefill chunk) are faster as _products' smaller items with K slices (BENCHMARKS.md)."""
-  tiles = -(-m // ROW_TILE) * (n // BLOCK)
-  return jnp.dtype(dtype).itemsize == 2 and tiles >= platform.num_sms()
+def uses_warp_specialized(dtype) -> bool:
+  """The warp-specialized form for 2-byte results (a model's bf16 or float16), with K slices
+  where its tiles are few: at Qwen3-8B's shapes on an H200 it was as fast as the items or
+  faster at 256 and 1024 rows (BENCHMARKS.md, "FP8 prefill on the FP8 tensor cores"). The
+  items for float32 results (a float32 model on the GPU), as first built and measured."""
+  return jnp.dtype(dtype).itemsize == 2
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "splits", "warp_specialized"))
@@ -270,19 +292,18 @@ def fp8_prefill_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
   x8_MK = jnp.pad(x8_MK, ((0, pad), (0, 0)))
   act_scale_KbM = jnp.pad(act_scale_MKb, ((0, pad), (0, 0))).T
   if warp_specialized is None:
-    warp_specialized = splits is None and uses_warp_specialized(m, n, x_MK.dtype)
-  if warp_specialized:
-    if jnp.dtype(x_MK.dtype).itemsize != 2:
-      raise ValueError(f"the warp-specialized form stores 2-byte results, not {x_MK.dtype}")
-    return _products_warp_specialized(x8_MK, w8_NK, scale_lanes(scale_NbKb, ROW_TILE),
-                                      act_scale_KbM, x_MK.dtype, WARP_SPECIALIZED_STAGES)[:m]
-  if splits is None:
-    items = (m + pad) // ROW_TILE * (n // COLUMN_TILE)
-    splits = choose_splits(items, k // BLOCK, _programs(tiling))
+    warp_specialized = uses_warp_specialized(x_MK.dtype)
+  row_tiles = (m + pad) // ROW_TILE
+  if splits is None and warp_specialized:
+    splits = choose_tile_splits(row_tiles * (n // BLOCK), k // BLOCK, platform.num_sms())
+  elif splits is None:
+    splits = choose_splits(row_tiles * (n // COLUMN_TILE), k // BLOCK, _programs(tiling))
   if k // BLOCK % splits:
     raise ValueError(f"K={k} does not split into {splits} slices of whole {BLOCK}-blocks")
-  out = _products(x8_MK, w8_NK, scale_lanes(scale_NbKb, ROW_TILE), act_scale_KbM,
-                  x_MK.dtype, tiling, splits)
+  products = (functools.partial(_products_warp_specialized, num_stages=WARP_SPECIALIZED_STAGES)
+              if warp_specialized else functools.partial(_products, tiling=tiling))
+  out = products(x8_MK, w8_NK, scale_lanes(scale_NbKb, ROW_TILE), act_scale_KbM, x_MK.dtype,
+                 splits=splits)
   if out.ndim == 2:
     return out[:m]
   return jnp.sum(out, axis=0)[:, :m].T.astype(x_MK.dtype)
