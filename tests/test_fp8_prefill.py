@@ -1,6 +1,7 @@
 """Many rows against a block-scaled FP8 weight (jspec.pallas_kernels.fp8_prefill): x quantized
 per row and 128 columns to e4m3, e4m3 x e4m3 products with both block scales applied per 128-K
-step, in interpret mode here, against float32 NumPy on the dequantized operands."""
+step, in both of its forms (warp-specialized, items), in interpret mode here, against float32
+NumPy on the dequantized operands."""
 
 import jax
 import jax.numpy as jnp
