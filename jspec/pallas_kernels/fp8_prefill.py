@@ -65,6 +65,19 @@ def fits_kernel(k: int, n: int, block: tuple[int, int]) -> bool:
   return tuple(block) == (BLOCK, BLOCK) and k % BLOCK == 0 and n % BLOCK == 0
 
 
+def _result_form(splits: int, out_dtype):
+  """(stored transposed, the kernel's result dtype): a 2-byte result over one K slice goes
+  straight into y's [M, N]; else float32 partials [splits, N, M] (Mosaic GPU has no
+  transposed store for a float32 tile), summed and transposed after."""
+  transposed = splits == 1 and jnp.dtype(out_dtype).itemsize == 2
+  return transposed, out_dtype if transposed else jnp.float32
+
+
+def _slice_and_row(index, row_tiles: int):
+  """(K slice, row tile) of a work index whose row tiles run fastest."""
+  return lax.div(index, jnp.int32(row_tiles)), lax.rem(index, jnp.int32(row_tiles))
+
+
 def _add_scaled_step(total, w_smem, x_smem, w_scale_smem, x_scale_smem):
   """total + (w @ x^T for one 128-K step, in a fresh float32 accumulator) x the weight block's
   scale x each row's: w_smem [64 columns, 128] and x_smem [128 rows, 128] e4m3, the scales
@@ -93,10 +106,7 @@ def choose_splits(items: int, k_steps: int, programs: int) -> int:
 
 def _products(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype, tiling: PrefillTiling,
               splits: int):
-  """The sum over K blocks of (x8 @ w8^T) * w scale * x row scale: [M, N] in out_dtype where
-  that is a 2-byte type and K is one slice (stored transposed, straight into y's order);
-  else [splits, N, M] float32 partials, one per K slice (Mosaic GPU has no transposed store
-  for a float32 tile).
+  """The sum over K blocks of (x8 @ w8^T) * w scale * x row scale, in _result_form's form.
 
   x8_MK: e4m3, M a multiple of ROW_TILE; w_lanes_NbX: the weight's block scales repeated over
   ROW_TILE lanes (scale_lanes); act_scale_KbM: x's scale per 128-K group and row, rows last
@@ -109,8 +119,7 @@ def _products(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype, tiling: Prefi
   stage_bytes = (COLUMN_TILE + ROW_TILE) * BLOCK + 2 * ROW_TILE * 4
   stages = decode_gemm._num_stages(
       decode_gemm.DecodeTiling(COLUMN_TILE, BLOCK, tiling.num_stages), stage_bytes)
-  transposed = splits == 1 and jnp.dtype(out_dtype).itemsize == 2
-  dtype = out_dtype if transposed else jnp.float32
+  transposed, dtype = _result_form(splits, out_dtype)
   decode_gemm._check_aligned(((ROW_TILE, BLOCK), E4M3), ((COLUMN_TILE, BLOCK), E4M3),
                              ((ROW_TILE,), jnp.float32))
 
@@ -120,10 +129,10 @@ def _products(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype, tiling: Prefi
     # tile.
     def in_specs_for(item, delay_release):
       def row(i):
-        return lax.rem(item(i)[1], jnp.int32(row_tiles))
+        return _slice_and_row(item(i)[1], row_tiles)[1]
 
       def step(i, s):
-        return lax.div(item(i)[1], jnp.int32(row_tiles)) * slice_steps + s
+        return _slice_and_row(item(i)[1], row_tiles)[0] * slice_steps + s
 
       def spec(shape, index, transforms=()):
         return plgpu.BlockSpec(shape, index, transforms=transforms, delay_release=delay_release)
@@ -144,8 +153,7 @@ def _products(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype, tiling: Prefi
 
     def epilogue(column, slice_row, sums, smem_refs, o_smem):
       (total,) = sums
-      k_slice, row = lax.div(slice_row, jnp.int32(row_tiles)), lax.rem(slice_row,
-                                                                       jnp.int32(row_tiles))
+      k_slice, row = _slice_and_row(slice_row, row_tiles)
       rows, columns = pl.ds(row * ROW_TILE, ROW_TILE), pl.ds(column * COLUMN_TILE, COLUMN_TILE)
       if transposed:
         decode_gemm._store_transposed(total, o_smem, out_ref.at[rows, columns])
@@ -184,16 +192,16 @@ def _products_warp_specialized(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dty
   """As _products (the same results and output forms), on tiles of 128 output columns (a
   whole scale block's rows) x 128 rows over a K slice, a program each: two compute warpgroups
   take 64 columns each and share the tile of x, and a third issues the loads. Each loaded
-  byte then feeds 1.5x the products of _products' items, whose L2-to-SM traffic (about 7 TB/s
-  at 600 TFLOP/s) bounds them."""
+  byte then feeds 1.5x the products of _products' items, which stay near 600 TFLOP/s on an
+  H200, bound (by our reading, not a profile: BENCHMARKS.md) by their L2-to-SM traffic of
+  about 7 TB/s there."""
   m, k = x8_MK.shape
   n = w8_NK.shape[0]
   row_tiles, column_tiles = m // ROW_TILE, n // BLOCK
   slice_steps = k // BLOCK // splits
   slice_k = slice_steps * BLOCK
   wgmma_rows = COLUMN_TILE  # each compute warpgroup's half of a 128-column tile
-  transposed = splits == 1 and jnp.dtype(out_dtype).itemsize == 2
-  dtype = out_dtype if transposed else jnp.float32
+  transposed, dtype = _result_form(splits, out_dtype)
 
   def body(x_gmem, w_gmem, w_scale_gmem, x_scale_gmem, out_gmem, o_smem):
     wg = lax.axis_index("wg")
@@ -218,8 +226,7 @@ def _products_warp_specialized(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dty
       # Row tiles fastest, then K slices: the programs running at once share weight tiles.
       column, slice_row = lax.div(tile, jnp.int32(splits * row_tiles)), lax.rem(
           tile, jnp.int32(splits * row_tiles))
-      k_slice, row = lax.div(slice_row, jnp.int32(row_tiles)), lax.rem(slice_row,
-                                                                       jnp.int32(row_tiles))
+      k_slice, row = _slice_and_row(slice_row, row_tiles)
       rows, columns = pl.ds(row * ROW_TILE, ROW_TILE), pl.ds(column * BLOCK, BLOCK)
       my_columns = pl.ds(column * BLOCK + wg * wgmma_rows, wgmma_rows)
 
@@ -304,6 +311,6 @@ def fp8_prefill_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
               if warp_specialized else functools.partial(_products, tiling=tiling))
   out = products(x8_MK, w8_NK, scale_lanes(scale_NbKb, ROW_TILE), act_scale_KbM, x_MK.dtype,
                  splits=splits)
-  if out.ndim == 2:
+  if _result_form(splits, x_MK.dtype)[0]:
     return out[:m]
   return jnp.sum(out, axis=0)[:, :m].T.astype(x_MK.dtype)
