@@ -5,9 +5,11 @@
 
 DeepSeek-V3's absorbed attention (128 heads, latent rows of L = 576 = 512 + 64, bf16) for a
 window of T tokens (1: decode; 4: a verify window of k = 3) ending at each context, per batch:
-  xla     jspec.models.mla.latent_attention over the cache bucket (the path before the kernel)
-  kernel  jspec.pallas_kernels.mla_decode.mla_decode (split-KV, valid slots only, merge)
-First the two are checked against a float32 evaluation (ragged positions, an idle sequence).
+  xla     jspec.models.mla.latent_attention over the cache bucket (the path before the kernels)
+  kernel  jspec.pallas_kernels.mla_decode.mla_decode's Triton form (split-KV, valid slots
+          only, merge)
+  wgmma   its Mosaic GPU form (jspec.pallas_kernels.mla_decode_wgmma), 64-row tiles
+First each is checked against a float32 evaluation (ragged positions, an idle sequence).
 Each timed program runs the attention over `--copies` different caches, so that the caches
 together overflow L2 as a model's layers do; µs are per attention call, medians of batches
 of programs after warm-up. Columns: µs, latent GB/s (each sequence's valid rows, read once,
@@ -57,8 +59,11 @@ def _positions(batch, context, width):
   return jnp.broadcast_to(context - width + jnp.arange(width, dtype=jnp.int32), (batch, width))
 
 
+PATHS = ("xla", "kernel", "wgmma")
+
+
 def _programs(latent_dim, scale, kv_window, tiling):
-  """(xla, kernel): each maps (q, caches, positions) to the outputs over every cache."""
+  """(xla, kernel, wgmma): each maps (q, caches, positions) to the outputs over every cache."""
   @jax.jit
   def xla(q_BTNL, caches, positions_BT):
     return tuple(latent_attention(q_BTNL, c[:, :kv_window], positions_BT, scale)[..., :latent_dim]
@@ -67,8 +72,13 @@ def _programs(latent_dim, scale, kv_window, tiling):
   @jax.jit
   def kernel(q_BTNL, caches, positions_BT):
     return tuple(mla_decode(q_BTNL, c, positions_BT, latent_dim=latent_dim, scale=scale,
-                            tiling=tiling) for c in caches)
-  return xla, kernel
+                            tiling=tiling, form="triton") for c in caches)
+
+  @jax.jit
+  def wgmma(q_BTNL, caches, positions_BT):
+    return tuple(mla_decode(q_BTNL, c, positions_BT, latent_dim=latent_dim, scale=scale,
+                            form="wgmma") for c in caches)
+  return xla, kernel, wgmma
 
 
 def check(args, dtype) -> dict:
@@ -88,20 +98,20 @@ def check(args, dtype) -> dict:
   with jax.default_matmul_precision("highest"):  # no TF32 on a GPU
     exact = np.asarray(latent_attention(q.astype(jnp.float32), cache.astype(jnp.float32),
                                         positions, scale)[..., :c])
-  got = np.asarray(mla_decode(q, cache, positions, latent_dim=c, scale=scale).astype(jnp.float32))
   xla = np.asarray(latent_attention(q, cache, positions, scale)[..., :c].astype(jnp.float32))
-  split = {}
-  for splits in (1, 3):  # both with and without the merge
-    out = mla_decode(q, cache, positions, latent_dim=c, scale=scale, splits=splits)
-    split[splits] = float(np.abs(np.asarray(out.astype(jnp.float32))[:3] - exact[:3]).max())
-  result = dict(kernel_max_error=float(np.abs(got[:3] - exact[:3]).max()),
-                xla_max_error=float(np.abs(xla[:3] - exact[:3]).max()),
-                kernel_error_by_splits=split,
-                idle_rows_zero=bool(np.all(got[3] == 0)),
+  result = dict(xla_max_error=float(np.abs(xla[:3] - exact[:3]).max()),
                 scale_of_outputs=float(np.abs(exact[:3]).max()))
   tol = 4 * result["xla_max_error"] + 1e-5
-  result["ok"] = bool(result["idle_rows_zero"] and result["kernel_max_error"] <= tol
-                      and max(split.values()) <= tol)
+  ok = True
+  for form in ("triton", "wgmma"):
+    errors = {}
+    for splits in (None, 1, 3):  # the default, and with and without the merge
+      out = np.asarray(mla_decode(q, cache, positions, latent_dim=c, scale=scale, splits=splits,
+                                  form=form).astype(jnp.float32))
+      errors[str(splits)] = float(np.abs(out[:3] - exact[:3]).max())
+      ok = ok and bool(np.all(out[3] == 0)) and errors[str(splits)] <= tol
+    result[f"{form}_max_error_by_splits"] = errors
+  result["ok"] = ok
   return result
 
 
@@ -159,8 +169,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   sweep = SWEEP if args.sweep else []
   if args.smoke:
+    # The smallest rows the wgmma form takes (C/2 and R whole 64-column tiles, 64-slot blocks).
     args.context, args.batch, args.heads = [72], [2], [8]
-    args.latent_dim, args.rope_dim, args.slack = 32, 16, 16
+    args.latent_dim, args.rope_dim, args.slack = 128, 64, 56
     args.copies, args.bandwidth_bytes, args.matmul_size = args.copies or 2, 16 << 20, 256
     sweep = ["16,16,4,1,1"] if args.sweep else []
   dtype = jnp.bfloat16
@@ -209,8 +220,7 @@ def main(argv=None) -> int:
                      latent_bytes=latent, flops=flops,
                      splits=choose_splits(batch, -(-rows // rows_block(rows, tiling)), slots,
                                           platform.num_sms(), tiling.programs_per_sm))
-          xla, kernel = _programs(args.latent_dim, scale, slots, tiling)
-          for name, fn in (("xla", xla), ("kernel", kernel)):
+          for name, fn in zip(PATHS, _programs(args.latent_dim, scale, slots, tiling)):
             try:
               seconds = seconds_per_call(fn, [(q, caches, positions)]) / copies
             except Exception as err:  # one program failing must not hide the others
@@ -226,7 +236,7 @@ def main(argv=None) -> int:
             if time.perf_counter() - started > args.budget_s:
               result["sweep_cut_at_budget"] = True
               break
-            _, program = _programs(args.latent_dim, scale, slots,
+            _, program, _ = _programs(args.latent_dim, scale, slots,
                                    MLATiling(*map(int, text.split(","))))
             entry = dict(heads=heads, batch=batch, context=context, width=width, tiling=text)
             try:
@@ -247,7 +257,7 @@ def main(argv=None) -> int:
 
 def row_line(r) -> str:
   text = f"H={r['heads']:3d} B={r['batch']:3d} ctx={r['context']:6d} T={r['width']} K={r['splits']:3d}:"
-  for name in ("xla", "kernel"):
+  for name in PATHS:
     t = r[name]
     text += (f" {name} FAILED" if "error" in t else
              f" {name} {t['us']:9.1f} us ({100 * t['probe_fraction']:5.1f}% of the copy probe, "
@@ -258,27 +268,27 @@ def row_line(r) -> str:
 def print_table(result, widths):
   verify = max(widths)
   by_key = {(r["heads"], r["batch"], r["context"], r["width"]): r for r in result["rows"]
-            if "error" not in r["xla"] and "error" not in r["kernel"]}
+            if all("error" not in r[name] for name in PATHS)}
   probe = result["probe"]
   print(f"\nMLA decode attention, {result['device']}, L = {result['latent_dim']} + "
         f"{result['rope_dim']}, bf16; probes: copy {probe['copy'] / 1e9:.0f} GB/s, matmul "
         f"{probe['matmul_flops'] / 1e12:.0f} TFLOP/s; check "
         f"{'ok' if result['check']['ok'] else 'FAILED'}; floor = max(latent / copy probe, "
         "FLOPs / matmul probe)")
-  print(f"| heads | batch | context | T | XLA µs | kernel µs | speedup | XLA GB/s | kernel GB/s "
-        f"| kernel % of probe | kernel % of floor | verify({verify})/decode XLA | kernel |")
+  print(f"| heads | batch | context | T | XLA µs | Triton µs | wgmma µs | wgmma / XLA | wgmma / "
+        f"Triton | wgmma GB/s | wgmma % of probe | wgmma % of floor | verify({verify})/decode "
+        "XLA | Triton | wgmma |")
   print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: |")
+        "| ---: | ---: | ---: |")
   for (h, b, ctx, t), r in by_key.items():
     decode = by_key.get((h, b, ctx, 1))
     ratio = lambda name: (f"{r[name]['us'] / decode[name]['us']:.2f}x"
                           if decode and t == verify and t != 1 else "")
-    x, k = r["xla"], r["kernel"]
-    print(f"| {h} | {b} | {ctx} | {t} | {x['us']:.1f} | {k['us']:.1f} | "
-          f"{x['us'] / k['us']:.2f}x | {x['latent_gbps']:.0f} | {k['latent_gbps']:.0f} | "
-          f"{100 * k['probe_fraction']:.1f}% | {100 * k['floor_fraction']:.1f}% | "
-          f"{ratio('xla')} | {ratio('kernel')} |")
-
+    x, k, w = r["xla"], r["kernel"], r["wgmma"]
+    print(f"| {h} | {b} | {ctx} | {t} | {x['us']:.1f} | {k['us']:.1f} | {w['us']:.1f} | "
+          f"{x['us'] / w['us']:.2f}x | {k['us'] / w['us']:.2f}x | {w['latent_gbps']:.0f} | "
+          f"{100 * w['probe_fraction']:.1f}% | {100 * w['floor_fraction']:.1f}% | "
+          f"{ratio('xla')} | {ratio('kernel')} | {ratio('wgmma')} |")
 
 if __name__ == "__main__":
   sys.exit(main())

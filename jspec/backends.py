@@ -59,6 +59,7 @@ def use_pallas_attention(mesh, pairs, explicit: bool = True):
   them): GQA layers through `window_attention`, MLA layers through `mla_decode` where the
   compiled kernel takes their latent width (jspec.pallas_kernels.mla_decode.fits_kernel)."""
   from jspec.pallas_kernels.mla_decode import fits_kernel
+  from jspec.pallas_kernels.mla_decode_wgmma import fits_latent as fits_wgmma
   interpret = jax.devices()[0].platform != "gpu"
   for module, rules in _modules(pairs):
     kernel = sharded_window_attention(mesh, rules, interpret)
@@ -69,11 +70,13 @@ def use_pallas_attention(mesh, pairs, explicit: bool = True):
                                                                        node.rope_dim)):
         node.latent_kernel = sharded_mla_decode(mesh, rules, node.latent_dim, node.scale,
                                                 interpret)
-        if not explicit:
-          # "auto": the kernel where it was measured faster than XLA's path on an H200
-          # (BENCHMARKS.md, "MLA decode attention"): windows of up to 128 query rows per
-          # shard (a decode step of 128 heads, a verify window of 16 heads x 4 positions);
-          # wider ones (128 heads x 4 positions: 0.76-0.80x at batch 8 and 32) keep XLA's.
+        if not explicit and not (platform.on_hopper()
+                                 and fits_wgmma(node.latent_dim, node.rope_dim)):
+          # "auto" without the wgmma form: the Triton form where it was measured faster
+          # than XLA's path on an H200 (BENCHMARKS.md, "MLA decode attention"): windows of
+          # up to 128 query rows per shard; wider ones (128 heads x 4 positions: 0.76-0.80x
+          # at batch 8 and 32) keep XLA's. The wgmma form (windows of 64 rows and more)
+          # was measured faster than XLA's at every window of 128 heads: no limit then.
           node.latent_kernel_max_rows = MLA_KERNEL_MAX_ROWS * axis_size(mesh, rules.q_heads)
 
 

@@ -1,7 +1,9 @@
 """MLA flash-decoding (jspec.pallas_kernels.mla_decode, interpreted on CPU) against a float32
 NumPy reference: decode and verify windows (T = 1..5), ragged and odd lengths, lengths that end
-mid-block, idle sequences, slots past the window holding garbage, one chunk or several merged.
-Then the MLA layer through the kernel (alone and under shard_map on a dp x tp mesh) against its
+mid-block, idle sequences, slots past the window holding garbage, one chunk or several merged;
+the same for the wgmma form (jspec.pallas_kernels.mla_decode_wgmma), which also lowers here for
+Hopper as the GPU compiles it, and greedy MTP tokens through it in a whole model. Then the MLA
+layer through the kernel (alone and under shard_map on a dp x tp mesh) against its
 XLA path, greedy MTP tokens through the kernel against vanilla decoding, and
 attention_backend "auto"."""
 
@@ -15,6 +17,7 @@ import pytest
 from flax import nnx
 
 import jspec
+from jspec.bench.presets import PRESETS
 from helpers import cached_llm, fixture_dir, greedy, reference
 from jspec.config import ModelConfig
 from jspec.models import decode_attention
@@ -115,6 +118,104 @@ def test_the_compiled_kernel_refuses_latent_widths_triton_cannot_tile():
   with pytest.raises(ValueError, match="C and R powers of two >= 16, got C=32, R=8"):
     mla_decode(q, jnp.zeros((1, 16, 40)), jnp.zeros((1, 1), jnp.int32), latent_dim=32,
                scale=1.0, interpret=False)
+
+
+# ---- the wgmma form (jspec.pallas_kernels.mla_decode_wgmma), interpreted -----------------------
+
+# (batch, T, heads, slots, splits): 64-row tiles (16 rows padded to one; 80 rows: two tiles),
+# T = 1..5, one chunk and several, more chunks than a short sequence has blocks.
+WGMMA_CASES = [
+    (2, 1, 16, 192, 1),
+    (3, 4, 16, 256, 2),
+    (2, 5, 16, 320, 3),
+    (1, 2, 64, 128, None),
+    (3, 3, 8, 192, 4),
+]
+
+
+def _wgmma_inputs(b, t, n, c, r, s, seed, last_first):
+  rng = np.random.default_rng(seed)
+  q = (rng.standard_normal((b, t, n, c + r)) * (c + r) ** -0.25).astype(np.float32)
+  cache = rng.standard_normal((b, s, c + r)).astype(np.float32)
+  last = rng.integers(t - 1, s, b)
+  last[0] = last_first
+  if b > 2:
+    last[-1] = -1
+  positions = np.where(last[:, None] < 0, -1, last[:, None] - t + 1 + np.arange(t))
+  return q, cache, positions, last
+
+
+@pytest.mark.parametrize("seed", range(len(WGMMA_CASES)))
+def test_wgmma_form_matches_the_float32_reference(seed):
+  """C = 128, R = 64 (each half and the rope key one 64-column swizzle tile), float32 in the
+  interpreter: the reference within float32 sums; lengths ending mid-block, at the cache's
+  end and at one slot; an idle sequence gives zeros; slots past the window are never read."""
+  b, t, n, s, splits = WGMMA_CASES[seed]
+  c, r = 128, 64
+  last_first = (s - 1, t - 1 + 64 + 7, t - 1)[seed % 3]
+  q, cache, positions, last = _wgmma_inputs(b, t, n, c, r, s, seed, last_first)
+  want = _reference(q, cache, positions, c, 0.11)
+  past = np.arange(s)[None, :, None] > np.maximum(last, 0)[:, None, None]
+  cache = np.where(past, 1e4, cache).astype(np.float32)
+  got = mla_decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(positions, jnp.int32),
+                   latent_dim=c, scale=0.11, splits=splits, form="wgmma")
+  assert got.shape == (b, t, n, c) and got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+  if b > 2:
+    assert np.all(np.asarray(got)[-1] == 0)
+
+
+def test_wgmma_form_in_bfloat16():
+  """bfloat16 operands as on the GPU (P rounded to bfloat16 before its product, as FlashMLA
+  does): the float32 reference of the rounded inputs within bfloat16's rounding."""
+  q, cache, positions, _ = _wgmma_inputs(2, 4, 16, 128, 64, 256, 9, 200)
+  q16, cache16 = jnp.asarray(q, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16)
+  want = _reference(np.asarray(q16, np.float32), np.asarray(cache16, np.float32), positions,
+                    128, 0.11)
+  for splits in (1, 2):
+    got = mla_decode(q16, cache16, jnp.asarray(positions, jnp.int32), latent_dim=128,
+                     scale=0.11, splits=splits, form="wgmma")
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
+
+
+def test_wgmma_form_lowers_for_hopper(monkeypatch):
+  """The kernel as the GPU compiles it (Mosaic GPU, sm_90a, DeepSeek-V3's C = 512, R = 64,
+  its SMEM at Hopper's limit) lowers on a machine without one: no interpreter."""
+  from jspec.pallas_kernels import mla_decode_wgmma as wgmma
+  monkeypatch.setattr(wgmma.platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(wgmma.platform, "interpret_params", lambda: None)
+  c, b, rows, slots = 512, 2, 128, 1024
+  args = (jax.ShapeDtypeStruct((b, rows, c + 64), jnp.bfloat16),
+          jax.ShapeDtypeStruct((b, slots, c + 64), jnp.bfloat16),
+          jax.ShapeDtypeStruct((b, rows), jnp.int32),
+          jax.ShapeDtypeStruct((b, rows // wgmma.ROWS, 2), jnp.int32))
+  parts = jax.jit(functools.partial(wgmma.latent_attention_parts, latent_dim=c, scale=0.04,
+                                    splits=2, out_dtype=jnp.float32))
+  text = parts.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mla_flash_decode_wgmma" in text
+
+
+@pytest.mark.parametrize("rows, c, r, slots, dtype, form", [
+    (128, 512, 64, 8320, jnp.bfloat16, "wgmma"),    # a decode step at 128 heads
+    (64, 512, 64, 8320, jnp.bfloat16, "wgmma"),     # a verify window of 4 at 16 heads
+    (16, 512, 64, 8320, jnp.bfloat16, "triton"),    # a decode step at 16 heads
+    (128, 512, 64, 8320, jnp.float32, "triton"),    # wgmma takes 16-bit operands
+    (128, 32, 8, 8320, jnp.bfloat16, "triton"),     # halves narrower than a swizzle tile
+    (128, 512, 64, 8300, jnp.bfloat16, "triton"),   # a partial last block
+])
+def test_forms_chosen_by_rows_shape_and_dtype(rows, c, r, slots, dtype, form):
+  assert kernel_lib.choose_form(rows, c, r, slots, dtype) == form
+
+
+def test_wgmma_form_refuses_shapes_it_cannot_tile():
+  q = jnp.zeros((1, 1, 64, 40))
+  with pytest.raises(ValueError, match="C a multiple of 128.*got C=32, R=8, S=64"):
+    mla_decode(q, jnp.zeros((1, 64, 40)), jnp.zeros((1, 1), jnp.int32), latent_dim=32,
+               scale=1.0, form="wgmma")
+  with pytest.raises(ValueError, match="form is 'triton', 'wgmma' or None, got 'flash'"):
+    mla_decode(q, jnp.zeros((1, 64, 40)), jnp.zeros((1, 1), jnp.int32), latent_dim=32,
+               scale=1.0, form="flash")
 
 
 # ---- the MLA layer -----------------------------------------------------------------------------
@@ -223,6 +324,46 @@ def test_greedy_mtp_tokens_through_the_kernel_equal_vanilla():
     np.testing.assert_allclose(np.asarray(logits)[0], ref[f"{key}_logits_1"], atol=1e-4, rtol=0)
 
 
+def test_greedy_mtp_tokens_through_the_wgmma_form_equal_the_xla_paths(monkeypatch):
+  """A DeepSeek-V3-style model of the wgmma form's latent width (C = 128, R = 64, 16 heads,
+  random weights, float32), MTP k = 3: with attention_backend "auto" as on a Hopper GPU and
+  every decode, verify and draft window through the wgmma form (interpreted), the logits and
+  greedy tokens of XLA's path."""
+  cfg = dataclasses.replace(PRESETS["tiny-mla"], num_heads=16, num_kv_heads=16,
+                            kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=16)
+
+  def llm():
+    return jspec.LLM.from_random(cfg, jspec.MTPSpec("deepseek_v3", 1, is_moe=True),
+                                 dtype="float32", seed=4, max_model_len=64, max_num_seqs=2,
+                                 moe_backend="reference", projection_backend="xla",
+                                 speculative_config={"method": "mtp",
+                                                     "num_speculative_tokens": 3})
+
+  xla = llm()
+  forms = []
+  with monkeypatch.context() as patch:
+    patch.setattr(kernel_lib.platform, "on_hopper", lambda: True)
+    choose = kernel_lib.choose_form
+
+    def wgmma_where_it_fits(rows, c, r, slots, dtype):  # the float32 windows of every width
+      form = choose(max(rows, 64), c, r, slots, jnp.bfloat16)
+      forms.append((rows, form))
+      return form
+
+    patch.setattr(kernel_lib, "choose_form", wgmma_where_it_fits)
+    kernels = llm()
+    assert kernels.attention_backend == "pallas"
+    assert kernels.target.layers[0].attn.latent_kernel_max_rows is None  # no row limit
+    prompts = [[5, 17, 42, 8, 99, 3, 7, 21], [7, 7, 300, 12]]
+    want, got = (m.compute_logits(prompts[:1])[0] for m in (xla, kernels))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    params = greedy(12, ignore_eos=True)
+    tokens = [[o.token_ids for o in m.generate(prompts, params)] for m in (xla, kernels)]
+  assert tokens[0] == tokens[1]
+  # Decode steps (16 rows) and verify windows (4 x 16 rows) through the wgmma form.
+  assert {(16, "wgmma"), (64, "wgmma")} <= set(forms)
+
+
 @nnx.jit
 def _mtp_logits(layer, target, next_tokens, hidden, cache):
   """The NextN layer over the window (12 tokens: the absorbed form, so the kernel)."""
@@ -250,10 +391,14 @@ def test_unknown_attention_backend_is_refused_naming_the_choices():
 # ---- on a GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["triton", "wgmma", None])
 @pytest.mark.parametrize("batch, t, context", [(1, 1, 8192), (4, 4, 8192), (2, 5, 32768)])
-def test_compiled_kernel_on_gpu_matches_the_reference(batch, t, context):
-  """Triton compiling the kernel at DeepSeek-V3's shapes (128 heads, C = 512, R = 64, bf16):
-  the float32 reference within bfloat16's rounding, ragged positions, one idle sequence."""
+def test_compiled_kernel_on_gpu_matches_the_reference(batch, t, context, form):
+  """Both forms compiled (Triton; Mosaic GPU's wgmma on Hopper) at DeepSeek-V3's shapes (128
+  heads, C = 512, R = 64, bf16): the float32 reference within bfloat16's rounding, ragged
+  positions, one idle sequence."""
+  if form == "wgmma" and not kernel_lib.platform.on_hopper():
+    pytest.skip("the wgmma form needs a Hopper GPU")
   n, c, r = 128, 512, 64
   rng = np.random.default_rng(context + t)
   slots = context + 128
@@ -266,7 +411,7 @@ def test_compiled_kernel_on_gpu_matches_the_reference(batch, t, context):
                     scale)
   for splits in (None, 1, 7):
     got = mla_decode(q, cache, jnp.asarray(positions, jnp.int32), latent_dim=c, scale=scale,
-                     splits=splits)
+                     splits=splits, form=form)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
 
 
@@ -290,9 +435,10 @@ def test_layer_on_gpu_through_the_kernel_matches_the_xla_path():
   assert llm.target.layers[0].attn.latent_kernel is None  # C = 32, R = 8: XLA's path
 
 
-def test_benchmark_smoke_run_checks_and_times_both_paths(tmp_path):
-  """benchmarks/mla_decode.py --smoke: the kernel checked against float32 and XLA's path,
-  both timed, the JSON written (the GPU run is the same script at DeepSeek-V3's shapes)."""
+def test_benchmark_smoke_run_checks_and_times_every_path(tmp_path):
+  """benchmarks/mla_decode.py --smoke: both kernel forms checked against float32 and XLA's
+  path, all three timed, the JSON written (the GPU run is the same script at DeepSeek-V3's
+  shapes)."""
   import importlib.util
   import json
   import os
@@ -303,7 +449,8 @@ def test_benchmark_smoke_run_checks_and_times_both_paths(tmp_path):
   out = tmp_path / "mla.json"
   assert bench.main(["--smoke", "--out", str(out)]) == 0
   result = json.loads(out.read_text())
-  assert result["check"]["ok"] and result["check"]["idle_rows_zero"]
+  assert result["check"]["ok"]
+  assert set(result["check"]["wgmma_max_error_by_splits"]) == {"None", "1", "3"}
   assert [(r["batch"], r["width"]) for r in result["rows"]] == [(2, 1), (2, 4)]
   for row in result["rows"]:
-    assert row["xla"]["us"] > 0 and row["kernel"]["us"] > 0
+    assert row["xla"]["us"] > 0 and row["kernel"]["us"] > 0 and row["wgmma"]["us"] > 0

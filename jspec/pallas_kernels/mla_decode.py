@@ -39,6 +39,12 @@ four times that): the kernel is 1.0-1.5x XLA at T = 1 and level with it at T = 4
 the FLOP floor; XLA's batched GEMMs reach 17-37%), so there verify(4) costs 1.6-3.6x a decode
 step.
 
+On Hopper, windows of 64 rows or more go to jspec.pallas_kernels.mla_decode_wgmma (`form`,
+`choose_form`), FlashMLA's warp-specialized design: on an H200 (results/mla_decode_wgmma_h200)
+1.4-3.1x XLA's path at 128 heads (up to 74% of the FLOP floor), and at 16 heads, batch 8-32,
+context 32k, 94-115% of the copy probe (which counts bytes read and written: reads alone run
+faster).
+
 On a GPU the kernel needs C and R powers of two >= 16 (Triton's block shapes and the tensor
 cores' smallest dot): DeepSeek-V3 / R1, GLM-4.7-Flash and Kimi K2 have C = 512, R = 64.
 `fits_kernel` says whether a shape does; interpret mode (off GPU) takes any.
@@ -54,6 +60,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jspec.pallas_kernels import mla_decode_wgmma as wgmma
 from jspec.pallas_kernels import platform
 
 MIN_ROWS = 16          # Triton's dot needs 16 rows
@@ -145,23 +152,45 @@ def _kernel(q_ref, cache_ref, pos_ref, len_ref, out_ref, lse_ref, *, scale: floa
   lse_ref[b, split, rows] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
+def choose_form(rows: int, latent_dim: int, rope_dim: int, slots: int, dtype) -> str:
+  """"wgmma" (jspec.pallas_kernels.mla_decode_wgmma) where a sequence's window has at least
+  its 64-row tile of query rows (every window at 128 heads; verify windows of 4 at 16), the
+  shape fits it and the cache is 16-bit (wgmma's operands), else "triton" (whose tiles go
+  down to 16 rows: a decode step at 16 heads per shard wastes no tensor-core rows there)."""
+  if (rows >= wgmma.ROWS and jnp.dtype(dtype).itemsize == 2
+      and wgmma.fits_kernel(latent_dim, rope_dim, slots, wgmma.WgmmaTiling())):
+    return "wgmma"
+  return "triton"
+
+
 @functools.partial(jax.jit, static_argnames=("latent_dim", "scale", "splits", "tiling",
-                                             "interpret"))
+                                             "interpret", "form"))
 def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array, *,
                latent_dim: int, scale: float, splits: int | None = None,
-               tiling: MLATiling = MLATiling(), interpret: bool | None = None) -> jax.Array:
+               tiling: MLATiling = MLATiling(), interpret: bool | None = None,
+               form: str | None = None) -> jax.Array:
   """Causal attention of q [B, T, N, L] (in cache-row space) over cache [B, S, L]: the
   probability-weighted latent parts [B, T, N, C] in the cache's dtype (float32 sums).
 
   Query row (t, n) of sequence b sees slots j <= positions[b, t] (clipped to the cache); a
   row whose position is negative sees none and gives zeros. `splits` chunks per sequence
-  (None: `choose_splits`); `interpret` None: interpret off GPU."""
+  (None: `choose_splits`); `interpret` None: interpret off GPU. `form`: "triton" (this
+  module's kernel, `tiling`), "wgmma" (jspec.pallas_kernels.mla_decode_wgmma, interpreted
+  off GPU as well), None: `choose_form`'s pick on a Hopper GPU, "triton" elsewhere."""
   b, t, n, width = q_BTNL.shape
   slots = cache_BSL.shape[1]
   rope_dim = width - latent_dim
   if cache_BSL.shape[0] != b or cache_BSL.shape[2] != width or rope_dim < 1:
     raise ValueError(f"mla_decode takes q [B, T, N, L] and a cache [B, S, L] with L = C + R "
                      f"> C={latent_dim}, got {q_BTNL.shape} and {cache_BSL.shape}")
+  if form is None:
+    form = ("triton" if not platform.on_hopper()
+            else choose_form(t * n, latent_dim, rope_dim, slots, cache_BSL.dtype))
+  if form == "wgmma":
+    return _wgmma_form(q_BTNL, cache_BSL, positions_BT, latent_dim=latent_dim, scale=scale,
+                       splits=splits)
+  if form != "triton":
+    raise ValueError(f"mla_decode's form is 'triton', 'wgmma' or None, got {form!r}")
   if interpret is None:
     interpret = not platform.on_gpu()
   if not interpret and not fits_kernel(latent_dim, rope_dim):
@@ -169,13 +198,9 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
                      f"C={latent_dim}, R={rope_dim}")
   rows = t * n
   block_rows = rows_block(rows, tiling)
-  row_tiles = -(-rows // block_rows)
-  padded = row_tiles * block_rows
-  # (token, head) rows: a free reshape; padding rows get position -1 (they see nothing).
-  q_BRL = jnp.pad(q_BTNL.reshape(b, rows, width).astype(cache_BSL.dtype),
-                  ((0, 0), (0, padded - rows), (0, 0)))
-  pos_BR = jnp.pad(jnp.repeat(positions_BT.astype(jnp.int32), n, axis=1),
-                   ((0, 0), (0, padded - rows)), constant_values=-1)
+  q_BRL, pos_BR = _rows_and_positions(q_BTNL, positions_BT, cache_BSL.dtype, block_rows)
+  padded = q_BRL.shape[1]
+  row_tiles = padded // block_rows
   # Each tile reads slots up to its largest position (the cache's end at most).
   len_BG = jnp.clip(pos_BR.reshape(b, row_tiles, block_rows).max(axis=2) + 1, 0, slots)
   if splits is None:
@@ -195,6 +220,51 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
       interpret=interpret,
       name="mla_flash_decode",
   )(q_BRL, cache_BSL, pos_BR, len_BG.astype(jnp.int32))
+  if splits == 1:
+    out_BRC = parts_BKRC[:, 0]
+  else:
+    out_BRC = merge_splits(parts_BKRC, lse_BKR).astype(cache_BSL.dtype)
+  return out_BRC[:, :rows].reshape(b, t, n, latent_dim)
+
+
+def _rows_and_positions(q_BTNL, positions_BT, dtype, block_rows: int):
+  """q's N x T rows per sequence in (token, head) order, padded to whole tiles [B, R', L], and
+  each row's position [B, R'] (padding rows -1: they see nothing)."""
+  b, t, n, width = q_BTNL.shape
+  rows = t * n
+  padded = -(-rows // block_rows) * block_rows
+  q_BRL = jnp.pad(q_BTNL.reshape(b, rows, width).astype(dtype),
+                  ((0, 0), (0, padded - rows), (0, 0)))
+  pos_BR = jnp.pad(jnp.repeat(positions_BT.astype(jnp.int32), n, axis=1),
+                   ((0, 0), (0, padded - rows)), constant_values=-1)
+  return q_BRL, pos_BR
+
+
+def _wgmma_form(q_BTNL, cache_BSL, positions_BT, *, latent_dim: int, scale: float,
+                splits: int | None, tiling: wgmma.WgmmaTiling = wgmma.WgmmaTiling()):
+  """mla_decode through jspec.pallas_kernels.mla_decode_wgmma: 64-row tiles; per tile the
+  slots every real row sees (no mask needed there) and the slots any row sees."""
+  b, t, n, width = q_BTNL.shape
+  slots = cache_BSL.shape[1]
+  if not wgmma.fits_kernel(latent_dim, width - latent_dim, slots, tiling):
+    raise ValueError(
+        f"mla_decode's wgmma form needs C a multiple of 128 (at most 512), R a multiple of 64 "
+        f"and a cache of whole {tiling.block_slots}-slot blocks, got C={latent_dim}, "
+        f"R={width - latent_dim}, S={slots}")
+  rows = t * n
+  q_BRL, pos_BR = _rows_and_positions(q_BTNL, positions_BT, cache_BSL.dtype, wgmma.ROWS)
+  row_tiles = q_BRL.shape[1] // wgmma.ROWS
+  pos_BGR = pos_BR.reshape(b, row_tiles, wgmma.ROWS)
+  real_GR = (jnp.arange(row_tiles * wgmma.ROWS) < rows).reshape(row_tiles, wgmma.ROWS)
+  seen_by_all_BG = jnp.min(jnp.where(real_GR, pos_BGR, slots), axis=2) + 1
+  length_BG = jnp.max(pos_BGR, axis=2) + 1
+  bounds_BG2 = jnp.clip(jnp.stack([seen_by_all_BG, length_BG], axis=-1), 0, slots)
+  if splits is None:
+    splits = choose_splits(b, row_tiles, slots, platform.num_sms())
+  out_dtype = cache_BSL.dtype if splits == 1 else jnp.float32
+  parts_BKRC, lse_BKR = wgmma.latent_attention_parts(
+      q_BRL, cache_BSL, pos_BR, bounds_BG2.astype(jnp.int32), latent_dim=latent_dim,
+      scale=scale, splits=splits, out_dtype=out_dtype, tiling=tiling)
   if splits == 1:
     out_BRC = parts_BKRC[:, 0]
   else:
