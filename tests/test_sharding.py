@@ -1,6 +1,7 @@
 """Sharding: identical greedy outputs on every mesh, parameters placed by the rules table,
 clear errors for meshes that do not divide the model. 8 simulated CPU devices."""
 
+import functools
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ def _mesh(dp, tp, ep):
   return jspec.MeshConfig(dp=dp, tp=tp, ep=ep, num_devices=dp * tp * ep)
 
 
+@functools.lru_cache(maxsize=None)  # tests on one configuration share its compiled programs
 def _llm(name, mesh, spec, **kwargs):
   return jspec.LLM(model=fixture_dir(name), mesh=mesh, dtype="float32", max_model_len=64,
                    speculative_config=SPECS[spec], **kwargs)
@@ -108,7 +110,8 @@ def test_tp_of_eight_over_two_kv_heads():
     assert got == want, (mesh, spec)
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "all_to_all"])
+# ("all_gather" is "auto": test_greedy_outputs_identical_on_every_mesh[mtp-dp1-tp2-ep4-qwen3_moe].)
+@pytest.mark.parametrize("strategy", ["all_to_all"])
 def test_both_expert_parallel_strategies_agree(strategy):
   llm = _llm("qwen3_moe", _mesh(1, 2, 4), "mtp", ep_strategy=strategy)
   assert _outputs(llm) == _baseline("qwen3_moe")
@@ -171,7 +174,10 @@ def _free_port():
 def test_two_processes_form_one_mesh_and_match_a_single_process():
   port = _free_port()
   worker = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+  # The suite's other XLA flags kept (--xla_backend_optimization_level=0 halves the compiles).
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count=")]
+  env = {**os.environ, "XLA_FLAGS": " ".join(flags + ["--xla_force_host_platform_device_count=4"]),
          "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
              [os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")])}
   procs = [subprocess.Popen([sys.executable, worker, str(port), str(i)], env=env,
