@@ -27,6 +27,7 @@ shard) is the memory-bound case.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -174,6 +175,9 @@ def main(argv=None) -> int:
     args.latent_dim, args.rope_dim, args.slack = 128, 64, 56
     args.copies, args.bandwidth_bytes, args.matmul_size = args.copies or 2, 16 << 20, 256
     sweep = ["16,16,4,1,1"] if args.sweep else []
+  # The smoke run only shows that every program runs and is timed: one warm-up, one batch.
+  timer = (functools.partial(seconds_per_call, warmup=1, batches=1) if args.smoke
+           else seconds_per_call)
   dtype = jnp.bfloat16
   tiling = MLATiling(*map(int, args.tiling.split(","))) if args.tiling else MLATiling()
   device = jax.devices()[0]
@@ -222,7 +226,7 @@ def main(argv=None) -> int:
                                           platform.num_sms(), tiling.programs_per_sm))
           for name, fn in zip(PATHS, _programs(args.latent_dim, scale, slots, tiling)):
             try:
-              seconds = seconds_per_call(fn, [(q, caches, positions)]) / copies
+              seconds = timer(fn, [(q, caches, positions)]) / copies
             except Exception as err:  # one program failing must not hide the others
               row[name] = dict(error=repr(err)[:500])
               print(f"{name} FAILED at H={heads} B={batch} ctx={context} T={width}: "
@@ -240,7 +244,7 @@ def main(argv=None) -> int:
                                    MLATiling(*map(int, text.split(","))))
             entry = dict(heads=heads, batch=batch, context=context, width=width, tiling=text)
             try:
-              seconds = seconds_per_call(program, [(q, caches, positions)]) / copies
+              seconds = timer(program, [(q, caches, positions)]) / copies
               entry.update(_timing(seconds, latent, flops, probe))
               print(f"  tiling {text}: {1e6 * seconds:9.1f} us", flush=True)
             except Exception as err:  # a tiling Triton refuses must not hide the others

@@ -17,8 +17,10 @@ import numpy as np
 from jspec.config import ModelConfig
 
 
-def seconds_per_call(fn, arg_sets, min_batch_s: float = 5e-3, warmup: int = 2) -> float:
-  """Median device seconds per call of fn(*args), args rotating over `arg_sets`.
+def seconds_per_call(fn, arg_sets, min_batch_s: float = 5e-3, warmup: int = 2,
+                     batches: int | None = None) -> float:
+  """Median device seconds per call of fn(*args), args rotating over `arg_sets`; `batches`
+  timed batches (None: 5 for calls over 50 ms, else 9).
 
   Calls are queued back to back and blocked on once per batch, so host dispatch overlaps
   device work instead of adding to it (a blocked call per sample would count the dispatch of
@@ -32,7 +34,7 @@ def seconds_per_call(fn, arg_sets, min_batch_s: float = 5e-3, warmup: int = 2) -
   first = time.perf_counter() - start
   # At least 3 calls a batch: only the first call's dispatch is then left exposed.
   per_batch = int(min(50, max(3, min_batch_s / max(first, 1e-6))))
-  num_batches = 5 if first > 0.05 else 9
+  num_batches = batches or (5 if first > 0.05 else 9)
   samples = []
   for b in range(num_batches):
     start = time.perf_counter()
