@@ -25,9 +25,9 @@ sequence and tile, the slots all real rows see and the slots any row sees); a ro
 nothing (padding, an idle sequence) gives zeros and a log-sum-exp of -inf.
 
 Measured on an H200 (BENCHMARKS.md, "MLA decode attention on Hopper's tensor cores"): 1.4-3.1x
-XLA's path and 1.4-2.4x the Triton kernel at 128 heads, 47-74% of the FLOP floor from batch 8;
-at batch 1 a call costs 20-30 µs whatever the context holds (a launch, Q and the partial
-outputs per program), about 10% of the floor at context 8k.
+XLA's path and 1.4-2.4x the Triton kernel at 128 heads, 44-74% of the FLOP floor from batch 8.
+At batch 1 a call at context 8k costs 29-43 µs, 7-31% of the floor: per call costs dominate
+(the launch, each program's Q and float32 partial outputs, the merge; profiled there).
 """
 
 from __future__ import annotations
