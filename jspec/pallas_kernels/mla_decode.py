@@ -208,7 +208,7 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
   block_slots = tiling.block_slots
   while block_slots > max(MIN_ROWS, slots):  # a tiny cache: no block past its end
     block_slots //= 2
-  out_dtype = cache_BSL.dtype if splits == 1 else jnp.float32
+  out_dtype = _parts_dtype(splits, cache_BSL.dtype)
   parts_BKRC, lse_BKR = pl.pallas_call(
       functools.partial(_kernel, scale=scale, latent_dim=latent_dim, rope_dim=rope_dim,
                         block_rows=block_rows, block_slots=block_slots, splits=splits),
@@ -220,11 +220,7 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
       interpret=interpret,
       name="mla_flash_decode",
   )(q_BRL, cache_BSL, pos_BR, len_BG.astype(jnp.int32))
-  if splits == 1:
-    out_BRC = parts_BKRC[:, 0]
-  else:
-    out_BRC = merge_splits(parts_BKRC, lse_BKR).astype(cache_BSL.dtype)
-  return out_BRC[:, :rows].reshape(b, t, n, latent_dim)
+  return _context(parts_BKRC, lse_BKR, q_BTNL.shape, latent_dim, cache_BSL.dtype)
 
 
 def _rows_and_positions(q_BTNL, positions_BT, dtype, block_rows: int):
@@ -238,6 +234,22 @@ def _rows_and_positions(q_BTNL, positions_BT, dtype, block_rows: int):
   pos_BR = jnp.pad(jnp.repeat(positions_BT.astype(jnp.int32), n, axis=1),
                    ((0, 0), (0, padded - rows)), constant_values=-1)
   return q_BRL, pos_BR
+
+
+def _parts_dtype(splits: int, dtype):
+  """One chunk is the result, written in the cache's dtype; several are merged in float32."""
+  return dtype if splits == 1 else jnp.float32
+
+
+def _context(parts_BKRC, lse_BKR, q_shape, latent_dim: int, dtype):
+  """Either form's chunks as mla_decode returns them: [B, T, N, C] in `dtype`, the padding
+  rows dropped."""
+  b, t, n, _ = q_shape
+  if parts_BKRC.shape[1] == 1:
+    out_BRC = parts_BKRC[:, 0]
+  else:
+    out_BRC = merge_splits(parts_BKRC, lse_BKR).astype(dtype)
+  return out_BRC[:, :t * n].reshape(b, t, n, latent_dim)
 
 
 def _wgmma_form(q_BTNL, cache_BSL, positions_BT, *, latent_dim: int, scale: float,
@@ -261,15 +273,11 @@ def _wgmma_form(q_BTNL, cache_BSL, positions_BT, *, latent_dim: int, scale: floa
   bounds_BG2 = jnp.clip(jnp.stack([seen_by_all_BG, length_BG], axis=-1), 0, slots)
   if splits is None:
     splits = choose_splits(b, row_tiles, slots, platform.num_sms())
-  out_dtype = cache_BSL.dtype if splits == 1 else jnp.float32
+  out_dtype = _parts_dtype(splits, cache_BSL.dtype)
   parts_BKRC, lse_BKR = wgmma.latent_attention_parts(
       q_BRL, cache_BSL, pos_BR, bounds_BG2.astype(jnp.int32), latent_dim=latent_dim,
       scale=scale, splits=splits, out_dtype=out_dtype, tiling=tiling)
-  if splits == 1:
-    out_BRC = parts_BKRC[:, 0]
-  else:
-    out_BRC = merge_splits(parts_BKRC, lse_BKR).astype(cache_BSL.dtype)
-  return out_BRC[:, :rows].reshape(b, t, n, latent_dim)
+  return _context(parts_BKRC, lse_BKR, q_BTNL.shape, latent_dim, cache_BSL.dtype)
 
 
 def merge_splits(parts_BKRC, lse_BKR):
