@@ -1,7 +1,9 @@
-"""FP8 experts at decode sizes (jspec.pallas_kernels.fp8_experts): the Pallas expert backend,
-handed e4m3 expert weights [E, out, in] with their 128 x 128 block scales as checkpoints store
-them, against float64 NumPy on the dequantized weights (e4m3 value x its block's scale). In
-interpret mode here; the GPU run is marked `gpu`."""
+"""FP8 experts (jspec.pallas_kernels.fp8_experts at decode sizes, fp8_experts_grouped at
+prefill sizes): the Pallas expert backend, handed e4m3 expert weights [E, out, in] with their
+128 x 128 block scales as checkpoints store them, against float64 NumPy on the dequantized
+weights (e4m3 value x its block's scale; at prefill sizes with x and act rounded to e4m3 as
+the kernels' activation quantization does). In interpret mode here; the GPU runs are marked
+`gpu`."""
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -12,7 +14,11 @@ from jspec.models.moe_backends import experts_reference
 from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.experts import experts_pallas
 from jspec.pallas_kernels.fp8_experts import (BLOCK, CHUNK_TOKENS, CHUNKED_MAX_TOKENS,
-                                              Fp8Experts, fits_kernel)
+                                              Fp8Experts, _slot_products, experts_fp8,
+                                              fits_kernel)
+from jspec.pallas_kernels.fp8_experts_grouped import (MAX_TILE_ROWS, MIN_TILE_ROWS,
+                                                      experts_fp8_grouped, tile_rows)
+from jspec.pallas_kernels.fp8_gemm import quantize_activations
 
 RUN_SEED = 20261125
 
@@ -43,11 +49,11 @@ def _reference64(x, ids, weights, w_gate, w_up, w_down):
   return y
 
 
-def _problem(seed, num_tokens, num_experts=6, top_k=2, dim=256, ffn=128):
+def _problem(seed, num_tokens, num_experts=6, top_k=2, dim=256, ffn=128, dtype=jnp.bfloat16):
   rng = np.random.default_rng([RUN_SEED, seed, num_tokens])
   w_gate, w_up = _fp8(rng, num_experts, ffn, dim), _fp8(rng, num_experts, ffn, dim)
   w_down = _fp8(rng, num_experts, dim, ffn)
-  x = jnp.asarray(rng.standard_normal((num_tokens, dim)), jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((num_tokens, dim)), dtype)
   ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(num_tokens)])
   if num_tokens > 1:
     ids[1, 0] = -1            # another shard's expert (expert parallelism passes -1)
@@ -87,22 +93,111 @@ def test_a_single_token_with_an_invalid_pick_adds_nothing_for_it():
 
 
 @pytest.mark.parametrize("num_tokens", [40, 2 * CHUNK_TOKENS + 5])
-def test_verify_sized_steps_run_in_chunks_of_the_kernel(num_tokens):
+def test_the_decode_path_runs_in_chunks_of_the_kernel(num_tokens):
   """40 tokens x 3 picks: more copies than the bf16 decode path takes, one sum per kernel
-  (N = 64); 133 tokens: three chunks, the last of 5."""
+  (N = 64); 133 tokens: three chunks, the last of 5 (experts_fp8 itself: the backend takes
+  the grouped path past CHUNKED_MAX_TOKENS)."""
   problem = _problem(7, num_tokens, top_k=3)
-  _assert_close(experts_pallas(*problem), _reference64(*problem))
+  _assert_close(experts_fp8(*problem), _reference64(*problem))
 
 
-def test_prefill_sized_steps_take_scaled_copies():
-  """Above CHUNKED_MAX_TOKENS the grouped path runs on the dequantized experts in bf16: x @ W
-  in bf16 products, act rounded to bf16 (2^-9) before the down product, so the bound is
-  looser than the kernel's."""
-  problem = _problem(3, CHUNKED_MAX_TOKENS + 8)
-  y = np.asarray(experts_pallas(*problem), np.float64)
-  exact = _reference64(*problem)
+def _act_quant(x32):
+  """quantize_activations in NumPy float32, returned dequantized in float64: each row's
+  128-wide groups scaled so that their largest |x| maps to 448, then rounded to e4m3."""
+  m, k = x32.shape
+  groups = x32.reshape(m, k // BLOCK, BLOCK)
+  scale = np.maximum(np.abs(groups).max(axis=-1), np.float32(1e-12)) / np.float32(448.0)
+  x8 = (groups / scale[..., None]).astype(ml_dtypes.float8_e4m3fn)
+  return (x8.astype(np.float64) * scale[..., None].astype(np.float64)).reshape(m, k)
+
+
+def _w8a8_reference64(x, ids, weights, w_gate, w_up, w_down):
+  """The layer as the grouped path computes it, in float64 but for its two quantizations: x
+  and act rounded to e4m3 per row and 128 channels (DeepSeek's act_quant), then exact sums."""
+  ids, weights = np.asarray(ids), np.asarray(weights, np.float64)
+  xq = _act_quant(np.asarray(x, np.float32))
+  gate, up, down = (_dequantized64(w) for w in (w_gate, w_up, w_down))
+  y = np.zeros(xq.shape)
+  for e in range(gate.shape[0]):
+    t, k = np.nonzero(ids == e)
+    if len(t):
+      g, u = xq[t] @ gate[e], xq[t] @ up[e]
+      act = _act_quant((g / (1 + np.exp(-g)) * u).astype(np.float32))
+      np.add.at(y, t, weights[t, k][:, None] * (act @ down[e]))
+  return y
+
+
+def _assert_w8a8_close(y, problem, on_gpu: bool = False):
+  """Close to the W8A8 reference; and within 2^-2 of each row's largest output of the
+  unquantized layer, the cost of rounding x and act to 4 significant bits: each rounding error
+  is at most 2^-4 of its value, so a product's relative error is about their rms, 2^-4 /
+  sqrt(3) (4-5% of a row's largest output in these problems, up to 11% in the tails).
+
+  In interpret mode (float32 sums): every output within 2^-7 of its row's largest. x is
+  float32 in these problems: bf16 values divided by a group's scale often land exactly
+  between two e4m3 values, where the last bit of the scale (XLA may divide by 448 as a product
+  with its reciprocal) decides the rounding; float32 values practically never do. The float32
+  sums can still move an act value across a rounding boundary where the float64 sum sits
+  within about 2^-20 of it: one e4m3 step on one of F terms, far under the bound.
+
+  On the GPU the FP8 tensor cores keep about 14 bits of their sums (DeepSeek-V3's report;
+  measured 2^-12 of a tile's largest product here), which moves an act value across an e4m3
+  rounding boundary about once in a thousand: that value changes by one e4m3 step (up to 2^-3
+  of itself), and a row with a large such term moves by up to a few percent of its largest
+  output (1.8% measured at 300 tokens of DeepSeek-V3 shard shapes). So: every output within
+  2^-4, at most 2^-7 of them beyond 2^-7, and the median within 2^-10."""
+  exact_w8a8 = _w8a8_reference64(*problem)
+  if on_gpu:
+    y64 = np.asarray(y, np.float64)
+    assert np.isfinite(y64).all()
+    rel = np.abs(y64 - exact_w8a8) / np.abs(exact_w8a8).max(axis=1, keepdims=True)
+    assert rel.max() <= 2.0 ** -4, rel.max()
+    assert np.mean(rel > 2.0 ** -7) <= 2.0 ** -7, np.mean(rel > 2.0 ** -7)
+    assert np.median(rel) <= 2.0 ** -10, np.median(rel)
+  else:
+    _assert_close(y, exact_w8a8)
+  y, exact = np.asarray(y, np.float64), _reference64(*problem)
   scale = np.abs(exact).max(axis=1, keepdims=True)
-  assert np.isfinite(y).all() and (np.abs(y - exact) <= 2.0 ** -5 * scale).all()
+  assert (np.abs(y - exact) <= 2.0 ** -2 * scale).all(), np.abs(y - exact).max()
+
+
+def test_prefill_sized_steps_group_token_copies_by_expert():
+  """Above CHUNKED_MAX_TOKENS the copies are sorted by expert and every tile of rows reads its
+  expert's e4m3 weights, with x and act quantized to e4m3 for the FP8 tensor cores."""
+  problem = _problem(3, CHUNKED_MAX_TOKENS + 8, dtype=jnp.float32)
+  y = experts_pallas(*problem)
+  assert y.shape == problem[0].shape and y.dtype == jnp.float32
+  _assert_w8a8_close(y, problem)
+
+
+@pytest.mark.parametrize("seed,rows", [(0, 16), (1, 32), (2, 64)])
+def test_grouped_fp8_experts_at_every_tile_size(seed, rows):
+  """16 / 32 rows: gate and up share a kernel; 64: one kernel each. Skewed routing, so that an
+  expert fills several tiles and others none; three K blocks and two column blocks; another
+  shard's expert (-1) on some picks."""
+  rng = np.random.default_rng([RUN_SEED, 10, seed])
+  num_tokens, num_experts, top_k = 90, 5, 2
+  x, _, weights, *fp8 = _problem(10 + seed, num_tokens, num_experts=num_experts, top_k=top_k,
+                                 dim=384, ffn=256, dtype=jnp.float32)
+  popularity = np.array([0.6, 0.25, 0.1, 0.05, 0.0])
+  ids = np.stack([rng.choice(num_experts, top_k, replace=False, p=popularity)
+                  for _ in range(num_tokens)])
+  ids[rng.random((num_tokens, top_k)) < 0.1] = -1
+  problem = (x, jnp.asarray(ids, jnp.int32), weights, *fp8)
+  _assert_w8a8_close(experts_fp8_grouped(*problem, rows=rows), problem)
+
+
+def test_tile_rows_follow_the_copies_per_expert():
+  assert tile_rows(4096, 256) == 16          # DeepSeek-V3, 512 tokens x top-8
+  assert tile_rows(4096, 128) == 32          # Qwen3-30B-A3B, 512 tokens x top-8
+  assert tile_rows(4097, 128) == 64
+  assert tile_rows(16384, 128) == MAX_TILE_ROWS
+  assert tile_rows(8, 256) == MIN_TILE_ROWS
+
+
+def test_grouped_fp8_experts_refuse_rows_off_the_tile():
+  with pytest.raises(ValueError, match="rows=12"):
+    experts_fp8_grouped(*_problem(0, 8), rows=12)
 
 
 def test_fits_kernel_needs_whole_blocks():
@@ -119,24 +214,82 @@ def test_dequantized_is_the_stored_weight_times_its_block_scale():
                              rtol=1e-6)
 
 
-def test_expert_parallel_shards_give_the_one_device_layer(interpreted_on_every_device):
+@pytest.mark.parametrize("num_tokens", [4, CHUNKED_MAX_TOKENS + 40])
+def test_expert_parallel_shards_give_the_one_device_layer(interpreted_on_every_device,
+                                                          num_tokens):
   """ep = 2 x tp = 2 on the CPU devices: each shard's experts and intermediate blocks in FP8,
-  the sums reduced over the mesh, as the model's sharded expert backend runs them."""
+  the sums reduced over the mesh, as the model's sharded expert backend runs them; at a decode
+  size and at a prefill size (the grouped path, each shard sorting its own copies)."""
   from jspec.sharding.moe import sharded_experts
   from jspec.sharding.rules import MeshConfig, ShardingRules
 
-  problem = _problem(5, 4, num_experts=4, top_k=2, dim=256, ffn=256)
+  grouped = num_tokens > CHUNKED_MAX_TOKENS
+  problem = _problem(5, num_tokens, num_experts=4, top_k=2, dim=256, ffn=256,
+                     dtype=jnp.float32 if grouped else jnp.bfloat16)
   mesh = MeshConfig(dp=1, tp=2, ep=2).make_mesh()
   fn = sharded_experts(experts_pallas, mesh, ShardingRules())
   y = fn(*problem)
-  _assert_close(y, _reference64(*problem))
+  if grouped:
+    _assert_w8a8_close(y, problem)
+  else:
+    _assert_close(y, _reference64(*problem))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not platform.on_hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("num_tokens", [1, 8, 32, 64, 128])
 def test_fp8_experts_on_the_gpu_at_deepseek_shard_shapes(num_tokens):
-  """DeepSeek-V3's expert shapes with F split over tp = 8 (256 per shard), 32 experts."""
+  """The decode path at DeepSeek-V3's expert shapes with F split over tp = 8 (256 per shard),
+  32 experts; 128 tokens in two chunks."""
   problem = _problem(6, num_tokens, num_experts=32, top_k=8, dim=7168, ffn=256)
-  _assert_close(experts_pallas(*problem), _reference64(*problem))
+  _assert_close(experts_fp8(*problem), _reference64(*problem))
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not platform.on_hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("num_tokens,rows", [(300, None), (2048, None), (512, 16), (512, 32),
+                                             (512, 64)])
+def test_grouped_fp8_experts_on_the_gpu_at_deepseek_shard_shapes(num_tokens, rows):
+  """The prefill-size path compiled for Hopper (e4m3 x e4m3 wgmma), DeepSeek-V3's shard
+  shapes, 32 experts, top-8."""
+  problem = _problem(8, num_tokens, num_experts=32, top_k=8, dim=7168, ffn=256,
+                     dtype=jnp.float32)
+  y = (experts_pallas(*problem) if rows is None
+       else experts_fp8_grouped(*problem, rows=rows))
+  _assert_w8a8_close(y, problem, on_gpu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not platform.on_hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("rows", [16, 64])
+def test_grouped_tile_products_on_the_gpu(rows):
+  _check_tile_products(rows)
+
+
+@pytest.mark.parametrize("rows", [16, 64])
+def test_grouped_tile_products_within_the_fp8_accumulation_bound(rows):
+  _check_tile_products(rows)
+
+
+def _check_tile_products(rows):
+  """One product of the grouped path (tiles of e4m3 rows against their experts' e4m3 blocks)
+  against float64 NumPy on the same e4m3 operands: within 2^-12 of the sum of |x| |w| over
+  each output's terms (Hopper's FP8 accumulation keeps about 14 bits per instruction)."""
+  rng = np.random.default_rng([RUN_SEED, 20, rows])
+  num_tiles, num_experts, dim, out = 12, 5, 1024, 256
+  w = _fp8(rng, num_experts, out, dim)
+  x = rng.standard_normal((num_tiles * rows, dim)).astype(np.float32)
+  x8, scale = quantize_activations(jnp.asarray(x))
+  tile_expert = rng.integers(0, num_experts, num_tiles).astype(np.int32)
+  used = num_tiles - 2  # the last two tiles are past the used ones: not written
+  (got,) = _slot_products(x8.reshape(num_tiles, rows, dim), (w,), jnp.asarray(tile_expert),
+                          jnp.asarray([used], jnp.int32), 1, 4,
+                          jnp.swapaxes(scale.reshape(num_tiles, rows, dim // BLOCK), 1, 2))
+  x_exact = (np.asarray(x8).astype(np.float64)
+             * np.repeat(np.asarray(scale, np.float64), BLOCK, axis=1)).reshape(num_tiles, rows,
+                                                                               dim)
+  weights = np.swapaxes(_dequantized64(w), 1, 2)  # [E, out, in]
+  for s in range(used):
+    want = weights[tile_expert[s]] @ x_exact[s].T
+    bound = 2.0 ** -12 * (np.abs(weights[tile_expert[s]]) @ np.abs(x_exact[s]).T)
+    assert (np.abs(np.asarray(got[s], np.float64) - want) <= bound + 1e-30).all(), s

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from jspec.models.experts_ragged import experts_ragged_dot
-from jspec.pallas_kernels import (decode_gemm, decode_routing, fp8_experts, grouped_gemm,
-                                  permute, platform, routing)
+from jspec.pallas_kernels import (decode_gemm, decode_routing, fp8_experts,
+                                  fp8_experts_grouped, grouped_gemm, permute, platform,
+                                  routing)
 from jspec.pallas_kernels.decode_gemm import DecodeTiling
 from jspec.pallas_kernels.grouped_gemm import Tiling
 
@@ -101,11 +102,15 @@ def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
   num_experts, dim, ffn = w_gate_EDF.shape
   dtype = x_TD.dtype
   if isinstance(w_gate_EDF, fp8_experts.Fp8Experts):
-    # FP8 experts as stored: decode and verify sizes read the e4m3 bytes of the picked
-    # experts; prefill-sized steps take every expert scaled into a `dtype` copy.
+    # FP8 experts as stored, their e4m3 bytes read by the kernels: decode and verify sizes
+    # multiply each picked expert by all the step's tokens, larger steps group the token
+    # copies by expert. Experts off the kernels' whole blocks are scaled into `dtype` copies.
     fp8_weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
-    if fp8_experts.use_kernel(num_tokens, *fp8_weights):
-      return fp8_experts.experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, *fp8_weights)
+    if fp8_experts.fits_kernel(*fp8_weights):
+      if num_tokens <= fp8_experts.CHUNKED_MAX_TOKENS:
+        return fp8_experts.experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, *fp8_weights)
+      return fp8_experts_grouped.experts_fp8_grouped(x_TD, topk_ids_TK, topk_weights_TK,
+                                                     *fp8_weights)
     w_gate_EDF, w_up_EDF, w_down_EFD = (w.dequantized(dtype) for w in fp8_weights)
   if not (w_gate_EDF.dtype == w_up_EDF.dtype == w_down_EFD.dtype == dtype):
     raise ValueError("experts_pallas needs x and all expert weights in one dtype, got "

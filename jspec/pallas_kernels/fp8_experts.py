@@ -71,11 +71,17 @@ def fits_kernel(*weights: Fp8Experts) -> bool:
 
 
 def _slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1,
-                   blocks_per_step: int, num_stages: int):
+                   blocks_per_step: int, num_stages: int, act_scale_SKbN=None):
   """[W, S, out, N] float32: for weight j and each used slot s, W_j[e_s] @ x_s^T with each
   128-K block's products times its scale. x: [N, in] float16 shared by every slot, or
-  [S, N, in] one per slot. Slots past num_slots are not written."""
+  [S, N, in] one per slot, float16 or e4m3; e4m3 x comes with act_scale_SKbN [S, in/128, N],
+  each row's scale per 128-K group (quantize_activations'), and multiplies on the FP8 tensor
+  cores. Slots past num_slots are not written."""
   per_slot_x = x.ndim == 3
+  fp8_x = x.dtype == E4M3
+  if fp8_x != (act_scale_SKbN is not None) or (fp8_x and not per_slot_x):
+    raise ValueError("e4m3 x goes per slot ([S, N, in]) with its act_scale_SKbN, float16 x "
+                     "without one")
   rows, k = x.shape[-2:]
   num_weights = len(weights)
   out = weights[0].w8.shape[1]
@@ -84,14 +90,23 @@ def _slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_
     blocks_per_step = 1  # an odd number of blocks
   step_k = blocks_per_step * BLOCK
   lanes = max(rows, SCALE_LANES)
-  # Each slot's block scales repeated over `lanes` lanes, so that a step's scales arrive with
-  # its tiles as one TMA block (fp8_gemm._partials says why); gathered for the slots only.
-  scale_rows = [jnp.repeat(w.scale[slot_expert_S].astype(jnp.float32), lanes, axis=2)
-                for w in weights]
-  stage_bytes = num_weights * (BLOCK * step_k + blocks_per_step * lanes * 4) + rows * step_k * 2
+  # Each slot's block scales over `lanes` lanes, so that a step's scales arrive with its tiles
+  # as one TMA block (fp8_gemm._partials says why); gathered for the slots only. A lane holds
+  # the weight block's scale, times row n's scale of that K group where x is e4m3.
+  if fp8_x:
+    act_SKbR = jnp.pad(act_scale_SKbN.astype(jnp.float32),
+                       ((0, 0), (0, 0), (0, lanes - rows)))
+    scale_rows = [(w.scale[slot_expert_S].astype(jnp.float32)[..., None]
+                   * act_SKbR[:, None]).reshape(num_slots_max, out // BLOCK, -1)
+                  for w in weights]
+  else:
+    scale_rows = [jnp.repeat(w.scale[slot_expert_S].astype(jnp.float32), lanes, axis=2)
+                  for w in weights]
+  stage_bytes = (num_weights * (BLOCK * step_k + blocks_per_step * lanes * 4)
+                 + rows * step_k * x.dtype.itemsize)
   stages = decode_gemm._num_stages(decode_gemm.DecodeTiling(BLOCK, step_k, num_stages),
                                    stage_bytes)
-  decode_gemm._check_aligned(((rows, step_k), jnp.float16), ((BLOCK, step_k), E4M3),
+  decode_gemm._check_aligned(((rows, step_k), x.dtype), ((BLOCK, step_k), E4M3),
                              ((blocks_per_step * lanes,), jnp.float32))
 
   def body(slot_expert_ref, num_slots_ref, *refs):
@@ -100,7 +115,7 @@ def _slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_
     def in_specs_for(item, delay_release):
       if per_slot_x:
         x_spec = plgpu.BlockSpec((None, rows, step_k), lambda i, k: (item(i)[0], 0, k),
-                                 transforms=_smem_transforms(step_k, jnp.float16),
+                                 transforms=_smem_transforms(step_k, x.dtype),
                                  delay_release=delay_release)
       else:
         x_spec = plgpu.BlockSpec((rows, step_k), lambda i, k: (0, k),
@@ -119,7 +134,8 @@ def _slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_
       x_smem, *rest = smem_refs
       totals = []
       for total, w_smem, s_smem in zip(sums, rest[:num_weights], rest[num_weights:]):
-        for j, part in enumerate(block_products(w_smem, x_smem, blocks_per_step, rows, False)):
+        for j, part in enumerate(block_products(w_smem, x_smem, blocks_per_step, rows,
+                                                 fp8_x)):
           scale_N = plgpu.load(s_smem.at[pl.ds(j * lanes, rows)],
                                layout=plgpu.Layout.WGMMA.reduce(0))
           total = total + part * jax.lax.broadcast_in_dim(scale_N, part.shape, [1])
@@ -160,19 +176,17 @@ TWO_SUMS_MAX_ROWS = 32
 # The most tokens one decode-path call multiplies per slot (fp8_gemm's float32 sums of a
 # 128-column item in registers); larger steps go in chunks of this many.
 CHUNK_TOKENS = MAX_ROWS
-# Up to this many tokens a step runs in chunks, each reading its picked experts' e4m3 bytes
-# (every chunk reads them again: at 4 chunks at most twice the bytes bf16 experts would take
-# once); above it (prefill), every expert is scaled into a copy once for all tokens.
-CHUNKED_MAX_TOKENS = 4 * CHUNK_TOKENS
-
-
-def use_kernel(num_tokens: int, *weights: Fp8Experts) -> bool:
-  return num_tokens <= CHUNKED_MAX_TOKENS and fits_kernel(*weights)
+# Up to this many tokens a step takes the decode path (one chunk); larger steps group their
+# token copies by expert (jspec.pallas_kernels.fp8_experts_grouped), which reads each routed
+# expert about once where chunks would read it once each: at DeepSeek-V3's expert shapes on
+# an H100 the grouped path took 0.53x the time of two chunks at 128 tokens and 0.35x that of
+# four at 256 (BENCHMARKS.md, "FP8 experts at prefill sizes").
+CHUNKED_MAX_TOKENS = CHUNK_TOKENS
 
 
 def experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts, w_up: Fp8Experts,
                 w_down: Fp8Experts) -> jax.Array:
-  """experts_fp8_decode over chunks of at most CHUNK_TOKENS tokens (use_kernel sizes)."""
+  """experts_fp8_decode over chunks of at most CHUNK_TOKENS tokens."""
   num_tokens = x_TD.shape[0]
   parts = [experts_fp8_decode(x_TD[start:start + CHUNK_TOKENS],
                               topk_ids_TK[start:start + CHUNK_TOKENS],
