@@ -72,14 +72,32 @@ def fits_kernel(rows: int, k: int, n: int, block: tuple[int, int]) -> bool:
       and n % BLOCK == 0
 
 
+# The share of the persistent grid's rounds of work items (one item per SM a round) that a
+# K-slice count must keep busy before a larger count is tried, and the most rounds it may take
+# (each item pays its pipeline's fill and drain).
+MIN_ROUND_FILL = 0.9
+MAX_ROUNDS = 4
+
+
 def choose_splits(k: int, n: int, num_sms: int) -> int:
-  """The most K slices (a power of two, whole blocks each) whose work items, one per (slice,
-  128-column block), still fit `num_sms`."""
+  """K slices (a power of two, whole blocks each, at most MAX_ROUNDS rounds of items): the
+  fewest whose work items, one per (slice, 128-column block), keep MIN_ROUND_FILL of the
+  rounds' SM slots busy (else the fullest, the fewest of equals).
+
+  The items go round-robin over the SMs, so 192 column blocks on 132 SMs (Qwen3-8B's fused
+  gate/up, no slices) leave 72 SMs idle in the second round: the product lasts two items'
+  time for 1.45 items' work; two slices give 384 half-length items, three rounds 97% full."""
   col_blocks = n // BLOCK
-  splits = 1
-  while 2 * splits * col_blocks <= num_sms and k % (2 * splits * BLOCK) == 0:
-    splits *= 2
-  return splits
+  k_blocks = k // BLOCK
+
+  def fill(splits):
+    items = splits * col_blocks
+    return items / (-(-items // num_sms) * num_sms)
+
+  candidates = [1 << i for i in range(k_blocks.bit_length()) if k_blocks % (1 << i) == 0
+                and (i == 0 or (1 << i) * col_blocks <= MAX_ROUNDS * num_sms)]
+  good = [s for s in candidates if fill(s) >= MIN_ROUND_FILL]
+  return min(good) if good else max(candidates, key=lambda s: (fill(s), -s))
 
 
 def _to_float16_rows(x_MK):
@@ -236,17 +254,22 @@ def check_operands(name: str, x_MK, w8_NK, scale_NbKb) -> tuple[int, int, int]:
   return m, k, n
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations"))
+@functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations",
+                                             "warp_specialized"))
 def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
                splits: int | None = None, tiling: Fp8Tiling | None = None,
-               activations: str = "float16", lanes_NbX: jax.Array | None = None) -> jax.Array:
+               activations: str = "float16", lanes_NbX: jax.Array | None = None,
+               warp_specialized: bool = False) -> jax.Array:
   """x @ (w8 * scale broadcast over its 128 x 128 blocks).T, in x's dtype.
 
   lanes_NbX: scale_lanes(scale) made beforehand, used where the step's padded rows fit
   SCALE_LANES (else the scales are repeated here, over more lanes).
 
   activations: "float16" (x as it is, exact in float16 after a power-of-two row scale) or
-  "e4m3" (x quantized per row and 128-K group first, quantize_activations)."""
+  "e4m3" (x quantized per row and 128-K group first, quantize_activations).
+  warp_specialized: float16 activations through jspec.pallas_kernels.fp8_gemm_ws (a memory
+  warpgroup and two compute warpgroups) instead of the one-warpgroup pipeline; `tiling` is
+  then unused."""
   m, k, n = check_operands("fp8_matmul", x_MK, w8_NK, scale_NbKb)
   if not fits_kernel(m, k, n, (BLOCK, BLOCK)):
     raise ValueError(f"fp8_matmul takes M <= {MAX_ROWS} rows and K, N in multiples of "
@@ -278,6 +301,12 @@ def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
     x16_MK, row_scale_M = _to_float16_rows(x_MK)
     x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
     act_scale_X = None
-  parts_SNR = _partials(x_RK, w8_NK, scale_rows_NbX, act_scale_X, splits, tiling)
+  if warp_specialized:
+    if act_scale_X is not None:
+      raise ValueError("the warp-specialized form takes float16 activations")
+    from jspec.pallas_kernels import fp8_gemm_ws
+    parts_SNR = fp8_gemm_ws.partials(x_RK, w8_NK, scale_rows_NbX, splits)
+  else:
+    parts_SNR = _partials(x_RK, w8_NK, scale_rows_NbX, act_scale_X, splits, tiling)
   out_NM = jnp.sum(parts_SNR[:, :, :m], axis=0)
   return (out_NM.T * row_scale_M[:, None]).astype(x_MK.dtype)
