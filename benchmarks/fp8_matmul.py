@@ -15,8 +15,6 @@ from HBM as in a decode step and no launch sits between them):
             whole tensor: not the block recipe, only the tensor cores' ceiling)
   kernel    jspec.pallas_kernels.fp8_gemm (rows <= 64), the weight in the checkpoint's [N, K]
             order: e4m3 tiles streamed by the TMA, widened to float16 in registers
-  kernel_ws the same products in a warp-specialized pipeline (jspec.pallas_kernels.fp8_gemm_ws:
-            a warpgroup issuing the TMA loads, two multiplying 64 columns each)
   kernel_e4m3  the same kernel with x quantized per row and 128 columns to e4m3 (DeepSeek's
             act_quant): e4m3 x e4m3 wgmma on the tiles as the TMA leaves them
   prefill   jspec.pallas_kernels.fp8_prefill (any rows; the model's past 64): x quantized as
@@ -85,10 +83,6 @@ def kernel_dot(x, w8, scale):
   return fp8_matmul(x, w8, scale)
 
 
-def kernel_ws_dot(x, w8, scale):
-  return fp8_matmul(x, w8, scale, warp_specialized=True)
-
-
 def kernel_e4m3_dot(x, w8, scale):
   return fp8_matmul(x, w8, scale, activations="e4m3")
 
@@ -100,8 +94,7 @@ def reduce_dot(x, w8_NK, scale_NbKb):
 
 
 FORMULATIONS = {"bf16": bf16_dot, "reduce": reduce_dot, "dequant": dequant_dot, "blocked": blocked_dot,
-                "fp8": fp8_dot, "kernel": kernel_dot, "kernel_ws": kernel_ws_dot,
-                "kernel_e4m3": kernel_e4m3_dot,
+                "fp8": fp8_dot, "kernel": kernel_dot, "kernel_e4m3": kernel_e4m3_dot,
                 "prefill": fp8_prefill_matmul}
 
 

@@ -30,16 +30,14 @@ def _fp8_weight(rng, n, k):
   return w8, scale
 
 
-@pytest.mark.parametrize("warp_specialized", [False, True])
 @pytest.mark.parametrize("rows, k, n, splits", CASES)
-def test_fp8_matmul_equals_the_dequantized_product(rows, k, n, splits, warp_specialized):
+def test_fp8_matmul_equals_the_dequantized_product(rows, k, n, splits):
   rng = np.random.default_rng([RUN_SEED, rows, k, n])
   # Rows of very different magnitudes: each is scaled into float16's range on its own.
   magnitude = 10.0 ** rng.uniform(-3, 4, (rows, 1))
   x = jnp.asarray(rng.standard_normal((rows, k)) * magnitude, jnp.bfloat16)
   w8, scale = _fp8_weight(rng, n, k)
-  y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale), splits=splits,
-                           warp_specialized=warp_specialized), np.float32)
+  y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale), splits=splits), np.float32)
   x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
   exact = x32 @ w32.T
   assert y.shape == (rows, n) and np.isfinite(y).all()  # interpret mode fills with NaN
@@ -107,34 +105,15 @@ def test_fp8_matmul_tilings_agree(tiling):
   np.testing.assert_allclose(tiled, default, rtol=2.0 ** -7, atol=0)
 
 
-def test_warp_specialized_form_lowers_for_hopper(monkeypatch):
-  """The warp-specialized kernel as the GPU compiles it (registers, no interpreter) lowers on
-  a machine without one, at Qwen3-8B's down projection and 8 rows."""
-  import jax
-  from jspec.pallas_kernels import fp8_gemm_ws
-  monkeypatch.setattr(fp8_gemm_ws.platform, "on_gpu", lambda: True)
-  monkeypatch.setattr(fp8_gemm_ws.platform, "interpret_params", lambda: None)
-  monkeypatch.setattr(fp8_gemm_ws.platform, "num_sms", lambda: 132)
-  k, n, rows = 12288, 4096, 8
-  args = (jax.ShapeDtypeStruct((rows, k), jnp.float16),
-          jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
-          jax.ShapeDtypeStruct((n // BLOCK, k // BLOCK * 32), jnp.float32))
-  lowered = jax.jit(lambda *a: fp8_gemm_ws.partials(*a, splits=4)).trace(*args).lower(
-      lowering_platforms=("cuda",))
-  assert "fp8_block_gemm_ws" in lowered.as_text()
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("warp_specialized", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
 @pytest.mark.parametrize("k, n", [(4096, 4096), (12288, 4096), (4096, 1024)])
-def test_gpu_fp8_matmul_at_model_shapes(rows, k, n, warp_specialized):
+def test_gpu_fp8_matmul_at_model_shapes(rows, k, n):
   """The register form of the kernel (the GPU's), at Qwen3-8B's q/o, down and k/v shapes."""
   rng = np.random.default_rng([RUN_SEED, rows, k, n])
   x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
   w8, scale = _fp8_weight(rng, n, k)
-  y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale),
-                            warp_specialized=warp_specialized), np.float32)
+  y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale)), np.float32)
   x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
   exact = x32 @ w32.T
   bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)

@@ -254,22 +254,17 @@ def check_operands(name: str, x_MK, w8_NK, scale_NbKb) -> tuple[int, int, int]:
   return m, k, n
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations",
-                                             "warp_specialized"))
+@functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations"))
 def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
                splits: int | None = None, tiling: Fp8Tiling | None = None,
-               activations: str = "float16", lanes_NbX: jax.Array | None = None,
-               warp_specialized: bool = False) -> jax.Array:
+               activations: str = "float16", lanes_NbX: jax.Array | None = None) -> jax.Array:
   """x @ (w8 * scale broadcast over its 128 x 128 blocks).T, in x's dtype.
 
   lanes_NbX: scale_lanes(scale) made beforehand, used where the step's padded rows fit
   SCALE_LANES (else the scales are repeated here, over more lanes).
 
   activations: "float16" (x as it is, exact in float16 after a power-of-two row scale) or
-  "e4m3" (x quantized per row and 128-K group first, quantize_activations).
-  warp_specialized: float16 activations through jspec.pallas_kernels.fp8_gemm_ws (a memory
-  warpgroup and two compute warpgroups) instead of the one-warpgroup pipeline; `tiling` is
-  then unused."""
+  "e4m3" (x quantized per row and 128-K group first, quantize_activations)."""
   m, k, n = check_operands("fp8_matmul", x_MK, w8_NK, scale_NbKb)
   if not fits_kernel(m, k, n, (BLOCK, BLOCK)):
     raise ValueError(f"fp8_matmul takes M <= {MAX_ROWS} rows and K, N in multiples of "
@@ -301,12 +296,6 @@ def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
     x16_MK, row_scale_M = _to_float16_rows(x_MK)
     x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
     act_scale_X = None
-  if warp_specialized:
-    if act_scale_X is not None:
-      raise ValueError("the warp-specialized form takes float16 activations")
-    from jspec.pallas_kernels import fp8_gemm_ws
-    parts_SNR = fp8_gemm_ws.partials(x_RK, w8_NK, scale_rows_NbX, splits)
-  else:
-    parts_SNR = _partials(x_RK, w8_NK, scale_rows_NbX, act_scale_X, splits, tiling)
+  parts_SNR = _partials(x_RK, w8_NK, scale_rows_NbX, act_scale_X, splits, tiling)
   out_NM = jnp.sum(parts_SNR[:, :, :m], axis=0)
   return (out_NM.T * row_scale_M[:, None]).astype(x_MK.dtype)
