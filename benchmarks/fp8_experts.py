@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jspec.bench.roofline import seconds_per_call
 from jspec.pallas_kernels import experts_grouped, experts_pallas
-from jspec.pallas_kernels.fp8_experts import CHUNKED_MAX_TOKENS, Fp8Experts, experts_fp8
+from jspec.pallas_kernels.fp8_experts import CHUNK_TOKENS, Fp8Experts, experts_fp8
 from jspec.pallas_kernels.fp8_experts_grouped import experts_fp8_grouped, tile_rows
 
 MODELS = {  # name: (experts E, top-k K, hidden D, expert intermediate F)
@@ -39,6 +39,8 @@ MODELS = {  # name: (experts E, top-k K, hidden D, expert intermediate F)
     "tiny": (8, 2, 256, 128),
 }
 SWEEP_ROWS = (16, 32, 64)
+# Steps of up to this many tokens ran the decode path in chunks before the grouped path.
+CHUNKED_BEFORE = 4 * CHUNK_TOKENS
 
 
 def skewed_routing(key, num_tokens, num_experts, top_k, zipf_s=1.0):
@@ -87,7 +89,7 @@ def bench_model(name, num_experts, top_k, dim, ffn, tokens, sweep_tokens):
            "e4m3_bytes": used * 3 * dim * ffn,
            "default_rows": tile_rows(num_tokens * top_k, num_experts)}
     for path, fn in paths.items():
-      if ((path == "chunked" and num_tokens > CHUNKED_MAX_TOKENS)
+      if ((path == "chunked" and num_tokens > CHUNKED_BEFORE)
           or (path.startswith("grouped/") and num_tokens not in sweep_tokens)):
         continue
       try:

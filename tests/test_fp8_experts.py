@@ -13,7 +13,7 @@ import pytest
 from jspec.models.moe_backends import experts_reference
 from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.experts import experts_pallas
-from jspec.pallas_kernels.fp8_experts import (BLOCK, CHUNK_TOKENS, CHUNKED_MAX_TOKENS,
+from jspec.pallas_kernels.fp8_experts import (BLOCK, CHUNK_TOKENS, DECODE_PATH_MAX_TOKENS,
                                               Fp8Experts, _slot_products, experts_fp8,
                                               fits_kernel)
 from jspec.pallas_kernels.fp8_experts_grouped import (MAX_TILE_ROWS, MIN_TILE_ROWS,
@@ -96,7 +96,7 @@ def test_a_single_token_with_an_invalid_pick_adds_nothing_for_it():
 def test_the_decode_path_runs_in_chunks_of_the_kernel(num_tokens):
   """40 tokens x 3 picks: more copies than the bf16 decode path takes, one sum per kernel
   (N = 64); 133 tokens: three chunks, the last of 5 (experts_fp8 itself: the backend takes
-  the grouped path past CHUNKED_MAX_TOKENS)."""
+  the grouped path past DECODE_PATH_MAX_TOKENS)."""
   problem = _problem(7, num_tokens, top_k=3)
   _assert_close(experts_fp8(*problem), _reference64(*problem))
 
@@ -162,9 +162,9 @@ def _assert_w8a8_close(y, problem, on_gpu: bool = False):
 
 
 def test_prefill_sized_steps_group_token_copies_by_expert():
-  """Above CHUNKED_MAX_TOKENS the copies are sorted by expert and every tile of rows reads its
-  expert's e4m3 weights, with x and act quantized to e4m3 for the FP8 tensor cores."""
-  problem = _problem(3, CHUNKED_MAX_TOKENS + 8, dtype=jnp.float32)
+  """Above DECODE_PATH_MAX_TOKENS the copies are sorted by expert and every tile of rows reads
+  its expert's e4m3 weights, with x and act quantized to e4m3 for the FP8 tensor cores."""
+  problem = _problem(3, DECODE_PATH_MAX_TOKENS + 8, dtype=jnp.float32)
   y = experts_pallas(*problem)
   assert y.shape == problem[0].shape and y.dtype == jnp.float32
   _assert_w8a8_close(y, problem)
@@ -214,7 +214,7 @@ def test_dequantized_is_the_stored_weight_times_its_block_scale():
                              rtol=1e-6)
 
 
-@pytest.mark.parametrize("num_tokens", [4, CHUNKED_MAX_TOKENS + 40])
+@pytest.mark.parametrize("num_tokens", [4, DECODE_PATH_MAX_TOKENS + 40])
 def test_expert_parallel_shards_give_the_one_device_layer(interpreted_on_every_device,
                                                           num_tokens):
   """ep = 2 x tp = 2 on the CPU devices: each shard's experts and intermediate blocks in FP8,
@@ -223,7 +223,7 @@ def test_expert_parallel_shards_give_the_one_device_layer(interpreted_on_every_d
   from jspec.sharding.moe import sharded_experts
   from jspec.sharding.rules import MeshConfig, ShardingRules
 
-  grouped = num_tokens > CHUNKED_MAX_TOKENS
+  grouped = num_tokens > DECODE_PATH_MAX_TOKENS
   problem = _problem(5, num_tokens, num_experts=4, top_k=2, dim=256, ffn=256,
                      dtype=jnp.float32 if grouped else jnp.bfloat16)
   mesh = MeshConfig(dp=1, tp=2, ep=2).make_mesh()

@@ -107,7 +107,7 @@ def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
     # copies by expert. Experts off the kernels' whole blocks are scaled into `dtype` copies.
     fp8_weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
     if fp8_experts.fits_kernel(*fp8_weights):
-      if num_tokens <= fp8_experts.CHUNKED_MAX_TOKENS:
+      if num_tokens <= fp8_experts.DECODE_PATH_MAX_TOKENS:
         return fp8_experts.experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, *fp8_weights)
       return fp8_experts_grouped.experts_fp8_grouped(x_TD, topk_ids_TK, topk_weights_TK,
                                                      *fp8_weights)

@@ -176,12 +176,15 @@ TWO_SUMS_MAX_ROWS = 32
 # The most tokens one decode-path call multiplies per slot (fp8_gemm's float32 sums of a
 # 128-column item in registers); larger steps go in chunks of this many.
 CHUNK_TOKENS = MAX_ROWS
-# Up to this many tokens a step takes the decode path (one chunk); larger steps group their
-# token copies by expert (jspec.pallas_kernels.fp8_experts_grouped), which reads each routed
-# expert about once where chunks would read it once each: at DeepSeek-V3's expert shapes on
-# an H100 the grouped path took 0.53x the time of two chunks at 128 tokens and 0.35x that of
-# four at 256 (BENCHMARKS.md, "FP8 experts at prefill sizes").
-CHUNKED_MAX_TOKENS = CHUNK_TOKENS
+# Up to this many tokens a step takes the decode path (one chunk, float16 activations);
+# larger steps group their token copies by expert (jspec.pallas_kernels.fp8_experts_grouped,
+# e4m3 activations, as the dense FP8 products quantize theirs past 64 rows), which reads each
+# routed expert about once where chunks would read it once each: at DeepSeek-V3's expert
+# shapes on an H100 the grouped path took 0.53x the time of two chunks at 128 tokens and 0.35x
+# that of four at 256 (BENCHMARKS.md, "FP8 experts at prefill sizes"). At 64 tokens of
+# Qwen3-30B-A3B it took 0.69x the decode path's time too: where the two cross below 64 was
+# not measured.
+DECODE_PATH_MAX_TOKENS = CHUNK_TOKENS
 
 
 def experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts, w_up: Fp8Experts,
