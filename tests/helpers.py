@@ -27,11 +27,12 @@ def reference(name: str):
 
 @functools.lru_cache(maxsize=None)
 def cached_llm(name: str, method: str | None = None, k: int = 0, max_model_len: int = 128,
-               **kwargs) -> jspec.LLM:
-  """One LLM per configuration for the whole test session (float32, exact on CPU)."""
+               max_num_seqs: int | str = "auto", **kwargs) -> jspec.LLM:
+  """One LLM per configuration for the whole test session (float32, exact on CPU); `kwargs`
+  complete the speculative config."""
   spec = None if method is None else {"method": method, "num_speculative_tokens": k, **kwargs}
   return jspec.LLM(model=fixture_dir(name), dtype="float32", max_model_len=max_model_len,
-                   speculative_config=spec)
+                   max_num_seqs=max_num_seqs, speculative_config=spec)
 
 
 def greedy(max_tokens: int, **kwargs) -> jspec.SamplingParams:

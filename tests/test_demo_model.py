@@ -81,10 +81,12 @@ def test_mtp_stops_exactly_like_vanilla_inside_accepted_runs(demo_pair):
   vanilla, mtp = demo_pair
   prompt = PROMPTS[2]
   full = vanilla.generate([prompt], _greedy(40))[0].token_ids
-  steps = {m: mtp.generate([prompt], _greedy(m))[0].metrics.num_steps for m in range(1, 42)}
+  # One run per limit (greedy runs repeat exactly): its output, and its step count.
+  outs = {m: mtp.generate([prompt], _greedy(m))[0] for m in range(1, 42)}
+  steps = {m: out.metrics.num_steps for m, out in outs.items()}
   inside_stop = inside_length = 0
   for m in range(1, 40):
-    out = mtp.generate([prompt], _greedy(m))[0]
+    out = outs[m]
     assert out.token_ids == full[:m] and out.finish_reason == "length"
     inside_length += steps[m] == steps[m + 1]
   for j, stop in enumerate(full):

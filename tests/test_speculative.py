@@ -43,22 +43,21 @@ def test_every_batch_size_from_1_to_9(method, batch_size):
   assert [o.token_ids for o in outs] == want
 
 
-def _steps(llm, prompt, params):
-  return llm.generate([prompt], params)[0].metrics.num_steps
-
-
 def test_max_tokens_inside_an_accepted_run():
   """For every max_tokens m, output == vanilla[:m]; and some m fall strictly inside a step
   that emitted several tokens (m and m+1 take the same number of steps)."""
   llm = cached_llm(DENSE, "ngram", 3)
   prompt = PROMPTS[1]
   full = _vanilla(DENSE, [prompt], ignore_eos=True)[0]
+  # One run per limit (greedy runs repeat exactly), its step count compared with the next's.
+  outs = {m: llm.generate([prompt], greedy(m, ignore_eos=True))[0]
+          for m in range(1, MAX_TOKENS + 1)}
+  steps = lambda m: outs[m].metrics.num_steps
   inside = 0
   for m in range(1, MAX_TOKENS):
-    out = llm.generate([prompt], greedy(m, ignore_eos=True))[0]
+    out = outs[m]
     assert out.token_ids == full[:m] and out.finish_reason == "length"
-    inside += _steps(llm, prompt, greedy(m, ignore_eos=True)) == _steps(
-        llm, prompt, greedy(m + 1, ignore_eos=True))
+    inside += steps(m) == steps(m + 1)
   assert inside > 0
 
 
@@ -160,11 +159,11 @@ def test_reaching_max_model_len_mid_run_finishes_like_vanilla(method, k):
   reach past max_model_len: the sequence must stop exactly at max_model_len, as vanilla
   decoding does."""
   max_model_len = 21
-  make = lambda spec: jspec.LLM(model=cached_llm(DENSE).model_dir, dtype="float32",
-                                max_model_len=max_model_len, speculative_config=spec)
   prompts = [PROMPTS[4], PROMPTS[1], PROMPTS[3]]
-  want = make(None).generate(prompts, greedy(100, ignore_eos=True))
-  got = make({"method": method, "num_speculative_tokens": k}).generate(
+  # Vanilla decoding's LLM and its programs are shared by the cases.
+  want = cached_llm(DENSE, max_model_len=max_model_len).generate(
+      prompts, greedy(100, ignore_eos=True))
+  got = cached_llm(DENSE, method, k, max_model_len=max_model_len).generate(
       prompts, greedy(100, ignore_eos=True))
   for p, w, g in zip(prompts, want, got):
     assert len(p) + len(g.token_ids) == max_model_len and g.finish_reason == "length"
