@@ -14,8 +14,8 @@ from jspec.models.moe_backends import experts_reference
 from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.experts import experts_pallas
 from jspec.pallas_kernels.fp8_experts import (BLOCK, CHUNK_TOKENS, DECODE_PATH_MAX_TOKENS,
-                                              Fp8Experts, _slot_products, experts_fp8,
-                                              fits_kernel)
+                                              Fp8Experts, experts_fp8, fits_kernel,
+                                              slot_products)
 from jspec.pallas_kernels.fp8_experts_grouped import (MAX_TILE_ROWS, MIN_TILE_ROWS,
                                                       experts_fp8_grouped, tile_rows)
 from jspec.pallas_kernels.fp8_gemm import quantize_activations
@@ -300,9 +300,9 @@ def _check_tile_products(rows):
   x8, scale = quantize_activations(jnp.asarray(x))
   tile_expert = rng.integers(0, num_experts, num_tiles).astype(np.int32)
   used = num_tiles - 2  # the last two tiles are past the used ones: not written
-  (got,) = _slot_products(x8.reshape(num_tiles, rows, dim), (w,), jnp.asarray(tile_expert),
-                          jnp.asarray([used], jnp.int32), 1, 4,
-                          jnp.swapaxes(scale.reshape(num_tiles, rows, dim // BLOCK), 1, 2))
+  (got,) = slot_products(x8.reshape(num_tiles, rows, dim), (w,), jnp.asarray(tile_expert),
+                         jnp.asarray([used], jnp.int32), 1, 4,
+                         jnp.swapaxes(scale.reshape(num_tiles, rows, dim // BLOCK), 1, 2))
   x_exact = (np.asarray(x8).astype(np.float64)
              * np.repeat(np.asarray(scale, np.float64), BLOCK, axis=1)).reshape(num_tiles, rows,
                                                                                dim)

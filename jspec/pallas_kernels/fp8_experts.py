@@ -70,7 +70,7 @@ def fits_kernel(*weights: Fp8Experts) -> bool:
              for w in weights)
 
 
-def _slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1,
+def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1,
                    blocks_per_step: int, num_stages: int, act_scale_SKbN=None):
   """[W, S, out, N] float32: for weight j and each used slot s, W_j[e_s] @ x_s^T with each
   128-K block's products times its scale. x: [N, in] float16 shared by every slot, or
@@ -221,18 +221,18 @@ def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
   x16_ND = jnp.pad(x16_TD, ((0, rows - num_tokens), (0, 0)))
   x_scale_N = jnp.pad(x_scale_T, (0, rows - num_tokens), constant_values=1.0)
   if rows <= TWO_SUMS_MAX_ROWS:
-    gate_up = _slot_products(x16_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
-                             tiling.gate_up_blocks, tiling.num_stages)
+    gate_up = slot_products(x16_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
+                            tiling.gate_up_blocks, tiling.num_stages)
   else:  # one sum per kernel: two [128, N] float32 sums and their products overflow registers
-    gate_up = [_slot_products(x16_ND, (w,), plan.slot_expert_S, plan.num_slots_1,
-                              tiling.gate_up_blocks, tiling.num_stages)[0] for w in (w_gate, w_up)]
+    gate_up = [slot_products(x16_ND, (w,), plan.slot_expert_S, plan.num_slots_1,
+                             tiling.gate_up_blocks, tiling.num_stages)[0] for w in (w_gate, w_up)]
   gate_SFN, up_SFN = gate_up[0] * x_scale_N, gate_up[1] * x_scale_N
   act_SNF = jnp.swapaxes(jax.nn.silu(gate_SFN) * up_SFN, 1, 2)
   # Slots past the used ones were not written: zeros keep their (unused) rows finite.
   used_S = jnp.arange(act_SNF.shape[0]) < plan.num_slots_1[0]
   act_SNF = jnp.where(used_S[:, None, None], act_SNF, 0.0)
   act16_SNF, act_scale_SN = _to_float16_slots(act_SNF)
-  (down_SDN,) = _slot_products(act16_SNF, (w_down,), plan.slot_expert_S, plan.num_slots_1,
-                               tiling.down_blocks, tiling.num_stages)
+  (down_SDN,) = slot_products(act16_SNF, (w_down,), plan.slot_expert_S, plan.num_slots_1,
+                              tiling.down_blocks, tiling.num_stages)
   out_SND = jnp.swapaxes(down_SDN * (act_scale_SN * plan.weight_SR[:, :rows])[:, None, :], 1, 2)
   return decode_routing.combine_slots(out_SND, plan, x_TD.dtype)

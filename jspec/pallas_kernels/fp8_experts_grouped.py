@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.pallas_kernels import permute, routing
-from jspec.pallas_kernels.fp8_experts import TWO_SUMS_MAX_ROWS, Fp8Experts, _slot_products
+from jspec.pallas_kernels.fp8_experts import TWO_SUMS_MAX_ROWS, Fp8Experts, slot_products
 from jspec.pallas_kernels.fp8_gemm import BLOCK, quantize_activations
 
 # Rows per tile (wgmma's N): float32 sums of a 128-column item in registers bound it at 64.
@@ -83,11 +83,11 @@ def experts_fp8_grouped(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
     """[P, out] float32 per weight, x quantized once for all of them."""
     x8_SND, scale_SKbN = _quantized_tiles(x_PD, num_tiles_max, rows)
     if rows <= TWO_SUMS_MAX_ROWS:
-      sums = _slot_products(x8_SND, weights, tile_expert_S, num_tiles_1, 1, num_stages,
-                            scale_SKbN)
+      sums = slot_products(x8_SND, weights, tile_expert_S, num_tiles_1, 1, num_stages,
+                           scale_SKbN)
     else:  # one sum per kernel: two [128, N] float32 sums and their products overflow registers
-      sums = [_slot_products(x8_SND, (w,), tile_expert_S, num_tiles_1, 1, num_stages,
-                             scale_SKbN)[0] for w in weights]
+      sums = [slot_products(x8_SND, (w,), tile_expert_S, num_tiles_1, 1, num_stages,
+                            scale_SKbN)[0] for w in weights]
     # The rows of tiles past the used ones were not written: zeros keep them finite.
     return [jnp.where(used_S[:, None, None], jnp.swapaxes(out_SON, 1, 2), 0.0)
             .reshape(num_tiles_max * rows, -1) for out_SON in sums]
