@@ -71,7 +71,7 @@ def fits_kernel(*weights: Fp8Experts) -> bool:
 
 
 def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1,
-                   blocks_per_step: int, num_stages: int, act_scale_SKbN=None):
+                  blocks_per_step: int, num_stages: int, act_scale_SKbN=None):
   """[W, S, out, N] float32: for weight j and each used slot s, W_j[e_s] @ x_s^T with each
   128-K block's products times its scale. x: [N, in] float16 shared by every slot, or
   [S, N, in] one per slot, float16 or e4m3; e4m3 x comes with act_scale_SKbN [S, in/128, N],
