@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jspec.pallas_kernels import fp8_gemm
+from jspec.pallas_kernels import fp8_gemm, platform
 from jspec.pallas_kernels.fp8_gemm import (BLOCK, Fp8Tiling, choose_splits, fits_kernel,
                                            fp8_matmul, quantize_activations)
 
@@ -105,6 +105,53 @@ def test_fp8_matmul_tilings_agree(tiling):
   np.testing.assert_allclose(tiled, default, rtol=2.0 ** -7, atol=0)
 
 
+# (rows, K, the weights' N, K slices or None, programs of the persistent grid): q, k, v of a
+# GQA layer (the first weight the widest), and weights whose items end mid-round, so that
+# the next weight's pipeline starts on another program.
+MANY_CASES = [(1, 256, (256, 128, 128), None, 3), (5, 384, (128, 384), 3, 4),
+              (17, 256, (384, 128, 128), 2, 5), (40, 512, (128, 128, 128), 4, 3)]
+
+
+@pytest.mark.parametrize("rows, k, ns, splits, programs", MANY_CASES)
+def test_products_of_one_x_in_one_call(monkeypatch, rows, k, ns, splits, programs):
+  """fp8_matmul_many: each weight's product in one kernel call, equal to the dequantized
+  products and, at the same K slices, bit for bit to the separate calls (each item sums the
+  same blocks in the same order, on whichever program)."""
+  monkeypatch.setattr(platform, "num_sms", lambda: programs)  # the interpreter runs them all
+  rng = np.random.default_rng([RUN_SEED, 11, rows, k, *ns])
+  magnitude = 10.0 ** rng.uniform(-2, 3, (rows, 1))
+  x = jnp.asarray(rng.standard_normal((rows, k)) * magnitude, jnp.bfloat16)
+  weights = [_fp8_weight(rng, n, k) for n in ns]
+  w8s = tuple(jnp.asarray(w) for w, _ in weights)
+  scales = tuple(jnp.asarray(s) for _, s in weights)
+  many = fp8_gemm.fp8_matmul_many.__wrapped__(x, w8s, scales, splits=splits)
+  used_splits = splits or choose_splits(k, sum(ns), programs)
+  x32 = np.asarray(x, np.float32)
+  assert len(many) == len(ns)
+  for y, (w8, scale), w8_j, scale_j in zip(many, weights, w8s, scales):
+    y = np.asarray(y, np.float32)
+    w32 = _dequantized(w8, scale)
+    exact = x32 @ w32.T
+    assert y.shape == exact.shape and np.isfinite(y).all()  # interpret mode fills with NaN
+    bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
+    assert (np.abs(y - exact) <= bound).all()
+    alone = fp8_matmul.__wrapped__(x, w8_j, scale_j, splits=used_splits)
+    np.testing.assert_array_equal(y, np.asarray(alone, np.float32))
+
+
+def test_products_of_one_x_refuse_mismatched_weights():
+  x = jnp.ones((2, 256), jnp.bfloat16)
+  w8 = jnp.ones((128, 256), jnp.float8_e4m3fn)
+  scale = jnp.ones((1, 2), jnp.float32)
+  with pytest.raises(ValueError, match="as many scales as weights"):
+    fp8_gemm.fp8_matmul_many(x, (w8, w8), (scale,))
+  with pytest.raises(ValueError, match="scales"):  # another K
+    fp8_gemm.fp8_matmul_many(x, (w8, jnp.ones((128, 384), jnp.float8_e4m3fn)),
+                             (scale, jnp.ones((1, 3), jnp.float32)))
+  with pytest.raises(ValueError, match="2 entries for 1 weights"):
+    fp8_gemm.fp8_matmul_many(x, (w8,), (scale,), lanes_NbX=(None, None))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
 @pytest.mark.parametrize("k, n", [(4096, 4096), (12288, 4096), (4096, 1024)])
@@ -118,6 +165,30 @@ def test_gpu_fp8_matmul_at_model_shapes(rows, k, n):
   exact = x32 @ w32.T
   bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
   assert np.isfinite(y).all() and (np.abs(y - exact) <= bound).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_gpu_products_of_one_x_at_model_shapes(rows):
+  """q, k and v of Qwen3-8B (4096 -> 4096, 1024, 1024) in one call on the GPU: each within the
+  bound of the single products, and equal to them at the same K slices."""
+  rng = np.random.default_rng([RUN_SEED, 12, rows])
+  x = jnp.asarray(rng.standard_normal((rows, 4096)), jnp.bfloat16)
+  weights = [_fp8_weight(rng, n, 4096) for n in (4096, 1024, 1024)]
+  w8s = tuple(jnp.asarray(w) for w, _ in weights)
+  scales = tuple(jnp.asarray(s) for _, s in weights)
+  many = fp8_gemm.fp8_matmul_many(x, w8s, scales)
+  splits = choose_splits(4096, 6144, platform.num_sms())
+  x32 = np.asarray(x, np.float32)
+  for y, (w8, scale), w8_j, scale_j in zip(many, weights, w8s, scales):
+    y = np.asarray(y, np.float32)
+    w32 = _dequantized(w8, scale)
+    exact = x32 @ w32.T
+    bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
+    assert np.isfinite(y).all() and (np.abs(y - exact) <= bound).all()
+    alone = np.asarray(fp8_matmul(x, w8_j, scale_j, splits=splits), np.float32)
+    # Equal but for the compiler's FMA contractions: within one rounding of the bf16 output.
+    np.testing.assert_allclose(y, alone, rtol=2.0 ** -7, atol=0)
 
 
 def _act_quant(x32):

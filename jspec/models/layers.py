@@ -16,7 +16,7 @@ from jspec.models import quantization
 from jspec.models import rope as rope_lib
 from jspec.models.caches import KVCache
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
-from jspec.models.linear import linear, project_named
+from jspec.models.linear import linear, project_many_named, project_named
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.models.params import param
 
@@ -118,6 +118,12 @@ class Attention(nnx.Module):
   def _dense(self, x, name: str, spec: str, in_axes: int = 1):
     return project_named(self, x, name, spec, in_axes, self.projection)
 
+  def _dense_qkv(self, x_BTD, q_spec: str):
+    """The q, k and v projections of x: one FP8 kernel call where they go to the kernel
+    (linear.project_many_named), else three products."""
+    specs = (("q_proj", q_spec), ("k_proj", "btd,dkh->btkh"), ("v_proj", "btd,dkh->btkh"))
+    return project_many_named(self, x_BTD, specs, self.projection)
+
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     self.q_proj, self.q_proj_scale = linear(rngs, (d, n, h), dtype,
@@ -126,9 +132,7 @@ class Attention(nnx.Module):
 
   def _project(self, x_BTD):
     """(queries [B,T,N,H], keys, values [B,T,K,H], output gate [B,T,N,H] or None)."""
-    q_BTNH = self._dense(x_BTD, "q_proj", "btd,dnh->btnh")
-    k_BTKH = self._dense(x_BTD, "k_proj", "btd,dkh->btkh")
-    v_BTKH = self._dense(x_BTD, "v_proj", "btd,dkh->btkh")
+    q_BTNH, k_BTKH, v_BTKH = self._dense_qkv(x_BTD, "btd,dnh->btnh")
     if self.has_bias:
       q_BTNH, k_BTKH, v_BTKH = (q_BTNH + self.q_bias[...], k_BTKH + self.k_bias[...],
                                 v_BTKH + self.v_bias[...])
@@ -206,9 +210,7 @@ class GatedAttention(Attention):
                                             quantization.block_for(cfg, "self_attn.q_proj"))
 
   def _project(self, x_BTD):
-    qg_BTNCH = self._dense(x_BTD, "q_proj", "btd,dnch->btnch")
-    k_BTKH = self._dense(x_BTD, "k_proj", "btd,dkh->btkh")
-    v_BTKH = self._dense(x_BTD, "v_proj", "btd,dkh->btkh")
+    qg_BTNCH, k_BTKH, v_BTKH = self._dense_qkv(x_BTD, "btd,dnch->btnch")
     return qg_BTNCH[:, :, :, 0], k_BTKH, v_BTKH, qg_BTNCH[:, :, :, 1]
 
 

@@ -49,6 +49,30 @@ def project_named(layer, x, name: str, spec: str, in_axes: int = 1, product=None
                  in_axes, product, layer.fp8_projection, layer.fp8_block, lanes)
 
 
+def project_many_named(layer, x, names_specs, product=None):
+  """x times each of `layer`'s projections in `names_specs` ((name, einsum spec) pairs, one
+  input axis each: q, k and v): a tuple, as project_named gives them one by one (unquantized
+  ones through `product` where given). Where all of them are FP8 in whole blocks and the
+  layer's FP8 product takes several weights (`many`: jspec.models.projections.Fp8Projection),
+  they are one kernel call."""
+  fp8_product = layer.fp8_projection
+  weights = [getattr(layer, name)[...] for name, _ in names_specs]
+  scales = [getattr(layer, name + "_scale") for name, _ in names_specs]
+  block = layer.fp8_block
+  if (getattr(fp8_product, "many", None) is None or any(s is None for s in scales)
+      or any(w.shape[-2] % block[0] or w.shape[-1] % block[1] for w in weights)):
+    return tuple(project_named(layer, x, name, spec, product=product)
+                 for name, spec in names_specs)
+  lanes = None
+  if layer.fp8_lanes is not None:
+    lanes = [layer.fp8_lanes[name].reshape(-1, layer.fp8_lanes[name].shape[-1])
+             for name, _ in names_specs]
+  k = x.shape[-1]
+  outs = fp8_product.many(x, [w.reshape(-1, k) for w in weights],
+                          [s[...].reshape(-1, s.shape[-1]) for s in scales], lanes)
+  return tuple(out.reshape(*x.shape[:-1], *w.shape[:-1]) for out, w in zip(outs, weights))
+
+
 def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_product=None,
             fp8_block: tuple[int, int] | None = None, fp8_lanes=None):
   """x times a projection weight over x's last and the weight's input axes: `spec` (an einsum

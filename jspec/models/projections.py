@@ -37,13 +37,26 @@ def sharded_projection(mesh: Mesh, rules: ShardingRules, always: bool):
                        in_specs=(x, PartitionSpec()), out_specs=x, check_vma=False)
 
 
-def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules, block: tuple[int, int]):
-  """(x [B, T, K], w8 [N, K], scale [N/128, K/128], optional lanes: the scale repeated by
-  fp8_gemm.scale_lanes) -> [B, T, N] per batch shard, the FP8 weight and its scales
-  replicated, with 128 x 128 blocks: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows
-  (float16 activations, read-bound), jspec.pallas_kernels.fp8_prefill past that (prefill chunks,
-  wide verify windows: e4m3 activations on the FP8 tensor cores, the checkpoints' "dynamic"
-  activation scheme); another block size: the weight multiplied by its scale before XLA's dot."""
+class Fp8Projection:
+  """The FP8 products of one mesh's layers: called as (x [B, T, K], w8 [N, K], scale [N/128,
+  K/128], optional lanes: the scale repeated by fp8_gemm.scale_lanes) -> [B, T, N], and
+  `many` for several weights of one x (q, k, v): a tuple of [B, T, N_i], in one kernel call
+  where the step's rows fit the few-row kernel (fp8_gemm.fp8_matmul_many)."""
+
+  def __init__(self, one, many):
+    self._one, self.many = one, many
+
+  def __call__(self, x_BTK, w8_NK, scale, lanes=None):
+    return self._one(x_BTK, w8_NK, scale, lanes)
+
+
+def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules,
+                           block: tuple[int, int]) -> Fp8Projection:
+  """The FP8 products per batch shard, the FP8 weights and their scales replicated, with 128 x
+  128 blocks: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows (float16 activations,
+  read-bound), jspec.pallas_kernels.fp8_prefill past that (prefill chunks, wide verify windows:
+  e4m3 activations on the FP8 tensor cores, the checkpoints' "dynamic" activation scheme);
+  another block size: the weight multiplied by its scale before XLA's dot."""
   from jspec.models.linear import project
   from jspec.pallas_kernels import fp8_gemm, fp8_prefill
 
@@ -58,14 +71,23 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules, block: tuple[int, i
                                             scale).reshape(*lead, n)
     return project(x_BTK, w8_NK, scale, "", fp8_block=block)  # scaled, then XLA's dot
 
+  def products(x_BTK, w8s_NK, scales, lanes):
+    *lead, k = x_BTK.shape
+    rows = math.prod(lead)
+    if all(fp8_gemm.fits_kernel(rows, k, w.shape[0], block) for w in w8s_NK):
+      outs = fp8_gemm.fp8_matmul_many(x_BTK.reshape(rows, k), tuple(w8s_NK), tuple(scales),
+                                      lanes_NbX=tuple(lanes))
+      return tuple(out.reshape(*lead, -1) for out in outs)
+    return tuple(product(x_BTK, w, s, l) for w, s, l in zip(w8s_NK, scales, lanes))
+
   x, whole = rules.spec(("batch", "seq", None)), PartitionSpec()
-  without_lanes = jax.shard_map(product, mesh=mesh, in_specs=(x, whole, whole), out_specs=x,
-                                check_vma=False)
-  with_lanes = jax.shard_map(product, mesh=mesh, in_specs=(x, whole, whole, whole),
-                             out_specs=x, check_vma=False)
-  return lambda x_BTK, w8_NK, scale, lanes=None: (
-      without_lanes(x_BTK, w8_NK, scale) if lanes is None
-      else with_lanes(x_BTK, w8_NK, scale, lanes))
+  # A None lanes argument is an empty pytree: one shard_map takes the products with or without.
+  one = jax.shard_map(product, mesh=mesh, in_specs=(x, whole, whole, whole), out_specs=x,
+                      check_vma=False)
+  many = jax.shard_map(products, mesh=mesh, in_specs=(x, whole, whole, whole), out_specs=x,
+                       check_vma=False)
+  return Fp8Projection(one, lambda x_BTK, w8s, scales, lanes=None: many(
+      x_BTK, tuple(w8s), tuple(scales), tuple(lanes or (None,) * len(w8s))))
 
 
 def with_kernel_scales(module):

@@ -35,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -149,80 +150,99 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
                  transforms=_smem_transforms(BLOCK, jnp.float16)) for _ in columns])
 
 
-def _partials(x_RK, w8_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8Tiling):
-  """[S, N, R] float32: slice s's sum over its K blocks of (W_block @ x_block^T) * scale.
+def _partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8Tiling):
+  """[S, sum of N, R] float32: slice s's sum over its K blocks of (W_block @ x_block^T) *
+  scale, for each weight of `w8s_NK` (a tuple of weights with the same K; the output holds
+  their columns one after another).
 
   x_RK: float16, or e4m3 with `act_scale_X` ([K/128 x lanes]: each row's scale per 128-K
   group, rows on the lanes) for FP8 x FP8 products.
-  scale_rows_NbX: each block's scale repeated over `lanes` (>= R) lanes ([N/128, K/128 x
-  lanes]), so that a step's scales arrive with its tiles as one TMA block each (a scalar read
-  from global memory in every step would sit in the step's critical path)."""
+  scale_rows_NbX: per weight, each block's scale repeated over `lanes` (>= R) lanes ([N/128,
+  K/128 x lanes]), so that a step's scales arrive with its tiles as one TMA block each (a
+  scalar read from global memory in every step would sit in the step's critical path).
+
+  Several weights run as several pipelines in one kernel, each starting on the program after
+  the one that took the previous pipeline's last item. Why: at decode sizes each kernel call
+  costs a launch, its pipeline's first loads and a sum of its partials, several microseconds
+  that weigh as much as a small weight's bytes (Qwen3-8B's k and v, 4 MB each in e4m3);
+  products of one x (q, k, v) share one call instead."""
   rows, k = x_RK.shape
-  n = w8_NK.shape[0]
+  ns = [w.shape[0] for w in w8s_NK]
   x_dtype = x_RK.dtype
   fp8_x = act_scale_X is not None
   per_step = tiling.blocks_per_step
   step_k = per_step * BLOCK
   k_steps = k // splits // step_k
-  lanes = scale_rows_NbX.shape[1] // (k // BLOCK)
+  lanes = scale_rows_NbX[0].shape[1] // (k // BLOCK)
   scale_bytes = per_step * lanes * 4 * (2 if fp8_x else 1)
   stages = decode_gemm._num_stages(
       decode_gemm.DecodeTiling(BLOCK, step_k, tiling.num_stages),
       BLOCK * step_k + rows * step_k * x_dtype.itemsize + scale_bytes)
   decode_gemm._check_aligned(((rows, step_k), x_dtype), ((BLOCK, step_k), E4M3),
                              ((per_step * lanes,), jnp.float32))
+  num_sms = platform.num_sms()
+  # Each weight's first column block in the output, and the program its first item goes to.
+  col_offsets = [sum(ns[:j]) // BLOCK for j in range(len(ns))]
+  first_sms = [splits * offset % num_sms for offset in col_offsets]
 
   def body(*refs):
-    *in_refs, out_ref = refs
+    x_ref, *weight_refs, out_ref = refs
+    act_ref = [weight_refs.pop()] if fp8_x else []
 
-    def in_specs_for(item, delay_release):
-      def k_step(i, k):
-        return item(i)[0] * k_steps + k
+    def pipeline(w_ref, s_ref, col_offset, first_sm, n):
+      def in_specs_for(item, delay_release):
+        def k_step(i, k):
+          return item(i)[0] * k_steps + k
 
-      x_spec = plgpu.BlockSpec((rows, step_k), lambda i, k: (0, k_step(i, k)),
-                               transforms=_smem_transforms(step_k, x_dtype),
-                               delay_release=delay_release)
-      w_spec = plgpu.BlockSpec((BLOCK, step_k), lambda i, k: (item(i)[1], k_step(i, k)),
-                               transforms=_smem_transforms(BLOCK, E4M3),
-                               delay_release=delay_release)
-      s_spec = plgpu.BlockSpec((None, per_step * lanes),
-                               lambda i, k: (item(i)[1], k_step(i, k)),
-                               delay_release=delay_release)
-      a_spec = plgpu.BlockSpec((per_step * lanes,), lambda i, k: (k_step(i, k),),
-                               delay_release=delay_release)
-      return [x_spec, w_spec, s_spec] + ([a_spec] if fp8_x else [])
+        x_spec = plgpu.BlockSpec((rows, step_k), lambda i, k: (0, k_step(i, k)),
+                                 transforms=_smem_transforms(step_k, x_dtype),
+                                 delay_release=delay_release)
+        w_spec = plgpu.BlockSpec((BLOCK, step_k), lambda i, k: (item(i)[1], k_step(i, k)),
+                                 transforms=_smem_transforms(BLOCK, E4M3),
+                                 delay_release=delay_release)
+        s_spec = plgpu.BlockSpec((None, per_step * lanes),
+                                 lambda i, k: (item(i)[1], k_step(i, k)),
+                                 delay_release=delay_release)
+        a_spec = plgpu.BlockSpec((per_step * lanes,), lambda i, k: (k_step(i, k),),
+                                 delay_release=delay_release)
+        return [x_spec, w_spec, s_spec] + ([a_spec] if fp8_x else [])
 
-    def accumulate(slot, col, k, sums, smem_refs):
-      x_smem, w_smem, s_smem, *a_smem = smem_refs
-      (total,) = sums
-      for j, part in enumerate(block_products(w_smem, x_smem, per_step, rows, fp8_x)):
-        lanes_j = pl.ds(j * lanes, rows)
-        scale_R = plgpu.load(s_smem.at[lanes_j], layout=plgpu.Layout.WGMMA.reduce(0))
-        if fp8_x:
-          scale_R = scale_R * plgpu.load(a_smem[0].at[lanes_j],
-                                         layout=plgpu.Layout.WGMMA.reduce(0))
-        total = total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
-      return (total,)
+      def accumulate(slot, col, k, sums, smem_refs):
+        x_smem, w_smem, s_smem, *a_smem = smem_refs
+        (total,) = sums
+        for j, part in enumerate(block_products(w_smem, x_smem, per_step, rows, fp8_x)):
+          lanes_j = pl.ds(j * lanes, rows)
+          scale_R = plgpu.load(s_smem.at[lanes_j], layout=plgpu.Layout.WGMMA.reduce(0))
+          if fp8_x:
+            scale_R = scale_R * plgpu.load(a_smem[0].at[lanes_j],
+                                           layout=plgpu.Layout.WGMMA.reduce(0))
+          total = total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
+        return (total,)
 
-    def epilogue(slot, col, sums, smem_refs, o_smem):
-      (total,) = sums
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_smem[...] = total
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[slot, pl.ds(col * BLOCK, BLOCK)])
+      def epilogue(slot, col, sums, smem_refs, o_smem):
+        (total,) = sums
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_smem[...] = total
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[slot, pl.ds((col_offset + col) * BLOCK,
+                                                               BLOCK)])
 
-    decode_gemm._slot_pipeline(
-        num_slots=splits, col_blocks=n // BLOCK, k_steps=k_steps, block_cols=BLOCK,
-        tokens_pad=rows, dtype=jnp.float32, in_specs_for=in_specs_for, num_sums=1,
-        stages=stages, epilogue=epilogue, operands_of=None, async_mma=False,
-        accumulate=accumulate,
-        out_smem=plgpu.SMEM((BLOCK, rows), jnp.float32,
-                            transforms=_smem_transforms(rows, jnp.float32)),
-    )(*in_refs)
+      decode_gemm._slot_pipeline(
+          num_slots=splits, col_blocks=n // BLOCK, k_steps=k_steps, block_cols=BLOCK,
+          tokens_pad=rows, dtype=jnp.float32, in_specs_for=in_specs_for, num_sums=1,
+          stages=stages, epilogue=epilogue, operands_of=None, async_mma=False,
+          accumulate=accumulate, first_sm=first_sm,
+          out_smem=plgpu.SMEM((BLOCK, rows), jnp.float32,
+                              transforms=_smem_transforms(rows, jnp.float32)),
+      )(x_ref, w_ref, s_ref, *act_ref)
 
-  inputs = (x_RK, w8_NK, scale_rows_NbX) + ((act_scale_X,) if fp8_x else ())
-  return decode_gemm._kernel_call(body, (splits, n, rows), jnp.float32, "fp8_block_gemm")(
-      *inputs)
+    for j, n in enumerate(ns):
+      pipeline(weight_refs[2 * j], weight_refs[2 * j + 1], col_offsets[j], first_sms[j], n)
+
+  inputs = (x_RK, *[a for pair in zip(w8s_NK, scale_rows_NbX) for a in pair])
+  inputs += (act_scale_X,) if fp8_x else ()
+  return decode_gemm._kernel_call(body, (splits, sum(ns), rows), jnp.float32,
+                                  "fp8_block_gemm")(*inputs)
 
 
 def scale_lanes(scale, lanes: int = SCALE_LANES):
@@ -265,13 +285,40 @@ def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
 
   activations: "float16" (x as it is, exact in float16 after a power-of-two row scale) or
   "e4m3" (x quantized per row and 128-K group first, quantize_activations)."""
-  m, k, n = check_operands("fp8_matmul", x_MK, w8_NK, scale_NbKb)
-  if not fits_kernel(m, k, n, (BLOCK, BLOCK)):
-    raise ValueError(f"fp8_matmul takes M <= {MAX_ROWS} rows and K, N in multiples of "
-                     f"{BLOCK}, got M={m}, K={k}, N={n}")
+  (out,) = _products("fp8_matmul", x_MK, (w8_NK,), (scale_NbKb,), (lanes_NbX,), splits,
+                     tiling, activations)
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations"))
+def fp8_matmul_many(x_MK: jax.Array, w8s_NK: tuple, scales_NbKb: tuple,
+                    lanes_NbX: tuple | None = None, splits: int | None = None,
+                    tiling: Fp8Tiling | None = None,
+                    activations: str = "float16") -> tuple:
+  """fp8_matmul of one x with each of several weights of the same K (q, k and v), in one
+  kernel call (_partials says why): a tuple of [M, N_i] in x's dtype, equal to the separate
+  products at the same K slices. lanes_NbX: as fp8_matmul's, one per weight (or None)."""
+  if not w8s_NK or len(w8s_NK) != len(scales_NbKb):
+    raise ValueError(f"fp8_matmul_many takes as many scales as weights (at least one), got "
+                     f"{len(w8s_NK)} weights and {len(scales_NbKb)} scales")
+  lanes_NbX = lanes_NbX or (None,) * len(w8s_NK)
+  if len(lanes_NbX) != len(w8s_NK):
+    raise ValueError(f"lanes_NbX has {len(lanes_NbX)} entries for {len(w8s_NK)} weights")
+  return _products("fp8_matmul_many", x_MK, tuple(w8s_NK), tuple(scales_NbKb),
+                   tuple(lanes_NbX), splits, tiling, activations)
+
+
+def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activations):
+  shapes = [check_operands(name, x_MK, w, s) for w, s in zip(w8s_NK, scales_NbKb)]
+  m, k, _ = shapes[0]
+  ns = [n for _, _, n in shapes]
+  if not all(fits_kernel(m, k, n, (BLOCK, BLOCK)) for n in ns):
+    raise ValueError(f"{name} takes M <= {MAX_ROWS} rows and K, N in multiples of "
+                     f"{BLOCK}, got M={m}, K={k}, N={ns}")
   if activations not in ("float16", "e4m3"):
     raise ValueError(f"activations must be 'float16' or 'e4m3', got {activations!r}")
-  splits = splits or choose_splits(k, n, platform.num_sms())
+  # The weights' items share the SMs' rounds: the slices are chosen for all their columns.
+  splits = splits or choose_splits(k, sum(ns), platform.num_sms())
   if k % (splits * BLOCK):
     raise ValueError(f"K={k} does not split into {splits} slices of whole {BLOCK}-blocks")
   tiling = tiling or default_tiling(m)
@@ -280,13 +327,15 @@ def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
     tiling = dataclasses.replace(tiling, blocks_per_step=1)  # a slice of an odd block count
   rows = decode_routing.padded_tokens(m)
   lanes = max(rows, SCALE_LANES)
-  if lanes_NbX is not None and lanes == SCALE_LANES:
-    if lanes_NbX.shape != (n // BLOCK, k // BLOCK * SCALE_LANES):
-      raise ValueError(f"lanes_NbX has shape {lanes_NbX.shape}, not scale_lanes(scale)'s "
-                       f"{(n // BLOCK, k // BLOCK * SCALE_LANES)}")
-    scale_rows_NbX = lanes_NbX
-  else:
-    scale_rows_NbX = scale_lanes(scale_NbKb, lanes)
+  scale_rows = []
+  for n, scale, prepared in zip(ns, scales_NbKb, lanes_NbX):
+    if prepared is not None and lanes == SCALE_LANES:
+      if prepared.shape != (n // BLOCK, k // BLOCK * SCALE_LANES):
+        raise ValueError(f"lanes_NbX has shape {prepared.shape}, not scale_lanes(scale)'s "
+                         f"{(n // BLOCK, k // BLOCK * SCALE_LANES)}")
+      scale_rows.append(prepared)
+    else:
+      scale_rows.append(scale_lanes(scale, lanes))
   if activations == "e4m3":
     x8_MK, act_scale_MKb = quantize_activations(x_MK)
     x_RK = jnp.pad(x8_MK, ((0, rows - m), (0, 0)))
@@ -296,6 +345,7 @@ def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
     x16_MK, row_scale_M = _to_float16_rows(x_MK)
     x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
     act_scale_X = None
-  parts_SNR = _partials(x_RK, w8_NK, scale_rows_NbX, act_scale_X, splits, tiling)
-  out_NM = jnp.sum(parts_SNR[:, :, :m], axis=0)
-  return (out_NM.T * row_scale_M[:, None]).astype(x_MK.dtype)
+  parts_SNR = _partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling)
+  out_MN = (jnp.sum(parts_SNR[:, :, :m], axis=0).T * row_scale_M[:, None]).astype(x_MK.dtype)
+  bounds = np.cumsum([0] + ns)
+  return tuple(out_MN[:, start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
