@@ -30,22 +30,40 @@ def _fp8_weight(rng, n, k):
   return w8, scale
 
 
+@pytest.mark.parametrize("activations", ["bfloat16", "float16"])
 @pytest.mark.parametrize("rows, k, n, splits", CASES)
-def test_fp8_matmul_equals_the_dequantized_product(rows, k, n, splits):
+def test_fp8_matmul_equals_the_dequantized_product(rows, k, n, splits, activations):
   rng = np.random.default_rng([RUN_SEED, rows, k, n])
-  # Rows of very different magnitudes: each is scaled into float16's range on its own.
+  # Rows of very different magnitudes (float16's route scales each into its range on its own).
   magnitude = 10.0 ** rng.uniform(-3, 4, (rows, 1))
   x = jnp.asarray(rng.standard_normal((rows, k)) * magnitude, jnp.bfloat16)
   w8, scale = _fp8_weight(rng, n, k)
-  y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale), splits=splits), np.float32)
+  y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale), splits=splits,
+                            activations=activations), np.float32)
   x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
   exact = x32 @ w32.T
   assert y.shape == (rows, n) and np.isfinite(y).all()  # interpret mode fills with NaN
-  # e4m3 -> float16 is exact and bf16 x scaled by a power of two is exact in float16 (its 11
-  # significant bits hold bf16's 8); products are summed in float32. The one rounding that
-  # matters is the bf16 output's (2^-9 relative), plus float32 sums' error.
+  # Both routes multiply exactly what x and w hold: e4m3 -> float16 (and on to bfloat16) is
+  # exact, and bf16 x scaled by a power of two is exact in float16 (its 11 significant bits
+  # hold bf16's 8). Products are summed in float32. The one rounding that matters is the bf16
+  # output's (2^-9 relative), plus float32 sums' error.
   bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
   assert (np.abs(y - exact) <= bound).all()
+
+
+def test_activation_routes_by_dtype_and_refusal():
+  """bfloat16 x takes the bfloat16 route (nothing done to x before the kernel), float32 x the
+  float16 route (its 11 bits, rows scaled to float16's range)."""
+  rng = np.random.default_rng([RUN_SEED, 13])
+  w8, scale = (jnp.asarray(a) for a in _fp8_weight(rng, 128, 256))
+  x32 = jnp.asarray(rng.standard_normal((2, 256)), jnp.float32)
+  x16 = x32.astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(fp8_matmul(x16, w8, scale)),
+                                np.asarray(fp8_matmul(x16, w8, scale, activations="bfloat16")))
+  np.testing.assert_array_equal(np.asarray(fp8_matmul(x32, w8, scale)),
+                                np.asarray(fp8_matmul(x32, w8, scale, activations="float16")))
+  with pytest.raises(ValueError, match="activations must be one of"):
+    fp8_matmul(x16, w8, scale, activations="int8")
 
 
 def test_rows_past_float16_range_and_zero_rows():
@@ -153,14 +171,34 @@ def test_products_of_one_x_refuse_mismatched_weights():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["bfloat16", "float16"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
 @pytest.mark.parametrize("k, n", [(4096, 4096), (12288, 4096), (4096, 1024)])
-def test_gpu_fp8_matmul_at_model_shapes(rows, k, n):
+def test_gpu_fp8_matmul_at_model_shapes(rows, k, n, activations):
   """The register form of the kernel (the GPU's), at Qwen3-8B's q/o, down and k/v shapes."""
   rng = np.random.default_rng([RUN_SEED, rows, k, n])
   x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
   w8, scale = _fp8_weight(rng, n, k)
-  y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale)), np.float32)
+  y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale), activations=activations),
+                 np.float32)
+  x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
+  exact = x32 @ w32.T
+  bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
+  assert np.isfinite(y).all() and (np.abs(y - exact) <= bound).all()
+
+
+@pytest.mark.gpu
+def test_gpu_subnormal_weights_and_small_rows_on_the_bfloat16_route():
+  """e4m3 subnormals (|w| < 2^-6, normal numbers once widened) and a row of x near 1e-6 on the
+  bfloat16 route: products far under 1, kept by the conversions and the tensor cores."""
+  rng = np.random.default_rng([RUN_SEED, 14])
+  codes = rng.integers(1, 8, (256, 512)) | (rng.integers(0, 2, (256, 512)) << 7)
+  w8 = codes.astype(np.uint8).view(ml_dtypes.float8_e4m3fn)  # every entry subnormal
+  scale = rng.uniform(1e-2, 1.0, (2, 4)).astype(np.float32)
+  x = np.stack([rng.standard_normal(512), rng.standard_normal(512) * 1e-6])
+  x = jnp.asarray(x, jnp.bfloat16)
+  y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale), activations="bfloat16"),
+                 np.float32)
   x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
   exact = x32 @ w32.T
   bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)

@@ -16,11 +16,14 @@ product per 128-row block of K reaches at best the bf16 time. A first kernel in 
 How: the decode expert kernels' persistent pipeline (jspec.pallas_kernels.decode_gemm), on the
 transposed product out^T[N, M] = W[N, K] @ x^T, so the weight's output rows are wgmma's M
 dimension and the few rows of x its N. The TMA streams each [128-column, 128-K] e4m3 tile of
-the weight as it is stored (K contiguous); the warpgroup widens it in registers to float16
-(exact: e4m3 fits float16's range and mantissa) and multiplies it with x, which waits in shared
-memory as float16. wgmma has no e4m3 x 16-bit form, and Hopper converts e4m3 only to float16 in
-one instruction, hence float16 rather than bfloat16 for x: each row of x is first scaled by a
-power of two into float16's range (exact), and the output row by its inverse. Each 128-K step's
+the weight as it is stored (K contiguous); the warpgroup widens it in registers to x's 16-bit
+type (exact: e4m3 fits the range and mantissa of both) and multiplies it with x, which waits in
+shared memory. wgmma has no e4m3 x 16-bit form. bfloat16 x (a model's) goes in as it is, the
+tile widened through float16 and float32 (Hopper converts e4m3 only to float16 in one
+instruction). Other x goes in as float16, each row first scaled by a power of two into
+float16's range (exact for bf16 values), the output row by its inverse: that needs each row's
+largest |x|, XLA passes before the kernel that at decode sizes cost about as much as a small
+weight's bytes. Each 128-K step's
 products land in fresh float32 accumulators and are multiplied by that block's scale, so the
 scale is applied where it is one number. The weight's K is cut into S slices so that S x N/128
 work items fill the SMs; the S float32 partials are summed outside, with the row scales.
@@ -47,6 +50,7 @@ BLOCK = 128        # the published weight_block_size, both axes
 MAX_ROWS = 64      # float32 sums of a 128-column item in registers
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
+ACTIVATIONS = ("bfloat16", "float16", "e4m3")
 # A block's scale travels repeated over this many float32 lanes: one 128-byte TMA block.
 SCALE_LANES = 32
 # x's rows are scaled so that |x| < 2^14, under float16's largest finite value (65504).
@@ -113,7 +117,8 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
   """Each of a step's `per_step` 128-K blocks' W @ x^T in float32, in fresh accumulators.
 
   w_smem: [128 columns, per_step x 128] e4m3 as the TMA left it; x_smem: [rows, per_step x
-  128], float16 (the tile is widened to float16 in registers) or e4m3 (both as they are)."""
+  128], float16 or bfloat16 (the tile is widened to x's type in registers), or e4m3 (both as
+  they are)."""
   columns = [pl.ds(j * BLOCK, BLOCK) for j in range(per_step)]
   accs = [plgpu.ACC((BLOCK, rows)) for _ in columns]
   if fp8_x:  # e4m3 x e4m3: both operands as the TMA left them
@@ -123,7 +128,13 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
       return tuple(acc[...] for acc in acc_refs)
 
     return pl.run_scoped(mma_fp8, *accs)
-  w16 = [w_smem[:, c].astype(jnp.float16) for c in columns]
+  if x_smem.dtype == jnp.bfloat16:
+    # Hopper converts e4m3 to float16 only; float16 -> float32 -> bfloat16 is exact for
+    # e4m3's values, subnormals included (2^-9 and up: normal in bfloat16).
+    w16 = [w_smem[:, c].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
+           for c in columns]
+  else:
+    w16 = [w_smem[:, c].astype(jnp.float16) for c in columns]
 
   def mma(*acc_refs):
     for acc, a, c in zip(acc_refs, w16, columns):
@@ -146,8 +157,8 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
     return pl.run_scoped(mma, *accs)
   # The interpreter's wgmma reads both operands from shared memory only.
   return pl.run_scoped(mma_from_smem, *[
-      plgpu.SMEM((BLOCK, BLOCK), jnp.float16,
-                 transforms=_smem_transforms(BLOCK, jnp.float16)) for _ in columns])
+      plgpu.SMEM((BLOCK, BLOCK), x_smem.dtype,
+                 transforms=_smem_transforms(BLOCK, x_smem.dtype)) for _ in columns])
 
 
 def _partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8Tiling):
@@ -166,7 +177,8 @@ def _partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp
   costs a launch, its pipeline's first loads and a sum of its partials, several microseconds
   that weigh as much as a small weight's bytes (Qwen3-8B's k and v, 4 MB each in e4m3);
   products of one x (q, k, v) share one call instead."""
-  rows, k = x_RK.shape
+  # wgmma's N: x may have fewer rows (the TMA fills the rest of each tile with zeros).
+  rows, k = decode_routing.padded_tokens(x_RK.shape[0]), x_RK.shape[1]
   ns = [w.shape[0] for w in w8s_NK]
   x_dtype = x_RK.dtype
   fp8_x = act_scale_X is not None
@@ -277,14 +289,17 @@ def check_operands(name: str, x_MK, w8_NK, scale_NbKb) -> tuple[int, int, int]:
 @functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations"))
 def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
                splits: int | None = None, tiling: Fp8Tiling | None = None,
-               activations: str = "float16", lanes_NbX: jax.Array | None = None) -> jax.Array:
+               activations: str | None = None, lanes_NbX: jax.Array | None = None) -> jax.Array:
   """x @ (w8 * scale broadcast over its 128 x 128 blocks).T, in x's dtype.
 
   lanes_NbX: scale_lanes(scale) made beforehand, used where the step's padded rows fit
   SCALE_LANES (else the scales are repeated here, over more lanes).
 
-  activations: "float16" (x as it is, exact in float16 after a power-of-two row scale) or
-  "e4m3" (x quantized per row and 128-K group first, quantize_activations)."""
+  activations: "bfloat16" (x as it is, the weight tiles widened to bfloat16 in registers: no
+  pass over x before the kernel; the default for bfloat16 x), "float16" (each row scaled by a
+  power of two into float16's range, which needs the row's largest |x| first; the default for
+  other x, whose 11 bits it keeps), or "e4m3" (x quantized per row and 128-K group first,
+  quantize_activations). The first two multiply exactly what x holds."""
   (out,) = _products("fp8_matmul", x_MK, (w8_NK,), (scale_NbKb,), (lanes_NbX,), splits,
                      tiling, activations)
   return out
@@ -294,7 +309,7 @@ def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
 def fp8_matmul_many(x_MK: jax.Array, w8s_NK: tuple, scales_NbKb: tuple,
                     lanes_NbX: tuple | None = None, splits: int | None = None,
                     tiling: Fp8Tiling | None = None,
-                    activations: str = "float16") -> tuple:
+                    activations: str | None = None) -> tuple:
   """fp8_matmul of one x with each of several weights of the same K (q, k and v), in one
   kernel call (_partials says why): a tuple of [M, N_i] in x's dtype, equal to the separate
   products at the same K slices. lanes_NbX: as fp8_matmul's, one per weight (or None)."""
@@ -315,8 +330,10 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
   if not all(fits_kernel(m, k, n, (BLOCK, BLOCK)) for n in ns):
     raise ValueError(f"{name} takes M <= {MAX_ROWS} rows and K, N in multiples of "
                      f"{BLOCK}, got M={m}, K={k}, N={ns}")
-  if activations not in ("float16", "e4m3"):
-    raise ValueError(f"activations must be 'float16' or 'e4m3', got {activations!r}")
+  if activations is None:  # bfloat16 x as it is; float32 x keeps float16's 11 bits
+    activations = "bfloat16" if x_MK.dtype == jnp.bfloat16 else "float16"
+  if activations not in ACTIVATIONS:
+    raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
   # The weights' items share the SMs' rounds: the slices are chosen for all their columns.
   splits = splits or choose_splits(k, sum(ns), platform.num_sms())
   if k % (splits * BLOCK):
@@ -336,16 +353,27 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
       scale_rows.append(prepared)
     else:
       scale_rows.append(scale_lanes(scale, lanes))
+  act_scale_X = None
   if activations == "e4m3":
     x8_MK, act_scale_MKb = quantize_activations(x_MK)
     x_RK = jnp.pad(x8_MK, ((0, rows - m), (0, 0)))
     act_scale_X = jnp.pad(act_scale_MKb, ((0, lanes - m), (0, 0))).T.reshape(-1)
     row_scale_M = jnp.ones((m,), jnp.float32)
+  elif activations == "bfloat16":
+    # x as it is, no pass over it: up to 8 rows the TMA fills the tile's missing rows itself
+    # (their outputs are dropped below).
+    x_RK = x_MK.astype(jnp.bfloat16)
+    if m > decode_gemm.ROW_TILE and m % decode_gemm.ROW_TILE:
+      # Past 8 rows the TMA reads x in tiles of 8 rows: whole tiles (as decode_gemm's x).
+      x_RK = jnp.pad(x_RK, ((0, -m % decode_gemm.ROW_TILE), (0, 0)))
+    row_scale_M = None
   else:
     x16_MK, row_scale_M = _to_float16_rows(x_MK)
     x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
-    act_scale_X = None
   parts_SNR = _partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling)
-  out_MN = (jnp.sum(parts_SNR[:, :, :m], axis=0).T * row_scale_M[:, None]).astype(x_MK.dtype)
+  out_MN = jnp.sum(parts_SNR[:, :, :m], axis=0).T
+  if row_scale_M is not None:
+    out_MN = out_MN * row_scale_M[:, None]
+  out_MN = out_MN.astype(x_MK.dtype)
   bounds = np.cumsum([0] + ns)
   return tuple(out_MN[:, start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
