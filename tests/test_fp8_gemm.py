@@ -225,8 +225,11 @@ def test_gpu_products_of_one_x_at_model_shapes(rows):
     bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
     assert np.isfinite(y).all() and (np.abs(y - exact) <= bound).all()
     alone = np.asarray(fp8_matmul(x, w8_j, scale_j, splits=splits), np.float32)
-    # Equal but for the compiler's FMA contractions: within one rounding of the bf16 output.
-    np.testing.assert_allclose(y, alone, rtol=2.0 ** -7, atol=0)
+    # Equal but for the compiler's FMA contractions, which differ between the two kernels:
+    # within one rounding of the bf16 output, plus float32 sums' error where the sum cancels
+    # (elementwise rtol failed there on an H100: 2.2e-4 in a row of outputs near 40).
+    assert (np.abs(y - alone) <= 2.0 ** -8 * np.abs(alone)
+            + 1e-5 * (np.abs(x32) @ np.abs(w32).T)).all()
 
 
 def _act_quant(x32):
