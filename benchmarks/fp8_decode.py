@@ -60,6 +60,9 @@ def main():
                       help="also trace one call at the first batch size per precision: GPU "
                            "time by op")
   parser.add_argument("--no-prefill", action="store_true", help="skip the long-prompt row")
+  parser.add_argument("--qkv-separate", action="store_true",
+                      help="FP8: q, k and v as three kernel calls, not one (the path before "
+                           "fp8_gemm.fp8_matmul_many), for a before / after comparison")
   args = parser.parse_args()
   base = PRESETS[args.model]
   if args.layers:
@@ -76,6 +79,10 @@ def main():
     llm = jspec.LLM.from_random(cfg, None, max_model_len=max_len,
                                 max_num_seqs=max(args.batch))
     size = weight_bytes(llm)
+    if args.qkv_separate:
+      for _, node in nnx.iter_graph(llm.target):
+        if getattr(node, "fp8_projection", None) is not None:
+          node.fp8_projection.many = None  # linear.project_many_named: one call per weight
     print(f"{precision}: built in {time.perf_counter() - start:.1f} s", flush=True)
     if precision == "fp8":  # the FP8 kernel's logits against the scaled weights' under XLA
       xla = jspec.LLM.from_random(cfg, None, max_model_len=max_len, max_num_seqs=1,
