@@ -53,8 +53,8 @@ class Fp8Projection:
 def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules,
                            block: tuple[int, int]) -> Fp8Projection:
   """The FP8 products per batch shard, the FP8 weights and their scales replicated, with 128 x
-  128 blocks: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows (float16 activations,
-  read-bound), jspec.pallas_kernels.fp8_prefill past that (prefill chunks, wide verify windows:
+  128 blocks: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows (the activations as
+  they are, read-bound), jspec.pallas_kernels.fp8_prefill past that (prefill chunks, wide verify windows:
   e4m3 activations on the FP8 tensor cores, the checkpoints' "dynamic" activation scheme);
   another block size: the weight multiplied by its scale before XLA's dot."""
   from jspec.models.linear import project

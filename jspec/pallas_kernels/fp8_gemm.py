@@ -23,10 +23,10 @@ tile widened through float16 and float32 (Hopper converts e4m3 only to float16 i
 instruction). Other x goes in as float16, each row first scaled by a power of two into
 float16's range (exact for bf16 values), the output row by its inverse: that needs each row's
 largest |x|, XLA passes before the kernel that at decode sizes cost about as much as a small
-weight's bytes. Each 128-K step's
-products land in fresh float32 accumulators and are multiplied by that block's scale, so the
-scale is applied where it is one number. The weight's K is cut into S slices so that S x N/128
-work items fill the SMs; the S float32 partials are summed outside, with the row scales.
+weight's bytes. Each 128-K step's products land in fresh float32 accumulators and are
+multiplied by that block's scale, so the scale is applied where it is one number. The
+weight's K is cut into S slices so that S x N/128 work items fill the SMs; the S float32
+partials are summed outside (with the row scales of float16 x).
 Off the GPU (interpret mode, the CPU tests) the widened tile goes through shared memory, as
 the interpreter's wgmma takes no operand in registers; the GPU tests run the register form.
 """
@@ -166,8 +166,9 @@ def _partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp
   scale, for each weight of `w8s_NK` (a tuple of weights with the same K; the output holds
   their columns one after another).
 
-  x_RK: float16, or e4m3 with `act_scale_X` ([K/128 x lanes]: each row's scale per 128-K
-  group, rows on the lanes) for FP8 x FP8 products.
+  x_RK: float16 or bfloat16 (up to 8 rows, or a multiple of 8: the TMA fills the rest of the
+  padded R rows with zeros), or e4m3 with `act_scale_X` ([K/128 x lanes]: each row's scale per
+  128-K group, rows on the lanes) for FP8 x FP8 products.
   scale_rows_NbX: per weight, each block's scale repeated over `lanes` (>= R) lanes ([N/128,
   K/128 x lanes]), so that a step's scales arrive with its tiles as one TMA block each (a
   scalar read from global memory in every step would sit in the step's critical path).
