@@ -32,8 +32,8 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import fp8_gemm, platform
-from jspec.pallas_kernels.fp8_gemm import BLOCK, Fp8Tiling
+from jspec.pallas_kernels import fp8_block_kernel, fp8_gemm, platform
+from jspec.pallas_kernels.fp8_block_kernel import BLOCK, Fp8Tiling
 
 E4M3 = jnp.float8_e4m3fn
 
@@ -69,15 +69,15 @@ def kernel_alone(splits: int, tiling: Fp8Tiling, products: bool = True, per_sm: 
   sms = platform.num_sms()
 
   def fn(x, w8, scale):
-    saved = platform.num_sms, fp8_gemm.block_products
+    saved = platform.num_sms, fp8_block_kernel.block_products
     platform.num_sms = lambda: sms * per_sm
     if not products:
-      fp8_gemm.block_products = _zero_products
+      fp8_block_kernel.block_products = _zero_products
     try:
-      parts = fp8_gemm._partials(x.astype(jnp.bfloat16), (w8,), [fp8_gemm.scale_lanes(scale)],
-                                 None, splits, tiling)
+      parts = fp8_block_kernel.partials(x.astype(jnp.bfloat16), (w8,),
+                                        [fp8_gemm.scale_lanes(scale)], None, splits, tiling)
     finally:
-      platform.num_sms, fp8_gemm.block_products = saved
+      platform.num_sms, fp8_block_kernel.block_products = saved
     return jnp.sum(parts[:, :8, :1])  # a corner: no pass over the partials
   return fn
 

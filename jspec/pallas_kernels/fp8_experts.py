@@ -35,8 +35,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.models import quantization
 from jspec.pallas_kernels import decode_gemm, decode_routing
-from jspec.pallas_kernels.fp8_gemm import (BLOCK, E4M3, MAX_ROWS, SCALE_LANES,
-                                           _to_float16_rows, block_products)
+from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, block_products
+from jspec.pallas_kernels.fp8_gemm import MAX_ROWS, SCALE_LANES, _to_float16_rows
 from jspec.pallas_kernels.grouped_gemm import _smem_transforms
 
 
@@ -91,7 +91,7 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
   step_k = blocks_per_step * BLOCK
   lanes = max(rows, SCALE_LANES)
   # Each slot's block scales over `lanes` lanes, so that a step's scales arrive with its tiles
-  # as one TMA block (fp8_gemm._partials says why); gathered for the slots only. A lane holds
+  # as one TMA block (fp8_block_kernel.partials says why); gathered for the slots only. A lane holds
   # the weight block's scale, times row n's scale of that K group where x is e4m3.
   if fp8_x:
     act_SKbR = jnp.pad(act_scale_SKbN.astype(jnp.float32),

@@ -13,22 +13,8 @@ benchmarks/fp8_matmul.py): a dot over `bf16(w8) * scale` writes the dequantized 
 product per 128-row block of K reaches at best the bf16 time. A first kernel in Pallas Triton
 (e4m3 widened to bf16 for the dot) read the bytes at only 1.0-1.6 TB/s.
 
-How: the decode expert kernels' persistent pipeline (jspec.pallas_kernels.decode_gemm), on the
-transposed product out^T[N, M] = W[N, K] @ x^T, so the weight's output rows are wgmma's M
-dimension and the few rows of x its N. The TMA streams each [128-column, 128-K] e4m3 tile of
-the weight as it is stored (K contiguous); the warpgroup widens it in registers to x's 16-bit
-type (exact: e4m3 fits the range and mantissa of both) and multiplies it with x, which waits in
-shared memory. wgmma has no e4m3 x 16-bit form. bfloat16 x (a model's) goes in as it is, the
-tile widened through float16 and float32 (Hopper converts e4m3 only to float16 in one
-instruction). Other x goes in as float16, each row first scaled by a power of two into
-float16's range (exact for bf16 values), the output row by its inverse: that needs each row's
-largest |x|, XLA passes before the kernel that at decode sizes cost about as much as a small
-weight's bytes. Each 128-K step's products land in fresh float32 accumulators and are
-multiplied by that block's scale, so the scale is applied where it is one number. The
-weight's K is cut into S slices so that S x N/128 work items fill the SMs; the S float32
-partials are summed outside (with the row scales of float16 x).
-Off the GPU (interpret mode, the CPU tests) the widened tile goes through shared memory, as
-the interpreter's wgmma takes no operand in registers; the GPU tests run the register form.
+How: jspec.pallas_kernels.fp8_block_kernel (the kernel and its numerics); here the choice
+of activation route, K slices and tiling, and the XLA work around the kernel.
 """
 
 from __future__ import annotations
@@ -39,31 +25,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.pallas_kernels import decode_gemm, decode_routing, platform
-from jspec.pallas_kernels.grouped_gemm import _smem_transforms
+from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, Fp8Tiling, partials
 
-BLOCK = 128        # the published weight_block_size, both axes
 MAX_ROWS = 64      # float32 sums of a 128-column item in registers
-E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
 ACTIVATIONS = ("bfloat16", "float16", "e4m3")
 # A block's scale travels repeated over this many float32 lanes: one 128-byte TMA block.
 SCALE_LANES = 32
 # x's rows are scaled so that |x| < 2^14, under float16's largest finite value (65504).
 FLOAT16_MAX_EXPONENT = 14
-
-
-@dataclasses.dataclass(frozen=True)
-class Fp8Tiling:
-  """blocks_per_step: 128-K blocks each pipeline step multiplies (each with its own
-  accumulator and scale; more per step spreads a step's fixed latency over more bytes).
-  num_stages: the pipeline's depth (0: as many as fit its shared-memory budget)."""
-  blocks_per_step: int = 2
-  num_stages: int = 4
 
 
 def default_tiling(rows: int) -> Fp8Tiling:
@@ -111,151 +83,6 @@ def _to_float16_rows(x_MK):
   _, exponent_M = jnp.frexp(jnp.max(jnp.abs(x32), axis=-1))  # amax < 2^exponent
   shift_M = exponent_M - FLOAT16_MAX_EXPONENT
   return jnp.ldexp(x32, -shift_M[:, None]).astype(jnp.float16), jnp.ldexp(1.0, shift_M)
-
-
-def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
-  """Each of a step's `per_step` 128-K blocks' W @ x^T in float32, in fresh accumulators.
-
-  w_smem: [128 columns, per_step x 128] e4m3 as the TMA left it; x_smem: [rows, per_step x
-  128], float16 or bfloat16 (the tile is widened to x's type in registers), or e4m3 (both as
-  they are)."""
-  columns = [pl.ds(j * BLOCK, BLOCK) for j in range(per_step)]
-  accs = [plgpu.ACC((BLOCK, rows)) for _ in columns]
-  if fp8_x:  # e4m3 x e4m3: both operands as the TMA left them
-    def mma_fp8(*acc_refs):
-      for acc, c in zip(acc_refs, columns):
-        plgpu.wgmma(acc, w_smem.at[:, c], x_smem.at[:, c].T)
-      return tuple(acc[...] for acc in acc_refs)
-
-    return pl.run_scoped(mma_fp8, *accs)
-  if x_smem.dtype == jnp.bfloat16:
-    # Hopper converts e4m3 to float16 only; float16 -> float32 -> bfloat16 is exact for
-    # e4m3's values, subnormals included (2^-9 and up: normal in bfloat16).
-    w16 = [w_smem[:, c].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
-           for c in columns]
-  else:
-    w16 = [w_smem[:, c].astype(jnp.float16) for c in columns]
-
-  def mma(*acc_refs):
-    for acc, a, c in zip(acc_refs, w16, columns):
-      plgpu.wgmma(acc, a, x_smem.at[:, c].T)
-    return tuple(acc[...] for acc in acc_refs)
-
-  def mma_from_smem(*a_smem):
-    for ref, a in zip(a_smem, w16):
-      ref[...] = a
-    plgpu.commit_smem()
-
-    def mma(*acc_refs):
-      for acc, ref, c in zip(acc_refs, a_smem, columns):
-        plgpu.wgmma(acc, ref, x_smem.at[:, c].T)
-      return tuple(acc[...] for acc in acc_refs)
-
-    return pl.run_scoped(mma, *accs)
-
-  if platform.on_gpu():
-    return pl.run_scoped(mma, *accs)
-  # The interpreter's wgmma reads both operands from shared memory only.
-  return pl.run_scoped(mma_from_smem, *[
-      plgpu.SMEM((BLOCK, BLOCK), x_smem.dtype,
-                 transforms=_smem_transforms(BLOCK, x_smem.dtype)) for _ in columns])
-
-
-def _partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8Tiling):
-  """[S, sum of N, R] float32: slice s's sum over its K blocks of (W_block @ x_block^T) *
-  scale, for each weight of `w8s_NK` (a tuple of weights with the same K; the output holds
-  their columns one after another).
-
-  x_RK: float16 or bfloat16 (up to 8 rows, or a multiple of 8: the TMA fills the rest of the
-  padded R rows with zeros), or e4m3 with `act_scale_X` ([K/128 x lanes]: each row's scale per
-  128-K group, rows on the lanes) for FP8 x FP8 products.
-  scale_rows_NbX: per weight, each block's scale repeated over `lanes` (>= R) lanes ([N/128,
-  K/128 x lanes]), so that a step's scales arrive with its tiles as one TMA block each (a
-  scalar read from global memory in every step would sit in the step's critical path).
-
-  Several weights run as several pipelines in one kernel, each starting on the program after
-  the one that took the previous pipeline's last item. Why: at decode sizes each kernel call
-  costs a launch, its pipeline's first loads and a sum of its partials, several microseconds
-  that weigh as much as a small weight's bytes (Qwen3-8B's k and v, 4 MB each in e4m3);
-  products of one x (q, k, v) share one call instead."""
-  # wgmma's N: x may have fewer rows (the TMA fills the rest of each tile with zeros).
-  rows, k = decode_routing.padded_tokens(x_RK.shape[0]), x_RK.shape[1]
-  ns = [w.shape[0] for w in w8s_NK]
-  x_dtype = x_RK.dtype
-  fp8_x = act_scale_X is not None
-  per_step = tiling.blocks_per_step
-  step_k = per_step * BLOCK
-  k_steps = k // splits // step_k
-  lanes = scale_rows_NbX[0].shape[1] // (k // BLOCK)
-  scale_bytes = per_step * lanes * 4 * (2 if fp8_x else 1)
-  stages = decode_gemm._num_stages(
-      decode_gemm.DecodeTiling(BLOCK, step_k, tiling.num_stages),
-      BLOCK * step_k + rows * step_k * x_dtype.itemsize + scale_bytes)
-  decode_gemm._check_aligned(((rows, step_k), x_dtype), ((BLOCK, step_k), E4M3),
-                             ((per_step * lanes,), jnp.float32))
-  num_sms = platform.num_sms()
-  # Each weight's first column block in the output, and the program its first item goes to.
-  col_offsets = [sum(ns[:j]) // BLOCK for j in range(len(ns))]
-  first_sms = [splits * offset % num_sms for offset in col_offsets]
-
-  def body(*refs):
-    x_ref, *weight_refs, out_ref = refs
-    act_ref = [weight_refs.pop()] if fp8_x else []
-
-    def pipeline(w_ref, s_ref, col_offset, first_sm, n):
-      def in_specs_for(item, delay_release):
-        def k_step(i, k):
-          return item(i)[0] * k_steps + k
-
-        x_spec = plgpu.BlockSpec((rows, step_k), lambda i, k: (0, k_step(i, k)),
-                                 transforms=_smem_transforms(step_k, x_dtype),
-                                 delay_release=delay_release)
-        w_spec = plgpu.BlockSpec((BLOCK, step_k), lambda i, k: (item(i)[1], k_step(i, k)),
-                                 transforms=_smem_transforms(BLOCK, E4M3),
-                                 delay_release=delay_release)
-        s_spec = plgpu.BlockSpec((None, per_step * lanes),
-                                 lambda i, k: (item(i)[1], k_step(i, k)),
-                                 delay_release=delay_release)
-        a_spec = plgpu.BlockSpec((per_step * lanes,), lambda i, k: (k_step(i, k),),
-                                 delay_release=delay_release)
-        return [x_spec, w_spec, s_spec] + ([a_spec] if fp8_x else [])
-
-      def accumulate(slot, col, k, sums, smem_refs):
-        x_smem, w_smem, s_smem, *a_smem = smem_refs
-        (total,) = sums
-        for j, part in enumerate(block_products(w_smem, x_smem, per_step, rows, fp8_x)):
-          lanes_j = pl.ds(j * lanes, rows)
-          scale_R = plgpu.load(s_smem.at[lanes_j], layout=plgpu.Layout.WGMMA.reduce(0))
-          if fp8_x:
-            scale_R = scale_R * plgpu.load(a_smem[0].at[lanes_j],
-                                           layout=plgpu.Layout.WGMMA.reduce(0))
-          total = total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
-        return (total,)
-
-      def epilogue(slot, col, sums, smem_refs, o_smem):
-        (total,) = sums
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_smem[...] = total
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[slot, pl.ds((col_offset + col) * BLOCK,
-                                                               BLOCK)])
-
-      decode_gemm._slot_pipeline(
-          num_slots=splits, col_blocks=n // BLOCK, k_steps=k_steps, block_cols=BLOCK,
-          tokens_pad=rows, dtype=jnp.float32, in_specs_for=in_specs_for, num_sums=1,
-          stages=stages, epilogue=epilogue, operands_of=None, async_mma=False,
-          accumulate=accumulate, first_sm=first_sm,
-          out_smem=plgpu.SMEM((BLOCK, rows), jnp.float32,
-                              transforms=_smem_transforms(rows, jnp.float32)),
-      )(x_ref, w_ref, s_ref, *act_ref)
-
-    for j, n in enumerate(ns):
-      pipeline(weight_refs[2 * j], weight_refs[2 * j + 1], col_offsets[j], first_sms[j], n)
-
-  inputs = (x_RK, *[a for pair in zip(w8s_NK, scale_rows_NbX) for a in pair])
-  inputs += (act_scale_X,) if fp8_x else ()
-  return decode_gemm._kernel_call(body, (splits, sum(ns), rows), jnp.float32,
-                                  "fp8_block_gemm")(*inputs)
 
 
 def scale_lanes(scale, lanes: int = SCALE_LANES):
@@ -312,7 +139,7 @@ def fp8_matmul_many(x_MK: jax.Array, w8s_NK: tuple, scales_NbKb: tuple,
                     tiling: Fp8Tiling | None = None,
                     activations: str | None = None) -> tuple:
   """fp8_matmul of one x with each of several weights of the same K (q, k and v), in one
-  kernel call (_partials says why): a tuple of [M, N_i] in x's dtype, equal to the separate
+  kernel call (fp8_block_kernel.partials says why): a tuple of [M, N_i] in x's dtype, equal to the separate
   products at the same K slices. lanes_NbX: as fp8_matmul's, one per weight (or None)."""
   if not w8s_NK or len(w8s_NK) != len(scales_NbKb):
     raise ValueError(f"fp8_matmul_many takes as many scales as weights (at least one), got "
@@ -371,7 +198,7 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
   else:
     x16_MK, row_scale_M = _to_float16_rows(x_MK)
     x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
-  parts_SNR = _partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling)
+  parts_SNR = partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling)
   out_MN = jnp.sum(parts_SNR[:, :, :m], axis=0).T
   if row_scale_M is not None:
     out_MN = out_MN * row_scale_M[:, None]
