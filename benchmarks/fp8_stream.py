@@ -24,38 +24,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.pallas_kernels import fp8_block_kernel, fp8_gemm, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, Fp8Tiling
 
+from fp8_matmul import over_layers, timed  # this folder's: benchmarks run as scripts
+
 E4M3 = jnp.float8_e4m3fn
-
-
-def timed(fn, *args, repeats: int):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
-def over_layers(fn):
-  @jax.jit
-  def run(x, weights, scales):
-    total = 0.0
-    for w, s in zip(weights, scales):
-      total = total + fn(x, w, s)
-    return total
-  return run
 
 
 def _zero_products(w_smem, x_smem, per_step, rows, fp8_x):

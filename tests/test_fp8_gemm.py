@@ -30,6 +30,14 @@ def _fp8_weight(rng, n, k):
   return w8, scale
 
 
+def _assert_within_output_rounding(y, want, x32, w32):
+  """|y - want| within one rounding of the bf16 output (2^-8 of |want|) plus float32 sums'
+  error (1e-5 of sum |x| |w|), where a sum cancels. Also: every output written (interpret
+  mode fills unwritten ones with NaN)."""
+  bound = 2.0 ** -8 * np.abs(want) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
+  assert y.shape == want.shape and np.isfinite(y).all() and (np.abs(y - want) <= bound).all()
+
+
 @pytest.mark.parametrize("activations", ["bfloat16", "float16"])
 @pytest.mark.parametrize("rows, k, n, splits", CASES)
 def test_fp8_matmul_equals_the_dequantized_product(rows, k, n, splits, activations):
@@ -41,14 +49,11 @@ def test_fp8_matmul_equals_the_dequantized_product(rows, k, n, splits, activatio
   y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale), splits=splits,
                             activations=activations), np.float32)
   x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
-  exact = x32 @ w32.T
-  assert y.shape == (rows, n) and np.isfinite(y).all()  # interpret mode fills with NaN
   # Both routes multiply exactly what x and w hold: e4m3 -> float16 (and on to bfloat16) is
   # exact, and bf16 x scaled by a power of two is exact in float16 (its 11 significant bits
   # hold bf16's 8). Products are summed in float32. The one rounding that matters is the bf16
   # output's (2^-9 relative), plus float32 sums' error.
-  bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
-  assert (np.abs(y - exact) <= bound).all()
+  _assert_within_output_rounding(y, x32 @ w32.T, x32, w32)
 
 
 def test_activation_routes_by_dtype_and_refusal():
@@ -149,10 +154,7 @@ def test_products_of_one_x_in_one_call(monkeypatch, rows, k, ns, splits, program
   for y, (w8, scale), w8_j, scale_j in zip(many, weights, w8s, scales):
     y = np.asarray(y, np.float32)
     w32 = _dequantized(w8, scale)
-    exact = x32 @ w32.T
-    assert y.shape == exact.shape and np.isfinite(y).all()  # interpret mode fills with NaN
-    bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
-    assert (np.abs(y - exact) <= bound).all()
+    _assert_within_output_rounding(y, x32 @ w32.T, x32, w32)
     alone = fp8_matmul.__wrapped__(x, w8_j, scale_j, splits=used_splits)
     np.testing.assert_array_equal(y, np.asarray(alone, np.float32))
 
@@ -182,9 +184,7 @@ def test_gpu_fp8_matmul_at_model_shapes(rows, k, n, activations):
   y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale), activations=activations),
                  np.float32)
   x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
-  exact = x32 @ w32.T
-  bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
-  assert np.isfinite(y).all() and (np.abs(y - exact) <= bound).all()
+  _assert_within_output_rounding(y, x32 @ w32.T, x32, w32)
 
 
 @pytest.mark.gpu
@@ -200,9 +200,7 @@ def test_gpu_subnormal_weights_and_small_rows_on_the_bfloat16_route():
   y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale), activations="bfloat16"),
                  np.float32)
   x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
-  exact = x32 @ w32.T
-  bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
-  assert np.isfinite(y).all() and (np.abs(y - exact) <= bound).all()
+  _assert_within_output_rounding(y, x32 @ w32.T, x32, w32)
 
 
 @pytest.mark.gpu
@@ -221,15 +219,11 @@ def test_gpu_products_of_one_x_at_model_shapes(rows):
   for y, (w8, scale), w8_j, scale_j in zip(many, weights, w8s, scales):
     y = np.asarray(y, np.float32)
     w32 = _dequantized(w8, scale)
-    exact = x32 @ w32.T
-    bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
-    assert np.isfinite(y).all() and (np.abs(y - exact) <= bound).all()
+    _assert_within_output_rounding(y, x32 @ w32.T, x32, w32)
     alone = np.asarray(fp8_matmul(x, w8_j, scale_j, splits=splits), np.float32)
-    # Equal but for the compiler's FMA contractions, which differ between the two kernels:
-    # within one rounding of the bf16 output, plus float32 sums' error where the sum cancels
-    # (elementwise rtol failed there on an H100: 2.2e-4 in a row of outputs near 40).
-    assert (np.abs(y - alone) <= 2.0 ** -8 * np.abs(alone)
-            + 1e-5 * (np.abs(x32) @ np.abs(w32).T)).all()
+    # Equal but for the compiler's FMA contractions, which differ between the two kernels
+    # (an elementwise rtol failed on an H100 where a sum cancels: 2.2e-4 among outputs near 40).
+    _assert_within_output_rounding(y, alone, x32, w32)
 
 
 def _act_quant(x32):
@@ -272,10 +266,7 @@ def test_fp8_matmul_with_e4m3_activations_equals_the_quantized_product(rows, k, 
   y = np.asarray(fp8_matmul(x, jnp.asarray(w8), jnp.asarray(scale), splits=splits,
                             activations="e4m3"), np.float32)
   w32 = _dequantized(w8, scale)
-  exact = x32 @ w32.T
-  assert y.shape == (rows, n) and np.isfinite(y).all()
-  bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
-  assert (np.abs(y - exact) <= bound).all()
+  _assert_within_output_rounding(y, x32 @ w32.T, x32, w32)
 
 
 @pytest.mark.parametrize("rows", [1, 30, 40])
