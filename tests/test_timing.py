@@ -34,6 +34,17 @@ def test_a_dispatch_that_starts_before_the_last_ended_starts_at_its_end():
   assert clock.seconds([6])[0] == pytest.approx(1.5)
 
 
+def test_a_prefill_seen_ready_after_the_next_dispatch_ended_is_placed_at_its_launch():
+  # The prefill's ready time (0.5 s) came after the first dispatch, which reads its outputs,
+  # had ended (0.3 s): the stamp was late. Tokens of that dispatch must still come after the
+  # prefill's own (clock 0), not all at one time with them.
+  clock = Clock(zero_s=0.5)
+  clock.add(4, start_s=0.2, end_s=0.3)
+  assert clock.zero_s == 0.2
+  times = clock.seconds([0, 1, 4])
+  assert times[0] == 0.2 and times[0] < times[1] < times[2] == pytest.approx(0.3)
+
+
 def test_chunks_are_tokens_available_together():
   times = [1.0, 1.0, 1.0, 2.0, 2.0, 3.5]  # three speculative steps' worth of tokens
   np.testing.assert_allclose(chunk_gaps(times), [1.0, 1.5])
