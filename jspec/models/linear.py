@@ -58,19 +58,30 @@ def project_many_named(layer, x, names_specs, product=None):
   fp8_product = layer.fp8_projection
   weights = [getattr(layer, name)[...] for name, _ in names_specs]
   scales = [getattr(layer, name + "_scale") for name, _ in names_specs]
-  block = layer.fp8_block
   if (getattr(fp8_product, "many", None) is None or any(s is None for s in scales)
-      or any(w.shape[-2] % block[0] or w.shape[-1] % block[1] for w in weights)):
+      or not all(_whole_blocks(w, layer.fp8_block) for w in weights)):
     return tuple(project_named(layer, x, name, spec, product=product)
                  for name, spec in names_specs)
   lanes = None
   if layer.fp8_lanes is not None:
-    lanes = [layer.fp8_lanes[name].reshape(-1, layer.fp8_lanes[name].shape[-1])
-             for name, _ in names_specs]
+    lanes = [_flat_grid(layer.fp8_lanes[name]) for name, _ in names_specs]
   k = x.shape[-1]
   outs = fp8_product.many(x, [w.reshape(-1, k) for w in weights],
-                          [s[...].reshape(-1, s.shape[-1]) for s in scales], lanes)
+                          [_flat_grid(s[...]) for s in scales], lanes)
   return tuple(out.reshape(*x.shape[:-1], *w.shape[:-1]) for out, w in zip(outs, weights))
+
+
+def _whole_blocks(weight, block: tuple[int, int], in_axes: int = 1) -> bool:
+  """The scale grid flattens to the [N, K] weight's own 128 x 128 grid only where the inner
+  output and input axes are whole blocks (a block holding two heads of 64, or an intermediate
+  size of 200, gives each head or half its own block row): the kernel takes the flattened form
+  only then."""
+  return weight.shape[-in_axes - 1] % block[0] == 0 and weight.shape[-1] % block[1] == 0
+
+
+def _flat_grid(scale, in_axes: int = 1):
+  """A scale over the stored axes (or its kernel lanes) as the flattened [N, K] weight's grid."""
+  return scale.reshape(math.prod(scale.shape[:-in_axes]), -1)
 
 
 def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_product=None,
@@ -88,16 +99,10 @@ def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_pro
     k = math.prod(weight.shape[-in_axes:])
     out_axes = weight.shape[:-in_axes]
     x_K = x.reshape(*lead, k)
-    # The scale grid flattens to the [N, K] weight's own 128 x 128 grid only where the inner
-    # output and input axes are whole blocks (a block holding two heads of 64, or an
-    # intermediate size of 200, gives each head or half its own block row): the kernel takes
-    # the flattened form only then; the scaled weight is built on the stored axes.
-    whole_blocks = (weight.shape[-in_axes - 1] % fp8_block[0] == 0
-                    and weight.shape[-1] % fp8_block[1] == 0)
-    if fp8_product is not None and whole_blocks:
-      flat = lambda s: s.reshape(math.prod(s.shape[:-in_axes]), -1)
-      lanes = () if fp8_lanes is None else (flat(fp8_lanes),)
-      out = fp8_product(x_K, weight.reshape(-1, k), flat(scale), *lanes)
+    # Off whole blocks the scaled weight is built on the stored axes.
+    if fp8_product is not None and _whole_blocks(weight, fp8_block, in_axes):
+      lanes = () if fp8_lanes is None else (_flat_grid(fp8_lanes, in_axes),)
+      out = fp8_product(x_K, weight.reshape(-1, k), _flat_grid(scale, in_axes), *lanes)
     else:
       scaled = quantization.dequantize(weight, scale, in_axes, fp8_block, x.dtype, jnp)
       out = jnp.einsum("...k,nk->...n", x_K, scaled.reshape(-1, k))

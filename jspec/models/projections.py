@@ -54,9 +54,10 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules,
                            block: tuple[int, int]) -> Fp8Projection:
   """The FP8 products per batch shard, the FP8 weights and their scales replicated, with 128 x
   128 blocks: jspec.pallas_kernels.fp8_gemm for steps of up to 64 rows (the activations as
-  they are, read-bound), jspec.pallas_kernels.fp8_prefill past that (prefill chunks, wide verify windows:
-  e4m3 activations on the FP8 tensor cores, the checkpoints' "dynamic" activation scheme);
-  another block size: the weight multiplied by its scale before XLA's dot."""
+  they are, read-bound), jspec.pallas_kernels.fp8_prefill past that (prefill chunks, wide
+  verify windows: e4m3 activations on the FP8 tensor cores, the checkpoints' "dynamic"
+  activation scheme); another block size: the weight multiplied by its scale before XLA's
+  dot."""
   from jspec.models.linear import project
   from jspec.pallas_kernels import fp8_gemm, fp8_prefill
 
@@ -75,8 +76,7 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules,
     *lead, k = x_BTK.shape
     rows = math.prod(lead)
     if all(fp8_gemm.fits_kernel(rows, k, w.shape[0], block) for w in w8s_NK):
-      outs = fp8_gemm.fp8_matmul_many(x_BTK.reshape(rows, k), tuple(w8s_NK), tuple(scales),
-                                      lanes_NbX=tuple(lanes))
+      outs = fp8_gemm.fp8_matmul_many(x_BTK.reshape(rows, k), w8s_NK, scales, lanes_NbX=lanes)
       return tuple(out.reshape(*lead, -1) for out in outs)
     return tuple(product(x_BTK, w, s, l) for w, s, l in zip(w8s_NK, scales, lanes))
 

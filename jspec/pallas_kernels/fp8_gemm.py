@@ -139,8 +139,9 @@ def fp8_matmul_many(x_MK: jax.Array, w8s_NK: tuple, scales_NbKb: tuple,
                     tiling: Fp8Tiling | None = None,
                     activations: str | None = None) -> tuple:
   """fp8_matmul of one x with each of several weights of the same K (q, k and v), in one
-  kernel call (fp8_block_kernel.partials says why): a tuple of [M, N_i] in x's dtype, equal to the separate
-  products at the same K slices. lanes_NbX: as fp8_matmul's, one per weight (or None)."""
+  kernel call (fp8_block_kernel.partials says why): a tuple of [M, N_i] in x's dtype, equal to
+  the separate products at the same K slices. lanes_NbX: as fp8_matmul's, one per weight (or
+  None)."""
   if not w8s_NK or len(w8s_NK) != len(scales_NbKb):
     raise ValueError(f"fp8_matmul_many takes as many scales as weights (at least one), got "
                      f"{len(w8s_NK)} weights and {len(scales_NbKb)} scales")
@@ -186,7 +187,7 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
     x8_MK, act_scale_MKb = quantize_activations(x_MK)
     x_RK = jnp.pad(x8_MK, ((0, rows - m), (0, 0)))
     act_scale_X = jnp.pad(act_scale_MKb, ((0, lanes - m), (0, 0))).T.reshape(-1)
-    row_scale_M = jnp.ones((m,), jnp.float32)
+    row_scale_M = None  # the rows' scales are in the kernel's lanes
   elif activations == "bfloat16":
     # x as it is, no pass over it: up to 8 rows the TMA fills the tile's missing rows itself
     # (their outputs are dropped below).
