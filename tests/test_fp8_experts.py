@@ -14,11 +14,11 @@ from jspec.models.moe_backends import experts_reference
 from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.experts import experts_pallas
 from jspec.pallas_kernels.fp8_experts import (BLOCK, CHUNK_TOKENS, DECODE_PATH_MAX_TOKENS,
-                                              Fp8Experts, experts_fp8, fits_kernel,
-                                              slot_products)
+                                              Fp8Experts, Fp8ExpertsTiling, experts_fp8,
+                                              experts_fp8_decode, fits_kernel, slot_products)
 from jspec.pallas_kernels.fp8_experts_grouped import (MAX_TILE_ROWS, MIN_TILE_ROWS,
                                                       experts_fp8_grouped, tile_rows)
-from jspec.pallas_kernels.fp8_gemm import quantize_activations
+from jspec.pallas_kernels.fp8_gemm import choose_splits, quantize_activations
 
 RUN_SEED = 20261125
 
@@ -64,19 +64,23 @@ def _problem(seed, num_tokens, num_experts=6, top_k=2, dim=256, ffn=128, dtype=j
 
 def _assert_close(y, exact):
   y = np.asarray(y, np.float64)
-  # e4m3 -> float16 is exact, x (bf16) in float16 after a power-of-two row scale is exact,
-  # products sum in float32; act goes to float16 (2^-11) and the output to bf16 (2^-9): 2^-7
-  # of the output's magnitude bounds both with room.
+  # The widened e4m3 tile and x are exact (bfloat16 x as it is; float32 x in float16 after a
+  # power-of-two row scale, rounded to 2^-11), products sum in float32; act is rounded to x's
+  # 16-bit type (bfloat16 2^-9, float16 2^-11) and the output to x's dtype (bf16 2^-9): 2^-7
+  # of the output's magnitude bounds these with room.
   scale = np.maximum(np.abs(exact).max(axis=1, keepdims=True), 1e-6)
   assert np.isfinite(y).all()
   assert (np.abs(y - exact) <= 2.0 ** -7 * scale).all(), np.abs(y - exact).max()
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 8, 16])
-def test_fp8_experts_equal_the_dequantized_layer(num_tokens):
-  problem = _problem(0, num_tokens)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 12, 16])
+def test_fp8_experts_equal_the_dequantized_layer(num_tokens, dtype):
+  """Both activation routes: bfloat16 x as it is (12 tokens: a partial last 8-row tile, padded),
+  float32 x through float16 row scales."""
+  problem = _problem(0, num_tokens, dtype=dtype)
   y = experts_pallas(*problem)
-  assert y.shape == problem[0].shape and y.dtype == jnp.bfloat16
+  assert y.shape == problem[0].shape and y.dtype == dtype
   _assert_close(y, _reference64(*problem))
 
 
@@ -90,6 +94,31 @@ def test_a_single_token_with_an_invalid_pick_adds_nothing_for_it():
   only_first = ids.at[0, 1].set(-1)
   expected = _reference64(x, only_first, weights, *fp8)
   _assert_close(experts_pallas(x, only_first, weights, *fp8), expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("gate_up_splits,down_splits", [(2, 1), (4, 2), (2, 3)])
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_k_slices_of_each_slot_sum_to_the_whole_product(num_tokens, gate_up_splits,
+                                                        down_splits, dtype):
+  """K cut into slices, each (slot, slice, column block) its own item, the partials summed
+  after the kernel: gate / up over D = 512 (4 blocks) in 2 or 4 slices, down over F = 384
+  (3 blocks) in 1, 2 (which refuses: 3 blocks do not halve) or 3 slices."""
+  problem = _problem(9, num_tokens, dim=512, ffn=384, dtype=dtype)
+  tiling = Fp8ExpertsTiling(gate_up_splits=gate_up_splits, down_splits=down_splits)
+  if 384 // BLOCK % down_splits:
+    with pytest.raises(ValueError, match="does not split into 2 slices"):
+      experts_fp8_decode(*problem, tiling=tiling)
+    return
+  _assert_close(experts_fp8_decode(*problem, tiling=tiling), _reference64(*problem))
+
+
+def test_one_token_of_narrow_experts_is_cut_into_k_slices_that_fill_the_sms():
+  """Qwen3-30B-A3B at one token: 8 slots x 6 column blocks of F = 768 are 48 items for 132
+  SMs; slices of D = 2048 (16 blocks) bring them to 384, 97% of three rounds. Its down
+  product (8 x 16 column blocks, 97% of one round) keeps whole K."""
+  assert choose_splits(2048, 8 * 768, 132) == 8
+  assert choose_splits(768, 8 * 2048, 132) == 1
 
 
 @pytest.mark.parametrize("num_tokens", [40, 2 * CHUNK_TOKENS + 5])
@@ -260,6 +289,18 @@ def test_fp8_experts_on_the_gpu_at_deepseek_shard_shapes(num_tokens):
   """The decode path at DeepSeek-V3's expert shapes with F split over tp = 8 (256 per shard),
   32 experts; 128 tokens in two chunks."""
   problem = _problem(6, num_tokens, num_experts=32, top_k=8, dim=7168, ffn=256)
+  _assert_close(experts_fp8(*problem), _reference64(*problem))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not platform.on_hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("num_tokens", [1, 3, 12])
+def test_fp8_experts_on_the_gpu_at_qwen3_30b_a3b_shapes(num_tokens, dtype):
+  """Qwen3-30B-A3B's expert shapes (D = 2048, F = 768, top-8; 16 of its 128 experts): at one
+  token gate / up run in K slices (the SMs' count decides how many), both activation
+  routes."""
+  problem = _problem(10, num_tokens, num_experts=16, top_k=8, dim=2048, ffn=768, dtype=dtype)
   _assert_close(experts_fp8(*problem), _reference64(*problem))
 
 

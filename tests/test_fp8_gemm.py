@@ -30,11 +30,12 @@ def _fp8_weight(rng, n, k):
   return w8, scale
 
 
-def _assert_within_output_rounding(y, want, x32, w32):
-  """|y - want| within one rounding of the bf16 output (2^-8 of |want|) plus float32 sums'
-  error (1e-5 of sum |x| |w|), where a sum cancels. Also: every output written (interpret
-  mode fills unwritten ones with NaN)."""
-  bound = 2.0 ** -8 * np.abs(want) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
+def _assert_within_output_rounding(y, want, x32, w32, roundings: int = 1):
+  """|y - want| within `roundings` roundings of the bf16 output (2^-8 of |want| each: two where
+  want is itself a rounded output, which may round the other way) plus float32 sums' error
+  (1e-5 of sum |x| |w|), where a sum cancels. Also: every output written (interpret mode fills
+  unwritten ones with NaN)."""
+  bound = roundings * 2.0 ** -8 * np.abs(want) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
   assert y.shape == want.shape and np.isfinite(y).all() and (np.abs(y - want) <= bound).all()
 
 
@@ -221,9 +222,10 @@ def test_gpu_products_of_one_x_at_model_shapes(rows):
     w32 = _dequantized(w8, scale)
     _assert_within_output_rounding(y, x32 @ w32.T, x32, w32)
     alone = np.asarray(fp8_matmul(x, w8_j, scale_j, splits=splits), np.float32)
-    # Equal but for the compiler's FMA contractions, which differ between the two kernels
-    # (an elementwise rtol failed on an H100 where a sum cancels: 2.2e-4 among outputs near 40).
-    _assert_within_output_rounding(y, alone, x32, w32)
+    # Equal but for the compiler's FMA contractions, which differ between the two kernels: a
+    # float32 sum a few ulps apart may round to the neighbouring bf16 value (on an H100 at 64
+    # rows, both within the bound above).
+    _assert_within_output_rounding(y, alone, x32, w32, roundings=2)
 
 
 def _act_quant(x32):

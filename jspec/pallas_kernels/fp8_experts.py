@@ -7,18 +7,20 @@ weights of the experts its few tokens picked, once each; the bf16 decode kernels
 (jspec.pallas_kernels.decode_gemm) would need them scaled into bf16 copies first, which writes
 and reads every routed expert again in twice the bytes (4-13x slower than bf16 weights on an
 H200, BENCHMARKS.md). Here the TMA streams each picked expert's e4m3 tiles and block scales
-into the FP8 product kernel's pipeline (jspec.pallas_kernels.fp8_gemm: the tile widened to
-float16 in registers, each 128-K block's products scaled in float32), over the slots of the
-decode plan (jspec.pallas_kernels.decode_routing: one slot per picked expert, all T tokens
-multiplied, a token that did not pick the expert weighted 0):
+into the FP8 product kernel's pipeline (jspec.pallas_kernels.fp8_block_kernel: the tile
+widened to x's 16-bit type in registers, each 128-K block's products scaled in float32), over
+the slots of the decode plan (jspec.pallas_kernels.decode_routing: one slot per picked expert,
+all T tokens multiplied, a token that did not pick the expert weighted 0):
 
   gate, up  [S, F, N] = W_gate[e_s] @ x^T, W_up[e_s] @ x^T      (one kernel, two sums)
   act       [S, N, F] = silu(gate) * up                          (XLA, float32, a few KiB)
   out       [S, D, N] = W_down[e_s] @ act_s^T                     (one kernel)
   y         [T, D]    = sum over each token's slots of weight x out   (XLA, float32)
 
-x and act go in as float16 with a power-of-two scale per row (exact for bf16 values; the
-products are undone by the inverse), as in fp8_gemm.
+A bfloat16 model's x and act go in as bfloat16, x as it is (no XLA pass over it before the
+kernel; act is rounded to bfloat16 as the model's own MLP would). Other x and act go in as
+float16 with a power-of-two scale per row (exact for bf16 values, float16's 11 bits for the
+rest; the products are undone by the inverse), as in fp8_gemm's two routes.
 
 Shape letters: T tokens, K experts per token, E experts, D hidden size, F expert intermediate
 size, S slots, N padded tokens (wgmma's N), R lanes of a repeated scale.
@@ -34,9 +36,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.models import quantization
-from jspec.pallas_kernels import decode_gemm, decode_routing
+from jspec.pallas_kernels import decode_gemm, decode_routing, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, block_products
-from jspec.pallas_kernels.fp8_gemm import MAX_ROWS, SCALE_LANES, _to_float16_rows
+from jspec.pallas_kernels.fp8_gemm import (MAX_ROWS, SCALE_LANES, _to_float16_rows,
+                                           bfloat16_rows, choose_splits)
 from jspec.pallas_kernels.grouped_gemm import _smem_transforms
 
 
@@ -71,24 +74,33 @@ def fits_kernel(*weights: Fp8Experts) -> bool:
 
 
 def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1,
-                  blocks_per_step: int, num_stages: int, act_scale_SKbN=None):
+                  blocks_per_step: int, num_stages: int, act_scale_SKbN=None,
+                  splits: int = 1):
   """[W, S, out, N] float32: for weight j and each used slot s, W_j[e_s] @ x_s^T with each
-  128-K block's products times its scale. x: [N, in] float16 shared by every slot, or
-  [S, N, in] one per slot, float16 or e4m3; e4m3 x comes with act_scale_SKbN [S, in/128, N],
+  128-K block's products times its scale. x: [N, in] float16 or bfloat16 shared by every slot
+  (fp8_gemm.bfloat16_rows' rows: the TMA fills the padded N's missing rows), or [S, N, in] one
+  per slot, float16, bfloat16 or e4m3; e4m3 x comes with act_scale_SKbN [S, in/128, N],
   each row's scale per 128-K group (quantize_activations'), and multiplies on the FP8 tensor
-  cores. Slots past num_slots are not written."""
+  cores. Slots past num_slots are not written (nor summed where K is split).
+
+  splits: K slices per (slot, 128-column block) item, each its own work item, their float32
+  partials summed after the kernel: a step with few slots of narrow experts (one token, 8 of
+  Qwen3-30B-A3B's 768-wide ones: 48 items) would otherwise leave most SMs idle."""
   per_slot_x = x.ndim == 3
   fp8_x = x.dtype == E4M3
   if fp8_x != (act_scale_SKbN is not None) or (fp8_x and not per_slot_x):
-    raise ValueError("e4m3 x goes per slot ([S, N, in]) with its act_scale_SKbN, float16 x "
+    raise ValueError("e4m3 x goes per slot ([S, N, in]) with its act_scale_SKbN, 16-bit x "
                      "without one")
-  rows, k = x.shape[-2:]
+  rows, k = decode_routing.padded_tokens(x.shape[-2]), x.shape[-1]
   num_weights = len(weights)
   out = weights[0].w8.shape[1]
   num_slots_max = slot_expert_S.shape[0]
-  if k % (blocks_per_step * BLOCK):
+  if k % (splits * BLOCK):
+    raise ValueError(f"K={k} does not split into {splits} slices of whole {BLOCK}-blocks")
+  if k // splits % (blocks_per_step * BLOCK):
     blocks_per_step = 1  # an odd number of blocks
   step_k = blocks_per_step * BLOCK
+  k_steps = k // splits // step_k
   lanes = max(rows, SCALE_LANES)
   # Each slot's block scales over `lanes` lanes, so that a step's scales arrive with its tiles
   # as one TMA block (fp8_block_kernel.partials says why); gathered for the slots only. A lane holds
@@ -109,24 +121,36 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
   decode_gemm._check_aligned(((rows, step_k), x.dtype), ((BLOCK, step_k), E4M3),
                              ((blocks_per_step * lanes,), jnp.float32))
 
+  def slot_and_split(part):
+    """The pipeline's slot index `part` (slot x splits + slice) as (slot, K slice)."""
+    if splits == 1:
+      return part, 0
+    return jax.lax.div(part, jnp.int32(splits)), jax.lax.rem(part, jnp.int32(splits))
+
   def body(slot_expert_ref, num_slots_ref, *refs):
     *in_refs, out_ref = refs
 
     def in_specs_for(item, delay_release):
+      def slot(i):
+        return slot_and_split(item(i)[0])[0]
+
+      def k_step(i, k):
+        return slot_and_split(item(i)[0])[1] * k_steps + k
+
       if per_slot_x:
-        x_spec = plgpu.BlockSpec((None, rows, step_k), lambda i, k: (item(i)[0], 0, k),
+        x_spec = plgpu.BlockSpec((None, rows, step_k), lambda i, k: (slot(i), 0, k_step(i, k)),
                                  transforms=_smem_transforms(step_k, x.dtype),
                                  delay_release=delay_release)
       else:
-        x_spec = plgpu.BlockSpec((rows, step_k), lambda i, k: (0, k),
-                                 transforms=_smem_transforms(step_k, jnp.float16),
+        x_spec = plgpu.BlockSpec((rows, step_k), lambda i, k: (0, k_step(i, k)),
+                                 transforms=_smem_transforms(step_k, x.dtype),
                                  delay_release=delay_release)
       w_spec = plgpu.BlockSpec((None, BLOCK, step_k),
-                               lambda i, k: (slot_expert_ref[item(i)[0]], item(i)[1], k),
+                               lambda i, k: (slot_expert_ref[slot(i)], item(i)[1], k_step(i, k)),
                                transforms=_smem_transforms(BLOCK, E4M3),
                                delay_release=delay_release)
       s_spec = plgpu.BlockSpec((None, None, blocks_per_step * lanes),
-                               lambda i, k: (item(i)[0], item(i)[1], k),
+                               lambda i, k: (slot(i), item(i)[1], k_step(i, k)),
                                delay_release=delay_release)
       return [x_spec] + [w_spec] * num_weights + [s_spec] * num_weights
 
@@ -142,15 +166,16 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
         totals.append(total)
       return tuple(totals)
 
-    def epilogue(slot, col, sums, smem_refs, o_smem):
+    def epilogue(part, col, sums, smem_refs, o_smem):
+      slot, split = slot_and_split(part)
       for j, total in enumerate(sums):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's previous store read it
         o_smem[...] = total
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[j, slot, pl.ds(col * BLOCK, BLOCK)])
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[j, split, slot, pl.ds(col * BLOCK, BLOCK)])
 
     decode_gemm._slot_pipeline(
-        num_slots=num_slots_ref[0], col_blocks=out // BLOCK, k_steps=k // step_k,
+        num_slots=num_slots_ref[0] * splits, col_blocks=out // BLOCK, k_steps=k_steps,
         block_cols=BLOCK, tokens_pad=rows, dtype=jnp.float32, in_specs_for=in_specs_for,
         num_sums=num_weights, stages=stages, epilogue=epilogue, operands_of=None,
         async_mma=False, accumulate=accumulate,
@@ -158,9 +183,10 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
                             transforms=_smem_transforms(rows, jnp.float32)),
     )(*in_refs)
 
-  return decode_gemm._kernel_call(body, (num_weights, num_slots_max, out, rows), jnp.float32,
-                                  "fp8_experts_decode")(
-      slot_expert_S, num_slots_1, x, *[w.w8 for w in weights], *scale_rows)
+  parts_WPSON = decode_gemm._kernel_call(
+      body, (num_weights, splits, num_slots_max, out, rows), jnp.float32, "fp8_experts_decode")(
+          slot_expert_S, num_slots_1, x, *[w.w8 for w in weights], *scale_rows)
+  return parts_WPSON[:, 0] if splits == 1 else jnp.sum(parts_WPSON, axis=1)
 
 
 def _to_float16_slots(act_SNF):
@@ -201,10 +227,18 @@ def experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts, w_up: Fp
 @dataclasses.dataclass(frozen=True)
 class Fp8ExpertsTiling:
   """128-K blocks per pipeline step and pipeline depth (0: as many as fit) of the gate/up
-  kernel (two weights: each block widens two tiles in registers) and of the down kernel."""
+  kernel (two weights: each block widens two tiles in registers) and of the down kernel; K
+  slices of each (None: fp8_gemm.choose_splits' for the step's largest slot count)."""
   gate_up_blocks: int = 1
   down_blocks: int = 2
   num_stages: int = 4
+  gate_up_splits: int | None = None
+  down_splits: int | None = None
+
+
+def _splits(chosen: int | None, k: int, num_slots_max: int, out: int) -> int:
+  """K slices that fill the SMs' rounds with the step's (slot, column block) items."""
+  return chosen or choose_splits(k, num_slots_max * out, platform.num_sms())
 
 
 def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
@@ -217,22 +251,35 @@ def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
   num_experts = w_gate.w8.shape[0]
   plan = decode_routing.plan_decode(topk_ids_TK, topk_weights_TK, num_experts)
   rows = decode_routing.padded_tokens(num_tokens)
-  x16_TD, x_scale_T = _to_float16_rows(x_TD)
-  x16_ND = jnp.pad(x16_TD, ((0, rows - num_tokens), (0, 0)))
-  x_scale_N = jnp.pad(x_scale_T, (0, rows - num_tokens), constant_values=1.0)
+  num_slots_max = plan.slot_expert_S.shape[0]
+  _, ffn, dim = w_gate.w8.shape  # [E, F, D]; w_down's [E, D, F]
+  gate_up_splits = _splits(tiling.gate_up_splits, dim, num_slots_max, ffn)
+  down_splits = _splits(tiling.down_splits, ffn, num_slots_max, dim)
+  bfloat16 = x_TD.dtype == jnp.bfloat16
+  if bfloat16:  # as it is: no pass over x before the kernel
+    x_ND, x_scale_N = bfloat16_rows(x_TD), 1.0
+  else:
+    x16_TD, x_scale_T = _to_float16_rows(x_TD)
+    x_ND = jnp.pad(x16_TD, ((0, rows - num_tokens), (0, 0)))
+    x_scale_N = jnp.pad(x_scale_T, (0, rows - num_tokens), constant_values=1.0)
   if rows <= TWO_SUMS_MAX_ROWS:
-    gate_up = slot_products(x16_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
-                            tiling.gate_up_blocks, tiling.num_stages)
+    gate_up = slot_products(x_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
+                            tiling.gate_up_blocks, tiling.num_stages, splits=gate_up_splits)
   else:  # one sum per kernel: two [128, N] float32 sums and their products overflow registers
-    gate_up = [slot_products(x16_ND, (w,), plan.slot_expert_S, plan.num_slots_1,
-                             tiling.gate_up_blocks, tiling.num_stages)[0] for w in (w_gate, w_up)]
+    gate_up = [slot_products(x_ND, (w,), plan.slot_expert_S, plan.num_slots_1,
+                             tiling.gate_up_blocks, tiling.num_stages, splits=gate_up_splits)[0]
+               for w in (w_gate, w_up)]
   gate_SFN, up_SFN = gate_up[0] * x_scale_N, gate_up[1] * x_scale_N
   act_SNF = jnp.swapaxes(jax.nn.silu(gate_SFN) * up_SFN, 1, 2)
   # Slots past the used ones were not written: zeros keep their (unused) rows finite.
   used_S = jnp.arange(act_SNF.shape[0]) < plan.num_slots_1[0]
   act_SNF = jnp.where(used_S[:, None, None], act_SNF, 0.0)
-  act16_SNF, act_scale_SN = _to_float16_slots(act_SNF)
-  (down_SDN,) = slot_products(act16_SNF, (w_down,), plan.slot_expert_S, plan.num_slots_1,
-                              tiling.down_blocks, tiling.num_stages)
-  out_SND = jnp.swapaxes(down_SDN * (act_scale_SN * plan.weight_SR[:, :rows])[:, None, :], 1, 2)
+  if bfloat16:  # rounded as the model's own MLP rounds it
+    act_in_SNF, act_scale_SN = act_SNF.astype(jnp.bfloat16), 1.0
+  else:
+    act_in_SNF, act_scale_SN = _to_float16_slots(act_SNF)
+  (down_SDN,) = slot_products(act_in_SNF, (w_down,), plan.slot_expert_S, plan.num_slots_1,
+                              tiling.down_blocks, tiling.num_stages, splits=down_splits)
+  token_scale_SN = act_scale_SN * plan.weight_SR[:, :rows]
+  out_SND = jnp.swapaxes(down_SDN * token_scale_SN[:, None, :], 1, 2)
   return decode_routing.combine_slots(out_SND, plan, x_TD.dtype)

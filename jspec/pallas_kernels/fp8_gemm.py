@@ -85,6 +85,18 @@ def _to_float16_rows(x_MK):
   return jnp.ldexp(x32, -shift_M[:, None]).astype(jnp.float16), jnp.ldexp(1.0, shift_M)
 
 
+def bfloat16_rows(x_MK):
+  """x as the bfloat16 route hands it to the kernel, with no pass over it where it is bfloat16
+  already: up to 8 rows the TMA fills a tile's missing rows itself (their outputs are dropped);
+  past 8 it reads x in tiles of 8 rows, so a partial last tile is padded (as decode_gemm's
+  x)."""
+  m = x_MK.shape[0]
+  x_RK = x_MK.astype(jnp.bfloat16)
+  if m > decode_gemm.ROW_TILE and m % decode_gemm.ROW_TILE:
+    x_RK = jnp.pad(x_RK, ((0, -m % decode_gemm.ROW_TILE), (0, 0)))
+  return x_RK
+
+
 def scale_lanes(scale, lanes: int = SCALE_LANES):
   """A block scale (any shape, its last axis the input blocks) with each value repeated over
   `lanes` lanes along that axis: the form the kernel reads for steps of up to that many padded
@@ -189,13 +201,7 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
     act_scale_X = jnp.pad(act_scale_MKb, ((0, lanes - m), (0, 0))).T.reshape(-1)
     row_scale_M = None  # the rows' scales are in the kernel's lanes
   elif activations == "bfloat16":
-    # x as it is, no pass over it: up to 8 rows the TMA fills the tile's missing rows itself
-    # (their outputs are dropped below).
-    x_RK = x_MK.astype(jnp.bfloat16)
-    if m > decode_gemm.ROW_TILE and m % decode_gemm.ROW_TILE:
-      # Past 8 rows the TMA reads x in tiles of 8 rows: whole tiles (as decode_gemm's x).
-      x_RK = jnp.pad(x_RK, ((0, -m % decode_gemm.ROW_TILE), (0, 0)))
-    row_scale_M = None
+    x_RK, row_scale_M = bfloat16_rows(x_MK), None
   else:
     x16_MK, row_scale_M = _to_float16_rows(x_MK)
     x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
