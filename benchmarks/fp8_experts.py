@@ -3,6 +3,7 @@ replaced and against bf16 experts, one MoE layer's routed experts (no router, no
 
     PYTHONPATH=. python3 benchmarks/fp8_experts.py --models deepseek-v3 qwen3-30b-a3b \
         --tokens 128 256 512 2048 8192 --rows-sweep 512 2048
+    PYTHONPATH=. python3 benchmarks/fp8_experts.py --decode-tokens 1 2 8 32 --tokens
     PYTHONPATH=. python3 benchmarks/fp8_experts.py --tiny     # interpret mode on CPU: smoke
 
 Per model shape and token count T (skewed seeded top-k routing, as benchmarks/moe_kernels.py):
@@ -17,6 +18,13 @@ Median device time per call (`seconds_per_call`, two argument sets), "e4m3 GB/s"
 bytes of the experts the call routed over its time, and the grouped path's error against the
 bf16 experts on the same (dequantized) weights: ||y_fp8 - y_bf16|| / ||y_bf16||, the cost of
 quantizing x and act to e4m3 (a few percent).
+
+--decode-tokens: the decode path at decode sizes, how each of its choices pays (µs per call):
+  bf16        experts_pallas on the bf16 experts
+  f16 whole   FP8, x and act through float16 row scales, K whole (x given as float32; the
+              path before bfloat16 x went in as it is and K was sliced)
+  bf16 whole  FP8, bfloat16 x as it is, K whole
+  default     FP8 as the backend runs it (bfloat16 x, K slices where items are few)
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ import jax.numpy as jnp
 
 from jspec.bench.roofline import seconds_per_call
 from jspec.pallas_kernels import experts_grouped, experts_pallas
-from jspec.pallas_kernels.fp8_experts import CHUNK_TOKENS, Fp8Experts, experts_fp8
+from jspec.pallas_kernels.fp8_experts import (CHUNK_TOKENS, Fp8Experts, Fp8ExpertsTiling,
+                                              experts_fp8, experts_fp8_decode)
 from jspec.pallas_kernels.fp8_experts_grouped import experts_fp8_grouped, tile_rows
 
 MODELS = {  # name: (experts E, top-k K, hidden D, expert intermediate F)
@@ -105,6 +114,43 @@ def bench_model(name, num_experts, top_k, dim, ffn, tokens, sweep_tokens):
   return results
 
 
+def bench_decode(name, num_experts, top_k, dim, ffn, tokens):
+  keys = jax.random.split(jax.random.key(8), 4)
+  fp8 = (random_fp8(keys[0], num_experts, ffn, dim), random_fp8(keys[1], num_experts, ffn, dim),
+         random_fp8(keys[2], num_experts, dim, ffn))
+  bf16 = tuple(jax.jit(lambda w: w.dequantized(jnp.bfloat16))(w) for w in fp8)
+  whole = Fp8ExpertsTiling(gate_up_splits=1, down_splits=1)
+  paths = {
+      "bf16": jax.jit(lambda x, i, w, *weights: experts_pallas(x, i, w, *weights[3:])),
+      "f16 whole": jax.jit(lambda x, i, w, g, u, d, *_: experts_fp8_decode(
+          x.astype(jnp.float32), i, w, g, u, d, tiling=whole)),
+      "bf16 whole": jax.jit(lambda x, i, w, g, u, d, *_: experts_fp8_decode(
+          x, i, w, g, u, d, tiling=whole)),
+      "default": jax.jit(lambda x, i, w, g, u, d, *_: experts_fp8_decode(x, i, w, g, u, d)),
+  }
+  lines = []
+  for num_tokens in tokens:
+    arg_sets = []
+    for s in range(2):
+      kx, kr = jax.random.split(jax.random.fold_in(keys[3], 10 * num_tokens + s))
+      ids, weights = skewed_routing(kr, num_tokens, num_experts, top_k)
+      arg_sets.append((jax.random.normal(kx, (num_tokens, dim), jnp.bfloat16), ids, weights,
+                       *fp8, *bf16))
+    used = int(jnp.unique(arg_sets[0][1]).size)
+    times = {path: seconds_per_call(fn, arg_sets) for path, fn in paths.items()}
+    rate = used * 3 * dim * ffn / times["default"] / 1e9
+    lines.append(f"| {name} | {num_tokens} | {used} | "
+                 + " | ".join(f"{1e6 * t:.1f}" for t in times.values())
+                 + f" | {times['default'] / times['bf16']:.2f}x | {rate:.0f} |")
+    print(lines[-1], flush=True)
+  return lines
+
+
+DECODE_HEADER = ("| model | T | experts used | bf16 µs | f16 whole µs | bf16 whole µs | default µs "
+                 "| default / bf16 | default e4m3 GB/s |\n"
+                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+
+
 def table(rows):
   columns = ["bf16", "dequant", "chunked", "grouped"] + [f"grouped/{r}" for r in SWEEP_ROWS]
   lines = ["| model | T | experts used | rows | " + " | ".join(f"{c} µs" for c in columns)
@@ -127,23 +173,33 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--models", nargs="+", default=["deepseek-v3", "qwen3-30b-a3b"])
-  parser.add_argument("--tokens", type=int, nargs="+", default=[128, 256, 512, 2048, 8192])
+  parser.add_argument("--tokens", type=int, nargs="*", default=[128, 256, 512, 2048, 8192])
   parser.add_argument("--rows-sweep", type=int, nargs="*", default=[512, 2048],
                       help="token counts at which the grouped path also runs at 16/32/64 rows")
+  parser.add_argument("--decode-tokens", type=int, nargs="*", default=[],
+                      help="also time the decode path's choices at these token counts")
   parser.add_argument("--tiny", action="store_true", help="small shapes: a CPU smoke run")
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
   models, tokens = (["tiny"], [80, 300]) if args.tiny else (args.models, args.tokens)
   sweep = [300] if args.tiny else args.rows_sweep
+  decode_tokens = [1, 5] if args.tiny else args.decode_tokens
   print(f"devices: {jax.devices()}", flush=True)
-  rows = []
+  rows, decode_lines = [], []
   for name in models:
-    rows += bench_model(name, *MODELS[name], tokens, sweep)
+    if decode_tokens:
+      decode_lines += bench_decode(name, *MODELS[name], decode_tokens)
+    if tokens:
+      rows += bench_model(name, *MODELS[name], tokens, sweep)
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
-  print(f"\n{jax.devices()[0].device_kind}: FP8 routed experts, µs per call")
-  print(table(rows))
+  if decode_lines:
+    print(f"\n{jax.devices()[0].device_kind}: the FP8 decode path's choices, µs per call")
+    print("\n".join([DECODE_HEADER] + decode_lines))
+  if rows:
+    print(f"\n{jax.devices()[0].device_kind}: FP8 routed experts, µs per call")
+    print(table(rows))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ weight and the weight's bytes over that time:
                       read-bandwidth probe at this weight's size
   fp8_matmul          the kernel with the XLA work around it (x's conversion, the partials' sum)
   kernel a,s          the kernel alone (its float32 partials), a blocks per pipeline step and s
-                      stages
+                      stages, on bfloat16 x (the weight tile widened e4m3 -> float16 ->
+                      float32 -> bfloat16 in registers)
+  kernel f16 a,s      the same on float16 x (one conversion, e4m3 -> float16)
   no products a,s     the same pipeline with the block products replaced by zeros: the TMA
                       stream and the pipeline's waits alone
   xN programs         N programs per SM (more warps to hide latency; fewer stages fit)
@@ -43,9 +45,11 @@ def _zero_products(w_smem, x_smem, per_step, rows, fp8_x):
           for _ in range(per_step)]
 
 
-def kernel_alone(splits: int, tiling: Fp8Tiling, products: bool = True, per_sm: int = 1):
-  """The kernel's partials for x (bfloat16, as the model's), traced with the block products
-  (or zeros) and the persistent grid (`per_sm` programs per SM) patched in for this trace."""
+def kernel_alone(splits: int, tiling: Fp8Tiling, products: bool = True, per_sm: int = 1,
+                 x_dtype=jnp.bfloat16):
+  """The kernel's partials for x (bfloat16, as the model's, unless x_dtype says), traced with
+  the block products (or zeros) and the persistent grid (`per_sm` programs per SM) patched in
+  for this trace."""
   sms = platform.num_sms()
 
   def fn(x, w8, scale):
@@ -54,7 +58,7 @@ def kernel_alone(splits: int, tiling: Fp8Tiling, products: bool = True, per_sm: 
     if not products:
       fp8_block_kernel.block_products = _zero_products
     try:
-      parts = fp8_block_kernel.partials(x.astype(jnp.bfloat16), (w8,),
+      parts = fp8_block_kernel.partials(x.astype(x_dtype), (w8,),
                                         [fp8_gemm.scale_lanes(scale)], None, splits, tiling)
     finally:
       platform.num_sms, fp8_block_kernel.block_products = saved
@@ -105,6 +109,8 @@ def main():
     for per_step, stages in ((2, 4), (1, 4), (4, 3)):
       variants.append((f"kernel {per_step},{stages}",
                        kernel_alone(splits, Fp8Tiling(per_step, stages)), w8s))
+    variants.append(("kernel f16 2,4",
+                     kernel_alone(splits, Fp8Tiling(2, 4), x_dtype=jnp.float16), w8s))
     variants.append(("no products 2,4", kernel_alone(splits, Fp8Tiling(2, 4), False), w8s))
     for per_sm, stages in ((2, 4), (3, 3)):
       more = fp8_gemm.choose_splits(k, n, platform.num_sms() * per_sm)
