@@ -14,7 +14,9 @@ from HBM as in a decode step and no launch sits between them):
   fp8       x cast to e4m3 and multiplied with w8 by the FP8 tensor cores (one scale for the
             whole tensor: not the block recipe, only the tensor cores' ceiling)
   kernel    jspec.pallas_kernels.fp8_gemm (rows <= 64), the weight in the checkpoint's [N, K]
-            order: e4m3 tiles streamed by the TMA, widened to float16 in registers
+            order: e4m3 tiles streamed by the TMA, widened in registers to bfloat16 (x's type,
+            taken as it is)
+  kernel_f16   the same kernel with x through float16 row scales (its route for float32 x)
   kernel_e4m3  the same kernel with x quantized per row and 128 columns to e4m3 (DeepSeek's
             act_quant): e4m3 x e4m3 wgmma on the tiles as the TMA leaves them
   prefill   jspec.pallas_kernels.fp8_prefill (any rows; the model's past 64): x quantized as
@@ -83,6 +85,10 @@ def kernel_dot(x, w8, scale):
   return fp8_matmul(x, w8, scale)
 
 
+def kernel_f16_dot(x, w8, scale):
+  return fp8_matmul(x, w8, scale, activations="float16")
+
+
 def kernel_e4m3_dot(x, w8, scale):
   return fp8_matmul(x, w8, scale, activations="e4m3")
 
@@ -94,7 +100,8 @@ def reduce_dot(x, w8_NK, scale_NbKb):
 
 
 FORMULATIONS = {"bf16": bf16_dot, "reduce": reduce_dot, "dequant": dequant_dot, "blocked": blocked_dot,
-                "fp8": fp8_dot, "kernel": kernel_dot, "kernel_e4m3": kernel_e4m3_dot,
+                "fp8": fp8_dot, "kernel": kernel_dot, "kernel_f16": kernel_f16_dot,
+                "kernel_e4m3": kernel_e4m3_dot,
                 "prefill": fp8_prefill_matmul}
 
 
