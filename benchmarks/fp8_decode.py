@@ -27,6 +27,7 @@ from flax import nnx
 
 import jspec
 from jspec.bench.presets import PRESETS
+from jspec.pallas_kernels import fp8_experts
 
 BLOCK = (128, 128)
 
@@ -60,6 +61,9 @@ def main():
                       help="also trace one call at the first batch size per precision: GPU "
                            "time by op")
   parser.add_argument("--no-prefill", action="store_true", help="skip the long-prompt row")
+  parser.add_argument("--experts-whole-k", action="store_true",
+                      help="FP8 MoE: the decode expert kernels on whole K (no K slices where a "
+                           "step's items are few: the path before them), for a before / after")
   parser.add_argument("--qkv-separate", action="store_true",
                       help="FP8: q, k and v as three kernel calls, not one (the path before "
                            "fp8_gemm.fp8_matmul_many), for a before / after comparison")
@@ -71,7 +75,10 @@ def main():
   prompts = [rng.integers(0, base.vocab_size, args.prompt_len).tolist()
              for _ in range(max(args.batch))]
   long_prompt = [rng.integers(0, base.vocab_size, args.prefill_len).tolist()]
-  max_len = max(args.prompt_len + args.max_tokens, args.prefill_len + 1) + 16
+  max_len = max(args.prompt_len + args.max_tokens,
+                0 if args.no_prefill else args.prefill_len + 1) + 16
+  if args.experts_whole_k:
+    fp8_experts.DECODE_TILING = fp8_experts.Fp8ExpertsTiling(gate_up_splits=1, down_splits=1)
   rows = []
   for precision in ("bf16", "fp8"):
     cfg = dataclasses.replace(base, fp8_block=BLOCK if precision == "fp8" else None)

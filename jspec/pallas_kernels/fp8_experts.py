@@ -215,11 +215,12 @@ DECODE_PATH_MAX_TOKENS = CHUNK_TOKENS
 
 def experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts, w_up: Fp8Experts,
                 w_down: Fp8Experts) -> jax.Array:
-  """experts_fp8_decode over chunks of at most CHUNK_TOKENS tokens."""
+  """experts_fp8_decode over chunks of at most CHUNK_TOKENS tokens, at DECODE_TILING."""
   num_tokens = x_TD.shape[0]
   parts = [experts_fp8_decode(x_TD[start:start + CHUNK_TOKENS],
                               topk_ids_TK[start:start + CHUNK_TOKENS],
-                              topk_weights_TK[start:start + CHUNK_TOKENS], w_gate, w_up, w_down)
+                              topk_weights_TK[start:start + CHUNK_TOKENS], w_gate, w_up, w_down,
+                              DECODE_TILING)
            for start in range(0, num_tokens, CHUNK_TOKENS)]
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
@@ -234,6 +235,11 @@ class Fp8ExpertsTiling:
   num_stages: int = 4
   gate_up_splits: int | None = None
   down_splits: int | None = None
+
+
+# The tiling the expert backend runs (read at trace time: a benchmark may set another before
+# it builds a model, e.g. whole K for a before / after comparison).
+DECODE_TILING = Fp8ExpertsTiling()
 
 
 def _splits(chosen: int | None, k: int, num_slots_max: int, out: int) -> int:
