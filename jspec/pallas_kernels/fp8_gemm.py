@@ -206,9 +206,18 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
     x16_MK, row_scale_M = _to_float16_rows(x_MK)
     x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
   parts_SNR = partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling)
+  bounds = np.cumsum([0] + ns)
   out_MN = jnp.sum(parts_SNR[:, :, :m], axis=0).T
   if row_scale_M is not None:
     out_MN = out_MN * row_scale_M[:, None]
   out_MN = out_MN.astype(x_MK.dtype)
-  bounds = np.cumsum([0] + ns)
+  if splits > 1:
+    # The sum of the K-slice partials stays out of the consumer's fusion. Where the consumer
+    # reduces over the output row (the residual add and RMSnorm after o_proj or down), XLA
+    # fuses the sum into it, and at a few rows that reduction runs in one thread block that
+    # loads each output's partials one after another: 9.7 µs a layer for Qwen3-30B-A3B's
+    # o_proj (8 slices, one row) on an H100, where the sum alone is a small parallel kernel
+    # (BENCHMARKS.md, "FP8 experts at decode sizes: …").
+    out_MN = jax.lax.optimization_barrier(out_MN)
   return tuple(out_MN[:, start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
+
