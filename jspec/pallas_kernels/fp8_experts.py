@@ -288,7 +288,7 @@ def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
                               tiling.down_blocks, tiling.num_stages, splits=down_splits)
   token_scale_SN = act_scale_SN * plan.weight_SR[:, :rows]
   out_SND = jnp.swapaxes(down_SDN * token_scale_SN[:, None, :], 1, 2)
-  # Materialized, as fp8_gemm's sums of partials (it says why): the residual add and norm after
-  # this layer would otherwise gather each output's slots, across the kernel's [S, D, N] order,
-  # inside one thread block.
+  # Materialized, as fp8_gemm's sums of partials (it says why): fused into the residual add and
+  # norm after this layer, each output could gather its slots, across the kernel's [S, D, N]
+  # order, inside one thread block.
   return jax.lax.optimization_barrier(decode_routing.combine_slots(out_SND, plan, x_TD.dtype))
