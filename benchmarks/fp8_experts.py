@@ -70,12 +70,28 @@ def random_fp8(key, num_experts, out, inner) -> Fp8Experts:
   return Fp8Experts(w8, scale)
 
 
-def bench_model(name, num_experts, top_k, dim, ffn, tokens, sweep_tokens):
-  keys = jax.random.split(jax.random.key(7), 4)
+def layer_weights(keys, num_experts, dim, ffn):
+  """(gate, up, down) in FP8 and the same values in bf16 ([E, in, out])."""
   fp8 = (random_fp8(keys[0], num_experts, ffn, dim), random_fp8(keys[1], num_experts, ffn, dim),
          random_fp8(keys[2], num_experts, dim, ffn))
-  # Arguments, never closed over: a closed-over array becomes a constant of the program.
-  bf16 = tuple(jax.jit(lambda w: w.dequantized(jnp.bfloat16))(w) for w in fp8)
+  return fp8, tuple(jax.jit(lambda w: w.dequantized(jnp.bfloat16))(w) for w in fp8)
+
+
+def argument_sets(key, num_tokens, num_experts, top_k, dim, fp8, bf16):
+  """Two (x, ids, weights, *fp8, *bf16) sets of different tokens and routing (weights are
+  arguments, never closed over: a closed-over array becomes a constant of the program)."""
+  arg_sets = []
+  for s in range(2):
+    kx, kr = jax.random.split(jax.random.fold_in(key, 10 * num_tokens + s))
+    ids, weights = skewed_routing(kr, num_tokens, num_experts, top_k)
+    arg_sets.append((jax.random.normal(kx, (num_tokens, dim), jnp.bfloat16), ids, weights,
+                     *fp8, *bf16))
+  return arg_sets
+
+
+def bench_model(name, num_experts, top_k, dim, ffn, tokens, sweep_tokens):
+  keys = jax.random.split(jax.random.key(7), 4)
+  fp8, bf16 = layer_weights(keys, num_experts, dim, ffn)
   paths = {
       "bf16": jax.jit(lambda x, i, w, *weights: experts_pallas(x, i, w, *weights[3:])),
       "dequant": jax.jit(lambda x, i, w, g, u, d, *_: experts_grouped(
@@ -87,12 +103,7 @@ def bench_model(name, num_experts, top_k, dim, ffn, tokens, sweep_tokens):
         lambda x, i, w, g, u, d, *_, rows=rows: experts_fp8_grouped(x, i, w, g, u, d, rows=rows))
   results = []
   for num_tokens in tokens:
-    arg_sets = []
-    for s in range(2):
-      kx, kr = jax.random.split(jax.random.fold_in(keys[3], 10 * num_tokens + s))
-      ids, weights = skewed_routing(kr, num_tokens, num_experts, top_k)
-      arg_sets.append((jax.random.normal(kx, (num_tokens, dim), jnp.bfloat16), ids, weights,
-                       *fp8, *bf16))
+    arg_sets = argument_sets(keys[3], num_tokens, num_experts, top_k, dim, fp8, bf16)
     used = int(jnp.unique(arg_sets[0][1]).size)
     row = {"model": name, "T": num_tokens, "experts_used": used,
            "e4m3_bytes": used * 3 * dim * ffn,
@@ -116,9 +127,7 @@ def bench_model(name, num_experts, top_k, dim, ffn, tokens, sweep_tokens):
 
 def bench_decode(name, num_experts, top_k, dim, ffn, tokens):
   keys = jax.random.split(jax.random.key(8), 4)
-  fp8 = (random_fp8(keys[0], num_experts, ffn, dim), random_fp8(keys[1], num_experts, ffn, dim),
-         random_fp8(keys[2], num_experts, dim, ffn))
-  bf16 = tuple(jax.jit(lambda w: w.dequantized(jnp.bfloat16))(w) for w in fp8)
+  fp8, bf16 = layer_weights(keys, num_experts, dim, ffn)
   whole = Fp8ExpertsTiling(gate_up_splits=1, down_splits=1)
   paths = {
       "bf16": jax.jit(lambda x, i, w, *weights: experts_pallas(x, i, w, *weights[3:])),
@@ -130,12 +139,7 @@ def bench_decode(name, num_experts, top_k, dim, ffn, tokens):
   }
   lines = []
   for num_tokens in tokens:
-    arg_sets = []
-    for s in range(2):
-      kx, kr = jax.random.split(jax.random.fold_in(keys[3], 10 * num_tokens + s))
-      ids, weights = skewed_routing(kr, num_tokens, num_experts, top_k)
-      arg_sets.append((jax.random.normal(kx, (num_tokens, dim), jnp.bfloat16), ids, weights,
-                       *fp8, *bf16))
+    arg_sets = argument_sets(keys[3], num_tokens, num_experts, top_k, dim, fp8, bf16)
     used = int(jnp.unique(arg_sets[0][1]).size)
     times = {path: seconds_per_call(fn, arg_sets) for path, fn in paths.items()}
     rate = used * 3 * dim * ffn / times["default"] / 1e9
