@@ -206,11 +206,11 @@ def test_prefill_sized_steps_group_token_copies_by_expert():
   _assert_w8a8_close(y, problem)
 
 
-@pytest.mark.parametrize("seed,rows", [(0, 16), (1, 32), (2, 64)])
+@pytest.mark.parametrize("seed,rows", [(0, 16), (1, 32), (2, 64), (3, 24)])
 def test_grouped_fp8_experts_at_every_tile_size(seed, rows):
-  """16 / 32 rows: gate and up share a kernel; 64: one kernel each. Skewed routing, so that an
-  expert fills several tiles and others none; three K blocks and two column blocks; another
-  shard's expert (-1) on some picks."""
+  """16 / 24 / 32 rows: gate and up share a kernel (24: a tile that is no power of two); 64: one
+  kernel each. Skewed routing, so that an expert fills several tiles and others none; three K
+  blocks and two column blocks; another shard's expert (-1) on some picks."""
   rng = np.random.default_rng([RUN_SEED, 10, seed])
   num_tokens, num_experts, top_k = 90, 5, 2
   x, _, weights, *fp8 = _problem(10 + seed, num_tokens, num_experts=num_experts, top_k=top_k,

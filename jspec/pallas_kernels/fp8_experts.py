@@ -91,7 +91,9 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
   if fp8_x != (act_scale_SKbN is not None) or (fp8_x and not per_slot_x):
     raise ValueError("e4m3 x goes per slot ([S, N, in]) with its act_scale_SKbN, 16-bit x "
                      "without one")
-  rows, k = decode_routing.padded_tokens(x.shape[-2]), x.shape[-1]
+  rows, k = x.shape[-2:]
+  if not per_slot_x:  # the shared x of a decode step: its padded rows
+    rows = decode_routing.padded_tokens(rows)
   num_weights = len(weights)
   out = weights[0].w8.shape[1]
   num_slots_max = slot_expert_S.shape[0]

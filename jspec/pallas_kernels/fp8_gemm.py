@@ -220,4 +220,3 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
     # (BENCHMARKS.md, "FP8 experts at decode sizes: …").
     out_MN = jax.lax.optimization_barrier(out_MN)
   return tuple(out_MN[:, start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
-
