@@ -59,7 +59,7 @@ class Clock:
       # The first dispatch, which needs the prefill's outputs, ended before the prefill was
       # seen ready: the thread that stamps that time woke late (a busy host). The dispatch's
       # launch is the better estimate, so that its tokens still come after the prefill's.
-      self.zero_s = min(self.zero_s, start_s)
+      self.zero_s = start_s
     start_s = max(start_s, last.end_s if last else self.zero_s)
     self.segments.append(Segment(begin, clock_end, start_s, max(end_s, start_s)))
 
