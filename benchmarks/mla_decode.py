@@ -40,7 +40,8 @@ import numpy as np
 from jspec.bench.roofline import hbm_bandwidth, seconds_per_call
 from jspec.models.mla import latent_attention
 from jspec.pallas_kernels import platform
-from jspec.pallas_kernels.mla_decode import MLATiling, choose_splits, mla_decode, rows_block
+from jspec.pallas_kernels.mla_decode import (MLATiling, choose_splits, min_split_slots,
+                                             mla_decode, rows_block)
 
 SWEEP = ["64,32,8,2,1", "64,64,8,3,1", "32,64,4,2,1", "16,64,4,2,1", "16,64,4,3,2",
          "64,64,8,2,2", "16,128,8,2,1"]
@@ -114,6 +115,13 @@ def check(args, dtype) -> dict:
     result[f"{form}_max_error_by_splits"] = errors
   result["ok"] = ok
   return result
+
+
+def triton_splits(batch, rows, slots, tiling, latent_dim, row_bytes) -> int:
+  """The chunks per sequence the Triton form picks (the row reports them)."""
+  tile = rows_block(rows, tiling)
+  return choose_splits(batch, -(-rows // tile), slots, platform.num_sms(),
+                       tiling.programs_per_sm, min_split_slots(tile, latent_dim, row_bytes))
 
 
 def matmul_flops(size: int) -> float:
@@ -222,8 +230,8 @@ def main(argv=None) -> int:
           rows = width * heads
           row = dict(heads=heads, batch=batch, context=context, width=width, copies=copies,
                      latent_bytes=latent, flops=flops,
-                     splits=choose_splits(batch, -(-rows // rows_block(rows, tiling)), slots,
-                                          platform.num_sms(), tiling.programs_per_sm))
+                     splits=triton_splits(batch, rows, slots, tiling, args.latent_dim,
+                                          width_l * itemsize))
           for name, fn in zip(PATHS, _programs(args.latent_dim, scale, slots, tiling)):
             try:
               seconds = timer(fn, [(q, caches, positions)]) / copies

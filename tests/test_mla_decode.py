@@ -25,7 +25,8 @@ from jspec.models.caches import MLACache
 from jspec.models.mla import MLAttention
 from jspec.models.moe_backends import experts_reference
 from jspec.pallas_kernels import mla_decode as kernel_lib
-from jspec.pallas_kernels.mla_decode import MLATiling, choose_splits, mla_decode
+from jspec.pallas_kernels.mla_decode import (MLATiling, choose_splits, min_split_slots,
+                                             mla_decode)
 from jspec.sharding.rules import MeshConfig, ShardingRules
 
 
@@ -99,17 +100,31 @@ def test_kernel_returns_the_cache_dtype_with_float32_sums():
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("batch, row_tiles, slots, sms, splits", [
-    (1, 2, 8320, 132, 32),   # batch 1 at 8k: one chunk per 256 slots, not more
-    (1, 2, 32896, 132, 66),  # at 32k the SMs bound it: 132 programs, one wave
-    (8, 2, 8320, 132, 8),    # 128 programs; 9 chunks would start a second wave for 12
-    (32, 2, 8320, 132, 2),
-    (32, 8, 32896, 132, 1),  # verify windows at batch 32 fill the GPU without splitting
-    (4, 1, 100, 132, 1),     # a short cache: one chunk
+@pytest.mark.parametrize("batch, row_tiles, slots, sms, min_slots, splits", [
+    (1, 2, 8320, 132, 256, 32),   # batch 1 at 8k: one chunk per 256 slots, not more
+    (1, 2, 32896, 132, 256, 66),  # at 32k the SMs bound it: 132 programs, one wave
+    (1, 2, 8320, 132, 114, 66),   # 64-row tiles of DeepSeek-V3's rows: the SMs bound it
+    (1, 1, 8320, 132, 29, 132),   # a tp = 8 shard's 16 rows: a chunk per SM
+    (8, 2, 8320, 132, 256, 8),    # 128 programs; 9 chunks would start a second wave for 12
+    (32, 2, 8320, 132, 256, 2),
+    (32, 8, 32896, 132, 256, 1),  # verify windows at batch 32 fill the GPU without splitting
+    (4, 1, 100, 132, 256, 1),     # a short cache: one chunk
+    (1, 1, 100, 132, 29, 3),      # ... unless its chunks still outweigh their partials
 ])
-def test_splits_fill_one_wave_of_programs(batch, row_tiles, slots, sms, splits):
-  assert choose_splits(batch, row_tiles, slots, sms) == splits
-  assert choose_splits(batch, row_tiles, slots, sms, programs_per_sm=2) >= splits
+def test_splits_fill_one_wave_of_programs(batch, row_tiles, slots, sms, min_slots, splits):
+  assert choose_splits(batch, row_tiles, slots, sms, min_slots=min_slots) == splits
+  assert choose_splits(batch, row_tiles, slots, sms, programs_per_sm=2,
+                       min_slots=min_slots) >= splits
+
+
+@pytest.mark.parametrize("tile_rows, latent_dim, row_bytes", [
+    (16, 512, 1152), (64, 512, 1152), (128, 512, 1152), (16, 32, 80), (64, 256, 640)])
+def test_a_chunk_is_no_shorter_than_its_partial_output_is_heavy(tile_rows, latent_dim,
+                                                               row_bytes):
+  """min_split_slots: the fewest latent rows that weigh at least a chunk's float32 output."""
+  slots = min_split_slots(tile_rows, latent_dim, row_bytes)
+  partial_bytes = tile_rows * latent_dim * 4
+  assert slots * row_bytes >= partial_bytes > (slots - 1) * row_bytes
 
 
 def test_the_compiled_kernel_refuses_latent_widths_triton_cannot_tile():

@@ -185,5 +185,6 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
 
   inputs = (x_RK, *[a for pair in zip(w8s_NK, scale_rows_NbX) for a in pair])
   inputs += (act_scale_X,) if fp8_x else ()
+  # Named by shape, so that a profile tells a step's products apart.
   return decode_gemm._kernel_call(body, (splits, sum(ns), rows), jnp.float32,
-                                  "fp8_block_gemm")(*inputs)
+                                  f"fp8_block_gemm_{k}x{sum(ns)}")(*inputs)

@@ -64,7 +64,7 @@ from jspec.pallas_kernels import mla_decode_wgmma as wgmma
 from jspec.pallas_kernels import platform
 
 MIN_ROWS = 16          # Triton's dot needs 16 rows
-MIN_SPLIT_SLOTS = 256  # shorter chunks write more partial output than they read latent
+PARTIAL_BYTES = 4      # a chunk's partial output is float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +92,25 @@ def rows_block(rows: int, tiling: MLATiling) -> int:
   return min(tiling.block_rows, max(MIN_ROWS, 1 << (rows - 1).bit_length()))
 
 
+def min_split_slots(tile_rows: int, latent_dim: int, row_bytes: int) -> int:
+  """The shortest chunk worth a program of its own: one whose latent rows (`row_bytes` each)
+  weigh at least its float32 partial output ([tile_rows, C]), which is written and read back
+  by the merge. For DeepSeek-V3's rows (C = 512, 1152 bytes) that is 114 slots per 64-row
+  tile and 29 for the 16 rows of a tp = 8 shard's decode step, whose batch-1 step at 8k
+  context then runs 132 chunks instead of 32 (when a fixed 256 bounded them): 22.4 -> 17.5 us
+  on an H100, no other row of batch 1 or 8 changed by more than 5% (BENCHMARKS.md, "FP8 and
+  MLA decode kernels under the profiler")."""
+  return -(-tile_rows * latent_dim * PARTIAL_BYTES // row_bytes)
+
+
 def choose_splits(batch: int, row_tiles: int, slots: int, num_sms: int,
-                  programs_per_sm: int = 1) -> int:
+                  programs_per_sm: int = 1, min_slots: int = 256) -> int:
   """The most chunks per sequence whose programs still run in one wave (`programs_per_sm` per
-  SM), at most one per MIN_SPLIT_SLOTS slots of the cache, at least one. One more would start
-  a second wave for a few programs: measured on an H100, 144 programs took about as long as
-  2 x 132."""
+  SM), at most one per `min_slots` slots of the cache (min_split_slots), at least one. One
+  more would start a second wave for a few programs: measured on an H100, 144 programs took
+  about as long as 2 x 132."""
   fit = num_sms * programs_per_sm // (batch * row_tiles)
-  return max(1, min(fit, slots // MIN_SPLIT_SLOTS))
+  return max(1, min(fit, slots // min_slots))
 
 
 def _kernel(q_ref, cache_ref, pos_ref, len_ref, out_ref, lse_ref, *, scale: float,
@@ -204,7 +215,9 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
   # Each tile reads slots up to its largest position (the cache's end at most).
   len_BG = jnp.clip(pos_BR.reshape(b, row_tiles, block_rows).max(axis=2) + 1, 0, slots)
   if splits is None:
-    splits = choose_splits(b, row_tiles, slots, platform.num_sms(), tiling.programs_per_sm)
+    splits = choose_splits(b, row_tiles, slots, platform.num_sms(), tiling.programs_per_sm,
+                           min_split_slots(block_rows, latent_dim,
+                                           width * cache_BSL.dtype.itemsize))
   block_slots = tiling.block_slots
   while block_slots > max(MIN_ROWS, slots):  # a tiny cache: no block past its end
     block_slots //= 2
@@ -272,7 +285,8 @@ def _wgmma_form(q_BTNL, cache_BSL, positions_BT, *, latent_dim: int, scale: floa
   length_BG = jnp.max(pos_BGR, axis=2) + 1
   bounds_BG2 = jnp.clip(jnp.stack([seen_by_all_BG, length_BG], axis=-1), 0, slots)
   if splits is None:
-    splits = choose_splits(b, row_tiles, slots, platform.num_sms())
+    splits = choose_splits(b, row_tiles, slots, platform.num_sms(), min_slots=min_split_slots(
+        wgmma.ROWS, latent_dim, width * cache_BSL.dtype.itemsize))
   out_dtype = _parts_dtype(splits, cache_BSL.dtype)
   parts_BKRC, lse_BKR = wgmma.latent_attention_parts(
       q_BRL, cache_BSL, pos_BR, bounds_BG2.astype(jnp.int32), latent_dim=latent_dim,
