@@ -71,12 +71,22 @@ PARTIAL_BYTES = 4      # a chunk's partial output is float32
 class MLATiling:
   """block_rows: query rows per program (at most; fewer rows take the next power of two >= 16);
   block_slots: latent rows per loop step; num_warps / num_stages: Triton's (stages: loads in
-  flight ahead of the loop); programs_per_sm: how many programs per SM `choose_splits` aims at."""
+  flight ahead of the loop; 0: `stages_for`'s choice by the tile's rows); programs_per_sm: how
+  many programs per SM `choose_splits` aims at."""
   block_rows: int = 64
   block_slots: int = 64
   num_warps: int = 8
-  num_stages: int = 2
+  num_stages: int = 0
   programs_per_sm: int = 1
+
+
+def stages_for(block_rows: int) -> int:
+  """Loads in flight: 3 for tiles of up to 16 rows (a tp = 8 shard's decode step, 16 heads:
+  8-10% faster than 2 at batch 8 and 32, the same at batch 1, on an H100; BENCHMARKS.md, "FP8
+  and MLA decode kernels under the profiler"), 2 for larger tiles, whose query rows and
+  blocks take more of the shared memory (measured at 128 heads, the tiling sweep of
+  benchmarks/mla_decode.py)."""
+  return 3 if block_rows <= 16 else 2
 
 
 def _pow2(n: int) -> bool:
@@ -97,9 +107,10 @@ def min_split_slots(tile_rows: int, latent_dim: int, row_bytes: int) -> int:
   weigh at least its float32 partial output ([tile_rows, C]), which is written and read back
   by the merge. For DeepSeek-V3's rows (C = 512, 1152 bytes) that is 114 slots per 64-row
   tile and 29 for the 16 rows of a tp = 8 shard's decode step, whose batch-1 step at 8k
-  context then runs 132 chunks instead of 32 (when a fixed 256 bounded them): 22.4 -> 17.5 us
-  on an H100, no other row of batch 1 or 8 changed by more than 5% (BENCHMARKS.md, "FP8 and
-  MLA decode kernels under the profiler")."""
+  context then runs 132 chunks instead of 32 (a fixed 256 bounded them): 22.4 -> 17.5 us in
+  one interleaved comparison on an H100, though calls this short vary by up to 1.7x between
+  runs; no row of batch 1 or 8 got slower by more than that comparison's 2% (BENCHMARKS.md,
+  "FP8 and MLA decode kernels under the profiler")."""
   return -(-tile_rows * latent_dim * PARTIAL_BYTES // row_bytes)
 
 
@@ -228,8 +239,8 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
       out_shape=(jax.ShapeDtypeStruct((b, splits, padded, latent_dim), out_dtype),
                  jax.ShapeDtypeStruct((b, splits, padded), jnp.float32)),
       grid=(row_tiles, splits, b),
-      compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps,
-                                              num_stages=tiling.num_stages),
+      compiler_params=pltriton.CompilerParams(
+          num_warps=tiling.num_warps, num_stages=tiling.num_stages or stages_for(block_rows)),
       interpret=interpret,
       name="mla_flash_decode",
   )(q_BRL, cache_BSL, pos_BR, len_BG.astype(jnp.int32))
