@@ -11,6 +11,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 
+import shared_executables  # noqa: E402
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -18,6 +20,11 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 def has_gpu() -> bool:
   return any(d.platform == "gpu" for d in jax.devices())
+
+
+# The CPU suite compiles each distinct program once per process (see shared_executables).
+if not has_gpu():
+  shared_executables.install()
 
 
 # Tests that hold tens of GB of GPU memory (DeepSeek-V3's experts: 22.5 GB in bf16, drawn in
@@ -105,3 +112,18 @@ def interpreted_on_every_device(monkeypatch):
   monkeypatch.setattr(gpu_callbacks, "cluster_finished", lambda *, token: token)
   monkeypatch.setattr(shared_memory.GPUSharedMemory, "assert_no_barriers_allocated",
                       lambda self: None)
+
+
+# ---- xdist: each worker takes a contiguous half of the suite, the idle one steals ----------
+# `-n 2` defaults to --dist load, which hands out the collection in ever smaller chunks,
+# alternately: by the end the files run two tests here, two there, and both workers compile the
+# programs that a file's tests share (its baselines, its cached LLMs). Work stealing starts
+# each worker on a contiguous half and moves whole runs of tests from the busy end of one queue
+# only when the other runs dry, so a file's shared programs are mostly compiled once.
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: xdist may be absent
+def pytest_xdist_make_scheduler(config, log):
+  if config.getvalue("dist") != "load":  # an explicit --dist is kept
+    return None
+  from xdist.scheduler import WorkStealingScheduling  # noqa: PLC0415
+  return WorkStealingScheduling(config, log)
