@@ -65,12 +65,35 @@ def fits_kernel(k: int, n: int, block: tuple[int, int]) -> bool:
   return tuple(block) == (BLOCK, BLOCK) and k % BLOCK == 0 and n % BLOCK == 0
 
 
-def _result_form(splits: int, out_dtype):
-  """(stored transposed, the kernel's result dtype): a 2-byte result over one K slice goes
-  straight into y's [M, N]; else float32 partials [splits, N, M] (Mosaic GPU has no
-  transposed store for a float32 tile), summed and transposed after."""
-  transposed = splits == 1 and jnp.dtype(out_dtype).itemsize == 2
+def _result_form(splits: int, out_dtype, per_slice: bool = False):
+  """(stored transposed, the kernel's result dtype). A 2-byte result goes straight into y's
+  [M, N] order: over one K slice as y itself; with `per_slice` (the warp-specialized form)
+  also over several, as [splits, M, N] partials each rounded to the result's type, then
+  summed in float32 (one elementwise pass, where float32 partials needed a transposing one).
+  Else float32 partials [splits, N, M] (Mosaic GPU has no transposed store for a float32
+  tile), summed and transposed after.
+
+  Why the 2-byte partials lose nothing that matters: each adds one rounding of its slice's
+  sum, 2^-9 of it, while the e4m3 activations of this path already carry up to 2^-4 per
+  element (fp8_gemm.quantize_activations). At Qwen3-8B's shapes in 256-row prefill chunks,
+  five of a layer's six products take K slices, and their float32 transposes were about 5% of
+  an FP8 prefill on an H100 (BENCHMARKS.md, "FP8 and MLA decode kernels under the
+  profiler")."""
+  two_bytes = jnp.dtype(out_dtype).itemsize == 2
+  transposed = two_bytes and (splits == 1 or per_slice)
   return transposed, out_dtype if transposed else jnp.float32
+
+
+def _combine(out, m: int, splits: int, out_dtype, per_slice: bool):
+  """y [m, N] from a kernel's result in _result_form's form."""
+  transposed, _ = _result_form(splits, out_dtype, per_slice)
+  if not transposed:
+    return jnp.sum(out, axis=0)[:, :m].T.astype(out_dtype)
+  if out.ndim == 2:
+    return out[:m]
+  if splits == 1:
+    return out[0, :m]
+  return jnp.sum(out[:, :m].astype(jnp.float32), axis=0).astype(out_dtype)
 
 
 def _slice_and_row(index, row_tiles: int):
@@ -201,7 +224,7 @@ def _products_warp_specialized(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dty
   slice_steps = k // BLOCK // splits
   slice_k = slice_steps * BLOCK
   wgmma_rows = COLUMN_TILE  # each compute warpgroup's half of a 128-column tile
-  transposed, dtype = _result_form(splits, out_dtype)
+  transposed, dtype = _result_form(splits, out_dtype, per_slice=True)
 
   def body(x_gmem, w_gmem, w_scale_gmem, x_scale_gmem, out_gmem, o_smem):
     wg = lax.axis_index("wg")
@@ -238,7 +261,7 @@ def _products_warp_specialized(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dty
         if transposed:
           o_smem.at[wg].T[...] = total.astype(dtype)
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[rows, my_columns])
+          plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[k_slice, rows, my_columns])
         else:
           o_smem.at[wg][...] = total
           plgpu.commit_smem()
@@ -259,7 +282,7 @@ def _products_warp_specialized(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dty
   o_shape = (2, ROW_TILE, wgmma_rows) if transposed else (2, wgmma_rows, ROW_TILE)
   return plgpu.kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((m, n) if transposed else (splits, n, m), dtype),
+      out_type=jax.ShapeDtypeStruct((splits, m, n) if transposed else (splits, n, m), dtype),
       grid=(platform.num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
       scratch_types=dict(o_smem=plgpu.SMEM(o_shape, dtype,
                                            transforms=_smem_transforms(o_shape[-1], dtype))),
@@ -311,6 +334,4 @@ def fp8_prefill_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
               if warp_specialized else functools.partial(_products, tiling=tiling))
   out = products(x8_MK, w8_NK, scale_lanes(scale_NbKb, ROW_TILE), act_scale_KbM, x_MK.dtype,
                  splits=splits)
-  if _result_form(splits, x_MK.dtype)[0]:
-    return out[:m]
-  return jnp.sum(out, axis=0)[:, :m].T.astype(x_MK.dtype)
+  return _combine(out, m, splits, x_MK.dtype, per_slice=warp_specialized)
