@@ -5,9 +5,9 @@ among several), and JAX compiles each new LLM's programs anew even where XLA is 
 program it has compiled before: its caches key on the Python functions, which every LLM makes
 its own. XLA's compile is most of the CPU suite's time, so here the executable is shared when
 the module's bytecode (its constants included, its source locations left out), the compile
-options and the devices are the same bytes: the same program on the same devices, whichever LLM asked. This is the persistent
-compilation cache's key, kept in memory: writing some large CPU executables to disk crashes
-jaxlib 0.11.2. Programs with host callbacks (interpret-mode Pallas kernels) hold pointers to
+options and the devices are the same bytes: the same program on the same devices, whichever
+LLM asked. This is the persistent compilation cache's key, kept in memory: writing some
+large CPU executables to disk crashes jaxlib 0.11.2. Programs with host callbacks (interpret-mode Pallas kernels) hold pointers to
 their own Python objects and are always compiled.
 
 conftest.release_compiled_programs empties EXECUTABLES with the tests' other caches."""
