@@ -121,7 +121,8 @@ def triton_splits(batch, rows, slots, tiling, latent_dim, row_bytes) -> int:
   """The chunks per sequence the Triton form picks (the row reports them)."""
   tile = rows_block(rows, tiling)
   return choose_splits(batch, -(-rows // tile), slots, platform.num_sms(),
-                       tiling.programs_per_sm, min_split_slots(tile, latent_dim, row_bytes))
+                       tiling.programs_per_sm,
+                       min_slots=min_split_slots(tile, latent_dim, row_bytes))
 
 
 def matmul_flops(size: int) -> float:

@@ -26,9 +26,9 @@ How (Pallas on Triton, as JAX's jax/experimental/pallas/ops/gpu/decode_attention
           output is the result, written in the cache's dtype).
 A row that sees no slot (padding rows, an idle sequence with position < 0) gives zeros.
 
-K is chosen so that the programs fill the GPU once (`choose_splits`): a chunk's partial
-output ([rows, C] float32) is as large as a few hundred latent rows, so more splits than the
-SMs need cost more than they save, and a few programs past one wave cost a whole wave.
+K is chosen so that the programs fill the GPU once (`choose_splits`), each chunk at least as
+heavy in latent rows as its partial output ([rows, C] float32: `min_split_slots`), so that
+no split costs more than it saves; a few programs past one wave would cost a whole wave.
 
 Measured (one H100, benchmarks/mla_decode.py, results/mla_decode_h100.json; the default
 tiling): 16 heads per device (a tp = 8 shard) is memory-bound and the kernel reads the latent
@@ -115,7 +115,7 @@ def min_split_slots(tile_rows: int, latent_dim: int, row_bytes: int) -> int:
 
 
 def choose_splits(batch: int, row_tiles: int, slots: int, num_sms: int,
-                  programs_per_sm: int = 1, min_slots: int = 256) -> int:
+                  programs_per_sm: int = 1, *, min_slots: int) -> int:
   """The most chunks per sequence whose programs still run in one wave (`programs_per_sm` per
   SM), at most one per `min_slots` slots of the cache (min_split_slots), at least one. One
   more would start a second wave for a few programs: measured on an H100, 144 programs took
@@ -227,8 +227,8 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
   len_BG = jnp.clip(pos_BR.reshape(b, row_tiles, block_rows).max(axis=2) + 1, 0, slots)
   if splits is None:
     splits = choose_splits(b, row_tiles, slots, platform.num_sms(), tiling.programs_per_sm,
-                           min_split_slots(block_rows, latent_dim,
-                                           width * cache_BSL.dtype.itemsize))
+                           min_slots=min_split_slots(block_rows, latent_dim,
+                                                     width * cache_BSL.dtype.itemsize))
   block_slots = tiling.block_slots
   while block_slots > max(MIN_ROWS, slots):  # a tiny cache: no block past its end
     block_slots //= 2
