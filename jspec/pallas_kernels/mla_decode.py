@@ -22,8 +22,11 @@ How (Pallas on Triton, as JAX's jax/experimental/pallas/ops/gpu/decode_attention
   program walks its chunk `block_slots` rows at a time: scores = q_lat . latent + q_rope .
           rope key (float32), causal mask by the row's position, online softmax, acc += p .
           latent; writes acc / l and the log-sum-exp of its chunk.
-  merge   the K partial softmaxes combined by their log-sum-exps in XLA (K = 1: the kernel's
-          output is the result, written in the cache's dtype).
+  merge   the K partial softmaxes combined by their log-sum-exps in one more kernel
+          (jspec.pallas_kernels.mla_merge; K = 1: the kernel's output is the result, written
+          in the cache's dtype).
+The rows' positions and each tile's length are derived in the kernel from the window's
+positions [B, T], so that no XLA kernel runs before it.
 A row that sees no slot (padding rows, an idle sequence with position < 0) gives zeros.
 
 K is chosen so that the programs fill the GPU once (`choose_splits`), each chunk at least as
@@ -61,6 +64,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import mla_decode_wgmma as wgmma
+from jspec.pallas_kernels import mla_merge
 from jspec.pallas_kernels import platform
 
 MIN_ROWS = 16          # Triton's dot needs 16 rows
@@ -124,17 +128,30 @@ def choose_splits(batch: int, row_tiles: int, slots: int, num_sms: int,
   return max(1, min(fit, slots // min_slots))
 
 
-def _kernel(q_ref, cache_ref, pos_ref, len_ref, out_ref, lse_ref, *, scale: float,
-            latent_dim: int, rope_dim: int, block_rows: int, block_slots: int, splits: int):
+def _row_positions(pos_ref, b, tile, *, block_rows: int, heads: int, window: int):
+  """The positions of a tile's query rows, row r being token r // heads of the window (-1 for
+  the padding rows past it), from the window's positions [B, T]: read here rather than
+  repeated per row by XLA, whose small kernels took longer than a batch-1 call's attention."""
+  token_R = (tile * block_rows + jnp.arange(block_rows)) // heads
+  pos_R = jnp.full((block_rows,), -1, jnp.int32)
+  for t in range(window):
+    pos_R = jnp.where(token_R == t, pos_ref[b, t], pos_R)
+  return pos_R
+
+
+def _kernel(q_ref, cache_ref, pos_ref, out_ref, lse_ref, *, scale: float, latent_dim: int,
+            rope_dim: int, block_rows: int, block_slots: int, splits: int, heads: int,
+            window: int, slots: int):
   """Program (row tile, split, sequence); whole-array refs indexed here (L = C + R need not be
   a power of two, so no BlockSpec can cut it)."""
   tile, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(tile * block_rows, block_rows), block_rows)
   q_lat = q_ref[b, rows, pl.ds(0, latent_dim)]
   q_rope = q_ref[b, rows, pl.ds(latent_dim, rope_dim)]
-  pos_R = pos_ref[b, rows]
-  # The slots this tile's rows see, cut into `splits` chunks of whole blocks.
-  length = len_ref[b, tile]
+  pos_R = _row_positions(pos_ref, b, tile, block_rows=block_rows, heads=heads, window=window)
+  # The slots this tile's rows see (the cache's end at most), cut into `splits` chunks of
+  # whole blocks.
+  length = jnp.clip(jnp.max(pos_R) + 1, 0, slots)
   blocks = (length + block_slots - 1) // block_slots
   chunk = (blocks + splits - 1) // splits * block_slots
   start = split * chunk
@@ -220,11 +237,9 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
                      f"C={latent_dim}, R={rope_dim}")
   rows = t * n
   block_rows = rows_block(rows, tiling)
-  q_BRL, pos_BR = _rows_and_positions(q_BTNL, positions_BT, cache_BSL.dtype, block_rows)
+  q_BRL = _rows(q_BTNL, cache_BSL.dtype, block_rows)
   padded = q_BRL.shape[1]
   row_tiles = padded // block_rows
-  # Each tile reads slots up to its largest position (the cache's end at most).
-  len_BG = jnp.clip(pos_BR.reshape(b, row_tiles, block_rows).max(axis=2) + 1, 0, slots)
   if splits is None:
     splits = choose_splits(b, row_tiles, slots, platform.num_sms(), tiling.programs_per_sm,
                            min_slots=min_split_slots(block_rows, latent_dim,
@@ -235,7 +250,8 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
   out_dtype = _parts_dtype(splits, cache_BSL.dtype)
   parts_BKRC, lse_BKR = pl.pallas_call(
       functools.partial(_kernel, scale=scale, latent_dim=latent_dim, rope_dim=rope_dim,
-                        block_rows=block_rows, block_slots=block_slots, splits=splits),
+                        block_rows=block_rows, block_slots=block_slots, splits=splits,
+                        heads=n, window=t, slots=slots),
       out_shape=(jax.ShapeDtypeStruct((b, splits, padded, latent_dim), out_dtype),
                  jax.ShapeDtypeStruct((b, splits, padded), jnp.float32)),
       grid=(row_tiles, splits, b),
@@ -243,20 +259,26 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
           num_warps=tiling.num_warps, num_stages=tiling.num_stages or stages_for(block_rows)),
       interpret=interpret,
       name="mla_flash_decode",
-  )(q_BRL, cache_BSL, pos_BR, len_BG.astype(jnp.int32))
-  return _context(parts_BKRC, lse_BKR, q_BTNL.shape, latent_dim, cache_BSL.dtype)
+  )(q_BRL, cache_BSL, positions_BT.astype(jnp.int32))
+  return _context(parts_BKRC, lse_BKR, q_BTNL.shape, latent_dim, cache_BSL.dtype, interpret)
 
 
-def _rows_and_positions(q_BTNL, positions_BT, dtype, block_rows: int):
-  """q's N x T rows per sequence in (token, head) order, padded to whole tiles [B, R', L], and
-  each row's position [B, R'] (padding rows -1: they see nothing)."""
+def _rows(q_BTNL, dtype, block_rows: int):
+  """q's N x T rows per sequence in (token, head) order, padded to whole tiles [B, R', L] (a
+  free reshape where the rows fill their tiles, as a decode step's 16 or 128 heads do)."""
   b, t, n, width = q_BTNL.shape
   rows = t * n
   padded = -(-rows // block_rows) * block_rows
-  q_BRL = jnp.pad(q_BTNL.reshape(b, rows, width).astype(dtype),
-                  ((0, 0), (0, padded - rows), (0, 0)))
+  return jnp.pad(q_BTNL.reshape(b, rows, width).astype(dtype),
+                 ((0, 0), (0, padded - rows), (0, 0)))
+
+
+def _rows_and_positions(q_BTNL, positions_BT, dtype, block_rows: int):
+  """_rows, and each row's position [B, R'] (padding rows -1: they see nothing)."""
+  b, t, n, _ = q_BTNL.shape
+  q_BRL = _rows(q_BTNL, dtype, block_rows)
   pos_BR = jnp.pad(jnp.repeat(positions_BT.astype(jnp.int32), n, axis=1),
-                   ((0, 0), (0, padded - rows)), constant_values=-1)
+                   ((0, 0), (0, q_BRL.shape[1] - t * n)), constant_values=-1)
   return q_BRL, pos_BR
 
 
@@ -265,14 +287,14 @@ def _parts_dtype(splits: int, dtype):
   return dtype if splits == 1 else jnp.float32
 
 
-def _context(parts_BKRC, lse_BKR, q_shape, latent_dim: int, dtype):
+def _context(parts_BKRC, lse_BKR, q_shape, latent_dim: int, dtype, interpret: bool | None):
   """Either form's chunks as mla_decode returns them: [B, T, N, C] in `dtype`, the padding
-  rows dropped."""
+  rows dropped; several chunks merged by jspec.pallas_kernels.mla_merge."""
   b, t, n, _ = q_shape
   if parts_BKRC.shape[1] == 1:
     out_BRC = parts_BKRC[:, 0]
   else:
-    out_BRC = merge_splits(parts_BKRC, lse_BKR).astype(dtype)
+    out_BRC = mla_merge.merge_chunks(parts_BKRC, lse_BKR, dtype=dtype, interpret=interpret)
   return out_BRC[:, :t * n].reshape(b, t, n, latent_dim)
 
 
@@ -302,15 +324,4 @@ def _wgmma_form(q_BTNL, cache_BSL, positions_BT, *, latent_dim: int, scale: floa
   parts_BKRC, lse_BKR = wgmma.latent_attention_parts(
       q_BRL, cache_BSL, pos_BR, bounds_BG2.astype(jnp.int32), latent_dim=latent_dim,
       scale=scale, splits=splits, out_dtype=out_dtype, tiling=tiling)
-  return _context(parts_BKRC, lse_BKR, q_BTNL.shape, latent_dim, cache_BSL.dtype)
-
-
-def merge_splits(parts_BKRC, lse_BKR):
-  """Softmax-weighted sum of the chunks' normalised outputs by their log-sum-exps; rows no
-  chunk saw (every lse -inf) give zeros."""
-  top_BR = jnp.max(lse_BKR, axis=1)
-  top_BR = jnp.where(jnp.isfinite(top_BR), top_BR, 0.0)
-  weights_BKR = jnp.exp(lse_BKR - top_BR[:, None])
-  total_BR = jnp.sum(weights_BKR, axis=1)
-  out_BRC = jnp.einsum("bkr,bkrc->brc", weights_BKR, parts_BKRC.astype(jnp.float32))
-  return out_BRC / jnp.where(total_BR > 0, total_BR, 1.0)[..., None]
+  return _context(parts_BKRC, lse_BKR, q_BTNL.shape, latent_dim, cache_BSL.dtype, None)

@@ -18,7 +18,7 @@ How one program (row tile, split, sequence) runs, as FlashMLA does:
 The output's two halves (64 x C/2 float32 each) are what the register file can hold: a
 64 x C accumulator would need all of one warpgroup's registers. After the loop both halves
 go out through SMEM that aliases the drained stage buffers, with the chunk's log-sum-exp;
-chunks merge as in mla_decode (jspec.pallas_kernels.mla_decode.merge_splits).
+chunks merge as in mla_decode (jspec.pallas_kernels.mla_merge).
 
 Blocks whose slots every real row of the tile sees skip the mask (`bounds` gives, per
 sequence and tile, the slots all real rows see and the slots any row sees); a row that sees
