@@ -23,8 +23,8 @@ def _reference(parts_BKRC, lse_BKR):
 
 
 # (batch, chunks, rows, C, block_cols)
-CASES = [(1, 1, 16, 16, None), (2, 2, 16, 32, 16), (1, 3, 32, 64, 32), (3, 7, 16, 48, 16),
-         (1, 132, 16, 64, 16), (2, 5, 64, 128, 128), (1, 17, 48, 32, None)]
+CASES = [(1, 1, 16, 16, None), (2, 2, 5, 32, 16), (1, 3, 32, 64, 32), (3, 7, 16, 48, 16),
+         (1, 132, 16, 64, 32), (2, 5, 64, 128, 128), (1, 17, 3, 32, None)]
 
 
 @pytest.mark.parametrize("seed", range(len(CASES)))
@@ -55,22 +55,23 @@ def test_merge_rounds_once_to_bfloat16():
   assert np.all(np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + 1e-6)
 
 
-@pytest.mark.parametrize("programs_per_column, c, sms, cols", [
-    (1, 512, 132, 16),      # batch 1, 16 heads: 32 programs of 16 columns, as wide as it gets
-    (8, 512, 132, 16),      # batch 1, 128 heads (8 tiles of 16 rows): 256 programs
-    (32, 512, 132, 64),     # batch 32, 16 heads: 256 programs of 64 columns
-    (132, 512, 132, 128),   # enough sequences: the widest block
-    (4, 48, 132, 16),       # C = 48: 16 divides it, 32 does not
-    (1, 512, 1, 128),       # the interpreter's one SM
+@pytest.mark.parametrize("splits, programs_per_column, c, sms, cols", [
+    (132, 16, 512, 132, 32),   # batch 1, 16 heads: 256 programs, each [256, 32] (8192 values)
+    (66, 128, 512, 132, 64),   # batch 1, 128 heads: 1024 programs of [128, 64]
+    (4, 512, 512, 132, 512),   # batch 32, 16 heads: whole rows, 512 programs
+    (132, 1, 512, 132, 16),    # one row: as narrow as blocks go (32 programs)
+    (2, 1, 48, 132, 16),       # C = 48: 16 divides it, 32 does not
+    (2, 1, 512, 1, 512),       # the interpreter's one SM: whole rows
 ])
-def test_column_blocks_spread_the_merge_over_the_sms(programs_per_column, c, sms, cols):
-  assert merge_columns(programs_per_column, c, sms) == cols
+def test_column_blocks_spread_the_merge_over_the_sms(splits, programs_per_column, c, sms, cols):
+  assert merge_columns(splits, programs_per_column, c, sms) == cols
 
 
 def test_shapes_the_merge_cannot_tile_are_refused():
-  parts, lse = jnp.zeros((1, 2, 20, 32)), jnp.zeros((1, 2, 20))
-  with pytest.raises(ValueError, match="multiples of 16"):
-    merge_chunks(parts, lse, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="C a multiple of 16"):
+    merge_chunks(jnp.zeros((1, 2, 16, 20)), jnp.zeros((1, 2, 16)), dtype=jnp.float32)
+  with pytest.raises(ValueError, match="C a multiple of 16"):
+    merge_chunks(jnp.zeros((1, 2, 16, 32)), jnp.zeros((1, 3, 16)), dtype=jnp.float32)
   with pytest.raises(ValueError, match="does not divide C=48"):
     merge_chunks(jnp.zeros((1, 2, 16, 48)), jnp.zeros((1, 2, 16)), dtype=jnp.float32,
                  block_cols=32)
