@@ -204,9 +204,9 @@ def test_wgmma_form_lowers_for_hopper(monkeypatch):
   args = (jax.ShapeDtypeStruct((b, rows, c + 64), jnp.bfloat16),
           jax.ShapeDtypeStruct((b, slots, c + 64), jnp.bfloat16),
           jax.ShapeDtypeStruct((b, rows), jnp.int32),
-          jax.ShapeDtypeStruct((b, rows // wgmma.ROWS, 2), jnp.int32))
+          jax.ShapeDtypeStruct((b, 1), jnp.int32))   # T = 1 at 128 heads
   parts = jax.jit(functools.partial(wgmma.latent_attention_parts, latent_dim=c, scale=0.04,
-                                    splits=2, out_dtype=jnp.float32))
+                                    splits=2, out_dtype=jnp.float32, heads=rows))
   text = parts.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mla_flash_decode_wgmma" in text
 

@@ -300,8 +300,8 @@ def _context(parts_BKRC, lse_BKR, q_shape, latent_dim: int, dtype, interpret: bo
 
 def _wgmma_form(q_BTNL, cache_BSL, positions_BT, *, latent_dim: int, scale: float,
                 splits: int | None, tiling: wgmma.WgmmaTiling = wgmma.WgmmaTiling()):
-  """mla_decode through jspec.pallas_kernels.mla_decode_wgmma: 64-row tiles; per tile the
-  slots every real row sees (no mask needed there) and the slots any row sees."""
+  """mla_decode through jspec.pallas_kernels.mla_decode_wgmma: 64-row tiles, each row's
+  position, and the window's positions, from which the kernel bounds each tile's slots."""
   b, t, n, width = q_BTNL.shape
   slots = cache_BSL.shape[1]
   if not wgmma.fits_kernel(latent_dim, width - latent_dim, slots, tiling):
@@ -309,19 +309,13 @@ def _wgmma_form(q_BTNL, cache_BSL, positions_BT, *, latent_dim: int, scale: floa
         f"mla_decode's wgmma form needs C a multiple of 128 (at most 512), R a multiple of 64 "
         f"and a cache of whole {tiling.block_slots}-slot blocks, got C={latent_dim}, "
         f"R={width - latent_dim}, S={slots}")
-  rows = t * n
   q_BRL, pos_BR = _rows_and_positions(q_BTNL, positions_BT, cache_BSL.dtype, wgmma.ROWS)
   row_tiles = q_BRL.shape[1] // wgmma.ROWS
-  pos_BGR = pos_BR.reshape(b, row_tiles, wgmma.ROWS)
-  real_GR = (jnp.arange(row_tiles * wgmma.ROWS) < rows).reshape(row_tiles, wgmma.ROWS)
-  seen_by_all_BG = jnp.min(jnp.where(real_GR, pos_BGR, slots), axis=2) + 1
-  length_BG = jnp.max(pos_BGR, axis=2) + 1
-  bounds_BG2 = jnp.clip(jnp.stack([seen_by_all_BG, length_BG], axis=-1), 0, slots)
   if splits is None:
     splits = choose_splits(b, row_tiles, slots, platform.num_sms(), min_slots=min_split_slots(
         wgmma.ROWS, latent_dim, width * cache_BSL.dtype.itemsize))
   out_dtype = _parts_dtype(splits, cache_BSL.dtype)
   parts_BKRC, lse_BKR = wgmma.latent_attention_parts(
-      q_BRL, cache_BSL, pos_BR, bounds_BG2.astype(jnp.int32), latent_dim=latent_dim,
-      scale=scale, splits=splits, out_dtype=out_dtype, tiling=tiling)
+      q_BRL, cache_BSL, pos_BR, positions_BT.astype(jnp.int32), latent_dim=latent_dim,
+      scale=scale, splits=splits, out_dtype=out_dtype, heads=n, tiling=tiling)
   return _context(parts_BKRC, lse_BKR, q_BTNL.shape, latent_dim, cache_BSL.dtype, None)

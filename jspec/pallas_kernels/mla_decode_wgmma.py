@@ -20,7 +20,7 @@ The output's two halves (64 x C/2 float32 each) are what the register file can h
 go out through SMEM that aliases the drained stage buffers, with the chunk's log-sum-exp;
 chunks merge as in mla_decode (jspec.pallas_kernels.mla_merge).
 
-Blocks whose slots every real row of the tile sees skip the mask (`bounds` gives, per
+Blocks whose slots every real row of the tile sees skip the mask (`_tile_bounds` gives, per
 sequence and tile, the slots all real rows see and the slots any row sees); a row that sees
 nothing (padding, an idle sequence) gives zeros and a log-sum-exp of -inf.
 
@@ -80,8 +80,22 @@ def _split_blocks(length, splits: int, split, block_slots: int):
   return first, jnp.maximum(jnp.minimum(first + per_split, blocks), first)
 
 
-def _kernel(q_gmem, cache_gmem, pos_gmem, bounds_gmem, out_gmem, lse_gmem, *, scratch,
-            scale: float, latent_dim: int, splits: int, tiling: WgmmaTiling):
+def _tile_bounds(window_gmem, b, tile, *, heads: int, slots: int):
+  """(the slots every real row of the tile sees, the slots any row sees), within [0, S], from
+  the window's positions [B, T]: the tile's rows are those of tokens tile * 64 // N to
+  (tile * 64 + 63) // N. Read here, since XLA's reductions for them were three kernels of
+  their own before a batch-1 call."""
+  seen_by_all, length = jnp.int32(slots), jnp.int32(0)
+  for t in range(window_gmem.shape[1]):
+    in_tile = (t * heads < (tile + 1) * ROWS) & ((t + 1) * heads > tile * ROWS)
+    pos = window_gmem[b, t]
+    seen_by_all = jnp.where(in_tile, jnp.minimum(seen_by_all, pos + 1), seen_by_all)
+    length = jnp.where(in_tile, jnp.maximum(length, pos + 1), length)
+  return jnp.clip(seen_by_all, 0, slots), jnp.clip(length, 0, slots)
+
+
+def _kernel(q_gmem, cache_gmem, pos_gmem, window_gmem, out_gmem, lse_gmem, *, scratch,
+            scale: float, latent_dim: int, splits: int, heads: int, tiling: WgmmaTiling):
   tile, split, b = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   half = latent_dim // 2
@@ -95,7 +109,8 @@ def _kernel(q_gmem, cache_gmem, pos_gmem, bounds_gmem, out_gmem, lse_gmem, *, sc
   (*lat_smem, rope_smem), o_smem = stage_or_out  # lat_smem: the two halves' stage buffers
   q_bars, lat_bars, rope_bars, consumed, p_ready, p_free, pos_bar, loop_done = bars
 
-  seen_by_all, length = bounds_gmem[b, tile, 0], bounds_gmem[b, tile, 1]
+  seen_by_all, length = _tile_bounds(window_gmem, b, tile, heads=heads,
+                                     slots=cache_gmem.shape[1])
   first, end = _split_blocks(length, splits, split, block_slots)
   steps = end - first
   # Blocks before `unmasked_end` hold only slots every real row of the tile sees.
@@ -278,19 +293,19 @@ def _scratch(dtype, out_dtype, latent_dim: int, rope_dim: int, tiling: WgmmaTili
           plgpu.SMEM((3, ROWS), jnp.float32), plgpu.SMEM((ROWS,), jnp.int32), bars)
 
 
-def latent_attention_parts(q_BRL, cache_BSL, pos_BR, bounds_BG2, *, latent_dim: int,
-                           scale: float, splits: int, out_dtype,
+def latent_attention_parts(q_BRL, cache_BSL, pos_BR, positions_BT, *, latent_dim: int,
+                           scale: float, splits: int, out_dtype, heads: int,
                            tiling: WgmmaTiling = WgmmaTiling()):
   """Per chunk: the normalised context [B, K, R, C] (`out_dtype`) and log-sum-exp [B, K, R]
   of the padded query rows q [B, R, L] (R a multiple of 64) over cache [B, S, L].
 
-  pos_BR: each row's position (-1: sees nothing); bounds_BG2 per 64-row tile: (the slots every
-  real row sees, the slots any row sees), both within [0, S]."""
+  pos_BR: each row's position (-1: sees nothing); positions_BT: the window's positions, row r
+  being token r // `heads` (rows past T x heads are padding)."""
   b, padded, width = q_BRL.shape
   row_tiles = padded // ROWS
   scratch = _scratch(cache_BSL.dtype, out_dtype, latent_dim, width - latent_dim, tiling)
   kernel = functools.partial(_kernel, scale=scale, latent_dim=latent_dim, splits=splits,
-                             tiling=tiling)
+                             heads=heads, tiling=tiling)
   return plgpu.kernel(
       lambda *refs: kernel(*refs[:6], scratch=refs[6:]),
       out_type=(jax.ShapeDtypeStruct((b, splits, padded, latent_dim), out_dtype),
@@ -302,4 +317,4 @@ def latent_attention_parts(q_BRL, cache_BSL, pos_BR, bounds_BG2, *, latent_dim: 
       # no SMEM for cross-warp reductions: the 2 KiB it reserves by default do not fit.
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=platform.interpret_params(), kernel_name="mla_flash_decode_wgmma",
-  )(q_BRL, cache_BSL, pos_BR, bounds_BG2)
+  )(q_BRL, cache_BSL, pos_BR, positions_BT)
