@@ -58,7 +58,7 @@ def test_fp8_kernels_in_the_model_equal_the_scaled_xla_products(monkeypatch):
                  if isinstance(node, (MLAttention, MLP))]
   assert projections and all(p is not None for p in projections)
   assert gpu.target.layers[1].mlp.fp8_to_backend and not cpu.target.layers[1].mlp.fp8_to_backend
-  _assert_same_outputs(cpu, gpu, max_tokens=6)
+  _assert_same_outputs(cpu, gpu, max_tokens=4)
 
 
 def _tiny_fp8_hybrid():
