@@ -211,16 +211,20 @@ def test_wgmma_form_lowers_for_hopper(monkeypatch):
   assert "mla_flash_decode_wgmma" in text
 
 
-@pytest.mark.parametrize("rows, c, r, slots, dtype, form", [
-    (128, 512, 64, 8320, jnp.bfloat16, "wgmma"),    # a decode step at 128 heads
-    (64, 512, 64, 8320, jnp.bfloat16, "wgmma"),     # a verify window of 4 at 16 heads
-    (16, 512, 64, 8320, jnp.bfloat16, "triton"),    # a decode step at 16 heads
-    (128, 512, 64, 8320, jnp.float32, "triton"),    # wgmma takes 16-bit operands
-    (128, 32, 8, 8320, jnp.bfloat16, "triton"),     # halves narrower than a swizzle tile
-    (128, 512, 64, 8300, jnp.bfloat16, "triton"),   # a partial last block
+@pytest.mark.parametrize("rows, c, r, slots, dtype, batch, form", [
+    (128, 512, 64, 8320, jnp.bfloat16, 1, "wgmma"),    # a decode step at 128 heads
+    (64, 512, 64, 8320, jnp.bfloat16, 1, "wgmma"),     # a verify window of 4 at 16 heads
+    (16, 512, 64, 8320, jnp.bfloat16, 32, "triton"),   # a decode step at 16 heads
+    (32, 512, 64, 8320, jnp.bfloat16, 1, "triton"),    # verify(2) at 16 heads, batch 1
+    (32, 512, 64, 8320, jnp.bfloat16, 8, "triton"),    # ... batch 8 at 8k: 66k slots
+    (32, 512, 64, 32896, jnp.bfloat16, 8, "wgmma"),    # ... batch 8 at 32k: 263k slots
+    (48, 512, 64, 8320, jnp.bfloat16, 16, "wgmma"),    # verify(3), 133k slots
+    (128, 512, 64, 8320, jnp.float32, 1, "triton"),    # wgmma takes 16-bit operands
+    (128, 32, 8, 8320, jnp.bfloat16, 1, "triton"),     # halves narrower than a swizzle tile
+    (128, 512, 64, 8300, jnp.bfloat16, 1, "triton"),   # a partial last block
 ])
-def test_forms_chosen_by_rows_shape_and_dtype(rows, c, r, slots, dtype, form):
-  assert kernel_lib.choose_form(rows, c, r, slots, dtype) == form
+def test_forms_chosen_by_rows_shape_dtype_and_batch(rows, c, r, slots, dtype, batch, form):
+  assert kernel_lib.choose_form(rows, c, r, slots, dtype, batch=batch) == form
 
 
 def test_wgmma_form_refuses_shapes_it_cannot_tile():
@@ -360,8 +364,8 @@ def test_greedy_mtp_tokens_through_the_wgmma_form_equal_the_xla_paths(monkeypatc
     patch.setattr(kernel_lib.platform, "on_hopper", lambda: True)
     choose = kernel_lib.choose_form
 
-    def wgmma_where_it_fits(rows, c, r, slots, dtype):  # the float32 windows of every width
-      form = choose(max(rows, 64), c, r, slots, jnp.bfloat16)
+    def wgmma_where_it_fits(rows, c, r, slots, dtype, *, batch):  # float32, every width
+      form = choose(max(rows, 64), c, r, slots, jnp.bfloat16, batch=batch)
       forms.append((rows, form))
       return form
 
@@ -416,7 +420,7 @@ def test_compiled_kernel_on_gpu_matches_the_reference(batch, t, context, form):
   rng = np.random.default_rng(context + t)
   slots = context + 128
   if form is None and kernel_lib.platform.on_hopper():
-    assert kernel_lib.choose_form(t * n, c, r, slots, jnp.bfloat16) == "wgmma"
+    assert kernel_lib.choose_form(t * n, c, r, slots, jnp.bfloat16, batch=batch) == "wgmma"
   q = jnp.asarray(rng.standard_normal((batch, t, n, c + r)) * (c + r) ** -0.25, jnp.bfloat16)
   cache = jnp.asarray(rng.standard_normal((batch, slots, c + r)), jnp.bfloat16)
   last = np.array([context - 1, 37, context // 2 + 5, -1])[:batch]

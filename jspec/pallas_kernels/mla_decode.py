@@ -42,11 +42,13 @@ four times that): the kernel is 1.0-1.5x XLA at T = 1 and level with it at T = 4
 the FLOP floor; XLA's batched GEMMs reach 17-37%), so there verify(4) costs 1.6-3.6x a decode
 step.
 
-On Hopper, windows of 64 rows or more go to jspec.pallas_kernels.mla_decode_wgmma (`form`,
-`choose_form`), FlashMLA's warp-specialized design: on an H200 (results/mla_decode_wgmma_h200)
+On Hopper, windows of 64 rows or more (32 or more in large batches) go to
+jspec.pallas_kernels.mla_decode_wgmma (`form`, `choose_form`), FlashMLA's warp-specialized
+design: on an H200 (results/mla_decode_wgmma_h200)
 1.4-3.1x XLA's path at 128 heads (up to 74% of the FLOP floor), and at 16 heads, batch 8-32,
 context 32k, 94-115% of the copy probe (which counts bytes read and written: reads alone run
-faster).
+faster). At batch 1 a call is a kernel and the merge (results/mla_decode_b1_merge_h100.log):
+12-42 us at 8k-32k on an H100, of which the latent at the copy probe's rate is 3.4-13.6 us.
 
 On a GPU the kernel needs C and R powers of two >= 16 (Triton's block shapes and the tensor
 cores' smallest dot): DeepSeek-V3 / R1, GLM-4.7-Flash and Kimi K2 have C = 512, R = 64.
@@ -191,12 +193,23 @@ def _kernel(q_ref, cache_ref, pos_ref, out_ref, lse_ref, *, scale: float, latent
   lse_ref[b, split, rows] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def choose_form(rows: int, latent_dim: int, rope_dim: int, slots: int, dtype) -> str:
-  """"wgmma" (jspec.pallas_kernels.mla_decode_wgmma) where a sequence's window has at least
-  its 64-row tile of query rows (every window at 128 heads; verify windows of 4 at 16), the
-  shape fits it and the cache is 16-bit (wgmma's operands), else "triton" (whose tiles go
-  down to 16 rows: a decode step at 16 heads per shard wastes no tensor-core rows there)."""
-  if (rows >= wgmma.ROWS and jnp.dtype(dtype).itemsize == 2
+WGMMA_MIN_BATCH_SLOTS = 1 << 17  # half-tile windows take the wgmma form from this many slots
+
+
+def choose_form(rows: int, latent_dim: int, rope_dim: int, slots: int, dtype, *,
+                batch: int) -> str:
+  """"wgmma" (jspec.pallas_kernels.mla_decode_wgmma) where the shape fits it, the cache is
+  16-bit (wgmma's operands) and a sequence's window has at least its 64-row tile of query rows
+  (every window at 128 heads; verify windows of 4 at 16), or half of one (a verify window of
+  2 or 3 at 16 heads, padded to the tile) when the batch's caches hold at least 128k slots
+  (batch x S): there the wgmma form took 0.74-0.84x the Triton form's time at batch 32 and
+  0.79x at batch 8 / 32k, but 1.11-1.26x at batch 1 and batch 8 / 8k, whose few blocks per
+  program leave its fixed costs exposed (one H100, BENCHMARKS.md, "MLA decode at batch 1:
+  ..."). Else "triton", whose tiles go down to 16 rows: a decode step at 16 heads per shard
+  wastes no tensor-core rows there."""
+  wide_enough = rows >= wgmma.ROWS or (2 * rows >= wgmma.ROWS
+                                       and batch * slots >= WGMMA_MIN_BATCH_SLOTS)
+  if (wide_enough and jnp.dtype(dtype).itemsize == 2
       and wgmma.fits_kernel(latent_dim, rope_dim, slots, wgmma.WgmmaTiling())):
     return "wgmma"
   return "triton"
@@ -224,7 +237,7 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
                      f"> C={latent_dim}, got {q_BTNL.shape} and {cache_BSL.shape}")
   if form is None:
     form = ("triton" if not platform.on_hopper()
-            else choose_form(t * n, latent_dim, rope_dim, slots, cache_BSL.dtype))
+            else choose_form(t * n, latent_dim, rope_dim, slots, cache_BSL.dtype, batch=b))
   if form == "wgmma":
     return _wgmma_form(q_BTNL, cache_BSL, positions_BT, latent_dim=latent_dim, scale=scale,
                        splits=splits)
