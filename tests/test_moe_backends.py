@@ -19,7 +19,9 @@ def _llm(backend, dtype="float32", spec=MTP2):
 
 
 def _tokens(llm):
-  return [o.token_ids for o in llm.generate(PROMPTS, greedy(12, ignore_eos=True))]
+  # 6 tokens at k = 2: the prefill, the MTP layer's drafts and verify steps all run the
+  # experts (interpreted off-GPU, where each step's kernels are the test's time).
+  return [o.token_ids for o in llm.generate(PROMPTS, greedy(6, ignore_eos=True))]
 
 
 @pytest.mark.skipif(has_gpu(), reason="fp32 on GPU falls back to ragged_dot; see the gpu test")
