@@ -136,7 +136,8 @@ def _drafted_prompts(name, count: int):
 
 
 @pytest.mark.parametrize("name, method, k", [
-    ("qwen3_5_moe", "mtp", 3), ("qwen3_5_text", "mtp", 1), ("qwen3_5_text", "mtp", 5), ("qwen3_5_text", "ngram", 3), ("qwen3_next", "ngram", 5)])
+    ("qwen3_5_moe", "mtp", 3), ("qwen3_5_text", "mtp", 1), ("qwen3_5_text", "mtp", 5),
+    ("qwen3_5_text", "ngram", 3), ("qwen3_next", "ngram", 5)])
 def test_greedy_speculative_equals_vanilla(name, method, k):
   """A batch of 9 ragged prompts (one crossing the 64-token chunk): every token equal. The
   published multimodal MoE layout runs with its own MTP head. (A lone request, which would
