@@ -119,7 +119,7 @@ def check(args, dtype) -> dict:
 
 def triton_splits(batch, rows, slots, tiling, latent_dim, row_bytes) -> int:
   """The chunks per sequence the Triton form picks (the row reports them)."""
-  tile = rows_block(rows, tiling)
+  tile = rows_block(rows, tiling, batch)
   return choose_splits(batch, -(-rows // tile), slots, platform.num_sms(),
                        tiling.programs_per_sm,
                        min_slots=min_split_slots(tile, latent_dim, row_bytes))

@@ -54,7 +54,8 @@ CASES = [
     (3, 3, 4, 16, 16, 64, 3, 16),
     (2, 4, 8, 32, 8, 96, None, 32),
     (4, 5, 4, 32, 16, 80, 4, 16),
-    (1, 5, 16, 16, 16, 112, 2, 32),   # 80 rows: two row tiles of 64
+    (1, 5, 16, 16, 16, 112, 2, 32),   # 80 rows of one sequence: five row tiles of 16
+    (2, 5, 16, 16, 16, 112, 2, 32),   # 80 rows a sequence in a batch: two row tiles of 64
 ]
 
 
@@ -115,6 +116,19 @@ def test_splits_fill_one_wave_of_programs(batch, row_tiles, slots, sms, min_slot
   assert choose_splits(batch, row_tiles, slots, sms, min_slots=min_slots) == splits
   assert choose_splits(batch, row_tiles, slots, sms, programs_per_sm=2,
                        min_slots=min_slots) >= splits
+
+
+@pytest.mark.parametrize("rows, batch, block_rows, tile", [
+    (16, 1, 0, 16), (16, 32, 0, 16),        # a decode step at 16 heads
+    (64, 1, 0, 16), (64, 8, 0, 64),         # a verify window of 4 at 16 heads
+    (32, 1, 0, 16), (32, 2, 0, 32),         # ... of 2
+    (128, 1, 0, 16), (128, 4, 0, 64),       # 128 heads
+    (8, 3, 0, 16),                          # fewer rows than Triton's smallest dot
+    (128, 1, 32, 32), (128, 4, 32, 32), (20, 4, 64, 32),   # a tiling's bound is kept
+])
+def test_row_tiles_are_16_rows_for_one_sequence_and_up_to_64_for_more(rows, batch, block_rows,
+                                                                        tile):
+  assert kernel_lib.rows_block(rows, MLATiling(block_rows=block_rows), batch) == tile
 
 
 @pytest.mark.parametrize("tile_rows, latent_dim, row_bytes", [

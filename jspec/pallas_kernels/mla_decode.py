@@ -75,11 +75,11 @@ PARTIAL_BYTES = 4      # a chunk's partial output is float32
 
 @dataclasses.dataclass(frozen=True)
 class MLATiling:
-  """block_rows: query rows per program (at most; fewer rows take the next power of two >= 16);
-  block_slots: latent rows per loop step; num_warps / num_stages: Triton's (stages: loads in
-  flight ahead of the loop; 0: `stages_for`'s choice by the tile's rows); programs_per_sm: how
-  many programs per SM `choose_splits` aims at."""
-  block_rows: int = 64
+  """block_rows: query rows per program (at most; fewer rows take the next power of two >= 16;
+  0: `rows_block`'s choice by the batch); block_slots: latent rows per loop step; num_warps /
+  num_stages: Triton's (stages: loads in flight ahead of the loop; 0: `stages_for`'s choice by
+  the tile's rows); programs_per_sm: how many programs per SM `choose_splits` aims at."""
+  block_rows: int = 0
   block_slots: int = 64
   num_warps: int = 8
   num_stages: int = 0
@@ -104,8 +104,20 @@ def fits_kernel(latent_dim: int, rope_dim: int) -> bool:
   return all(_pow2(d) and d >= 16 for d in (latent_dim, rope_dim))
 
 
-def rows_block(rows: int, tiling: MLATiling) -> int:
-  return min(tiling.block_rows, max(MIN_ROWS, 1 << (rows - 1).bit_length()))
+BATCH_BLOCK_ROWS = 64  # the row tile's bound from two sequences on (block_rows = 0)
+
+
+def rows_block(rows: int, tiling: MLATiling, batch: int) -> int:
+  """Query rows per program: the next power of two >= 16 of the window's rows, at most
+  tiling.block_rows, or where that is 0, 16 for a single sequence and BATCH_BLOCK_ROWS from
+  two on. A single sequence's few chunks leave each program a few blocks, and its fixed costs
+  weigh most: programs of 16 rows, all reading a chunk side by side from L2, took 0.80-0.87x
+  the time of one 32-row program at T = 2 and 0.69-0.90x that of a 64-row one at T = 4 (16
+  heads, 8k and 32k, one H100). At batch 8 the 64-row tiles were faster at T = 4 (0.82x / 0.68x
+  of 16-row ones at 8k / 32k) while 16 rows were 0.90x / 1.00x at T = 2 (BENCHMARKS.md, "MLA
+  decode at batch 1: ...")."""
+  most = tiling.block_rows or (MIN_ROWS if batch == 1 else BATCH_BLOCK_ROWS)
+  return min(most, max(MIN_ROWS, 1 << (rows - 1).bit_length()))
 
 
 def min_split_slots(tile_rows: int, latent_dim: int, row_bytes: int) -> int:
@@ -249,7 +261,7 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
     raise ValueError(f"mla_decode on a GPU needs C and R powers of two >= 16, got "
                      f"C={latent_dim}, R={rope_dim}")
   rows = t * n
-  block_rows = rows_block(rows, tiling)
+  block_rows = rows_block(rows, tiling, b)
   q_BRL = _rows(q_BTNL, cache_BSL.dtype, block_rows)
   padded = q_BRL.shape[1]
   row_tiles = padded // block_rows
