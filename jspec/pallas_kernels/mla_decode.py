@@ -142,30 +142,29 @@ def choose_splits(batch: int, row_tiles: int, slots: int, num_sms: int,
   return max(1, min(fit, slots // min_slots))
 
 
-def _row_positions(pos_ref, b, tile, *, block_rows: int, heads: int, window: int):
+def _row_positions(pos_ref, b, tile, *, block_rows: int, heads: int):
   """The positions of a tile's query rows, row r being token r // heads of the window (-1 for
   the padding rows past it), from the window's positions [B, T]: read here rather than
   repeated per row by XLA, whose small kernels took longer than a batch-1 call's attention."""
   token_R = (tile * block_rows + jnp.arange(block_rows)) // heads
   pos_R = jnp.full((block_rows,), -1, jnp.int32)
-  for t in range(window):
+  for t in range(pos_ref.shape[1]):
     pos_R = jnp.where(token_R == t, pos_ref[b, t], pos_R)
   return pos_R
 
 
 def _kernel(q_ref, cache_ref, pos_ref, out_ref, lse_ref, *, scale: float, latent_dim: int,
-            rope_dim: int, block_rows: int, block_slots: int, splits: int, heads: int,
-            window: int, slots: int):
+            rope_dim: int, block_rows: int, block_slots: int, splits: int, heads: int):
   """Program (row tile, split, sequence); whole-array refs indexed here (L = C + R need not be
   a power of two, so no BlockSpec can cut it)."""
   tile, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(tile * block_rows, block_rows), block_rows)
   q_lat = q_ref[b, rows, pl.ds(0, latent_dim)]
   q_rope = q_ref[b, rows, pl.ds(latent_dim, rope_dim)]
-  pos_R = _row_positions(pos_ref, b, tile, block_rows=block_rows, heads=heads, window=window)
+  pos_R = _row_positions(pos_ref, b, tile, block_rows=block_rows, heads=heads)
   # The slots this tile's rows see (the cache's end at most), cut into `splits` chunks of
   # whole blocks.
-  length = jnp.clip(jnp.max(pos_R) + 1, 0, slots)
+  length = jnp.clip(jnp.max(pos_R) + 1, 0, cache_ref.shape[1])
   blocks = (length + block_slots - 1) // block_slots
   chunk = (blocks + splits - 1) // splits * block_slots
   start = split * chunk
@@ -276,7 +275,7 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
   parts_BKRC, lse_BKR = pl.pallas_call(
       functools.partial(_kernel, scale=scale, latent_dim=latent_dim, rope_dim=rope_dim,
                         block_rows=block_rows, block_slots=block_slots, splits=splits,
-                        heads=n, window=t, slots=slots),
+                        heads=n),
       out_shape=(jax.ShapeDtypeStruct((b, splits, padded, latent_dim), out_dtype),
                  jax.ShapeDtypeStruct((b, splits, padded), jnp.float32)),
       grid=(row_tiles, splits, b),
