@@ -32,6 +32,7 @@ from jspec.bench.roofline import seconds_per_call
 from jspec.device import module_cache_shardings
 from jspec.models import caches as cache_lib
 from jspec.speculative import buckets
+from jspec.speculative.sampling import vocab_argmax
 
 STEPS_PER_CALL = 8
 
@@ -91,7 +92,7 @@ class StepTimer:
       def body(_, carry):
         caches, tokens_BT = carry
         hidden, window = target(tokens_BT, positions_BT, caches, cache_len, llm.experts_fn)
-        next_BT = jnp.argmax(target.logits(hidden), axis=-1).astype(jnp.int32)
+        next_BT = vocab_argmax(target.logits(hidden)).astype(jnp.int32)
         # As the loop does: commit the window (all of it; recurrent layers pay their commit).
         num_emit_B = jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)
         return cache_lib.commit(window, num_emit_B), next_BT
@@ -112,7 +113,7 @@ class StepTimer:
         cache, tokens_BT, hidden_BTD = carry
         normed, feedback, cache = layer(target, tokens_BT, hidden_BTD, positions_BT, cache,
                                         cache_len, llm.draft_experts_fn)
-        draft_B1 = jnp.argmax(layer.logits(target, normed[:, -1:]), axis=-1).astype(jnp.int32)
+        draft_B1 = vocab_argmax(layer.logits(target, normed[:, -1:])).astype(jnp.int32)
         # The next call drafts from this one's output, as chained draft steps do.
         tokens_BT = jnp.broadcast_to(draft_B1, tokens_BT.shape)
         return cache, tokens_BT, jnp.broadcast_to(feedback[:, -1:], hidden_BTD.shape)
@@ -225,7 +226,7 @@ class StepTimer:
                                    self.cache_shardings)
       hidden, caches = target(tokens_BP, positions_BP, caches, prompt_len, llm.experts_fn,
                               seq_lens_B=jnp.full((batch,), prompt_len, jnp.int32))
-      return jnp.argmax(target.logits(hidden[:, -1:]), axis=-1), caches
+      return vocab_argmax(target.logits(hidden[:, -1:])), caches
 
     step = self._compile(f"prefill B={batch} P={prompt_len}", forward,
                          (self.target_state, tokens, positions), ())

@@ -86,7 +86,7 @@ def stream_keys(req: RequestInputs, stream: int):
 def choose_tokens(logits_NV, temperature_N, top_k_N, top_p_N, keys_N, plan: "LoopPlan"):
   """Token and the distribution it was drawn from (None when every row is greedy)."""
   if plan.all_greedy:
-    return jnp.argmax(logits_NV, axis=-1).astype(jnp.int32), None
+    return sampling.vocab_argmax(logits_NV).astype(jnp.int32), None
   probs_NV = sampling.processed_probs(logits_NV, temperature_N, top_k_N, top_p_N,
                                       plan.any_filtered)
   return sampling.sample(probs_NV, keys_N), probs_NV

@@ -20,7 +20,7 @@ vLLM's and tpu-inference's rejection samplers implement the same rule.
 import jax
 import jax.numpy as jnp
 
-from jspec.speculative.sampling import sample
+from jspec.speculative.sampling import sample, vocab_argmax
 
 PLACEHOLDER_TOKEN = -1
 
@@ -62,7 +62,7 @@ def greedy_verify(draft_BK, draft_len_B, target_logits_BK1V):
       out_tokens_BK1: [B, K+1] int32 (placeholders -1 after position accept_len).
     """
     B, K = draft_BK.shape
-    target_argmax_BK1 = jnp.argmax(target_logits_BK1V, axis=-1).astype(jnp.int32)
+    target_argmax_BK1 = vocab_argmax(target_logits_BK1V).astype(jnp.int32)
     match_BK = draft_BK.astype(jnp.int32) == target_argmax_BK1[:, :K]
     accept_len_B = _prefix_len(match_BK, draft_len_B)
     next_B = jnp.take_along_axis(target_argmax_BK1, accept_len_B[:, None], axis=1)[:, 0]
