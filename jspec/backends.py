@@ -21,6 +21,7 @@ from jspec.models.projections import (sharded_fp8_projection, sharded_projection
 from jspec.pallas_kernels import platform
 from jspec.sharding.moe import needs_shard_map, sharded_experts
 from jspec.sharding.rules import axis_size
+from jspec.sharding.vocab import sharded_embedding_lookup
 
 # "auto"'s limit on an MLA window's query rows per shard for the latent kernel.
 MLA_KERNEL_MAX_ROWS = 128
@@ -37,6 +38,16 @@ def set_recurrent_commit(target, mode: str):
   for _, node in nnx.iter_graph(target):
     if isinstance(node, GatedDeltaNet):
       node.commit_mode = mode
+
+
+def use_vocab_lookup(mesh, pairs):
+  """Models whose mesh splits the vocabulary look tokens up shard by shard
+  (jspec.sharding.vocab says why)."""
+  for module, rules in _modules(pairs):
+    lookup = sharded_embedding_lookup(mesh, rules)
+    for _, node in nnx.iter_graph(module):
+      if hasattr(node, "embedding_lookup"):
+        node.embedding_lookup = lookup
 
 
 def use_experts(moe_backend: str, mesh, ep_strategy: str, target_and_rules, draft_and_rules):

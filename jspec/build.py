@@ -13,7 +13,8 @@ import os
 
 import jax
 
-from jspec.backends import set_recurrent_commit, use_experts, use_pallas_attention, use_projections
+from jspec.backends import (set_recurrent_commit, use_experts, use_pallas_attention,
+                            use_projections, use_vocab_lookup)
 from jspec.checkpoint import is_converted, restore_converted
 from jspec.config import ModelConfig, SpecConfig, checkpoint_dtype, resolve_dtype
 from jspec.models.hf_config import config_from_dir
@@ -226,6 +227,7 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
 
   # ---- backends ----
   target_pair, draft_pair = (target, rules), (draft_module, draft_rules)
+  use_vocab_lookup(device_mesh, (target_pair, draft_pair))
   experts_fn, draft_experts_fn = use_experts(moe_backend, device_mesh, ep_strategy, target_pair,
                                              draft_pair)
   if resolved_attention == "pallas":

@@ -89,10 +89,15 @@ class CausalLM(nnx.Module):
     self.final_norm = self.make_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = param(rngs, (d, v), dtype, ("embed", "vocab"), pad_to=(d, vp))
+    # Set by the LLM where the mesh splits the vocabulary (jspec.sharding.vocab):
+    # (embed [V, D], tokens [B, T]) -> [B, T, D], each shard looking up its own rows.
+    self.embedding_lookup = None
 
   def embed_tokens(self, tokens_BT):
     # Clip, not fill: placeholder ids (-1) in rejected slots must embed to finite garbage,
     # since stale cache slots are masked by -inf scores but still multiplied by 0 probabilities.
+    if self.embedding_lookup is not None:
+      return self.embedding_lookup(self.embed[...], tokens_BT)
     return jnp.take(self.embed[...], tokens_BT, axis=0, mode="clip")
 
   def logits(self, hidden_BTD):

@@ -1,0 +1,58 @@
+"""Specification of the embedding lookup of a vocabulary split over the mesh
+(jspec.sharding.vocab): the rows `jnp.take(embed, tokens, axis=0, mode="clip")` gives, on every
+mesh layout, out-of-range ids included, reduced by one all-reduce and no all-gather; and the
+LLM puts it in exactly where its mesh splits the vocabulary."""
+
+import jax
+import numpy as np
+import pytest
+
+import jspec
+from jspec.sharding.rules import MeshConfig, ShardingRules
+from jspec.sharding.vocab import sharded_embedding_lookup
+
+from helpers import fixture_dir
+
+MESHES = [  # (dp, tp, ep), the vocabulary's mesh axes
+    ((1, 2, 1), "tp"), ((1, 4, 1), "tp"), ((2, 2, 1), "tp"), ((1, 2, 2), "tp"),
+    ((2, 2, 2), "tp"),
+]
+
+
+@pytest.mark.parametrize("mesh_axes,vocab", MESHES)
+def test_lookup_equals_take_with_clipping_on_every_layout(mesh_axes, vocab):
+  dp, tp, ep = mesh_axes
+  mesh = MeshConfig(dp=dp, tp=tp, ep=ep).make_mesh()
+  rules = ShardingRules(vocab=vocab)
+  lookup = jax.jit(sharded_embedding_lookup(mesh, rules))
+  rng = np.random.default_rng(dp * 100 + tp * 10 + ep)
+  for vocab_size in (8 * 4, 8 * 13):
+    embed = rng.normal(size=(vocab_size, 16)).astype(np.float32)
+    # Batch a multiple of dp x ep; ids below 0 and past the table (placeholders, padding).
+    tokens = rng.integers(-3, vocab_size + 3, (dp * ep * 2, 5)).astype(np.int32)
+    embed_d = jax.device_put(embed, rules.sharding(mesh, ("vocab", "embed")))
+    tokens_d = jax.device_put(tokens, rules.sharding(mesh, ("batch", "seq")))
+    got = np.asarray(lookup(embed_d, tokens_d))
+    np.testing.assert_array_equal(got, np.take(embed, np.clip(tokens, 0, vocab_size - 1), 0))
+    hlo = lookup.lower(embed_d, tokens_d).compile().as_text()
+    assert "all-reduce" in hlo and "all-gather" not in hlo
+
+
+def test_no_lookup_where_the_mesh_keeps_the_vocabulary_whole_or_splits_it_with_the_batch():
+  assert sharded_embedding_lookup(MeshConfig(dp=2).make_mesh(), ShardingRules()) is None
+  assert sharded_embedding_lookup(MeshConfig(tp=2).make_mesh(), ShardingRules(vocab=None)) \
+      is None
+  # Split over an axis that also splits the batch: XLA's take (a shard's rows cannot serve
+  # another shard's sequences).
+  for vocab in ("ep", ("ep", "tp")):
+    mesh = MeshConfig(tp=2, ep=2).make_mesh()
+    assert sharded_embedding_lookup(mesh, ShardingRules(vocab=vocab)) is None
+
+
+@pytest.mark.parametrize("tp,vocab,expected", [(2, "tp", True), (2, None, False),
+                                               (1, "tp", False)])
+def test_the_llm_looks_up_shard_by_shard_only_where_its_mesh_splits_the_vocabulary(
+    tp, vocab, expected):
+  llm = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=64,
+                  mesh=jspec.MeshConfig(tp=tp), sharding_rules=ShardingRules(vocab=vocab))
+  assert (llm.target.embedding_lookup is not None) == expected
