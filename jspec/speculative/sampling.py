@@ -29,10 +29,10 @@ def vocab_argmax(logits_NV, axis: int = -1):
     two zeros tie, and every NaN the largest key): XLA's float max need not propagate NaN.
 
     Why not jnp.argmax: with the vocabulary split over tp, XLA partitions jnp.argmax, a
-    reduction over (value, index) pairs, into an all-gather of every shard's pair, which NCCL
-    ran at about 1.1 ms a call inside the decode loop on 2 H100s (two a step: 2.2 ms of a
-    5 ms step). A max and a min partition into all-reduces, which XLA runs with its own
-    collective kernels at about 10 µs (BENCHMARKS.md, "Tensor parallelism at batch 1: ...").
+    reduction over (value, index) pairs, into all-gathers of every shard's pair, which NCCL
+    ran at about 45 µs a step on 2 H100s; a max and a min partition into all-reduces, which
+    XLA runs with its own one-shot kernels (8-11 µs each in the same profile; BENCHMARKS.md,
+    "Tensor parallelism at batch 1: ...").
     """
     x_NV = logits_NV.astype(jnp.float32)
     bits_NV = lax.bitcast_convert_type(jnp.where(x_NV == 0, 0.0, x_NV), jnp.int32)
