@@ -227,7 +227,7 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
 
   # ---- backends ----
   target_pair, draft_pair = (target, rules), (draft_module, draft_rules)
-  use_vocab_lookup(device_mesh, (target_pair, draft_pair))
+  use_vocab_lookup(device_mesh, (target_pair, draft_pair, (mtp, draft_rules)))
   experts_fn, draft_experts_fn = use_experts(moe_backend, device_mesh, ep_strategy, target_pair,
                                              draft_pair)
   if resolved_attention == "pallas":

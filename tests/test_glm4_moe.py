@@ -207,6 +207,24 @@ def test_an_unequal_embedding_copy_is_the_mtp_layers_own(tmp_path):
   assert not hasattr(layer, "head")  # equal to lm_head: the target's is used
 
 
+def test_an_own_embedding_split_over_tp_drafts_what_one_device_drafts(tmp_path):
+  """The MTP layer's own embedding, its vocabulary split over tp, is looked up shard by shard
+  (jspec.sharding.vocab): greedy MTP tokens, and the acceptance they give, equal one
+  device's."""
+  def edit(tensors):
+    tensors["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][::-1]
+  path = _edited_copy(tmp_path, edit)
+  spec = {"method": "mtp", "num_speculative_tokens": 2}
+  outputs = {}
+  for tp in (1, 2):
+    llm = jspec.LLM(model=path, dtype="float32", max_model_len=64, speculative_config=spec,
+                    mesh=jspec.MeshConfig(tp=tp))
+    assert (llm.mtp.layers[0].embedding_lookup is not None) == (tp == 2)
+    result = llm.generate(PROMPTS[:2], greedy(8, ignore_eos=True))
+    outputs[tp] = ([o.token_ids for o in result], result.metrics.mean_acceptance_length)
+  assert outputs[2] == outputs[1]
+
+
 def test_equality_is_checked_without_loading_the_copy(monkeypatch):
   """The copy is compared block by block (SafetensorsIndex.same_bytes), never read whole."""
   read = []

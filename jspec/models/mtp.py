@@ -81,6 +81,8 @@ class MTPLayer(nnx.Module):
       self.head = param(rngs, (d, v), dtype, ("embed", "vocab"), pad_to=(d, vp))
     if spec.has_own_embed:
       self.embed = param(rngs, (v, d), dtype, ("vocab", "embed"), scale=1.0, pad_to=(vp, d))
+    # As CausalLM.embedding_lookup: set by the LLM where the mesh splits the vocabulary.
+    self.embedding_lookup = None
     self.post_norm_feedback = spec.post_norm_feedback
     self.zeroes_first_embedding = spec.zeroes_first_embedding
     self.has_own_head = spec.has_own_head
@@ -95,7 +97,9 @@ class MTPLayer(nnx.Module):
 
     Logits are a separate call (`logits`) so callers project only the positions they use.
     """
-    if self.has_own_embed:  # clipped like the target's lookup (CausalLM.embed_tokens says why)
+    if self.has_own_embed and self.embedding_lookup is not None:
+      embedded_BTD = self.embedding_lookup(self.embed[...], next_tokens_BT)
+    elif self.has_own_embed:  # clipped like the target's lookup (CausalLM.embed_tokens says why)
       embedded_BTD = jnp.take(self.embed[...], next_tokens_BT, axis=0, mode="clip")
     else:
       embedded_BTD = target.embed_tokens(next_tokens_BT)
