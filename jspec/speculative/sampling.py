@@ -108,10 +108,10 @@ def sample(probs_NV, keys_N):
     """One categorical draw per row, each with its own key.
 
     Gumbel-max on log-probabilities, as `jax.random.categorical` draws (the same Gumbel
-    noise, so the same tokens; tests/test_sampling.py holds them equal), with its argmax as
-    vocab_argmax (which says why): zero-probability tokens get log 0 = -inf and can never
-    win, so a one-hot row returns its index exactly, whatever the key. Keys may be typed
-    (`jax.random.key`) or raw uint32 keys.
+    noise, so the same tokens: tests/test_vocab_argmax.py holds them equal), its argmax
+    taken by vocab_argmax (which says why): zero-probability tokens get log 0 = -inf and can
+    never win, so a one-hot row returns its index exactly, whatever the key. Keys may be
+    typed (`jax.random.key`) or raw uint32 keys.
 
     Returns:
       tokens_N: [N] int32.
