@@ -56,3 +56,17 @@ def test_the_llm_looks_up_shard_by_shard_only_where_its_mesh_splits_the_vocabula
   llm = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=64,
                   mesh=jspec.MeshConfig(tp=tp), sharding_rules=ShardingRules(vocab=vocab))
   assert (llm.target.embedding_lookup is not None) == expected
+
+
+def test_a_tp_decode_program_of_a_dense_model_holds_all_reduces_only():
+  """With the default rules the vocabulary is split over tp: the compiled dispatch program
+  (prefill, decode loop, sampler) reduces it by all-reduces, never by an all-gather (the
+  argmax's (value, index) pairs were all-gathered before `vocab_argmax`)."""
+  llm = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=64,
+                  mesh=jspec.MeshConfig(tp=2))
+  llm.generate([[5, 6, 7], [1, 2]], jspec.SamplingParams(temperature=0.0, max_tokens=4))
+  programs = list(llm.scheduler.dispatch_programs.values())
+  assert programs
+  for program in programs:
+    text = program.as_text()
+    assert "all-reduce" in text and "all-gather" not in text
