@@ -19,7 +19,7 @@ from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
                                       weights_replicated)
 from jspec.pallas_kernels import platform
-from jspec.sharding.moe import needs_shard_map, sharded_experts
+from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
 from jspec.sharding.rules import axis_size
 from jspec.sharding.vocab import sharded_embedding_lookup
 
@@ -58,6 +58,9 @@ def use_experts(moe_backend: str, mesh, ep_strategy: str, target_and_rules, draf
     for _, node in nnx.iter_graph(module):
       if isinstance(node, MoE):
         node.expert_shards = axis_size(mesh, rules.experts)
+        wrapper = per_token_shard(mesh, rules)
+        if wrapper is not None:
+          node.per_token_shard = wrapper
   if not needs_shard_map(mesh):
     return base_experts, base_experts
   return (sharded_experts(base_experts, mesh, target_and_rules[1], ep_strategy),

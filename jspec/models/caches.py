@@ -32,10 +32,29 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import lax
 
 from jspec.models.delta_rule import advance_state  # the recurrence, one definition
 
 RECURRENT_COMMIT_MODES = ("store", "replay")
+
+
+def write_slots(cache_B_S_, rows_BT_, positions_BT, slot_axis: int):
+  """Each sequence's new rows written into its cache slots at `positions_BT`.
+
+  cache: [B, ...] with the slots on `slot_axis`; rows: [B, T, the cache's other axes in
+  order]. The batch is a batching axis of the scatter (as `vmap` makes it), not an index: XLA's
+  partitioner then writes each dp shard's sequences on their own device, where indices that
+  name the batch (an iota beside the positions) made it all-gather every layer's new keys,
+  values and indices over dp. Positions past the cache drop their rows (as `.at[].set`)."""
+  rest = rows_BT_.ndim - 2
+  numbers = lax.ScatterDimensionNumbers(
+      update_window_dims=tuple(range(2, 2 + rest)), inserted_window_dims=(slot_axis,),
+      scatter_dims_to_operand_dims=(slot_axis,), operand_batching_dims=(0,),
+      scatter_indices_batching_dims=(0,))
+  return lax.scatter(cache_B_S_, positions_BT[..., None].astype(jnp.int32),
+                     rows_BT_.astype(cache_B_S_.dtype), numbers,
+                     mode=lax.GatherScatterMode.FILL_OR_DROP)
 
 
 @struct.dataclass

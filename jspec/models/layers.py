@@ -14,7 +14,7 @@ from flax import nnx
 
 from jspec.models import quantization
 from jspec.models import rope as rope_lib
-from jspec.models.caches import KVCache
+from jspec.models.caches import KVCache, write_slots
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
 from jspec.models.linear import linear, project_many_named, project_named
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
@@ -46,9 +46,7 @@ def write_cache(cache_BKSH, new_BTKH, positions_BT):
   The caller guarantees positions < S (the loop stops a sequence before its verify window
   could pass the cache bucket), so no write is ever clamped or dropped.
   """
-  batch_B1 = jnp.arange(cache_BKSH.shape[0])[:, None]
-  # Advanced indices around a slice: the indexed view is [B, T, K, H], the new rows' layout.
-  return cache_BKSH.at[batch_B1, :, positions_BT].set(new_BTKH.astype(cache_BKSH.dtype))
+  return write_slots(cache_BKSH, new_BTKH, positions_BT, slot_axis=2)
 
 
 class Attention(nnx.Module):

@@ -50,7 +50,7 @@ from flax import nnx
 
 from jspec.config import ModelConfig
 from jspec.models import rope as rope_lib
-from jspec.models.caches import MLACache
+from jspec.models.caches import MLACache, write_slots
 from jspec.models import quantization
 from jspec.models.linear import linear, project_named
 from jspec.models.norms import RMSNorm
@@ -183,9 +183,7 @@ class MLAttention(nnx.Module):
     """Writes the window's latent rows at `positions_BT`, attends causally over the first
     `kv_window` slots; `absorbed` None: by the window's length (ABSORBED_MAX_TOKENS)."""
     q_nope_BTNP, q_rope_BTNR, rows_BTL = self.project(x_BTD, positions_BT)
-    batch_B1 = jnp.arange(rows_BTL.shape[0])[:, None]
-    cache = MLACache(cache.latent.at[batch_B1, positions_BT].set(
-        rows_BTL.astype(cache.latent.dtype)))
+    cache = MLACache(write_slots(cache.latent, rows_BTL, positions_BT, slot_axis=1))
     if absorbed is None:
       absorbed = x_BTD.shape[1] <= ABSORBED_MAX_TOKENS
     if absorbed:

@@ -76,6 +76,10 @@ def route_sigmoid(router_logits_TE, correction_bias_E, top_k: int, n_group: int,
   return ids_TK.astype(jnp.int32), weights_TK.astype(dtype)
 
 
+def _whole(fn):
+  return fn
+
+
 class MoE(nnx.Module):
   """The sparse block `cfg` describes: its router, routed experts and shared experts."""
 
@@ -122,6 +126,9 @@ class MoE(nnx.Module):
     # Expert-parallel shards the expert weights are split over (set by the LLM): FP8 steps
     # that gather their routed experts pad them to a multiple of it.
     self.expert_shards = 1
+    # Runs the routing (top-k over experts) on each shard's own tokens where the mesh splits
+    # them (set by the LLM: jspec.sharding.moe.per_token_shard); the identity otherwise.
+    self.per_token_shard = _whole
     self.top_k = cfg.num_experts_per_tok
     self.norm_topk_prob = cfg.norm_topk_prob
     self.scoring = cfg.router_scoring
@@ -144,16 +151,20 @@ class MoE(nnx.Module):
                                 quantization.blocks_for(cfg, quantization.SHARED_KINDS))
 
   def _route(self, x_TD):
+    dtype = x_TD.dtype
     if self.scoring == "softmax":
       router_logits_TE = jnp.einsum("td,de->te", x_TD, self.router[...])
-      return route(router_logits_TE, self.top_k, self.norm_topk_prob, x_TD.dtype)
+      return self.per_token_shard(
+          lambda logits, _: route(logits, self.top_k, self.norm_topk_prob, dtype))(
+              router_logits_TE, None)
     # transformers computes these logits from float32 copies of x and the router weight.
     router_logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
                                   self.router[...].astype(jnp.float32),
                                   precision=jax.lax.Precision.HIGHEST)
     bias_E = self.correction_bias[...] if self.has_correction_bias else None
-    return route_sigmoid(router_logits_TE, bias_E, self.top_k, self.n_group, self.topk_group,
-                         self.norm_topk_prob, self.routed_scaling_factor, x_TD.dtype)
+    return self.per_token_shard(lambda logits, bias: route_sigmoid(
+        logits, bias, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
+        self.routed_scaling_factor, dtype))(router_logits_TE, bias_E)
 
   def _experts_for(self, ids_TK, dtype):
     """(ids, w_gate [E', D, F], w_up, w_down [E', F, D]) as the expert backends take them.

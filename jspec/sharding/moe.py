@@ -18,6 +18,7 @@ Both produce the same sums; which is faster depends on T (BENCHMARKS.md). Partia
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -45,11 +46,15 @@ def _local_ids(ids_TK, experts_per_shard: int):
 
 def _reduce_tp(y, tp_sharded: bool):
   """Sum the partial products of a tp-sharded intermediate; a tp-replicated head has none."""
-  return jax.lax.psum(y, "tp") if tp_sharded else y
+  return jax.lax.psum(y, "tp") if tp_sharded and jax.lax.axis_size("tp") > 1 else y
 
 
 def _all_gather_body(experts_fn, tp_sharded, x_TD, ids_TK, weights_TK, w_gate, w_up, w_down):
   experts_per_shard = w_gate.shape[0]
+  if jax.lax.axis_size("ep") == 1:  # a dp-only mesh: no collective of one shard
+    y = experts_fn(x_TD, _local_ids(ids_TK, experts_per_shard), weights_TK, w_gate, w_up,
+                   w_down).astype(jnp.float32)
+    return _reduce_tp(y, tp_sharded).astype(x_TD.dtype)
   x_all = jax.lax.all_gather(x_TD, "ep", axis=0, tiled=True)
   ids_all = jax.lax.all_gather(ids_TK, "ep", axis=0, tiled=True)
   weights_all = jax.lax.all_gather(weights_TK, "ep", axis=0, tiled=True)
@@ -116,6 +121,23 @@ def sharded_experts(experts_fn: Callable, mesh: Mesh, rules: ShardingRules,
   return experts
 
 
+def per_token_shard(mesh: Mesh, rules: ShardingRules) -> Callable | None:
+  """A wrapper that runs fn(x_T..., replicated) on each shard's own tokens (tokens split as
+  the expert shard_map splits them), or None where the rules keep the tokens whole.
+
+  Why: XLA's partitioner does not split `lax.top_k` over its batch axis; the router's top-k
+  all-gathered every MoE layer's scores over dp (and ep) in every step."""
+  tokens = rules.spec(("batch", None))
+  axes = tokens[0] if isinstance(tokens[0], tuple) else (tokens[0],) if tokens[0] else ()
+  if math.prod(mesh.shape[a] for a in axes) == 1:
+    return None
+  return lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=(tokens, rules.spec(())),
+                                  out_specs=(tokens, tokens), check_vma=False)
+
+
 def needs_shard_map(mesh: Mesh) -> bool:
-  return mesh.shape["ep"] > 1 or mesh.shape["tp"] > 1
+  """Any split mesh: XLA cannot partition an expert kernel's custom call, so without the
+  shard_map a dp mesh gathered every MoE layer's tokens and routing over dp and ran all of
+  them on every shard."""
+  return mesh.shape["ep"] > 1 or mesh.shape["tp"] > 1 or mesh.shape["dp"] > 1
 

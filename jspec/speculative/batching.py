@@ -47,7 +47,8 @@ from jspec.speculative import logprobs as logprob_lib
 from jspec.speculative import sampling
 from jspec.speculative.drafters.base import take_rows
 from jspec.speculative.queue import Queue
-from jspec.speculative.rows import by_shard, gather_rows, scatter_rows, select_rows
+from jspec.speculative.rows import (by_shard, gather_rows, scatter_rows, select_rows,
+                                    set_row_items)
 from jspec.speculative.slots import (FREE, PREFILL, RUN, BatchPlan, BatchState, Finished,
                                      SlotLogprobs)
 from jspec.speculative.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, RequestInputs
@@ -264,8 +265,7 @@ def decode(target, draft_module, state: BatchState, plan: BatchPlan,
     index_BT = before_B[:, None] - state.prompt_len_B[:, None] + offsets_T
     emitted_BT = running_B[:, None] & (offsets_T[None] < out.num_emit_B[:, None])
     index_BT = jnp.where(emitted_BT, index_BT, plan.out_len)  # dropped
-    rows_B1 = jnp.arange(lp.batch)[:, None]
-    write = lambda buf, v: buf.at[rows_B1, index_BT].set(v, mode="drop")
+    write = lambda buf, v: set_row_items(buf, index_BT, v, mode="drop")
     w = out.logprobs
     logprobs = SlotLogprobs(write(logprobs.logprob_BO, w.logprob_N),
                             write(logprobs.rank_BO, w.rank_N),

@@ -17,6 +17,7 @@ from jspec.speculative import sampling
 from jspec.speculative.chunks import in_chunks
 from jspec.speculative.drafters import make_drafter
 from jspec.speculative.drafters.base import take_rows
+from jspec.speculative.rows import set_row_items
 from jspec.speculative.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState,
                                      Metrics, RequestInputs)
 from jspec.speculative.step import (TARGET_STREAM, LoopContext, LoopPlan, choose_tokens,
@@ -48,9 +49,8 @@ def prefill_with_logits(target, draft_module, tokens_BP, prompt_lens_B, req: Req
   first_B, _ = choose_tokens(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B, keys_B,
                              plan)
 
-  rows_B = jnp.arange(batch)
   tokens_BS = jnp.zeros((batch, plan.cache_len), jnp.int32).at[:, :prompt_bucket].set(tokens_BP)
-  tokens_BS = tokens_BS.at[rows_B, prompt_lens_B].set(first_B)
+  tokens_BS = set_row_items(tokens_BS, prompt_lens_B, first_B)
   lengths_B = prompt_lens_B + 1
   stop_B = is_stop(first_B[:, None], req.stop_ids_BX)[:, 0]
   finish_B = jnp.where(stop_B, FINISH_STOP,

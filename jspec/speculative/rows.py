@@ -1,6 +1,12 @@
 """Rows of batch-first pytrees, per data-parallel shard: the gathers and scatters the
-continuous loop moves slots with (jspec.speculative.batching). Each is batched over the shard
-axis, so a shard reads and writes only its own rows."""
+continuous loop moves slots with (jspec.speculative.batching), and the per-row reads and
+writes of a step (`row_items`, `set_row_items`). Each is batched over the shard or row axis,
+so a shard reads and writes only its own rows.
+
+Why batched (vmap) and not indexed by an iota over the rows (`x[jnp.arange(B), i_B]`): XLA's
+partitioner keeps a gather or scatter whose batch is a batching axis on each dp shard; with
+the rows named by an iota among the indices it all-gathered the indices and values over dp,
+or read them masked and all-reduced them, in every decode step."""
 
 from __future__ import annotations
 
@@ -31,6 +37,19 @@ def scatter_rows(tree, rows_DR, values, shards: int):
         by_shard(x, shards), rows_DR, v_DR)
     return out.reshape(x.shape)
   return jax.tree.map(put, tree, values)
+
+
+def row_items(x_B_, index_B):
+  """x[b, index_B[b]] for every row b (the axes after the second kept; jnp's indexing rules
+  per row, a negative index counting from the end)."""
+  return jax.vmap(lambda x, i: x[i])(x_B_, index_B)
+
+
+def set_row_items(x_B_, index_BT, values_BT, mode: str | None = None):
+  """x with x[b, index_BT[b, t]] = values_BT[b, t] for every row b (values broadcast to the
+  indices' shape and x's trailing axes; `mode` as `.at[].set`'s)."""
+  values_BT = jnp.broadcast_to(values_BT, index_BT.shape + x_B_.shape[2:])
+  return jax.vmap(lambda x, i, v: x.at[i].set(v, mode=mode))(x_B_, index_BT, values_BT)
 
 
 def select_rows(flag_N, new, old):

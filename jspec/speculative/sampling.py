@@ -98,8 +98,9 @@ def processed_probs(logits_NV, temperature_N, top_k_N, top_p_N, any_filtered: bo
     in_top_p_NV = (mass_before_NV < top_p_N[:, None]) | (top_p_N[:, None] >= 1.0)
     kept_NV = jnp.where(in_top_k_NV & in_top_p_NV, sorted_probs_NV, 0.0)
     kept_NV = kept_NV / jnp.sum(kept_NV, axis=-1, keepdims=True)
-    rows_N1 = jnp.arange(N)[:, None]
-    probs_NV = jnp.zeros_like(kept_NV).at[rows_N1, order_NV].set(kept_NV)
+    # Batched over the rows (not indexed by an iota over them): jspec.speculative.rows says why.
+    probs_NV = jax.vmap(lambda kept_V, order_V: jnp.zeros_like(kept_V).at[order_V].set(kept_V))(
+        kept_NV, order_NV)
     probs_NV = jnp.where(filtered_N[:, None], probs_NV, plain_NV)
     return jnp.where(greedy_N[:, None], onehot_NV, probs_NV)
 

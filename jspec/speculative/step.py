@@ -35,6 +35,7 @@ from jspec.speculative import sampling, verify
 from jspec.speculative.drafters import TargetOut, make_drafter
 from jspec.speculative.drafters.base import take_rows
 from jspec.speculative.logprobs import TokenLogprobs, window_logprobs
+from jspec.speculative.rows import row_items, set_row_items
 from jspec.speculative.state import (FINISH_LENGTH, FINISH_STOP, DecodeState, Metrics,
                                      RequestInputs)
 
@@ -142,9 +143,8 @@ def accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, re
 def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, plan: LoopPlan,
                 ctx: LoopContext) -> tuple[DecodeState, StepOutputs]:
   k, batch, lengths_B = plan.k, plan.batch, state.lengths_B
-  rows_B = jnp.arange(batch)
   running_B = ~state.done_B
-  last_token_B = state.tokens_BS[rows_B, lengths_B - 1]
+  last_token_B = row_items(state.tokens_BS, lengths_B - 1)
   drafter = make_drafter(plan.method, target, draft_module, plan, ctx)
 
   draft, draft_probs_BKV = state.draft, None
@@ -178,8 +178,8 @@ def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, pl
 
   # Slots past the new length hold garbage that is never read; a finished row writes there too.
   write_positions_BT = lengths_B[:, None] + offsets_T
-  tokens_BS = state.tokens_BS.at[rows_B[:, None], write_positions_BT].set(out_tokens_BT)
-  emitted_at_BS = state.emitted_at_BS.at[rows_B[:, None], write_positions_BT].set(state.step + 1)
+  tokens_BS = set_row_items(state.tokens_BS, write_positions_BT, out_tokens_BT)
+  emitted_at_BS = set_row_items(state.emitted_at_BS, write_positions_BT, state.step + 1)
   new_lengths_B = jnp.where(running_B, lengths_B + num_emit_B, lengths_B)
   # A finished row keeps its caches as they were: none of its window is committed.
   target_caches = cache_lib.commit(window_caches, jnp.where(running_B, num_emit_B, 0))

@@ -20,6 +20,7 @@ vLLM's and tpu-inference's rejection samplers implement the same rule.
 import jax
 import jax.numpy as jnp
 
+from jspec.speculative.rows import row_items
 from jspec.speculative.sampling import sample, vocab_argmax
 
 PLACEHOLDER_TOKEN = -1
@@ -135,11 +136,10 @@ def rejection_verify(draft_BK, draft_len_B, draft_probs_BKV, target_probs_BK1V, 
     accept_len_B = _prefix_len(_accept_draft(u_BK, p_draft_BK, q_draft_BK), draft_len_B)
 
     # Only row accept_len of each sequence is needed: gather it before resampling.
-    rows_B = jnp.arange(B)
-    p_BV = p_BK1V[rows_B, accept_len_B]
-    q_at_a_BV = jnp.pad(q_BKV, ((0, 0), (0, 1), (0, 0)))[rows_B, accept_len_B]
+    p_BV = row_items(p_BK1V, accept_len_B)
+    q_at_a_BV = row_items(jnp.pad(q_BKV, ((0, 0), (0, 1), (0, 0))), accept_len_B)
     q_BV = jnp.where((accept_len_B < draft_len_B)[:, None], q_at_a_BV, 0.0)
     resample_keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(
-        keys_BK1[rows_B, accept_len_B], _RESAMPLE_FOLD)
+        row_items(keys_BK1, accept_len_B), _RESAMPLE_FOLD)
     next_B = sample(_residual_probs(p_BV, q_BV), resample_keys_B)
     return accept_len_B, _emit(draft_BK, accept_len_B, next_B)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jspec.models import caches as cache_lib
 from jspec.speculative.chunks import in_chunks
 from jspec.speculative.drafters.base import DraftState, Drafter, TargetOut, take_rows
+from jspec.speculative.rows import set_row_items
 
 
 class HiddenStateDrafter(Drafter):
@@ -47,11 +48,11 @@ class HiddenStateDrafter(Drafter):
 
   def prefill(self, tokens_BP, prompt_lens_B, first_B, target_out: TargetOut) -> DraftState:
     batch, prompt_bucket = tokens_BP.shape
-    rows_B, last_B = jnp.arange(batch), prompt_lens_B - 1
+    last_B = prompt_lens_B - 1
     positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
     # Position i pairs h_i with t_{i+1}: the prompt shifted left, the first token at the end.
     next_BP = jnp.concatenate([tokens_BP[:, 1:], tokens_BP[:, :1]], axis=1)
-    next_BP = next_BP.at[rows_B, last_B].set(first_B)
+    next_BP = set_row_items(next_BP, last_B, first_B)
     caches = cache_lib.constrain(self.head.init_caches(batch, self.plan.cache_len, self.ctx.dtype),
                                  self.ctx.draft_cache_shardings)
 
