@@ -71,7 +71,7 @@ def processed_probs(logits_NV, temperature_N, top_k_N, top_p_N, any_filtered: bo
       probs_NV: [N, V] float32, each row sums to 1.
     """
     logits_NV = logits_NV.astype(jnp.float32)
-    N, V = logits_NV.shape
+    V = logits_NV.shape[-1]
     temperature_N = jnp.asarray(temperature_N, jnp.float32)
     top_k_N = jnp.asarray(top_k_N, jnp.int32)
     top_p_N = jnp.asarray(top_p_N, jnp.float32)

@@ -119,7 +119,7 @@ def rejection_verify(draft_BK, draft_len_B, draft_probs_BKV, target_probs_BK1V, 
       accept_len_B: [B] int32 in [0, draft_len].
       out_tokens_BK1: [B, K+1] int32 (placeholders -1 after position accept_len).
     """
-    B, K = draft_BK.shape
+    K = draft_BK.shape[1]
     V = target_probs_BK1V.shape[-1]
     p_BK1V = target_probs_BK1V.astype(jnp.float32)
     # Drafts beyond draft_len may be any value; clip so the gathers stay in bounds.
