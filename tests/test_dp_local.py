@@ -10,10 +10,14 @@ step on 2 GPUs at dp = 2 was 0.83x one GPU's at the same batch (BENCHMARKS.md)."
 import re
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jspec
 from helpers import fixture_dir, greedy
+from jspec.models.caches import write_slots
+from jspec.speculative.rows import row_items, set_row_items
 
 COLLECTIVE = re.compile(r"= (\(?[^=]*?\)?) (all-gather|all-reduce|all-to-all|collective-permute|"
                         r"reduce-scatter)(?:-start)?\(")
@@ -24,6 +28,51 @@ def float_collectives(text: str) -> list[str]:
   """(kind, shape) of every collective in an HLO text that moves floating-point values."""
   return [f"{m.group(2)} {m.group(1)[:60]}" for m in COLLECTIVE.finditer(text)
           if FLOAT_TYPES.search(m.group(1))]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_batched_row_ops_equal_numpys_indexing(seed):
+  """write_slots, row_items and set_row_items against NumPy loops over the rows, on random
+  shapes: positions past the cache drop their rows, negative read indices count from the end,
+  "drop" writes past the row vanish."""
+  rng = np.random.default_rng(seed)
+  b, k, s, h, t = rng.integers(1, 5), rng.integers(1, 4), rng.integers(4, 12), 3, 2
+  cache = rng.normal(size=(b, k, s, h)).astype(np.float32)
+  new = rng.normal(size=(b, t, k, h)).astype(np.float32)
+  # Distinct positions per row (a scatter's order among equal indices is unspecified), some
+  # past the cache.
+  distinct = lambda top: np.stack([rng.permutation(top)[:t] for _ in range(b)]).astype(np.int32)
+  positions = distinct(s + 2)
+  want = cache.copy()
+  for i in range(b):
+    for j in range(t):
+      if positions[i, j] < s:
+        want[i, :, positions[i, j]] = new[i, j]
+  got = write_slots(jnp.asarray(cache), jnp.asarray(new), jnp.asarray(positions), slot_axis=2)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  latent = rng.normal(size=(b, s, h)).astype(np.float32)
+  rows = rng.normal(size=(b, t, h)).astype(np.float32)
+  want = latent.copy()
+  for i in range(b):
+    for j in range(t):
+      if positions[i, j] < s:
+        want[i, positions[i, j]] = rows[i, j]
+  got = write_slots(jnp.asarray(latent), jnp.asarray(rows), jnp.asarray(positions), slot_axis=1)
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+  tokens = rng.integers(0, 100, size=(b, s)).astype(np.int32)
+  index = rng.integers(-s, s, size=(b,)).astype(np.int32)
+  np.testing.assert_array_equal(np.asarray(row_items(jnp.asarray(tokens), jnp.asarray(index))),
+                                tokens[np.arange(b), index])
+  write_at = distinct(s + 3)
+  values = rng.integers(0, 100, size=(b, t)).astype(np.int32)
+  want = tokens.copy()
+  for i in range(b):
+    for j in range(t):
+      if write_at[i, j] < s:
+        want[i, write_at[i, j]] = values[i, j]
+  got = set_row_items(jnp.asarray(tokens), jnp.asarray(write_at), jnp.asarray(values), "drop")
+  np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_float_collectives_are_found():
