@@ -34,7 +34,8 @@ class DeviceModel:
                                                parts.dtype),
         draft_cache_shardings=(module_cache_shardings(parts.draft_module, parts.draft_rules,
                                                       parts.mesh, parts.dtype)
-                               if parts.draft_module is not None else None))
+                               if parts.draft_module is not None else None),
+        replicated=parts.rules.sharding(parts.mesh, ()) if parts.mesh.size > 1 else None)
 
   @property
   def weights(self) -> tuple:

@@ -58,15 +58,22 @@ from jspec.speculative.step import (TARGET_STREAM, LoopContext, choose_tokens, d
 
 # ---- 1. admit --------------------------------------------------------------------------------
 
-def admit(state: BatchState, queue: Queue, plan: BatchPlan) -> BatchState:
+def admit(state: BatchState, queue: Queue, plan: BatchPlan, replicated=None) -> BatchState:
   """Each shard's idle prefill lanes take the next groups, in queue order, while the shard
   has a free slot for every sample of them; a group's slots are the shard's first free ones
-  (in group order), its leader the first of them. Shard by shard (a few small arrays each)."""
+  (in group order), its leader the first of them. Shard by shard (a few small arrays each).
+
+  replicated: the mesh's replicated sharding, or None. The walk is sequential over the shards
+  (each takes the groups after the previous one's), so every shard runs all of it from
+  replicated copies of the slots' phases and lanes: two small all-gathers, where the walk over
+  split arrays had XLA move each shard's pieces with about twenty collectives."""
   shards, batch, lp, lanes, group = plan.shards, plan.loop.batch, plan.loop, plan.lanes, plan.group
   per_shard = batch // shards
-  free_Db = by_shard(state.phase_B == FREE, shards)
+  whole = (lambda x: x) if replicated is None else (
+      lambda x: jax.lax.with_sharding_constraint(x, replicated))
+  free_Db = by_shard(whole(state.phase_B) == FREE, shards)
   rank_Db = jnp.cumsum(free_Db, axis=1)                # 1-based rank among free slots
-  idle_DR = state.prefill_group_L.reshape(shards, lanes) < 0
+  idle_DR = whole(state.prefill_group_L).reshape(shards, lanes) < 0
   num_groups, last_q = queue.num_groups, queue.size_Q.shape[0] - 1
   j_R = jnp.arange(lanes, dtype=jnp.int32)
   nxt = state.next_group
@@ -99,11 +106,12 @@ def admit(state: BatchState, queue: Queue, plan: BatchPlan) -> BatchState:
     hit_RMb = free_Db[d][None, None] & (rank_Db[d][None, None] == want_RM[..., None])
     rows_DRM.append(jnp.argmax(hit_RMb, axis=-1).astype(jnp.int32) + d * per_shard)
     nxt = nxt + count.astype(jnp.int32)
-  took_L = jnp.stack(took_DR).reshape(-1)
-  group_L = jnp.stack(group_DR).reshape(-1)
-  rows_LM = jnp.stack(rows_DRM).reshape(-1, group)
-  group_B = jnp.stack(slot_group_Db).reshape(batch)
-  member_B = jnp.stack(member_Db).reshape(batch).astype(jnp.int32)
+  # Replicated until a shard takes its own rows of them (a local slice).
+  took_L = whole(jnp.stack(took_DR)).reshape(-1)
+  group_L = whole(jnp.stack(group_DR)).reshape(-1)
+  rows_LM = whole(jnp.stack(rows_DRM)).reshape(-1, group)
+  group_B = whole(jnp.stack(slot_group_Db)).reshape(batch)
+  member_B = whole(jnp.stack(member_Db)).reshape(batch).astype(jnp.int32)
   chosen_B = group_B >= 0
   group_B = jnp.maximum(group_B, 0)
 

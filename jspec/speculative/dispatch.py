@@ -62,7 +62,7 @@ def dispatch(target, draft_module, state: BatchState, queue: Queue, budget, plan
   state = state.replace(iteration=jnp.int32(0))
 
   def admit_and_prefill(s):
-    s = admit(s, queue, plan)
+    s = admit(s, queue, plan, ctx.replicated)
     return run_if(jnp.any(s.prefill_group_L >= 0),
                   lambda s: prefill_chunk(target, drafter, s, queue, plan, ctx), s)
 

@@ -52,6 +52,9 @@ class LoopContext:
   # None (no constraint).
   cache_shardings: tuple | None = None
   draft_cache_shardings: tuple | None = None
+  # The mesh's replicated sharding, or None (one device): the admission's walk over the queue
+  # runs on every shard from replicated inputs (jspec.speculative.batching.admit says why).
+  replicated: object = None
 
 
 @dataclasses.dataclass(frozen=True)
