@@ -1,6 +1,7 @@
 """Data parallelism keeps each shard's sequences on its own device: a dp = 2 dispatch program
 moves no activations, keys, values, routing weights or probabilities between shards, only the
-scheduler's integer and boolean bookkeeping (loop conditions, slot admission, harvest).
+scheduler's integer and boolean bookkeeping (loop conditions, slot admission, harvest), and
+never reshards the slots (no all-to-all, no collective-permute).
 
 XLA's partitioner all-gathered, in every layer of every step, the new keys and values (a cache
 write indexed by an iota over the batch), the router's scores (`lax.top_k` is not split over
@@ -99,3 +100,8 @@ def test_a_dp_dispatch_program_moves_no_float_values_between_shards(name, method
     assert COLLECTIVE.search(text)  # the loop conditions still agree across shards
     moved = float_collectives(text)
     assert moved == [], f"{len(moved)} float collectives between dp shards: {moved[:4]}"
+    # Nor any resharding of the slots: the admission's walk over the queue runs on every shard
+    # from replicated inputs (it exchanged all-to-alls and collective-permutes of its pieces).
+    reshards = [m.group(2) for m in COLLECTIVE.finditer(text)
+                if m.group(2) in ("all-to-all", "collective-permute")]
+    assert reshards == [], f"{len(reshards)} resharding collectives: {reshards[:4]}"
