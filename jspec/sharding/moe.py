@@ -18,7 +18,6 @@ Both produce the same sums; which is faster depends on T (BENCHMARKS.md). Partia
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable
 
 import jax
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jspec.pallas_kernels.fp8_experts import Fp8Experts
-from jspec.sharding.rules import ShardingRules
+from jspec.sharding.rules import ShardingRules, axis_size
 
 EP_STRATEGIES = ("auto", "all_gather", "all_to_all")
 # "auto" = all-gather + reduce-scatter: on 2 NVLink-connected H200s (ep = 2, Qwen3-30B-A3B
@@ -127,10 +126,9 @@ def per_token_shard(mesh: Mesh, rules: ShardingRules) -> Callable | None:
 
   Why: XLA's partitioner does not split `lax.top_k` over its batch axis; the router's top-k
   all-gathered every MoE layer's scores over dp (and ep) in every step."""
-  tokens = rules.spec(("batch", None))
-  axes = tokens[0] if isinstance(tokens[0], tuple) else (tokens[0],) if tokens[0] else ()
-  if math.prod(mesh.shape[a] for a in axes) == 1:
+  if axis_size(mesh, rules.batch) == 1:
     return None
+  tokens = rules.spec(("batch", None))
   return lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=(tokens, rules.spec(())),
                                   out_specs=(tokens, tokens), check_vma=False)
 

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jspec.speculative.rows import set_row_items
+
 
 def vocab_argmax(logits_NV, axis: int = -1):
     """jnp.argmax along `axis` (the lowest index among ties; a row holding NaN gives its first
@@ -98,9 +100,7 @@ def processed_probs(logits_NV, temperature_N, top_k_N, top_p_N, any_filtered: bo
     in_top_p_NV = (mass_before_NV < top_p_N[:, None]) | (top_p_N[:, None] >= 1.0)
     kept_NV = jnp.where(in_top_k_NV & in_top_p_NV, sorted_probs_NV, 0.0)
     kept_NV = kept_NV / jnp.sum(kept_NV, axis=-1, keepdims=True)
-    # Batched over the rows (not indexed by an iota over them): jspec.speculative.rows says why.
-    probs_NV = jax.vmap(lambda kept_V, order_V: jnp.zeros_like(kept_V).at[order_V].set(kept_V))(
-        kept_NV, order_NV)
+    probs_NV = set_row_items(jnp.zeros_like(kept_NV), order_NV, kept_NV)
     probs_NV = jnp.where(filtered_N[:, None], probs_NV, plain_NV)
     return jnp.where(greedy_N[:, None], onehot_NV, probs_NV)
 
