@@ -6,16 +6,19 @@ same seeded model with its weights scaled before XLA's products (the CPU's confi
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import jspec
 from jspec.bench.presets import PRESETS
+from jspec.bench.steps import StepTimer
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
 from jspec.models.mla import MLAttention
-from jspec.pallas_kernels import platform
+from jspec.pallas_kernels import fp8_gemm, platform
 
 
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
@@ -59,6 +62,32 @@ def test_fp8_kernels_in_the_model_equal_the_scaled_xla_products(monkeypatch):
   assert projections and all(p is not None for p in projections)
   assert gpu.target.layers[1].mlp.fp8_to_backend and not cpu.target.layers[1].mlp.fp8_to_backend
   _assert_same_outputs(cpu, gpu, max_tokens=4)
+
+
+def test_bench_steps_read_the_scale_lanes_made_before_their_loop(monkeypatch):
+  """`jspec bench` times the steps as `generate` runs them: every FP8 kernel call of its target
+  and MTP step programs reads block scales repeated over the kernel's lanes once, before the
+  loop of steps (projections.with_kernel_scales), not a repeat inside every step."""
+  with monkeypatch.context() as patch:
+    patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, traced on the CPU
+    llm = _llm()
+  lanes = []
+  for name in ("fp8_matmul", "fp8_matmul_many"):
+    def spy(*args, kernel=getattr(fp8_gemm, name), lanes_NbX=None, **kwargs):
+      lanes.extend(lanes_NbX if isinstance(lanes_NbX, tuple) else [lanes_NbX])
+      return kernel(*args, lanes_NbX=lanes_NbX, **kwargs)
+    monkeypatch.setattr(fp8_gemm, name, spy)
+  timer, batch, slots = StepTimer(llm), 2, 64
+  tokens_BT, positions_BT = jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), 9, jnp.int32)
+  caches = jax.eval_shape(lambda: llm.target.init_caches(batch, slots, llm.dtype))
+  jax.eval_shape(timer._target_steps(slots), timer.target_state, caches, tokens_BT, positions_BT)
+  target_calls = len(lanes)
+  draft_cache = jax.eval_shape(lambda: llm.mtp.init_caches(batch, slots, llm.dtype)[0])
+  hidden_BTD = jnp.zeros((batch, 1, llm.config.hidden_size), llm.dtype)
+  jax.eval_shape(timer._mtp_steps(slots), timer.target_state, timer.mtp_state, draft_cache,
+                 tokens_BT, hidden_BTD, positions_BT)
+  assert 0 < target_calls < len(lanes)
+  assert all(prepared is not None for prepared in lanes)
 
 
 def _tiny_fp8_hybrid():
