@@ -87,8 +87,7 @@ class ShardingRules:
     """PartitionSpec for a tuple of logical axis names; refuses a mesh axis used twice."""
     physical, used = [], set()
     for name in logical_axes:
-      axes = None if name is None else getattr(self, name)
-      flat = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+      flat = mesh_axes(None if name is None else getattr(self, name))
       if used & set(flat):
         raise ValueError(f"mesh axes {flat} used twice in logical axes {logical_axes}")
       used |= set(flat)
@@ -111,11 +110,15 @@ class ShardingRules:
     return NamedSharding(mesh, self.spec(logical_axes))
 
 
-def axis_size(mesh: Mesh, axes: MeshAxes) -> int:
+def mesh_axes(axes: MeshAxes) -> tuple[str, ...]:
+  """A rule's mesh axes as a tuple: () for None, (name,) for one axis."""
   if axes is None:
-    return 1
-  axes = (axes,) if isinstance(axes, str) else axes
-  return math.prod(mesh.shape[a] for a in axes)
+    return ()
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def axis_size(mesh: Mesh, axes: MeshAxes) -> int:
+  return math.prod(mesh.shape[a] for a in mesh_axes(axes))
 
 
 def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:

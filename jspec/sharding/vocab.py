@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from jspec.sharding.rules import ShardingRules, axis_size
+from jspec.sharding.rules import ShardingRules, axis_size, mesh_axes
 
 
 def sharded_embedding_lookup(mesh: Mesh, rules: ShardingRules):
@@ -22,9 +22,8 @@ def sharded_embedding_lookup(mesh: Mesh, rules: ShardingRules):
   mode="clip")`, for embeddings laid out by `rules` on `mesh`. None (XLA's take) where the
   mesh does not split the vocabulary, and where it splits it over an axis that also splits
   the batch: each shard then holds other sequences' tokens, which its rows cannot serve."""
-  flat = lambda axes: () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-  vocab_axes = tuple(a for a in flat(rules.vocab) if axis_size(mesh, a) > 1)
-  if not vocab_axes or set(vocab_axes) & set(flat(rules.batch)):
+  vocab_axes = tuple(a for a in mesh_axes(rules.vocab) if axis_size(mesh, a) > 1)
+  if not vocab_axes or set(vocab_axes) & set(mesh_axes(rules.batch)):
     return None
 
   def lookup(embed_VD, tokens_BT):
