@@ -4,7 +4,9 @@
      2 tokens per sequence;
   2. the same program once under the profiler: kernels per step, their summed time, what is
      left of the timed step between kernels (kernels run a little longer under the profiler,
-     so a small negative figure means the kernels fill the step), and the top kernels;
+     so a small negative figure means the kernels fill the step), and the top kernels, each
+     with its calls per layer and its time per call (`--fp8`: the preset as an FP8
+     checkpoint);
   3. the model's matrix products alone at this batch, each weight shape chained over all
      layers (so no weight is served from L2), as read bandwidth: separate q / k / v and
      gate / up, and the fused shapes (qkv, gate_up) a fused projection would run.
@@ -62,18 +64,23 @@ def time_matrix_products(cfg, rows: int, dtype=jnp.bfloat16) -> list[dict]:
   return results
 
 
-def profile_step(timer: StepTimer, decode_s: float) -> dict:
+def profile_step(timer: StepTimer, decode_s: float, top: int = 30) -> dict:
+  """The one-token step under the profiler: its `top` ops by time, each with its calls per
+  step and per layer (a per-layer count of 1 or 2 marks a layer's own kernel, the glue a
+  fused layer would remove) and its time per call."""
   wall, times = profile(timer.runs[("target", 1)])
   kernel_ns = times.pop(None)[1]
   launches = sum(count for count, _ in times.values())
-  top = sorted(times.items(), key=lambda kv: -kv[1][1])[:30]
+  layers = timer.llm.config.num_layers
+  ranked = sorted(times.items(), key=lambda kv: -kv[1][1])[:top]
   return dict(
       profiled_step_ms=1e3 * wall / STEPS_PER_CALL,
       kernels_per_step=launches / STEPS_PER_CALL,
       kernel_ms_per_step=kernel_ns / 1e6 / STEPS_PER_CALL,
       between_kernels_ms_per_step=1e3 * decode_s - kernel_ns / 1e6 / STEPS_PER_CALL,
       top=[dict(op=name, per_step=count / STEPS_PER_CALL,
-                us_per_step=ns / 1e3 / STEPS_PER_CALL) for name, (count, ns) in top])
+                per_layer=count / STEPS_PER_CALL / layers, us_per_call=ns / 1e3 / count,
+                us_per_step=ns / 1e3 / STEPS_PER_CALL) for name, (count, ns) in ranked])
 
 
 def main():
@@ -90,6 +97,9 @@ def main():
   parser.add_argument("--no-products", action="store_true", help="skip part 3")
   parser.add_argument("--json", default=None, help="also write the results here")
   parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+  parser.add_argument("--fp8", action="store_true",
+                      help="the preset as an FP8 checkpoint (e4m3, 128 x 128 block scales)")
+  parser.add_argument("--top", type=int, default=30, help="profiled ops to list, by time")
   parser.add_argument("--hlo-out", default=None,
                       help="write the one-token step program's optimized HLO here")
   args = parser.parse_args()
@@ -98,6 +108,8 @@ def main():
   cfg = PRESETS[args.model]
   if args.layers:
     cfg = dataclasses.replace(cfg, num_layers=args.layers)
+  if args.fp8:
+    cfg = dataclasses.replace(cfg, fp8_block=(128, 128))
   cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings,
                                                               max_model_len))
   bandwidth = hbm_bandwidth()
@@ -119,7 +131,7 @@ def main():
                 xla_flags=os.environ.get("XLA_FLAGS", ""), device=jax.devices()[0].device_kind,
                 read_bytes_per_second=bandwidth["read"], decode_ms=1e3 * decode_s,
                 two_token_relative=seconds[("target", 2)] / decode_s,
-                roofline_fraction=floor_s / decode_s, **profile_step(timer, decode_s))
+                roofline_fraction=floor_s / decode_s, **profile_step(timer, decode_s, args.top))
   del llm, timer
   if not args.no_products and not cfg.is_moe:
     result["products"] = {str(rows): time_matrix_products(cfg, rows)
@@ -137,9 +149,10 @@ def main():
   print(f"profiled: {result['kernels_per_step']:.0f} kernels/step, "
         f"{result['kernel_ms_per_step']:.3f} ms of kernels/step, "
         f"{result['between_kernels_ms_per_step']:.3f} ms/step between them")
-  print(f"  {'op':48s} {'/step':>6s} {'us/step':>8s}")
+  print(f"  {'op':48s} {'/step':>6s} {'/layer':>6s} {'us/call':>8s} {'us/step':>8s}")
   for row in result["top"]:
-    print(f"  {row['op'][:48]:48s} {row['per_step']:6.1f} {row['us_per_step']:8.1f}")
+    print(f"  {row['op'][:48]:48s} {row['per_step']:6.1f} {row['per_layer']:6.2f} "
+          f"{row['us_per_call']:8.2f} {row['us_per_step']:8.1f}")
   for rows, products in result.get("products", {}).items():
     print(f"matrix products, {rows} row(s): {'shape':>14s} {'us':>8s} {'TB/s':>6s} {'% read':>7s}")
     for p in products:
