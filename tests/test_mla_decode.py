@@ -241,6 +241,20 @@ def test_forms_chosen_by_rows_shape_dtype_and_batch(rows, c, r, slots, dtype, ba
   assert kernel_lib.choose_form(rows, c, r, slots, dtype, batch=batch) == form
 
 
+@pytest.mark.parametrize("device, batch, slots, dtype, form", [
+    ("NVIDIA H200", 32, 8320, jnp.bfloat16, "wgmma"),     # batch 32 at 8k: 266k slots
+    ("NVIDIA H200", 8, 32896, jnp.bfloat16, "wgmma"),     # batch 8 at 32k: 263k slots
+    ("NVIDIA H200", 8, 8320, jnp.bfloat16, "triton"),     # batch 8 at 8k: 67k slots
+    ("NVIDIA H200", 32, 8320, jnp.float32, "triton"),     # wgmma takes 16-bit operands
+    ("NVIDIA H100 80GB HBM3", 32, 8320, jnp.bfloat16, "triton"),
+    ("NVIDIA H100 80GB HBM3", 32, 32896, jnp.bfloat16, "triton"),
+])
+def test_a_16_head_decode_step_takes_the_wgmma_form_on_an_h200_from_256k_slots(
+    monkeypatch, device, batch, slots, dtype, form):
+  monkeypatch.setattr(kernel_lib.platform, "device_kind", lambda: device)
+  assert kernel_lib.choose_form(16, 512, 64, slots, dtype, batch=batch) == form
+
+
 def test_wgmma_form_refuses_shapes_it_cannot_tile():
   q = jnp.zeros((1, 1, 64, 40))
   with pytest.raises(ValueError, match="C a multiple of 128.*got C=32, R=8, S=64"):

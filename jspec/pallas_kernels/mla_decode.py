@@ -42,12 +42,10 @@ four times that): the kernel is 1.0-1.5x XLA at T = 1 and level with it at T = 4
 the FLOP floor; XLA's batched GEMMs reach 17-37%), so there verify(4) costs 1.6-3.6x a decode
 step.
 
-On Hopper, windows of 64 rows or more (32 or more in large batches) go to
-jspec.pallas_kernels.mla_decode_wgmma (`form`, `choose_form`), FlashMLA's warp-specialized
-design: on an H200 (results/mla_decode_wgmma_h200)
-1.4-3.1x XLA's path at 128 heads (up to 74% of the FLOP floor), and at 16 heads, batch 8-32,
-context 32k, 94-115% of the copy probe (which counts bytes read and written: reads alone run
-faster). At batch 1 a call is a kernel and the merge (results/mla_decode_b1_merge_h100.log):
+On Hopper, windows of 64 rows or more (fewer in large batches: `choose_form`) go to
+jspec.pallas_kernels.mla_decode_wgmma, FlashMLA's warp-specialized design: on an H200
+1.3-3.1x XLA's path at 128 heads (up to 74% of the FLOP floor), and at 16 heads, batch 8-32,
+context 32k, 67-87% of the read probe (results/mla_decode_16h_2026-11-27_h200). At batch 1 a call is a kernel and the merge (results/mla_decode_b1_merge_h100.log):
 12-42 us at 8k-32k on an H100, of which the latent at the copy probe's rate is 3.4-13.6 us.
 
 On a GPU the kernel needs C and R powers of two >= 16 (Triton's block shapes and the tensor
@@ -205,21 +203,27 @@ def _kernel(q_ref, cache_ref, pos_ref, out_ref, lse_ref, *, scale: float, latent
 
 
 WGMMA_MIN_BATCH_SLOTS = 1 << 17  # half-tile windows take the wgmma form from this many slots
+WGMMA_H200_MIN_BATCH_SLOTS = 1 << 18  # on an H200, windows of any width from this many
 
 
 def choose_form(rows: int, latent_dim: int, rope_dim: int, slots: int, dtype, *,
                 batch: int) -> str:
   """"wgmma" (jspec.pallas_kernels.mla_decode_wgmma) where the shape fits it, the cache is
   16-bit (wgmma's operands) and a sequence's window has at least its 64-row tile of query rows
-  (every window at 128 heads; verify windows of 4 at 16), or half of one (a verify window of
-  2 or 3 at 16 heads, padded to the tile) when the batch's caches hold at least 128k slots
-  (batch x S): there the wgmma form took 0.74-0.84x the Triton form's time at batch 32 and
-  0.79x at batch 8 / 32k, but 1.11-1.26x at batch 1 and batch 8 / 8k, whose few blocks per
-  program leave its fixed costs exposed (one H100, BENCHMARKS.md, "MLA decode at batch 1:
-  ..."). Else "triton", whose tiles go down to 16 rows: a decode step at 16 heads per shard
-  wastes no tensor-core rows there."""
-  wide_enough = rows >= wgmma.ROWS or (2 * rows >= wgmma.ROWS
-                                       and batch * slots >= WGMMA_MIN_BATCH_SLOTS)
+  (every window at 128 heads; verify windows of 4 at 16), or half of one (verify windows of 2
+  or 3 at 16 heads, padded) when the batch's caches hold at least 128k slots (batch x S):
+  there the wgmma form took 0.74-0.84x the Triton form's time at batch 32 and 0.79x at batch
+  8 / 32k, but 1.11-1.26x at batch 1 and batch 8 / 8k, whose few blocks per program leave its
+  fixed costs exposed (one H100, BENCHMARKS.md, "MLA decode at batch 1: ..."). On an H200 any
+  window (a 16-head decode step too) takes it from 256k slots: there it took 0.74-0.88x the
+  Triton form's time at batch 32 in two runs and 0.64x / 1.00x at batch 8 / 32k, where an
+  H100's took 1.16-1.17x at batch 32 (BENCHMARKS.md, "FP8 and MLA decode on an H200 against
+  their targets; ..."; why the two GPUs differ was not profiled). Else "triton"."""
+  many_slots = batch * slots
+  wide_enough = (rows >= wgmma.ROWS
+                 or (2 * rows >= wgmma.ROWS and many_slots >= WGMMA_MIN_BATCH_SLOTS)
+                 or (many_slots >= WGMMA_H200_MIN_BATCH_SLOTS
+                     and "H200" in platform.device_kind()))
   if (wide_enough and jnp.dtype(dtype).itemsize == 2
       and wgmma.fits_kernel(latent_dim, rope_dim, slots, wgmma.WgmmaTiling())):
     return "wgmma"

@@ -13,6 +13,12 @@ def on_gpu() -> bool:
   return jax.devices()[0].platform == "gpu"
 
 
+@functools.cache
+def device_kind() -> str:
+  """The local device's kind as JAX names it: "NVIDIA H200", "NVIDIA H100 80GB HBM3", "cpu"."""
+  return jax.devices()[0].device_kind
+
+
 def on_hopper() -> bool:
   """A Hopper GPU (compute capability 9.x): wgmma and the TMA, which the Mosaic GPU kernels use."""
   device = jax.devices()[0]
