@@ -45,8 +45,9 @@ step.
 On Hopper, windows of 64 rows or more (fewer in large batches: `choose_form`) go to
 jspec.pallas_kernels.mla_decode_wgmma, FlashMLA's warp-specialized design: on an H200
 1.3-3.1x XLA's path at 128 heads (up to 74% of the FLOP floor), and at 16 heads, batch 8-32,
-context 32k, 67-87% of the read probe (results/mla_decode_16h_2026-11-27_h200). At batch 1 a call is a kernel and the merge (results/mla_decode_b1_merge_h100.log):
-12-42 us at 8k-32k on an H100, of which the latent at the copy probe's rate is 3.4-13.6 us.
+context 32k, 67-87% of the read probe (results/mla_decode_16h_2026-11-27_h200). At batch 1 a
+call is a kernel and the merge (results/mla_decode_b1_merge_h100.log): 12-42 us at 8k-32k on
+an H100, of which the latent at the copy probe's rate is 3.4-13.6 us.
 
 On a GPU the kernel needs C and R powers of two >= 16 (Triton's block shapes and the tensor
 cores' smallest dot): DeepSeek-V3 / R1, GLM-4.7-Flash and Kimi K2 have C = 512, R = 64.
