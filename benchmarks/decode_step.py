@@ -33,6 +33,7 @@ from jspec.bench.profile import profile
 from jspec.bench.roofline import hbm_bandwidth, seconds_per_call, step_bytes
 from jspec.bench.steps import STEPS_PER_CALL, StepTimer
 from jspec.models.projections import PROJECTION_BACKENDS
+from jspec.models.row_kernels import NORM_BACKENDS
 from jspec.speculative import buckets
 
 
@@ -91,6 +92,7 @@ def main():
   parser.add_argument("--context", type=int, default=512)
   parser.add_argument("--attention-backend", default="xla", choices=["auto", "xla", "pallas"])
   parser.add_argument("--projection-backend", default="auto", choices=PROJECTION_BACKENDS)
+  parser.add_argument("--norm-backend", default="auto", choices=NORM_BACKENDS)
   parser.add_argument("--max-model-len", type=int, default=0,
                       help="default context + 16; sets the largest cache bucket, which a "
                            "long context's steps use")
@@ -115,7 +117,8 @@ def main():
   bandwidth = hbm_bandwidth()
   llm = jspec.LLM.from_random(cfg, None, max_model_len=max_model_len, max_num_seqs=1,
                               attention_backend=args.attention_backend,
-                              projection_backend=args.projection_backend)
+                              projection_backend=args.projection_backend,
+                              norm_backend=args.norm_backend)
   timer = StepTimer(llm)
   seconds = timer.measure(args.batch, args.context, {1, 2})
   cache_slots = buckets.cache_bucket(args.context + 2, 0, max_model_len)
@@ -127,7 +130,7 @@ def main():
   result = dict(model=args.model, batch=args.batch, context=args.context,
                 cache_slots=cache_slots,
                 attention_backend=args.attention_backend,
-                projection_backend=llm.projection_backend,
+                projection_backend=llm.projection_backend, norm_backend=llm.norm_backend,
                 xla_flags=os.environ.get("XLA_FLAGS", ""), device=jax.devices()[0].device_kind,
                 read_bytes_per_second=bandwidth["read"], decode_ms=1e3 * decode_s,
                 two_token_relative=seconds[("target", 2)] / decode_s,
@@ -143,6 +146,7 @@ def main():
   read = bandwidth["read"]
   print(f"\n{args.model} B={args.batch} context={args.context} ({cache_slots} slots) "
         f"attention={args.attention_backend} projections={result['projection_backend']} "
+        f"norms={result['norm_backend']} "
         f"XLA_FLAGS={result['xla_flags']!r} on {result['device']}")
   print(f"decode {result['decode_ms']:.3f} ms = {100 * result['roofline_fraction']:.1f}% of the "
         f"roofline (read {read / 1e12:.2f} TB/s); 2 tokens: {result['two_token_relative']:.2f}x")

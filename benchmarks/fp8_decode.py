@@ -27,6 +27,7 @@ from flax import nnx
 
 import jspec
 from jspec.bench.presets import PRESETS
+from jspec.models.row_kernels import NORM_BACKENDS
 from jspec.pallas_kernels import fp8_experts
 
 BLOCK = (128, 128)
@@ -67,6 +68,8 @@ def main():
   parser.add_argument("--qkv-separate", action="store_true",
                       help="FP8: q, k and v as three kernel calls, not one (the path before "
                            "fp8_gemm.fp8_matmul_many), for a before / after comparison")
+  parser.add_argument("--norm-backend", default="auto", choices=NORM_BACKENDS,
+                      help="LLM(norm_backend): 'xla' for the path before the row kernels")
   args = parser.parse_args()
   base = PRESETS[args.model]
   if args.layers:
@@ -84,7 +87,7 @@ def main():
     cfg = dataclasses.replace(base, fp8_block=BLOCK if precision == "fp8" else None)
     start = time.perf_counter()
     llm = jspec.LLM.from_random(cfg, None, max_model_len=max_len,
-                                max_num_seqs=max(args.batch))
+                                max_num_seqs=max(args.batch), norm_backend=args.norm_backend)
     size = weight_bytes(llm)
     if args.qkv_separate:
       for _, node in nnx.iter_graph(llm.target):
@@ -120,7 +123,8 @@ def main():
 
   print(f"\n{jax.devices()[0].device_kind}, {args.model}"
         f"{f' ({args.layers} layers)' if args.layers else ''}: prompt {args.prompt_len}, "
-        f"{args.max_tokens} tokens; prefill {args.prefill_len} tokens")
+        f"{args.max_tokens} tokens; prefill {args.prefill_len} tokens; "
+        f"norm_backend={args.norm_backend}")
   print(f"{'precision':9s} {'weights GB':>10s} {'batch':>5s} {'tok/s':>9s} {'TPOT ms':>8s} "
         f"{'vs bf16':>8s} {'prefill ms':>10s} {'vs bf16':>8s}")
   bf16 = {r["batch"]: r for r in rows if r["precision"] == "bf16"}

@@ -14,10 +14,13 @@ from jspec.models.decode_attention import sharded_mla_decode, sharded_window_att
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
 from jspec.models.mla import MLAttention
+from jspec.models.norms import RMSNorm
 from jspec.models.moe import MoE
 from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
                                       weights_replicated)
+from jspec.models.row_kernels import (resolve_norm_backend, sharded_qk_norm_rope,
+                                      sharded_rms_norm)
 from jspec.pallas_kernels import platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
 from jspec.sharding.rules import axis_size
@@ -133,3 +136,35 @@ def _use_fp8_projections(fp8_block, mesh, pairs):
       if (isinstance(node, (Attention, MLAttention)) or (isinstance(node, MLP) and mlp_whole)
           or (isinstance(node, GatedDeltaNet) and linear_heads_whole)):
         node.fp8_projection = kernel
+
+
+def use_row_kernels(backend: str, mesh, pairs) -> str:
+  """Sets the norms' `row_kernel` and the attention layers' `qk_kernel`
+  (jspec.models.row_kernels) where the backend is "pallas" and the shapes fit; returns the
+  backend in effect ("auto" resolved)."""
+  from jspec.pallas_kernels.row_norms import fits_kernel
+  backend = resolve_norm_backend(backend)
+  if backend == "xla":
+    return backend
+  interpret = not platform.on_gpu()
+  for module, rules in _modules(pairs):
+    norms = {}  # one shard_map per (eps, form): the layers share them
+    for _, node in nnx.iter_graph(module):
+      # The norms of the hidden size only (layers, final, MTP and EAGLE heads): MLA's latent
+      # norms read a slice of their projection's output, which a kernel would copy first.
+      if (isinstance(node, RMSNorm) and node.axis_name == "embed"
+          and axis_size(mesh, rules.embed) == 1 and fits_kernel(node.scale.shape[0])):
+        form = (node.eps, node.zero_centered)
+        if form not in norms:
+          norms[form] = sharded_rms_norm(mesh, rules, node.eps, node.zero_centered, interpret)
+        node.row_kernel = norms[form]
+      elif (isinstance(node, Attention) and node.takes_qk_kernel()
+            and node.fp8_projection is None):
+        # FP8 q and k are column slices of one kernel call's output (fp8_gemm's products),
+        # which a kernel operand would copy out first: two copies a layer that cost what the
+        # kernel saves (one H100, BENCHMARKS.md). XLA's fusions read the slices in place.
+        kv_axis = "kv_heads" if node.kv_replicas == 1 else None
+        eps = node.q_norm.eps if node.use_qk_norm else 1e-6
+        node.qk_kernel = sharded_qk_norm_rope(mesh, rules, kv_axis, eps, node.rope_theta,
+                                              interpret)
+  return backend

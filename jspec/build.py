@@ -14,7 +14,7 @@ import os
 import jax
 
 from jspec.backends import (set_recurrent_commit, use_experts, use_pallas_attention,
-                            use_projections, use_vocab_lookup)
+                            use_projections, use_row_kernels, use_vocab_lookup)
 from jspec.checkpoint import is_converted, restore_converted
 from jspec.config import ModelConfig, SpecConfig, checkpoint_dtype, resolve_dtype
 from jspec.models.hf_config import config_from_dir
@@ -25,6 +25,7 @@ from jspec.models.drafts import init_random_drafter
 from jspec.models.loading import init_random, load_checkpoint
 from jspec.models.moe_backends import expert_tile, resolve_moe_backend
 from jspec.models.projections import PROJECTION_BACKENDS
+from jspec.models.row_kernels import NORM_BACKENDS
 from jspec.progress import notice, stage
 from jspec.schedulers.continuous import ContinuousScheduler
 from jspec.schedulers.waves import WavesScheduler
@@ -68,6 +69,7 @@ class LLMParts:
   moe_backend: str
   attention_backend: str
   projection_backend: str
+  norm_backend: str
   recurrent_commit: str
   experts_fn: object
   draft_experts_fn: object
@@ -100,7 +102,7 @@ def enable_compilation_cache(directory: str | None):
 
 
 def check_options(*, attention_backend, projection_backend, ep_strategy, recurrent_commit,
-                  speculative_config, max_model_len, max_num_seqs, prefill_chunk_size,
+                  speculative_config, norm_backend="auto", max_model_len, max_num_seqs, prefill_chunk_size,
                   batching) -> SpecConfig | None:
   """The options that need no model, refused with the offending value and what is valid;
   returns the parsed speculative_config."""
@@ -110,6 +112,9 @@ def check_options(*, attention_backend, projection_backend, ep_strategy, recurre
   if projection_backend not in PROJECTION_BACKENDS:
     raise ValueError(f"projection_backend={projection_backend!r} is not supported; choose "
                      f"one of {PROJECTION_BACKENDS}")
+  if norm_backend not in NORM_BACKENDS:
+    raise ValueError(f"norm_backend={norm_backend!r} is not supported; choose one of "
+                     f"{NORM_BACKENDS}")
   if ep_strategy not in EP_STRATEGIES:  # checked on every mesh, not only where ep > 1
     raise ValueError(f"ep_strategy={ep_strategy!r} is not supported; choose one of "
                      f"{EP_STRATEGIES}")
@@ -162,7 +167,7 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
           device_memory_bytes: int | None = None, prefill_chunk_size: int = 256,
           attention_backend: str = "auto", recurrent_commit: str = "store",
           sharding_rules: ShardingRules | None = None, batching: str = "continuous",
-          projection_backend: str = "auto", random_modules=None,
+          projection_backend: str = "auto", norm_backend: str = "auto", random_modules=None,
           random_draft=None) -> LLMParts:
   """The parts of `jspec.LLM` (its arguments are this function's; `random_modules`,
   `random_draft`: what `random_modules` built instead of loading)."""
@@ -170,6 +175,7 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
   spec = check_options(attention_backend=attention_backend,
                        projection_backend=projection_backend, ep_strategy=ep_strategy,
                        recurrent_commit=recurrent_commit, speculative_config=speculative_config,
+                       norm_backend=norm_backend,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        prefill_chunk_size=prefill_chunk_size, batching=batching)
   # "auto": the Pallas decode kernels on a Hopper GPU, XLA's attention elsewhere.
@@ -239,6 +245,8 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
                          explicit=attention_backend == "pallas")
   projection_backend = use_projections(projection_backend, config.fp8_block, device_mesh,
                                        (target_pair, draft_pair))
+  norm_backend = use_row_kernels(norm_backend, device_mesh,
+                                 (target_pair, draft_pair, (mtp, draft_rules)))
 
   # ---- scheduler ----
   parts = LLMParts(
@@ -248,8 +256,8 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
       max_model_len=max_model_len, max_num_seqs=memory_plan.max_num_seqs,
       prefill_chunk_size=prefill_chunk_size, memory_plan=memory_plan, batching=batching,
       seed=seed, moe_backend=moe_backend, attention_backend=resolved_attention,
-      projection_backend=projection_backend, recurrent_commit=recurrent_commit,
-      experts_fn=experts_fn, draft_experts_fn=draft_experts_fn)
+      projection_backend=projection_backend, norm_backend=norm_backend,
+      recurrent_commit=recurrent_commit, experts_fn=experts_fn, draft_experts_fn=draft_experts_fn)
   parts.device = DeviceModel(parts)
   parts.scorer = Scorer(parts.device, parts)
   parts.scheduler = SCHEDULERS[batching](parts.device, parts)

@@ -19,6 +19,9 @@ def _add_model_args(parser, model_required: bool):
   parser.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "pallas"],
                       help="decode/verify attention: XLA, or the split-S Pallas kernels "
                            "(auto: the kernels on Hopper GPUs)")
+  parser.add_argument("--norm-backend", default="auto", choices=["auto", "xla", "pallas"],
+                      help="decode/verify steps' residual adds, norms and RoPE: XLA's fusions, "
+                           "or one Pallas kernel per group (auto: the kernels on GPUs)")
   parser.add_argument("--dp", type=int, default=1,
                       help="data parallelism: sequences split over this many device groups")
   parser.add_argument("--tp", type=int, default=1,
@@ -71,7 +74,7 @@ def _build_llm(args, model_dir):
                    speculative_config=_spec_config(args), max_model_len=args.max_model_len,
                    dtype=args.dtype, moe_backend=args.moe_backend,
                    attention_backend=args.attention_backend, sharding_rules=rules,
-                   max_num_seqs=args.max_num_seqs)
+                   max_num_seqs=args.max_num_seqs, norm_backend=args.norm_backend)
 
 
 def _token_ids(text: str, flag: str) -> list[int]:
@@ -205,6 +208,9 @@ def main(argv=None):
   bench.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "pallas"],
                      help="decode/verify attention: XLA, or the split-S Pallas kernels "
                           "(auto: the kernels on Hopper GPUs)")
+  bench.add_argument("--norm-backend", default="auto", choices=["auto", "xla", "pallas"],
+                     help="decode/verify steps' residual adds, norms and RoPE: XLA's fusions, "
+                          "or one Pallas kernel per group (auto: the kernels on GPUs)")
   bench.add_argument("--recurrent-commit", default="store", choices=["replay", "store"],
                      help="hybrid models: how verify windows of linear-attention layers commit")
   bench.add_argument("--bandwidth-bytes", type=int, default=2 << 30)

@@ -58,6 +58,7 @@ def bench_model(name: str, args, save_partial=lambda done: None) -> dict:
       dtype=args.dtype,
       max_model_len=max_context, max_num_seqs=1, moe_backend=args.moe_backend,
       attention_backend=args.attention_backend,
+      norm_backend=getattr(args, "norm_backend", "auto"),
       recurrent_commit=getattr(args, "recurrent_commit", "store"),
       speculative_config={"method": "mtp", "num_speculative_tokens": k,
                           # Timing only: on random weights which ids are kept does not matter.

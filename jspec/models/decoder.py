@@ -55,8 +55,7 @@ class DecoderLayer(nnx.Module):
                valid_BT=None):
     del valid_BT  # A KV / latent cache needs no padding mask: padded slots are never attended.
     attn_out_BTD, cache = self.attn(self.input_norm(x_BTD), positions_BT, cache, kv_window)
-    h_BTD = x_BTD + attn_out_BTD
-    normed_BTD = self.post_attn_norm(h_BTD)
+    h_BTD, normed_BTD = self.post_attn_norm.add_and_norm(x_BTD, attn_out_BTD)
     mlp_out_BTD = self.mlp(normed_BTD, experts_fn) if self.is_moe else self.mlp(normed_BTD)
     return h_BTD + mlp_out_BTD, cache
 

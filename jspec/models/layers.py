@@ -19,6 +19,7 @@ from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
 from jspec.models.linear import linear, project_many_named, project_named
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.models.params import param
+from jspec.models.row_kernels import takes_rows
 
 
 def rope(x_BTNH, positions_BT, theta: float, rotary_dim: int | None = None):
@@ -112,6 +113,10 @@ class Attention(nnx.Module):
     # Set inside a traced program before a loop of steps: each FP8 scale repeated over the
     # kernel's lanes (jspec.models.projections.with_kernel_scales), by weight name.
     self.fp8_lanes = None
+    # Optional kernel for the q / k norms and RoPE of steps with few rows, set by the LLM
+    # (jspec.models.row_kernels): (q, k, positions, q and k norm scales or None) -> (q, k).
+    self.qk_kernel = None
+    self.head_dim = h
 
   def _dense(self, x, name: str, spec: str, in_axes: int = 1):
     return project_named(self, x, name, spec, in_axes, self.projection)
@@ -145,9 +150,7 @@ class Attention(nnx.Module):
     `kv_window` slots are read (static): prefill from position 0 needs no more than its bucket.
     """
     q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project(x_BTD)
-    if self.use_qk_norm:
-      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-    q_BTNH, k_BTKH = self._rope(q_BTNH, positions_BT), self._rope(k_BTKH, positions_BT)
+    q_BTNH, k_BTKH = self._norm_and_rope(q_BTNH, k_BTKH, positions_BT)
     out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window)
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
@@ -155,6 +158,24 @@ class Attention(nnx.Module):
     if self.has_o_bias:
       out_BTD = out_BTD + self.o_bias[...]
     return out_BTD, cache
+
+  def _norm_and_rope(self, q_BTNH, k_BTKH, positions_BT):
+    """q and k normed over head_dim (where the family does) and rotated: one kernel where
+    `qk_kernel` is set and the step has few rows, else XLA's fusions."""
+    if self.qk_kernel is not None and takes_rows(q_BTNH):
+      scales = ((self.q_norm.scale[...], self.k_norm.scale[...]) if self.use_qk_norm
+                else (None, None))
+      return self.qk_kernel(q_BTNH, k_BTKH, positions_BT, *scales)
+    if self.use_qk_norm:
+      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+    return self._rope(q_BTNH, positions_BT), self._rope(k_BTKH, positions_BT)
+
+  def takes_qk_kernel(self) -> bool:
+    """Whether this layer's norms and RoPE are the kernel's: plain RMSNorms (or none) and
+    plain RoPE over whole heads of a width it takes."""
+    from jspec.pallas_kernels.row_norms import fits_heads
+    return (self.inv_freq is None and self.rotary_dim in (None, self.head_dim)
+            and self.norm_cls is RMSNorm and fits_heads(self.head_dim))
 
   def _rope(self, x_BTNH, positions_BT):
     if self.inv_freq is None:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.models.params import ones_param, zeros_param
+from jspec.models.row_kernels import takes_rows
 
 
 def _normalized_f32(x, eps):
@@ -18,25 +19,50 @@ def _normalized_f32(x, eps):
 
 
 class RMSNorm(nnx.Module):
-  """Qwen3RMSNorm: normalise in float32, cast back, then scale in the parameter dtype."""
+  """Qwen3RMSNorm: normalise in float32, cast back, then scale in the parameter dtype.
+
+  `row_kernel`, set by the LLM (jspec.models.row_kernels), runs a step of few rows in one
+  kernel, with the residual add before it in `add_and_norm`; None: XLA's fusions."""
+
+  zero_centered = False
 
   def __init__(self, dim: int, eps: float, dtype, axis_name: str = "embed"):
-    self.scale = ones_param((dim,), dtype, (axis_name,))
+    self.scale = self._init_scale(dim, dtype, axis_name)
     self.eps = eps
+    self.axis_name = axis_name
+    self.row_kernel = None
 
-  def __call__(self, x):
+  @staticmethod
+  def _init_scale(dim, dtype, axis_name):
+    return ones_param((dim,), dtype, (axis_name,))
+
+  def _xla(self, x):
     return self.scale[...] * _normalized_f32(x, self.eps).astype(x.dtype)
 
+  def __call__(self, x):
+    if self.row_kernel is not None and takes_rows(x) and x.ndim == 3:
+      return self.row_kernel(x, self.scale[...])
+    return self._xla(x)
 
-class ZeroCenteredRMSNorm(nnx.Module):
+  def add_and_norm(self, x, delta):
+    """(h, norm(h)) for h = x + delta: the residual stream and its normalised form."""
+    if self.row_kernel is not None and takes_rows(x) and x.ndim == 3:
+      return self.row_kernel(x, self.scale[...], delta)
+    h = x + delta
+    return h, self._xla(h)
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
   """Scale by (1 + w), in float32 before the cast (Qwen3-Next / Qwen3.5 `Qwen3NextRMSNorm`,
   Gemma3's norm): the stored weight is centred on 0, so a checkpoint's zeros mean identity."""
 
-  def __init__(self, dim: int, eps: float, dtype, axis_name: str = "embed"):
-    self.scale = zeros_param((dim,), dtype, (axis_name,))
-    self.eps = eps
+  zero_centered = True
 
-  def __call__(self, x):
+  @staticmethod
+  def _init_scale(dim, dtype, axis_name):
+    return zeros_param((dim,), dtype, (axis_name,))
+
+  def _xla(self, x):
     scale = 1.0 + self.scale[...].astype(jnp.float32)
     return (_normalized_f32(x, self.eps) * scale).astype(x.dtype)
 

@@ -59,8 +59,7 @@ class DecoderLayer(nnx.Module):
       mixed_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
     else:
       mixed_BTD, cache = self.linear_attn(normed_BTD, cache, valid_BT)
-    h_BTD = x_BTD + mixed_BTD
-    normed_BTD = self.post_attn_norm(h_BTD)
+    h_BTD, normed_BTD = self.post_attn_norm.add_and_norm(x_BTD, mixed_BTD)
     mlp_out_BTD = self.mlp(normed_BTD, experts_fn) if self.is_moe else self.mlp(normed_BTD)
     return h_BTD + mlp_out_BTD, cache
 

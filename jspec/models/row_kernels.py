@@ -1,0 +1,86 @@
+"""The row-wise steps of decode and verify steps in one kernel each (LLM(norm_backend)):
+jspec.pallas_kernels.row_norms' residual add + RMSNorm and q / k norms + RoPE, per shard.
+
+  "xla"     XLA's fusions everywhere.
+  "pallas"  the kernels for steps of up to MAX_ROWS rows (interpreted off GPU); XLA for
+            prefill chunks and for shapes they do not take.
+  "auto"    "pallas" on a GPU, "xla" elsewhere.
+
+The kernels work on whole rows, so they run under `shard_map` with the rows split over the
+batch axes as the activations are, and heads over tp for q and k; a norm whose width the mesh
+splits keeps XLA's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from jspec.sharding.rules import ShardingRules
+
+NORM_BACKENDS = ("auto", "xla", "pallas")
+# The most rows (tokens of a step) that go to the kernels: decode, verify and draft steps.
+# Prefill chunks keep XLA's fusions, which read their many rows at full bandwidth.
+MAX_ROWS = 256
+
+
+def resolve_norm_backend(backend: str) -> str:
+  from jspec.pallas_kernels import platform
+  if backend not in NORM_BACKENDS:
+    raise ValueError(f"norm_backend={backend!r} is not supported; choose one of {NORM_BACKENDS}")
+  if backend == "auto":
+    return "pallas" if platform.on_gpu() else "xla"
+  return backend
+
+
+def takes_rows(x) -> bool:
+  """Whether a [B, T, ...] activation has few enough rows for the kernels."""
+  return x.ndim >= 3 and x.shape[0] * x.shape[1] <= MAX_ROWS
+
+
+def sharded_rms_norm(mesh: Mesh, rules: ShardingRules, eps: float, zero_centered: bool,
+                     interpret: bool):
+  """(x [B, T, D], scale [D], residual [B, T, D] or None) -> norm(x), or (x + residual,
+  norm(x + residual)) with a residual; D whole on every shard."""
+  from jspec.pallas_kernels.row_norms import rms_norm
+  rows = rules.spec(("batch", "seq", None))
+
+  def per_shard(x_BTD, scale_D, residual_BTD):
+    b, t, d = x_BTD.shape
+    flat = lambda a: None if a is None else a.reshape(b * t, d)
+    out = rms_norm(flat(x_BTD), scale_D, flat(residual_BTD), eps=eps,
+                   zero_centered=zero_centered, interpret=interpret)
+    if residual_BTD is None:
+      return out.reshape(b, t, d)
+    return tuple(o.reshape(b, t, d) for o in out)
+
+  plain = jax.shard_map(lambda x, s: per_shard(x, s, None), mesh=mesh,
+                        in_specs=(rows, PartitionSpec()), out_specs=rows, check_vma=False)
+  added = jax.shard_map(per_shard, mesh=mesh, in_specs=(rows, PartitionSpec(), rows),
+                        out_specs=(rows, rows), check_vma=False)
+  return lambda x, scale, residual=None: (plain(x, scale) if residual is None
+                                          else added(x, scale, residual))
+
+
+def sharded_qk_norm_rope(mesh: Mesh, rules: ShardingRules, kv_axis: str | None, eps: float,
+                         theta: float, interpret: bool):
+  """(q [B, T, N, H], k [B, T, K, H], positions [B, T], q and k norm scales [H] or None) ->
+  (q, k) normed and rotated; heads split over the mesh as the projections leave them
+  (`kv_axis`: the keys' logical head axis, None where every shard computes all K heads)."""
+  from jspec.pallas_kernels.row_norms import qk_norm_rope
+  q = rules.spec(("batch", "seq", "q_heads", None))
+  k = rules.spec(("batch", "seq", kv_axis, None))
+  positions = rules.spec(("batch", "seq"))
+
+  def per_shard(q_BTNH, k_BTKH, positions_BT, q_scale, k_scale):
+    b, t, n, h = q_BTNH.shape
+    q_out, k_out = qk_norm_rope(q_BTNH.reshape(b * t, n, h), k_BTKH.reshape(b * t, -1, h),
+                                positions_BT.reshape(b * t), q_scale, k_scale, eps=eps,
+                                theta=theta, interpret=interpret)
+    return q_out.reshape(q_BTNH.shape), k_out.reshape(k_BTKH.shape)
+
+  whole = PartitionSpec()
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=(q, k, positions, whole, whole),
+                       out_specs=(q, k), check_vma=False)

@@ -1,0 +1,179 @@
+"""The small row-wise steps around a layer's products, each in one Pallas (Triton) kernel.
+
+Why: in a batch-1 decode step each of these is a few thousand elements, and XLA runs a norm as
+two kernels (the sum of squares, then the scaling) and the residual add before it as a third;
+q / k norms with RoPE take five. A kernel on an H200 costs 1.1-2.3 µs however little it does,
+so these small kernels were about 0.77 ms of Qwen3-8B's 4.80 ms step (BENCHMARKS.md, "FP8 and
+MLA decode on an H200 against their targets; ..."). Here each group is one kernel:
+
+  rms_norm       the residual add (optional) and the RMSNorm after it: (h, norm(h));
+  qk_norm_rope   the q and k RMSNorms over head_dim (optional) and their rotary embedding.
+
+Both round where the modules of jspec.models.norms and jspec.models.layers round (the sum in
+bfloat16, normalising in float32, the cast, the scale), so they stand in for them; only the
+order of the float32 sums differs. One program per row (per row and head for RoPE): the steps
+that call them have at most a few hundred rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jspec.pallas_kernels import platform
+
+MAX_CHUNK = 4096  # the widest piece of a row one load takes (Triton blocks are powers of two)
+MIN_CHUNK = 64
+
+
+def row_chunk(width: int) -> int:
+  """The largest power of two that divides `width`, at most MAX_CHUNK: rows are read in
+  pieces of this many (7168 = 7 x 1024; Triton cannot load a block of 7168)."""
+  return min(width & -width, MAX_CHUNK)
+
+
+def fits_kernel(width: int) -> bool:
+  """Whether a row of `width` is read in pieces of at least MIN_CHUNK elements."""
+  return width > 0 and row_chunk(width) >= MIN_CHUNK
+
+
+def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool):
+  """Program m: row m, read once and held in registers (7168 bfloat16 values are 28 a thread
+  at 8 warps) between the sum of its squares and its scaling."""
+  if has_residual:
+    x_ref, delta_ref, scale_ref, h_ref, out_ref = refs
+  else:
+    x_ref, scale_ref, out_ref = refs
+  m = pl.program_id(0)
+  width = x_ref.shape[1]
+  pieces = [pl.ds(c * chunk, chunk) for c in range(width // chunk)]
+  rows, squares = [], jnp.float32(0.0)
+  for cols in pieces:
+    x = x_ref[m, cols]
+    if has_residual:  # x + delta rounded to the stream's dtype, as XLA's add does
+      x = (x.astype(jnp.float32) + delta_ref[m, cols].astype(jnp.float32)).astype(x.dtype)
+      h_ref[m, cols] = x
+    x32 = x.astype(jnp.float32)
+    squares += jnp.sum(x32 * x32)
+    rows.append((cols, x))
+  inv_rms = jax.lax.rsqrt(squares / width + eps)
+  for cols, x in rows:
+    normed = x.astype(jnp.float32) * inv_rms
+    scale = scale_ref[cols].astype(jnp.float32)
+    if zero_centered:  # (1 + w) in float32, one cast (ZeroCenteredRMSNorm)
+      out = normed * (1.0 + scale)
+    else:  # cast, then the scale in the parameter's dtype (RMSNorm)
+      out = scale * normed.astype(x.dtype).astype(jnp.float32)
+    out_ref[m, cols] = out.astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "interpret"))
+def rms_norm(x_MD: jax.Array, scale_D: jax.Array, residual_MD: jax.Array | None = None, *,
+             eps: float, zero_centered: bool = False, interpret: bool | None = None):
+  """RMSNorm of the rows of x [M, D] by scale [D] (jspec.models.norms.RMSNorm, or
+  ZeroCenteredRMSNorm's (1 + w) with `zero_centered`), in x's dtype. With `residual_MD`, the
+  rows normalised are h = x + residual: returns (h, norm(h)). `interpret` None: interpret off
+  GPU."""
+  rows, width = x_MD.shape
+  if scale_D.shape != (width,) or (residual_MD is not None and residual_MD.shape != x_MD.shape):
+    raise ValueError(f"rms_norm takes x [M, D], scale [D] and a residual like x, got "
+                     f"{x_MD.shape}, {scale_D.shape}, "
+                     f"{None if residual_MD is None else residual_MD.shape}")
+  if not fits_kernel(width):
+    raise ValueError(f"rms_norm reads rows in power-of-two pieces of >= {MIN_CHUNK}; "
+                     f"D={width} has none")
+  if interpret is None:
+    interpret = not platform.on_gpu()
+  has_residual = residual_MD is not None
+  row = jax.ShapeDtypeStruct((rows, width), x_MD.dtype)
+  kernel = functools.partial(_norm_kernel, eps=eps, chunk=row_chunk(width),
+                             zero_centered=zero_centered, has_residual=has_residual)
+  inputs = (x_MD, residual_MD, scale_D) if has_residual else (x_MD, scale_D)
+  return pl.pallas_call(
+      kernel, out_shape=(row, row) if has_residual else row, grid=(rows,),
+      compiler_params=pltriton.CompilerParams(num_warps=8 if width >= 4096 else 4,
+                                              num_stages=1),
+      interpret=interpret, name="add_rms_norm" if has_residual else "rms_norm",
+  )(*inputs)
+
+
+def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, normed: bool):
+  """Program (m, j): head j of row m, a query head for j < N, else key head j - N."""
+  if normed:
+    q_ref, k_ref, q_scale_ref, k_scale_ref, q_out_ref, k_out_ref = refs
+  else:
+    q_ref, k_ref, q_out_ref, k_out_ref = refs
+    q_scale_ref = k_scale_ref = None
+  m, j = pl.program_id(0), pl.program_id(1)
+  half = freq_ref.shape[0]
+  angle = pos_ref[m].astype(jnp.float32) * freq_ref[pl.ds(0, half)]
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  first, second = pl.ds(0, half), pl.ds(half, half)
+
+  def rotate(src_ref, scale_ref, dst_ref, head):
+    x1, x2 = src_ref[m, head, first], src_ref[m, head, second]
+    dtype = x1.dtype
+    if normed:  # RMSNorm over head_dim: float32, cast, scale in the parameter dtype
+      a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
+      inv_rms = jax.lax.rsqrt((jnp.sum(a * a) + jnp.sum(b * b)) / (2 * half) + eps)
+      x1 = (scale_ref[first].astype(jnp.float32)
+            * (a * inv_rms).astype(dtype).astype(jnp.float32)).astype(dtype)
+      x2 = (scale_ref[second].astype(jnp.float32)
+            * (b * inv_rms).astype(dtype).astype(jnp.float32)).astype(dtype)
+    a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    # rotate-half: [a, b] -> [a cos - b sin, b cos + a sin] (transformers' apply_rotary_pos_emb)
+    dst_ref[m, head, first] = (a * cos - b * sin).astype(dst_ref.dtype)
+    dst_ref[m, head, second] = (b * cos + a * sin).astype(dst_ref.dtype)
+
+  @pl.when(j < q_heads)
+  def _():
+    rotate(q_ref, q_scale_ref, q_out_ref, j)
+
+  @pl.when(j >= q_heads)
+  def _():
+    rotate(k_ref, k_scale_ref, k_out_ref, j - q_heads)
+
+
+def inv_frequencies(head_dim: int, theta: float) -> jax.Array:
+  """RoPE's frequencies [H/2] in float32, by jspec.models.layers.rope's expression."""
+  return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+
+
+def fits_heads(head_dim: int) -> bool:
+  """Whether heads of this width fit qk_norm_rope: halves a power of two, at least 16."""
+  half = head_dim // 2
+  return head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "theta", "interpret"))
+def qk_norm_rope(q_MNH: jax.Array, k_MKH: jax.Array, positions_M: jax.Array,
+                 q_scale_H: jax.Array | None = None, k_scale_H: jax.Array | None = None, *,
+                 eps: float = 1e-6, theta: float, interpret: bool | None = None):
+  """Queries [M, N, H] and keys [M, K, H] of rows at `positions_M`, each head RMSNormed over H
+  by its scale (none where the scales are None) and then rotated by plain RoPE over the whole
+  head (jspec.models.layers.rope): (q, k) in their dtypes."""
+  rows, q_heads, head_dim = q_MNH.shape
+  if k_MKH.shape[0] != rows or k_MKH.shape[2] != head_dim or positions_M.shape != (rows,):
+    raise ValueError(f"qk_norm_rope takes q [M, N, H], k [M, K, H] and positions [M], got "
+                     f"{q_MNH.shape}, {k_MKH.shape}, {positions_M.shape}")
+  if (q_scale_H is None) != (k_scale_H is None):
+    raise ValueError("qk_norm_rope takes both norm scales or neither")
+  if not fits_heads(head_dim):
+    raise ValueError(f"qk_norm_rope needs head_dim / 2 a power of two >= 16, got {head_dim}")
+  if interpret is None:
+    interpret = not platform.on_gpu()
+  normed = q_scale_H is not None
+  scales = (q_scale_H, k_scale_H) if normed else ()
+  kernel = functools.partial(_qk_kernel, eps=eps, q_heads=q_heads, normed=normed)
+  return pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct(q_MNH.shape, q_MNH.dtype),
+                 jax.ShapeDtypeStruct(k_MKH.shape, k_MKH.dtype)),
+      grid=(rows, q_heads + k_MKH.shape[1]),
+      compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+      interpret=interpret, name="qk_norm_rope",
+  )(positions_M.astype(jnp.int32), inv_frequencies(head_dim, theta), q_MNH, k_MKH, *scales)

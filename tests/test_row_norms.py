@@ -1,0 +1,246 @@
+"""The row kernels (jspec.pallas_kernels.row_norms) and the models that run them
+(LLM(norm_backend)): residual add + RMSNorm and q / k norms + RoPE, each against a float64
+NumPy reference of the published formulas, and whole models' tokens against XLA's path. The
+kernels run in interpret mode here; the compiled ones are checked on a GPU (marked gpu)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from jspec.models.layers import rope
+from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
+from jspec.pallas_kernels import platform
+from jspec.pallas_kernels.row_norms import (fits_heads, fits_kernel, inv_frequencies,
+                                            qk_norm_rope, rms_norm, row_chunk)
+from tests.helpers import fixture_dir, greedy_token_ids
+
+EPS = 1e-6
+
+
+def rms_norm_reference(x, scale, residual=None, zero_centered=False):
+  """float64 (h, RMSNorm(h)) of float32 rows: transformers' Qwen3RMSNorm / Qwen3NextRMSNorm."""
+  h = x.astype(np.float64) + (0 if residual is None else residual.astype(np.float64))
+  normed = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + EPS)
+  return h, normed * ((1.0 + scale) if zero_centered else scale).astype(np.float64)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rms_norm_matches_the_formula_in_float32(seed):
+  rng = np.random.default_rng(seed)
+  rows = int(rng.integers(1, 6))
+  width = int(rng.choice([64, 256, 1536, 4096, 7168]))  # 1536, 7168: rows read in pieces
+  x = rng.standard_normal((rows, width)).astype(np.float32) * rng.uniform(0.1, 30)
+  residual = rng.standard_normal((rows, width)).astype(np.float32)
+  scale = (1 + 0.2 * rng.standard_normal(width)).astype(np.float32)
+  for zero_centered in (False, True):
+    want_h, want = rms_norm_reference(x, scale, residual, zero_centered)
+    h, got = rms_norm(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(residual), eps=EPS,
+                      zero_centered=zero_centered)
+    np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    _, want_plain = rms_norm_reference(x, scale, zero_centered=zero_centered)
+    got_plain = rms_norm(jnp.asarray(x), jnp.asarray(scale), eps=EPS,
+                         zero_centered=zero_centered)
+    np.testing.assert_allclose(np.asarray(got_plain), want_plain, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("norm_cls", [RMSNorm, ZeroCenteredRMSNorm])
+def test_rms_norm_rounds_as_the_modules_do_in_bfloat16(norm_cls):
+  """The kernel rounds where the module does (the sum, the cast before the scale): at most one
+  bfloat16 step apart, from the order of the float32 sums only."""
+  rng = np.random.default_rng(7)
+  width = 4096
+  norm = norm_cls(width, EPS, jnp.bfloat16)
+  norm.scale[...] = jnp.asarray(0.3 * rng.standard_normal(width), jnp.bfloat16)
+  for rows in (1, 3, 8):
+    x = jnp.asarray(rng.standard_normal((1, rows, width)) * 4, jnp.bfloat16)
+    delta = jnp.asarray(rng.standard_normal((1, rows, width)), jnp.bfloat16)
+    h_want = x + delta
+    want = norm(h_want)
+    h, got = rms_norm(x[0], norm.scale[...], delta[0], eps=EPS,
+                      zero_centered=norm.zero_centered)
+    assert np.array_equal(np.asarray(h, np.float32), np.asarray(h_want[0], np.float32))
+    got, want = np.asarray(got, np.float32), np.asarray(want[0], np.float32)
+    step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 1e-30))) - 7)  # one bf16 ulp
+    assert np.all(np.abs(got - want) <= step), np.max(np.abs(got - want) / step)
+
+
+def rope_reference(x, positions, theta):
+  """float64 rotate-half RoPE at the float32 angles transformers computes: the float32
+  frequencies (jspec's, checked against the formula below: one float32 step of a frequency
+  moves the angle at position 40000 by 2e-3, so the reference takes the same ones) times the
+  position, rounded to float32."""
+  half = x.shape[-1] // 2
+  inv_freq = np.asarray(inv_frequencies(x.shape[-1], theta))
+  angle = (positions.astype(np.float32)[:, None] * inv_freq[None, :])
+  cos, sin = np.cos(angle.astype(np.float64))[:, None], np.sin(angle.astype(np.float64))[:, None]
+  a, b = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
+  return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+@pytest.mark.parametrize("head_dim, theta", [(32, 1e4), (128, 1e6), (256, 1e7)])
+def test_rope_frequencies_are_the_formula_in_float32(head_dim, theta):
+  want = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  got = np.asarray(inv_frequencies(head_dim, theta))
+  assert got.dtype == np.float32
+  np.testing.assert_allclose(got, want, rtol=4 * 2.0 ** -24)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_qk_norm_rope_matches_the_formula_in_float32(seed):
+  rng = np.random.default_rng(100 + seed)
+  rows, q_heads, kv_heads = int(rng.integers(1, 5)), int(rng.integers(1, 9)), int(rng.integers(1, 4))
+  head_dim = int(rng.choice([32, 64, 128]))
+  theta = float(rng.choice([1e4, 1e6]))
+  positions = rng.integers(0, 40000, rows)
+  positions[0] = int(rng.integers(0, 64))  # a row held to the tight bound
+  q = rng.standard_normal((rows, q_heads, head_dim)).astype(np.float32) * 3
+  k = rng.standard_normal((rows, kv_heads, head_dim)).astype(np.float32) * 3
+  q_scale = (1 + 0.2 * rng.standard_normal(head_dim)).astype(np.float32)
+  k_scale = (1 + 0.2 * rng.standard_normal(head_dim)).astype(np.float32)
+  got_q, got_k = qk_norm_rope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(positions),
+                              jnp.asarray(q_scale), jnp.asarray(k_scale), eps=EPS, theta=theta)
+  for got, x, scale in ((got_q, q, q_scale), (got_k, k, k_scale)):
+    want = rope_reference(rms_norm_reference(x, scale)[1], positions, theta)
+    assert_rotated_close(got, want, positions)
+  got_q, _ = qk_norm_rope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(positions), theta=theta)
+  assert_rotated_close(got_q, rope_reference(q, positions, theta), positions)
+
+
+def assert_rotated_close(got, want, positions):
+  """Row by row: within 1e-5 of the largest value, plus what float32 cos / sin lose on large
+  angles (XLA reduces an angle of a rad to within pi in float32, about a * 2^-24 off; the
+  largest angle of a row is its position)."""
+  got = np.asarray(got, np.float64)
+  for row, position in enumerate(positions):
+    top = np.abs(want[row]).max()
+    np.testing.assert_allclose(got[row], want[row], rtol=0,
+                               atol=top * (1e-5 + 4 * float(position) * 2.0 ** -24))
+
+
+def test_qk_norm_rope_equals_the_layers_rope_at_position_zero_and_stays_near_it():
+  """jspec.models.layers.rope is what the kernel stands in for: equal where no angle rounds
+  (position 0), and within the float32 angle's rounding elsewhere."""
+  rng = np.random.default_rng(5)
+  q = jnp.asarray(rng.standard_normal((4, 6, 128)), jnp.float32)
+  k = q[:, :2]
+  positions = jnp.asarray([0, 1, 300, 8191])
+  got_q, got_k = qk_norm_rope(q, k, positions, theta=1e6)
+  want_q = rope(q[None], positions[None], 1e6)[0]
+  assert np.array_equal(np.asarray(got_q[0]), np.asarray(want_q[0]))
+  # d(angle) <= position * 2^-24 relative: |error| <= |x| * position * 2^-23.
+  bound = float(jnp.abs(q).max()) * 8191 * 2.0 ** -23
+  assert float(jnp.abs(got_q - want_q).max()) <= bound
+  assert np.array_equal(np.asarray(got_k), np.asarray(got_q[:, :2]))
+
+
+def test_kernels_refuse_shapes_they_do_not_take():
+  assert row_chunk(7168) == 1024 and row_chunk(4096) == 4096 and row_chunk(8192) == 4096
+  assert fits_kernel(1536) and not fits_kernel(100) and not fits_kernel(0)
+  assert fits_heads(128) and fits_heads(32) and not fits_heads(96) and not fits_heads(16)
+  with pytest.raises(ValueError, match="D=100"):
+    rms_norm(jnp.ones((1, 100)), jnp.ones(100), eps=EPS)
+  with pytest.raises(ValueError, match="scale"):
+    rms_norm(jnp.ones((1, 128)), jnp.ones(64), eps=EPS)
+  with pytest.raises(ValueError, match="head_dim"):
+    qk_norm_rope(jnp.ones((1, 2, 96)), jnp.ones((1, 1, 96)), jnp.zeros(1, jnp.int32), theta=1e4)
+  with pytest.raises(ValueError, match="both norm scales"):
+    qk_norm_rope(jnp.ones((1, 2, 64)), jnp.ones((1, 1, 64)), jnp.zeros(1, jnp.int32),
+                 jnp.ones(64), theta=1e4)
+
+
+# ---- whole models ----------------------------------------------------------------------------
+
+PROMPTS = [[5, 9, 2, 7, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 9, 1, 0]]
+
+
+def _llm(name, backend, **kwargs):
+  return jspec.LLM(model=fixture_dir(name), dtype="float32", max_model_len=128, max_num_seqs=4,
+                   norm_backend=backend, **kwargs)
+
+
+def test_backend_resolves_and_refuses():
+  llm = _llm("qwen3_dense", "auto")
+  assert llm.norm_backend == ("pallas" if platform.on_gpu() else "xla")
+  with pytest.raises(ValueError, match="norm_backend='cuda'"):
+    _llm("qwen3_dense", "cuda")
+
+
+def test_the_steps_run_the_kernels_where_the_backend_sets_them():
+  llm, plain = _llm("qwen3_dense", "pallas"), _llm("qwen3_dense", "xla")
+  layer, plain_layer = llm.target.layers[0], plain.target.layers[0]
+  assert layer.attn.qk_kernel is not None and layer.post_attn_norm.row_kernel is not None
+  assert llm.target.final_norm.row_kernel is not None
+  assert plain_layer.attn.qk_kernel is None and plain_layer.post_attn_norm.row_kernel is None
+  assert layer.attn.q_norm.row_kernel is None  # q / k norms run inside qk_norm_rope
+  d = llm.config.hidden_size
+  x = jnp.ones((2, 3, d), jnp.float32)
+  step = str(jax.make_jaxpr(lambda x: layer.post_attn_norm.add_and_norm(x, x))(x))
+  assert "add_rms_norm" in step
+  prefill = jnp.ones((2, 200, d), jnp.float32)  # more rows than MAX_ROWS: XLA's fusions
+  assert "rms_norm" not in str(jax.make_jaxpr(layer.post_attn_norm)(prefill))
+
+
+@pytest.mark.parametrize("name", ["qwen3_dense", "qwen3_5_text"])
+def test_greedy_tokens_through_the_kernels_equal_xla(name):
+  """Vanilla and MTP decoding through the kernels give XLA's path's tokens (float32: the two
+  differ only in the order of float32 sums). Qwen3.5 has (1 + w) norms and partial RoPE, so
+  its attention keeps XLA's q / k path and its norms take the kernel's zero-centred form."""
+  want = greedy_token_ids(_llm(name, "xla"), PROMPTS, 6)
+  assert greedy_token_ids(_llm(name, "pallas"), PROMPTS, 6) == want
+  spec = _llm(name, "pallas", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+  assert greedy_token_ids(spec, PROMPTS, 6) == want
+
+
+def test_greedy_tokens_through_the_kernels_on_a_mesh_equal_one_device():
+  want = greedy_token_ids(_llm("qwen3_dense", "xla"), PROMPTS, 5)
+  meshed = _llm("qwen3_dense", "pallas", mesh=jspec.MeshConfig(dp=2, tp=2))
+  assert meshed.target.layers[0].attn.qk_kernel is not None
+  assert greedy_token_ids(meshed, PROMPTS, 5) == want
+
+
+def test_fp8_attention_keeps_xla_for_q_and_k(monkeypatch):
+  """Where q and k come from one FP8 kernel call (the Hopper configuration, interpreted here)
+  they are slices of its output: q / k keep XLA's fusions, the hidden-size norms the kernel."""
+  with monkeypatch.context() as patch:
+    patch.setattr(platform, "on_hopper", lambda: True)
+    llm = _llm("qwen3_dense_fp8", "pallas")
+  layer = llm.target.layers[0]
+  assert layer.attn.fp8_projection is not None and layer.attn.qk_kernel is None
+  assert layer.post_attn_norm.row_kernel is not None
+  assert _llm("qwen3_dense_fp8", "pallas").target.layers[0].attn.qk_kernel is not None
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, width", [(1, 4096), (8, 4096), (3, 7168), (64, 2048)])
+def test_gpu_rms_norm_at_model_shapes(rows, width):
+  rng = np.random.default_rng(rows)
+  x = jnp.asarray(rng.standard_normal((rows, width)) * 4, jnp.bfloat16)
+  delta = jnp.asarray(rng.standard_normal((rows, width)), jnp.bfloat16)
+  norm = RMSNorm(width, EPS, jnp.bfloat16)
+  norm.scale[...] = jnp.asarray(1 + 0.2 * rng.standard_normal(width), jnp.bfloat16)
+  h, got = rms_norm(x, norm.scale[...], delta, eps=EPS)
+  want_h = x + delta
+  assert np.array_equal(np.asarray(h, np.float32), np.asarray(want_h, np.float32))
+  want = np.asarray(jax.jit(norm._xla)(want_h), np.float32)
+  step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 1e-30))) - 7)
+  assert np.all(np.abs(np.asarray(got, np.float32) - want) <= step)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, q_heads, kv_heads", [(1, 32, 8), (8, 32, 8), (32, 16, 4)])
+def test_gpu_qk_norm_rope_at_model_shapes(rows, q_heads, kv_heads):
+  rng = np.random.default_rng(rows)
+  q = rng.standard_normal((rows, q_heads, 128)).astype(np.float32) * 3
+  k = rng.standard_normal((rows, kv_heads, 128)).astype(np.float32) * 3
+  positions = rng.integers(0, 32768, rows)
+  scale = (1 + 0.2 * rng.standard_normal(128)).astype(np.float32)
+  got_q, got_k = qk_norm_rope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(positions),
+                              jnp.asarray(scale), jnp.asarray(scale), eps=EPS, theta=1e6)
+  for got, x in ((got_q, q), (got_k, k)):
+    assert_rotated_close(got, rope_reference(rms_norm_reference(x, scale)[1], positions, 1e6),
+                         positions)
