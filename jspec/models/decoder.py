@@ -53,11 +53,29 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, cache, kv_window: int, experts_fn: Callable,
                valid_BT=None):
+    h_BTD, mlp_out_BTD, cache = self.deferred(x_BTD, None, positions_BT, cache, kv_window,
+                                              experts_fn, valid_BT)
+    return h_BTD + mlp_out_BTD, cache
+
+  def deferred(self, x_BTD, pending_BTD, positions_BT, cache, kv_window: int,
+               experts_fn: Callable, valid_BT=None):
+    """The layer on x + pending (pending: the previous layer's MLP output, None for none),
+    the add done with the input norm: (h, mlp_out, cache), the output x' = h + mlp_out left
+    to the next norm. Why: with row kernels the add and the norm after it are one kernel,
+    where an add ending the layer would be one more (jspec.models.row_kernels)."""
     del valid_BT  # A KV / latent cache needs no padding mask: padded slots are never attended.
-    attn_out_BTD, cache = self.attn(self.input_norm(x_BTD), positions_BT, cache, kv_window)
+    x_BTD, normed_BTD = _input(self.input_norm, x_BTD, pending_BTD)
+    attn_out_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
     h_BTD, normed_BTD = self.post_attn_norm.add_and_norm(x_BTD, attn_out_BTD)
     mlp_out_BTD = self.mlp(normed_BTD, experts_fn) if self.is_moe else self.mlp(normed_BTD)
-    return h_BTD + mlp_out_BTD, cache
+    return h_BTD, mlp_out_BTD, cache
+
+
+def _input(norm, x_BTD, pending_BTD):
+  """(x + pending, its norm): the layer input and what its token mixer reads."""
+  if pending_BTD is None:
+    return x_BTD, norm(x_BTD)
+  return norm.add_and_norm(x_BTD, pending_BTD)
 
 
 class CausalLM(nnx.Module):
@@ -122,15 +140,19 @@ class CausalLM(nnx.Module):
     """
     valid_BT = None if seq_lens_B is None else positions_BT < seq_lens_B[:, None]
     x_BTD = self.embed_tokens(tokens_BT)
+    # Each layer's last residual add is left to the next norm (DecoderLayer.deferred).
+    pending_BTD = None
     new_caches, aux = [], {}
     for i, (layer, cache) in enumerate(zip(self.layers, caches)):
       if i in aux_layers:
-        aux[i] = x_BTD
-      x_BTD, cache = layer(x_BTD, positions_BT, cache, kv_window, experts_fn, valid_BT)
+        aux[i] = x_BTD if pending_BTD is None else x_BTD + pending_BTD
+      x_BTD, pending_BTD, cache = layer.deferred(x_BTD, pending_BTD, positions_BT, cache,
+                                                 kv_window, experts_fn, valid_BT)
       new_caches.append(cache)
+    _, hidden_BTD = _input(self.final_norm, x_BTD, pending_BTD)
     if aux_layers:
-      return self.final_norm(x_BTD), tuple(new_caches), tuple(aux[i] for i in aux_layers)
-    return self.final_norm(x_BTD), tuple(new_caches)
+      return hidden_BTD, tuple(new_caches), tuple(aux[i] for i in aux_layers)
+    return hidden_BTD, tuple(new_caches)
 
   def init_caches(self, batch: int, slots: int, dtype) -> tuple:
     return tuple(self.layer_cache(i, batch, slots, dtype) for i in range(self.cfg.num_layers))

@@ -108,8 +108,9 @@ class MTPLayer(nnx.Module):
     embedded_BTD = self.embed_norm(embedded_BTD)
     concat_BT2D = jnp.concatenate([embedded_BTD, self.hidden_norm(hidden_BTD)], axis=-1)
     x_BTD = jnp.einsum("btc,cd->btd", concat_BT2D, self.proj[...])
-    y_BTD, cache = self.decoder(x_BTD, positions_BT, cache, kv_window, experts_fn)
-    normed_BTD = self.final_norm(y_BTD)
+    h_BTD, mlp_out_BTD, cache = self.decoder.deferred(x_BTD, None, positions_BT, cache,
+                                                      kv_window, experts_fn)
+    y_BTD, normed_BTD = self.final_norm.add_and_norm(h_BTD, mlp_out_BTD)
     feedback_BTD = normed_BTD if self.post_norm_feedback else y_BTD
     return normed_BTD, feedback_BTD, cache
 

@@ -54,14 +54,25 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, cache, kv_window: int, experts_fn: Callable,
                valid_BT=None):
-    normed_BTD = self.input_norm(x_BTD)
+    h_BTD, mlp_out_BTD, cache = self.deferred(x_BTD, None, positions_BT, cache, kv_window,
+                                              experts_fn, valid_BT)
+    return h_BTD + mlp_out_BTD, cache
+
+  def deferred(self, x_BTD, pending_BTD, positions_BT, cache, kv_window: int,
+               experts_fn: Callable, valid_BT=None):
+    """As jspec.models.decoder.DecoderLayer.deferred: the layer on x + pending, returning
+    (h, mlp_out, cache)."""
+    if pending_BTD is None:
+      normed_BTD = self.input_norm(x_BTD)
+    else:
+      x_BTD, normed_BTD = self.input_norm.add_and_norm(x_BTD, pending_BTD)
     if self.layer_type == "full_attention":
       mixed_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
     else:
       mixed_BTD, cache = self.linear_attn(normed_BTD, cache, valid_BT)
     h_BTD, normed_BTD = self.post_attn_norm.add_and_norm(x_BTD, mixed_BTD)
     mlp_out_BTD = self.mlp(normed_BTD, experts_fn) if self.is_moe else self.mlp(normed_BTD)
-    return h_BTD + mlp_out_BTD, cache
+    return h_BTD, mlp_out_BTD, cache
 
 
 class Qwen35CausalLM(CausalLM):
