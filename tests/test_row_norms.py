@@ -195,9 +195,12 @@ def test_greedy_tokens_through_the_kernels_equal_xla(name):
 
 
 def test_greedy_tokens_through_the_kernels_on_a_mesh_equal_one_device():
+  """dp = 2 splits the rows, tp = 4 the query heads; the fixture's 2 KV heads are then
+  computed whole on every tp shard (kv_replicas = 2), so the keys enter the kernel unsplit."""
   want = greedy_token_ids(_llm("qwen3_dense", "xla"), PROMPTS, 5)
-  meshed = _llm("qwen3_dense", "pallas", mesh=jspec.MeshConfig(dp=2, tp=2))
-  assert meshed.target.layers[0].attn.qk_kernel is not None
+  meshed = _llm("qwen3_dense", "pallas", mesh=jspec.MeshConfig(dp=2, tp=4))
+  attn = meshed.target.layers[0].attn
+  assert attn.qk_kernel is not None and attn.kv_replicas == 2
   assert greedy_token_ids(meshed, PROMPTS, 5) == want
 
 
