@@ -102,8 +102,8 @@ def enable_compilation_cache(directory: str | None):
 
 
 def check_options(*, attention_backend, projection_backend, ep_strategy, recurrent_commit,
-                  speculative_config, norm_backend="auto", max_model_len, max_num_seqs, prefill_chunk_size,
-                  batching) -> SpecConfig | None:
+                  speculative_config, max_model_len, max_num_seqs, prefill_chunk_size,
+                  batching, norm_backend="auto") -> SpecConfig | None:
   """The options that need no model, refused with the offending value and what is valid;
   returns the parsed speculative_config."""
   if attention_backend not in ATTENTION_BACKENDS:

@@ -91,7 +91,7 @@ def test_rope_frequencies_are_the_formula_in_float32(head_dim, theta):
 @pytest.mark.parametrize("seed", range(6))
 def test_qk_norm_rope_matches_the_formula_in_float32(seed):
   rng = np.random.default_rng(100 + seed)
-  rows, q_heads, kv_heads = int(rng.integers(1, 5)), int(rng.integers(1, 9)), int(rng.integers(1, 4))
+  rows, q_heads, kv_heads = (int(rng.integers(1, n)) for n in (5, 9, 4))
   head_dim = int(rng.choice([32, 64, 128]))
   theta = float(rng.choice([1e4, 1e6]))
   positions = rng.integers(0, 40000, rows)

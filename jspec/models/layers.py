@@ -162,7 +162,7 @@ class Attention(nnx.Module):
   def _norm_and_rope(self, q_BTNH, k_BTKH, positions_BT):
     """q and k normed over head_dim (where the family does) and rotated: one kernel where
     `qk_kernel` is set and the step has few rows, else XLA's fusions."""
-    if self.qk_kernel is not None and takes_rows(q_BTNH):
+    if self.qk_kernel is not None and takes_rows(q_BTNH, ndim=4):
       scales = ((self.q_norm.scale[...], self.k_norm.scale[...]) if self.use_qk_norm
                 else (None, None))
       return self.qk_kernel(q_BTNH, k_BTKH, positions_BT, *scales)

@@ -39,14 +39,18 @@ class RMSNorm(nnx.Module):
   def _xla(self, x):
     return self.scale[...] * _normalized_f32(x, self.eps).astype(x.dtype)
 
+  def _on_kernel(self, x) -> bool:
+    """The kernel takes hidden states [B, T, D] of few rows (q / k norms over heads do not)."""
+    return self.row_kernel is not None and takes_rows(x, ndim=3)
+
   def __call__(self, x):
-    if self.row_kernel is not None and takes_rows(x) and x.ndim == 3:
+    if self._on_kernel(x):
       return self.row_kernel(x, self.scale[...])
     return self._xla(x)
 
   def add_and_norm(self, x, delta):
     """(h, norm(h)) for h = x + delta: the residual stream and its normalised form."""
-    if self.row_kernel is not None and takes_rows(x) and x.ndim == 3:
+    if self._on_kernel(x):
       return self.row_kernel(x, self.scale[...], delta)
     h = x + delta
     return h, self._xla(h)

@@ -27,17 +27,18 @@ MAX_ROWS = 256
 
 
 def resolve_norm_backend(backend: str) -> str:
+  """"auto" -> "pallas" on a GPU, else "xla"; the others as they are (jspec.build's
+  check_options refuses any other name)."""
   from jspec.pallas_kernels import platform
-  if backend not in NORM_BACKENDS:
-    raise ValueError(f"norm_backend={backend!r} is not supported; choose one of {NORM_BACKENDS}")
   if backend == "auto":
     return "pallas" if platform.on_gpu() else "xla"
   return backend
 
 
-def takes_rows(x) -> bool:
-  """Whether a [B, T, ...] activation has few enough rows for the kernels."""
-  return x.ndim >= 3 and x.shape[0] * x.shape[1] <= MAX_ROWS
+def takes_rows(x, ndim: int) -> bool:
+  """Whether x is a [B, T, ...] activation of `ndim` axes with few enough rows for the
+  kernels."""
+  return x.ndim == ndim and x.shape[0] * x.shape[1] <= MAX_ROWS
 
 
 def sharded_rms_norm(mesh: Mesh, rules: ShardingRules, eps: float, zero_centered: bool,
