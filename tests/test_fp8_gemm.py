@@ -3,6 +3,9 @@ interpret mode here, against float32 NumPy on the dequantized weight (e4m3 value
 scale, the published checkpoints' meaning of `weight_scale_inv`), the weight [out, in] as
 checkpoints store it."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -186,6 +189,45 @@ def test_gpu_fp8_matmul_at_model_shapes(rows, k, n, activations):
                  np.float32)
   x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
   _assert_within_output_rounding(y, x32 @ w32.T, x32, w32)
+
+
+@pytest.mark.parametrize("sum_apart", [True, False])
+def test_k_slice_sum_held_apart_or_left_to_the_reader(sum_apart):
+  """sum_apart: the K slices' sum behind an optimization barrier (a kernel of its own) or left
+  to XLA to fuse into the reader; the same value either way."""
+  rng = np.random.default_rng([RUN_SEED, 15])
+  x = jnp.asarray(rng.standard_normal((2, 512)), jnp.bfloat16)
+  w8, scale = (jnp.asarray(a) for a in _fp8_weight(rng, 256, 512))
+
+  def swiglu(x):  # an elementwise reader, as the MLP's
+    y = fp8_matmul(x, w8, scale, splits=2, sum_apart=sum_apart)
+    return jax.nn.silu(y[:, :128]) * y[:, 128:]
+
+  assert ("optimization_barrier" in str(jax.make_jaxpr(swiglu)(x))) == sum_apart
+  y = fp8_matmul(x, w8, scale, splits=2)
+  want = jax.nn.silu(y[:, :128]) * y[:, 128:]
+  np.testing.assert_array_equal(np.asarray(jax.jit(swiglu)(x), np.float32),
+                                np.asarray(want, np.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_k_slice_sum_fused_into_an_elementwise_reader():
+  """Compiled, the sum fused into SwiGLU (sum_apart=False) gives what the sum apart gives, but
+  for the order of the float32 sums: within one rounding of the bf16 output."""
+  rng = np.random.default_rng([RUN_SEED, 16])
+  x = jnp.asarray(rng.standard_normal((1, 4096)), jnp.bfloat16)
+  w8, scale = (jnp.asarray(a) for a in _fp8_weight(rng, 2 * 12288, 4096))
+
+  @functools.partial(jax.jit, static_argnames="apart")
+  def swiglu(x, apart):
+    y = fp8_matmul(x, w8, scale, sum_apart=apart).astype(jnp.float32)
+    return y[:, :12288], y[:, 12288:]
+
+  (gate, up), (gate_fused, up_fused) = swiglu(x, True), swiglu(x, False)
+  for fused, apart in ((gate_fused, gate), (up_fused, up)):
+    fused, apart = np.asarray(fused), np.asarray(apart)
+    assert np.isfinite(fused).all()
+    assert (np.abs(fused - apart) <= 2.0 ** -8 * np.abs(apart) + 1e-6 * np.abs(apart).max()).all()
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ from flax import nnx
 import jspec
 from jspec.bench.presets import PRESETS
 from jspec.bench.steps import StepTimer
+from jspec.models import gated_deltanet, layers
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
 from jspec.models.mla import MLAttention
@@ -121,10 +122,39 @@ def test_fp8_kernel_in_a_hybrid_model_equals_the_scaled_xla_products(monkeypatch
             for _, node in nnx.iter_graph(gpu.target) if isinstance(node, Attention)}
   for projection in shared.values():  # the layers of one mesh share one
     many = projection.many
-    projection.many = lambda x, w8s, *rest, many=many: (
-        weight_counts.append(len(w8s)) or many(x, w8s, *rest))
+    projection.many = lambda x, w8s, *rest, many=many, **kwargs: (
+        weight_counts.append(len(w8s)) or many(x, w8s, *rest, **kwargs))
   _assert_same_outputs(cpu, gpu, max_tokens=4)
   assert weight_counts and set(weight_counts) == {3}
+
+
+def test_k_slice_sums_left_to_elementwise_readers(monkeypatch):
+  """An FP8 kernel call's K-slice sum stays a kernel of its own (fp8_gemm.fp8_matmul's
+  sum_apart) only where a norm reduces over the product's row next (o_proj, down_proj, the
+  linear attention's out_proj); the sums of gate / up (read by SwiGLU) and of q, k, v (read by
+  their norms, RoPE and the cache writes) go into their readers' fusions."""
+  with monkeypatch.context() as patch:
+    patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, traced on the CPU
+    llm = jspec.LLM.from_random(_tiny_fp8_hybrid(), jspec.MTPSpec("qwen3_next", 1, is_moe=False),
+                                dtype="float32", seed=3, max_model_len=64, max_num_seqs=2,
+                                attention_backend="xla")
+  apart = {}
+
+  def record(names, flag):
+    for name in names:
+      assert apart.setdefault(name, flag) == flag
+
+  for module in (layers, gated_deltanet):
+    one = module.project_named
+    monkeypatch.setattr(module, "project_named", lambda layer, x, name, *a, _one=one, **kw: (
+        record([name], kw.get("fp8_sum_apart", True)) or _one(layer, x, name, *a, **kw)))
+  many = layers.project_many_named
+  monkeypatch.setattr(layers, "project_many_named", lambda layer, x, specs, *a, **kw: (
+      record([n for n, _ in specs], kw.get("fp8_sum_apart", True))
+      or many(layer, x, specs, *a, **kw)))
+  llm.compute_logits(PROMPTS[:1])
+  assert apart == {"q_proj": False, "k_proj": False, "v_proj": False, "gate_up_proj": False,
+                   "o_proj": True, "down_proj": True, "in_proj": True, "out_proj": True}
 
 
 @pytest.mark.gpu

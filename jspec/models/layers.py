@@ -125,7 +125,10 @@ class Attention(nnx.Module):
     """The q, k and v projections of x: one FP8 kernel call where they go to the kernel
     (linear.project_many_named), else three products."""
     specs = (("q_proj", q_spec), ("k_proj", "btd,dkh->btkh"), ("v_proj", "btd,dkh->btkh"))
-    return project_many_named(self, x_BTD, specs, self.projection)
+    # An FP8 call's K-slice sum goes into the fusions that read q, k and v (their norms, RoPE
+    # and the cache writes): one kernel fewer a layer, 1.3% of Qwen3-8B's FP8 batch-1 step on
+    # an H100 (BENCHMARKS.md, "FP8 K-slice sums fused into their readers").
+    return project_many_named(self, x_BTD, specs, self.projection, fp8_sum_apart=False)
 
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
@@ -255,10 +258,11 @@ class MLP(nnx.Module):
     self.fp8_lanes = None
     self.fp8_block = gate_up_block or down_block
 
-  def _dense(self, x, name: str, spec: str):
-    return project_named(self, x, name, spec)
+  def _dense(self, x, name: str, spec: str, fp8_sum_apart: bool = True):
+    return project_named(self, x, name, spec, fp8_sum_apart=fp8_sum_apart)
 
   def __call__(self, x_BTD):
-    gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf")
+    # SwiGLU is elementwise: XLA fuses an FP8 product's K-slice sum into it.
+    gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf", fp8_sum_apart=False)
     act_BTF = jax.nn.silu(gate_up_BTCF[:, :, 0]) * gate_up_BTCF[:, :, 1]
     return self._dense(act_BTF, "down_proj", "btf,fd->btd")

@@ -39,17 +39,18 @@ def linear(rngs: nnx.Rngs, shape, dtype, logical_axes, in_axes: int = 1,
                            init_scale=None, fp8_in_axes=in_axes, fp8_lead=lead)
 
 
-def project_named(layer, x, name: str, spec: str, in_axes: int = 1, product=None):
+def project_named(layer, x, name: str, spec: str, in_axes: int = 1, product=None,
+                  fp8_sum_apart: bool = True):
   """x times `layer`'s projection `name`: its weight, its `{name}_scale` (FP8 or None), and
   the layer's FP8 product (`fp8_projection`), block (`fp8_block`) and prepared scale lanes
   (`fp8_lanes`, by name), through `project`."""
   scale = getattr(layer, name + "_scale")
   lanes = None if layer.fp8_lanes is None else layer.fp8_lanes.get(name)
   return project(x, getattr(layer, name)[...], None if scale is None else scale[...], spec,
-                 in_axes, product, layer.fp8_projection, layer.fp8_block, lanes)
+                 in_axes, product, layer.fp8_projection, layer.fp8_block, lanes, fp8_sum_apart)
 
 
-def project_many_named(layer, x, names_specs, product=None):
+def project_many_named(layer, x, names_specs, product=None, fp8_sum_apart: bool = True):
   """x times each of `layer`'s projections in `names_specs` ((name, einsum spec) pairs, one
   input axis each: q, k and v): a tuple, as project_named gives them one by one (unquantized
   ones through `product` where given). Where all of them are FP8 in whole blocks and the
@@ -60,14 +61,14 @@ def project_many_named(layer, x, names_specs, product=None):
   scales = [getattr(layer, name + "_scale") for name, _ in names_specs]
   if (getattr(fp8_product, "many", None) is None or any(s is None for s in scales)
       or not all(_whole_blocks(w, layer.fp8_block) for w in weights)):
-    return tuple(project_named(layer, x, name, spec, product=product)
-                 for name, spec in names_specs)
+    return tuple(project_named(layer, x, name, spec, product=product,
+                               fp8_sum_apart=fp8_sum_apart) for name, spec in names_specs)
   lanes = None
   if layer.fp8_lanes is not None:
     lanes = [_flat_grid(layer.fp8_lanes[name]) for name, _ in names_specs]
   k = x.shape[-1]
   outs = fp8_product.many(x, [w.reshape(-1, k) for w in weights],
-                          [_flat_grid(s[...]) for s in scales], lanes)
+                          [_flat_grid(s[...]) for s in scales], lanes, sum_apart=fp8_sum_apart)
   return tuple(out.reshape(*x.shape[:-1], *w.shape[:-1]) for out, w in zip(outs, weights))
 
 
@@ -85,7 +86,8 @@ def _flat_grid(scale, in_axes: int = 1):
 
 
 def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_product=None,
-            fp8_block: tuple[int, int] | None = None, fp8_lanes=None):
+            fp8_block: tuple[int, int] | None = None, fp8_lanes=None,
+            fp8_sum_apart: bool = True):
   """x times a projection weight over x's last and the weight's input axes: `spec` (an einsum
   over the weight input-first) under XLA, else `product` ((x [.., K], w [K, N]) -> [.., N], on
   free reshapes). An FP8 weight (`scale` given, with its `fp8_block`; stored output-first, its
@@ -93,7 +95,9 @@ def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_pro
   [N/b, K/b]) -> [.., N]) where one is set, else is multiplied by its scale in float32 and cast
   to x's dtype before XLA's dot (prefill: the cast weight is read once per call's many rows);
   the result has the stored weight's output axes. fp8_lanes: the scale repeated over the
-  kernel's lanes beforehand (jspec.models.projections.with_kernel_scales), or None."""
+  kernel's lanes beforehand (jspec.models.projections.with_kernel_scales), or None.
+  fp8_sum_apart: the kernel's K-slice sum as a kernel of its own (fp8_gemm.fp8_matmul's
+  sum_apart; False where the consumer is elementwise)."""
   lead = x.shape[:-in_axes]
   if scale is not None:
     k = math.prod(weight.shape[-in_axes:])
@@ -102,7 +106,8 @@ def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_pro
     # Off whole blocks the scaled weight is built on the stored axes.
     if fp8_product is not None and _whole_blocks(weight, fp8_block, in_axes):
       lanes = () if fp8_lanes is None else (_flat_grid(fp8_lanes, in_axes),)
-      out = fp8_product(x_K, weight.reshape(-1, k), _flat_grid(scale, in_axes), *lanes)
+      out = fp8_product(x_K, weight.reshape(-1, k), _flat_grid(scale, in_axes), *lanes,
+                        sum_apart=fp8_sum_apart)
     else:
       scaled = quantization.dequantize(weight, scale, in_axes, fp8_block, x.dtype, jnp)
       out = jnp.einsum("...k,nk->...n", x_K, scaled.reshape(-1, k))

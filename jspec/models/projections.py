@@ -41,13 +41,18 @@ class Fp8Projection:
   """The FP8 products of one mesh's layers: called as (x [B, T, K], w8 [N, K], scale [N/128,
   K/128], optional lanes: the scale repeated by fp8_gemm.scale_lanes) -> [B, T, N], and
   `many` for several weights of one x (q, k, v): a tuple of [B, T, N_i], in one kernel call
-  where the step's rows fit the few-row kernel (fp8_gemm.fp8_matmul_many)."""
+  where the step's rows fit the few-row kernel (fp8_gemm.fp8_matmul_many). `sum_apart`
+  (keyword): fp8_gemm.fp8_matmul's, False where the product's consumer is elementwise."""
 
   def __init__(self, one, many):
-    self._one, self.many = one, many
+    self._one, self._many = one, many
 
-  def __call__(self, x_BTK, w8_NK, scale, lanes=None):
-    return self._one(x_BTK, w8_NK, scale, lanes)
+  def __call__(self, x_BTK, w8_NK, scale, lanes=None, *, sum_apart: bool = True):
+    return self._one[sum_apart](x_BTK, w8_NK, scale, lanes)
+
+  def many(self, x_BTK, w8s_NK, scales, lanes=None, *, sum_apart: bool = True):
+    return self._many[sum_apart](x_BTK, tuple(w8s_NK), tuple(scales),
+                                 tuple(lanes or (None,) * len(w8s_NK)))
 
 
 def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules,
@@ -61,33 +66,37 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules,
   from jspec.models.linear import project
   from jspec.pallas_kernels import fp8_gemm, fp8_prefill
 
-  def product(x_BTK, w8_NK, scale, lanes=None):
+  def product(x_BTK, w8_NK, scale, lanes=None, sum_apart=True):
     *lead, k = x_BTK.shape
     rows, n = math.prod(lead), w8_NK.shape[0]
     if fp8_gemm.fits_kernel(rows, k, n, block):
-      return fp8_gemm.fp8_matmul(x_BTK.reshape(rows, k), w8_NK, scale,
-                                 lanes_NbX=lanes).reshape(*lead, n)
+      return fp8_gemm.fp8_matmul(x_BTK.reshape(rows, k), w8_NK, scale, lanes_NbX=lanes,
+                                 sum_apart=sum_apart).reshape(*lead, n)
     if fp8_prefill.fits_kernel(k, n, block):
       return fp8_prefill.fp8_prefill_matmul(x_BTK.reshape(rows, k), w8_NK,
                                             scale).reshape(*lead, n)
     return project(x_BTK, w8_NK, scale, "", fp8_block=block)  # scaled, then XLA's dot
 
-  def products(x_BTK, w8s_NK, scales, lanes):
+  def products(x_BTK, w8s_NK, scales, lanes, sum_apart=True):
     *lead, k = x_BTK.shape
     rows = math.prod(lead)
     if all(fp8_gemm.fits_kernel(rows, k, w.shape[0], block) for w in w8s_NK):
-      outs = fp8_gemm.fp8_matmul_many(x_BTK.reshape(rows, k), w8s_NK, scales, lanes_NbX=lanes)
+      outs = fp8_gemm.fp8_matmul_many(x_BTK.reshape(rows, k), w8s_NK, scales, lanes_NbX=lanes,
+                                      sum_apart=sum_apart)
       return tuple(out.reshape(*lead, -1) for out in outs)
-    return tuple(product(x_BTK, w, s, l) for w, s, l in zip(w8s_NK, scales, lanes))
+    return tuple(product(x_BTK, w, s, l, sum_apart) for w, s, l in zip(w8s_NK, scales, lanes))
 
   x, whole = rules.spec(("batch", "seq", None)), PartitionSpec()
-  # A None lanes argument is an empty pytree: one shard_map takes the products with or without.
-  one = jax.shard_map(product, mesh=mesh, in_specs=(x, whole, whole, whole), out_specs=x,
-                      check_vma=False)
-  many = jax.shard_map(products, mesh=mesh, in_specs=(x, whole, whole, whole), out_specs=x,
-                       check_vma=False)
-  return Fp8Projection(one, lambda x_BTK, w8s, scales, lanes=None: many(
-      x_BTK, tuple(w8s), tuple(scales), tuple(lanes or (None,) * len(w8s))))
+
+  def per_shard(fn):  # one shard_map per value of sum_apart (static in the kernel call)
+    # A None lanes argument is an empty pytree: one shard_map takes the products with or
+    # without.
+    return {apart: jax.shard_map(functools.partial(fn, sum_apart=apart), mesh=mesh,
+                                 in_specs=(x, whole, whole, whole), out_specs=x,
+                                 check_vma=False)
+            for apart in (True, False)}
+
+  return Fp8Projection(per_shard(product), per_shard(products))
 
 
 def with_kernel_scales(module):

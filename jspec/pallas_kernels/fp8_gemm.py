@@ -126,10 +126,12 @@ def check_operands(name: str, x_MK, w8_NK, scale_NbKb) -> tuple[int, int, int]:
   return m, k, n
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations"))
+@functools.partial(jax.jit,
+                   static_argnames=("splits", "tiling", "activations", "sum_apart"))
 def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
                splits: int | None = None, tiling: Fp8Tiling | None = None,
-               activations: str | None = None, lanes_NbX: jax.Array | None = None) -> jax.Array:
+               activations: str | None = None, lanes_NbX: jax.Array | None = None,
+               sum_apart: bool = True) -> jax.Array:
   """x @ (w8 * scale broadcast over its 128 x 128 blocks).T, in x's dtype.
 
   lanes_NbX: scale_lanes(scale) made beforehand, used where the step's padded rows fit
@@ -139,21 +141,27 @@ def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
   pass over x before the kernel; the default for bfloat16 x), "float16" (each row scaled by a
   power of two into float16's range, which needs the row's largest |x| first; the default for
   other x, whose 11 bits it keeps), or "e4m3" (x quantized per row and 128-K group first,
-  quantize_activations). The first two multiply exactly what x holds."""
+  quantize_activations). The first two multiply exactly what x holds.
+
+  sum_apart: the sum of the K slices' partials as a kernel of its own (the default: right
+  where the consumer reduces over the output row, as the norm after o_proj and down does);
+  False lets XLA fuse the sum into an elementwise consumer (SwiGLU after gate / up), one
+  kernel fewer. The value is the same either way."""
   (out,) = _products("fp8_matmul", x_MK, (w8_NK,), (scale_NbKb,), (lanes_NbX,), splits,
-                     tiling, activations)
+                     tiling, activations, sum_apart)
   return out
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations"))
+@functools.partial(jax.jit,
+                   static_argnames=("splits", "tiling", "activations", "sum_apart"))
 def fp8_matmul_many(x_MK: jax.Array, w8s_NK: tuple, scales_NbKb: tuple,
                     lanes_NbX: tuple | None = None, splits: int | None = None,
-                    tiling: Fp8Tiling | None = None,
-                    activations: str | None = None) -> tuple:
+                    tiling: Fp8Tiling | None = None, activations: str | None = None,
+                    sum_apart: bool = True) -> tuple:
   """fp8_matmul of one x with each of several weights of the same K (q, k and v), in one
   kernel call (fp8_block_kernel.partials says why): a tuple of [M, N_i] in x's dtype, equal to
-  the separate products at the same K slices. lanes_NbX: as fp8_matmul's, one per weight (or
-  None)."""
+  the separate products at the same K slices. lanes_NbX and sum_apart: as fp8_matmul's,
+  lanes one per weight (or None)."""
   if not w8s_NK or len(w8s_NK) != len(scales_NbKb):
     raise ValueError(f"fp8_matmul_many takes as many scales as weights (at least one), got "
                      f"{len(w8s_NK)} weights and {len(scales_NbKb)} scales")
@@ -161,10 +169,11 @@ def fp8_matmul_many(x_MK: jax.Array, w8s_NK: tuple, scales_NbKb: tuple,
   if len(lanes_NbX) != len(w8s_NK):
     raise ValueError(f"lanes_NbX has {len(lanes_NbX)} entries for {len(w8s_NK)} weights")
   return _products("fp8_matmul_many", x_MK, tuple(w8s_NK), tuple(scales_NbKb),
-                   tuple(lanes_NbX), splits, tiling, activations)
+                   tuple(lanes_NbX), splits, tiling, activations, sum_apart)
 
 
-def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activations):
+def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activations,
+              sum_apart):
   shapes = [check_operands(name, x_MK, w, s) for w, s in zip(w8s_NK, scales_NbKb)]
   m, k, _ = shapes[0]
   ns = [n for _, _, n in shapes]
@@ -211,7 +220,7 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
   if row_scale_M is not None:
     out_MN = out_MN * row_scale_M[:, None]
   out_MN = out_MN.astype(x_MK.dtype)
-  if splits > 1:
+  if splits > 1 and sum_apart:
     # The sum of the K-slice partials stays out of the consumer's fusion. Where the consumer
     # reduces over the output row (the residual add and RMSnorm after o_proj or down), XLA
     # fuses the sum into it, and at a few rows that reduction runs in one thread block that
