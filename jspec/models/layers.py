@@ -126,8 +126,8 @@ class Attention(nnx.Module):
     (linear.project_many_named), else three products."""
     specs = (("q_proj", q_spec), ("k_proj", "btd,dkh->btkh"), ("v_proj", "btd,dkh->btkh"))
     # An FP8 call's K-slice sum goes into the fusions that read q, k and v (their norms, RoPE
-    # and the cache writes): one kernel fewer a layer, 1.3% of Qwen3-8B's FP8 batch-1 step on
-    # an H100 (BENCHMARKS.md, "FP8 K-slice sums fused into their readers").
+    # and the cache writes): one kernel fewer a layer; with gate / up's, 0.982x Qwen3-8B's FP8
+    # batch-1 step on an H100 (BENCHMARKS.md, "FP8 K-slice sums fused into their readers; …").
     return project_many_named(self, x_BTD, specs, self.projection, fp8_sum_apart=False)
 
   def _init_query(self, cfg, dtype, rngs):
