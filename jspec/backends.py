@@ -160,9 +160,9 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         node.row_kernel = norms[form]
       elif (isinstance(node, Attention) and node.takes_qk_kernel()
             and node.fp8_projection is None):
-        # FP8 q and k are column slices of one kernel call's output (fp8_gemm's products),
-        # which a kernel operand would copy out first: two copies a layer that cost what the
-        # kernel saves (one H100, BENCHMARKS.md). XLA's fusions read the slices in place.
+        # FP8 q and k stay with XLA: with their K-slice sum fused into the norms and RoPE
+        # that read them, the kernel plus the fusions it needs to write q, k and v cost
+        # what XLA's fusions cost (one H100, BENCHMARKS.md, "FP8 K-slice sums fused ...").
         kv_axis = "kv_heads" if node.kv_replicas == 1 else None
         eps = node.q_norm.eps if node.use_qk_norm else 1e-6
         node.qk_kernel = sharded_qk_norm_rope(mesh, rules, kv_axis, eps, node.rope_theta,

@@ -212,18 +212,19 @@ def test_k_slice_sum_held_apart_or_left_to_the_reader(sum_apart):
 
 @pytest.mark.gpu
 def test_gpu_k_slice_sum_fused_into_an_elementwise_reader():
-  """Compiled, the sum fused into SwiGLU (sum_apart=False) gives what the sum apart gives, but
-  for the order of the float32 sums: within one rounding of the bf16 output."""
+  """Compiled, the sum fused into its reader (sum_apart=False; here the cast and the two halves
+  SwiGLU reads) gives what the sum apart gives, but for the order of the float32 sums: within
+  one rounding of the bf16 output."""
   rng = np.random.default_rng([RUN_SEED, 16])
   x = jnp.asarray(rng.standard_normal((1, 4096)), jnp.bfloat16)
   w8, scale = (jnp.asarray(a) for a in _fp8_weight(rng, 2 * 12288, 4096))
 
   @functools.partial(jax.jit, static_argnames="apart")
-  def swiglu(x, apart):
+  def gate_and_up(x, apart):
     y = fp8_matmul(x, w8, scale, sum_apart=apart).astype(jnp.float32)
     return y[:, :12288], y[:, 12288:]
 
-  (gate, up), (gate_fused, up_fused) = swiglu(x, True), swiglu(x, False)
+  (gate, up), (gate_fused, up_fused) = gate_and_up(x, True), gate_and_up(x, False)
   for fused, apart in ((gate_fused, gate), (up_fused, up)):
     fused, apart = np.asarray(fused), np.asarray(apart)
     assert np.isfinite(fused).all()

@@ -206,7 +206,8 @@ def test_greedy_tokens_through_the_kernels_on_a_mesh_equal_one_device():
 
 def test_fp8_attention_keeps_xla_for_q_and_k(monkeypatch):
   """Where q and k come from one FP8 kernel call (the Hopper configuration, interpreted here)
-  they are slices of its output: q / k keep XLA's fusions, the hidden-size norms the kernel."""
+  q / k keep XLA's fusions, into which that call's K-slice sum goes (the kernel measured no
+  faster there); the hidden-size norms take the kernel."""
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)
     llm = _llm("qwen3_dense_fp8", "pallas")

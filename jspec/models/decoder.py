@@ -64,14 +64,14 @@ class DecoderLayer(nnx.Module):
     to the next norm. Why: with row kernels the add and the norm after it are one kernel,
     where an add ending the layer would be one more (jspec.models.row_kernels)."""
     del valid_BT  # A KV / latent cache needs no padding mask: padded slots are never attended.
-    x_BTD, normed_BTD = _input(self.input_norm, x_BTD, pending_BTD)
+    x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD)
     attn_out_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
     h_BTD, normed_BTD = self.post_attn_norm.add_and_norm(x_BTD, attn_out_BTD)
     mlp_out_BTD = self.mlp(normed_BTD, experts_fn) if self.is_moe else self.mlp(normed_BTD)
     return h_BTD, mlp_out_BTD, cache
 
 
-def _input(norm, x_BTD, pending_BTD):
+def layer_input(norm, x_BTD, pending_BTD):
   """(x + pending, its norm): the layer input and what its token mixer reads."""
   if pending_BTD is None:
     return x_BTD, norm(x_BTD)
@@ -149,7 +149,7 @@ class CausalLM(nnx.Module):
       x_BTD, pending_BTD, cache = layer.deferred(x_BTD, pending_BTD, positions_BT, cache,
                                                  kv_window, experts_fn, valid_BT)
       new_caches.append(cache)
-    _, hidden_BTD = _input(self.final_norm, x_BTD, pending_BTD)
+    _, hidden_BTD = layer_input(self.final_norm, x_BTD, pending_BTD)
     if aux_layers:
       return hidden_BTD, tuple(new_caches), tuple(aux[i] for i in aux_layers)
     return hidden_BTD, tuple(new_caches)

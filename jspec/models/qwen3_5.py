@@ -26,7 +26,7 @@ from jspec.config import ModelConfig
 from jspec.models import quantization
 from jspec.models import weights as W
 from jspec.models.caches import KVCache
-from jspec.models.decoder import CausalLM, common_fields
+from jspec.models.decoder import CausalLM, common_fields, layer_input
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, GatedAttention
 from jspec.models.moe import MoE
@@ -62,10 +62,7 @@ class DecoderLayer(nnx.Module):
                experts_fn: Callable, valid_BT=None):
     """As jspec.models.decoder.DecoderLayer.deferred: the layer on x + pending, returning
     (h, mlp_out, cache)."""
-    if pending_BTD is None:
-      normed_BTD = self.input_norm(x_BTD)
-    else:
-      x_BTD, normed_BTD = self.input_norm.add_and_norm(x_BTD, pending_BTD)
+    x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD)
     if self.layer_type == "full_attention":
       mixed_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
     else:
