@@ -38,7 +38,9 @@ def main():
   params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
   for mesh_text in args.mesh:
     dp, tp, ep = (int(x) for x in mesh_text.split(","))
-    llm = jspec.LLM.from_random(config, None, max_model_len=1024, max_num_seqs=max(args.batch),
+    # Room for the prompt and its new tokens (at least the 1024 slots the script always had).
+    max_len = max(1024, args.prompt_len + args.max_tokens + 16)
+    llm = jspec.LLM.from_random(config, None, max_model_len=max_len, max_num_seqs=max(args.batch),
                                 mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep),
                                 sharding_rules=(ShardingRules(vocab=None) if args.vocab_replicated
                                                 else None))
@@ -48,7 +50,8 @@ def main():
       llm.generate(prompts, params)  # compiles
       outputs = []
       wall, times = profile(lambda: outputs.append(llm.generate(prompts, params)))
-      steps = max(o.metrics.num_steps for o in outputs[0])
+      # A call of one new token takes no decode step: its time is the prefill alone.
+      steps = max(1, max(o.metrics.num_steps for o in outputs[0]))
       print(f"\n== {args.model} mesh {mesh_text} batch {batch}: {steps} steps, "
             f"{1e3 * wall / steps:.2f} ms/step (prefill included, profiler on)")
       print(summary(wall, times, args.top), flush=True)

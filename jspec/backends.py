@@ -15,6 +15,7 @@ from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
 from jspec.models.mla import MLAttention
 from jspec.models.norms import RMSNorm
+from jspec.models.prefill_attention import fits_cudnn, sharded_prefill_attention
 from jspec.models.moe import MoE
 from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
@@ -74,13 +75,21 @@ def use_pallas_attention(mesh, pairs, explicit: bool = True):
   """Decode, verify and draft steps of the given (module, rules) pairs attend through the
   split-S kernels, laid out like their caches (interpreted off GPU, where Triton cannot compile
   them): GQA layers through `window_attention`, MLA layers through `mla_decode` where the
-  compiled kernel takes their latent width (jspec.pallas_kernels.mla_decode.fits_kernel)."""
+  compiled kernel takes their latent width (jspec.pallas_kernels.mla_decode.fits_kernel).
+  GQA layers' prefill chunks go through cuDNN's fused attention where it takes their heads
+  (XLA's implementation of the same call off GPU), whether or not `explicit`: measured faster
+  than XLA's attention at every chunk size (BENCHMARKS.md, "Prefill attention through cuDNN's
+  fused kernel")."""
   from jspec.pallas_kernels.mla_decode import fits_kernel
   from jspec.pallas_kernels.mla_decode_wgmma import fits_latent as fits_wgmma
   interpret = jax.devices()[0].platform != "gpu"
   for module, rules in _modules(pairs):
     kernel = sharded_window_attention(mesh, rules, interpret)
+    prefill = sharded_prefill_attention(mesh, rules, "xla" if interpret else "cudnn")
     for _, node in nnx.iter_graph(module):
+      if isinstance(node, Attention) and (interpret
+                                          or fits_cudnn(node.head_dim, platform.on_hopper())):
+        node.prefill_attention = prefill
       if isinstance(node, Attention) and explicit:
         node.window_attention = kernel
       elif isinstance(node, MLAttention) and (interpret or fits_kernel(node.latent_dim,

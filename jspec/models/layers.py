@@ -105,6 +105,11 @@ class Attention(nnx.Module):
     # (q [B,T,N,H], new k, v [B,T,K,H], cache k, v [B,K,S,H], first position [B]) -> [B,T,N,H],
     # for steps of at most MAX_ROWS_PER_KV_HEAD query rows per KV head. None: XLA's attention.
     self.window_attention = None
+    # Optional fused attention for steps of more than MAX_ROWS_PER_KV_HEAD query rows per KV
+    # head, the prefill chunks (jspec.models.prefill_attention), set by the LLM: (q [B,T,N,H],
+    # cache k, v [B,K,S,H] of the first kv_window slots, positions [B,T]) -> [B,T,N,H].
+    # None: XLA's attention.
+    self.prefill_attention = None
     # Optional products for the projections of steps with few rows (jspec.models.projections),
     # set by the LLM: (x [B, T, K], w [K, N]) -> [B, T, N], and its FP8 form with the block
     # scale as a third argument. None: XLA's dot.
@@ -208,6 +213,8 @@ class Attention(nnx.Module):
       return out_BTNH, cache
     keys_BKSH = cache_k[:, :, :kv_window]
     values_BKSH = cache_v[:, :, :kv_window]
+    if self.prefill_attention is not None and group * t > MAX_ROWS_PER_KV_HEAD:
+      return self.prefill_attention(q_BTNH, keys_BKSH, values_BKSH, positions_BT), cache
     q_BKGTH = q_BTNH.reshape(b, t, self.num_kv_heads, group, h).transpose(0, 2, 3, 1, 4)
     scores_BKGTS = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, keys_BKSH,
                               preferred_element_type=jnp.float32) * (h ** -0.5)
