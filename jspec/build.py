@@ -237,10 +237,11 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
   experts_fn, draft_experts_fn = use_experts(moe_backend, device_mesh, ep_strategy, target_pair,
                                              draft_pair)
   if resolved_attention == "pallas":
-    # "auto" takes the MLA kernel (measured faster than XLA's latent attention); GQA layers
-    # keep XLA's attention unless "pallas" is asked for: the split-S kernel has not been
-    # measured to beat XLA on the default path at short contexts. The MTP head is set up
-    # even where another drafter runs (a benchmark may time it).
+    # "auto" takes the MLA kernel (measured faster than XLA's latent attention) and cuDNN's
+    # prefill attention; GQA layers' decode and verify steps keep XLA's attention unless
+    # "pallas" is asked for: the split-S kernel has not been measured to beat XLA on the
+    # default path at short contexts. The MTP head is set up even where another drafter runs
+    # (a benchmark may time it).
     use_pallas_attention(device_mesh, (target_pair, (mtp, draft_rules)),
                          explicit=attention_backend == "pallas")
   projection_backend = use_projections(projection_backend, config.fp8_block, device_mesh,

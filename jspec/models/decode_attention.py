@@ -7,7 +7,8 @@ head)'s slots into `k_splits` ranges processed in parallel and stops each range 
 sequence's length, so only valid slots are read. A step of T new tokens (1 for decode, k+1 for
 verify and draft extend) attends to the cached prefix through the kernel and to itself in
 XLA, and the two softmaxes are merged. Selected with `LLM(attention_backend="pallas")` for
-steps of at most 64 query rows per KV head; wider prefill chunks keep XLA's attention.
+steps of at most 64 query rows per KV head; wider prefill chunks go through cuDNN's fused
+attention (jspec.models.prefill_attention).
 
 The kernel is not partitionable by XLA, so it runs under `shard_map`: sequences split over the
 batch axes, heads over tp, exactly as the cache is stored; no collective is needed. MLA layers
