@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 
 def _add_model_args(parser, model_required: bool):
@@ -223,17 +225,35 @@ def main(argv=None):
   bench.set_defaults(func=cmd_bench)
 
   args = parser.parse_args(argv)
+  previous = _exit_on_ctrl_c()
   try:
     args.func(args)
   except (ValueError, FileNotFoundError, FileExistsError) as err:
     print(f"jspec: error: {err}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
-    # Ctrl-C: device work under way on jspec's threads cannot be stopped; not waited for.
-    from jspec import interrupt
-    print("jspec: interrupted", file=sys.stderr)
-    interrupt.exit_now(130)
+    _interrupted()
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGINT, previous)
   return 0
+
+
+def _interrupted(*_):
+  """Ctrl-C: device work under way on jspec's threads cannot be stopped; not waited for."""
+  from jspec import interrupt
+  print("jspec: interrupted", file=sys.stderr)
+  interrupt.exit_now(130)
+
+
+def _exit_on_ctrl_c():
+  """Ctrl-C ends the command from the signal handler itself (the previous handler returned;
+  None off the main thread, where none can be set). A KeyboardInterrupt raised instead can be
+  lost: Python drops one raised inside a finalizer or a weakref callback ("Exception ignored
+  in ..."), and a command interrupted there while compiling ran to its end with status 0."""
+  if threading.current_thread() is not threading.main_thread():
+    return None
+  return signal.signal(signal.SIGINT, _interrupted)
 
 
 if __name__ == "__main__":

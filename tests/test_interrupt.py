@@ -1,7 +1,7 @@
 """Ctrl-C during generation ends it at once: `LLM.generate` raises KeyboardInterrupt while the
 device is still working (either scheduler), its threads end without a traceback and the LLM
 stays usable; `jspec generate` exits with status 130 and one line, whether compiling or
-decoding."""
+decoding, even where Ctrl-C lands inside a finalizer."""
 
 import os
 import re
@@ -90,3 +90,38 @@ def test_ctrl_c_during_jspec_generate_exits_130_with_one_line(phase, line):
   assert seconds < 3  # the compile takes seconds and the 2000 steps longer: neither waited for
   assert stderr.rstrip("\n").splitlines()[-1] == "jspec: interrupted"
   assert "Traceback" not in stderr and "terminate called" not in stderr
+
+
+FINALIZER_SCRIPT = """
+import os, signal
+from jspec import cli
+cli._exit_on_ctrl_c()
+
+class Finalized:
+  def __del__(self):  # Ctrl-C lands here, as it can in JAX's finalizers while tracing
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(1000):
+      pass
+
+Finalized()
+print("ran to the end")
+"""
+
+
+def test_ctrl_c_inside_a_finalizer_still_ends_the_command():
+  """Python drops a KeyboardInterrupt raised inside a finalizer ("Exception ignored in ..."):
+  the command's handler exits from the signal itself instead."""
+  run = subprocess.run([sys.executable, "-c", FINALIZER_SCRIPT], capture_output=True,
+                       text=True, timeout=120)
+  assert run.returncode == 130
+  assert "ran to the end" not in run.stdout
+  assert run.stderr.rstrip("\n").splitlines()[-1] == "jspec: interrupted"
+
+
+def test_the_command_gives_back_the_ctrl_c_handler_it_found(tmp_path):
+  """`main` called in-process (a notebook, these tests) leaves Ctrl-C as it found it, here
+  after a command that fails on a missing model."""
+  from jspec import cli
+  before = signal.getsignal(signal.SIGINT)
+  assert cli.main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+  assert signal.getsignal(signal.SIGINT) is before
