@@ -2,7 +2,7 @@
 
 Why: XLA runs a chunk's attention as two batched products with the float32 scores
 [B, N, T, S] written out between them, against every slot of the prompt's bucket. On an H100
-a 4096-token prompt in the default chunks of 256 spent 148 ms of its 274 ms there (Qwen3-8B
+a 4096-token prompt in the default chunks of 256 spent 148 ms of its 277 ms there (Qwen3-8B
 shapes); cuDNN's fused kernel, which never writes the scores, took 77 ms for the same chunks
 (BENCHMARKS.md, "Prefill attention through cuDNN's fused kernel").
 
