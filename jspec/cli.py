@@ -250,7 +250,8 @@ def _exit_on_ctrl_c():
   """Ctrl-C ends the command from the signal handler itself (the previous handler returned;
   None off the main thread, where none can be set). A KeyboardInterrupt raised instead can be
   lost: Python drops one raised inside a finalizer or a weakref callback ("Exception ignored
-  in ..."), and a command interrupted there while compiling ran to its end with status 0."""
+  in ..."), the likely reason why a command once ran to its end with status 0 after a Ctrl-C
+  while compiling."""
   if threading.current_thread() is not threading.main_thread():
     return None
   return signal.signal(signal.SIGINT, _interrupted)

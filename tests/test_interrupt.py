@@ -98,7 +98,7 @@ from jspec import cli
 cli._exit_on_ctrl_c()
 
 class Finalized:
-  def __del__(self):  # Ctrl-C lands here, as it can in JAX's finalizers while tracing
+  def __del__(self):  # Ctrl-C lands here, as it can in any finalizer
     os.kill(os.getpid(), signal.SIGINT)
     for _ in range(1000):
       pass

@@ -29,13 +29,16 @@ def _reference(q_BTNH, keys_BKSH, values_BKSH, positions_BT):
   return out
 
 
-def _chunk_case(rng, b, k, g, t, s, h):
-  """A chunk of t queries per sequence starting anywhere in a cache of s slots, whose slots
-  past the chunk hold garbage (stale drafts, padding) that must not be read."""
-  q = rng.standard_normal((b, t, k * g, h)).astype(np.float32)
-  keys = rng.standard_normal((b, k, s, h)).astype(np.float32)
-  values = rng.standard_normal((b, k, s, h)).astype(np.float32)
-  start = rng.integers(0, s - t + 1, b)  # 0: a prompt's first chunk
+def _chunk_case(rng, b, k, g, t, s, h, start=None, dtype=np.float32):
+  """A chunk of t queries per sequence starting anywhere in a cache of s slots (at `start`
+  [B] where given), whose slots past the chunk hold garbage (stale drafts, padding) that must
+  not be read; the values rounded to `dtype` (float32 or bfloat16), returned in float32."""
+  rounded = lambda a: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))
+  q = rounded(rng.standard_normal((b, t, k * g, h)))
+  keys = rounded(rng.standard_normal((b, k, s, h)))
+  values = rounded(rng.standard_normal((b, k, s, h)))
+  if start is None:
+    start = rng.integers(0, s - t + 1, b)  # 0: a prompt's first chunk
   positions = (start[:, None] + np.arange(t)).astype(np.int32)
   past = np.arange(s)[None, None, :, None] >= (start + t)[:, None, None, None]
   garbage_keys, garbage_values = np.where(past, 1e3, keys), np.where(past, -1e3, values)
@@ -113,13 +116,9 @@ def test_cudnn_on_gpu_matches_the_reference(t, s):
   Qwen3-8B's heads (32 over 8 KV heads of 128)."""
   assert jax.devices()[0].platform == "gpu"
   rng = np.random.default_rng(t)
-  q, keys, values, garbage_keys, garbage_values, positions = _chunk_case(rng, 3, 8, 4, t, s, 128)
-  positions[0] = np.arange(t)
-  positions[-1] = s - t + np.arange(t)
-  as_bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
-  q, keys, values = as_bf16(q), as_bf16(keys), as_bf16(values)
-  past = np.arange(s)[None, None, :, None] > positions[:, -1][:, None, None, None]
-  garbage_keys, garbage_values = np.where(past, 1e3, keys), np.where(past, -1e3, values)
+  start = np.array([0, rng.integers(1, s - t), s - t])
+  q, keys, values, garbage_keys, garbage_values, positions = _chunk_case(
+      rng, 3, 8, 4, t, s, 128, start, jnp.bfloat16)
   want = _reference(q, keys, values, positions)
   got = jax.jit(prefill_attention, static_argnames="implementation")(
       *(jnp.asarray(a, jnp.bfloat16) for a in (q, garbage_keys, garbage_values)),
