@@ -62,6 +62,8 @@ def main():
                       help="also trace one call at the first batch size per precision: GPU "
                            "time by op")
   parser.add_argument("--no-prefill", action="store_true", help="skip the long-prompt row")
+  parser.add_argument("--prefill-only", action="store_true",
+                      help="only the long-prompt row (no decode rows, no logits check)")
   parser.add_argument("--experts-whole-k", action="store_true",
                       help="FP8 MoE: the decode expert kernels on whole K (no K slices where a "
                            "step's items are few: the path before them), for a before / after")
@@ -94,7 +96,7 @@ def main():
         if getattr(node, "fp8_projection", None) is not None:
           node.fp8_projection.many = None  # linear.project_many_named: one call per weight
     print(f"{precision}: built in {time.perf_counter() - start:.1f} s", flush=True)
-    if precision == "fp8":  # the FP8 kernel's logits against the scaled weights' under XLA
+    if precision == "fp8" and not args.prefill_only:  # the FP8 kernel's logits against the scaled weights' under XLA
       xla = jspec.LLM.from_random(cfg, None, max_model_len=max_len, max_num_seqs=1,
                                   projection_backend="xla")
       short = [prompts[0][:16]]  # a prefill of <= 64 rows: through the kernel
@@ -105,7 +107,12 @@ def main():
             f"{(got.argmax(-1) == want.argmax(-1)).mean():.2f}", flush=True)
       del xla
     prefill = None if args.no_prefill else median_call(llm, long_prompt, 1, args.repeats)
-    for batch in args.batch:
+    if args.prefill_only:
+      rows.append(dict(precision=precision, batch=1, weight_gb=size / 1e9,
+                       tokens_per_second=float("nan"), tpot_ms=float("nan"),
+                       prefill_ms=1e3 * prefill.ttft_s))
+      print(rows[-1], flush=True)
+    for batch in [] if args.prefill_only else args.batch:
       m = median_call(llm, prompts[:batch], args.max_tokens, args.repeats)
       if args.profile and batch == args.batch[0]:
         from jspec.bench.profile import profile, summary

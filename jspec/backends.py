@@ -76,10 +76,10 @@ def use_pallas_attention(mesh, pairs, explicit: bool = True):
   split-S kernels, laid out like their caches (interpreted off GPU, where Triton cannot compile
   them): GQA layers through `window_attention`, MLA layers through `mla_decode` where the
   compiled kernel takes their latent width (jspec.pallas_kernels.mla_decode.fits_kernel).
-  GQA layers' prefill chunks go through cuDNN's fused attention where it takes their heads
-  (XLA's implementation of the same call off GPU), whether or not `explicit`: measured faster
-  than XLA's attention at every chunk size (BENCHMARKS.md, "Prefill attention through cuDNN's
-  fused kernel")."""
+  GQA layers' prefill chunks, and MLA layers' (in the expanded form), go through cuDNN's
+  fused attention where it takes their heads (two XLA products in the same call off GPU),
+  whether or not `explicit`: measured faster than XLA's attention at every chunk size
+  (BENCHMARKS.md, "Prefill attention through cuDNN's fused kernel")."""
   from jspec.pallas_kernels.mla_decode import fits_kernel
   from jspec.pallas_kernels.mla_decode_wgmma import fits_latent as fits_wgmma
   interpret = jax.devices()[0].platform != "gpu"
@@ -90,6 +90,10 @@ def use_pallas_attention(mesh, pairs, explicit: bool = True):
       if isinstance(node, Attention) and (interpret
                                           or fits_cudnn(node.head_dim, platform.on_hopper())):
         node.prefill_attention = prefill
+      if isinstance(node, MLAttention) and (interpret or fits_cudnn(
+          node.nope_dim + node.rope_dim, platform.on_hopper(), node.value_dim)):
+        node.prefill_attention = sharded_prefill_attention(
+            mesh, rules, "xla" if interpret else "cudnn", "BSKH", node.scale)
       if isinstance(node, Attention) and explicit:
         node.window_attention = kernel
       elif isinstance(node, MLAttention) and (interpret or fits_kernel(node.latent_dim,

@@ -3,40 +3,51 @@ implementation of it on CPU, cuDNN's on a GPU) against a NumPy reference, and a 
 prefill through it against XLA's attention: the same logits and tokens, on one device and
 sharded."""
 
+import functools
+import json
+import shutil
+
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 import jspec
+from flax import nnx
+from jspec.config import ModelConfig
+from jspec.models.caches import MLACache
+from jspec.models.mla import MLAttention
 from helpers import fixture_dir, greedy
 from jspec.models import prefill_attention as prefill_lib
 from jspec.models.prefill_attention import fits_cudnn, prefill_attention
 
 
-def _reference(q_BTNH, keys_BKSH, values_BKSH, positions_BT):
-  """Query t of sequence b, at position p, sees cache slots 0 .. p (float64)."""
+def _reference(q_BTNH, keys_BKSH, values_BKSV, positions_BT, scale=None):
+  """Query t of sequence b, at position p, sees cache slots 0 .. p (float64); values of any
+  width V."""
   b, t, n, h = q_BTNH.shape
   group = n // keys_BKSH.shape[1]
+  scale = h ** -0.5 if scale is None else scale
   visible_BTS = np.arange(keys_BKSH.shape[2])[None, None, :] <= positions_BT[:, :, None]
-  out = np.zeros((b, t, n, h))
+  out = np.zeros((b, t, n, values_BKSV.shape[-1]))
   for i, head in np.ndindex(b, n):
     keys = keys_BKSH[i, head // group].astype(np.float64)
-    scores_TS = q_BTNH[i, :, head].astype(np.float64) @ keys.T / np.sqrt(h)
+    scores_TS = q_BTNH[i, :, head].astype(np.float64) @ keys.T * scale
     scores_TS = np.where(visible_BTS[i], scores_TS, -np.inf)
     p_TS = np.exp(scores_TS - scores_TS.max(axis=1, keepdims=True))
-    out[i, :, head] = p_TS @ values_BKSH[i, head // group] / p_TS.sum(axis=1, keepdims=True)
+    out[i, :, head] = p_TS @ values_BKSV[i, head // group] / p_TS.sum(axis=1, keepdims=True)
   return out
 
 
-def _chunk_case(rng, b, k, g, t, s, h, start=None, dtype=np.float32):
+def _chunk_case(rng, b, k, g, t, s, h, start=None, dtype=np.float32, v=None):
   """A chunk of t queries per sequence starting anywhere in a cache of s slots (at `start`
   [B] where given), whose slots past the chunk hold garbage (stale drafts, padding) that must
-  not be read; the values rounded to `dtype` (float32 or bfloat16), returned in float32."""
+  not be read; the values rounded to `dtype` (float32 or bfloat16), returned in float32;
+  values of width v (default h), keys and values [B, K, S, *]."""
   rounded = lambda a: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))
   q = rounded(rng.standard_normal((b, t, k * g, h)))
   keys = rounded(rng.standard_normal((b, k, s, h)))
-  values = rounded(rng.standard_normal((b, k, s, h)))
+  values = rounded(rng.standard_normal((b, k, s, v or h)))
   if start is None:
     start = rng.integers(0, s - t + 1, b)  # 0: a prompt's first chunk
   positions = (start[:, None] + np.arange(t)).astype(np.int32)
@@ -45,16 +56,36 @@ def _chunk_case(rng, b, k, g, t, s, h, start=None, dtype=np.float32):
   return q, keys, values, garbage_keys, garbage_values, positions
 
 
+def _in_layout(keys_BKSH, kv_layout):
+  return keys_BKSH if kv_layout == "BKSH" else np.swapaxes(keys_BKSH, 1, 2)
+
+
+@pytest.mark.parametrize("kv_layout", ["BKSH", "BSKH"])
 @pytest.mark.parametrize("seed", range(8))
-def test_a_chunk_attends_to_every_slot_up_to_its_position(seed):
+def test_a_chunk_attends_to_every_slot_up_to_its_position(seed, kv_layout):
+  """GQA caches as they are [B, K, S, H], and MLA's per-head keys [B, S, N, H] with values
+  narrower than the queries and its own softmax scale."""
   rng = np.random.default_rng(seed)
   b, k, g = rng.integers(1, 4), rng.choice([1, 2]), rng.choice([1, 2, 4])
   t, s, h = rng.choice([16, 32, 64]), rng.choice([64, 96, 256]), rng.choice([16, 32])
-  q, keys, values, garbage_keys, garbage_values, positions = _chunk_case(rng, b, k, g, t, s, h)
-  want = _reference(q, keys, values, positions)
-  got = prefill_attention(*(jnp.asarray(a) for a in (q, garbage_keys, garbage_values,
-                                                     positions)), implementation="xla")
+  v, scale = (h, None) if kv_layout == "BKSH" else (rng.choice([8, h]), rng.uniform(0.1, 0.3))
+  q, keys, values, garbage_keys, garbage_values, positions = _chunk_case(rng, b, k, g, t, s, h,
+                                                                         v=v)
+  want = _reference(q, keys, values, positions, scale)
+  got = prefill_attention(
+      jnp.asarray(q), *(jnp.asarray(_in_layout(a, kv_layout)) for a in (garbage_keys,
+                                                                         garbage_values)),
+      jnp.asarray(positions), implementation="xla", kv_layout=kv_layout, scale=scale)
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+def test_unknown_layout_and_implementation_are_refused_by_name():
+  rng = np.random.default_rng(0)
+  q, keys, values, _, _, positions = (jnp.asarray(a) for a in _chunk_case(rng, 1, 1, 1, 4, 8, 8))
+  with pytest.raises(ValueError, match="kv_layout must be one of"):
+    prefill_attention(q, keys, values, positions, implementation="xla", kv_layout="BHSK")
+  with pytest.raises(ValueError, match="implementation must be 'cudnn' or 'xla'"):
+    prefill_attention(q, keys, values, positions, implementation="triton")
 
 
 def test_float32_asked_of_cudnn_runs_through_xla():
@@ -72,6 +103,13 @@ def test_float32_asked_of_cudnn_runs_through_xla():
     (192, True, True), (100, True, False), (512, True, False)])
 def test_cudnn_takes_heads_of_a_multiple_of_8_up_to_its_limit(head_dim, hopper, fits):
   assert fits_cudnn(head_dim, hopper) == fits
+
+
+@pytest.mark.parametrize("head_dim, value_dim, hopper, fits", [
+    (192, 128, True, True), (192, 128, False, False), (24, 16, True, True),
+    (192, 100, True, False), (128, 128, False, True)])
+def test_cudnn_takes_narrower_values_on_hopper_only(head_dim, value_dim, hopper, fits):
+  assert fits_cudnn(head_dim, hopper, value_dim) == fits
 
 
 PROMPTS = [list(range(3, 150)), [5, 6, 7] * 30, list(range(200, 270)), [9, 8]]
@@ -109,18 +147,113 @@ def test_prefill_chunks_through_the_fused_call_match_xla_attention(mesh, spec, m
   assert tokens[0] == tokens[1]
 
 
+MLA_PROMPTS = [list(range(3, 150)), [5, 6, 7] * 30, list(range(10, 80)), [9, 8]]
+
+
+@pytest.mark.parametrize("mesh", [(1, 1, 1), (2, 2, 1)])
+def test_mla_prefill_chunks_through_the_fused_call_match_xla_attention(mesh, monkeypatch,
+                                                                      tmp_path):
+  """DeepSeek-V3's expanded prefill form (chunks of 128 rows: more than the absorbed form
+  takes; a prompt's second chunk starts mid-cache) through the fused call with its per-head keys, the shared roped key repeated over
+  the heads: the logits of every position, and the greedy tokens and steps with MTP, equal
+  XLA's attention's, on one device and on dp = 2 x tp = 2 (two heads a shard). The fixture
+  is given 256 positions (its yarn rope extends any length) for prompts of two chunks."""
+  model = tmp_path / "deepseek_v3"
+  shutil.copytree(fixture_dir("deepseek_v3"), model)
+  config = json.loads((model / "config.json").read_text())
+  (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+  layouts = []
+  fused = prefill_lib.prefill_attention
+
+  def counted(q_BTNH, *args, **kwargs):
+    layouts.append((q_BTNH.shape[1], kwargs["kv_layout"]))
+    return fused(q_BTNH, *args, **kwargs)
+
+  monkeypatch.setattr(prefill_lib, "prefill_attention", counted)
+  dp, tp, ep = mesh
+  logits, tokens = [], []
+  for backend in ("xla", "pallas"):
+    llm = jspec.LLM(model=str(model), dtype="float32", max_model_len=256,
+                    mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep, num_devices=dp * tp * ep),
+                    speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                    attention_backend=backend, prefill_chunk_size=128)
+    logits.append(llm.compute_logits(MLA_PROMPTS))
+    tokens.append([(o.token_ids, o.metrics.num_steps)
+                   for o in llm.generate(MLA_PROMPTS, greedy(6, ignore_eos=True))])
+  assert (128, "BSKH") in layouts, "no MLA prefill chunk went through the fused call"
+  for want, got in zip(*logits):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  assert tokens[0] == tokens[1]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("t, s", [(256, 4096), (512, 4224), (128, 640)])
-def test_cudnn_on_gpu_matches_the_reference(t, s):
-  """cuDNN's kernel on bf16 inputs, chunks starting at 0, mid-cache and at the cache's end,
-  Qwen3-8B's heads (32 over 8 KV heads of 128)."""
+@pytest.mark.parametrize("t, s, kv_layout, heads, kv_heads, h, v", [
+    # Qwen3-8B's heads (32 over 8 KV heads of 128) in the cache's own order.
+    (256, 4096, "BKSH", 32, 8, 128, 128), (512, 4224, "BKSH", 32, 8, 128, 128),
+    (128, 640, "BKSH", 32, 8, 128, 128),
+    # DeepSeek-V3's expanded MLA heads at tp = 8 (16 of 192, values of 128).
+    (256, 4096, "BSKH", 16, 16, 192, 128), (128, 640, "BSKH", 16, 16, 192, 128)])
+def test_cudnn_on_gpu_matches_the_reference(t, s, kv_layout, heads, kv_heads, h, v):
+  """cuDNN's kernel on bf16 inputs, chunks starting at 0, mid-cache and at the cache's end."""
   assert jax.devices()[0].platform == "gpu"
-  rng = np.random.default_rng(t)
+  rng = np.random.default_rng(t + h)
   start = np.array([0, rng.integers(1, s - t), s - t])
+  scale = None if v == h else 0.1
   q, keys, values, garbage_keys, garbage_values, positions = _chunk_case(
-      rng, 3, 8, 4, t, s, 128, start, jnp.bfloat16)
-  want = _reference(q, keys, values, positions)
-  got = jax.jit(prefill_attention, static_argnames="implementation")(
-      *(jnp.asarray(a, jnp.bfloat16) for a in (q, garbage_keys, garbage_values)),
-      jnp.asarray(positions), implementation="cudnn")
+      rng, 3, kv_heads, heads // kv_heads, t, s, h, start, jnp.bfloat16, v)
+  want = _reference(q, keys, values, positions, scale)
+  got = jax.jit(prefill_attention, static_argnames=("implementation", "kv_layout", "scale"))(
+      jnp.asarray(q, jnp.bfloat16),
+      *(jnp.asarray(_in_layout(a, kv_layout), jnp.bfloat16) for a in (garbage_keys,
+                                                                      garbage_values)),
+      jnp.asarray(positions), implementation="cudnn", kv_layout=kv_layout, scale=scale)
   np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=0.03, atol=0.03)
+
+
+@pytest.mark.gpu
+def test_gpu_model_prefill_through_cudnn_matches_xla_attention(monkeypatch):
+  """A bf16 GQA model's prompt chunks through cuDNN (the default "auto" backend on Hopper; a
+  prompt's second chunk starts mid-cache): every position's logits within bf16 rounding of
+  XLA's attention's (the fixture's heads, 32 wide, fit cuDNN's)."""
+  assert jax.devices()[0].platform == "gpu"
+  calls = []
+  fused = prefill_lib.prefill_attention
+
+  def counted(q_BTNH, *args, **kwargs):
+    calls.append(kwargs["implementation"])
+    return fused(q_BTNH, *args, **kwargs)
+
+  monkeypatch.setattr(prefill_lib, "prefill_attention", counted)
+  logits = []
+  for backend in ("xla", "auto"):
+    llm = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="bfloat16", max_model_len=128,
+                    attention_backend=backend, prefill_chunk_size=64)
+    logits.append(llm.compute_logits([list(range(3, 120)), [5, 6, 7] * 30]))
+  assert "cudnn" in calls, "no prefill chunk went through cuDNN"
+  for want, got in zip(*logits):
+    np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_gpu_mla_expanded_form_through_cudnn_matches_xla(seed):
+  """A bf16 MLAttention layer (DeepSeek-V3's form at small widths: queries and keys 24 wide,
+  values 16) over a cache of random latent rows, a 96-token chunk mid-cache: its expanded form
+  through cuDNN within bf16 rounding of the same form's XLA products."""
+  assert jax.devices()[0].platform == "gpu"
+  cfg = ModelConfig(
+      architecture="DeepseekV3ForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=64,
+      num_layers=1, num_heads=8, num_kv_heads=8, head_dim=8, rms_norm_eps=1e-6,
+      rope_theta=1000.0, tie_word_embeddings=False, max_position_embeddings=2048,
+      q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+  attn = MLAttention(cfg, jnp.bfloat16, nnx.Rngs(seed))
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(2, 96, cfg.hidden_size)), jnp.bfloat16)
+  positions = jnp.asarray(np.array([0, 150])[:, None] + np.arange(96), jnp.int32)
+  cache = MLACache(jnp.asarray(rng.normal(size=(2, 256, 40)), jnp.bfloat16))
+  run = nnx.jit(lambda a, x, p, c: a(x, p, c, 256, absorbed=False)[0])
+  want = np.asarray(run(attn, x, positions, cache).astype(jnp.float32))
+  attn.prefill_attention = functools.partial(prefill_attention, implementation="cudnn",
+                                             kv_layout="BSKH", scale=attn.scale)
+  got = np.asarray(run(attn, x, positions, cache).astype(jnp.float32))
+  np.testing.assert_allclose(got, want, rtol=0.03, atol=0.03 * np.abs(want).max())

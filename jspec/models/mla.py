@@ -132,6 +132,7 @@ class MLAttention(nnx.Module):
                                             ("q_heads", "head_dim", "embed"), 2,
                                             block("o_proj"), scale=(n * v) ** -0.5)
     self.nope_dim, self.rope_dim, self.latent_dim, self.num_heads = p, r, c, n
+    self.value_dim = v
     inv_freq, self.rope_attention_factor = rope_lib.inv_frequencies(r, cfg.rope_theta,
                                                                     cfg.rope_scaling)
     self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a constant of the program
@@ -143,6 +144,10 @@ class MLAttention(nnx.Module):
     # Windows of more query rows (heads x positions, all shards' heads counted) keep XLA's
     # path; None: every window through the kernel (set by the LLM with `latent_kernel`).
     self.latent_kernel_max_rows = None
+    # (q [B,T,N,P+R], keys [B,S,N,P+R], values [B,S,N,V], positions [B,T]) -> [B,T,N,V]: the
+    # expanded form's attention through a fused kernel (jspec.models.prefill_attention), set
+    # by the LLM; None: XLA's two products.
+    self.prefill_attention = None
     # FP8 weights only: (x [.., K], w8 [N, K], scale) -> [.., N], set by the LLM on Hopper
     # (jspec.models.projections.sharded_fp8_projection); None: scaled, then XLA's dot.
     self.fp8_projection = None
@@ -229,6 +234,13 @@ class MLAttention(nnx.Module):
                              self._head_weight("w_uk", latent_BSC.dtype))
     values_BSNV = jnp.einsum("bsc,nvc->bsnv", latent_BSC,
                              self._head_weight("w_uv", latent_BSC.dtype))
+    if self.prefill_attention is not None:
+      # One head width for the fused call: the shared roped key repeated over the heads.
+      q_BTNH = jnp.concatenate([q_nope_BTNP, q_rope_BTNR.astype(q_nope_BTNP.dtype)], axis=-1)
+      k_rope_BSNR = jnp.broadcast_to(k_rope_BSR[:, :, None].astype(k_nope_BSNP.dtype),
+                                     (*k_nope_BSNP.shape[:3], self.rope_dim))
+      keys_BSNH = jnp.concatenate([k_nope_BSNP, k_rope_BSNR], axis=-1)
+      return self.prefill_attention(q_BTNH, keys_BSNH, values_BSNV, positions_BT)
     scores_BNTS = (
         jnp.einsum("btnp,bsnp->bnts", q_nope_BTNP, k_nope_BSNP,
                    preferred_element_type=jnp.float32)

@@ -101,18 +101,24 @@ def _slice_and_row(index, row_tiles: int):
   return lax.div(index, jnp.int32(row_tiles)), lax.rem(index, jnp.int32(row_tiles))
 
 
-def _add_scaled_step(total, w_smem, x_smem, w_scale_smem, x_scale_smem):
+def _add_scaled_step(total, w_smem, x_smem, w_scale, x_scale_smem):
   """total + (w @ x^T for one 128-K step, in a fresh float32 accumulator) x the weight block's
-  scale x each row's: w_smem [64 columns, 128] and x_smem [128 rows, 128] e4m3, the scales
-  over the rows' lanes ([128] float32 each)."""
+  scale x each row's: w_smem [64 columns, 128] and x_smem [128 rows, 128] e4m3, the rows'
+  scales over their lanes ([128] float32). w_scale: the weight block's scale, over the rows'
+  lanes as x's (an SMEM ref) or one float32 read before the products (a scalar), whose
+  load then runs while they do."""
+  lanes = pl.ds(0, ROW_TILE)
+  if isinstance(w_scale, jax.Array) and w_scale.ndim == 0:
+    w_scale_R = w_scale
+  else:
+    w_scale_R = plgpu.load(w_scale.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0))
+
   def mma(acc):
     plgpu.wgmma(acc, w_smem, x_smem.T)
     return acc[...]
 
   part = pl.run_scoped(mma, plgpu.ACC((COLUMN_TILE, ROW_TILE)))
-  lanes = pl.ds(0, ROW_TILE)
-  scale_R = (plgpu.load(w_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0))
-             * plgpu.load(x_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0)))
+  scale_R = w_scale_R * plgpu.load(x_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0))
   return total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
 
 
@@ -210,14 +216,20 @@ def choose_tile_splits(tiles: int, k_steps: int, num_sms: int) -> int:
   return splits
 
 
-def _products_warp_specialized(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype,
+def _products_warp_specialized(x8_MK, w8_NK, w_scale_NbKb, act_scale_KbM, out_dtype,
                                num_stages: int, splits: int):
   """As _products (the same results and output forms), on tiles of 128 output columns (a
   whole scale block's rows) x 128 rows over a K slice, a program each: two compute warpgroups
   take 64 columns each and share the tile of x, and a third issues the loads. Each loaded
   byte then feeds 1.5x the products of _products' items, which stay near 600 TFLOP/s on an
   H200, bound (by our reading, not a profile: BENCHMARKS.md) by their L2-to-SM traffic of
-  about 7 TB/s there."""
+  about 7 TB/s there.
+
+  w_scale_NbKb: the weight's block scales as stored. A tile's 128 columns are one block row,
+  so each step needs one of them, read as a scalar: repeating them over the rows' lanes first
+  (as _products takes them) wrote and read 128 times the scales' bytes in every call, about 2%
+  of an FP8 prefill on an H100 (BENCHMARKS.md, "FP8 and MLA decode kernels under the
+  profiler")."""
   m, k = x8_MK.shape
   n = w8_NK.shape[0]
   row_tiles, column_tiles = m // ROW_TILE, n // BLOCK
@@ -237,7 +249,6 @@ def _products_warp_specialized(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dty
                               transforms=_smem_transforms(BLOCK, E4M3)),
               plgpu.BlockSpec((BLOCK, BLOCK), lambda s: (0, s),
                               transforms=_smem_transforms(BLOCK, E4M3)),
-              plgpu.BlockSpec((ROW_TILE,), lambda s: (s,)),
               plgpu.BlockSpec((None, ROW_TILE), lambda s: (s, 0)),
           ],
           wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=num_stages,
@@ -267,14 +278,15 @@ def _products_warp_specialized(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dty
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[k_slice, my_columns, rows])
 
-      def step(_, x_smem, w_smem, w_scale_smem, x_scale_smem, total):
+      def step(indices, x_smem, w_smem, x_scale_smem, total):
+        (s,) = indices
+        w_scale = w_scale_gmem[column, k_slice * slice_steps + s]
         return _add_scaled_step(total, w_smem.at[pl.ds(wg * wgmma_rows, wgmma_rows)], x_smem,
-                                w_scale_smem, x_scale_smem)
+                                w_scale, x_scale_smem)
 
       ks = pl.ds(k_slice * slice_k, slice_k)
       pipeline(step, compute_context)(
           x_gmem.at[rows, ks], w_gmem.at[columns, ks],
-          w_scale_gmem.at[column, pl.ds(k_slice * slice_steps * ROW_TILE, slice_steps * ROW_TILE)],
           x_scale_gmem.at[pl.ds(k_slice * slice_steps, slice_steps), rows])
 
     plgpu.wait_smem_to_gmem(0)
@@ -287,7 +299,7 @@ def _products_warp_specialized(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dty
       scratch_types=dict(o_smem=plgpu.SMEM(o_shape, dtype,
                                            transforms=_smem_transforms(o_shape[-1], dtype))),
       interpret=platform.interpret_params(), kernel_name="fp8_prefill_gemm_ws",
-  )(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM)
+  )(x8_MK, w8_NK, w_scale_NbKb.astype(jnp.float32), act_scale_KbM)
 
 
 def _programs(tiling: PrefillTiling) -> int:
@@ -330,8 +342,10 @@ def fp8_prefill_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
     splits = choose_splits(row_tiles * (n // COLUMN_TILE), k // BLOCK, _programs(tiling))
   if k // BLOCK % splits:
     raise ValueError(f"K={k} does not split into {splits} slices of whole {BLOCK}-blocks")
-  products = (functools.partial(_products_warp_specialized, num_stages=WARP_SPECIALIZED_STAGES)
-              if warp_specialized else functools.partial(_products, tiling=tiling))
-  out = products(x8_MK, w8_NK, scale_lanes(scale_NbKb, ROW_TILE), act_scale_KbM, x_MK.dtype,
-                 splits=splits)
+  if warp_specialized:
+    out = _products_warp_specialized(x8_MK, w8_NK, scale_NbKb, act_scale_KbM, x_MK.dtype,
+                                     num_stages=WARP_SPECIALIZED_STAGES, splits=splits)
+  else:
+    out = _products(x8_MK, w8_NK, scale_lanes(scale_NbKb, ROW_TILE), act_scale_KbM, x_MK.dtype,
+                    tiling=tiling, splits=splits)
   return _combine(out, m, splits, x_MK.dtype, per_slice=warp_specialized)
