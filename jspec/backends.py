@@ -71,29 +71,39 @@ def use_experts(moe_backend: str, mesh, ep_strategy: str, target_and_rules, draf
           sharded_experts(base_experts, mesh, draft_and_rules[1], ep_strategy))
 
 
+def use_fused_prefill_attention(mesh, pairs):
+  """Prefill chunks of the given (module, rules) pairs attend through cuDNN's fused attention
+  (two XLA products in the same call off GPU): GQA layers (more than 64 query rows per KV
+  head) and MLA layers' expanded form (more than 64 tokens), where cuDNN takes their heads.
+  Measured faster than XLA's attention at every chunk size (BENCHMARKS.md, "Prefill attention
+  through cuDNN's fused kernel", "MLA prefill through cuDNN; …")."""
+  interpret = jax.devices()[0].platform != "gpu"
+  implementation = "xla" if interpret else "cudnn"
+  hopper = platform.on_hopper()
+  for module, rules in _modules(pairs):
+    prefill = sharded_prefill_attention(mesh, rules, implementation)
+    for _, node in nnx.iter_graph(module):
+      if isinstance(node, Attention) and (interpret or fits_cudnn(node.head_dim, hopper)):
+        node.prefill_attention = prefill
+      elif isinstance(node, MLAttention) and (interpret or fits_cudnn(
+          node.nope_dim + node.rope_dim, hopper, node.value_dim)):
+        node.prefill_attention = sharded_prefill_attention(mesh, rules, implementation, "BSKH",
+                                                           node.scale)
+
+
 def use_pallas_attention(mesh, pairs, explicit: bool = True):
   """Decode, verify and draft steps of the given (module, rules) pairs attend through the
   split-S kernels, laid out like their caches (interpreted off GPU, where Triton cannot compile
   them): GQA layers through `window_attention`, MLA layers through `mla_decode` where the
   compiled kernel takes their latent width (jspec.pallas_kernels.mla_decode.fits_kernel).
-  GQA layers' prefill chunks, and MLA layers' (in the expanded form), go through cuDNN's
-  fused attention where it takes their heads (two XLA products in the same call off GPU),
-  whether or not `explicit`: measured faster than XLA's attention at every chunk size
-  (BENCHMARKS.md, "Prefill attention through cuDNN's fused kernel")."""
+  Prefill chunks through cuDNN (use_fused_prefill_attention), whether or not `explicit`."""
   from jspec.pallas_kernels.mla_decode import fits_kernel
   from jspec.pallas_kernels.mla_decode_wgmma import fits_latent as fits_wgmma
   interpret = jax.devices()[0].platform != "gpu"
+  use_fused_prefill_attention(mesh, pairs)
   for module, rules in _modules(pairs):
     kernel = sharded_window_attention(mesh, rules, interpret)
-    prefill = sharded_prefill_attention(mesh, rules, "xla" if interpret else "cudnn")
     for _, node in nnx.iter_graph(module):
-      if isinstance(node, Attention) and (interpret
-                                          or fits_cudnn(node.head_dim, platform.on_hopper())):
-        node.prefill_attention = prefill
-      if isinstance(node, MLAttention) and (interpret or fits_cudnn(
-          node.nope_dim + node.rope_dim, platform.on_hopper(), node.value_dim)):
-        node.prefill_attention = sharded_prefill_attention(
-            mesh, rules, "xla" if interpret else "cudnn", "BSKH", node.scale)
       if isinstance(node, Attention) and explicit:
         node.window_attention = kernel
       elif isinstance(node, MLAttention) and (interpret or fits_kernel(node.latent_dim,

@@ -13,8 +13,9 @@ import os
 
 import jax
 
-from jspec.backends import (set_recurrent_commit, use_experts, use_pallas_attention,
-                            use_projections, use_row_kernels, use_vocab_lookup)
+from jspec.backends import (set_recurrent_commit, use_experts, use_fused_prefill_attention,
+                            use_pallas_attention, use_projections, use_row_kernels,
+                            use_vocab_lookup)
 from jspec.checkpoint import is_converted, restore_converted
 from jspec.config import ModelConfig, SpecConfig, checkpoint_dtype, resolve_dtype
 from jspec.models.hf_config import config_from_dir
@@ -244,6 +245,9 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
     # (a benchmark may time it).
     use_pallas_attention(device_mesh, (target_pair, (mtp, draft_rules)),
                          explicit=attention_backend == "pallas")
+    # A separate drafter (a draft model, an EAGLE-3 head) prefills the prompt in the same
+    # chunks: its prefill attention goes through cuDNN too. Its decode steps keep XLA's.
+    use_fused_prefill_attention(device_mesh, (draft_pair,))
   projection_backend = use_projections(projection_backend, config.fp8_block, device_mesh,
                                        (target_pair, draft_pair))
   norm_backend = use_row_kernels(norm_backend, device_mesh,

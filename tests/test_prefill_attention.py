@@ -17,6 +17,7 @@ from flax import nnx
 from jspec.config import ModelConfig
 from jspec.models.caches import MLACache
 from jspec.models.mla import MLAttention
+from drafter_checkpoints import eagle3_head, truncated_draft_model
 from helpers import fixture_dir, greedy
 from jspec.models import prefill_attention as prefill_lib
 from jspec.models.prefill_attention import fits_cudnn, prefill_attention
@@ -208,6 +209,39 @@ def test_cudnn_on_gpu_matches_the_reference(t, s, kv_layout, heads, kv_heads, h,
                                                                       garbage_values)),
       jnp.asarray(positions), implementation="cudnn", kv_layout=kv_layout, scale=scale)
   np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=0.03, atol=0.03)
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "eagle3"])
+def test_separate_drafters_prefill_through_the_fused_call(drafter, tmp_path, monkeypatch):
+  """A draft model (the target's first layer) and an EAGLE-3 head prefill the prompt in the
+  target's chunks (of 64: 128 query rows per KV head): every attention layer of theirs is
+  given the fused call and makes calls of its own (more than the target alone makes), and
+  the greedy tokens and steps equal XLA's attention's."""
+  llama = fixture_dir("llama3")
+  model = (truncated_draft_model(llama, str(tmp_path / "draft"), 1) if drafter == "draft_model"
+           else eagle3_head(llama, str(tmp_path / "eagle3"), 96, aux_layer_ids=(0, 1, 1)))
+  prompts = [list(range(3, 140)), [5, 6, 7] * 30, [9, 8]]
+  calls = []
+  fused = prefill_lib.prefill_attention
+  monkeypatch.setattr(prefill_lib, "prefill_attention",
+                      lambda q, *args, **kwargs: calls.append(q.shape[1]) or fused(q, *args,
+                                                                                    **kwargs))
+  spec = {"method": drafter, "model": model, "num_speculative_tokens": 2}
+  results, counts = [], {}
+  for backend, speculative_config in (("xla", spec), ("pallas", None), ("pallas", spec)):
+    calls.clear()
+    llm = jspec.LLM(model=llama, dtype="float32", max_model_len=256, prefill_chunk_size=64,
+                    speculative_config=speculative_config, attention_backend=backend)
+    outs = llm.generate(prompts, greedy(6, ignore_eos=True))
+    counts[backend, speculative_config is None] = calls.count(64)
+    if speculative_config:
+      attentions = [n for _, n in nnx.iter_graph(llm.draft_module) if hasattr(n, "_attend")]
+      assert attentions and all((n.prefill_attention is None) == (backend == "xla")
+                                for n in attentions)
+      results.append([(o.token_ids, o.metrics.num_steps) for o in outs])
+  assert counts["xla", False] == 0
+  assert counts["pallas", False] > counts["pallas", True] > 0
+  assert results[0] == results[1]
 
 
 @pytest.mark.gpu
