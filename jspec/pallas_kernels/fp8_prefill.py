@@ -225,11 +225,10 @@ def _products_warp_specialized(x8_MK, w8_NK, w_scale_NbKb, act_scale_KbM, out_dt
   H200, bound (by our reading, not a profile: BENCHMARKS.md) by their L2-to-SM traffic of
   about 7 TB/s there.
 
-  w_scale_NbKb: the weight's block scales as stored. A tile's 128 columns are one block row,
-  so each step needs one of them, read as a scalar: repeating them over the rows' lanes first
-  (as _products takes them) wrote and read 128 times the scales' bytes in every call, about 2%
-  of an FP8 prefill on an H100 (BENCHMARKS.md, "FP8 and MLA decode kernels under the
-  profiler")."""
+  w_scale_NbKb: the block scales as stored; a tile's 128 columns are one block row, so each
+  step reads one scale as a scalar. Repeated over the rows' lanes first (as _products takes
+  them), they cost about 2% of an FP8 prefill on an H100 (BENCHMARKS.md, "MLA prefill
+  through cuDNN; …")."""
   m, k = x8_MK.shape
   n = w8_NK.shape[0]
   row_tiles, column_tiles = m // ROW_TILE, n // BLOCK
