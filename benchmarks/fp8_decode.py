@@ -8,8 +8,9 @@ Per precision: the weights' bytes on the device, then per batch size the end-to-
 (prompt --prompt-len, --max-tokens new tokens, greedy, ignore_eos; the median of --repeats
 calls after a warm-up), the decode step (TPOT: time per output token after the first) and a
 prefill of --prefill-len tokens (time to first token of one such prompt). First, the FP8
-model's logits through the FP8 kernel against the same weights scaled before XLA's dot. Random weights:
-step costs only (the tokens of the two precisions differ, as their weights do).
+model's logits through the FP8 kernel against the same weights scaled before XLA's dot.
+Random weights: step costs only (the tokens of the two precisions differ, as their weights
+do).
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ def main():
   parser.add_argument("--profile", action="store_true",
                       help="also trace one call at the first batch size per precision: GPU "
                            "time by op")
-  parser.add_argument("--no-prefill", action="store_true", help="skip the long-prompt row")
-  parser.add_argument("--prefill-only", action="store_true",
-                      help="only the long-prompt row (no decode rows, no logits check)")
+  rows_wanted = parser.add_mutually_exclusive_group()
+  rows_wanted.add_argument("--no-prefill", action="store_true", help="skip the long-prompt row")
+  rows_wanted.add_argument("--prefill-only", action="store_true",
+                           help="only the long-prompt row (no decode rows, no logits check)")
   parser.add_argument("--experts-whole-k", action="store_true",
                       help="FP8 MoE: the decode expert kernels on whole K (no K slices where a "
                            "step's items are few: the path before them), for a before / after")
@@ -96,7 +98,8 @@ def main():
         if getattr(node, "fp8_projection", None) is not None:
           node.fp8_projection.many = None  # linear.project_many_named: one call per weight
     print(f"{precision}: built in {time.perf_counter() - start:.1f} s", flush=True)
-    if precision == "fp8" and not args.prefill_only:  # the FP8 kernel's logits against the scaled weights' under XLA
+    # The FP8 kernel's logits against the scaled weights' under XLA.
+    if precision == "fp8" and not args.prefill_only:
       xla = jspec.LLM.from_random(cfg, None, max_model_len=max_len, max_num_seqs=1,
                                   projection_backend="xla")
       short = [prompts[0][:16]]  # a prefill of <= 64 rows: through the kernel

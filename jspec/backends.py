@@ -15,7 +15,8 @@ from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
 from jspec.models.mla import MLAttention
 from jspec.models.norms import RMSNorm
-from jspec.models.prefill_attention import fits_cudnn, sharded_prefill_attention
+from jspec.models.prefill_attention import (cudnn_version, fits_cudnn,
+                                            sharded_prefill_attention)
 from jspec.models.moe import MoE
 from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
@@ -75,20 +76,24 @@ def use_fused_prefill_attention(mesh, pairs):
   """Prefill chunks of the given (module, rules) pairs attend through cuDNN's fused attention
   (two XLA products in the same call off GPU): GQA layers (more than 64 query rows per KV
   head) and MLA layers' expanded form (more than 64 tokens), where cuDNN takes their heads.
-  Measured faster than XLA's attention at every chunk size (BENCHMARKS.md, "Prefill attention
-  through cuDNN's fused kernel", "MLA prefill through cuDNN; …")."""
+  GQA's was measured faster than XLA's attention at every chunk size, MLA's at DeepSeek-V3's
+  shapes in chunks of 256 (BENCHMARKS.md, "Prefill attention through cuDNN's fused kernel",
+  "MLA prefill through cuDNN; …")."""
   interpret = jax.devices()[0].platform != "gpu"
   implementation = "xla" if interpret else "cudnn"
-  hopper = platform.on_hopper()
+  hopper, version = platform.on_hopper(), cudnn_version()
   for module, rules in _modules(pairs):
     prefill = sharded_prefill_attention(mesh, rules, implementation)
+    mla_prefill = {}  # one call per softmax scale (every MLA layer of a model has the same)
     for _, node in nnx.iter_graph(module):
       if isinstance(node, Attention) and (interpret or fits_cudnn(node.head_dim, hopper)):
         node.prefill_attention = prefill
       elif isinstance(node, MLAttention) and (interpret or fits_cudnn(
-          node.nope_dim + node.rope_dim, hopper, node.value_dim)):
-        node.prefill_attention = sharded_prefill_attention(mesh, rules, implementation, "BSKH",
-                                                           node.scale)
+          node.nope_dim + node.rope_dim, hopper, node.value_dim, version)):
+        if node.scale not in mla_prefill:
+          mla_prefill[node.scale] = sharded_prefill_attention(mesh, rules, implementation,
+                                                              "BSKH", node.scale)
+        node.prefill_attention = mla_prefill[node.scale]
 
 
 def use_pallas_attention(mesh, pairs, explicit: bool = True):

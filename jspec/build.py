@@ -246,7 +246,8 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
     use_pallas_attention(device_mesh, (target_pair, (mtp, draft_rules)),
                          explicit=attention_backend == "pallas")
     # A separate drafter (a draft model, an EAGLE-3 head) prefills the prompt in the same
-    # chunks: its prefill attention goes through cuDNN too. Its decode steps keep XLA's.
+    # chunks: its windows of more than 64 query rows per KV head go through cuDNN too; its
+    # narrower ones (draft steps) keep XLA's attention.
     use_fused_prefill_attention(device_mesh, (draft_pair,))
   projection_backend = use_projections(projection_backend, config.fp8_block, device_mesh,
                                        (target_pair, draft_pair))

@@ -106,11 +106,13 @@ def test_cudnn_takes_heads_of_a_multiple_of_8_up_to_its_limit(head_dim, hopper, 
   assert fits_cudnn(head_dim, hopper) == fits
 
 
-@pytest.mark.parametrize("head_dim, value_dim, hopper, fits", [
-    (192, 128, True, True), (192, 128, False, False), (24, 16, True, True),
-    (192, 100, True, False), (128, 128, False, True)])
-def test_cudnn_takes_narrower_values_on_hopper_only(head_dim, value_dim, hopper, fits):
-  assert fits_cudnn(head_dim, hopper, value_dim) == fits
+@pytest.mark.parametrize("head_dim, value_dim, hopper, version, fits", [
+    (192, 128, True, 91000, True), (192, 128, False, 91000, False), (24, 16, True, 91000, True),
+    (192, 100, True, 91000, False), (128, 128, False, 90100, True),
+    (192, 128, True, 90800, False), (128, 192, True, 91000, False)])
+def test_cudnn_takes_narrower_values_on_hopper_from_9_10_only(head_dim, value_dim, hopper,
+                                                              version, fits):
+  assert fits_cudnn(head_dim, hopper, value_dim, version) == fits
 
 
 PROMPTS = [list(range(3, 150)), [5, 6, 7] * 30, list(range(200, 270)), [9, 8]]
@@ -155,10 +157,11 @@ MLA_PROMPTS = [list(range(3, 150)), [5, 6, 7] * 30, list(range(10, 80)), [9, 8]]
 def test_mla_prefill_chunks_through_the_fused_call_match_xla_attention(mesh, monkeypatch,
                                                                       tmp_path):
   """DeepSeek-V3's expanded prefill form (chunks of 128 rows: more than the absorbed form
-  takes; a prompt's second chunk starts mid-cache) through the fused call with its per-head keys, the shared roped key repeated over
-  the heads: the logits of every position, and the greedy tokens and steps with MTP, equal
-  XLA's attention's, on one device and on dp = 2 x tp = 2 (two heads a shard). The fixture
-  is given 256 positions (its yarn rope extends any length) for prompts of two chunks."""
+  takes; a prompt's second chunk starts mid-cache) through the fused call with its per-head
+  keys, the shared roped key repeated over the heads: the logits of every position, and the
+  greedy tokens and steps with MTP, equal XLA's attention's, on one device and on dp = 2 x
+  tp = 2 (two heads a shard). The fixture is given 256 positions (its yarn rope extends any
+  length) for prompts of two chunks."""
   model = tmp_path / "deepseek_v3"
   shutil.copytree(fixture_dir("deepseek_v3"), model)
   config = json.loads((model / "config.json").read_text())
@@ -223,9 +226,12 @@ def test_separate_drafters_prefill_through_the_fused_call(drafter, tmp_path, mon
   prompts = [list(range(3, 140)), [5, 6, 7] * 30, [9, 8]]
   calls = []
   fused = prefill_lib.prefill_attention
-  monkeypatch.setattr(prefill_lib, "prefill_attention",
-                      lambda q, *args, **kwargs: calls.append(q.shape[1]) or fused(q, *args,
-                                                                                    **kwargs))
+
+  def counted(q_BTNH, *args, **kwargs):
+    calls.append(q_BTNH.shape[1])
+    return fused(q_BTNH, *args, **kwargs)
+
+  monkeypatch.setattr(prefill_lib, "prefill_attention", counted)
   spec = {"method": drafter, "model": model, "num_speculative_tokens": 2}
   results, counts = [], {}
   for backend, speculative_config in (("xla", spec), ("pallas", None), ("pallas", spec)):
@@ -233,14 +239,15 @@ def test_separate_drafters_prefill_through_the_fused_call(drafter, tmp_path, mon
     llm = jspec.LLM(model=llama, dtype="float32", max_model_len=256, prefill_chunk_size=64,
                     speculative_config=speculative_config, attention_backend=backend)
     outs = llm.generate(prompts, greedy(6, ignore_eos=True))
-    counts[backend, speculative_config is None] = calls.count(64)
-    if speculative_config:
+    with_drafter = speculative_config is not None
+    counts[backend, with_drafter] = calls.count(64)
+    if with_drafter:
       attentions = [n for _, n in nnx.iter_graph(llm.draft_module) if hasattr(n, "_attend")]
       assert attentions and all((n.prefill_attention is None) == (backend == "xla")
                                 for n in attentions)
       results.append([(o.token_ids, o.metrics.num_steps) for o in outs])
-  assert counts["xla", False] == 0
-  assert counts["pallas", False] > counts["pallas", True] > 0
+  assert counts["xla", True] == 0
+  assert counts["pallas", True] > counts["pallas", False] > 0
   assert results[0] == results[1]
 
 

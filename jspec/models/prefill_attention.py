@@ -16,8 +16,8 @@ Two key layouts: "BKSH", the GQA cache's own [B, K, S, H], and "BSKH", [B, S, K,
 per-head keys and values, expanded from the latent in that order), which is cuDNN's. The
 cache's window is transposed into it in every layer of every chunk (7.4 ms of a 205 ms
 prefill on an H100): jax's cuDNN wrapper takes the cache's order too, but the window must
-still be copied out of the larger cache first, and a prefill through it measured 2.4% slower
-on an H100 (BENCHMARKS.md, "MLA prefill through cuDNN; …"). MLA's values are narrower than
+still be copied out of the larger cache first, and a prefill through it was no faster on an
+H100 (one run each; BENCHMARKS.md, "MLA prefill through cuDNN; …"). MLA's values are narrower than
 its queries (128 against 192), which `jax.nn.dot_product_attention` does not take: those go
 through jax's cuDNN wrapper itself. Off the GPU, and for dtypes cuDNN does not take
 (float32), the same call runs as two products in XLA, which the CPU tests check against
@@ -39,10 +39,27 @@ CUDNN_MAX_HEAD_DIM = 256  # on Hopper (128 before it)
 KV_LAYOUTS = ("BKSH", "BSKH")
 
 
-def fits_cudnn(head_dim: int, hopper: bool, value_dim: int | None = None) -> bool:
+CUDNN_NARROWER_VALUES_VERSION = 91000  # cuDNN 9.10: values narrower than the queries
+
+
+def cudnn_version() -> int:
+  """The cuDNN version jax's GPU plugin loaded (e.g. 91000 for 9.10), 0 where there is none."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    return int(cudnn.check_cudnn_version())
+  except (ImportError, RuntimeError, AttributeError):
+    return 0
+
+
+def fits_cudnn(head_dim: int, hopper: bool, value_dim: int | None = None,
+               version: int = CUDNN_NARROWER_VALUES_VERSION) -> bool:
   """Whether cuDNN's flash attention takes heads of this width (a multiple of 8, at most 256
-  on Hopper and 128 before); values narrower than the queries (MLA) on Hopper only."""
-  if value_dim is not None and value_dim != head_dim and not (hopper and value_dim % 8 == 0):
+  on Hopper and 128 before); values narrower than the queries (MLA), also a multiple of 8,
+  on Hopper from cuDNN `version` 9.10 only."""
+  if value_dim is not None and value_dim != head_dim and not (
+      hopper and version >= CUDNN_NARROWER_VALUES_VERSION and value_dim < head_dim
+      and value_dim % 8 == 0):
     return False
   return head_dim % 8 == 0 and head_dim <= (CUDNN_MAX_HEAD_DIM if hopper else 128)
 
@@ -81,7 +98,7 @@ def prefill_attention(q_BTNH, keys, values, positions_BT, *, implementation: str
   """Causal attention of a chunk's queries [B, T, N, H] (N = K * G heads in KV-group order)
   against S key slots in `kv_layout` ([B, K, S, H] or [B, S, K, H]; values of width V <= H in
   the same order), by position [B, T]. scale: the scores' (default H^-0.5).
-  Returns [B, T, N, V]."""
+  Returns [B, T, N, V]. (sharded_prefill_attention takes "BSKH" keys of N heads only.)"""
   if kv_layout not in KV_LAYOUTS:
     raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
   slots = keys.shape[2] if kv_layout == "BKSH" else keys.shape[1]
@@ -97,8 +114,8 @@ def prefill_attention(q_BTNH, keys, values, positions_BT, *, implementation: str
 def sharded_prefill_attention(mesh: Mesh, rules: ShardingRules, implementation: str,
                               kv_layout: str = "BKSH", scale: float | None = None):
   """`prefill_attention` per shard of `mesh`, laid out as the caches are (sequences over the
-  batch axes, heads over tp; MLA's per-head keys "BSKH" over the query heads' axis): a custom
-  call XLA cannot partition itself, and no collective is needed."""
+  batch axes, heads over tp; MLA's per-head keys "BSKH", one per query head, over the query
+  heads' axis): a custom call XLA cannot partition itself, and no collective is needed."""
   q = rules.spec(("batch", "seq", "q_heads", "head_dim"))
   if kv_layout == "BKSH":
     kv = rules.spec(("batch", "kv_heads", "cache_seq", "head_dim"))

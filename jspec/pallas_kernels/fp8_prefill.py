@@ -101,24 +101,22 @@ def _slice_and_row(index, row_tiles: int):
   return lax.div(index, jnp.int32(row_tiles)), lax.rem(index, jnp.int32(row_tiles))
 
 
+def _lanes(scale_smem):
+  """[128] float32 over the rows' lanes, as a step's product [64, 128] takes them."""
+  return plgpu.load(scale_smem.at[pl.ds(0, ROW_TILE)], layout=plgpu.Layout.WGMMA.reduce(0))
+
+
 def _add_scaled_step(total, w_smem, x_smem, w_scale, x_scale_smem):
   """total + (w @ x^T for one 128-K step, in a fresh float32 accumulator) x the weight block's
   scale x each row's: w_smem [64 columns, 128] and x_smem [128 rows, 128] e4m3, the rows'
-  scales over their lanes ([128] float32). w_scale: the weight block's scale, over the rows'
-  lanes as x's (an SMEM ref) or one float32 read before the products (a scalar), whose
-  load then runs while they do."""
-  lanes = pl.ds(0, ROW_TILE)
-  if isinstance(w_scale, jax.Array) and w_scale.ndim == 0:
-    w_scale_R = w_scale
-  else:
-    w_scale_R = plgpu.load(w_scale.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0))
-
+  scales over their lanes in SMEM ([128] float32). w_scale: the weight block's, loaded by the
+  caller before this step's products (over the lanes as x's, or one scalar)."""
   def mma(acc):
     plgpu.wgmma(acc, w_smem, x_smem.T)
     return acc[...]
 
   part = pl.run_scoped(mma, plgpu.ACC((COLUMN_TILE, ROW_TILE)))
-  scale_R = w_scale_R * plgpu.load(x_scale_smem.at[lanes], layout=plgpu.Layout.WGMMA.reduce(0))
+  scale_R = w_scale * _lanes(x_scale_smem)
   return total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
 
 
@@ -178,7 +176,7 @@ def _products(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype, tiling: Prefi
     def accumulate(column, slice_row, step, sums, smem_refs):
       x_smem, w_smem, w_scale_smem, x_scale_smem = smem_refs
       (total,) = sums
-      return (_add_scaled_step(total, w_smem, x_smem, w_scale_smem, x_scale_smem),)
+      return (_add_scaled_step(total, w_smem, x_smem, _lanes(w_scale_smem), x_scale_smem),)
 
     def epilogue(column, slice_row, sums, smem_refs, o_smem):
       (total,) = sums
