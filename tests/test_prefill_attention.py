@@ -115,6 +115,21 @@ def test_cudnn_takes_narrower_values_on_hopper_from_9_10_only(head_dim, value_di
   assert fits_cudnn(head_dim, hopper, value_dim, version) == fits
 
 
+@pytest.fixture
+def fused_calls(monkeypatch):
+  """Every call of the fused prefill attention from here on (at tracing), as (query rows,
+  keyword arguments): proof that a model's chunks went through it."""
+  calls = []
+  fused = prefill_lib.prefill_attention
+
+  def counted(q_BTNH, *args, **kwargs):
+    calls.append((q_BTNH.shape[1], kwargs))
+    return fused(q_BTNH, *args, **kwargs)
+
+  monkeypatch.setattr(prefill_lib, "prefill_attention", counted)
+  return calls
+
+
 PROMPTS = [list(range(3, 150)), [5, 6, 7] * 30, list(range(200, 270)), [9, 8]]
 
 
@@ -123,18 +138,10 @@ PROMPTS = [list(range(3, 150)), [5, 6, 7] * 30, list(range(200, 270)), [9, 8]]
     # dp = 2, and tp = 4 over 2 KV heads: each shard holds a copy of its KV head.
     ((2, 4, 1), {"method": "mtp", "num_speculative_tokens": 2}),
 ])
-def test_prefill_chunks_through_the_fused_call_match_xla_attention(mesh, spec, monkeypatch):
+def test_prefill_chunks_through_the_fused_call_match_xla_attention(mesh, spec, fused_calls):
   """Prompts of 2-147 tokens in chunks of 128 (128-256 query rows per KV head: wider than
   the decode kernel takes), so that a prompt's second chunk starts mid-cache; the logits of
   every position, and the greedy tokens and steps, equal XLA's attention's."""
-  rows = []
-  fused = prefill_lib.prefill_attention
-
-  def counted(q_BTNH, *args, **kwargs):
-    rows.append(q_BTNH.shape[1])
-    return fused(q_BTNH, *args, **kwargs)
-
-  monkeypatch.setattr(prefill_lib, "prefill_attention", counted)
   dp, tp, ep = mesh
   logits, tokens = [], []
   for backend in ("xla", "pallas"):
@@ -144,7 +151,7 @@ def test_prefill_chunks_through_the_fused_call_match_xla_attention(mesh, spec, m
     logits.append(llm.compute_logits(PROMPTS))
     tokens.append([(o.token_ids, o.metrics.num_steps)
                    for o in llm.generate(PROMPTS, greedy(8, ignore_eos=True))])
-  assert 128 in rows, "no prefill chunk went through the fused call"
+  assert 128 in [rows for rows, _ in fused_calls], "no prefill chunk went through the fused call"
   for want, got in zip(*logits):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   assert tokens[0] == tokens[1]
@@ -154,7 +161,7 @@ MLA_PROMPTS = [list(range(3, 150)), [5, 6, 7] * 30, list(range(10, 80)), [9, 8]]
 
 
 @pytest.mark.parametrize("mesh", [(1, 1, 1), (2, 2, 1)])
-def test_mla_prefill_chunks_through_the_fused_call_match_xla_attention(mesh, monkeypatch,
+def test_mla_prefill_chunks_through_the_fused_call_match_xla_attention(mesh, fused_calls,
                                                                       tmp_path):
   """DeepSeek-V3's expanded prefill form (chunks of 128 rows: more than the absorbed form
   takes; a prompt's second chunk starts mid-cache) through the fused call with its per-head
@@ -166,14 +173,6 @@ def test_mla_prefill_chunks_through_the_fused_call_match_xla_attention(mesh, mon
   shutil.copytree(fixture_dir("deepseek_v3"), model)
   config = json.loads((model / "config.json").read_text())
   (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
-  layouts = []
-  fused = prefill_lib.prefill_attention
-
-  def counted(q_BTNH, *args, **kwargs):
-    layouts.append((q_BTNH.shape[1], kwargs["kv_layout"]))
-    return fused(q_BTNH, *args, **kwargs)
-
-  monkeypatch.setattr(prefill_lib, "prefill_attention", counted)
   dp, tp, ep = mesh
   logits, tokens = [], []
   for backend in ("xla", "pallas"):
@@ -184,7 +183,8 @@ def test_mla_prefill_chunks_through_the_fused_call_match_xla_attention(mesh, mon
     logits.append(llm.compute_logits(MLA_PROMPTS))
     tokens.append([(o.token_ids, o.metrics.num_steps)
                    for o in llm.generate(MLA_PROMPTS, greedy(6, ignore_eos=True))])
-  assert (128, "BSKH") in layouts, "no MLA prefill chunk went through the fused call"
+  assert (128, "BSKH") in [(rows, kw["kv_layout"]) for rows, kw in fused_calls], \
+      "no MLA prefill chunk went through the fused call"
   for want, got in zip(*logits):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   assert tokens[0] == tokens[1]
@@ -215,7 +215,7 @@ def test_cudnn_on_gpu_matches_the_reference(t, s, kv_layout, heads, kv_heads, h,
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "eagle3"])
-def test_separate_drafters_prefill_through_the_fused_call(drafter, tmp_path, monkeypatch):
+def test_separate_drafters_prefill_through_the_fused_call(drafter, tmp_path, fused_calls):
   """A draft model (the target's first layer) and an EAGLE-3 head prefill the prompt in the
   target's chunks (of 64: 128 query rows per KV head): every attention layer of theirs is
   given the fused call and makes calls of its own (more than the target alone makes), and
@@ -224,23 +224,15 @@ def test_separate_drafters_prefill_through_the_fused_call(drafter, tmp_path, mon
   model = (truncated_draft_model(llama, str(tmp_path / "draft"), 1) if drafter == "draft_model"
            else eagle3_head(llama, str(tmp_path / "eagle3"), 96, aux_layer_ids=(0, 1, 1)))
   prompts = [list(range(3, 140)), [5, 6, 7] * 30, [9, 8]]
-  calls = []
-  fused = prefill_lib.prefill_attention
-
-  def counted(q_BTNH, *args, **kwargs):
-    calls.append(q_BTNH.shape[1])
-    return fused(q_BTNH, *args, **kwargs)
-
-  monkeypatch.setattr(prefill_lib, "prefill_attention", counted)
   spec = {"method": drafter, "model": model, "num_speculative_tokens": 2}
   results, counts = [], {}
   for backend, speculative_config in (("xla", spec), ("pallas", None), ("pallas", spec)):
-    calls.clear()
+    fused_calls.clear()
     llm = jspec.LLM(model=llama, dtype="float32", max_model_len=256, prefill_chunk_size=64,
                     speculative_config=speculative_config, attention_backend=backend)
     outs = llm.generate(prompts, greedy(6, ignore_eos=True))
     with_drafter = speculative_config is not None
-    counts[backend, with_drafter] = calls.count(64)
+    counts[backend, with_drafter] = [rows for rows, _ in fused_calls].count(64)
     if with_drafter:
       attentions = [n for _, n in nnx.iter_graph(llm.draft_module) if hasattr(n, "_attend")]
       assert attentions and all((n.prefill_attention is None) == (backend == "xla")
@@ -252,25 +244,18 @@ def test_separate_drafters_prefill_through_the_fused_call(drafter, tmp_path, mon
 
 
 @pytest.mark.gpu
-def test_gpu_model_prefill_through_cudnn_matches_xla_attention(monkeypatch):
+def test_gpu_model_prefill_through_cudnn_matches_xla_attention(fused_calls):
   """A bf16 GQA model's prompt chunks through cuDNN (the default "auto" backend on Hopper; a
   prompt's second chunk starts mid-cache): every position's logits within bf16 rounding of
   XLA's attention's (the fixture's heads, 32 wide, fit cuDNN's)."""
   assert jax.devices()[0].platform == "gpu"
-  calls = []
-  fused = prefill_lib.prefill_attention
-
-  def counted(q_BTNH, *args, **kwargs):
-    calls.append(kwargs["implementation"])
-    return fused(q_BTNH, *args, **kwargs)
-
-  monkeypatch.setattr(prefill_lib, "prefill_attention", counted)
   logits = []
   for backend in ("xla", "auto"):
     llm = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="bfloat16", max_model_len=128,
                     attention_backend=backend, prefill_chunk_size=64)
     logits.append(llm.compute_logits([list(range(3, 120)), [5, 6, 7] * 30]))
-  assert "cudnn" in calls, "no prefill chunk went through cuDNN"
+  assert "cudnn" in [kw["implementation"] for _, kw in fused_calls], \
+      "no prefill chunk went through cuDNN"
   for want, got in zip(*logits):
     np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05 * np.abs(want).max())
 
