@@ -247,8 +247,9 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
                          explicit=attention_backend == "pallas")
     # A separate drafter (a draft model, an EAGLE-3 head) prefills the prompt in the same
     # chunks: its windows of more than 64 query rows per KV head go through cuDNN too; its
-    # narrower ones (draft steps) keep XLA's attention.
-    use_fused_prefill_attention(device_mesh, (draft_pair,))
+    # narrower ones (draft steps) keep XLA's attention. (The MTP drafter is the head above.)
+    if draft_module is not mtp:
+      use_fused_prefill_attention(device_mesh, (draft_pair,))
   projection_backend = use_projections(projection_backend, config.fp8_block, device_mesh,
                                        (target_pair, draft_pair))
   norm_backend = use_row_kernels(norm_backend, device_mesh,

@@ -17,9 +17,9 @@ per-head keys and values, expanded from the latent in that order), which is cuDN
 cache's window is transposed into it in every layer of every chunk (7.4 ms of a 205 ms
 prefill on an H100): jax's cuDNN wrapper takes the cache's order too, but the window must
 still be copied out of the larger cache first, and a prefill through it was no faster on an
-H100 (one run each; BENCHMARKS.md, "MLA prefill through cuDNN; …"). MLA's values are narrower than
-its queries (128 against 192), which `jax.nn.dot_product_attention` does not take: those go
-through jax's cuDNN wrapper itself. Off the GPU, and for dtypes cuDNN does not take
+H100 (one run each; BENCHMARKS.md, "MLA prefill through cuDNN; …"). MLA's values are
+narrower than its queries (128 against 192), which `jax.nn.dot_product_attention` does not
+take: those go through jax's cuDNN wrapper itself. Off the GPU, and for dtypes cuDNN does not take
 (float32), the same call runs as two products in XLA, which the CPU tests check against
 NumPy.
 """
@@ -36,10 +36,9 @@ from jspec.sharding.rules import ShardingRules
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 CUDNN_MAX_HEAD_DIM = 256  # on Hopper (128 before it)
-KV_LAYOUTS = ("BKSH", "BSKH")
-
-
 CUDNN_NARROWER_VALUES_VERSION = 91000  # cuDNN 9.10: values narrower than the queries
+KV_LAYOUTS = ("BKSH", "BSKH")
+IMPLEMENTATIONS = ("cudnn", "xla")
 
 
 def cudnn_version() -> int:
@@ -101,13 +100,13 @@ def prefill_attention(q_BTNH, keys, values, positions_BT, *, implementation: str
   Returns [B, T, N, V]. (sharded_prefill_attention takes "BSKH" keys of N heads only.)"""
   if kv_layout not in KV_LAYOUTS:
     raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be 'cudnn' or 'xla', got {implementation!r}")
   slots = keys.shape[2] if kv_layout == "BKSH" else keys.shape[1]
   scale = q_BTNH.shape[-1] ** -0.5 if scale is None else scale
   visible_BTS = jnp.arange(slots)[None, None, :] <= positions_BT[:, :, None]
   if implementation == "cudnn" and q_BTNH.dtype in CUDNN_DTYPES:
     return _cudnn_attention(q_BTNH, keys, values, visible_BTS, scale, kv_layout)
-  if implementation not in ("cudnn", "xla"):
-    raise ValueError(f"implementation must be 'cudnn' or 'xla', got {implementation!r}")
   return _xla_attention(q_BTNH, keys, values, visible_BTS, scale, kv_layout)
 
 
