@@ -21,8 +21,8 @@ from jspec.models.moe import MoE
 from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
                                       weights_replicated)
-from jspec.models.row_kernels import (resolve_norm_backend, sharded_qk_norm_rope,
-                                      sharded_rms_norm)
+from jspec.models.row_kernels import (resolve_norm_backend, sharded_kv_write,
+                                      sharded_qk_norm_rope, sharded_rms_norm)
 from jspec.pallas_kernels import platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
 from jspec.sharding.rules import axis_size
@@ -167,9 +167,10 @@ def _use_fp8_projections(fp8_block, mesh, pairs):
 
 
 def use_row_kernels(backend: str, mesh, pairs) -> str:
-  """Sets the norms' `row_kernel` and the attention layers' `qk_kernel`
+  """Sets the norms' `row_kernel`, the attention layers' `qk_kernel` and `kv_write`
   (jspec.models.row_kernels) where the backend is "pallas" and the shapes fit; returns the
   backend in effect ("auto" resolved)."""
+  from jspec.pallas_kernels.kv_write import fits_kernel as kv_fits
   from jspec.pallas_kernels.row_norms import fits_kernel
   backend = resolve_norm_backend(backend)
   if backend == "xla":
@@ -177,6 +178,9 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
   interpret = not platform.on_gpu()
   for module, rules in _modules(pairs):
     norms = {}  # one shard_map per (eps, form): the layers share them
+    kv_write = None  # the cache's slots and head_dim whole on every shard
+    if axis_size(mesh, rules.cache_seq) == 1 and axis_size(mesh, rules.head_dim) == 1:
+      kv_write = sharded_kv_write(mesh, rules, interpret)
     for _, node in nnx.iter_graph(module):
       # The norms of the hidden size only (layers, final, MTP and EAGLE heads): MLA's latent
       # norms read a slice of their projection's output, which a kernel would copy first.
@@ -186,8 +190,14 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         if form not in norms:
           norms[form] = sharded_rms_norm(mesh, rules, node.eps, node.zero_centered, interpret)
         node.row_kernel = norms[form]
-      elif (isinstance(node, Attention) and node.takes_qk_kernel()
-            and node.fp8_projection is None):
+      if (isinstance(node, Attention) and kv_write is not None and kv_fits(node.head_dim)
+          and node.fp8_projection is None):
+        # FP8 layers keep XLA's writes, into which XLA fuses the value's K-slice sum: with the
+        # kernel that sum is a kernel of its own, and the FP8 step measured no faster (one
+        # H100, BENCHMARKS.md, "KV cache writes in one kernel").
+        node.kv_write = kv_write
+      if (isinstance(node, Attention) and node.takes_qk_kernel()
+          and node.fp8_projection is None):
         # FP8 q and k stay with XLA: with their K-slice sum fused into the norms and RoPE
         # that read them, the kernel plus the fusions it needs to write q, k and v cost
         # what XLA's fusions cost (one H100, BENCHMARKS.md, "FP8 K-slice sums fused ...").

@@ -172,8 +172,9 @@ def test_the_steps_run_the_kernels_where_the_backend_sets_them():
   llm, plain = _llm("qwen3_dense", "pallas"), _llm("qwen3_dense", "xla")
   layer, plain_layer = llm.target.layers[0], plain.target.layers[0]
   assert layer.attn.qk_kernel is not None and layer.post_attn_norm.row_kernel is not None
-  assert llm.target.final_norm.row_kernel is not None
+  assert layer.attn.kv_write is not None and llm.target.final_norm.row_kernel is not None
   assert plain_layer.attn.qk_kernel is None and plain_layer.post_attn_norm.row_kernel is None
+  assert plain_layer.attn.kv_write is None
   assert layer.attn.q_norm.row_kernel is None  # q / k norms run inside qk_norm_rope
   d = llm.config.hidden_size
   x = jnp.ones((2, 3, d), jnp.float32)
@@ -200,21 +201,22 @@ def test_greedy_tokens_through_the_kernels_on_a_mesh_equal_one_device():
   want = greedy_token_ids(_llm("qwen3_dense", "xla"), PROMPTS, 5)
   meshed = _llm("qwen3_dense", "pallas", mesh=jspec.MeshConfig(dp=2, tp=4))
   attn = meshed.target.layers[0].attn
-  assert attn.qk_kernel is not None and attn.kv_replicas == 2
+  assert attn.qk_kernel is not None and attn.kv_write is not None and attn.kv_replicas == 2
   assert greedy_token_ids(meshed, PROMPTS, 5) == want
 
 
 def test_fp8_attention_keeps_xla_for_q_and_k(monkeypatch):
   """Where q and k come from one FP8 kernel call (the Hopper configuration, interpreted here)
-  q / k keep XLA's fusions, into which that call's K-slice sum goes (the kernel measured no
-  faster there); the hidden-size norms take the kernel."""
+  q / k and the cache writes keep XLA's fusions, into which that call's K-slice sum goes (the
+  kernels measured no faster there); the hidden-size norms take the kernel."""
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)
     llm = _llm("qwen3_dense_fp8", "pallas")
   layer = llm.target.layers[0]
   assert layer.attn.fp8_projection is not None and layer.attn.qk_kernel is None
-  assert layer.post_attn_norm.row_kernel is not None
-  assert _llm("qwen3_dense_fp8", "pallas").target.layers[0].attn.qk_kernel is not None
+  assert layer.attn.kv_write is None and layer.post_attn_norm.row_kernel is not None
+  off_hopper = _llm("qwen3_dense_fp8", "pallas").target.layers[0].attn
+  assert off_hopper.qk_kernel is not None and off_hopper.kv_write is not None
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------

@@ -121,6 +121,10 @@ class Attention(nnx.Module):
     # Optional kernel for the q / k norms and RoPE of steps with few rows, set by the LLM
     # (jspec.models.row_kernels): (q, k, positions, q and k norm scales or None) -> (q, k).
     self.qk_kernel = None
+    # Optional kernel writing a step's keys and values into the cache, set by the LLM
+    # (jspec.models.row_kernels.sharded_kv_write): (keys, values, k, v, positions) -> (keys,
+    # values), for steps of few rows. None: two XLA scatters.
+    self.kv_write = None
     self.head_dim = h
 
   def _dense(self, x, name: str, spec: str, in_axes: int = 1):
@@ -200,8 +204,11 @@ class Attention(nnx.Module):
     if self.kv_replicas > 1:  # copy r of head j at r*j .. r*j+r-1: query group order is kept
       k_BTKH = jnp.repeat(k_BTKH, self.kv_replicas, axis=2)
       v_BTKH = jnp.repeat(v_BTKH, self.kv_replicas, axis=2)
-    cache_k = write_cache(cache.keys, k_BTKH, positions_BT)
-    cache_v = write_cache(cache.values, v_BTKH, positions_BT)
+    if self.kv_write is not None and takes_rows(k_BTKH, ndim=4):
+      cache_k, cache_v = self.kv_write(cache.keys, cache.values, k_BTKH, v_BTKH, positions_BT)
+    else:
+      cache_k = write_cache(cache.keys, k_BTKH, positions_BT)
+      cache_v = write_cache(cache.values, v_BTKH, positions_BT)
     cache = KVCache(cache_k, cache_v)
     b, t, n, h = q_BTNH.shape
     group = n // self.num_kv_heads

@@ -6,6 +6,9 @@ jspec.pallas_kernels.row_norms' residual add + RMSNorm and q / k norms + RoPE, p
             prefill chunks and for shapes they do not take.
   "auto"    "pallas" on a GPU, "xla" elsewhere.
 
+A step's new keys and values go into the KV cache through one kernel too
+(jspec.pallas_kernels.kv_write), in place of XLA's two scatters.
+
 The kernels work on whole rows, so they run under `shard_map` with the rows split over the
 batch axes as the activations are, and heads over tp for q and k; a norm whose width the mesh
 splits keeps XLA's.
@@ -85,3 +88,16 @@ def sharded_qk_norm_rope(mesh: Mesh, rules: ShardingRules, kv_axis: str | None, 
   whole = PartitionSpec()
   return jax.shard_map(per_shard, mesh=mesh, in_specs=(q, k, positions, whole, whole),
                        out_specs=(q, k), check_vma=False)
+
+
+def sharded_kv_write(mesh: Mesh, rules: ShardingRules, interpret: bool):
+  """(keys, values [B, K, S, H], k, v [B, T, K, H], positions [B, T]) -> (keys, values) with
+  the new rows written (jspec.pallas_kernels.kv_write), per shard: sequences over the batch
+  axes and heads over tp, as the cache is stored (its slots and head_dim whole)."""
+  from jspec.pallas_kernels.kv_write import write_kv
+  cache = rules.spec(("batch", "kv_heads", "cache_seq", "head_dim"))
+  rows = rules.spec(("batch", "seq", "kv_heads", "head_dim"))
+  positions = rules.spec(("batch", "seq"))
+  return jax.shard_map(functools.partial(write_kv, interpret=interpret), mesh=mesh,
+                       in_specs=(cache, cache, rows, rows, positions), out_specs=(cache, cache),
+                       check_vma=False)
