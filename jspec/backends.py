@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jspec.models.decode_attention import sharded_mla_decode, sharded_window_attention
+from jspec.models.decode_attention import (sharded_mla_decode, sharded_short_attention,
+                                           sharded_window_attention)
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
 from jspec.models.mla import MLAttention
@@ -99,18 +100,26 @@ def use_fused_prefill_attention(mesh, pairs):
 def use_pallas_attention(mesh, pairs, explicit: bool = True):
   """Decode, verify and draft steps of the given (module, rules) pairs attend through the
   split-S kernels, laid out like their caches (interpreted off GPU, where Triton cannot compile
-  them): GQA layers through `window_attention`, MLA layers through `mla_decode` where the
-  compiled kernel takes their latent width (jspec.pallas_kernels.mla_decode.fits_kernel).
+  them): GQA layers through `window_attention` (`explicit`; with "auto", through
+  `short_attention` over short caches, XLA's path over longer ones), MLA layers through
+  `mla_decode` where the compiled kernel takes their latent width
+  (jspec.pallas_kernels.mla_decode.fits_kernel).
   Prefill chunks through cuDNN (use_fused_prefill_attention), whether or not `explicit`."""
   from jspec.pallas_kernels.mla_decode import fits_kernel
   from jspec.pallas_kernels.mla_decode_wgmma import fits_latent as fits_wgmma
+  from jspec.pallas_kernels.short_attention import fits_heads
   interpret = jax.devices()[0].platform != "gpu"
   use_fused_prefill_attention(mesh, pairs)
   for module, rules in _modules(pairs):
     kernel = sharded_window_attention(mesh, rules, interpret)
+    short = sharded_short_attention(mesh, rules, interpret)
     for _, node in nnx.iter_graph(module):
       if isinstance(node, Attention) and explicit:
         node.window_attention = kernel
+      elif isinstance(node, Attention) and fits_heads(node.head_dim):
+        # "auto": GQA steps over short caches in one kernel; longer ones keep XLA's path
+        # (BENCHMARKS.md, "Short-context decode attention in one kernel").
+        node.short_attention = short
       elif isinstance(node, MLAttention) and (interpret or fits_kernel(node.latent_dim,
                                                                        node.rope_dim)):
         node.latent_kernel = sharded_mla_decode(mesh, rules, node.latent_dim, node.scale,

@@ -115,6 +115,29 @@ def sharded_window_attention(mesh: Mesh, rules: ShardingRules, interpret: bool =
                        check_vma=False)
 
 
+def sharded_short_attention(mesh: Mesh, rules: ShardingRules, interpret: bool = False):
+  """jspec.pallas_kernels.short_attention per shard of `mesh`: (q [B, T, N, H], the cache's
+  keys and values [B, K, S, H] with the step's rows written, first positions [B]) -> [B, T,
+  N, H]. A decode step's q goes in as it is; a verify window's rows are regrouped by KV head
+  (and back) around the kernel."""
+  from jspec.pallas_kernels.short_attention import short_attention
+  q = rules.spec(("batch", "seq", "q_heads", "head_dim"))
+  cache = rules.spec(("batch", "kv_heads", "cache_seq", "head_dim"))
+
+  def per_shard(q_BTNH, keys_BKSH, values_BKSH, start_B):
+    b, t, n, h = q_BTNH.shape
+    k = keys_BKSH.shape[1]
+    g = n // k
+    q_BRH = q_BTNH.reshape(b, t, k, g, h).transpose(0, 2, 1, 3, 4).reshape(b, k * t * g, h)
+    out_BRH = short_attention(q_BRH, keys_BKSH, values_BKSH, start_B, group=g,
+                              scale=h ** -0.5, interpret=interpret)
+    return out_BRH.reshape(b, k, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+
+  return jax.shard_map(per_shard, mesh=mesh,
+                       in_specs=(q, cache, cache, rules.spec(("batch",))), out_specs=q,
+                       check_vma=False)
+
+
 def resolve_attention_backend(backend: str) -> str:
   """"auto" -> "pallas" on a Hopper GPU, else "xla"; the others as they are."""
   from jspec.pallas_kernels import platform

@@ -20,6 +20,7 @@ from jspec.models.linear import linear, project_many_named, project_named
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.models.params import param
 from jspec.models.row_kernels import takes_rows
+from jspec.pallas_kernels import short_attention as short_kernel
 
 
 def rope(x_BTNH, positions_BT, theta: float, rotary_dim: int | None = None):
@@ -105,6 +106,10 @@ class Attention(nnx.Module):
     # (q [B,T,N,H], new k, v [B,T,K,H], cache k, v [B,K,S,H], first position [B]) -> [B,T,N,H],
     # for steps of at most MAX_ROWS_PER_KV_HEAD query rows per KV head. None: XLA's attention.
     self.window_attention = None
+    # Optional kernel for the same steps over caches of at most short_attention.MAX_SLOTS
+    # slots (jspec.models.decode_attention.sharded_short_attention), set by the LLM: (q, the
+    # written cache k, v, first position [B]) -> [B,T,N,H]. None: as above.
+    self.short_attention = None
     # Optional fused attention for steps of more than MAX_ROWS_PER_KV_HEAD query rows per KV
     # head, the prefill chunks (jspec.models.prefill_attention), set by the LLM: (q [B,T,N,H],
     # cache k, v [B,K,S,H] of the first kv_window slots, positions [B,T]) -> [B,T,N,H].
@@ -218,6 +223,11 @@ class Attention(nnx.Module):
       out_BTNH = self.window_attention(q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v,
                                        positions_BT[:, 0])
       return out_BTNH, cache
+    if (self.short_attention is not None and kv_window <= short_kernel.MAX_SLOTS
+        and short_kernel.fits_kernel(cache_k.shape[2], h, group * t)):
+      # The whole cache goes in (a slice would be copied); the kernel reads only the slots
+      # below each row's position, all below kv_window.
+      return self.short_attention(q_BTNH, cache_k, cache_v, positions_BT[:, 0]), cache
     keys_BKSH = cache_k[:, :, :kv_window]
     values_BKSH = cache_v[:, :, :kv_window]
     if self.prefill_attention is not None and group * t > MAX_ROWS_PER_KV_HEAD:

@@ -1,0 +1,127 @@
+"""GQA attention of a decode or verify step over a short KV cache, in one Pallas (Triton)
+kernel.
+
+Why: at a short context XLA runs a decode step's attention as three kernels a layer (the
+scores' batched product, the softmax, the product with the values) over the whole cache
+bucket: 8.5 µs a layer for Qwen3-8B at batch 1 and 13.7 µs at batch 8 (context 512, an H100;
+BENCHMARKS.md, "Short-context decode attention in one kernel"). The flash-decoding path
+(jspec.models.decode_attention) splits long caches over many programs and merges them, which
+pays off at long contexts but adds kernels at short ones. Here one program per (sequence, KV
+head) reads that head's valid slots once, in blocks, with an online softmax, for all its query
+rows (the group's heads x the step's tokens): one kernel, nothing to merge.
+
+Query rows of one KV head are contiguous in `q_BRH` ([B, K x T x G, H], row t x G + g is head
+g of the group at token t): a decode step's q [B, 1, N, H] is that layout as it is. A row at
+token t sees slots 0 .. start + t (the step's own keys are in the cache already).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jspec.pallas_kernels import platform
+
+# The most slots a step may attend (its kv_window) for the layers to take the kernel: one
+# program reads a (sequence, KV head)'s slots alone, so a longer window would leave most SMs
+# idle (the flash-decoding path splits it).
+MAX_SLOTS = 1024
+MIN_ROWS = 16  # Triton's dot takes at least 16 rows
+MASKED = -1e30  # a score no slot keeps (finite: a row with no visible slot stays finite)
+
+
+def fits_heads(head_dim: int) -> bool:
+  """Whether a head is one Triton block: a power of two, at least 16."""
+  return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def fits_kernel(slots: int, head_dim: int, rows_per_kv_head: int) -> bool:
+  """Whether the kernel takes a cache of `slots` (whole blocks of 16) and a step's query rows
+  per KV head (at most 64). Which caches are short enough to take it (MAX_SLOTS of them
+  attended) is the caller's choice: the kernel reads only the slots each row sees."""
+  return slots % MIN_ROWS == 0 and fits_heads(head_dim) and rows_per_kv_head <= 64
+
+
+# Slots per loop step, Triton's warps and loads in flight: the fastest of 14 tilings at
+# Qwen3-8B's heads over 640 slots on an H100 (7.1 µs at batch 1, 9.6 at batch 8, against
+# 12.6 / 15.1 with 64-slot steps two loads deep; four deep no faster, five do not fit the
+# shared memory; BENCHMARKS.md, "Short-context decode attention in one kernel").
+BLOCK_SLOTS = 128
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+def _block_slots(slots: int) -> int:
+  return next(b for b in (BLOCK_SLOTS, 64, 32, 16) if slots % b == 0)
+
+
+def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, rows: int, block_rows: int, group: int,
+            block_slots: int, slots: int, scale: float):
+  b, head = pl.program_id(0), pl.program_id(1)
+  row_ids = jnp.arange(block_rows)
+  row_mask = row_ids < rows
+  q_rows = pl.ds(head * rows, block_rows)
+  q = pltriton.load(q_ref.at[b, q_rows, :], mask=row_mask[:, None], other=0.0)
+  start = start_ref[b]
+  position = start + row_ids // group  # the last slot each row sees
+  # Blocks up to the last row's slot, within the cache (an idle sequence's position may lie
+  # anywhere: its rows are dropped by the caller, but no read may leave the cache).
+  blocks = jnp.clip((start + (rows - 1) // group) // block_slots + 1, 0, slots // block_slots)
+  head_dim = q.shape[-1]
+
+  def body(j, carry):
+    acc, top, total = carry
+    slots = pl.ds(j * block_slots, block_slots)
+    keys = k_ref[b, head, slots, :]
+    scores = pltriton.dot(q, keys, trans_b=True) * scale
+    slot_ids = j * block_slots + jnp.arange(block_slots)
+    scores = jnp.where(slot_ids[None, :] <= position[:, None], scores, MASKED)
+    new_top = jnp.maximum(top, scores.max(axis=-1))
+    probs = jnp.exp(scores - new_top[:, None])
+    correction = jnp.exp(top - new_top)
+    values = v_ref[b, head, slots, :]
+    acc = acc * correction[:, None] + pltriton.dot(probs.astype(values.dtype), values)
+    return acc, new_top, total * correction + probs.sum(axis=-1)
+
+  init = (jnp.zeros((block_rows, head_dim), jnp.float32),
+          jnp.full((block_rows,), MASKED, jnp.float32), jnp.zeros((block_rows,), jnp.float32))
+  acc, _, total = lax.fori_loop(0, blocks, body, init)
+  out = (acc / jnp.maximum(total, 1e-30)[:, None]).astype(o_ref.dtype)  # no slot seen: 0
+  pltriton.store(o_ref.at[b, q_rows, :], out, mask=row_mask[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("group", "scale", "interpret"))
+def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Array,
+                    start_B: jax.Array, *, group: int, scale: float,
+                    interpret: bool | None = None) -> jax.Array:
+  """[B, K x T x G, H]: each query row's softmax(q k^T * scale) v over the slots it sees
+  (0 .. start + t for token t), in q's dtype. q_BRH as the module docstring lays it out;
+  caches [B, K, S, H]; start_B: each sequence's first position in the step."""
+  b, q_rows, head_dim = q_BRH.shape
+  _, kv_heads, slots, _ = keys_BKSH.shape
+  rows = q_rows // kv_heads
+  if (q_rows % kv_heads or rows % group or values_BKSH.shape != keys_BKSH.shape
+      or keys_BKSH.shape[0] != b or keys_BKSH.shape[3] != head_dim or start_B.shape != (b,)):
+    raise ValueError(f"short_attention takes q [B, K*T*G, H], caches [B, K, S, H] and starts "
+                     f"[B], got {q_BRH.shape}, {keys_BKSH.shape}, {values_BKSH.shape}, "
+                     f"{start_B.shape} with G={group}")
+  if not fits_kernel(slots, head_dim, rows):
+    raise ValueError(f"short_attention takes caches of a multiple of {MIN_ROWS} slots, "
+                     f"head_dim a power of two >= 16 and at most 64 rows per KV head, got "
+                     f"S={slots}, H={head_dim}, {rows} rows")
+  if interpret is None:
+    interpret = not platform.on_gpu()
+  kernel = functools.partial(
+      _kernel, rows=rows, block_rows=max(MIN_ROWS, 1 << (rows - 1).bit_length()),
+      group=group, block_slots=_block_slots(slots), slots=slots, scale=scale)
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(q_BRH.shape, q_BRH.dtype),
+      grid=(b, kv_heads),
+      compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+      interpret=interpret, name="short_attention",
+  )(start_B.astype(jnp.int32), q_BRH, keys_BKSH, values_BKSH)

@@ -1,0 +1,147 @@
+"""GQA attention of decode and verify steps over short caches in one kernel
+(jspec.pallas_kernels.short_attention): against a float64 NumPy reference of causal softmax
+attention over each row's visible slots, and whole models' tokens against XLA's attention.
+Interpret mode here; the compiled kernel on a GPU (marked gpu)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jspec
+from jspec.models.layers import Attention
+from jspec.pallas_kernels import platform
+from jspec.pallas_kernels import short_attention as short_lib
+from jspec.pallas_kernels.short_attention import fits_heads, fits_kernel, short_attention
+from tests.helpers import fixture_dir, greedy_token_ids
+
+RUN_SEED = 20261127
+
+
+def _reference(q_BTNH, keys_BKSH, values_BKSH, start_B, scale):
+  """float64: row (b, t, n) attends to slots 0 .. start_b + t of its KV head n // G."""
+  b, t, n, h = q_BTNH.shape
+  group = n // keys_BKSH.shape[1]
+  out = np.zeros((b, t, n, h))
+  for i, j, head in np.ndindex(b, t, n):
+    last = start_B[i] + j
+    keys = keys_BKSH[i, head // group, :last + 1].astype(np.float64)
+    scores = keys @ q_BTNH[i, j, head].astype(np.float64) * scale
+    probs = np.exp(scores - scores.max())
+    out[i, j, head] = probs / probs.sum() @ values_BKSH[i, head // group, :last + 1]
+  return out
+
+
+def _by_kv_head(q_BTNH, kv_heads):
+  b, t, n, h = q_BTNH.shape
+  g = n // kv_heads
+  return q_BTNH.reshape(b, t, kv_heads, g, h).transpose(0, 2, 1, 3, 4).reshape(b, -1, h)
+
+
+def _case(rng, b, t, kv_heads, group, slots, h):
+  q = rng.standard_normal((b, t, kv_heads * group, h)).astype(np.float32)
+  keys, values = (rng.standard_normal((b, kv_heads, slots, h)).astype(np.float32)
+                  for _ in range(2))
+  start = rng.integers(0, slots - t + 1, b)
+  return q, keys, values, start
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_short_attention_matches_the_reference_in_float32(seed):
+  """Decode (T = 1) and verify windows (T <= 5), groups of 1-8 heads, starts anywhere in the
+  cache (mid-block, at 0, at the last slots)."""
+  rng = np.random.default_rng(RUN_SEED + seed)
+  b, t = int(rng.integers(1, 4)), int(rng.integers(1, 6))
+  kv_heads, group = int(rng.choice([1, 2, 8])), int(rng.choice([1, 4, 8]))
+  slots, h = int(rng.choice([16, 48, 80, 128])), int(rng.choice([16, 32, 128]))
+  if group * t > 64:
+    t = 64 // group
+  q, keys, values, start = _case(rng, b, t, kv_heads, group, max(slots, t), h)
+  scale = h ** -0.5
+  got = short_attention(jnp.asarray(_by_kv_head(q, kv_heads)), jnp.asarray(keys),
+                        jnp.asarray(values), jnp.asarray(start), group=group, scale=scale)
+  got = np.asarray(got).reshape(b, kv_heads, t, group, h).transpose(0, 2, 1, 3, 4)
+  want = _reference(q, keys, values, start, scale)
+  np.testing.assert_allclose(got.reshape(want.shape), want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_sequence_that_sees_no_slot_gives_zeros_and_reads_nothing_outside():
+  """An idle sequence's position may be anything: before the cache (no slot seen) gives
+  zeros, past its end reads the whole cache and no more."""
+  rng = np.random.default_rng(RUN_SEED)
+  q, keys, values, _ = _case(rng, 2, 1, 2, 4, 32, 16)
+  start = np.array([-5, 1000])
+  got = np.asarray(short_attention(jnp.asarray(_by_kv_head(q, 2)), jnp.asarray(keys),
+                                   jnp.asarray(values), jnp.asarray(start), group=4,
+                                   scale=0.25))
+  np.testing.assert_array_equal(got[0], 0.0)
+  whole = _reference(q[1:], keys[1:], values[1:], np.array([31]), 0.25)
+  np.testing.assert_allclose(got[1].reshape(2, 4, 16), whole[0, 0].reshape(2, 4, 16),
+                             rtol=2e-5, atol=2e-5)
+
+
+def test_short_attention_refuses_what_it_cannot_take():
+  assert fits_heads(128) and not fits_heads(96) and not fits_heads(8)
+  assert fits_kernel(640, 128, 64) and not fits_kernel(648, 128, 4)
+  assert not fits_kernel(640, 128, 65)
+  with pytest.raises(ValueError, match="short_attention takes caches"):
+    short_attention(jnp.zeros((1, 8, 96)), jnp.zeros((1, 2, 32, 96)), jnp.zeros((1, 2, 32, 96)),
+                    jnp.zeros(1, jnp.int32), group=4, scale=1.0)
+  with pytest.raises(ValueError, match="short_attention takes q"):
+    short_attention(jnp.zeros((1, 6, 32)), jnp.zeros((1, 4, 32, 32)), jnp.zeros((1, 4, 32, 32)),
+                    jnp.zeros(1, jnp.int32), group=4, scale=1.0)
+
+
+# ---- whole models ----------------------------------------------------------------------------
+
+PROMPTS = [[5, 9, 2, 7, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 9, 1, 0]]
+
+
+@pytest.mark.parametrize("mesh, spec", [
+    (None, None),
+    (None, {"method": "mtp", "num_speculative_tokens": 3}),
+    # dp = 2 splits the sequences, tp = 4 the query heads (2 KV heads: copies per shard).
+    (jspec.MeshConfig(dp=2, tp=4), {"method": "mtp", "num_speculative_tokens": 2}),
+])
+def test_greedy_tokens_through_the_kernel_equal_xla_attention(monkeypatch, mesh, spec):
+  """attention_backend="auto" as on a Hopper GPU (the kernel interpreted here) puts every
+  attention layer of the target and the MTP head on the kernel, whose decode and verify steps
+  (windows of 3-4 tokens) give XLA's attention's tokens."""
+  kwargs = dict(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=128,
+                max_num_seqs=4, speculative_config=spec, projection_backend="xla")
+  want = greedy_token_ids(jspec.LLM(attention_backend="xla", **kwargs), PROMPTS, 6)
+  calls = []
+  kernel = short_lib.short_attention
+
+  def counted(q_BRH, *args, **kw):
+    calls.append(q_BRH.shape)
+    return kernel(q_BRH, *args, **kw)
+
+  monkeypatch.setattr(short_lib, "short_attention", counted)
+  with monkeypatch.context() as patch:
+    patch.setattr(platform, "on_hopper", lambda: True)
+    llm = jspec.LLM(mesh=mesh, attention_backend="auto", **kwargs)
+  layers = [n for module in (llm.target, llm.mtp) if module is not None
+            for _, n in nnx.iter_graph(module) if isinstance(n, Attention)]
+  assert layers and all(n.short_attention is not None for n in layers)
+  assert greedy_token_ids(llm, PROMPTS, 6) == want
+  assert calls, "no step went through the kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, t", [(1, 1), (8, 1), (3, 4), (32, 1)])
+def test_gpu_short_attention_at_model_shapes(b, t):
+  """Qwen3-8B's heads (32 query heads over 8 KV heads of 128) over a 640-slot bf16 cache,
+  compiled, against float64 NumPy on the same bf16 values."""
+  assert jax.devices()[0].platform == "gpu"
+  rng = np.random.default_rng(RUN_SEED + b + t)
+  q, keys, values, start = _case(rng, b, t, 8, 4, 640, 128)
+  q, keys, values = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+                     for a in (q, keys, values))
+  got = short_attention(*(jnp.asarray(a, jnp.bfloat16) for a in (_by_kv_head(q, 8), keys,
+                                                                  values)),
+                        jnp.asarray(start), group=4, scale=128 ** -0.5)
+  got = np.asarray(got, np.float32).reshape(b, 8, t, 4, 128).transpose(0, 2, 1, 3, 4)
+  want = _reference(q, keys, values, start, 128 ** -0.5)
+  np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0.02, atol=0.02)
