@@ -129,6 +129,22 @@ def test_greedy_tokens_through_the_kernel_equal_xla_attention(monkeypatch, mesh,
   assert calls, "no step went through the kernel"
 
 
+def test_windows_longer_than_the_limit_keep_xla_attention(monkeypatch):
+  """A step attending more than MAX_SLOTS slots (here lowered to 8, under the smallest cache
+  bucket of 16) takes XLA's attention: the kernel is never called."""
+  calls = []
+  kernel = short_lib.short_attention
+  monkeypatch.setattr(short_lib, "short_attention",
+                      lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+  monkeypatch.setattr(short_lib, "MAX_SLOTS", 8)
+  with monkeypatch.context() as patch:
+    patch.setattr(platform, "on_hopper", lambda: True)
+    llm = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=128,
+                    max_num_seqs=4, projection_backend="xla", attention_backend="auto")
+  greedy_token_ids(llm, [list(range(3, 40))], 3)
+  assert calls == []
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b, t", [(1, 1), (8, 1), (3, 4), (32, 1)])
 def test_gpu_short_attention_at_model_shapes(b, t):

@@ -23,8 +23,8 @@ from jspec.pallas_kernels import platform
 
 
 def fits_kernel(head_dim: int) -> bool:
-  """Whether a head's row is one Triton block (a power of two)."""
-  return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+  """Whether a head's row is one Triton block."""
+  return platform.triton_block(head_dim)
 
 
 def _write_kernel(pos_ref, k_ref, v_ref, keys_in_ref, values_in_ref, keys_ref, values_ref, *,

@@ -49,3 +49,9 @@ def num_sms() -> int:
   if not count:
     raise RuntimeError(f"cannot read the SM count of {device!r}")
   return int(count)
+
+
+def triton_block(width: int) -> bool:
+  """Whether `width` can be one dimension of a Triton block that a dot takes whole: a power
+  of two, at least 16."""
+  return width >= 16 and width & (width - 1) == 0

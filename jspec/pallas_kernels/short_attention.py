@@ -32,19 +32,20 @@ from jspec.pallas_kernels import platform
 # idle (the flash-decoding path splits it).
 MAX_SLOTS = 1024
 MIN_ROWS = 16  # Triton's dot takes at least 16 rows
+MAX_ROWS = 64  # query rows per KV head one program holds (as the flash-decoding path's)
 MASKED = -1e30  # a score no slot keeps (finite: a row with no visible slot stays finite)
 
 
 def fits_heads(head_dim: int) -> bool:
-  """Whether a head is one Triton block: a power of two, at least 16."""
-  return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+  """Whether a head is one Triton block."""
+  return platform.triton_block(head_dim)
 
 
 def fits_kernel(slots: int, head_dim: int, rows_per_kv_head: int) -> bool:
   """Whether the kernel takes a cache of `slots` (whole blocks of 16) and a step's query rows
-  per KV head (at most 64). Which caches are short enough to take it (MAX_SLOTS of them
+  per KV head (at most MAX_ROWS). Which caches are short enough to take it (MAX_SLOTS of them
   attended) is the caller's choice: the kernel reads only the slots each row sees."""
-  return slots % MIN_ROWS == 0 and fits_heads(head_dim) and rows_per_kv_head <= 64
+  return slots % MIN_ROWS == 0 and fits_heads(head_dim) and rows_per_kv_head <= MAX_ROWS
 
 
 # Slots per loop step, Triton's warps and loads in flight: the fastest of 14 tilings at
@@ -112,8 +113,8 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
                      f"{start_B.shape} with G={group}")
   if not fits_kernel(slots, head_dim, rows):
     raise ValueError(f"short_attention takes caches of a multiple of {MIN_ROWS} slots, "
-                     f"head_dim a power of two >= 16 and at most 64 rows per KV head, got "
-                     f"S={slots}, H={head_dim}, {rows} rows")
+                     f"head_dim a power of two >= 16 and at most {MAX_ROWS} rows per KV "
+                     f"head, got S={slots}, H={head_dim}, {rows} rows")
   if interpret is None:
     interpret = not platform.on_gpu()
   kernel = functools.partial(
