@@ -208,21 +208,36 @@ def test_wgmma_form_in_bfloat16():
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
 
 
-def test_wgmma_form_lowers_for_hopper(monkeypatch):
+@pytest.mark.parametrize("heads, t, rows", [
+    (128, 1, 128),   # a decode step at 128 heads: whole tiles
+    (16, 1, 64),     # at 16 heads: the tile's 16 live rows written, the rest not
+    (16, 5, 128),    # verify(5) at 16 heads: the second tile's 16 live rows
+])
+def test_wgmma_form_lowers_for_hopper(monkeypatch, heads, t, rows):
   """The kernel as the GPU compiles it (Mosaic GPU, sm_90a, DeepSeek-V3's C = 512, R = 64,
   its SMEM at Hopper's limit) lowers on a machine without one: no interpreter."""
   from jspec.pallas_kernels import mla_decode_wgmma as wgmma
   monkeypatch.setattr(wgmma.platform, "on_gpu", lambda: True)
   monkeypatch.setattr(wgmma.platform, "interpret_params", lambda: None)
-  c, b, rows, slots = 512, 2, 128, 1024
+  c, b, slots = 512, 2, 1024
   args = (jax.ShapeDtypeStruct((b, rows, c + 64), jnp.bfloat16),
           jax.ShapeDtypeStruct((b, slots, c + 64), jnp.bfloat16),
           jax.ShapeDtypeStruct((b, rows), jnp.int32),
-          jax.ShapeDtypeStruct((b, 1), jnp.int32))   # T = 1 at 128 heads
+          jax.ShapeDtypeStruct((b, t), jnp.int32))
   parts = jax.jit(functools.partial(wgmma.latent_attention_parts, latent_dim=c, scale=0.04,
-                                    splits=2, out_dtype=jnp.float32, heads=rows))
+                                    splits=2, out_dtype=jnp.float32, heads=heads,
+                                    live_rows=t * heads))
   text = parts.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mla_flash_decode_wgmma" in text
+
+
+def test_wgmma_parts_refuse_live_rows_outside_the_last_tile():
+  from jspec.pallas_kernels import mla_decode_wgmma as wgmma
+  q, cache = jnp.zeros((1, 128, 192)), jnp.zeros((1, 64, 192))
+  with pytest.raises(ValueError, match="live_rows=40 must fall in the last of the 2 row"):
+    wgmma.latent_attention_parts(q, cache, jnp.zeros((1, 128), jnp.int32),
+                                 jnp.zeros((1, 1), jnp.int32), latent_dim=128, scale=0.1,
+                                 splits=1, out_dtype=jnp.float32, heads=40, live_rows=40)
 
 
 @pytest.mark.parametrize("rows, c, r, slots, dtype, batch, form", [
@@ -438,16 +453,21 @@ def test_unknown_attention_backend_is_refused_naming_the_choices():
 # ---- on a GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["triton", None])
-@pytest.mark.parametrize("batch, t, context", [(1, 1, 8192), (4, 4, 8192), (2, 5, 32768)])
-def test_compiled_kernel_on_gpu_matches_the_reference(batch, t, context, form):
-  """Both forms compiled at DeepSeek-V3's shapes (128 heads, C = 512, R = 64, bf16): Triton,
-  and the default (Mosaic GPU's wgmma form on Hopper): the float32 reference within
-  bfloat16's rounding, ragged positions, one idle sequence."""
-  n, c, r = 128, 512, 64
+@pytest.mark.parametrize("form", ["triton", "wgmma", None])
+@pytest.mark.parametrize("n", [128, 16])
+@pytest.mark.parametrize("batch, t, context", [(1, 1, 8192), (4, 4, 8192), (2, 5, 32768),
+                                               (3, 3, 8192)])
+def test_compiled_kernel_on_gpu_matches_the_reference(batch, t, context, n, form):
+  """Both forms compiled at DeepSeek-V3's shapes (C = 512, R = 64, bf16; 128 heads, and the
+  16 of a tp = 8 shard, whose windows leave a tile's rows partly padding): Triton, wgmma and
+  the default: the float32 reference within bfloat16's rounding, ragged positions, one idle
+  sequence."""
+  c, r = 512, 64
   rng = np.random.default_rng(context + t)
   slots = context + 128
-  if form is None and kernel_lib.platform.on_hopper():
+  if form == "wgmma" and not kernel_lib.platform.on_hopper():
+    pytest.skip("the wgmma form compiles for Hopper only")
+  if form is None and n == 128 and kernel_lib.platform.on_hopper():
     assert kernel_lib.choose_form(t * n, c, r, slots, jnp.bfloat16, batch=batch) == "wgmma"
   q = jnp.asarray(rng.standard_normal((batch, t, n, c + r)) * (c + r) ** -0.25, jnp.bfloat16)
   cache = jnp.asarray(rng.standard_normal((batch, slots, c + r)), jnp.bfloat16)

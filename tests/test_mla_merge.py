@@ -43,6 +43,20 @@ def test_merge_equals_the_softmax_over_chunks(seed):
   assert not np.asarray(got)[0, r - 1].any()
 
 
+@pytest.mark.parametrize("rows", [1, 16, 24])
+def test_merge_reads_only_the_live_rows(rows):
+  """Rows past `rows` (a tile's padding, which the kernels leave unwritten) are never read:
+  NaN there leaves the live rows' merge exact, and the result holds the live rows only."""
+  rng = np.random.default_rng(rows)
+  parts = rng.standard_normal((2, 5, 64, 32)).astype(np.float32)
+  lse = (rng.standard_normal((2, 5, 64)) * 5).astype(np.float32)
+  want = _reference(parts[:, :, :rows], lse[:, :, :rows])
+  parts[:, :, rows:], lse[:, :, rows:] = np.nan, np.nan
+  got = merge_chunks(jnp.asarray(parts), jnp.asarray(lse), dtype=jnp.float32, rows=rows)
+  assert got.shape == (2, rows, 32)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 def test_merge_rounds_once_to_bfloat16():
   """Sums in float32, one rounding at the end: within bfloat16's unit roundoff (2^-8 of the
   value: 8 significant bits, round to nearest) of the exact merge, plus float32's error."""
@@ -75,3 +89,6 @@ def test_shapes_the_merge_cannot_tile_are_refused():
   with pytest.raises(ValueError, match="does not divide C=48"):
     merge_chunks(jnp.zeros((1, 2, 16, 48)), jnp.zeros((1, 2, 16)), dtype=jnp.float32,
                  block_cols=32)
+  with pytest.raises(ValueError, match="1 to R=16 rows, got rows=17"):
+    merge_chunks(jnp.zeros((1, 2, 16, 32)), jnp.zeros((1, 2, 16)), dtype=jnp.float32,
+                 rows=17)

@@ -6,11 +6,10 @@ in the cache's row space [L = C + R] -- attends causally to the sequence's cache
 [latent (C) | rope key (R)]; the probabilities weight the rows' latent parts. Returns the
 C-wide context per row.
 
-Why: XLA runs it as two batched products, scores [B, N, T, S] in float32 (as large as the
-latent itself at 128 heads) and then the weighted sum, reading the latent twice over the whole
-cache bucket (BENCHMARKS.md: 7.7-18.8% of the HBM bandwidth at context 8k). Here each block of
-latent rows is loaded once and used for both products (the values are the first C columns of
-the same rows), and only each sequence's valid slots are read.
+Why: XLA runs it as two batched products over the whole cache bucket, scores [B, N, T, S] in
+float32 between them, reading the latent twice (7.7-18.8% of the HBM bandwidth at 8k). Here
+each block of latent rows is loaded once for both products (the values are the first C
+columns of the same rows), and only each sequence's valid slots are read.
 
 How (Pallas on Triton, as JAX's jax/experimental/pallas/ops/gpu/decode_attention.py):
   rows    the window's N x T query rows of a sequence, in (token, head) order (a free reshape
@@ -21,33 +20,27 @@ How (Pallas on Triton, as JAX's jax/experimental/pallas/ops/gpu/decode_attention
           by side and all but the first find it in L2.
   program walks its chunk `block_slots` rows at a time: scores = q_lat . latent + q_rope .
           rope key (float32), causal mask by the row's position, online softmax, acc += p .
-          latent; writes acc / l and the log-sum-exp of its chunk.
+          latent; writes acc / l of its live rows and the log-sum-exp of its chunk.
   merge   the K partial softmaxes combined by their log-sum-exps in one more kernel
           (jspec.pallas_kernels.mla_merge; K = 1: the kernel's output is the result, written
           in the cache's dtype).
-The rows' positions and each tile's length are derived in the kernel from the window's
-positions [B, T], so that no XLA kernel runs before it.
-A row that sees no slot (padding rows, an idle sequence with position < 0) gives zeros.
+Rows' positions and tiles' lengths come from the window's positions [B, T] in the kernel (no
+XLA kernel before it). A row that sees no slot (an idle sequence) gives zeros.
 
 K is chosen so that the programs fill the GPU once (`choose_splits`), each chunk at least as
 heavy in latent rows as its partial output ([rows, C] float32: `min_split_slots`), so that
 no split costs more than it saves; a few programs past one wave would cost a whole wave.
 
-Measured (one H100, benchmarks/mla_decode.py, results/mla_decode_h100.json; the default
-tiling): 16 heads per device (a tp = 8 shard) is memory-bound and the kernel reads the latent
-at 76-89% of the copy probe at batch 8-32 and context 32k, 1.3-2.1x XLA's path (one row
-slower: batch 1, context 8k, T = 4). 128 heads per device is compute-bound on Hopper (242
-FLOP per latent byte at T = 1, above the H100's ~220 and an H200's ~165; a verify window of 4
-four times that): the kernel is 1.0-1.5x XLA at T = 1 and level with it at T = 4 (20-36% of
-the FLOP floor; XLA's batched GEMMs reach 17-37%), so there verify(4) costs 1.6-3.6x a decode
-step.
+Measured (one H100, results/mla_decode_h100.json): 16 heads per device (a tp = 8 shard) is
+memory-bound, read at 76-89% of the copy probe at batch 8-32, context 32k. 128 heads is
+compute-bound on Hopper (242 FLOP per latent byte at T = 1, above an H100's ~220 and an
+H200's ~165; verify(4) four times that): 1.0-1.5x XLA at T = 1, level with it at T = 4.
 
 On Hopper, windows of 64 rows or more (fewer in large batches: `choose_form`) go to
 jspec.pallas_kernels.mla_decode_wgmma, FlashMLA's warp-specialized design: on an H200
 1.3-3.1x XLA's path at 128 heads (up to 74% of the FLOP floor), and at 16 heads, batch 8-32,
-context 32k, 67-87% of the read probe (results/mla_decode_16h_2026-11-27_h200). At batch 1 a
-call is a kernel and the merge (results/mla_decode_b1_merge_h100.log): 12-42 us at 8k-32k on
-an H100, of which the latent at the copy probe's rate is 3.4-13.6 us.
+context 32k, 67-87% of the read probe. At batch 1 a call (kernel and merge) is 12-42 us at
+8k-32k on an H100, of which the latent at the copy probe's rate is 3.4-13.6 us.
 
 On a GPU the kernel needs C and R powers of two >= 16 (Triton's block shapes and the tensor
 cores' smallest dot): DeepSeek-V3 / R1, GLM-4.7-Flash and Kimi K2 have C = 512, R = 64.
@@ -110,11 +103,10 @@ def rows_block(rows: int, tiling: MLATiling, batch: int) -> int:
   """Query rows per program: the next power of two >= 16 of the window's rows, at most
   tiling.block_rows, or where that is 0, 16 for a single sequence and BATCH_BLOCK_ROWS from
   two on. A single sequence's few chunks leave each program a few blocks, and its fixed costs
-  weigh most: programs of 16 rows, all reading a chunk side by side from L2, took 0.80-0.87x
-  the time of one 32-row program at T = 2 and 0.69-0.90x that of a 64-row one at T = 4 (16
-  heads, 8k and 32k, one H100). At batch 8 the 64-row tiles were faster at T = 4 (0.82x / 0.68x
-  of 16-row ones at 8k / 32k) while 16 rows were 0.90x / 1.00x at T = 2 (BENCHMARKS.md, "MLA
-  decode at batch 1: ...")."""
+  weigh most: 16-row programs reading a chunk side by side from L2 took 0.80-0.87x the time
+  of one 32-row program at T = 2 and 0.69-0.90x that of a 64-row one at T = 4 (16 heads, 8k
+  and 32k, one H100); at batch 8 64-row tiles were faster at T = 4 (0.82x / 0.68x at 8k /
+  32k), 16 rows 0.90x / 1.00x at T = 2 (BENCHMARKS.md, "MLA decode at batch 1: ...")."""
   most = tiling.block_rows or (MIN_ROWS if batch == 1 else BATCH_BLOCK_ROWS)
   return min(most, max(MIN_ROWS, 1 << (rows - 1).bit_length()))
 
@@ -133,10 +125,9 @@ def min_split_slots(tile_rows: int, latent_dim: int, row_bytes: int) -> int:
 
 def choose_splits(batch: int, row_tiles: int, slots: int, num_sms: int,
                   programs_per_sm: int = 1, *, min_slots: int) -> int:
-  """The most chunks per sequence whose programs still run in one wave (`programs_per_sm` per
-  SM), at most one per `min_slots` slots of the cache (min_split_slots), at least one. One
-  more would start a second wave for a few programs: measured on an H100, 144 programs took
-  about as long as 2 x 132."""
+  """The most chunks per sequence whose programs run in one wave (`programs_per_sm` per SM),
+  at most one per `min_slots` slots of the cache (min_split_slots), at least one. One more
+  would start a second wave: on an H100, 144 programs took about as long as 2 x 132."""
   fit = num_sms * programs_per_sm // (batch * row_tiles)
   return max(1, min(fit, slots // min_slots))
 
@@ -153,9 +144,10 @@ def _row_positions(pos_ref, b, tile, *, block_rows: int, heads: int):
 
 
 def _kernel(q_ref, cache_ref, pos_ref, out_ref, lse_ref, *, scale: float, latent_dim: int,
-            rope_dim: int, block_rows: int, block_slots: int, splits: int, heads: int):
+            rope_dim: int, block_rows: int, block_slots: int, splits: int, heads: int,
+            live_rows: int):
   """Program (row tile, split, sequence); whole-array refs indexed here (L = C + R need not be
-  a power of two, so no BlockSpec can cut it)."""
+  a power of two, so no BlockSpec can cut it). `live_rows`: the window's T x N rows."""
   tile, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(tile * block_rows, block_rows), block_rows)
   q_lat = q_ref[b, rows, pl.ds(0, latent_dim)]
@@ -199,7 +191,14 @@ def _kernel(q_ref, cache_ref, pos_ref, out_ref, lse_ref, *, scale: float, latent
   acc, m, l = jax.lax.fori_loop(0, steps, body, init)
   seen = l > 0
   out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
-  out_ref[b, split, rows, pl.ds(0, latent_dim)] = out.astype(out_ref.dtype)
+  out = out.astype(out_ref.dtype)
+  if live_rows % block_rows:
+    # The last tile's padding rows are not written: the merge reads only the live ones.
+    live_R = tile * block_rows + jnp.arange(block_rows) < live_rows
+    pltriton.store(out_ref.at[b, split, rows, pl.ds(0, latent_dim)], out,
+                   mask=live_R[:, None])
+  else:
+    out_ref[b, split, rows, pl.ds(0, latent_dim)] = out
   lse_ref[b, split, rows] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
@@ -210,16 +209,14 @@ WGMMA_H200_MIN_BATCH_SLOTS = 1 << 18  # on an H200, windows of any width from th
 def choose_form(rows: int, latent_dim: int, rope_dim: int, slots: int, dtype, *,
                 batch: int) -> str:
   """"wgmma" (jspec.pallas_kernels.mla_decode_wgmma) where the shape fits it, the cache is
-  16-bit (wgmma's operands) and a sequence's window has at least its 64-row tile of query rows
-  (every window at 128 heads; verify windows of 4 at 16), or half of one (verify windows of 2
-  or 3 at 16 heads, padded) when the batch's caches hold at least 128k slots (batch x S):
-  there the wgmma form took 0.74-0.84x the Triton form's time at batch 32 and 0.79x at batch
-  8 / 32k, but 1.11-1.26x at batch 1 and batch 8 / 8k, whose few blocks per program leave its
-  fixed costs exposed (one H100, BENCHMARKS.md, "MLA decode at batch 1: ..."). On an H200 any
-  window (a 16-head decode step too) takes it from 256k slots: there it took 0.74-0.88x the
-  Triton form's time at batch 32 in two runs and 0.64x / 1.00x at batch 8 / 32k, where an
-  H100's took 1.16-1.17x at batch 32 (BENCHMARKS.md, "FP8 and MLA decode on an H200 against
-  their targets; ..."; why the two GPUs differ was not profiled). Else "triton"."""
+  16-bit and a sequence's window fills a 64-row tile (every window at 128 heads; verify(4) at
+  16), or half of one (verify(2-3) at 16 heads) when the batch's caches hold at least 128k
+  slots (batch x S): there it took 0.74-0.84x the Triton form's time at batch 32 and 0.79x at
+  batch 8 / 32k, but 1.11-1.26x at batch 1 and batch 8 / 8k (one H100, BENCHMARKS.md, "MLA
+  decode at batch 1: ..."). On an H200 any window (a 16-head decode step too) takes it from
+  256k slots: 0.74-0.88x the Triton form's time at batch 32 in two runs, 0.64x / 1.00x at
+  batch 8 / 32k, where an H100's took 1.16-1.17x at batch 32 (BENCHMARKS.md, "FP8 and MLA
+  decode on an H200 against their targets; ..."; not profiled). Else "triton"."""
   many_slots = batch * slots
   wide_enough = (rows >= wgmma.ROWS
                  or (2 * rows >= wgmma.ROWS and many_slots >= WGMMA_MIN_BATCH_SLOTS)
@@ -280,7 +277,7 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
   parts_BKRC, lse_BKR = pl.pallas_call(
       functools.partial(_kernel, scale=scale, latent_dim=latent_dim, rope_dim=rope_dim,
                         block_rows=block_rows, block_slots=block_slots, splits=splits,
-                        heads=n),
+                        heads=n, live_rows=rows),
       out_shape=(jax.ShapeDtypeStruct((b, splits, padded, latent_dim), out_dtype),
                  jax.ShapeDtypeStruct((b, splits, padded), jnp.float32)),
       grid=(row_tiles, splits, b),
@@ -317,14 +314,17 @@ def _parts_dtype(splits: int, dtype):
 
 
 def _context(parts_BKRC, lse_BKR, q_shape, latent_dim: int, dtype, interpret: bool | None):
-  """Either form's chunks as mla_decode returns them: [B, T, N, C] in `dtype`, the padding
-  rows dropped; several chunks merged by jspec.pallas_kernels.mla_merge."""
+  """Either form's chunks as mla_decode returns them: [B, T, N, C] in `dtype`; several chunks
+  merged by jspec.pallas_kernels.mla_merge. The padding rows past T x N are neither written
+  by the kernels (a 16-head decode step's wgmma tile is 3/4 padding: its float32 partials
+  were most of a call's writes) nor read."""
   b, t, n, _ = q_shape
   if parts_BKRC.shape[1] == 1:
-    out_BRC = parts_BKRC[:, 0]
+    out_BRC = parts_BKRC[:, 0, :t * n]
   else:
-    out_BRC = mla_merge.merge_chunks(parts_BKRC, lse_BKR, dtype=dtype, interpret=interpret)
-  return out_BRC[:, :t * n].reshape(b, t, n, latent_dim)
+    out_BRC = mla_merge.merge_chunks(parts_BKRC, lse_BKR, dtype=dtype, interpret=interpret,
+                                     rows=t * n)
+  return out_BRC.reshape(b, t, n, latent_dim)
 
 
 def _wgmma_form(q_BTNL, cache_BSL, positions_BT, *, latent_dim: int, scale: float,
@@ -346,5 +346,5 @@ def _wgmma_form(q_BTNL, cache_BSL, positions_BT, *, latent_dim: int, scale: floa
   out_dtype = _parts_dtype(splits, cache_BSL.dtype)
   parts_BKRC, lse_BKR = wgmma.latent_attention_parts(
       q_BRL, cache_BSL, pos_BR, positions_BT.astype(jnp.int32), latent_dim=latent_dim,
-      scale=scale, splits=splits, out_dtype=out_dtype, heads=n, tiling=tiling)
+      scale=scale, splits=splits, out_dtype=out_dtype, heads=n, tiling=tiling, live_rows=t * n)
   return _context(parts_BKRC, lse_BKR, q_BTNL.shape, latent_dim, cache_BSL.dtype, None)

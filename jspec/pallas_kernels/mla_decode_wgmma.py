@@ -80,6 +80,11 @@ def _split_blocks(length, splits: int, split, block_slots: int):
   return first, jnp.maximum(jnp.minimum(first + per_split, blocks), first)
 
 
+def _written_rows(live: int) -> int:
+  """A tile's rows written out: its `live` ones, up to whole 8-row swizzle tiles of SMEM."""
+  return min(ROWS, -(-live // 8) * 8)
+
+
 def _tile_bounds(window_gmem, b, tile, *, heads: int, slots: int):
   """(the slots every real row of the tile sees, the slots any row sees), within [0, S], from
   the window's positions [B, T]: the tile's rows are those of tokens tile * 64 // N to
@@ -95,7 +100,8 @@ def _tile_bounds(window_gmem, b, tile, *, heads: int, slots: int):
 
 
 def _kernel(q_gmem, cache_gmem, pos_gmem, window_gmem, out_gmem, lse_gmem, *, scratch,
-            scale: float, latent_dim: int, splits: int, heads: int, tiling: WgmmaTiling):
+            scale: float, latent_dim: int, splits: int, heads: int, tiling: WgmmaTiling,
+            live_rows: int):
   tile, split, b = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("batch")
   wg = lax.axis_index("wg")
   half = latent_dim // 2
@@ -150,11 +156,26 @@ def _kernel(q_gmem, cache_gmem, pos_gmem, window_gmem, out_gmem, lse_gmem, *, sc
     inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
     return acc * lax.broadcast_in_dim(inv, acc.shape, [0])
 
+  last_tile = out_gmem.shape[2] // ROWS - 1
+  last_rows = _written_rows(live_rows - last_tile * ROWS)
+
   def write_half(h, acc, l):
     o_half = o_smem.at[h]
     o_half[...] = normalised(acc, l).astype(o_half.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_half, out_gmem.at[b, split, rows, pl.ds(h * half, half)])
+    columns = pl.ds(h * half, half)
+    if last_rows == ROWS:
+      plgpu.copy_smem_to_gmem(o_half, out_gmem.at[b, split, rows, columns])
+      return
+    # The last tile writes its live rows only (the merge reads no others).
+    @pl.when(tile == last_tile)
+    def _live():
+      plgpu.copy_smem_to_gmem(o_half.at[pl.ds(0, last_rows)],
+                              out_gmem.at[b, split, pl.ds(tile * ROWS, last_rows), columns])
+
+    @pl.when(tile != last_tile)
+    def _whole():
+      plgpu.copy_smem_to_gmem(o_half, out_gmem.at[b, split, rows, columns])
 
   def zeros_acc():
     return plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
@@ -295,17 +316,23 @@ def _scratch(dtype, out_dtype, latent_dim: int, rope_dim: int, tiling: WgmmaTili
 
 def latent_attention_parts(q_BRL, cache_BSL, pos_BR, positions_BT, *, latent_dim: int,
                            scale: float, splits: int, out_dtype, heads: int,
-                           tiling: WgmmaTiling = WgmmaTiling()):
+                           tiling: WgmmaTiling = WgmmaTiling(), live_rows: int | None = None):
   """Per chunk: the normalised context [B, K, R, C] (`out_dtype`) and log-sum-exp [B, K, R]
   of the padded query rows q [B, R, L] (R a multiple of 64) over cache [B, S, L].
 
   pos_BR: each row's position (-1: sees nothing); positions_BT: the window's positions, row r
-  being token r // `heads` (rows past T x heads are padding)."""
+  being token r // `heads` (rows past T x heads are padding). `live_rows` (None: R): the
+  context is written for these rows (up to whole 8-row tiles) and left unwritten past them;
+  the log-sum-exps for all R."""
   b, padded, width = q_BRL.shape
+  live_rows = padded if live_rows is None else live_rows
+  if not padded - ROWS < live_rows <= padded:
+    raise ValueError(f"latent_attention_parts: live_rows={live_rows} must fall in the last of "
+                     f"the {padded // ROWS} row tiles")
   row_tiles = padded // ROWS
   scratch = _scratch(cache_BSL.dtype, out_dtype, latent_dim, width - latent_dim, tiling)
   kernel = functools.partial(_kernel, scale=scale, latent_dim=latent_dim, splits=splits,
-                             heads=heads, tiling=tiling)
+                             heads=heads, tiling=tiling, live_rows=live_rows)
   return plgpu.kernel(
       lambda *refs: kernel(*refs[:6], scratch=refs[6:]),
       out_type=(jax.ShapeDtypeStruct((b, splits, padded, latent_dim), out_dtype),

@@ -67,16 +67,22 @@ def _kernel(parts_ref, lse_ref, out_ref, *, splits: int, block_cols: int):
   out_ref[b, row, cols] = out_C.astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_cols"))
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_cols", "rows"))
 def merge_chunks(parts_BKRC: jax.Array, lse_BKR: jax.Array, *, dtype,
-                 interpret: bool | None = None, block_cols: int | None = None) -> jax.Array:
-  """[B, R, C] in `dtype`: sum_k softmax_k(lse[b, k, r]) x parts[b, k, r, :] (float32 sums);
-  rows no chunk saw (every lse -inf) give zeros. C a multiple of 16. `interpret` None:
-  interpret mode off a GPU; `block_cols` None: `merge_columns`' choice."""
-  b, splits, rows, latent_dim = parts_BKRC.shape
-  if lse_BKR.shape != (b, splits, rows) or latent_dim % MIN_COLUMNS:
+                 interpret: bool | None = None, block_cols: int | None = None,
+                 rows: int | None = None) -> jax.Array:
+  """[B, rows, C] in `dtype`: sum_k softmax_k(lse[b, k, r]) x parts[b, k, r, :] (float32
+  sums) for the first `rows` rows (None: all R); rows no chunk saw (every lse -inf) give
+  zeros. The rows past `rows` (a tile's padding, which the kernels need not write) are not
+  read. C a multiple of 16. `interpret` None: interpret mode off a GPU; `block_cols` None:
+  `merge_columns`' choice."""
+  b, splits, padded, latent_dim = parts_BKRC.shape
+  if lse_BKR.shape != (b, splits, padded) or latent_dim % MIN_COLUMNS:
     raise ValueError(f"merge_chunks takes parts [B, K, R, C] and lse [B, K, R] with C a "
                      f"multiple of 16, got {parts_BKRC.shape} and {lse_BKR.shape}")
+  rows = padded if rows is None else rows
+  if not 1 <= rows <= padded:
+    raise ValueError(f"merge_chunks merges 1 to R={padded} rows, got rows={rows}")
   if interpret is None:
     interpret = not platform.on_gpu()
   if block_cols is None:
