@@ -245,7 +245,8 @@ def test_wgmma_parts_refuse_live_rows_outside_the_last_tile():
     (64, 512, 64, 8320, jnp.bfloat16, 1, "wgmma"),     # a verify window of 4 at 16 heads
     (16, 512, 64, 8320, jnp.bfloat16, 32, "triton"),   # a decode step at 16 heads
     (32, 512, 64, 8320, jnp.bfloat16, 1, "triton"),    # verify(2) at 16 heads, batch 1
-    (32, 512, 64, 8320, jnp.bfloat16, 8, "triton"),    # ... batch 8 at 8k: 66k slots
+    (32, 512, 64, 8320, jnp.bfloat16, 4, "triton"),    # ... batch 4 at 8k: 33k slots
+    (32, 512, 64, 8320, jnp.bfloat16, 8, "wgmma"),     # ... batch 8 at 8k: 66k slots
     (32, 512, 64, 32896, jnp.bfloat16, 8, "wgmma"),    # ... batch 8 at 32k: 263k slots
     (48, 512, 64, 8320, jnp.bfloat16, 16, "wgmma"),    # verify(3), 133k slots
     (128, 512, 64, 8320, jnp.float32, 1, "triton"),    # wgmma takes 16-bit operands

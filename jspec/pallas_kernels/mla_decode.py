@@ -202,7 +202,7 @@ def _kernel(q_ref, cache_ref, pos_ref, out_ref, lse_ref, *, scale: float, latent
   lse_ref[b, split, rows] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-WGMMA_MIN_BATCH_SLOTS = 1 << 17  # half-tile windows take the wgmma form from this many slots
+WGMMA_MIN_BATCH_SLOTS = 1 << 16  # half-tile windows take the wgmma form from this many slots
 WGMMA_H200_MIN_BATCH_SLOTS = 1 << 18  # on an H200, windows of any width from this many
 
 
@@ -210,13 +210,13 @@ def choose_form(rows: int, latent_dim: int, rope_dim: int, slots: int, dtype, *,
                 batch: int) -> str:
   """"wgmma" (jspec.pallas_kernels.mla_decode_wgmma) where the shape fits it, the cache is
   16-bit and a sequence's window fills a 64-row tile (every window at 128 heads; verify(4) at
-  16), or half of one (verify(2-3) at 16 heads) when the batch's caches hold at least 128k
+  16), or half of one (verify(2-3) at 16 heads) when the batch's caches hold at least 64k
   slots (batch x S): there it took 0.74-0.84x the Triton form's time at batch 32 and 0.79x at
-  batch 8 / 32k, but 1.11-1.26x at batch 1 and batch 8 / 8k (one H100, BENCHMARKS.md, "MLA
-  decode at batch 1: ..."). On an H200 any window (a 16-head decode step too) takes it from
-  256k slots: 0.74-0.88x the Triton form's time at batch 32 in two runs, 0.64x / 1.00x at
-  batch 8 / 32k, where an H100's took 1.16-1.17x at batch 32 (BENCHMARKS.md, "FP8 and MLA
-  decode on an H200 against their targets; ..."; not profiled). Else "triton"."""
+  batch 8 / 32k, and since it writes live rows only 0.72x / 0.95x at batch 8 / 8k (T = 3 /
+  2), but 0.86-1.43x at batch 1 (one H100, BENCHMARKS.md, "MLA decode: live rows only"). On
+  an H200 any window (a 16-head decode step too) takes it from 256k slots: 0.74-0.88x the
+  Triton form's time at batch 32 in two runs, 0.64x / 1.00x at batch 8 / 32k, where an
+  H100's took 1.16-1.17x (BENCHMARKS.md, "FP8 and MLA decode on an H200 ..."). Else "triton"."""
   many_slots = batch * slots
   wide_enough = (rows >= wgmma.ROWS
                  or (2 * rows >= wgmma.ROWS and many_slots >= WGMMA_MIN_BATCH_SLOTS)
