@@ -242,7 +242,10 @@ def test_wgmma_parts_refuse_live_rows_outside_the_last_tile():
 
 @pytest.mark.parametrize("rows, c, r, slots, dtype, batch, form", [
     (128, 512, 64, 8320, jnp.bfloat16, 1, "wgmma"),    # a decode step at 128 heads
-    (64, 512, 64, 8320, jnp.bfloat16, 1, "wgmma"),     # a verify window of 4 at 16 heads
+    (64, 512, 64, 8320, jnp.bfloat16, 1, "triton"),    # verify(4) at 16 heads: 8k slots
+    (64, 512, 64, 32896, jnp.bfloat16, 1, "wgmma"),    # ... 32k slots
+    (64, 512, 64, 8320, jnp.bfloat16, 4, "wgmma"),     # ... batch 4 at 8k: 33k slots
+    (80, 512, 64, 1024, jnp.bfloat16, 1, "wgmma"),     # verify(5) at 16 heads: two tiles
     (16, 512, 64, 8320, jnp.bfloat16, 32, "triton"),   # a decode step at 16 heads
     (32, 512, 64, 8320, jnp.bfloat16, 1, "triton"),    # verify(2) at 16 heads, batch 1
     (32, 512, 64, 8320, jnp.bfloat16, 4, "triton"),    # ... batch 4 at 8k: 33k slots
@@ -409,7 +412,7 @@ def test_greedy_mtp_tokens_through_the_wgmma_form_equal_the_xla_paths(monkeypatc
     choose = kernel_lib.choose_form
 
     def wgmma_where_it_fits(rows, c, r, slots, dtype, *, batch):  # float32, every width
-      form = choose(max(rows, 64), c, r, slots, jnp.bfloat16, batch=batch)
+      form = choose(max(rows, 128), c, r, slots, jnp.bfloat16, batch=batch)
       forms.append((rows, form))
       return form
 

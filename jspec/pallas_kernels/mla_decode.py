@@ -3,8 +3,7 @@
 What it computes (jspec.models.mla.latent_attention, the XLA path it replaces): for each
 sequence b, every query row -- all N heads at each of the window's T positions, [q_lat | q_rope]
 in the cache's row space [L = C + R] -- attends causally to the sequence's cached rows
-[latent (C) | rope key (R)]; the probabilities weight the rows' latent parts. Returns the
-C-wide context per row.
+[latent (C) | rope key (R)]; the probabilities weight the rows' latent parts (C wide).
 
 Why: XLA runs it as two batched products over the whole cache bucket, scores [B, N, T, S] in
 float32 between them, reading the latent twice (7.7-18.8% of the HBM bandwidth at 8k). Here
@@ -36,11 +35,10 @@ memory-bound, read at 76-89% of the copy probe at batch 8-32, context 32k. 128 h
 compute-bound on Hopper (242 FLOP per latent byte at T = 1, above an H100's ~220 and an
 H200's ~165; verify(4) four times that): 1.0-1.5x XLA at T = 1, level with it at T = 4.
 
-On Hopper, windows of 64 rows or more (fewer in large batches: `choose_form`) go to
-jspec.pallas_kernels.mla_decode_wgmma, FlashMLA's warp-specialized design: on an H200
-1.3-3.1x XLA's path at 128 heads (up to 74% of the FLOP floor), and at 16 heads, batch 8-32,
-context 32k, 67-87% of the read probe. At batch 1 a call (kernel and merge) is 12-42 us at
-8k-32k on an H100, of which the latent at the copy probe's rate is 3.4-13.6 us.
+On Hopper, wide windows and large batches (`choose_form`) go to jspec.pallas_kernels.
+mla_decode_wgmma, FlashMLA's warp-specialized design: on an H200 1.3-3.1x XLA's path at 128
+heads (up to 74% of the FLOP floor), at 16 heads, batch 8-32, 32k, 67-87% of the read probe.
+At batch 1 a call (kernel and merge) is 12-42 us at 8k-32k on an H100.
 
 On a GPU the kernel needs C and R powers of two >= 16 (Triton's block shapes and the tensor
 cores' smallest dot): DeepSeek-V3 / R1, GLM-4.7-Flash and Kimi K2 have C = 512, R = 64.
@@ -202,6 +200,7 @@ def _kernel(q_ref, cache_ref, pos_ref, out_ref, lse_ref, *, scale: float, latent
   lse_ref[b, split, rows] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
+WGMMA_ONE_TILE_MIN_SLOTS = 1 << 15  # one-tile windows take the wgmma form from this many slots
 WGMMA_MIN_BATCH_SLOTS = 1 << 16  # half-tile windows take the wgmma form from this many slots
 WGMMA_H200_MIN_BATCH_SLOTS = 1 << 18  # on an H200, windows of any width from this many
 
@@ -209,16 +208,17 @@ WGMMA_H200_MIN_BATCH_SLOTS = 1 << 18  # on an H200, windows of any width from th
 def choose_form(rows: int, latent_dim: int, rope_dim: int, slots: int, dtype, *,
                 batch: int) -> str:
   """"wgmma" (jspec.pallas_kernels.mla_decode_wgmma) where the shape fits it, the cache is
-  16-bit and a sequence's window fills a 64-row tile (every window at 128 heads; verify(4) at
-  16), or half of one (verify(2-3) at 16 heads) when the batch's caches hold at least 64k
-  slots (batch x S): there it took 0.74-0.84x the Triton form's time at batch 32 and 0.79x at
-  batch 8 / 32k, and since it writes live rows only 0.72x / 0.95x at batch 8 / 8k (T = 3 /
-  2), but 0.86-1.43x at batch 1 (one H100, BENCHMARKS.md, "MLA decode: live rows only"). On
-  an H200 any window (a 16-head decode step too) takes it from 256k slots: 0.74-0.88x the
-  Triton form's time at batch 32 in two runs, 0.64x / 1.00x at batch 8 / 32k, where an
-  H100's took 1.16-1.17x (BENCHMARKS.md, "FP8 and MLA decode on an H200 ..."). Else "triton"."""
+  16-bit and a sequence's window has more than a 64-row tile of query rows (128 heads);
+  exactly one (verify(4) at 16 heads) from 32k slots a batch (batch x S), half of one or more
+  (verify(2-3)) from 64k; on an H200 any window from 256k. Else "triton". Against the Triton
+  form (one H100 unless said; BENCHMARKS.md, "MLA decode: live rows only"): one tile at batch
+  1 1.16x / 1.03x / 0.81x at 8k / 16k / 32k; half tiles 0.72x / 0.95x at batch 8 / 8k (T = 3
+  / 2), 0.79x at batch 8 / 32k, 0.74-0.84x at batch 32, 0.86-1.43x at batch 1; a 16-head
+  decode step on an H200 0.74-0.88x at batch 32, 0.64x / 1.00x at batch 8 / 32k, where an
+  H100's took 1.16-1.17x ("FP8 and MLA decode on an H200 ...")."""
   many_slots = batch * slots
-  wide_enough = (rows >= wgmma.ROWS
+  wide_enough = (rows > wgmma.ROWS
+                 or (rows == wgmma.ROWS and many_slots >= WGMMA_ONE_TILE_MIN_SLOTS)
                  or (2 * rows >= wgmma.ROWS and many_slots >= WGMMA_MIN_BATCH_SLOTS)
                  or (many_slots >= WGMMA_H200_MIN_BATCH_SLOTS
                      and "H200" in platform.device_kind()))
