@@ -145,19 +145,37 @@ def test_windows_longer_than_the_limit_keep_xla_attention(monkeypatch):
   assert calls == []
 
 
+@pytest.mark.parametrize("slots, head_dim, itemsize, block", [
+    (640, 128, 2, 128),   # Qwen3-8B's bf16 heads: the measured tiling
+    (640, 256, 2, 64),    # Qwen3.5 / Qwen3-Next's 256-wide bf16 heads
+    (640, 128, 4, 64),    # float32 caches
+    (640, 256, 4, 32),
+    (48, 128, 2, 16),     # a cache of 48 slots: the largest dividing block
+    (1024, 1024, 4, 16),  # nothing fits: 16 slots, the smallest Triton block
+])
+def test_blocks_in_flight_fit_the_shared_memory(slots, head_dim, itemsize, block):
+  assert short_lib.choose_block_slots(slots, head_dim, itemsize) == block
+  staged = 2 * (short_lib.NUM_STAGES - 1) * block * head_dim * itemsize
+  assert staged <= short_lib.STAGED_BYTES or block == short_lib.MIN_ROWS
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("b, t", [(1, 1), (8, 1), (3, 4), (32, 1)])
-def test_gpu_short_attention_at_model_shapes(b, t):
-  """Qwen3-8B's heads (32 query heads over 8 KV heads of 128) over a 640-slot bf16 cache,
-  compiled, against float64 NumPy on the same bf16 values."""
+@pytest.mark.parametrize("b, t, kv_heads, group, h, dtype", [
+    (1, 1, 8, 4, 128, jnp.bfloat16), (8, 1, 8, 4, 128, jnp.bfloat16),
+    (3, 4, 8, 4, 128, jnp.bfloat16), (32, 1, 8, 4, 128, jnp.bfloat16),
+    (2, 3, 4, 4, 256, jnp.bfloat16),   # Qwen3.5-9B's gated attention: 16 heads of 256 over 4
+    (2, 3, 2, 2, 128, jnp.float32),    # float32 caches
+])
+def test_gpu_short_attention_at_model_shapes(b, t, kv_heads, group, h, dtype):
+  """Qwen3-8B's heads (32 query heads over 8 KV heads of 128) and Qwen3.5's (256 wide) over a
+  640-slot cache, compiled, against float64 NumPy on the same values."""
   assert jax.devices()[0].platform == "gpu"
   rng = np.random.default_rng(RUN_SEED + b + t)
-  q, keys, values, start = _case(rng, b, t, 8, 4, 640, 128)
-  q, keys, values = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
-                     for a in (q, keys, values))
-  got = short_attention(*(jnp.asarray(a, jnp.bfloat16) for a in (_by_kv_head(q, 8), keys,
-                                                                  values)),
-                        jnp.asarray(start), group=4, scale=128 ** -0.5)
-  got = np.asarray(got, np.float32).reshape(b, 8, t, 4, 128).transpose(0, 2, 1, 3, 4)
-  want = _reference(q, keys, values, start, 128 ** -0.5)
+  q, keys, values, start = _case(rng, b, t, kv_heads, group, 640, h)
+  q, keys, values = (np.asarray(jnp.asarray(a, dtype), np.float32) for a in (q, keys, values))
+  got = short_attention(*(jnp.asarray(a, dtype) for a in (_by_kv_head(q, kv_heads), keys,
+                                                          values)),
+                        jnp.asarray(start), group=group, scale=h ** -0.5)
+  got = np.asarray(got, np.float32).reshape(b, kv_heads, t, group, h).transpose(0, 2, 1, 3, 4)
+  want = _reference(q, keys, values, start, h ** -0.5)
   np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0.02, atol=0.02)

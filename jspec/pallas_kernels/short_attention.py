@@ -55,10 +55,20 @@ def fits_kernel(slots: int, head_dim: int, rows_per_kv_head: int) -> bool:
 BLOCK_SLOTS = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
+# Shared memory for the key and value blocks in flight (NUM_STAGES - 1 of each): that tiling's
+# 128 KiB. Wider heads or float32 caches take shorter blocks: 128 slots of Qwen3.5's 256-wide
+# bf16 heads (or of 128-wide float32 ones) asked for 272 KiB, past Hopper's 227.
+STAGED_BYTES = 128 << 10
 
 
-def _block_slots(slots: int) -> int:
-  return next(b for b in (BLOCK_SLOTS, 64, 32, 16) if slots % b == 0)
+def choose_block_slots(slots: int, head_dim: int, itemsize: int) -> int:
+  """Slots per loop step: the most of BLOCK_SLOTS, 64, 32, 16 that divides the cache and whose
+  key and value blocks, NUM_STAGES - 1 deep, fit STAGED_BYTES (16 always: a block of 16 rows
+  of a 256-wide float32 head is 16 KiB)."""
+  def staged(b):
+    return 2 * (NUM_STAGES - 1) * b * head_dim * itemsize
+  return next((b for b in (BLOCK_SLOTS, 64, 32) if slots % b == 0 and staged(b) <= STAGED_BYTES),
+              MIN_ROWS)
 
 
 def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, rows: int, block_rows: int, group: int,
@@ -119,7 +129,8 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
     interpret = not platform.on_gpu()
   kernel = functools.partial(
       _kernel, rows=rows, block_rows=max(MIN_ROWS, 1 << (rows - 1).bit_length()),
-      group=group, block_slots=_block_slots(slots), slots=slots, scale=scale)
+      group=group, block_slots=choose_block_slots(slots, head_dim, keys_BKSH.dtype.itemsize),
+      slots=slots, scale=scale)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct(q_BRH.shape, q_BRH.dtype),
       grid=(b, kv_heads),
