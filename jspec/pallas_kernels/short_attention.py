@@ -56,8 +56,8 @@ BLOCK_SLOTS = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
 # Shared memory for the key and value blocks in flight (NUM_STAGES - 1 of each): that tiling's
-# 128 KiB. Wider heads or float32 caches take shorter blocks: 128 slots of Qwen3.5's 256-wide
-# bf16 heads (or of 128-wide float32 ones) asked for 272 KiB, past Hopper's 227.
+# 128 KiB. Wider heads or float32 caches take shorter blocks: 128 slots of 128-wide float32
+# heads asked for 272 KiB, past Hopper's 227, and Qwen3.5's 256-wide bf16 heads weigh as much.
 STAGED_BYTES = 128 << 10
 
 
