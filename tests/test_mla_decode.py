@@ -131,6 +131,20 @@ def test_row_tiles_are_16_rows_for_one_sequence_and_up_to_64_for_more(rows, batc
   assert kernel_lib.rows_block(rows, MLATiling(block_rows=block_rows), batch) == tile
 
 
+@pytest.mark.parametrize("block, stages, row_bytes, slots, fitted", [
+    (64, 3, 1152, 8320, 64),    # DeepSeek-V3's bf16 rows: the default tiling's 144 KiB
+    (64, 3, 2304, 8320, 32),    # float32 rows: 64-slot blocks would stage 288 KiB
+    (64, 2, 2304, 8320, 64),    # one block in flight
+    (64, 3, 1152, 48, 32),      # a cache of 48 slots: no block past its end
+    (64, 3, 1152, 20, 16),      # 16 at least
+    (64, 5, 4608, 8320, 16),
+])
+def test_blocks_in_flight_fit_the_shared_memory(block, stages, row_bytes, slots, fitted):
+  assert kernel_lib.fitting_block_slots(block, stages, row_bytes, slots) == fitted
+  assert ((stages - 1) * fitted * row_bytes <= kernel_lib.STAGED_BYTES
+          or fitted == kernel_lib.MIN_ROWS)
+
+
 @pytest.mark.parametrize("tile_rows, latent_dim, row_bytes", [
     (16, 512, 1152), (64, 512, 1152), (128, 512, 1152), (16, 32, 80), (64, 256, 640)])
 def test_a_chunk_is_no_shorter_than_its_partial_output_is_heavy(tile_rows, latent_dim,

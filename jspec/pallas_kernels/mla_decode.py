@@ -21,19 +21,14 @@ How (Pallas on Triton, as JAX's jax/experimental/pallas/ops/gpu/decode_attention
           rope key (float32), causal mask by the row's position, online softmax, acc += p .
           latent; writes acc / l of its live rows and the log-sum-exp of its chunk.
   merge   the K partial softmaxes combined by their log-sum-exps in one more kernel
-          (jspec.pallas_kernels.mla_merge; K = 1: the kernel's output is the result, written
-          in the cache's dtype).
+          (jspec.pallas_kernels.mla_merge; K = 1: the kernel's output, in the cache's dtype).
 Rows' positions and tiles' lengths come from the window's positions [B, T] in the kernel (no
 XLA kernel before it). A row that sees no slot (an idle sequence) gives zeros.
 
-K is chosen so that the programs fill the GPU once (`choose_splits`), each chunk at least as
-heavy in latent rows as its partial output ([rows, C] float32: `min_split_slots`), so that
-no split costs more than it saves; a few programs past one wave would cost a whole wave.
-
-Measured (one H100, results/mla_decode_h100.json): 16 heads per device (a tp = 8 shard) is
-memory-bound, read at 76-89% of the copy probe at batch 8-32, context 32k. 128 heads is
-compute-bound on Hopper (242 FLOP per latent byte at T = 1, above an H100's ~220 and an
-H200's ~165; verify(4) four times that): 1.0-1.5x XLA at T = 1, level with it at T = 4.
+K fills the GPU once (`choose_splits`), each chunk at least as heavy in latent rows as its
+float32 partial output (`min_split_slots`). 16 heads per device (a tp = 8 shard) is
+memory-bound; 128 heads is compute-bound on Hopper (242 FLOP per latent byte at T = 1, above
+an H100's ~220 and an H200's ~165; verify(4) four times that).
 
 On Hopper, wide windows and large batches (`choose_form`) go to jspec.pallas_kernels.
 mla_decode_wgmma, FlashMLA's warp-specialized design: on an H200 1.3-3.1x XLA's path at 128
@@ -76,12 +71,23 @@ class MLATiling:
   programs_per_sm: int = 1
 
 
+STAGED_BYTES = 144 << 10  # latent blocks in flight: the default tiling's at bf16 (2 x 64 x 1152)
+
+
+def fitting_block_slots(block_slots: int, stages: int, row_bytes: int, slots: int) -> int:
+  """`block_slots` halved (to 16 at least) until it lies within the cache and its `stages` - 1
+  blocks in flight of `row_bytes` rows fit STAGED_BYTES: float32 caches of DeepSeek-V3's rows
+  take 32-slot blocks (64 would ask for 295 KiB of shared memory, past Hopper's 227)."""
+  while block_slots > MIN_ROWS and (block_slots > slots
+                                    or (stages - 1) * block_slots * row_bytes > STAGED_BYTES):
+    block_slots //= 2
+  return block_slots
+
+
 def stages_for(block_rows: int) -> int:
-  """Loads in flight: 3 for tiles of up to 16 rows (a tp = 8 shard's decode step, 16 heads:
-  8-10% faster than 2 at batch 8 and 32, the same at batch 1, on an H100; BENCHMARKS.md, "FP8
-  and MLA decode kernels under the profiler"), 2 for larger tiles, whose query rows and
-  blocks take more of the shared memory (measured at 128 heads, the tiling sweep of
-  benchmarks/mla_decode.py)."""
+  """Loads in flight: 3 for tiles of up to 16 rows (16 heads: 8-10% faster than 2 from batch 8
+  on an H100; BENCHMARKS.md, "FP8 and MLA decode kernels under the profiler"), 2 for larger
+  tiles, whose query rows take more of the shared memory."""
   return 3 if block_rows <= 16 else 2
 
 
@@ -99,25 +105,19 @@ BATCH_BLOCK_ROWS = 64  # the row tile's bound from two sequences on (block_rows 
 
 def rows_block(rows: int, tiling: MLATiling, batch: int) -> int:
   """Query rows per program: the next power of two >= 16 of the window's rows, at most
-  tiling.block_rows, or where that is 0, 16 for a single sequence and BATCH_BLOCK_ROWS from
-  two on. A single sequence's few chunks leave each program a few blocks, and its fixed costs
-  weigh most: 16-row programs reading a chunk side by side from L2 took 0.80-0.87x the time
-  of one 32-row program at T = 2 and 0.69-0.90x that of a 64-row one at T = 4 (16 heads, 8k
-  and 32k, one H100); at batch 8 64-row tiles were faster at T = 4 (0.82x / 0.68x at 8k /
-  32k), 16 rows 0.90x / 1.00x at T = 2 (BENCHMARKS.md, "MLA decode at batch 1: ...")."""
+  tiling.block_rows, or where that is 0, 16 for a single sequence (its few blocks per program
+  leave fixed costs weighing most: 0.69-0.90x a 64-row tile's time at T = 4) and
+  BATCH_BLOCK_ROWS from two on (BENCHMARKS.md, "MLA decode at batch 1: ...")."""
   most = tiling.block_rows or (MIN_ROWS if batch == 1 else BATCH_BLOCK_ROWS)
   return min(most, max(MIN_ROWS, 1 << (rows - 1).bit_length()))
 
 
 def min_split_slots(tile_rows: int, latent_dim: int, row_bytes: int) -> int:
   """The shortest chunk worth a program of its own: one whose latent rows (`row_bytes` each)
-  weigh at least its float32 partial output ([tile_rows, C]), which is written and read back
-  by the merge. For DeepSeek-V3's rows (C = 512, 1152 bytes) that is 114 slots per 64-row
-  tile and 29 for the 16 rows of a tp = 8 shard's decode step, whose batch-1 step at 8k
-  context then runs 132 chunks instead of 32 (a fixed 256 bounded them): 22.4 -> 17.5 us in
-  one interleaved comparison on an H100, though calls this short vary by up to 1.7x between
-  runs; no row of batch 1 or 8 got slower by more than that comparison's 2% (BENCHMARKS.md,
-  "FP8 and MLA decode kernels under the profiler")."""
+  weigh at least its float32 partial output ([tile_rows, C]), which the merge reads back. For
+  DeepSeek-V3's rows that is 114 slots per 64-row tile and 29 for a tp = 8 shard's 16 rows:
+  132 chunks at batch 1 / 8k instead of 32, 22.4 -> 17.5 us in one comparison on an H100
+  (BENCHMARKS.md, "FP8 and MLA decode kernels under the profiler")."""
   return -(-tile_rows * latent_dim * PARTIAL_BYTES // row_bytes)
 
 
@@ -270,9 +270,9 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
     splits = choose_splits(b, row_tiles, slots, platform.num_sms(), tiling.programs_per_sm,
                            min_slots=min_split_slots(block_rows, latent_dim,
                                                      width * cache_BSL.dtype.itemsize))
-  block_slots = tiling.block_slots
-  while block_slots > max(MIN_ROWS, slots):  # a tiny cache: no block past its end
-    block_slots //= 2
+  stages = tiling.num_stages or stages_for(block_rows)
+  block_slots = fitting_block_slots(tiling.block_slots, stages,
+                                    width * cache_BSL.dtype.itemsize, slots)
   out_dtype = _parts_dtype(splits, cache_BSL.dtype)
   parts_BKRC, lse_BKR = pl.pallas_call(
       functools.partial(_kernel, scale=scale, latent_dim=latent_dim, rope_dim=rope_dim,
@@ -282,7 +282,7 @@ def mla_decode(q_BTNL: jax.Array, cache_BSL: jax.Array, positions_BT: jax.Array,
                  jax.ShapeDtypeStruct((b, splits, padded), jnp.float32)),
       grid=(row_tiles, splits, b),
       compiler_params=pltriton.CompilerParams(
-          num_warps=tiling.num_warps, num_stages=tiling.num_stages or stages_for(block_rows)),
+          num_warps=tiling.num_warps, num_stages=stages),
       interpret=interpret,
       name="mla_flash_decode",
   )(q_BRL, cache_BSL, positions_BT.astype(jnp.int32))
