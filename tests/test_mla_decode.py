@@ -471,21 +471,19 @@ def test_unknown_attention_backend_is_refused_naming_the_choices():
 # ---- on a GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["triton", "wgmma", None])
 @pytest.mark.parametrize("n", [128, 16])
 @pytest.mark.parametrize("batch, t, context", [(1, 1, 8192), (1, 4, 8192), (4, 4, 8192),
                                                (2, 5, 32768), (3, 3, 8192)])
-def test_compiled_kernel_on_gpu_matches_the_reference(batch, t, context, n, form):
-  """Both forms compiled at DeepSeek-V3's shapes (C = 512, R = 64, bf16; 128 heads, and the
-  16 of a tp = 8 shard, whose windows leave a tile's rows partly padding): Triton, wgmma and
-  the default: the float32 reference within bfloat16's rounding, ragged positions, one idle
-  sequence."""
+def test_compiled_kernel_on_gpu_matches_the_reference(batch, t, context, n):
+  """Each form compiled at DeepSeek-V3's shapes (C = 512, R = 64, bf16; 128 heads, and the
+  16 of a tp = 8 shard, whose windows leave a tile's rows partly padding): Triton, the default,
+  and on Hopper wgmma (it compiles for Hopper only): the float32 reference within bfloat16's
+  rounding, ragged positions, one idle sequence."""
   c, r = 512, 64
   rng = np.random.default_rng(context + t)
   slots = context + 128
-  if form == "wgmma" and not kernel_lib.platform.on_hopper():
-    pytest.skip("the wgmma form compiles for Hopper only")
-  if form is None and n == 128 and kernel_lib.platform.on_hopper():
+  hopper = kernel_lib.platform.on_hopper()
+  if n == 128 and hopper:
     assert kernel_lib.choose_form(t * n, c, r, slots, jnp.bfloat16, batch=batch) == "wgmma"
   q = jnp.asarray(rng.standard_normal((batch, t, n, c + r)) * (c + r) ** -0.25, jnp.bfloat16)
   cache = jnp.asarray(rng.standard_normal((batch, slots, c + r)), jnp.bfloat16)
@@ -494,10 +492,12 @@ def test_compiled_kernel_on_gpu_matches_the_reference(batch, t, context, n, form
   scale = (192 ** -0.5)
   want = _reference(np.asarray(q, np.float32), np.asarray(cache, np.float32), positions, c,
                     scale)
-  for splits in (None, 1, 7):
-    got = mla_decode(q, cache, jnp.asarray(positions, jnp.int32), latent_dim=c, scale=scale,
-                     splits=splits, form=form)
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
+  for form in ("triton", None) + (("wgmma",) if hopper else ()):
+    for splits in (None, 1, 7):
+      got = mla_decode(q, cache, jnp.asarray(positions, jnp.int32), latent_dim=c, scale=scale,
+                       splits=splits, form=form)
+      np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2,
+                                 err_msg=f"form={form} splits={splits}")
 
 
 @pytest.mark.gpu
