@@ -43,7 +43,8 @@ class LLM:
                prefill_chunk_size: int = 256, attention_backend: str = "auto",
                recurrent_commit: str = "store", sharding_rules: ShardingRules | None = None,
                batching: str = "continuous", projection_backend: str = "auto",
-               norm_backend: str = "auto", _modules=None, _draft=None):
+               norm_backend: str = "auto", all_reduce_backend: str = "auto",
+               _modules=None, _draft=None):
     # _modules, _draft: random weights instead of a checkpoint (from_random, benchmarks).
     parts = build(
         model, mesh=mesh, speculative_config=speculative_config, max_model_len=max_model_len,
@@ -53,6 +54,7 @@ class LLM:
         attention_backend=attention_backend, recurrent_commit=recurrent_commit,
         sharding_rules=sharding_rules, batching=batching,
         projection_backend=projection_backend, norm_backend=norm_backend,
+        all_reduce_backend=all_reduce_backend,
         random_modules=_modules, random_draft=_draft)
     for field in dataclasses.fields(parts):
       setattr(self, field.name, getattr(parts, field.name))

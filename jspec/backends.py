@@ -27,6 +27,7 @@ from jspec.models.row_kernels import (resolve_norm_backend, sharded_kv_write,
 from jspec.pallas_kernels import platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
 from jspec.sharding.rules import axis_size
+from jspec.sharding.tensor_parallel import tensor_parallel_products
 from jspec.sharding.vocab import sharded_embedding_lookup
 
 # "auto"'s limit on an MLA window's query rows per shard for the latent kernel.
@@ -134,19 +135,32 @@ def use_pallas_attention(mesh, pairs, explicit: bool = True):
           node.latent_kernel_max_rows = MLA_KERNEL_MAX_ROWS * axis_size(mesh, rules.q_heads)
 
 
-def use_projections(backend: str, fp8_block, mesh, pairs) -> str:
+def use_projections(backend: str, fp8_block, mesh, pairs, all_reduce_backend: str = "auto") -> str:
   """Sets the attention layers' projection product (jspec.models.projections); returns the
   backend in effect: "auto" becomes "pallas" on Hopper where the weights are whole on every
-  shard (the kernel then takes only the products XLA would strength-reduce), else "xla"."""
+  shard (the kernel then takes only the products XLA would strength-reduce), else "xla".
+  Where the mesh splits a model's weights over tp, `all_reduce_backend` "auto" with
+  projection backend "auto" leaves its products and their all-reduces to XLA's partitioner
+  (measured the faster on 2 H100s, BENCHMARKS.md); "pallas", or an all-reduce backend of
+  "xla" or "kernel", gives it the shard-by-shard products of jspec.sharding.tensor_parallel,
+  reduced by the one-shot kernel where `all_reduce_backend` is "kernel"."""
   forced = backend == "pallas"
+  custom = all_reduce_backend == "kernel"
   if fp8_block is not None and backend != "xla":
     _use_fp8_projections(fp8_block, mesh, pairs)
+  split = []
+  if forced or all_reduce_backend != "auto":
+    split = [module for module, rules in _modules(pairs)
+             if _use_tensor_parallel(module, mesh, rules, custom, forced)]
   if backend == "auto":
-    replicated = all(weights_replicated(mesh, rules) for _, rules in pairs)
+    replicated = all(weights_replicated(mesh, rules) or any(module is m for m in split)
+                     for module, rules in _modules(pairs))
     backend = "pallas" if platform.on_hopper() and replicated else "xla"
   if backend == "xla":
     return backend
   for module, rules in _modules(pairs):
+    if any(module is m for m in split):
+      continue
     if not weights_replicated(mesh, rules):
       raise ValueError("projection_backend='pallas' needs the attention weights whole on "
                        "every shard, and this mesh splits them over tp; use 'auto' or 'xla'")
@@ -155,6 +169,22 @@ def use_projections(backend: str, fp8_block, mesh, pairs) -> str:
       if isinstance(node, Attention):
         node.projection = kernel
   return backend
+
+
+def _use_tensor_parallel(module, mesh, rules, custom_all_reduce: bool, forced: bool) -> bool:
+  """Gives `module`'s GQA attention layers and dense MLPs (not an MoE layer's shared experts,
+  whose sum XLA adds to the routed experts' before one reduction) the tensor-parallel
+  products, where the mesh splits them; whether it did."""
+  products = tensor_parallel_products(mesh, rules, custom_all_reduce, kernel_always=forced)
+  if products is None:
+    return False
+  shared = {id(getattr(node, name)) for _, node in nnx.iter_graph(module)
+            if isinstance(node, MoE) for name in ("shared_expert", "shared_experts")
+            if hasattr(node, name)}
+  for _, node in nnx.iter_graph(module):
+    if isinstance(node, (Attention, MLP)) and id(node) not in shared:
+      node.tp_products = products
+  return True
 
 
 def _use_fp8_projections(fp8_block, mesh, pairs):

@@ -27,6 +27,7 @@ from jspec.models.loading import init_random, load_checkpoint
 from jspec.models.moe_backends import expert_tile, resolve_moe_backend
 from jspec.models.projections import PROJECTION_BACKENDS
 from jspec.models.row_kernels import NORM_BACKENDS
+from jspec.pallas_kernels import platform
 from jspec.progress import notice, stage
 from jspec.schedulers.continuous import ContinuousScheduler
 from jspec.schedulers.waves import WavesScheduler
@@ -34,6 +35,7 @@ from jspec.scoring import Scorer
 from jspec.sharding.moe import EP_STRATEGIES
 from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
 from jspec.sharding.rules import MeshConfig, ShardingRules
+from jspec.sharding.tensor_parallel import ALL_REDUCE_BACKENDS
 from jspec.speculative.drafters.setup import TargetContext, setup_for
 from jspec.tokenizer import load_tokenizer
 
@@ -72,6 +74,7 @@ class LLMParts:
   projection_backend: str
   norm_backend: str
   recurrent_commit: str
+  all_reduce_backend: str
   experts_fn: object
   draft_experts_fn: object
   device: DeviceModel | None = None
@@ -104,7 +107,7 @@ def enable_compilation_cache(directory: str | None):
 
 def check_options(*, attention_backend, projection_backend, ep_strategy, recurrent_commit,
                   speculative_config, max_model_len, max_num_seqs, prefill_chunk_size,
-                  batching, norm_backend="auto") -> SpecConfig | None:
+                  batching, norm_backend="auto", all_reduce_backend="auto") -> SpecConfig | None:
   """The options that need no model, refused with the offending value and what is valid;
   returns the parsed speculative_config."""
   if attention_backend not in ATTENTION_BACKENDS:
@@ -116,6 +119,16 @@ def check_options(*, attention_backend, projection_backend, ep_strategy, recurre
   if norm_backend not in NORM_BACKENDS:
     raise ValueError(f"norm_backend={norm_backend!r} is not supported; choose one of "
                      f"{NORM_BACKENDS}")
+  if all_reduce_backend not in ALL_REDUCE_BACKENDS:
+    raise ValueError(f"all_reduce_backend={all_reduce_backend!r} is not supported; choose one "
+                     f"of {ALL_REDUCE_BACKENDS}")
+  if all_reduce_backend != "auto" and projection_backend == "xla":
+    raise ValueError(f"all_reduce_backend={all_reduce_backend!r} reduces the tensor-parallel "
+                     "products jspec writes shard by shard; projection_backend='xla' leaves "
+                     "them to XLA's partitioner: use projection_backend='auto' or 'pallas'")
+  if all_reduce_backend == "kernel" and not platform.on_hopper():
+    raise ValueError("all_reduce_backend='kernel' needs Hopper GPUs (its one-shot kernel reads "
+                     "peer memory over NVLink, which no interpreter simulates); use 'auto'")
   if ep_strategy not in EP_STRATEGIES:  # checked on every mesh, not only where ep > 1
     raise ValueError(f"ep_strategy={ep_strategy!r} is not supported; choose one of "
                      f"{EP_STRATEGIES}")
@@ -168,7 +181,8 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
           device_memory_bytes: int | None = None, prefill_chunk_size: int = 256,
           attention_backend: str = "auto", recurrent_commit: str = "store",
           sharding_rules: ShardingRules | None = None, batching: str = "continuous",
-          projection_backend: str = "auto", norm_backend: str = "auto", random_modules=None,
+          projection_backend: str = "auto", norm_backend: str = "auto",
+          all_reduce_backend: str = "auto", random_modules=None,
           random_draft=None) -> LLMParts:
   """The parts of `jspec.LLM` (its arguments are this function's; `random_modules`,
   `random_draft`: what `random_modules` built instead of loading)."""
@@ -176,7 +190,7 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
   spec = check_options(attention_backend=attention_backend,
                        projection_backend=projection_backend, ep_strategy=ep_strategy,
                        recurrent_commit=recurrent_commit, speculative_config=speculative_config,
-                       norm_backend=norm_backend,
+                       norm_backend=norm_backend, all_reduce_backend=all_reduce_backend,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        prefill_chunk_size=prefill_chunk_size, batching=batching)
   # "auto": the Pallas decode kernels on a Hopper GPU, XLA's attention elsewhere.
@@ -251,7 +265,7 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
     if draft_module is not mtp:
       use_fused_prefill_attention(device_mesh, (draft_pair,))
   projection_backend = use_projections(projection_backend, config.fp8_block, device_mesh,
-                                       (target_pair, draft_pair))
+                                       (target_pair, draft_pair), all_reduce_backend)
   norm_backend = use_row_kernels(norm_backend, device_mesh,
                                  (target_pair, draft_pair, (mtp, draft_rules)))
 
@@ -264,7 +278,8 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
       prefill_chunk_size=prefill_chunk_size, memory_plan=memory_plan, batching=batching,
       seed=seed, moe_backend=moe_backend, attention_backend=resolved_attention,
       projection_backend=projection_backend, norm_backend=norm_backend,
-      recurrent_commit=recurrent_commit, experts_fn=experts_fn, draft_experts_fn=draft_experts_fn)
+      recurrent_commit=recurrent_commit, all_reduce_backend=all_reduce_backend,
+      experts_fn=experts_fn, draft_experts_fn=draft_experts_fn)
   parts.device = DeviceModel(parts)
   parts.scorer = Scorer(parts.device, parts)
   parts.scheduler = SCHEDULERS[batching](parts.device, parts)

@@ -24,6 +24,11 @@ def _add_model_args(parser, model_required: bool):
   parser.add_argument("--norm-backend", default="auto", choices=["auto", "xla", "pallas"],
                       help="decode/verify steps' residual adds, norms and RoPE: XLA's fusions, "
                            "or one Pallas kernel per group (auto: the kernels on GPUs)")
+  parser.add_argument("--all-reduce-backend", default="auto", choices=["auto", "xla", "kernel"],
+                      help="tensor-parallel layers: auto = XLA's partitioner places products and "
+                           "all-reduces (measured fastest on 2 H100s); xla / kernel = jspec's "
+                           "shard-by-shard products reduced by XLA's all-reduce / jspec's "
+                           "one-shot kernel (Hopper GPUs)")
   parser.add_argument("--dp", type=int, default=1,
                       help="data parallelism: sequences split over this many device groups")
   parser.add_argument("--tp", type=int, default=1,
@@ -76,7 +81,8 @@ def _build_llm(args, model_dir):
                    speculative_config=_spec_config(args), max_model_len=args.max_model_len,
                    dtype=args.dtype, moe_backend=args.moe_backend,
                    attention_backend=args.attention_backend, sharding_rules=rules,
-                   max_num_seqs=args.max_num_seqs, norm_backend=args.norm_backend)
+                   max_num_seqs=args.max_num_seqs, norm_backend=args.norm_backend,
+                   all_reduce_backend=args.all_reduce_backend)
 
 
 def _token_ids(text: str, flag: str) -> list[int]:

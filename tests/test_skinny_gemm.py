@@ -109,8 +109,14 @@ def test_backends_resolve_and_refuse():
   assert _llm("auto").projection_backend == ("pallas" if platform.on_hopper() else "xla")
   with pytest.raises(ValueError, match="projection_backend='cuda'"):
     _llm("cuda")
+  # tp = 2: each shard's products through the kernel (jspec.sharding.tensor_parallel) ...
+  split = _llm("pallas", mesh=jspec.MeshConfig(tp=2, num_devices=2))
+  assert split.projection_backend == "pallas"
+  assert split.target.layers[0].attn.tp_products is not None
+  # ... unless the heads and the MLP are split over different axes: no products then.
   with pytest.raises(ValueError, match="splits them over tp"):
-    _llm("pallas", mesh=jspec.MeshConfig(tp=2, num_devices=2))
+    _llm("pallas", mesh=jspec.MeshConfig(tp=2, num_devices=2),
+         sharding_rules=jspec.ShardingRules(mlp=None))
   # "auto" with tp keeps XLA's dot.
   assert _llm("auto", mesh=jspec.MeshConfig(tp=2, num_devices=2)).projection_backend == "xla"
 

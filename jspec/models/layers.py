@@ -130,6 +130,10 @@ class Attention(nnx.Module):
     # (jspec.models.row_kernels.sharded_kv_write): (keys, values, k, v, positions) -> (keys,
     # values), for steps of few rows. None: two XLA scatters.
     self.kv_write = None
+    # Optional products for weights split over tp (jspec.sharding.tensor_parallel), set by
+    # the LLM: q, k and v per shard, o_proj's partial sums reduced by one all-reduce. Used for
+    # unquantized weights; FP8 ones keep their own products. None: XLA's partitioner.
+    self.tp_products = None
     self.head_dim = h
 
   def _dense(self, x, name: str, spec: str, in_axes: int = 1):
@@ -139,6 +143,15 @@ class Attention(nnx.Module):
     """The q, k and v projections of x: one FP8 kernel call where they go to the kernel
     (linear.project_many_named), else three products."""
     specs = (("q_proj", q_spec), ("k_proj", "btd,dkh->btkh"), ("v_proj", "btd,dkh->btkh"))
+    tp = self.tp_products
+    if tp is not None and self.q_proj_scale is None:
+      # Each shard its own heads; with KV heads fewer than the shards, k and v are whole on
+      # every shard (kv_replicas) and keep XLA's product.
+      q = tp.column(x_BTD, self.q_proj[...], split=1)
+      if self.kv_replicas > 1:
+        return (q, *(self._dense(x_BTD, name, spec) for name, spec in specs[1:]))
+      return (q, tp.column(x_BTD, self.k_proj[...], split=1),
+              tp.column(x_BTD, self.v_proj[...], split=1))
     # An FP8 call's K-slice sum goes into the fusions that read q, k and v (their norms, RoPE
     # and the cache writes): one kernel fewer a layer; with gate / up's, 0.982x Qwen3-8B's FP8
     # batch-1 step on an H100 (BENCHMARKS.md, "FP8 K-slice sums fused into their readers; …").
@@ -171,7 +184,10 @@ class Attention(nnx.Module):
     out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window)
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
-    out_BTD = self._dense(out_BTNH, "o_proj", "btnh,nhd->btd", in_axes=2)
+    if self.tp_products is not None and self.o_proj_scale is None:
+      out_BTD = self.tp_products.row(out_BTNH, self.o_proj[...], in_axes=2)
+    else:
+      out_BTD = self._dense(out_BTNH, "o_proj", "btnh,nhd->btd", in_axes=2)
     if self.has_o_bias:
       out_BTD = out_BTD + self.o_bias[...]
     return out_BTD, cache
@@ -281,12 +297,20 @@ class MLP(nnx.Module):
     self.fp8_projection = None
     self.fp8_lanes = None
     self.fp8_block = gate_up_block or down_block
+    # Optional products for weights split over tp, as Attention.tp_products.
+    self.tp_products = None
 
   def _dense(self, x, name: str, spec: str, fp8_sum_apart: bool = True):
     return project_named(self, x, name, spec, fp8_sum_apart=fp8_sum_apart)
 
   def __call__(self, x_BTD):
+    tp = self.tp_products if self.gate_up_proj_scale is None else None
     # SwiGLU is elementwise: XLA fuses an FP8 product's K-slice sum into it.
-    gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf", fp8_sum_apart=False)
+    if tp is not None:
+      gate_up_BTCF = tp.column(x_BTD, self.gate_up_proj[...], split=2)
+    else:
+      gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf", fp8_sum_apart=False)
     act_BTF = jax.nn.silu(gate_up_BTCF[:, :, 0]) * gate_up_BTCF[:, :, 1]
+    if tp is not None and self.down_proj_scale is None:
+      return tp.row(act_BTF, self.down_proj[...])
     return self._dense(act_BTF, "down_proj", "btf,fd->btd")

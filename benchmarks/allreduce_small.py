@@ -1,0 +1,135 @@
+"""Small all-reduces over the GPUs of one host: NCCL's (XLA's psum) against jspec's one-shot
+Mosaic GPU kernel (jspec.pallas_kernels.all_reduce), per message size, as a decode step issues
+them: a chain of dependent all-reduces inside one jitted program, each followed by a scale (so
+XLA can neither merge nor drop them).
+
+    python benchmarks/allreduce_small.py --impl nccl mosaic --kb 8 32 64 --devices 2
+    XLA_FLAGS=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true \\
+        python benchmarks/allreduce_small.py --impl nccl
+
+Figures: microseconds per all-reduce, the chain's median wall time over --repeats calls less
+the same chain without the all-reduces, divided by its length. `--form loop` runs the chain as
+a `fori_loop` of layers (two all-reduces each), as the decode loop does; `unrolled` inlines it.
+Every result is checked against psum's before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jspec.pallas_kernels.all_reduce import one_shot_all_reduce
+
+
+def reduce_fn(impl: str, axis_size: int, blocks: int | None, skip_barrier: bool = False):
+  if impl == "nccl":
+    return lambda x: lax.psum(x, "tp")
+  if impl == "mosaic":
+    return lambda x: one_shot_all_reduce(x, "tp", axis_size, num_blocks=blocks,
+                                         _skip_device_barrier=skip_barrier)
+  if impl == "none":
+    return lambda x: x
+  raise ValueError(impl)
+
+
+def chain_program(mesh, reduce, length: int, form: str):
+  def chain(x):
+    x = x[0]
+    if form == "unrolled":
+      for _ in range(length):
+        x = reduce(x) * jnp.asarray(0.5, x.dtype)
+    else:
+      def layer(_, x):
+        x = reduce(x) * jnp.asarray(0.5, x.dtype)
+        return reduce(x) * jnp.asarray(0.5, x.dtype)
+      x = lax.fori_loop(0, length // 2, layer, x)
+    return x[None]
+  return jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
+                               check_vma=False))
+
+
+def time_call(fn, x, repeats: int) -> float:
+  fn(x).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn(x).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--impl", nargs="+", default=["nccl", "mosaic"],
+                      choices=["nccl", "mosaic"])
+  parser.add_argument("--kb", type=int, nargs="+", default=[8, 32, 64])
+  parser.add_argument("--devices", type=int, default=2)
+  parser.add_argument("--length", type=int, default=72, help="all-reduces in the chain")
+  parser.add_argument("--form", nargs="+", default=["unrolled", "loop"],
+                      choices=["unrolled", "loop"])
+  parser.add_argument("--blocks", type=int, nargs="+", default=[8],
+                      help="the kernel's blocks (ignored by nccl)")
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--skip-barrier", action="store_true",
+                      help="the kernel without XLA's barrier before it: unsafe, measures the "
+                           "barrier's cost only")
+  args = parser.parse_args()
+
+  devices = jax.devices()[:args.devices]
+  mesh = Mesh(np.asarray(devices), ("tp",))
+  dtype = jnp.dtype(args.dtype)
+  print(f"# {len(devices)} x {devices[0].device_kind}, jax {jax.__version__}, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
+        f"NCCL_PROTO={os.environ.get('NCCL_PROTO', '')!r}", flush=True)
+  rows = []
+  for kb in args.kb:
+    n = kb * 1024 // dtype.itemsize
+    x_host = np.random.default_rng(kb).standard_normal((args.devices, n)).astype(np.float32)
+    x = jax.device_put(jnp.asarray(x_host, dtype), NamedSharding(mesh, P("tp")))
+    want = None
+    for form in args.form:
+      base = time_call(chain_program(mesh, reduce_fn("none", args.devices, None), args.length,
+                                     form), x, args.repeats)
+      for impl in args.impl:
+        for blocks in (args.blocks if impl == "mosaic" else [None]):
+          reduce = reduce_fn(impl, args.devices, blocks, args.skip_barrier)
+          one = jax.jit(jax.shard_map(lambda v: reduce(v[0])[None], mesh=mesh,
+                                      in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+          got = np.asarray(one(x).astype(jnp.float32))
+          if want is None:
+            psum = jax.jit(jax.shard_map(lambda v: lax.psum(v[0], "tp")[None], mesh=mesh,
+                                         in_specs=P("tp"), out_specs=P("tp"),
+                                         check_vma=False))
+            want = np.asarray(psum(x).astype(jnp.float32))
+          exact = bool(np.array_equal(got, want))
+          close = bool(np.allclose(got, want, rtol=2e-2, atol=2e-2))
+          same = bool(all(np.array_equal(got[0], g) for g in got))
+          wall = time_call(chain_program(mesh, reduce, args.length, form), x, args.repeats)
+          per_call = 1e6 * (wall - base) / args.length
+          rows.append((kb, form, impl, blocks, per_call, 1e6 * wall / args.length, exact,
+                       close, same))
+          print(f"  {kb:4d} KB {form:9s} {impl:7s} blocks={blocks}: {per_call:7.2f} us "
+                f"(chain {1e6 * wall / args.length:.2f} us/op) exact={exact} close={close} "
+                f"shards_equal={same}", flush=True)
+  print("\n| message | form | all-reduce | blocks | us per all-reduce | chain us/op | equals psum"
+        " | shards equal |")
+  print("| ---: | --- | --- | ---: | ---: | ---: | --- | --- |")
+  for kb, form, impl, blocks, per_call, chain, exact, close, same in rows:
+    equal = "bitwise" if exact else ("within 2e-2" if close else "NO")
+    print(f"| {kb} KB | {form} | {impl} | {blocks or ''} | {per_call:.2f} | {chain:.2f} | "
+          f"{equal} | {same} |")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,90 @@
+"""Decode speed on one GPU against tensor / data parallelism, default settings unless a variant
+says otherwise: random weights in a preset's shapes, --batch prompts of --prompt-len random
+tokens, --max-tokens new tokens each (greedy, ignore_eos), the median of --repeats calls after a
+warm-up call.
+
+    python benchmarks/tp_scaling.py --model qwen3-8b --mesh 1,1,1 1,2,1 --batch 1 8
+    python benchmarks/tp_scaling.py --mesh 1,2,1 --variant xla       # products, XLA's all-reduce
+    python benchmarks/tp_scaling.py --mesh 1,2,1 --variant kernel    # ..., the one-shot kernel
+
+Variants (LLM(all_reduce_backend), jspec.sharding.tensor_parallel): `default` ("auto": XLA's
+partitioner places the tp layers' products and all-reduces), `xla` (jspec's shard-by-shard
+products, XLA's all-reduce), `kernel` (the same products, the one-shot Mosaic GPU kernel).
+
+One JSON line per (mesh, batch): tokens/s (prefill included), TPOT, TTFT, and a digest of the
+generated tokens (equal digests: equal tokens), then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+
+import jax
+import numpy as np
+
+import jspec
+from jspec.bench.presets import PRESETS
+
+VARIANTS = {"default": {}, "xla": dict(all_reduce_backend="xla"),
+            "kernel": dict(all_reduce_backend="kernel")}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default="qwen3-8b", choices=sorted(PRESETS))
+  parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+  parser.add_argument("--mesh", nargs="+", default=["1,1,1", "1,2,1"], help="dp,tp,ep triples")
+  parser.add_argument("--variant", default="default", choices=sorted(VARIANTS))
+  parser.add_argument("--method", default="none", choices=["none", "mtp"])
+  parser.add_argument("--k", type=int, default=3)
+  parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+  parser.add_argument("--prompt-len", type=int, default=512)
+  parser.add_argument("--max-tokens", type=int, default=128)
+  parser.add_argument("--max-model-len", type=int, default=1024)
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args()
+  config = PRESETS[args.model]
+  if args.layers:
+    config = dataclasses.replace(config, num_layers=args.layers)
+  spec = jspec.MTPSpec("qwen3_next", 1, is_moe=config.is_moe) if args.method == "mtp" else None
+  speculative = ({"method": "mtp", "num_speculative_tokens": args.k}
+                 if args.method == "mtp" else None)
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+  device = jax.devices()[0].device_kind
+  rows = []
+  for mesh_text in args.mesh:
+    dp, tp, ep = (int(x) for x in mesh_text.split(","))
+    llm = jspec.LLM.from_random(config, spec, mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep),
+                                max_model_len=args.max_model_len, max_num_seqs=max(args.batch),
+                                speculative_config=speculative, **VARIANTS[args.variant])
+    for batch in args.batch:
+      rng = np.random.default_rng(batch)
+      prompts = [rng.integers(0, config.vocab_size, args.prompt_len).tolist()
+                 for _ in range(batch)]
+      first = llm.generate(prompts, params, use_tqdm=False)
+      runs = sorted((llm.generate(prompts, params, use_tqdm=False).metrics
+                     for _ in range(args.repeats)), key=lambda m: m.wall_time_s)
+      mid = runs[len(runs) // 2]
+      tokens = [o.outputs[0].token_ids for o in first]
+      digest = hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:10]
+      row = dict(model=args.model, layers=config.num_layers, device=device, mesh=mesh_text,
+                 variant=args.variant, method=args.method, batch=batch,
+                 tokens_per_second=round(mid.tokens_per_second, 1),
+                 tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),
+                 mean_acceptance_length=mid.mean_acceptance_length, tokens_digest=digest)
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  print(f"\n| device | model | mesh | variant | method | batch | tok/s | TPOT ms | TTFT ms | tokens |")
+  print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
+  for r in rows:
+    print(f"| {r['device']} | {r['model']} | {r['mesh']} | {r['variant']} | {r['method']} | "
+          f"{r['batch']} | {r['tokens_per_second']} | {r['tpot_ms']} | {r['ttft_ms']} | "
+          f"{r['tokens_digest']} |")
+
+
+if __name__ == "__main__":
+  main()

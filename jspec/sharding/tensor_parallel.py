@@ -1,0 +1,129 @@
+"""The products of a tensor-parallel layer written shard by shard, with their one all-reduce.
+
+Left to XLA's partitioner, a layer whose weights are split over tp compiles its few-row
+products into XLA's own reductions (at batch 1 a 4096-wide column product became an
+`input_reduce_fusion` reading its weights at about half the HBM rate the same product reaches
+through jspec.pallas_kernels.skinny_gemm on one GPU), and the partial sums of the output
+projections into all-reduces of XLA's choosing. Here each product is a `shard_map`:
+
+  column(x, w)  x whole on every shard, w split over its output columns: each shard's
+                columns, no collective (q, k, v, gate / up).
+  row(x, w)     x and w split over the contracted axis: each shard's partial sum, then one
+                all-reduce (o_proj, down_proj): exactly one collective per row product.
+
+Inside a shard the product is skinny_gemm's `project` (the kernel where it pays, XLA's dot
+elsewhere), and the all-reduce is jspec.pallas_kernels.all_reduce's one-shot kernel where it
+takes the message (a Hopper GPU, one tp axis, a small message), else `lax.psum`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from jspec.sharding.rules import ShardingRules, axis_size, mesh_axes
+
+# LLM(all_reduce_backend), for layers whose weights the mesh splits over tp:
+#   "auto"    XLA's partitioner places their products and all-reduces (a Qwen3-8B tp = 2 decode
+#             step measured fastest so on 2 H100s: BENCHMARKS.md, "Tensor parallelism at small
+#             batch: the step's collectives, written out ...");
+#   "xla"     jspec's products shard by shard, each row product reduced by XLA's all-reduce;
+#   "kernel"  the same products, reduced by the one-shot kernel (Hopper GPUs only).
+ALL_REDUCE_BACKENDS = ("auto", "xla", "kernel")
+
+
+def split_axis(mesh: Mesh, rules: ShardingRules, logical: str) -> str | None:
+  """The one mesh axis of size > 1 that `logical` splits over, None where it is whole;
+  refuses a split over several axes (the products assume one)."""
+  axes = tuple(a for a in mesh_axes(getattr(rules, logical)) if mesh.shape[a] > 1)
+  if len(axes) > 1:
+    raise ValueError(f"tensor-parallel products split over one mesh axis; {logical} is split "
+                     f"over {axes}")
+  return axes[0] if axes else None
+
+
+def all_reduce_fn(axis: str, size: int, custom: bool):
+  """(x) -> its sum over `axis` inside a shard_map: the one-shot kernel where `custom` and it
+  takes x (jspec.pallas_kernels.all_reduce.fits_kernel, on a Hopper GPU), psum otherwise."""
+  from jspec.pallas_kernels import all_reduce, platform
+
+  use_kernel = custom and platform.on_hopper()
+
+  def reduce(x):
+    if use_kernel and all_reduce.fits_kernel(x.shape, x.dtype):
+      return all_reduce.one_shot_all_reduce(x, axis, size)
+    return lax.psum(x, axis)
+  return reduce
+
+
+class TensorParallelProducts:
+  """`column` and `row` products of [B, T, ...] activations by weights split over one mesh
+  `axis` (see the module docstring). `custom_all_reduce`: the row products' sums through the
+  one-shot kernel where it takes them."""
+
+  def __init__(self, mesh: Mesh, rules: ShardingRules, axis: str, custom_all_reduce: bool,
+               kernel_always: bool = False):
+    from jspec.pallas_kernels import platform
+    from jspec.pallas_kernels.skinny_gemm import project
+    self.mesh, self.axis = mesh, axis
+    self.custom_all_reduce = custom_all_reduce
+    if kernel_always or platform.on_hopper():
+      self._local = functools.partial(project, always=kernel_always)
+    else:  # the kernel off Hopper only where asked for ("pallas": interpreted off GPU)
+      self._local = lambda x, w: jnp.einsum("...k,kn->...n", x, w)
+    self._reduce = all_reduce_fn(axis, axis_size(mesh, axis), custom_all_reduce)
+    self._lead = tuple(rules.spec(("batch", "seq")))
+
+  def _split(self, ndim: int, dim: int) -> PartitionSpec:
+    return PartitionSpec(*(self.axis if i == dim else None for i in range(ndim)))
+
+  def column(self, x_BTK, w_KO, split: int):
+    """x [B, T, K] (whole on every shard) times w [K, *out] split over its axis `split` (an
+    output axis): [B, T, *out], the same axis split; no collective."""
+    out_axes = w_KO.shape[1:]
+
+    def product(x, w):
+      k = w.shape[0]
+      return self._local(x, w.reshape(k, -1)).reshape(*x.shape[:-1], *w.shape[1:])
+    out_spec = PartitionSpec(*self._lead, *self._split(len(out_axes) + 1, split)[1:])
+    return jax.shard_map(product, mesh=self.mesh,
+                         in_specs=(PartitionSpec(*self._lead, None), self._split(w_KO.ndim, split)),
+                         out_specs=out_spec, check_vma=False)(x_BTK, w_KO)
+
+  def row(self, x_BTI, w_IO, in_axes: int = 1):
+    """x [B, T, *in] times w [*in, *out] over the `in_axes` input axes, the first of them split
+    over the mesh axis in both: each shard's partial product, summed over the shards by one
+    all-reduce; [B, T, *out] whole on every shard."""
+    in_shape, out_shape = w_IO.shape[:in_axes], w_IO.shape[in_axes:]
+
+    def product(x, w):
+      k = 1
+      for size in w.shape[:in_axes]:
+        k *= size
+      partial = self._local(x.reshape(*x.shape[:2], k), w.reshape(k, -1))
+      return self._reduce(partial).reshape(*x.shape[:2], *out_shape)
+    x_spec = PartitionSpec(*self._lead, *self._split(len(in_shape), 0))
+    return jax.shard_map(product, mesh=self.mesh,
+                         in_specs=(x_spec, self._split(w_IO.ndim, 0)),
+                         out_specs=PartitionSpec(*self._lead, *(None,) * len(out_shape)),
+                         check_vma=False)(x_BTI, w_IO)
+
+
+def tensor_parallel_products(mesh: Mesh, rules: ShardingRules, custom_all_reduce: bool,
+                             kernel_always: bool = False) -> TensorParallelProducts | None:
+  """The products for layers laid out by `rules` on `mesh`, where the mesh splits their heads
+  and MLP over one tp axis (q heads, KV heads and the MLP over the same one); None where it
+  splits none of them (the layers keep their own products), or where the batch is split over
+  that axis too."""
+  heads = split_axis(mesh, rules, "q_heads")
+  mlp = split_axis(mesh, rules, "mlp")
+  if heads is None and mlp is None:
+    return None
+  whole = all(split_axis(mesh, rules, name) is None for name in ("embed", "head_dim", "seq"))
+  if heads != mlp or heads in mesh_axes(rules.batch) or not whole:
+    return None
+  return TensorParallelProducts(mesh, rules, heads, custom_all_reduce, kernel_always)
