@@ -13,7 +13,7 @@ import numpy as np
 
 import jspec
 from jspec.bench.presets import PRESETS
-from jspec.bench.profile import profile, summary
+from jspec.bench.profile import idle_summary, profile, summary
 from jspec.sharding.rules import ShardingRules
 
 
@@ -29,6 +29,9 @@ def main():
   parser.add_argument("--top", type=int, default=12)
   parser.add_argument("--vocab-replicated", action="store_true",
                       help="keep the embedding and lm_head whole on every tp shard")
+  parser.add_argument("--all-reduce-backend", default="auto", choices=["auto", "xla", "kernel"])
+  parser.add_argument("--idle", action="store_true",
+                      help="also where GPU 0 sat idle: gaps summed by the kernel after them")
   args = parser.parse_args()
 
   config = PRESETS[args.model]
@@ -43,18 +46,22 @@ def main():
     llm = jspec.LLM.from_random(config, None, max_model_len=max_len, max_num_seqs=max(args.batch),
                                 mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep),
                                 sharding_rules=(ShardingRules(vocab=None) if args.vocab_replicated
-                                                else None))
+                                                else None),
+                                all_reduce_backend=args.all_reduce_backend)
     for batch in args.batch:
       prompts = [rng.integers(0, config.vocab_size, args.prompt_len).tolist()
                  for _ in range(batch)]
       llm.generate(prompts, params)  # compiles
       outputs = []
-      wall, times = profile(lambda: outputs.append(llm.generate(prompts, params)))
+      wall, times, *idle = profile(lambda: outputs.append(llm.generate(prompts, params)),
+                                   with_idle=args.idle)
       # A call of one new token takes no decode step: its time is the prefill alone.
       steps = max(1, max(o.metrics.num_steps for o in outputs[0]))
       print(f"\n== {args.model} mesh {mesh_text} batch {batch}: {steps} steps, "
             f"{1e3 * wall / steps:.2f} ms/step (prefill included, profiler on)")
       print(summary(wall, times, args.top), flush=True)
+      if idle:
+        print(idle_summary(idle[0], args.top), flush=True)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,18 @@ def test_large_moves_lists_instructions_that_write_big_buffers():
   assert (moves[0].name, moves[0].shape) == ("copy", "bf16[64,8,1024,128]")
   assert moves[1].shape == "(bf16[64,8,1024,128], f32[4194304])"
   assert large_moves(HLO, 145 * 2**20) == []
+
+
+def test_idle_gaps_are_charged_to_the_kernel_after_them():
+  """Two streams overlapping: a gap opens only where no stream runs a kernel, and is charged
+  to the kernel that ends it."""
+  from jspec.bench.profile import idle_from_events
+  events = [(0, 10, "a"), (5, 20, "b"),       # overlap: busy 0-20
+            (30, 40, "c"),                     # gap 20-30 before c
+            (35, 38, "d"), (45, 50, "c"),      # d inside c; gap 40-45 before c
+            (52, 60, "e")]                     # gap 50-52 before e
+  idle = idle_from_events(events)
+  assert idle.span_ns == 60
+  assert idle.busy_ns == 20 + 10 + 5 + 8
+  assert sorted(idle.gaps_ns) == [2, 5, 10]
+  assert idle.before == {"c": (2, 15), "e": (1, 2)}

@@ -67,15 +67,69 @@ def op_times(trace_dir: str, device_index: int = 0) -> dict:
   return result
 
 
-def profile(fn: Callable[[], object], device_index: int = 0) -> tuple[float, dict]:
-  """Runs `fn` (already compiled) once under the profiler: (wall seconds, op_times)."""
+class Idle(NamedTuple):
+  """A GPU's kernels between its first and last: their span, the time some kernel ran, and
+  the idle gaps summed by the kernel that ended each ({name: (gaps, ns)})."""
+  span_ns: int
+  busy_ns: int
+  gaps_ns: list
+  before: dict
+
+
+def idle_time(trace_dir: str, device_index: int = 0) -> Idle:
+  """Where a GPU waited: every stream's kernels merged in time, each gap between them charged
+  to the kernel that followed it (after an all-reduce, the kernel that waited on it)."""
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+  plane = _device_plane(ProfileData.from_file(paths[-1]), device_index)
+  return idle_from_events([(e.start_ns, e.end_ns, e.name) for line in plane.lines
+                           if line.name.startswith("Stream") for e in line.events])
+
+
+def idle_from_events(events) -> Idle:
+  """`idle_time` of (start ns, end ns, kernel name) triples, in any order, streams overlapping."""
+  events = sorted(events)
+  before = collections.defaultdict(lambda: [0, 0])
+  gaps, busy = [], 0
+  run_start = run_end = events[0][0]
+  for start, end, name in events:
+    if start > run_end:  # a gap: no kernel ran from run_end to start
+      gaps.append(start - run_end)
+      before[name][0] += 1
+      before[name][1] += start - run_end
+      busy += run_end - run_start
+      run_start = start
+    run_end = max(run_end, end)
+  busy += run_end - run_start
+  return Idle(run_end - events[0][0], busy, gaps, {k: tuple(v) for k, v in before.items()})
+
+
+def idle_summary(idle: Idle, top: int = 12) -> str:
+  gaps = sorted(idle.gaps_ns)
+  small = sum(g for g in gaps if 2_000 < g <= 20_000)
+  large = sum(g for g in gaps if g > 20_000)
+  lines = [f"span {idle.span_ns / 1e6:.2f} ms, busy {idle.busy_ns / 1e6:.2f} ms "
+           f"({100 * idle.busy_ns / idle.span_ns:.0f}%), idle in {len(gaps)} gaps: "
+           f"{small / 1e6:.2f} ms in gaps of 2-20 us, {large / 1e6:.2f} ms in longer ones",
+           f"  {'idle before':40s} {'gaps':>6s} {'us':>9s}"]
+  for name, (count, ns) in sorted(idle.before.items(), key=lambda kv: -kv[1][1])[:top]:
+    lines.append(f"  {name[:40]:40s} {count:6d} {ns / 1e3:9.1f}")
+  return "\n".join(lines)
+
+
+def profile(fn: Callable[[], object], device_index: int = 0,
+            with_idle: bool = False) -> tuple[float, dict] | tuple[float, dict, Idle]:
+  """Runs `fn` (already compiled) once under the profiler: (wall seconds, op_times), and the
+  GPU's idle gaps (`idle_time`) where `with_idle`."""
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir)
     start = time.perf_counter()
     jax.block_until_ready(fn())
     wall = time.perf_counter() - start
     jax.profiler.stop_trace()
-    return wall, op_times(trace_dir, device_index)
+    times = op_times(trace_dir, device_index)
+    if with_idle:
+      return wall, times, idle_time(trace_dir, device_index)
+    return wall, times
 
 
 def summary(wall_s: float, times: dict, top: int = 12) -> str:

@@ -48,15 +48,49 @@ def _reduce_tp(y, tp_sharded: bool):
   return jax.lax.psum(y, "tp") if tp_sharded and jax.lax.axis_size("tp") > 1 else y
 
 
+def _as_words(a):
+  """`a` [T, ...] as uint32 words [T, W], its bits unchanged (16-bit elements two to a word);
+  None where its width cannot be so packed."""
+  a = a.reshape(a.shape[0], -1)
+  size = jnp.dtype(a.dtype).itemsize
+  if size == 4:
+    return jax.lax.bitcast_convert_type(a, jnp.uint32)
+  if size == 2 and a.shape[1] % 2 == 0:
+    return jax.lax.bitcast_convert_type(a.reshape(a.shape[0], -1, 2), jnp.uint32)
+  return None
+
+
+def _from_words(words_TW, like):
+  """`_as_words` undone: [T', W] uint32 words as `like`'s dtype and trailing shape."""
+  if jnp.dtype(like.dtype).itemsize == 2:
+    words_TW = words_TW[..., None]
+  values = jax.lax.bitcast_convert_type(words_TW, like.dtype)
+  return values.reshape(words_TW.shape[0], *like.shape[1:])
+
+
+def _gather_tokens(x_TD, ids_TK, weights_TK):
+  """The ep group's tokens, routed ids and routing weights, gathered by one all-gather of
+  their bits packed side by side (three were three collectives of a few KB each in every MoE
+  layer of a decode step, each paying a collective's fixed cost); three all-gathers where an
+  array's width cannot be packed into 32-bit words."""
+  parts = (x_TD, ids_TK, weights_TK)
+  words = [_as_words(a) for a in parts]
+  if any(w is None for w in words):
+    return tuple(jax.lax.all_gather(a, "ep", axis=0, tiled=True) for a in parts)
+  widths = [w.shape[1] for w in words]
+  gathered = jax.lax.all_gather(jnp.concatenate(words, axis=1), "ep", axis=0, tiled=True)
+  bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
+  return tuple(_from_words(gathered[:, lo:hi], a)
+               for a, lo, hi in zip(parts, bounds[:-1], bounds[1:]))
+
+
 def _all_gather_body(experts_fn, tp_sharded, x_TD, ids_TK, weights_TK, w_gate, w_up, w_down):
   experts_per_shard = w_gate.shape[0]
   if jax.lax.axis_size("ep") == 1:  # a dp-only mesh: no collective of one shard
     y = experts_fn(x_TD, _local_ids(ids_TK, experts_per_shard), weights_TK, w_gate, w_up,
                    w_down).astype(jnp.float32)
     return _reduce_tp(y, tp_sharded).astype(x_TD.dtype)
-  x_all = jax.lax.all_gather(x_TD, "ep", axis=0, tiled=True)
-  ids_all = jax.lax.all_gather(ids_TK, "ep", axis=0, tiled=True)
-  weights_all = jax.lax.all_gather(weights_TK, "ep", axis=0, tiled=True)
+  x_all, ids_all, weights_all = _gather_tokens(x_TD, ids_TK, weights_TK)
   y_all = experts_fn(x_all, _local_ids(ids_all, experts_per_shard), weights_all,
                      w_gate, w_up, w_down).astype(jnp.float32)
   y_all = _reduce_tp(y_all, tp_sharded)
