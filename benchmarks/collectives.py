@@ -69,7 +69,9 @@ def main():
   for mesh_text in args.mesh:
     dp, tp, ep = (int(x) for x in mesh_text.split(","))
     mesh = jspec.MeshConfig(dp=dp, tp=tp, ep=ep)
-    for batch in args.batch:
+    for asked in args.batch:
+      # Sequences are split over dp x ep: a batch is a multiple of it.
+      batch = -(-asked // mesh.batch_width) * mesh.batch_width
       # At 1 and 2 layers of each kind: one more layer of a kind adds that kind's collectives.
       shapes = {"base": (dense, moe), "dense": (2 * dense, moe), "moe": (dense, 2 * moe)}
       found = {}

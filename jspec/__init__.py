@@ -5,15 +5,31 @@
     outs = llm.generate(["Hello"], jspec.SamplingParams(temperature=0.0, max_tokens=64))
 """
 
+import importlib as _importlib
 import logging as _logging
 
-from jspec.api import LLM
-from jspec.config import ModelConfig, SamplingParams, SpecConfig
-from jspec.models.mtp import MTPSpec
-from jspec.outputs import (CompletionOutput, GenerateOutputs, Logprob, RequestMetrics,
-                           RequestOutput)
-from jspec.assets import demo_model_path
-from jspec.sharding.rules import MeshConfig, ShardingRules
+# Public names, imported on first use (PEP 562): `import jspec` itself loads nothing heavy, so
+# the CLI sets its Ctrl-C handler before JAX starts importing (a couple of seconds in which a
+# Ctrl-C used to print a long traceback, or be lost).
+_EXPORTS = {"LLM": "jspec.api", "ModelConfig": "jspec.config",
+            "SamplingParams": "jspec.config", "SpecConfig": "jspec.config",
+            "MTPSpec": "jspec.models.mtp", "CompletionOutput": "jspec.outputs",
+            "GenerateOutputs": "jspec.outputs", "Logprob": "jspec.outputs",
+            "RequestMetrics": "jspec.outputs", "RequestOutput": "jspec.outputs",
+            "demo_model_path": "jspec.assets", "MeshConfig": "jspec.sharding.rules",
+            "ShardingRules": "jspec.sharding.rules"}
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+  raise AttributeError(f"module 'jspec' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_EXPORTS))
 
 
 class _NoTorchAdvice(_logging.Filter):

@@ -7,17 +7,19 @@ memory plan, backends and scheduler is jspec.build's.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Sequence
 
 import numpy as np
 
 from jspec.build import build, enable_compilation_cache, random_modules
-from jspec.config import ModelConfig, SamplingParams, SpecConfig
+from jspec.config import ModelConfig, SamplingParams, SpecConfig, is_int
 from jspec.models.mtp import MTPSpec
 from jspec.outputs import GenerateOutputs, aggregate
 from jspec.schedulers.base import num_drafts
 from jspec.sharding.rules import MeshConfig, ShardingRules
 from jspec.stop_strings import apply_stop_strings
+from jspec.vllm_names import mesh_from_vllm
 
 # enable_compilation_cache: also reachable here, where the CLI's tests call it.
 __all__ = ["LLM", "enable_compilation_cache"]
@@ -44,8 +46,14 @@ class LLM:
                recurrent_commit: str = "store", sharding_rules: ShardingRules | None = None,
                batching: str = "continuous", projection_backend: str = "auto",
                norm_backend: str = "auto", all_reduce_backend: str = "auto",
-               _modules=None, _draft=None):
+               _modules=None, _draft=None, **vllm_options):
     # _modules, _draft: random weights instead of a checkpoint (from_random, benchmarks).
+    # vllm_options: vLLM's spellings (tensor_parallel_size, ...), mapped or refused.
+    known = [name for name in inspect.signature(LLM.__init__).parameters
+             if not name.startswith("_") and name not in ("self", "vllm_options")]
+    mesh = mesh_from_vllm(mesh, vllm_options, known)
+    if not is_int(seed):
+      raise ValueError(f"seed={seed!r} must be an integer")
     parts = build(
         model, mesh=mesh, speculative_config=speculative_config, max_model_len=max_model_len,
         dtype=dtype, moe_backend=moe_backend, seed=seed, max_num_seqs=max_num_seqs,
@@ -82,6 +90,8 @@ class LLM:
   # ---- requests -------------------------------------------------------------------------
 
   def _encode(self, prompts) -> list[list[int]]:
+    if prompts is None:
+      raise ValueError("prompts is None: pass a list of prompts (strings or token-id lists)")
     if isinstance(prompts, (str, bytes)) or (
         isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))):
       raise ValueError("prompts must be a list of prompts (strings or token-id lists); "
@@ -103,7 +113,7 @@ class LLM:
                            "pass token ids instead")
         ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
       else:
-        not_ints = [t for t in prompt if not isinstance(t, (int, np.integer))]
+        not_ints = [t for t in prompt if not is_int(t)]
         if not_ints:
           raise ValueError(f"prompt {i} has token ids that are not integers: {not_ints[:5]}")
         ids = [int(t) for t in prompt]
@@ -128,6 +138,10 @@ class LLM:
       return [SamplingParams()] * n
     if isinstance(sampling_params, SamplingParams):
       return [sampling_params] * n
+    if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, (str, bytes)):
+      raise ValueError(f"sampling_params must be a SamplingParams or a list of them, one per "
+                       f"prompt; got {type(sampling_params).__name__} (write "
+                       "jspec.SamplingParams(**your_dict) for a dict)")
     params = list(sampling_params)
     if len(params) != n:
       raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
@@ -135,6 +149,20 @@ class LLM:
       if not isinstance(p, SamplingParams):
         raise ValueError(f"expected SamplingParams, got {type(p).__name__}")
     return params
+
+  def _check_lengths(self, prompt_ids, params):
+    """Every request fits max_model_len with all its max_tokens, and stops only on ids the
+    vocabulary has: a request would otherwise end early without a word of why."""
+    vocab = self.config.vocab_size
+    for i, (ids, p) in enumerate(zip(prompt_ids, params)):
+      if len(ids) + p.max_tokens > self.max_model_len:
+        raise ValueError(f"prompt {i} has {len(ids)} tokens and max_tokens={p.max_tokens}: "
+                         f"{len(ids) + p.max_tokens} tokens exceed max_model_len="
+                         f"{self.max_model_len}; lower max_tokens to at most "
+                         f"{self.max_model_len - len(ids)} or raise max_model_len")
+      bad = [t for t in p.stop_token_ids or () if t >= vocab]
+      if bad:
+        raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
   def _seed_for(self, params: SamplingParams) -> int:
     if params.seed is not None:
@@ -151,6 +179,7 @@ class LLM:
     """
     prompt_ids = self._encode(prompts)
     params = self._params_list(sampling_params, len(prompt_ids))
+    self._check_lengths(prompt_ids, params)
     self.scheduler.check(params)
     if self.tokenizer is None and any(p.stop for p in params):
       raise ValueError(f"stop strings need a tokenizer, and {self.model_dir!r} has no tokenizer "
@@ -162,6 +191,14 @@ class LLM:
     # Wall time counts running only: compiling a new bucket is reported by its own progress line.
     result = self.scheduler.generate(prompt_ids, params, seeds, use_tqdm=use_tqdm, decode=decode)
     outputs = result.outputs
+    eos = set(self.config.eos_token_ids)
+    for out, p in zip(outputs, params):
+      for completion in out.outputs:
+        last = completion.token_ids[-1] if completion.token_ids else None
+        # An EOS ends a completion first (vLLM's order): its stop_reason stays None.
+        if (completion.finish_reason == "stop" and p.stop_token_ids
+            and last in p.stop_token_ids and (p.ignore_eos or last not in eos)):
+          completion.stop_reason = last
     if self.tokenizer is not None:
       text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
       for out, p in zip(outputs, params):

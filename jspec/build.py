@@ -105,6 +105,25 @@ def enable_compilation_cache(directory: str | None):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def check_model_dir(model):
+  """`model` names a local checkpoint directory; refused with what to pass instead where it
+  names a file in one, or what looks like a Hugging Face hub id (jspec downloads nothing)."""
+  if not isinstance(model, (str, os.PathLike)):
+    raise ValueError(f"model={model!r} must be a checkpoint directory (a path)")
+  model = os.fspath(model)
+  if os.path.isdir(model):
+    return
+  if os.path.isfile(model):
+    raise ValueError(f"model={model!r} is a file; pass the checkpoint's directory: "
+                     f"{os.path.dirname(os.path.abspath(model))!r}")
+  hub_like = (model.count("/") == 1 and not model.startswith((".", "/", "~"))
+              and all(model.split("/")))
+  hint = (f"; jspec loads local directories only, so download it first, e.g. "
+          f"`huggingface-cli download {model} --local-dir DIR`, and pass DIR"
+          if hub_like else "")
+  raise FileNotFoundError(f"model directory {model!r} does not exist{hint}")
+
+
 def check_options(*, attention_backend, projection_backend, ep_strategy, recurrent_commit,
                   speculative_config, max_model_len, max_num_seqs, prefill_chunk_size,
                   batching, norm_backend="auto", all_reduce_backend="auto") -> SpecConfig | None:
@@ -216,8 +235,7 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
   else:
     if model is None:
       raise ValueError("LLM needs `model`, a local Hugging Face checkpoint directory")
-    if not os.path.isdir(model):
-      raise FileNotFoundError(f"model directory {model!r} does not exist")
+    check_model_dir(model)
     model_dir = model
     # Expert weights at the backend's tile, where it has one (ModelConfig.padded_for).
     config = dataclasses.replace(config_from_dir(model),

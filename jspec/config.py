@@ -270,6 +270,17 @@ class SpecConfig:
 MAX_LOGPROBS = 20
 
 
+def is_int(value) -> bool:
+  """An integer, and not a bool (True is an int to Python, never a count or an id here)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_number(value) -> bool:
+  """A real number, not a bool or a string that reads as one."""
+  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+      value, (bool, np.bool_))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """Per-request sampling settings; names follow vLLM's offline API."""
@@ -294,21 +305,22 @@ class SamplingParams:
   include_stop_str_in_output: bool = False
 
   def __post_init__(self):
-    if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+    if not (is_int(self.max_tokens) and self.max_tokens >= 1):
       raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-    if self.top_k == -1 and isinstance(self.top_k, int):  # vLLM's spelling of "off"
+    if not (is_number(self.temperature) and self.temperature >= 0):
+      raise ValueError(f"temperature={self.temperature!r} must be a number >= 0 (0 means "
+                       "greedy)")
+    if not (is_number(self.top_p) and 0 < self.top_p <= 1):
+      raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
+    if self.top_k == -1 and is_int(self.top_k):  # vLLM's spelling of "off"
       object.__setattr__(self, "top_k", 0)
-    if not (isinstance(self.top_k, int) and self.top_k >= 0):
+    if not (is_int(self.top_k) and self.top_k >= 0):
       raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0, or 0 / -1 (vLLM's "
                        "spelling) to disable top-k")
     if self.stop_token_ids is not None:
       ids = self.stop_token_ids
       if (isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence)
-          or not all(isinstance(t, (int, np.integer)) and t >= 0 for t in ids)):
+          or not all(is_int(t) and t >= 0 for t in ids)):
         hint = f"; for one id write stop_token_ids=[{ids}]" if isinstance(ids, int) else ""
         raise ValueError(f"stop_token_ids={ids!r} must be a list of token ids (integers >= 0)"
                          + hint)
@@ -319,12 +331,15 @@ class SamplingParams:
           or not all(isinstance(t, str) and t for t in stops)):
         raise ValueError(f"stop={self.stop!r} must be a string or a list of non-empty strings")
       object.__setattr__(self, "stop", tuple(stops) or None)
-    if self.seed is not None and not isinstance(self.seed, int):
-      raise ValueError(f"seed={self.seed!r} must be an integer or None")
-    if not (isinstance(self.n, int) and self.n >= 1):
+    if self.seed is not None and not (is_int(self.seed) and self.seed >= 0):
+      raise ValueError(f"seed={self.seed!r} must be an integer >= 0 or None")
+    if not (is_int(self.n) and self.n >= 1):
       raise ValueError(f"n={self.n!r} must be an integer >= 1")
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
     for name in ("logprobs", "prompt_logprobs"):
       value = getattr(self, name)
-      if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
+      if value is not None and not (is_int(value) and 0 <= value <= MAX_LOGPROBS):
         raise ValueError(f"{name}={value!r} must be None or an integer in [0, {MAX_LOGPROBS}] "
                          "(the number of alternatives per position)")

@@ -107,7 +107,9 @@ class CompletionOutput:
   logprobs: list[PositionLogprobs] | None = None  # one dict per token; None unless asked
   cumulative_logprob: float | None = None         # the sum over token_ids; None unless asked
   metrics: RequestMetrics | None = None
-  stop_reason: str | None = None  # the stop string that ended it (SamplingParams.stop), if one
+  # What ended it, as vLLM says: the stop string (SamplingParams.stop) or the stop token id
+  # (SamplingParams.stop_token_ids); None where EOS or max_tokens did.
+  stop_reason: str | int | None = None
 
 
 @dataclasses.dataclass
@@ -129,6 +131,10 @@ class RequestOutput:
   @property
   def finish_reason(self) -> str:
     return self.outputs[0].finish_reason
+
+  @property
+  def stop_reason(self) -> str | int | None:
+    return self.outputs[0].stop_reason
 
   @property
   def logprobs(self) -> list[PositionLogprobs] | None:

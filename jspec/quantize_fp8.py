@@ -183,6 +183,11 @@ def _copy_other_files(model_dir: str, out_dir: str):
 def _write(path: str, tensors: dict[str, np.ndarray], metadata: dict | None,
            weight_map: dict[str, str]) -> int:
   save_file(tensors, path, metadata=metadata or {"format": "pt"})
+  # safetensors writes its files readable by their owner only (0600); a checkpoint is read by
+  # others as any file the user writes is: the mode the umask leaves.
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)
   weight_map.update(dict.fromkeys(tensors, os.path.basename(path)))
   return sum(t.nbytes for t in tensors.values())
 

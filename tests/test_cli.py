@@ -50,7 +50,7 @@ def test_generate_text_on_the_demo_model_with_mtp(capsys):
 def test_convert_then_generate_from_the_converted_directory(tmp_path, capsys):
   out_dir = str(tmp_path / "converted")
   assert cli.main(["convert", "--model", fixture_dir("qwen3_moe"), "--out", out_dir,
-                   "--dtype", "float32", "--max-model-len", "64"]) == 0
+                   "--dtype", "float32"]) == 0
   assert os.path.isdir(os.path.join(out_dir, "jspec_params"))
   assert cli.main(["generate", "--model", out_dir, "--prompt", "1 2 3", "--token-ids",
                    "--dtype", "float32", "--max-model-len", "64", "--max-tokens", "4"]) == 0
@@ -164,3 +164,47 @@ def test_transformers_says_nothing_about_pytorch_but_keeps_its_other_warnings():
                        check=True).stderr
   assert "PyTorch" not in err
   assert "a real warning" in err
+
+
+def _subcommands():
+  import argparse
+  parser = cli.build_parser()
+  action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+  return action.choices
+
+
+def test_help_shows_defaults_and_every_option_says_what_it_does():
+  commands = _subcommands()
+  assert set(commands) == {"generate", "demo", "convert", "bench"}
+  for name, parser in commands.items():
+    silent = [a.option_strings[0] for a in parser._actions
+              if a.option_strings and a.dest != "help" and not a.help]
+    assert silent == [], (name, silent)
+  text = commands["generate"].format_help()
+  assert "(default: 64)" in text and "(default: auto)" in text and "(default: None)" not in text
+
+
+def test_stop_strings_from_the_command_line(capsys):
+  """The demo model's greedy text holds " the"; with --stop " the" it ends before it."""
+  args = ["generate", "--prompt", "In the beginning", "--max-tokens", "60", "--ignore-eos",
+          "--dtype", "float32"]
+  assert cli.main(args) == 0
+  free = capsys.readouterr().out.split("\n")[0]
+  assert " the" in free
+  assert cli.main(args + ["--stop", " the"]) == 0
+  out, err = capsys.readouterr()
+  assert out.split("\n")[0] == free[:free.index(" the")]
+  assert "[finish: stop]" in err
+
+
+def test_no_option_is_taken_for_a_prefix_of_another(capsys):
+  """`--stop-t 5` once meant --stop-token-ids 5; now an unknown option."""
+  with pytest.raises(SystemExit):
+    cli.main(["generate", "--prompt", "x", "--stop-t", "5"])
+  assert "unrecognized arguments: --stop-t" in capsys.readouterr().err
+
+
+def test_convert_takes_its_own_options_only():
+  options = {o for a in _subcommands()["convert"]._actions for o in a.option_strings}
+  assert options == {"-h", "--help", "--model", "--dtype", "--out", "--quantize",
+                     "--block-size"}

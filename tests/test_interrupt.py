@@ -92,6 +92,27 @@ def test_ctrl_c_during_jspec_generate_exits_130_with_one_line(phase, line):
   assert "Traceback" not in stderr and "terminate called" not in stderr
 
 
+def test_ctrl_c_while_jax_imports_exits_130_with_one_line():
+  """Half a second in, the command is still importing JAX (a couple of seconds, before any
+  model work): `import jspec` loads nothing heavy, so the handler is already set."""
+  child = subprocess.Popen(
+      [sys.executable, "-m", "jspec.cli", "generate", "--prompt", "In the beginning",
+       "--max-tokens", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env=dict(os.environ, JSPEC_COMPILATION_CACHE="off"))
+  time.sleep(0.5)
+  child.send_signal(signal.SIGINT)
+  _, stderr = child.communicate(timeout=60)
+  assert child.returncode == 130
+  assert stderr.rstrip("\n").splitlines()[-1] == "jspec: interrupted"
+  assert "Traceback" not in stderr and "Exception ignored" not in stderr
+
+
+def test_import_jspec_loads_no_jax():
+  code = "import sys, jspec, jspec.cli; print('jax' in sys.modules)"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "False"
+
+
 FINALIZER_SCRIPT = """
 import os, signal
 from jspec import cli

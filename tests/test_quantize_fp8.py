@@ -309,3 +309,18 @@ def test_block_size_without_quantize_is_refused(tmp_path, capsys):
   assert cli.main(["convert", "--model", fixture_dir("llama3"), "--out", str(tmp_path / "out"),
                    "--block-size", "64"]) == 2
   assert "--block-size is the FP8 block of --quantize fp8" in capsys.readouterr().err
+
+
+def test_the_written_weights_take_the_umasks_mode(tmp_path):
+  """safetensors writes its files 0600; a converted checkpoint is readable as any file the
+  user writes (here: umask 022 -> 0644)."""
+  from jspec.quantize_fp8 import quantize_checkpoint
+  previous = os.umask(0o022)
+  try:
+    quantize_checkpoint(fixture_dir("qwen3_dense"), str(tmp_path / "fp8"), 32)
+  finally:
+    os.umask(previous)
+  weights = [f for f in os.listdir(tmp_path / "fp8") if f.endswith(".safetensors")]
+  assert weights
+  for name in weights:
+    assert os.stat(tmp_path / "fp8" / name).st_mode & 0o777 == 0o644

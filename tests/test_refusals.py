@@ -46,3 +46,22 @@ def test_the_guards_catch_model_work(monkeypatch):
     jspec.LLM(model=fixture_dir("qwen3_dense"), max_model_len=64)
   with pytest.raises(AssertionError, match="model work"):
     llm.generate([list(range(1, 40))] * 3, jspec.SamplingParams(max_tokens=17, seed=5))
+
+
+def test_a_model_path_that_is_no_directory_says_what_to_pass(tmp_path):
+  """A path to config.json names its directory; an id of the Hugging Face hub gets the hint
+  that jspec reads local directories only; a corrupt config.json names the file, in one line
+  (no chained traceback of transformers' loader)."""
+  config = os.path.join(fixture_dir("qwen3_dense"), "config.json")
+  with pytest.raises(ValueError, match="is a file; pass the checkpoint's directory") as err:
+    jspec.LLM(model=config)
+  assert fixture_dir("qwen3_dense").rstrip("/").split("/")[-1] in str(err.value)
+  with pytest.raises(FileNotFoundError, match="loads local directories only.*huggingface-cli "
+                                               "download Qwen/Qwen3-8B"):
+    jspec.LLM(model="Qwen/Qwen3-8B")
+  with pytest.raises(FileNotFoundError, match="does not exist$"):
+    jspec.LLM(model=str(tmp_path / "missing"))
+  (tmp_path / "config.json").write_text("{not json")
+  with pytest.raises(ValueError, match="cannot read .*config.json") as err:
+    jspec.LLM(model=str(tmp_path))
+  assert err.value.__cause__ is None and err.value.__suppress_context__

@@ -31,8 +31,10 @@ def config_from_dir(model_dir: str) -> ModelConfig:
     raise FileNotFoundError(f"{model_dir!r} has no config.json")
   try:
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-  except (ValueError, KeyError, json.JSONDecodeError) as err:
-    raise ValueError(f"cannot read {model_dir}/config.json: {err}") from err
+  except (ValueError, KeyError, json.JSONDecodeError, OSError) as err:
+    # transformers' own message, without the chain of its loader's frames behind it.
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    raise ValueError(f"cannot read {model_dir}/config.json: {reason}") from None
   block = fp8_block_size(hf_config, model_dir)
   config = config_from_hf(hf_config)
   if block is not None:
