@@ -331,8 +331,9 @@ class SamplingParams:
           or not all(isinstance(t, str) and t for t in stops)):
         raise ValueError(f"stop={self.stop!r} must be a string or a list of non-empty strings")
       object.__setattr__(self, "stop", tuple(stops) or None)
-    if self.seed is not None and not (is_int(self.seed) and self.seed >= 0):
-      raise ValueError(f"seed={self.seed!r} must be an integer >= 0 or None")
+    # Any integer, negative ones too (vLLM takes them; a seed is used modulo 2**32).
+    if self.seed is not None and not is_int(self.seed):
+      raise ValueError(f"seed={self.seed!r} must be an integer or None")
     if not (is_int(self.n) and self.n >= 1):
       raise ValueError(f"n={self.n!r} must be an integer >= 1")
     for name in ("ignore_eos", "include_stop_str_in_output"):

@@ -80,7 +80,7 @@ def test_generate_with_a_drafter_from_its_own_directory(method, tmp_path, capsys
     (["generate", "--prompt", "x", "--draft-model", "/d"],
      "--draft-model needs --spec draft_model or --spec eagle3"),
     (["generate", "--model", fixture_dir("qwen3_dense"), "--prompt", "hello"], "no tokenizer"),
-    (["generate", "--prompt", "x", "--temperature", "-1"], "temperature=-1.0 must be >= 0"),
+    (["generate", "--prompt", "x", "--temperature", "-1"], "temperature=-1.0 must be a number >= 0"),
     (["generate", "--prompt", "x", "--spec", "ngram", "--k", "0"], "num_speculative_tokens=0"),
     (["generate", "--prompt", "x", "--stop-token-ids", "1.5"],
      "--stop-token-ids takes integer token ids"),

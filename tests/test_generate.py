@@ -28,9 +28,9 @@ def test_bad_prompts_raise_before_device_work(prompts, match):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_tokens=0), "max_tokens=0 must be an integer >= 1"),
-    (dict(temperature=-0.5), "temperature=-0.5 must be >= 0"),
-    (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
+    (dict(temperature=-0.5), "temperature=-0.5 must be a number >= 0"),
+    (dict(top_p=0.0), r"top_p=0.0 must be a number in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p=1.5 must be a number in \(0, 1\]"),
     (dict(top_k=-2), "top_k=-2 must be an integer >= 0"),
     (dict(top_k=2.5), "top_k=2.5 must be an integer >= 0"),
     (dict(stop_token_ids=5), r"stop_token_ids=5 must be a list of token ids.*\[5\]"),
@@ -94,9 +94,12 @@ def test_max_tokens_and_stop_ids_finish_exactly():
 
 
 def test_max_model_len_finishes_with_length():
+  """A request may fill max_model_len exactly (prompt + max_tokens); one more is refused."""
   llm = jspec.LLM(model=cached_llm(DENSE).model_dir, dtype="float32", max_model_len=12)
-  out = llm.generate([PROMPTS[0]], greedy(50, ignore_eos=True))[0]
+  out = llm.generate([PROMPTS[0]], greedy(12 - len(PROMPTS[0]), ignore_eos=True))[0]
   assert len(PROMPTS[0]) + len(out.token_ids) == 12 and out.finish_reason == "length"
+  with pytest.raises(ValueError, match="exceed max_model_len=12"):
+    llm.generate([PROMPTS[0]], greedy(13 - len(PROMPTS[0]), ignore_eos=True))
 
 
 def test_long_continuations_move_to_a_larger_cache_bucket():

@@ -162,10 +162,10 @@ def test_reaching_max_model_len_mid_run_finishes_like_vanilla(method, k):
   max_model_len = 21
   prompts = [PROMPTS[4], PROMPTS[1], PROMPTS[3]]
   # Vanilla decoding's LLM and its programs are shared by the cases.
-  want = cached_llm(DENSE, max_model_len=max_model_len).generate(
-      prompts, greedy(100, ignore_eos=True))
-  got = cached_llm(DENSE, method, k, max_model_len=max_model_len).generate(
-      prompts, greedy(100, ignore_eos=True))
+  # Each request asks for every token up to max_model_len (more is refused).
+  params = [greedy(max_model_len - len(p), ignore_eos=True) for p in prompts]
+  want = cached_llm(DENSE, max_model_len=max_model_len).generate(prompts, params)
+  got = cached_llm(DENSE, method, k, max_model_len=max_model_len).generate(prompts, params)
   for p, w, g in zip(prompts, want, got):
     assert len(p) + len(g.token_ids) == max_model_len and g.finish_reason == "length"
     assert g.token_ids == w.token_ids
