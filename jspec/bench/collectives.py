@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jspec.bench.profile import HLO_ARRAY, HLO_BYTES
+from jspec.bench.steps import abstract_like
 from jspec.device import module_cache_shardings
 from jspec.models import caches as cache_lib
 from jspec.models.projections import with_kernel_scales
@@ -26,9 +28,6 @@ from jspec.speculative.sampling import vocab_argmax
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
          "collective-permute", "collective-broadcast")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (.*?) (" + "|".join(KINDS) + r")(-start)?\(")
 
 
@@ -47,10 +46,11 @@ def collectives(hlo_text: str) -> list[Collective]:
     if not match:
       continue
     out_type, kind, start = match.groups()
-    arrays = _ARRAY.findall(re.sub(r"\{[^}]*\}", "", out_type))
+    arrays = HLO_ARRAY.findall(re.sub(r"\{[^}]*\}", "", out_type))
     if start and kind != "all-reduce" and len(arrays) > 1:
       arrays = arrays[-1:]  # (operand, result[, scratch]) tuples: the result
-    size = sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in arrays)
+    size = sum(HLO_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+               for t, dims in arrays)
     found.append(Collective(kind, ",".join(f"{t}[{d}]" for t, d in arrays), size))
   return found
 
@@ -59,11 +59,6 @@ def counts(found: list[Collective]) -> dict[str, int]:
   """{kind: how many}, kinds in KINDS order."""
   tally = collections.Counter(c.kind for c in found)
   return {kind: tally[kind] for kind in KINDS if tally[kind]}
-
-
-def _abstract(tree, shardings):
-  return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree,
-                      shardings)
 
 
 def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | None = None,
@@ -89,7 +84,7 @@ def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | N
       num_emit_B = jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)
       return vocab_argmax(target.logits(hidden)), cache_lib.commit(win, num_emit_B)
     return jax.jit(step, donate_argnums=1).lower(
-        t_state, _abstract(caches, cache_shardings), ints(width), ints(width)).compile()
+        t_state, abstract_like(caches, cache_shardings), ints(width), ints(width)).compile()
 
   if "decode" in kinds:
     programs["decode"] = window(1).as_text()
@@ -110,7 +105,7 @@ def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | N
     hidden = jax.ShapeDtypeStruct((batch, 1, llm.config.hidden_size), llm.dtype,
                                   sharding=hidden_spec)
     programs["draft"] = jax.jit(draft, donate_argnums=2).lower(
-        t_state, m_state, _abstract(cache, draft_shardings), ints(1), hidden,
+        t_state, m_state, abstract_like(cache, draft_shardings), ints(1), hidden,
         ints(1)).compile().as_text()
   if "prefill" in kinds:
     width = chunk or llm.prefill_chunk_size

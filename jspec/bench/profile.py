@@ -151,9 +151,9 @@ def summary(wall_s: float, times: dict, top: int = 12) -> str:
 
 
 # Element sizes of HLO types, for the bytes of an instruction's output.
-_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-_HLO_ARRAY = re.compile(r"\b(" + "|".join(_HLO_BYTES) + r")\[([\d,]*)\]")
+HLO_ARRAY = re.compile(r"\b(" + "|".join(HLO_BYTES) + r")\[([\d,]*)\]")
 _HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
 _HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 # Instructions that name or forward buffers without moving their bytes.
@@ -185,8 +185,8 @@ def large_moves(hlo_text: str, min_bytes: float) -> list[Move]:
     if inside_fusion or not match or match.group(3) in _NO_MOVE:
       continue
     name, out_type, op = match.groups()
-    size = sum(_HLO_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-               for dtype, dims in _HLO_ARRAY.findall(out_type))
+    size = sum(HLO_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in HLO_ARRAY.findall(out_type))
     if size >= min_bytes:
       found.append(Move(op, re.sub(r"[.\d]+$", "", name), re.sub(r"\{[^}]*\}|/\*[^*]*\*/", "", out_type),
                         size / 2**20, line.strip()))

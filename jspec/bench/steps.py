@@ -54,7 +54,7 @@ def _random_caches(shapes, shardings, seed: int):
                                       zip(leaves, jax.tree.leaves(shardings), keys)])
 
 
-def _abstract(tree, shardings):
+def abstract_like(tree, shardings):
   return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree,
                       shardings)
 
@@ -155,13 +155,13 @@ class StepTimer:
       tokens, _, positions = inputs[w]
       jobs[("target", w)] = (
           f"target B={batch} S={cache_len} T={w}", self._target_steps(cache_len),
-          (self.target_state, _abstract(target_caches, self.cache_shardings), tokens, positions),
+          (self.target_state, abstract_like(target_caches, self.cache_shardings), tokens, positions),
           (1,))
     for w in sorted(set(mtp_widths)):
       jobs[("mtp", w)] = (
           f"mtp B={batch} S={cache_len} T={w}", self._mtp_steps(cache_len),
           (self.target_state, self.mtp_state,
-           _abstract(draft_cache, self.draft_cache_shardings[0]),
+           abstract_like(draft_cache, self.draft_cache_shardings[0]),
            *inputs[w]), (2,))
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
       futures = {key: pool.submit(self._compile, *job) for key, job in jobs.items()}

@@ -19,6 +19,7 @@ takes the message (a Hopper GPU, one tp axis, a small message), else `lax.psum`.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ from jspec.sharding.rules import ShardingRules, axis_size, mesh_axes
 # LLM(all_reduce_backend), for layers whose weights the mesh splits over tp:
 #   "auto"    XLA's partitioner places their products and all-reduces (a Qwen3-8B tp = 2 decode
 #             step measured fastest so on 2 H100s: BENCHMARKS.md, "Tensor parallelism at small
-#             batch: the step's collectives, written out ...");
+#             batch: where a tp = 2 step's time goes, ...");
 #   "xla"     jspec's products shard by shard, each row product reduced by XLA's all-reduce;
 #   "kernel"  the same products, reduced by the one-shot kernel (Hopper GPUs only).
 ALL_REDUCE_BACKENDS = ("auto", "xla", "kernel")
@@ -70,7 +71,6 @@ class TensorParallelProducts:
     from jspec.pallas_kernels import platform
     from jspec.pallas_kernels.skinny_gemm import project
     self.mesh, self.axis = mesh, axis
-    self.custom_all_reduce = custom_all_reduce
     if kernel_always or platform.on_hopper():
       self._local = functools.partial(project, always=kernel_always)
     else:  # the kernel off Hopper only where asked for ("pallas": interpreted off GPU)
@@ -84,12 +84,9 @@ class TensorParallelProducts:
   def column(self, x_BTK, w_KO, split: int):
     """x [B, T, K] (whole on every shard) times w [K, *out] split over its axis `split` (an
     output axis): [B, T, *out], the same axis split; no collective."""
-    out_axes = w_KO.shape[1:]
-
     def product(x, w):
-      k = w.shape[0]
-      return self._local(x, w.reshape(k, -1)).reshape(*x.shape[:-1], *w.shape[1:])
-    out_spec = PartitionSpec(*self._lead, *self._split(len(out_axes) + 1, split)[1:])
+      return self._local(x, w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], *w.shape[1:])
+    out_spec = PartitionSpec(*self._lead, *self._split(w_KO.ndim, split)[1:])
     return jax.shard_map(product, mesh=self.mesh,
                          in_specs=(PartitionSpec(*self._lead, None), self._split(w_KO.ndim, split)),
                          out_specs=out_spec, check_vma=False)(x_BTK, w_KO)
@@ -101,9 +98,7 @@ class TensorParallelProducts:
     in_shape, out_shape = w_IO.shape[:in_axes], w_IO.shape[in_axes:]
 
     def product(x, w):
-      k = 1
-      for size in w.shape[:in_axes]:
-        k *= size
+      k = math.prod(w.shape[:in_axes])
       partial = self._local(x.reshape(*x.shape[:2], k), w.reshape(k, -1))
       return self._reduce(partial).reshape(*x.shape[:2], *out_shape)
     x_spec = PartitionSpec(*self._lead, *self._split(len(in_shape), 0))
