@@ -1,9 +1,15 @@
 """Small all-reduces over the GPUs of one host: NCCL's (XLA's psum) against jspec's one-shot
-Mosaic GPU kernel (jspec.pallas_kernels.all_reduce), per message size, as a decode step issues
-them: a chain of dependent all-reduces inside one jitted program, each followed by a scale (so
-XLA can neither merge nor drop them).
+Mosaic GPU kernels, per message size, as a decode step issues them: a chain of dependent
+all-reduces inside one jitted program, each followed by a scale (so XLA can neither merge nor
+drop them).
 
-    python benchmarks/allreduce_small.py --impl nccl mosaic --kb 8 32 64 --devices 2
+  nccl       lax.psum (NCCL, or XLA's one-shot kernel under its flag)
+  workspace  jspec.pallas_kernels.workspace_all_reduce: per-GPU workspaces registered once,
+             flags in them, one plain kernel launch a call (the tp layers' "kernel" backend)
+  mosaic     jspec.pallas_kernels.all_reduce: peer reads through remote_ref, launched by XLA
+             as a collective kernel (its barrier and pointer table each call)
+
+    python benchmarks/allreduce_small.py --impl nccl workspace mosaic --kb 8 32 64 --devices 2
     XLA_FLAGS=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true \\
         python benchmarks/allreduce_small.py --impl nccl
 
@@ -28,33 +34,44 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jspec.pallas_kernels.all_reduce import one_shot_all_reduce
+from jspec.pallas_kernels.workspace_all_reduce import workspace_all_reduce, workspace_for
 
 
 def reduce_fn(impl: str, axis_size: int, blocks: int | None, skip_barrier: bool = False):
+  """(x, row) -> the sum of x over "tp"; `row` is the workspace table's row (workspace only)."""
   if impl == "nccl":
-    return lambda x: lax.psum(x, "tp")
+    return lambda x, row: lax.psum(x, "tp")
+  if impl == "workspace":
+    return lambda x, row: workspace_all_reduce(x, row, axis_size, max_blocks=blocks or 32)
   if impl == "mosaic":
-    return lambda x: one_shot_all_reduce(x, "tp", axis_size, num_blocks=blocks,
-                                         _skip_device_barrier=skip_barrier)
+    return lambda x, row: one_shot_all_reduce(x, "tp", axis_size, num_blocks=blocks,
+                                              _skip_device_barrier=skip_barrier)
   if impl == "none":
-    return lambda x: x
+    return lambda x, row: x
   raise ValueError(impl)
 
 
+def sharded(mesh, fn):
+  """fn(x, row) per device, x split over "tp" in rows, the workspace's table row beside it."""
+  workspace = workspace_for(mesh, "tp")
+  program = jax.jit(jax.shard_map(lambda x, row: fn(x[0], row)[None], mesh=mesh,
+                                  in_specs=(P("tp"), workspace.row_spec), out_specs=P("tp"),
+                                  check_vma=False))
+  return lambda x: program(x, workspace.rows)
+
+
 def chain_program(mesh, reduce, length: int, form: str):
-  def chain(x):
-    x = x[0]
+  def chain(x, row):
     if form == "unrolled":
       for _ in range(length):
-        x = reduce(x) * jnp.asarray(0.5, x.dtype)
+        x = reduce(x, row) * jnp.asarray(0.5, x.dtype)
     else:
       def layer(_, x):
-        x = reduce(x) * jnp.asarray(0.5, x.dtype)
-        return reduce(x) * jnp.asarray(0.5, x.dtype)
+        x = reduce(x, row) * jnp.asarray(0.5, x.dtype)
+        return reduce(x, row) * jnp.asarray(0.5, x.dtype)
       x = lax.fori_loop(0, length // 2, layer, x)
-    return x[None]
-  return jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
-                               check_vma=False))
+    return x
+  return sharded(mesh, chain)
 
 
 def time_call(fn, x, repeats: int) -> float:
@@ -70,15 +87,15 @@ def time_call(fn, x, repeats: int) -> float:
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--impl", nargs="+", default=["nccl", "mosaic"],
-                      choices=["nccl", "mosaic"])
+  parser.add_argument("--impl", nargs="+", default=["nccl", "workspace"],
+                      choices=["nccl", "workspace", "mosaic"])
   parser.add_argument("--kb", type=int, nargs="+", default=[8, 32, 64])
   parser.add_argument("--devices", type=int, default=2)
   parser.add_argument("--length", type=int, default=72, help="all-reduces in the chain")
   parser.add_argument("--form", nargs="+", default=["unrolled", "loop"],
                       choices=["unrolled", "loop"])
   parser.add_argument("--blocks", type=int, nargs="+", default=[8],
-                      help="the kernel's blocks (ignored by nccl)")
+                      help="the kernels' blocks (at most, for workspace; ignored by nccl)")
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--skip-barrier", action="store_true",
@@ -102,15 +119,11 @@ def main():
       base = time_call(chain_program(mesh, reduce_fn("none", args.devices, None), args.length,
                                      form), x, args.repeats)
       for impl in args.impl:
-        for blocks in (args.blocks if impl == "mosaic" else [None]):
+        for blocks in (args.blocks if impl != "nccl" else [None]):
           reduce = reduce_fn(impl, args.devices, blocks, args.skip_barrier)
-          one = jax.jit(jax.shard_map(lambda v: reduce(v[0])[None], mesh=mesh,
-                                      in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
-          got = np.asarray(one(x).astype(jnp.float32))
+          got = np.asarray(sharded(mesh, reduce)(x).astype(jnp.float32))
           if want is None:
-            psum = jax.jit(jax.shard_map(lambda v: lax.psum(v[0], "tp")[None], mesh=mesh,
-                                         in_specs=P("tp"), out_specs=P("tp"),
-                                         check_vma=False))
+            psum = sharded(mesh, reduce_fn("nccl", args.devices, None))
             want = np.asarray(psum(x).astype(jnp.float32))
           exact = bool(np.array_equal(got, want))
           close = bool(np.allclose(got, want, rtol=2e-2, atol=2e-2))

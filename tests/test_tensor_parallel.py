@@ -17,7 +17,7 @@ import jspec
 from conftest import has_gpu
 from helpers import fixture_dir, greedy
 from jspec.models.layers import MLP, Attention
-from jspec.pallas_kernels import all_reduce
+from jspec.pallas_kernels import all_reduce, workspace_all_reduce as wsar
 from jspec.sharding.rules import MeshConfig, ShardingRules
 from jspec.sharding.tensor_parallel import TensorParallelProducts, tensor_parallel_products
 
@@ -201,3 +201,147 @@ def test_gpu_model_with_the_kernel_emits_the_xla_all_reduces_tokens():
   xla = jspec.LLM(all_reduce_backend="xla", **kwargs).generate(prompts, greedy(8))
   kernel = jspec.LLM(all_reduce_backend="kernel", **kwargs).generate(prompts, greedy(8))
   assert [o.token_ids for o in kernel] == [o.token_ids for o in xla]
+
+
+# The workspace kernel (jspec.pallas_kernels.workspace_all_reduce): its plan, its address
+# table and its lowering on the CPU; its sums and its flags on 2 GPUs.
+
+def test_the_workspace_kernel_takes_small_float_messages_of_whole_tiles():
+  assert wsar.fits((1, 1, 4096), jnp.bfloat16)           # a batch-1 row: 8 KB, 4 tiles
+  assert wsar.fits((32, 1, 4096), jnp.bfloat16)          # 256 KB: the limit
+  assert not wsar.fits((33, 1, 4096), jnp.bfloat16)
+  assert not wsar.fits((1, 1000), jnp.bfloat16)
+  assert not wsar.fits((1, 4096), jnp.int32)
+  with pytest.raises(ValueError, match="whole 2048-byte tiles"):
+    wsar.workspace_all_reduce(jnp.zeros((3, 100), jnp.bfloat16), jnp.zeros(5, jnp.int32), 2)
+
+
+@pytest.mark.parametrize("nbytes", [2048 * k for k in (1, 2, 3, 4, 5, 7, 16, 24, 64, 96, 128)])
+@pytest.mark.parametrize("max_blocks", [1, 4, 32, 64])
+def test_the_block_plan_splits_the_tiles_evenly_within_a_blocks_slot(nbytes, max_blocks):
+  tiles, per_max = nbytes // wsar.TILE_BYTES, wsar.BLOCK_BYTES // wsar.TILE_BYTES
+  if not any(tiles % g == 0 and tiles // g <= per_max for g in range(1, max_blocks + 1)):
+    with pytest.raises(ValueError, match="no even split"):
+      wsar.plan_blocks(nbytes, max_blocks)
+    assert not wsar.fits((nbytes // 2,), jnp.bfloat16, max_blocks)
+    return
+  assert wsar.fits((nbytes // 2,), jnp.bfloat16, max_blocks)
+  blocks, per_block = wsar.plan_blocks(nbytes, max_blocks)
+  assert blocks * per_block * wsar.TILE_BYTES == nbytes
+  assert 1 <= blocks <= min(max_blocks, wsar.MAX_BLOCKS)
+  assert per_block * wsar.TILE_BYTES <= wsar.BLOCK_BYTES
+  # the most such blocks: no larger divisor fits
+  assert not any(tiles % g == 0 and tiles // g <= per_max
+                 for g in range(blocks + 1, min(max_blocks, wsar.MAX_BLOCKS) + 1))
+
+
+def test_a_plan_that_needs_more_blocks_than_there_are_is_refused():
+  with pytest.raises(ValueError, match="no even split"):
+    wsar.plan_blocks(128 * 2048, max_blocks=8)   # 128 tiles, at most 4 a block
+  assert not wsar.fits((127 * 1024,), jnp.bfloat16)  # 127 tiles: prime, more than 32 blocks
+  with pytest.raises(ValueError, match="not a whole number"):
+    wsar.plan_blocks(3000)
+
+
+@pytest.mark.parametrize("shape, axis", [((2,), 0), ((2, 4), 1), ((2, 4), 0), ((2, 1, 4), 2)])
+def test_each_devices_row_names_its_groups_workspaces_in_axis_order_and_its_rank(shape, axis):
+  rng = np.random.default_rng(sum(shape) + axis)
+  ids = rng.permutation(int(np.prod(shape))).reshape(shape)
+  addresses = {int(d): int(rng.integers(1, 2**47)) * 256 for d in ids.flat}
+  rows = wsar.group_rows(ids, axis, addresses)
+  size = shape[axis]
+  assert rows.shape == (*shape, 2 * size + 1) and rows.dtype == np.int32
+  for index in np.ndindex(shape):
+    row = rows[index].view(np.uint32).astype(np.uint64)
+    group = [ids[index[:axis] + (r,) + index[axis + 1:]] for r in range(size)]
+    got = [int(row[2 * r]) | (int(row[2 * r + 1]) << 32) for r in range(size)]
+    assert got == [addresses[int(d)] for d in group]
+    assert int(row[-1]) == index[axis]
+
+
+def test_the_workspace_hands_each_device_its_own_row_inside_a_shard_map():
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
+  workspace = wsar.PeerWorkspace(mesh, "tp")
+  seen = jax.jit(jax.shard_map(lambda row: row.reshape(1, 1, -1), mesh=mesh,
+                               in_specs=workspace.row_spec, out_specs=workspace.row_spec))(
+                                   workspace.rows)
+  seen = np.asarray(seen)
+  for i, j in np.ndindex(2, 4):
+    assert seen[i, j, -1] == j          # its rank along tp
+    assert np.array_equal(seen[i, j, :-1], seen[i, 0, :-1])   # one table per dp group
+  assert not np.array_equal(seen[0, 0, :-1], seen[1, 0, :-1])
+  assert all(not f.any() for f in workspace.flags().values())
+  with pytest.raises(ValueError, match="2 to 8 devices"):
+    wsar.PeerWorkspace(Mesh(np.asarray(jax.devices()[:1]), ("tp",)), "tp")
+
+
+def test_the_workspace_kernel_builds_for_hopper_without_a_gpu(monkeypatch):
+  """The kernel's Mosaic GPU module (its address arithmetic, flags and sums) builds and
+  verifies; its sums are checked on GPUs, since no interpreter runs raw Mosaic GPU."""
+  from jax.experimental.mosaic.gpu import utils as mosaic_utils
+  monkeypatch.setattr(mosaic_utils, "_infer_arch", lambda: (9, 0))
+  for n, dtype, size, blocks, per in [(4096, jnp.bfloat16, 2, 4, 1), (65536, jnp.float32, 4, 32, 4)]:
+    kernel = wsar._build(n, jnp.dtype(dtype), size, blocks, per)
+    assert callable(kernel)
+
+
+def _gpu_workspace_run(mesh, fn, x):
+  workspace = wsar.workspace_for(mesh, "tp")
+  program = jax.jit(jax.shard_map(lambda v, row: fn(v[0], row)[None], mesh=mesh,
+                                  in_specs=(P("tp"), workspace.row_spec), out_specs=P("tp"),
+                                  check_vma=False))
+  return np.asarray(program(x, workspace.rows).astype(jnp.float32)), workspace
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("elements, dtype, max_blocks", [(1024, jnp.bfloat16, 32),
+                                                         (4096, jnp.bfloat16, 1),
+                                                         (4096, jnp.bfloat16, 32),
+                                                         (32768, jnp.bfloat16, 32),
+                                                         (131072, jnp.bfloat16, 32),
+                                                         (4096, jnp.float16, 8),
+                                                         (8192, jnp.float32, 4),
+                                                         (65536, jnp.float32, 64)])
+def test_gpu_workspace_kernel_equals_psum_on_two_gpus(elements, dtype, max_blocks):
+  """On 2 GPUs the workspace kernel's sums equal psum's bit for bit (one rounding of the same
+  exact sum) on both devices, and its flags are all zero again after the call."""
+  mesh = _gpu_pair()
+  rng = np.random.default_rng(elements + max_blocks)
+  x = jax.device_put(jnp.asarray(rng.standard_normal((2, elements)), dtype),
+                     NamedSharding(mesh, P("tp")))
+  got, workspace = _gpu_workspace_run(
+      mesh, lambda v, row: wsar.workspace_all_reduce(v, row, 2, max_blocks=max_blocks), x)
+  want, _ = _gpu_workspace_run(mesh, lambda v, row: jax.lax.psum(v, "tp"), x)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got[0], got[1])
+  assert all(not f.any() for f in workspace.flags().values())
+
+
+@pytest.mark.gpu
+def test_gpu_workspace_kernel_chains_of_mixed_messages_keep_their_flags_in_step():
+  """Hundreds of dependent calls in a loop, three message sizes (1, 8 and 32 blocks) in turn,
+  as a decode loop makes them: every value equals the same chain through psum, the flags are
+  zero afterwards, and both devices count the same calls per block."""
+  mesh = _gpu_pair()
+  rng = np.random.default_rng(7)
+  x = jax.device_put(jnp.asarray(rng.standard_normal((2, 65536)), jnp.bfloat16),
+                     NamedSharding(mesh, P("tp")))
+
+  def chain(reduce):
+    def fn(v, row):
+      def step(_, v):
+        small = reduce(v[:1024] * 0.5, row)                 # 2 KB: 1 block
+        mid = reduce(v[:8192] * 0.25, row)                  # 16 KB: 8 blocks
+        big = reduce(v * 0.125, row)                        # 128 KB: 32 blocks
+        return big.at[:8192].add(mid).at[:1024].add(small) * 0.3
+      return jax.lax.fori_loop(0, 150, step, v)
+    return fn
+
+  got, workspace = _gpu_workspace_run(
+      mesh, chain(lambda v, row: wsar.workspace_all_reduce(v, row, 2)), x)
+  want, _ = _gpu_workspace_run(mesh, chain(lambda v, row: jax.lax.psum(v, "tp")), x)
+  np.testing.assert_array_equal(got, want)
+  assert all(not f.any() for f in workspace.flags().values())
+  counters = list(workspace.counters().values())
+  np.testing.assert_array_equal(counters[0], counters[1])
+  assert counters[0][0] >= 450 and counters[0][31] >= 150

@@ -12,8 +12,8 @@ projections into all-reduces of XLA's choosing. Here each product is a `shard_ma
                 all-reduce (o_proj, down_proj): exactly one collective per row product.
 
 Inside a shard the product is skinny_gemm's `project` (the kernel where it pays, XLA's dot
-elsewhere), and the all-reduce is jspec.pallas_kernels.all_reduce's one-shot kernel where it
-takes the message (a Hopper GPU, one tp axis, a small message), else `lax.psum`.
+elsewhere), and the all-reduce is jspec.pallas_kernels.workspace_all_reduce's one-shot kernel
+where it takes the message (Hopper GPUs of one process, a small message), else `lax.psum`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from jspec.sharding.rules import ShardingRules, axis_size, mesh_axes
 #             step measured fastest so on 2 H100s: BENCHMARKS.md, "Tensor parallelism at small
 #             batch: where a tp = 2 step's time goes, ...");
 #   "xla"     jspec's products shard by shard, each row product reduced by XLA's all-reduce;
-#   "kernel"  the same products, reduced by the one-shot kernel (Hopper GPUs only).
+#   "kernel"  the same products, reduced by the workspace one-shot kernel (Hopper GPUs of one
+#             process only).
 ALL_REDUCE_BACKENDS = ("auto", "xla", "kernel")
 
 
@@ -47,18 +48,22 @@ def split_axis(mesh: Mesh, rules: ShardingRules, logical: str) -> str | None:
   return axes[0] if axes else None
 
 
-def all_reduce_fn(axis: str, size: int, custom: bool):
-  """(x) -> its sum over `axis` inside a shard_map: the one-shot kernel where `custom` and it
-  takes x (jspec.pallas_kernels.all_reduce.fits_kernel, on a Hopper GPU), psum otherwise."""
-  from jspec.pallas_kernels import all_reduce, platform
+def all_reduce_fn(mesh: Mesh, axis: str, custom: bool):
+  """(reduce, workspace): reduce(x, row) -> the sum of x over `axis` inside a shard_map, through
+  the workspace kernel where `custom` and it takes x (jspec.pallas_kernels.workspace_all_reduce,
+  Hopper GPUs of one process), psum otherwise; `workspace` (None without the kernel) holds the
+  address table whose `rows` the shard_map must hand each device (`row` is ignored by psum)."""
+  from jspec.pallas_kernels import platform, workspace_all_reduce as wsar
 
-  use_kernel = custom and platform.on_hopper()
+  size = axis_size(mesh, axis)
+  workspace = wsar.workspace_for(mesh, axis) if custom and platform.on_hopper() and size > 1 \
+      else None
 
-  def reduce(x):
-    if use_kernel and all_reduce.fits_kernel(x.shape, x.dtype):
-      return all_reduce.one_shot_all_reduce(x, axis, size)
+  def reduce(x, row):
+    if workspace is not None and wsar.fits(x.shape, x.dtype):
+      return wsar.workspace_all_reduce(x, row, size)
     return lax.psum(x, axis)
-  return reduce
+  return reduce, workspace
 
 
 class TensorParallelProducts:
@@ -75,7 +80,7 @@ class TensorParallelProducts:
       self._local = functools.partial(project, always=kernel_always)
     else:  # the kernel off Hopper only where asked for ("pallas": interpreted off GPU)
       self._local = lambda x, w: jnp.einsum("...k,kn->...n", x, w)
-    self._reduce = all_reduce_fn(axis, axis_size(mesh, axis), custom_all_reduce)
+    self._reduce, self._workspace = all_reduce_fn(mesh, axis, custom_all_reduce)
     self._lead = tuple(rules.spec(("batch", "seq")))
 
   def _split(self, ndim: int, dim: int) -> PartitionSpec:
@@ -97,15 +102,19 @@ class TensorParallelProducts:
     all-reduce; [B, T, *out] whole on every shard."""
     in_shape, out_shape = w_IO.shape[:in_axes], w_IO.shape[in_axes:]
 
-    def product(x, w):
+    def product(x, w, row):
       k = math.prod(w.shape[:in_axes])
       partial = self._local(x.reshape(*x.shape[:2], k), w.reshape(k, -1))
-      return self._reduce(partial).reshape(*x.shape[:2], *out_shape)
+      return self._reduce(partial, row).reshape(*x.shape[:2], *out_shape)
     x_spec = PartitionSpec(*self._lead, *self._split(len(in_shape), 0))
+    if self._workspace is None:  # psum: no table to hand out
+      rows, row_spec = jnp.zeros((), jnp.int32), PartitionSpec()
+    else:
+      rows, row_spec = self._workspace.rows, self._workspace.row_spec
     return jax.shard_map(product, mesh=self.mesh,
-                         in_specs=(x_spec, self._split(w_IO.ndim, 0)),
+                         in_specs=(x_spec, self._split(w_IO.ndim, 0), row_spec),
                          out_specs=PartitionSpec(*self._lead, *(None,) * len(out_shape)),
-                         check_vma=False)(x_BTI, w_IO)
+                         check_vma=False)(x_BTI, w_IO, rows)
 
 
 def tensor_parallel_products(mesh: Mesh, rules: ShardingRules, custom_all_reduce: bool,

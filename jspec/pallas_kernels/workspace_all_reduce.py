@@ -1,0 +1,297 @@
+"""A one-shot all-reduce of a small message through a workspace every GPU keeps for its peers.
+
+XLA's all-reduce (NCCL's, or its own one-shot kernel) costs 12-19 µs at 8 KB on 2 GPUs, and a
+Mosaic GPU kernel that reads its peers' inputs through `remote_ref` pays for XLA's collective
+launch: a device barrier (~9 µs) and a pointer table copy before every call. vLLM, SGLang and
+TensorRT-LLM instead register one buffer per GPU once, exchange the buffers' addresses once,
+and keep their handshake flags in it, so a call is one plain kernel launch. Here the same:
+
+  PeerWorkspace(mesh, axis)   one zeroed buffer on every device of the mesh, allocated once
+                              and kept alive, and a table of the buffers' addresses: each
+                              device holds its own row (its reduction group's addresses in
+                              axis order, and its rank in the group).
+  workspace_all_reduce(x, row, ...)
+                              inside a shard_map over the axis: each block of the kernel
+                              writes its part of x into every peer's workspace (its own
+                              included), raises a flag in each, waits for every peer's flag in
+                              its own, then sums the parts in rank order in float32.
+
+The kernel reaches the workspaces through their raw addresses, so XLA sees an ordinary
+custom call: no collective launch, no barrier. The flags are counting semaphores that each
+call raises and consumes, so they are zero again once every device has finished a call, and
+a peer's flag for the next call may arrive early without harm. The parts go to one of two
+slots by the call's parity (a counter per block): a peer can be at most one call ahead,
+since it cannot finish a call without our flag for it, so it never writes the slot we read.
+
+The workspace is per block, not per message byte: block b of every call uses slot b, its
+own counter and its own flags, so calls with different messages or block counts never
+overlap in the workspace. Every device of a group must make the same calls in the same order
+(SPMD programs do); a program stopped half-way leaves the flags out of step, and the
+workspace must then be made anew (`PeerWorkspace.reset`).
+
+Peer addresses are valid inside one process (a one-process mesh over local GPUs, with peer
+access, as XLA enables it between them); across hosts the layers keep XLA's all-reduce.
+
+Shape letters: N the message's elements, A the devices on the axis, G the kernel's blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# The message a block writes, reads and sums: 128 threads x 16 bytes, one vector each.
+TILE_BYTES = 128 * 16
+# Blocks a call may use, each with its own two data slots per peer and its own flags.
+MAX_BLOCKS = 64
+# Bytes of the message one block carries.
+BLOCK_BYTES = 8 * 1024
+# Past this NCCL's ring (bandwidth-bound) wins over every device reading every part whole.
+MAX_MESSAGE_BYTES = 256 * 1024
+# Devices a group may have (the flags' layout).
+MAX_DEVICES = 8
+# Workspace layout, in bytes: flags[MAX_BLOCKS][MAX_DEVICES] int32, then counters[MAX_BLOCKS]
+# int32, then the data slots [2 parities][A sources][MAX_BLOCKS][BLOCK_BYTES].
+FLAGS_OFFSET = 0
+COUNTERS_OFFSET = MAX_BLOCKS * MAX_DEVICES * 4
+DATA_OFFSET = 4096
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def workspace_bytes(axis_size: int) -> int:
+  return DATA_OFFSET + 2 * axis_size * MAX_BLOCKS * BLOCK_BYTES
+
+
+def fits(shape, dtype, max_blocks: int = 32) -> bool:
+  """A message the kernel takes: float16 / bfloat16 / float32, a whole number of 2 KB tiles,
+  at most MAX_MESSAGE_BYTES, that `max_blocks` blocks can split evenly (plan_blocks)."""
+  dtype = jnp.dtype(dtype)
+  nbytes = math.prod(shape) * dtype.itemsize
+  if dtype not in DTYPES or not 0 < nbytes <= MAX_MESSAGE_BYTES or nbytes % TILE_BYTES:
+    return False
+  try:
+    plan_blocks(nbytes, max_blocks)
+  except ValueError:
+    return False
+  return True
+
+
+def plan_blocks(nbytes: int, max_blocks: int = 32) -> tuple[int, int]:
+  """(G blocks, tiles per block) for a message of `nbytes`: the most blocks up to
+  `max_blocks` that split its tiles evenly, each carrying at most BLOCK_BYTES. More blocks
+  put more of the message in flight at once; a block's flags cost the same at any size."""
+  tiles = nbytes // TILE_BYTES
+  if tiles * TILE_BYTES != nbytes or tiles == 0:
+    raise ValueError(f"a message of {nbytes} bytes is not a whole number of {TILE_BYTES}-byte "
+                     "tiles")
+  per_block_max = BLOCK_BYTES // TILE_BYTES
+  for blocks in range(min(tiles, max_blocks, MAX_BLOCKS), 0, -1):
+    if tiles % blocks == 0 and tiles // blocks <= per_block_max:
+      return blocks, tiles // blocks
+  raise ValueError(f"a message of {tiles} tiles has no even split over at most {max_blocks} "
+                   f"blocks of at most {per_block_max} tiles")
+
+
+def group_rows(device_ids: np.ndarray, axis: int, addresses: dict[int, int]) -> np.ndarray:
+  """The address table: for each device of the mesh array `device_ids` (ids, any rank), the
+  int32 words [low, high of the workspace address of each device of its group in axis
+  order..., its rank in the group], where its group is the devices that differ from it only
+  along `axis`. Shape [*device_ids.shape, 2 A + 1]."""
+  ids = np.moveaxis(device_ids, axis, -1)
+  size = ids.shape[-1]
+  rows = np.zeros((*ids.shape, 2 * size + 1), np.uint32)
+  for index in np.ndindex(ids.shape[:-1]):
+    group = ids[index]
+    words = np.array([[addresses[int(d)] & 0xFFFFFFFF, addresses[int(d)] >> 32] for d in group],
+                     np.uint64).astype(np.uint32).reshape(-1)
+    for rank in range(size):
+      rows[index + (rank,)] = np.concatenate([words, [rank]])
+  return np.moveaxis(rows.view(np.int32), -2, axis)
+
+
+class PeerWorkspace:
+  """The workspace of every device of `mesh` for all-reduces over `axis` (see the module
+  docstring). `row_spec` places `rows` so that each device holds its own row inside a
+  shard_map over the whole mesh."""
+
+  def __init__(self, mesh: Mesh, axis: str):
+    if axis not in mesh.axis_names:
+      raise ValueError(f"mesh has no axis {axis!r}: {mesh.axis_names}")
+    size = mesh.shape[axis]
+    if not 2 <= size <= MAX_DEVICES:
+      raise ValueError(f"the workspace all-reduce takes 2 to {MAX_DEVICES} devices on an axis; "
+                       f"{axis!r} has {size}")
+    devices = mesh.devices
+    if any(d.process_index != jax.process_index() for d in devices.flat):
+      raise ValueError("the workspace all-reduce reaches its peers by address, which holds "
+                       "within one process; this mesh spans processes")
+    self.mesh, self.axis, self.axis_size = mesh, axis, size
+    self.row_spec = PartitionSpec(*mesh.axis_names, None)
+    self._buffers = {}
+    self.reset()
+
+  def reset(self):
+    """Zeroed buffers and their address table, anew: after a program that stopped part-way
+    through its all-reduces, whose flags may be out of step."""
+    words = workspace_bytes(self.axis_size) // 4
+    self._buffers = {d.id: jax.device_put(np.zeros(words, np.int32), d)
+                     for d in self.mesh.devices.flat}
+    for buffer in self._buffers.values():
+      buffer.block_until_ready()
+    addresses = {d: int(b.unsafe_buffer_pointer()) for d, b in self._buffers.items()}
+    ids = np.vectorize(lambda d: d.id)(self.mesh.devices)
+    table = group_rows(ids, self.mesh.axis_names.index(self.axis), addresses)
+    self.rows = jax.device_put(table, NamedSharding(self.mesh, self.row_spec))
+
+  def counters(self) -> dict[int, np.ndarray]:
+    """Each device's per-block call counters (for tests: every device of a group must agree)."""
+    start, stop = COUNTERS_OFFSET // 4, COUNTERS_OFFSET // 4 + MAX_BLOCKS
+    return {d: np.asarray(b)[start:stop] for d, b in self._buffers.items()}
+
+  def flags(self) -> dict[int, np.ndarray]:
+    """Each device's flags [MAX_BLOCKS, MAX_DEVICES]: all zero between programs."""
+    n = MAX_BLOCKS * MAX_DEVICES
+    return {d: np.asarray(b)[:n].reshape(MAX_BLOCKS, MAX_DEVICES)
+            for d, b in self._buffers.items()}
+
+
+_WORKSPACES: dict[tuple, PeerWorkspace] = {}
+
+
+def workspace_for(mesh: Mesh, axis: str) -> PeerWorkspace:
+  """The one workspace of (mesh, axis), made on first use and kept for the process."""
+  key = (tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis)
+  if key not in _WORKSPACES:
+    _WORKSPACES[key] = PeerWorkspace(mesh, axis)
+  return _WORKSPACES[key]
+
+
+def workspace_all_reduce(x, row, axis_size: int, *, max_blocks: int = 32):
+  """The sum of `x` over the devices of its group, inside a shard_map that hands each device
+  its own `row` of a PeerWorkspace's table (any shape of 2 A + 1 int32 words). Every device's
+  result holds the same bits: the parts are summed in rank order in float32 and rounded once.
+  Hopper GPUs only (the kernel is Mosaic GPU's, with no interpreter)."""
+  if not fits(x.shape, x.dtype, max_blocks):
+    raise ValueError(f"workspace_all_reduce takes float16 / bfloat16 / float32 messages of whole "
+                     f"{TILE_BYTES}-byte tiles up to {MAX_MESSAGE_BYTES} bytes that "
+                     f"{max_blocks} blocks split evenly; got {x.shape} {x.dtype}")
+  row = row.reshape(-1)
+  if row.shape != (2 * axis_size + 1,) or row.dtype != jnp.int32:
+    raise ValueError(f"row: expected {2 * axis_size + 1} int32 words, got {row.shape} {row.dtype}")
+  flat = x.reshape(-1)
+  blocks, tiles_per_block = plan_blocks(flat.size * flat.dtype.itemsize, max_blocks)
+  kernel = _kernel(flat.size, jnp.dtype(flat.dtype), axis_size, blocks, tiles_per_block)
+  return kernel(flat, row).reshape(x.shape)
+
+
+_KERNELS: dict[tuple, object] = {}
+
+
+def _kernel(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int):
+  key = (n, dtype, axis_size, blocks, tiles_per_block)
+  if key not in _KERNELS:
+    _KERNELS[key] = _build(*key)
+  return _KERNELS[key]
+
+
+def _build(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int):
+  # Mosaic GPU's own modules: imported here, so that jspec imports without a GPU build.
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref
+  from jax.experimental import mosaic as _  # noqa: F401  (registers the dialects)
+  import jax.experimental.mosaic.gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  vec = 16 // dtype.itemsize
+  chunk = tiles_per_block * TILE_BYTES // dtype.itemsize  # elements a block carries
+
+  def body(ctx, x_ref, row_ref, y_ref, scratch):
+    del ctx, scratch
+    i8 = ir.IntegerType.get_signless(8)
+    i32 = ir.IntegerType.get_signless(32)
+    i64 = ir.IntegerType.get_signless(64)
+    index = ir.IndexType.get()
+    ptr = llvm.PointerType.get()
+    elem = mu.dtype_to_ir_type(dtype)
+    chunk_ty = ir.MemRefType.get((chunk,), elem)
+
+    def const64(v):
+      return arith.constant(i64, v)
+
+    def word(k):
+      return memref.load(row_ref, [arith.constant(index, k)])
+
+    def base(s):  # the workspace of rank s (static), as a pointer
+      low = arith.extui(i64, word(2 * s))
+      high = arith.extui(i64, word(2 * s + 1))
+      return llvm.inttoptr(ptr, arith.ori(arith.shli(high, const64(32)), low))
+
+    def at(pointer, byte_offset):  # pointer + byte_offset (i64)
+      return mu.getelementptr(pointer, [byte_offset], i8)
+
+    rank = word(2 * axis_size)
+    rank64 = arith.extui(i64, rank)
+    block = gpu.block_id(gpu.Dimension.x)
+    block64 = arith.index_cast(i64, block)
+    me = base(0)
+    for s in range(1, axis_size):
+      me = arith.select(arith.cmpi(arith.CmpIPredicate.eq, rank, arith.constant(i32, s)),
+                        base(s), me)
+    counter_ptr = at(me, arith.addi(const64(COUNTERS_OFFSET), arith.muli(block64, const64(4))))
+    count = llvm.load(i32, counter_ptr)
+    parity64 = arith.extui(i64, arith.andi(count, arith.constant(i32, 1)))
+
+    def slot(owner, source64):  # data slot [parity][source][block] of a workspace
+      n_slot = arith.addi(arith.muli(arith.addi(arith.muli(parity64, const64(axis_size)),
+                                                source64), const64(MAX_BLOCKS)), block64)
+      offset = arith.addi(const64(DATA_OFFSET), arith.muli(n_slot, const64(BLOCK_BYTES)))
+      return mu.ptr_as_memref(at(owner, offset), chunk_ty)
+
+    def flag(owner, source64):  # flags[block][source] of a workspace
+      n_flag = arith.addi(arith.muli(block64, const64(MAX_DEVICES)), source64)
+      return at(owner, arith.addi(const64(FLAGS_OFFSET), arith.muli(n_flag, const64(4))))
+
+    # 1. This block's part of x into slot [parity][rank][block] of every workspace (ours too).
+    start = arith.muli(block, arith.constant(index, chunk))
+    mine = mgpu.FragmentedArray.load_strided(mu.memref_slice(x_ref, mu.ds(start, chunk)),
+                                             vec_size=vec)
+    for s in range(axis_size):
+      mine.store_untiled(slot(base(s), rank64))
+    # 2. Each thread's stores visible system-wide (its fence), all threads past that (the
+    #    barrier), then one thread raises our flag in every workspace with release semantics:
+    #    a peer that sees the flag sees the part.
+    mu.inline_ptx("fence.acq_rel.sys;", has_side_effects=True)
+    mu.warpgroup_barrier()
+    for s in range(axis_size):
+      mu.SemaphoreRef(flag(base(s), rank64)).signal(1)
+    # 3. Every rank's flag in our workspace: wait, consume (acquire, then the barrier).
+    for s in range(axis_size):
+      mu.SemaphoreRef(flag(me, const64(s))).wait(1)
+    # 4. The parts summed in rank order in float32, rounded once: the same bits everywhere.
+    total = None
+    for s in range(axis_size):
+      part = mgpu.FragmentedArray.load_strided(slot(me, const64(s)), vec_size=vec)
+      part = part.astype(ir.F32Type.get())
+      total = part if total is None else total + part
+    total.astype(elem).store_untiled(mu.memref_slice(y_ref, mu.ds(start, chunk)))
+    # 5. This block's next call uses the other parity's slots.
+    with mu.single_thread(mu.ThreadSubset.WARPGROUP):
+      llvm.store(arith.addi(count, arith.constant(i32, 1)), counter_ptr)
+
+  from jax._src.interpreters import mlir as jax_mlir
+  with jax_mlir.make_ir_context() as context, ir.Location.unknown():
+    mgpu.dialect.register_dialect(context)
+    return mgpu.as_gpu_kernel(
+      body,
+        grid=(blocks, 1, 1),
+        block=(128, 1, 1),
+        in_shape=(jax.ShapeDtypeStruct((n,), dtype),
+                  jax.ShapeDtypeStruct((2 * axis_size + 1,), jnp.int32)),
+        out_shape=jax.ShapeDtypeStruct((n,), dtype),
+        smem_scratch_shape=(),
+        module_name="workspace_all_reduce",
+    )
