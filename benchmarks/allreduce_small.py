@@ -34,7 +34,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jspec.pallas_kernels.all_reduce import one_shot_all_reduce
-from jspec.pallas_kernels.workspace_all_reduce import workspace_all_reduce, workspace_for
+from jspec.pallas_kernels.workspace_all_reduce import fits, workspace_all_reduce, workspace_for
 
 
 def reduce_fn(impl: str, axis_size: int, blocks: int | None, skip_barrier: bool = False):
@@ -120,6 +120,9 @@ def main():
                                      form), x, args.repeats)
       for impl in args.impl:
         for blocks in (args.blocks if impl != "nccl" else [None]):
+          if impl == "workspace" and not fits(x.shape[1:], dtype, blocks):
+            print(f"  {kb:4d} KB workspace blocks={blocks}: no even split, skipped")
+            continue
           reduce = reduce_fn(impl, args.devices, blocks, args.skip_barrier)
           got = np.asarray(sharded(mesh, reduce)(x).astype(jnp.float32))
           if want is None:

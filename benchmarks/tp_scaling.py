@@ -6,10 +6,12 @@ warm-up call.
     python benchmarks/tp_scaling.py --model qwen3-8b --mesh 1,1,1 1,2,1 --batch 1 8
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant xla       # products, XLA's all-reduce
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant kernel    # ..., the one-shot kernel
+    python benchmarks/tp_scaling.py --mesh 1,2,1 --variant partitioner  # XLA places them all
 
-Variants (LLM(all_reduce_backend), jspec.sharding.tensor_parallel): `default` ("auto": XLA's
-partitioner places the tp layers' products and all-reduces), `xla` (jspec's shard-by-shard
-products, XLA's all-reduce), `kernel` (the same products, the one-shot Mosaic GPU kernel).
+Variants (LLM(all_reduce_backend), jspec.sharding.tensor_parallel): `default` ("auto":
+`kernel` on Hopper GPUs of one process), `partitioner` (XLA's partitioner places the tp layers'
+products and all-reduces), `xla` (jspec's shard-by-shard products, XLA's all-reduce), `kernel`
+(the same products, the workspace one-shot kernel).
 
 One JSON line per (mesh, batch): tokens/s (prefill included), TPOT, TTFT, and a digest of the
 generated tokens (equal digests: equal tokens), then a table.
@@ -28,8 +30,8 @@ import numpy as np
 import jspec
 from jspec.bench.presets import PRESETS
 
-VARIANTS = {"default": {}, "xla": dict(all_reduce_backend="xla"),
-            "kernel": dict(all_reduce_backend="kernel")}
+VARIANTS = {"default": {}, "partitioner": dict(all_reduce_backend="partitioner"),
+            "xla": dict(all_reduce_backend="xla"), "kernel": dict(all_reduce_backend="kernel")}
 
 
 def main():

@@ -27,7 +27,7 @@ from jspec.models.row_kernels import (resolve_norm_backend, sharded_kv_write,
 from jspec.pallas_kernels import platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
 from jspec.sharding.rules import axis_size
-from jspec.sharding.tensor_parallel import tensor_parallel_products
+from jspec.sharding.tensor_parallel import resolve_all_reduce_backend, tensor_parallel_products
 from jspec.sharding.vocab import sharded_embedding_lookup
 
 # "auto"'s limit on an MLA window's query rows per shard for the latent kernel.
@@ -139,17 +139,18 @@ def use_projections(backend: str, fp8_block, mesh, pairs, all_reduce_backend: st
   """Sets the attention layers' projection product (jspec.models.projections); returns the
   backend in effect: "auto" becomes "pallas" on Hopper where the weights are whole on every
   shard (the kernel then takes only the products XLA would strength-reduce), else "xla".
-  Where the mesh splits a model's weights over tp, `all_reduce_backend` "auto" with
-  projection backend "auto" leaves its products and their all-reduces to XLA's partitioner
-  (measured the faster on 2 H100s, BENCHMARKS.md); "pallas", or an all-reduce backend of
-  "xla" or "kernel", gives it the shard-by-shard products of jspec.sharding.tensor_parallel,
-  reduced by the one-shot kernel where `all_reduce_backend` is "kernel"."""
+  Where the mesh splits a model's weights over tp, `all_reduce_backend` (resolved by
+  jspec.sharding.tensor_parallel.resolve_all_reduce_backend) "partitioner" leaves its products
+  and their all-reduces to XLA's partitioner; "xla" or "kernel", or projection backend
+  "pallas", gives it the shard-by-shard products of jspec.sharding.tensor_parallel, reduced by
+  the workspace kernel where it is "kernel"."""
+  all_reduce_backend = resolve_all_reduce_backend(all_reduce_backend, backend, mesh)
   forced = backend == "pallas"
   custom = all_reduce_backend == "kernel"
   if fp8_block is not None and backend != "xla":
     _use_fp8_projections(fp8_block, mesh, pairs)
   split = []
-  if forced or all_reduce_backend != "auto":
+  if forced or all_reduce_backend in ("xla", "kernel"):
     split = [module for module, rules in _modules(pairs)
              if _use_tensor_parallel(module, mesh, rules, custom, forced)]
   if backend == "auto":

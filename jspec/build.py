@@ -141,10 +141,14 @@ def check_options(*, attention_backend, projection_backend, ep_strategy, recurre
   if all_reduce_backend not in ALL_REDUCE_BACKENDS:
     raise ValueError(f"all_reduce_backend={all_reduce_backend!r} is not supported; choose one "
                      f"of {ALL_REDUCE_BACKENDS}")
-  if all_reduce_backend != "auto" and projection_backend == "xla":
+  if all_reduce_backend in ("xla", "kernel") and projection_backend == "xla":
     raise ValueError(f"all_reduce_backend={all_reduce_backend!r} reduces the tensor-parallel "
                      "products jspec writes shard by shard; projection_backend='xla' leaves "
                      "them to XLA's partitioner: use projection_backend='auto' or 'pallas'")
+  if all_reduce_backend == "partitioner" and projection_backend == "pallas":
+    raise ValueError("all_reduce_backend='partitioner' leaves the tensor-parallel products to "
+                     "XLA's partitioner; projection_backend='pallas' writes them shard by shard: "
+                     "use projection_backend='auto' or 'xla'")
   if all_reduce_backend == "kernel" and not platform.on_hopper():
     raise ValueError("all_reduce_backend='kernel' needs Hopper GPUs (its one-shot kernel reads "
                      "peer memory over NVLink, which no interpreter simulates); use 'auto'")

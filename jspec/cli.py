@@ -24,11 +24,12 @@ def _add_model_args(parser, model_required: bool):
   parser.add_argument("--norm-backend", default="auto", choices=["auto", "xla", "pallas"],
                       help="decode/verify steps' residual adds, norms and RoPE: XLA's fusions, "
                            "or one Pallas kernel per group (auto: the kernels on GPUs)")
-  parser.add_argument("--all-reduce-backend", default="auto", choices=["auto", "xla", "kernel"],
-                      help="tensor-parallel layers: auto = XLA's partitioner places products and "
-                           "all-reduces (measured fastest on 2 H100s); xla / kernel = jspec's "
-                           "shard-by-shard products reduced by XLA's all-reduce / jspec's "
-                           "one-shot kernel (Hopper GPUs)")
+  parser.add_argument("--all-reduce-backend", default="auto",
+                      choices=["auto", "partitioner", "xla", "kernel"],
+                      help="tensor-parallel layers: partitioner = XLA places products and "
+                           "all-reduces; xla / kernel = jspec's shard-by-shard products reduced "
+                           "by XLA's all-reduce / jspec's workspace one-shot kernel (Hopper GPUs "
+                           "of one process); auto = kernel where it runs, else partitioner")
   parser.add_argument("--dp", type=int, default=1,
                       help="data parallelism: sequences split over this many device groups")
   parser.add_argument("--tp", type=int, default=1,

@@ -345,3 +345,23 @@ def test_gpu_workspace_kernel_chains_of_mixed_messages_keep_their_flags_in_step(
   counters = list(workspace.counters().values())
   np.testing.assert_array_equal(counters[0], counters[1])
   assert counters[0][0] >= 450 and counters[0][31] >= 150
+
+
+def test_auto_means_the_kernel_on_hopper_gpus_of_one_process_and_the_partitioner_elsewhere(
+    monkeypatch):
+  from jspec.pallas_kernels import platform
+  from jspec.sharding.tensor_parallel import resolve_all_reduce_backend
+  mesh = Mesh(np.asarray(jax.devices()[:2]), ("tp",))
+  assert resolve_all_reduce_backend("auto", "auto", mesh) == (
+      "kernel" if platform.on_hopper() else "partitioner")
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
+  assert resolve_all_reduce_backend("auto", "auto", mesh) == "kernel"
+  assert resolve_all_reduce_backend("auto", "pallas", mesh) == "kernel"
+  assert resolve_all_reduce_backend("auto", "xla", mesh) == "partitioner"
+  for name in ("partitioner", "xla", "kernel"):
+    assert resolve_all_reduce_backend(name, "auto", mesh) == name
+
+
+def test_the_partitioner_with_pallas_projections_is_refused():
+  with pytest.raises(ValueError, match="projection_backend='pallas' writes them shard by shard"):
+    _llm(tp=2, all_reduce_backend="partitioner", projection_backend="pallas")

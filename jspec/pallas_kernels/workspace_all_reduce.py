@@ -150,13 +150,17 @@ class PeerWorkspace:
   def counters(self) -> dict[int, np.ndarray]:
     """Each device's per-block call counters (for tests: every device of a group must agree)."""
     start, stop = COUNTERS_OFFSET // 4, COUNTERS_OFFSET // 4 + MAX_BLOCKS
-    return {d: np.asarray(b)[start:stop] for d, b in self._buffers.items()}
+    return {d: words[start:stop] for d, words in self._read().items()}
 
   def flags(self) -> dict[int, np.ndarray]:
     """Each device's flags [MAX_BLOCKS, MAX_DEVICES]: all zero between programs."""
     n = MAX_BLOCKS * MAX_DEVICES
-    return {d: np.asarray(b)[:n].reshape(MAX_BLOCKS, MAX_DEVICES)
-            for d, b in self._buffers.items()}
+    return {d: words[:n].reshape(MAX_BLOCKS, MAX_DEVICES) for d, words in self._read().items()}
+
+  def _read(self) -> dict[int, np.ndarray]:
+    # The kernels write the buffers behind JAX's back, and JAX keeps the host copy of an array
+    # it has read once: read a fresh device copy each time.
+    return {d: np.asarray(jnp.array(b, copy=True) + 0) for d, b in self._buffers.items()}
 
 
 _WORKSPACES: dict[tuple, PeerWorkspace] = {}
@@ -261,10 +265,11 @@ def _build(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int):
                                              vec_size=vec)
     for s in range(axis_size):
       mine.store_untiled(slot(base(s), rank64))
-    # 2. Each thread's stores visible system-wide (its fence), all threads past that (the
-    #    barrier), then one thread raises our flag in every workspace with release semantics:
-    #    a peer that sees the flag sees the part.
-    mu.inline_ptx("fence.acq_rel.sys;", has_side_effects=True)
+    # 2. All threads past their stores (the barrier), then one thread raises our flag in every
+    #    workspace with release semantics at system scope, which is cumulative over the stores
+    #    the barrier ordered before it: a peer that sees the flag sees the part. (vLLM's
+    #    custom all-reduce orders its stores so. A system fence in every thread as well cost
+    #    2.7 µs a call at 8 KB on 2 H100s: BENCHMARKS.md.)
     mu.warpgroup_barrier()
     for s in range(axis_size):
       mu.SemaphoreRef(flag(base(s), rank64)).signal(1)
@@ -294,4 +299,5 @@ def _build(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int):
         out_shape=jax.ShapeDtypeStruct((n,), dtype),
         smem_scratch_shape=(),
         module_name="workspace_all_reduce",
+        kernel_name="workspace_all_reduce",
     )

@@ -29,13 +29,27 @@ from jax.sharding import Mesh, PartitionSpec
 from jspec.sharding.rules import ShardingRules, axis_size, mesh_axes
 
 # LLM(all_reduce_backend), for layers whose weights the mesh splits over tp:
-#   "auto"    XLA's partitioner places their products and all-reduces (a Qwen3-8B tp = 2 decode
-#             step measured fastest so on 2 H100s: BENCHMARKS.md, "Tensor parallelism at small
-#             batch: where a tp = 2 step's time goes, ...");
-#   "xla"     jspec's products shard by shard, each row product reduced by XLA's all-reduce;
-#   "kernel"  the same products, reduced by the workspace one-shot kernel (Hopper GPUs of one
-#             process only).
-ALL_REDUCE_BACKENDS = ("auto", "xla", "kernel")
+#   "auto"         "kernel" on Hopper GPUs of one process (measured fastest on 2 H100s:
+#                  BENCHMARKS.md, "The workspace all-reduce"), "partitioner" elsewhere;
+#   "partitioner"  XLA's partitioner places their products and all-reduces;
+#   "xla"          jspec's products shard by shard, each row product reduced by XLA's
+#                  all-reduce;
+#   "kernel"       the same products, reduced by the workspace one-shot kernel (Hopper GPUs of
+#                  one process only).
+ALL_REDUCE_BACKENDS = ("auto", "partitioner", "xla", "kernel")
+
+
+def resolve_all_reduce_backend(backend: str, projection_backend: str, mesh: Mesh) -> str:
+  """The all-reduce backend "auto" stands for on `mesh` (any other name stands for itself):
+  the kernel where it runs (Hopper GPUs, every device in this process) and the projections
+  are not left to XLA, XLA's partitioner otherwise."""
+  from jspec.pallas_kernels import platform
+  if backend != "auto":
+    return backend
+  one_process = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  if projection_backend != "xla" and platform.on_hopper() and one_process:
+    return "kernel"
+  return "partitioner"
 
 
 def split_axis(mesh: Mesh, rules: ShardingRules, logical: str) -> str | None:
