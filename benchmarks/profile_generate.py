@@ -29,7 +29,7 @@ def main():
   parser.add_argument("--top", type=int, default=12)
   parser.add_argument("--vocab-replicated", action="store_true",
                       help="keep the embedding and lm_head whole on every tp shard")
-  parser.add_argument("--all-reduce-backend", default="auto", choices=["auto", "xla", "kernel"])
+  parser.add_argument("--all-reduce-backend", default="auto", choices=["auto", "partitioner", "xla", "kernel"])
   parser.add_argument("--idle", action="store_true",
                       help="also where GPU 0 sat idle: gaps summed by the kernel after them")
   args = parser.parse_args()
