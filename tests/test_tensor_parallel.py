@@ -1,8 +1,10 @@
 """Tensor-parallel layers written shard by shard (jspec.sharding.tensor_parallel) and the
-one-shot all-reduce kernel (jspec.pallas_kernels.all_reduce): the products equal one device's
-einsum on every mesh layout, a row product is reduced by exactly one all-reduce, a model keeps
-one device's greedy tokens, the kernel lowers for Hopper without a GPU, and bad options are
-refused. The kernel's sums against psum's run on 2 GPUs (`gpu` marker)."""
+one-shot all-reduce kernels (jspec.pallas_kernels.workspace_all_reduce, the layers' kernel, and
+jspec.pallas_kernels.all_reduce, the remote_ref form): the products equal one device's einsum
+on every mesh layout, a row product is reduced by exactly one all-reduce, a model keeps one
+device's greedy tokens, the kernels build for Hopper without a GPU, the workspace's block plan
+and address table are right, "auto" resolves as documented, and bad options are refused. The
+kernels' sums against psum's, and the workspace's flags, run on 2 GPUs (`gpu` marker)."""
 
 import functools
 

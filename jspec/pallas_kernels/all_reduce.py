@@ -1,4 +1,11 @@
-"""A one-shot all-reduce of a small message over one mesh axis, as one Mosaic GPU kernel.
+"""A one-shot all-reduce of a small message over one mesh axis, as one Pallas Mosaic GPU kernel
+whose peer reads go through `remote_ref`.
+
+The layers do not use it: XLA launches a kernel that reads peer memory as a collective, with a
+device barrier (~9 µs on 2 H100s) and a pointer table copy before every call, which left a
+tp = 2 step no faster. jspec.pallas_kernels.workspace_all_reduce, launched as a plain kernel,
+replaced it. It stays as the Pallas form of the idea, tested in interpret mode, and as
+benchmarks/allreduce_small.py's `mosaic` row.
 
 Each shard reads every shard's message straight from its peer's memory over NVLink (peer
 pointers: `plgpu.remote_ref`, which in a one-process mesh XLA's collective metadata provides)

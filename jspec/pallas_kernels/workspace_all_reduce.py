@@ -25,9 +25,10 @@ since it cannot finish a call without our flag for it, so it never writes the sl
 
 The workspace is per block, not per message byte: block b of every call uses slot b, its
 own counter and its own flags, so calls with different messages or block counts never
-overlap in the workspace. Every device of a group must make the same calls in the same order
-(SPMD programs do); a program stopped half-way leaves the flags out of step, and the
-workspace must then be made anew (`PeerWorkspace.reset`).
+overlap in the workspace. Every device of a group must make the same calls in the same order,
+as the devices of one SPMD program do. XLA runs a program whole once launched, so the flags
+are out of step only after a device fault mid-program, which ends the process's use of the GPU
+anyway. The buffers live as long as the process (the compiled programs hold their addresses).
 
 Peer addresses are valid inside one process (a one-process mesh over local GPUs, with peer
 access, as XLA enables it between them); across hosts the layers keep XLA's all-reduce.
@@ -131,12 +132,6 @@ class PeerWorkspace:
                        "within one process; this mesh spans processes")
     self.mesh, self.axis, self.axis_size = mesh, axis, size
     self.row_spec = PartitionSpec(*mesh.axis_names, None)
-    self._buffers = {}
-    self.reset()
-
-  def reset(self):
-    """Zeroed buffers and their address table, anew: after a program that stopped part-way
-    through its all-reduces, whose flags may be out of step."""
     words = workspace_bytes(self.axis_size) // 4
     self._buffers = {d.id: jax.device_put(np.zeros(words, np.int32), d)
                      for d in self.mesh.devices.flat}
