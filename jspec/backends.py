@@ -47,11 +47,12 @@ def set_recurrent_commit(target, mode: str):
       node.commit_mode = mode
 
 
-def use_vocab_lookup(mesh, pairs):
+def use_vocab_lookup(mesh, pairs, custom_all_reduce: bool = False):
   """Models whose mesh splits the vocabulary look tokens up shard by shard
-  (jspec.sharding.vocab says why)."""
+  (jspec.sharding.vocab says why), their sum through the workspace all-reduce where
+  `custom_all_reduce`."""
   for module, rules in _modules(pairs):
-    lookup = sharded_embedding_lookup(mesh, rules)
+    lookup = sharded_embedding_lookup(mesh, rules, custom_all_reduce)
     for _, node in nnx.iter_graph(module):
       if hasattr(node, "embedding_lookup"):
         node.embedding_lookup = lookup

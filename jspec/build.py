@@ -35,7 +35,7 @@ from jspec.scoring import Scorer
 from jspec.sharding.moe import EP_STRATEGIES
 from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
 from jspec.sharding.rules import MeshConfig, ShardingRules
-from jspec.sharding.tensor_parallel import ALL_REDUCE_BACKENDS
+from jspec.sharding.tensor_parallel import ALL_REDUCE_BACKENDS, resolve_all_reduce_backend
 from jspec.speculative.drafters.setup import TargetContext, setup_for
 from jspec.tokenizer import load_tokenizer
 
@@ -270,7 +270,9 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
 
   # ---- backends ----
   target_pair, draft_pair = (target, rules), (draft_module, draft_rules)
-  use_vocab_lookup(device_mesh, (target_pair, draft_pair, (mtp, draft_rules)))
+  use_vocab_lookup(device_mesh, (target_pair, draft_pair, (mtp, draft_rules)),
+                   resolve_all_reduce_backend(all_reduce_backend, projection_backend,
+                                              device_mesh) == "kernel")
   experts_fn, draft_experts_fn = use_experts(moe_backend, device_mesh, ep_strategy, target_pair,
                                              draft_pair)
   if resolved_attention == "pallas":

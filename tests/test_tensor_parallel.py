@@ -367,3 +367,25 @@ def test_auto_means_the_kernel_on_hopper_gpus_of_one_process_and_the_partitioner
 def test_the_partitioner_with_pallas_projections_is_refused():
   with pytest.raises(ValueError, match="projection_backend='pallas' writes them shard by shard"):
     _llm(tp=2, all_reduce_backend="partitioner", projection_backend="pallas")
+
+
+def test_with_the_kernel_a_row_product_lowers_to_the_workspace_kernel_on_every_tp_group(
+    monkeypatch):
+  """dp = 2 x tp = 2 with the kernel on (Hopper patched in, lowered for CUDA without a GPU):
+  the row product's sum is the workspace kernel, each device handed its own group's row of
+  the address table, and no all-reduce is left; a row past the kernel's 256 KB keeps psum."""
+  from jax.experimental.mosaic.gpu import utils as mosaic_utils
+  from jspec.pallas_kernels import platform
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
+  monkeypatch.setattr(mosaic_utils, "_infer_arch", lambda: (9, 0))
+  mesh = MeshConfig(dp=2, tp=2).make_mesh()
+  products = TensorParallelProducts(mesh, ShardingRules(), "tp", custom_all_reduce=True)
+  for rows, kernel in [(2, True), (2 * 256, False)]:   # 2 KB and 512 KB a shard
+    x = jax.ShapeDtypeStruct((rows, 1, 8, 128), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P(("dp", "ep"), None, "tp", None)))
+    w = jax.ShapeDtypeStruct((8, 128, 1024), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P("tp", None, None)))
+    text = jax.jit(functools.partial(products.row, in_axes=2)).trace(x, w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert ("workspace_all_reduce" in text) == kernel
+    assert ("stablehlo.all_reduce" in text) != kernel

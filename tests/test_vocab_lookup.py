@@ -70,3 +70,27 @@ def test_a_tp_decode_program_of_a_dense_model_holds_all_reduces_only():
   for program in programs:
     text = program.as_text()
     assert "all-reduce" in text and "all-gather" not in text
+
+
+def test_with_the_workspace_kernel_on_hopper_the_sum_is_the_kernel_not_an_all_reduce(
+    monkeypatch):
+  """Where the tp layers reduce through the workspace kernel ("auto" on Hopper GPUs of one
+  process), the lookup's sum goes through it too: lowered for CUDA (no GPU needed), the
+  program holds the kernel's custom call and no all-reduce."""
+  import jax.numpy as jnp
+  from jax.experimental.mosaic.gpu import utils as mosaic_utils
+  from jspec.pallas_kernels import platform
+  monkeypatch.setattr(platform, "on_hopper", lambda: True)
+  monkeypatch.setattr(mosaic_utils, "_infer_arch", lambda: (9, 0))
+  mesh = MeshConfig(tp=2).make_mesh()
+  rules = ShardingRules(vocab="tp")
+  lookup = sharded_embedding_lookup(mesh, rules, custom_all_reduce=True)
+  embed = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16,
+                               sharding=rules.sharding(mesh, ("vocab", "embed")))
+  tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32, sharding=rules.sharding(mesh, ("batch", "seq")))
+  text = jax.jit(lookup).trace(embed, tokens).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "stablehlo.all_reduce" not in text
+  # a prefill chunk's rows (past the kernel's 256 KB) keep psum
+  chunk = jax.ShapeDtypeStruct((1, 256), jnp.int32, sharding=rules.sharding(mesh, ("batch", "seq")))
+  text = jax.jit(lookup).trace(embed, chunk).lower(lowering_platforms=("cuda",)).as_text()
+  assert "stablehlo.all_reduce" in text
