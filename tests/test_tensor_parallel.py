@@ -362,6 +362,17 @@ def test_auto_means_the_kernel_on_hopper_gpus_of_one_process_and_the_partitioner
   assert resolve_all_reduce_backend("auto", "xla", mesh) == "partitioner"
   for name in ("partitioner", "xla", "kernel"):
     assert resolve_all_reduce_backend(name, "auto", mesh) == name
+  # PCIe boards may lack peer access, and another process's GPUs have no address here.
+  import types
+  board = lambda kind, process: types.SimpleNamespace(device_kind=kind, process_index=process)
+  stand_in = lambda *devices: types.SimpleNamespace(devices=np.asarray(devices, dtype=object))
+  here = jax.process_index()
+  assert resolve_all_reduce_backend("auto", "auto", stand_in(
+      board("NVIDIA H100 80GB HBM3", here), board("NVIDIA H100 80GB HBM3", here))) == "kernel"
+  assert resolve_all_reduce_backend("auto", "auto", stand_in(
+      board("NVIDIA H100 PCIe", here), board("NVIDIA H100 PCIe", here))) == "partitioner"
+  assert resolve_all_reduce_backend("auto", "auto", stand_in(
+      board("NVIDIA H200", here), board("NVIDIA H200", here + 1))) == "partitioner"
 
 
 def test_the_partitioner_with_pallas_projections_is_refused():

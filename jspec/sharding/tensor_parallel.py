@@ -29,7 +29,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jspec.sharding.rules import ShardingRules, axis_size, mesh_axes
 
 # LLM(all_reduce_backend), for layers whose weights the mesh splits over tp:
-#   "auto"         "kernel" on Hopper GPUs of one process (measured fastest on 2 H100s:
+#   "auto"         "kernel" on Hopper SXM GPUs of one process (measured fastest on 2 H100s:
 #                  BENCHMARKS.md, "The workspace all-reduce"), "partitioner" elsewhere;
 #   "partitioner"  XLA's partitioner places their products and all-reduces;
 #   "xla"          jspec's products shard by shard, each row product reduced by XLA's
@@ -41,13 +41,16 @@ ALL_REDUCE_BACKENDS = ("auto", "partitioner", "xla", "kernel")
 
 def resolve_all_reduce_backend(backend: str, projection_backend: str, mesh: Mesh) -> str:
   """The all-reduce backend "auto" stands for on `mesh` (any other name stands for itself):
-  the kernel where it runs (Hopper GPUs, every device in this process) and the projections
-  are not left to XLA, XLA's partitioner otherwise."""
+  the kernel where it runs (Hopper GPUs on NVLink, every device in this process) and the
+  projections are not left to XLA, XLA's partitioner otherwise."""
   from jspec.pallas_kernels import platform
   if backend != "auto":
     return backend
   one_process = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
-  if projection_backend != "xla" and platform.on_hopper() and one_process:
+  # The kernel writes into its peers' memory by address: NVLink (SXM boards) gives every pair
+  # peer access; a PCIe card may have none, so "auto" leaves PCIe boards to XLA.
+  nvlink = not any("pcie" in d.device_kind.lower() for d in mesh.devices.flat)
+  if projection_backend != "xla" and platform.on_hopper() and one_process and nvlink:
     return "kernel"
   return "partitioner"
 
