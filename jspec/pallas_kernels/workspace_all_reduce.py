@@ -38,6 +38,7 @@ Shape letters: N the message's elements, A the devices on the axis, G the kernel
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -51,7 +52,9 @@ TILE_BYTES = 128 * 16
 MAX_BLOCKS = 64
 # Bytes of the message one block carries.
 BLOCK_BYTES = 8 * 1024
-# Past this NCCL's ring (bandwidth-bound) wins over every device reading every part whole.
+# The largest message: 32 blocks (the default) of BLOCK_BYTES. Larger ones (prefill chunks,
+# big batches) keep XLA's all-reduce, whose ring is bandwidth-bound where this kernel writes
+# every part to every device; the two were not timed against each other past 64 KB.
 MAX_MESSAGE_BYTES = 256 * 1024
 # Devices a group may have (the flags' layout).
 MAX_DEVICES = 8
@@ -183,20 +186,11 @@ def workspace_all_reduce(x, row, axis_size: int, *, max_blocks: int = 32):
     raise ValueError(f"row: expected {2 * axis_size + 1} int32 words, got {row.shape} {row.dtype}")
   flat = x.reshape(-1)
   blocks, tiles_per_block = plan_blocks(flat.size * flat.dtype.itemsize, max_blocks)
-  kernel = _kernel(flat.size, jnp.dtype(flat.dtype), axis_size, blocks, tiles_per_block)
+  kernel = _build(flat.size, jnp.dtype(flat.dtype), axis_size, blocks, tiles_per_block)
   return kernel(flat, row).reshape(x.shape)
 
 
-_KERNELS: dict[tuple, object] = {}
-
-
-def _kernel(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int):
-  key = (n, dtype, axis_size, blocks, tiles_per_block)
-  if key not in _KERNELS:
-    _KERNELS[key] = _build(*key)
-  return _KERNELS[key]
-
-
+@functools.cache
 def _build(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int):
   # Mosaic GPU's own modules: imported here, so that jspec imports without a GPU build.
   from jax._src.lib.mlir import ir
