@@ -83,6 +83,14 @@ def all_reduce_fn(mesh: Mesh, axis: str, custom: bool):
   return reduce, workspace
 
 
+def table_operand(workspace):
+  """(table, spec) to hand a shard_map whose reduce takes `row`: the workspace's address table
+  and its per-device spec, or an unused scalar where the sum is psum (workspace None)."""
+  if workspace is None:
+    return jnp.zeros((), jnp.int32), PartitionSpec()
+  return workspace.rows, workspace.row_spec
+
+
 class TensorParallelProducts:
   """`column` and `row` products of [B, T, ...] activations by weights split over one mesh
   `axis` (see the module docstring). `custom_all_reduce`: the row products' sums through the
@@ -124,10 +132,7 @@ class TensorParallelProducts:
       partial = self._local(x.reshape(*x.shape[:2], k), w.reshape(k, -1))
       return self._reduce(partial, row).reshape(*x.shape[:2], *out_shape)
     x_spec = PartitionSpec(*self._lead, *self._split(len(in_shape), 0))
-    if self._workspace is None:  # psum: no table to hand out
-      rows, row_spec = jnp.zeros((), jnp.int32), PartitionSpec()
-    else:
-      rows, row_spec = self._workspace.rows, self._workspace.row_spec
+    rows, row_spec = table_operand(self._workspace)
     return jax.shard_map(product, mesh=self.mesh,
                          in_specs=(x_spec, self._split(w_IO.ndim, 0), row_spec),
                          out_specs=PartitionSpec(*self._lead, *(None,) * len(out_shape)),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from jspec.sharding.rules import ShardingRules, axis_size, mesh_axes
 
@@ -26,7 +26,7 @@ def sharded_embedding_lookup(mesh: Mesh, rules: ShardingRules, custom_all_reduce
   mesh does not split the vocabulary, and where it splits it over an axis that also splits
   the batch: each shard then holds other sequences' tokens, which its rows cannot serve.
   `custom_all_reduce`: the shards' sum through the workspace kernel where it takes it."""
-  from jspec.sharding.tensor_parallel import all_reduce_fn
+  from jspec.sharding.tensor_parallel import all_reduce_fn, table_operand
 
   vocab_axes = tuple(a for a in mesh_axes(rules.vocab) if axis_size(mesh, a) > 1)
   if not vocab_axes or set(vocab_axes) & set(mesh_axes(rules.batch)):
@@ -45,10 +45,7 @@ def sharded_embedding_lookup(mesh: Mesh, rules: ShardingRules, custom_all_reduce
     return reduce(jnp.where(mine_BT[..., None], x_BTD, 0), row)
 
   tokens = rules.spec(("batch", "seq"))
-  if workspace is None:
-    table, table_spec = jnp.zeros((), jnp.int32), PartitionSpec()
-  else:
-    table, table_spec = workspace.rows, workspace.row_spec
+  table, table_spec = table_operand(workspace)
   lookup_fn = jax.shard_map(lookup, mesh=mesh,
                             in_specs=(rules.spec(("vocab", "embed")), tokens, table_spec),
                             out_specs=rules.spec(("batch", "seq", "embed")), check_vma=False)
