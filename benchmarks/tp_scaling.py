@@ -7,11 +7,14 @@ warm-up call.
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant xla       # products, XLA's all-reduce
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant kernel    # ..., the one-shot kernel
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant partitioner  # XLA places them all
+    python benchmarks/tp_scaling.py --mesh 1,2,1 --variant unfused  # kernel, norms apart
 
 Variants (LLM(all_reduce_backend), jspec.sharding.tensor_parallel): `default` ("auto":
 `kernel` on Hopper GPUs of one process), `partitioner` (XLA's partitioner places the tp layers'
 products and all-reduces), `xla` (jspec's shard-by-shard products, XLA's all-reduce), `kernel`
-(the same products, the workspace one-shot kernel).
+(the same products, the workspace one-shot kernel, each all-reduce before a norm fused with it:
+jspec.pallas_kernels.workspace_norm), `unfused` (`kernel` with the all-reduce and the norm
+apart: TensorParallelProducts.defer_sums off).
 
 One JSON line per (mesh, batch): tokens/s (prefill included), TPOT, TTFT, and a digest of the
 generated tokens (equal digests: equal tokens), then a table.
@@ -26,12 +29,14 @@ import json
 
 import jax
 import numpy as np
+from flax import nnx
 
 import jspec
 from jspec.bench.presets import PRESETS
 
 VARIANTS = {"default": {}, "partitioner": dict(all_reduce_backend="partitioner"),
-            "xla": dict(all_reduce_backend="xla"), "kernel": dict(all_reduce_backend="kernel")}
+            "xla": dict(all_reduce_backend="xla"), "kernel": dict(all_reduce_backend="kernel"),
+            "unfused": dict(all_reduce_backend="kernel")}
 
 
 def main():
@@ -63,6 +68,10 @@ def main():
     llm = jspec.LLM.from_random(config, spec, mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep),
                                 max_model_len=args.max_model_len, max_num_seqs=max(args.batch),
                                 speculative_config=speculative, **VARIANTS[args.variant])
+    if args.variant == "unfused":
+      for _, node in nnx.iter_graph([m for m in (llm.target, llm.mtp) if m is not None]):
+        if getattr(node, "tp_products", None) is not None:
+          node.tp_products.defer_sums = False
     for batch in args.batch:
       rng = np.random.default_rng(batch)
       prompts = [rng.integers(0, config.vocab_size, args.prompt_len).tolist()

@@ -185,7 +185,8 @@ class Attention(nnx.Module):
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
     if self.tp_products is not None and self.o_proj_scale is None:
-      out_BTD = self.tp_products.row(out_BTNH, self.o_proj[...], in_axes=2)
+      # The all-reduce may be left to the norm after the residual add (PartialSum).
+      out_BTD = self.tp_products.row(out_BTNH, self.o_proj[...], in_axes=2, defer=True)
     else:
       out_BTD = self._dense(out_BTNH, "o_proj", "btnh,nhd->btd", in_axes=2)
     if self.has_o_bias:
@@ -312,5 +313,5 @@ class MLP(nnx.Module):
       gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf", fp8_sum_apart=False)
     act_BTF = jax.nn.silu(gate_up_BTCF[:, :, 0]) * gate_up_BTCF[:, :, 1]
     if tp is not None and self.down_proj_scale is None:
-      return tp.row(act_BTF, self.down_proj[...])
+      return tp.row(act_BTF, self.down_proj[...], defer=True)  # as Attention's o_proj
     return self._dense(act_BTF, "down_proj", "btf,fd->btd")

@@ -11,6 +11,7 @@ from flax import nnx
 
 from jspec.models.params import ones_param, zeros_param
 from jspec.models.row_kernels import takes_rows
+from jspec.sharding.tensor_parallel import PartialSum
 
 
 def _normalized_f32(x, eps):
@@ -49,7 +50,14 @@ class RMSNorm(nnx.Module):
     return self._xla(x)
 
   def add_and_norm(self, x, delta):
-    """(h, norm(h)) for h = x + delta: the residual stream and its normalised form."""
+    """(h, norm(h)) for h = x + delta: the residual stream and its normalised form. A `delta`
+    still to be summed over tp (a PartialSum) is summed in the same kernel where it fits."""
+    if isinstance(delta, PartialSum):
+      fused = (delta.add_and_norm(x, self.scale[...], self.eps, self.zero_centered)
+               if self._on_kernel(x) else None)
+      if fused is not None:
+        return fused
+      delta = delta.reduced()
     if self._on_kernel(x):
       return self.row_kernel(x, self.scale[...], delta)
     h = x + delta

@@ -38,6 +38,7 @@ Shape letters: N the message's elements, A the devices on the axis, G the kernel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -58,16 +59,49 @@ BLOCK_BYTES = 8 * 1024
 MAX_MESSAGE_BYTES = 256 * 1024
 # Devices a group may have (the flags' layout).
 MAX_DEVICES = 8
-# Workspace layout, in bytes: flags[MAX_BLOCKS][MAX_DEVICES] int32, then counters[MAX_BLOCKS]
-# int32, then the data slots [2 parities][A sources][MAX_BLOCKS][BLOCK_BYTES].
-FLAGS_OFFSET = 0
-COUNTERS_OFFSET = MAX_BLOCKS * MAX_DEVICES * 4
-DATA_OFFSET = 4096
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
+@dataclasses.dataclass(frozen=True)
+class Region:
+  """A part of the workspace with flags, counters and data slots of its own: slot s of a call
+  (a kernel block) uses flags[s][source] (int32), counters[s] (int32) and the data slots
+  [2 parities][A sources][s] of `slot_bytes` each. Kernels that share a region share its
+  slots' call parity, so each kind of kernel has its own."""
+  offset: int
+  slots: int
+  slot_bytes: int
+
+  @property
+  def flags_offset(self) -> int:
+    return self.offset
+
+  @property
+  def counters_offset(self) -> int:
+    return self.offset + self.slots * MAX_DEVICES * 4
+
+  @property
+  def data_offset(self) -> int:
+    return self.offset + -(-(self.slots * (MAX_DEVICES + 1) * 4) // 4096) * 4096
+
+  def end(self, axis_size: int) -> int:
+    return self.data_offset + 2 * axis_size * self.slots * self.slot_bytes
+
+
+# The all-reduce's region: MAX_BLOCKS slots of BLOCK_BYTES.
+SUM_REGION = Region(0, MAX_BLOCKS, BLOCK_BYTES)
+# The all-reduce + residual add + RMSNorm's region (jspec.pallas_kernels.workspace_norm): one
+# slot per row of up to 16 KB, after the all-reduce's.
+NORM_ROWS = 32
+NORM_ROW_BYTES = 16 * 1024
+
+
+def norm_region(axis_size: int) -> Region:
+  return Region(SUM_REGION.end(axis_size), NORM_ROWS, NORM_ROW_BYTES)
+
+
 def workspace_bytes(axis_size: int) -> int:
-  return DATA_OFFSET + 2 * axis_size * MAX_BLOCKS * BLOCK_BYTES
+  return norm_region(axis_size).end(axis_size)
 
 
 def fits(shape, dtype, max_blocks: int = 32) -> bool:
@@ -146,14 +180,20 @@ class PeerWorkspace:
     self.rows = jax.device_put(table, NamedSharding(self.mesh, self.row_spec))
 
   def counters(self) -> dict[int, np.ndarray]:
-    """Each device's per-block call counters (for tests: every device of a group must agree)."""
-    start, stop = COUNTERS_OFFSET // 4, COUNTERS_OFFSET // 4 + MAX_BLOCKS
-    return {d: words[start:stop] for d, words in self._read().items()}
+    """Each device's per-slot call counters, the all-reduce's slots then the norm kernel's
+    (for tests: every device of a group must agree)."""
+    return {d: np.concatenate([words[r.counters_offset // 4:r.counters_offset // 4 + r.slots]
+                               for r in self._regions()]) for d, words in self._read().items()}
 
   def flags(self) -> dict[int, np.ndarray]:
-    """Each device's flags [MAX_BLOCKS, MAX_DEVICES]: all zero between programs."""
-    n = MAX_BLOCKS * MAX_DEVICES
-    return {d: words[:n].reshape(MAX_BLOCKS, MAX_DEVICES) for d, words in self._read().items()}
+    """Each device's flags [slots, MAX_DEVICES], the all-reduce's slots then the norm
+    kernel's: all zero between programs."""
+    return {d: np.concatenate([words[r.flags_offset // 4:r.counters_offset // 4]
+                               .reshape(r.slots, MAX_DEVICES) for r in self._regions()])
+            for d, words in self._read().items()}
+
+  def _regions(self) -> tuple[Region, Region]:
+    return SUM_REGION, norm_region(self.axis_size)
 
   def _read(self) -> dict[int, np.ndarray]:
     # The kernels write the buffers behind JAX's back, and JAX keeps the host copy of an array
@@ -190,12 +230,103 @@ def workspace_all_reduce(x, row, axis_size: int, *, max_blocks: int = 32):
   return kernel(flat, row).reshape(x.shape)
 
 
+def exchange(row_ref, axis_size: int, region: Region, slot, part):
+  """Inside a Mosaic GPU kernel of one warpgroup a block: hands `part` (a FragmentedArray of at
+  most `region.slot_bytes`) to every device of the group through the workspaces whose addresses
+  `row_ref` holds (a PeerWorkspace row), as the block `slot` of `region`. Returns (parts, done):
+  every rank's part in rank order, loaded from this device's workspace, and `done()`, which
+  moves the slot to its other parity for the next call (after the parts are read)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, memref
+  import jax.experimental.mosaic.gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  i8 = ir.IntegerType.get_signless(8)
+  i32 = ir.IntegerType.get_signless(32)
+  i64 = ir.IntegerType.get_signless(64)
+  index = ir.IndexType.get()
+  ptr = llvm.PointerType.get()
+  vec = part.layout.vec_size
+  part_ty = ir.MemRefType.get(part.shape, part.mlir_dtype)
+
+  def const64(v):
+    return arith.constant(i64, v)
+
+  def word(k):
+    return memref.load(row_ref, [arith.constant(index, k)])
+
+  def base(s):  # the workspace of rank s (static), as a pointer
+    low = arith.extui(i64, word(2 * s))
+    high = arith.extui(i64, word(2 * s + 1))
+    return llvm.inttoptr(ptr, arith.ori(arith.shli(high, const64(32)), low))
+
+  def at(pointer, byte_offset):  # pointer + byte_offset (i64)
+    return mu.getelementptr(pointer, [byte_offset], i8)
+
+  rank = word(2 * axis_size)
+  rank64 = arith.extui(i64, rank)
+  slot64 = arith.index_cast(i64, slot)
+  me = base(0)
+  for s in range(1, axis_size):
+    me = arith.select(arith.cmpi(arith.CmpIPredicate.eq, rank, arith.constant(i32, s)),
+                      base(s), me)
+  counter_ptr = at(me, arith.addi(const64(region.counters_offset),
+                                  arith.muli(slot64, const64(4))))
+  count = llvm.load(i32, counter_ptr)
+  parity64 = arith.extui(i64, arith.andi(count, arith.constant(i32, 1)))
+
+  def data(owner, source64):  # data slot [parity][source][slot] of a workspace
+    n_slot = arith.addi(arith.muli(arith.addi(arith.muli(parity64, const64(axis_size)),
+                                              source64), const64(region.slots)), slot64)
+    offset = arith.addi(const64(region.data_offset), arith.muli(n_slot,
+                                                                const64(region.slot_bytes)))
+    return mu.ptr_as_memref(at(owner, offset), part_ty)
+
+  def flag(owner, source64):  # flags[slot][source] of a workspace
+    n_flag = arith.addi(arith.muli(slot64, const64(MAX_DEVICES)), source64)
+    return at(owner, arith.addi(const64(region.flags_offset), arith.muli(n_flag, const64(4))))
+
+  # 1. The part into data slot [parity][rank][slot] of every workspace (ours too).
+  for s in range(axis_size):
+    part.store_untiled(data(base(s), rank64))
+  # 2. All threads past their stores (the barrier), then one thread raises our flag in every
+  #    workspace with release semantics at system scope, which is cumulative over the stores
+  #    the barrier ordered before it: a peer that sees the flag sees the part. (vLLM's custom
+  #    all-reduce orders its stores so. A system fence in every thread as well cost 2.7 µs a
+  #    call at 8 KB on 2 H100s: BENCHMARKS.md.)
+  mu.warpgroup_barrier()
+  for s in range(axis_size):
+    mu.SemaphoreRef(flag(base(s), rank64)).signal(1)
+  # 3. Every rank's flag in our workspace: wait, consume (acquire, then the barrier).
+  for s in range(axis_size):
+    mu.SemaphoreRef(flag(me, const64(s))).wait(1)
+  parts = [mgpu.FragmentedArray.load_strided(data(me, const64(s)), vec_size=vec)
+           for s in range(axis_size)]
+
+  def done():  # this slot's next call uses the other parity's data slots
+    with mu.single_thread(mu.ThreadSubset.WARPGROUP):
+      llvm.store(arith.addi(count, arith.constant(i32, 1)), counter_ptr)
+  return parts, done
+
+
+def as_kernel(body, name: str, grid: int, in_shape, out_shape, scratch=()):
+  """`body` as a Mosaic GPU kernel of `grid` blocks of one warpgroup, for sm90."""
+  from jax._src.interpreters import mlir as jax_mlir
+  from jax._src.lib.mlir import ir
+  from jax.experimental import mosaic as _  # noqa: F401  (registers the dialects)
+  import jax.experimental.mosaic.gpu as mgpu
+  with jax_mlir.make_ir_context() as context, ir.Location.unknown():
+    mgpu.dialect.register_dialect(context)
+    return mgpu.as_gpu_kernel(body, grid=(grid, 1, 1), block=(128, 1, 1), in_shape=in_shape,
+                              out_shape=out_shape, smem_scratch_shape=scratch,
+                              module_name=name, kernel_name=name)
+
+
 @functools.cache
 def _build(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int):
   # Mosaic GPU's own modules: imported here, so that jspec imports without a GPU build.
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref
-  from jax.experimental import mosaic as _  # noqa: F401  (registers the dialects)
+  from jax._src.lib.mlir.dialects import arith, gpu
   import jax.experimental.mosaic.gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mu
 
@@ -204,89 +335,19 @@ def _build(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int):
 
   def body(ctx, x_ref, row_ref, y_ref, scratch):
     del ctx, scratch
-    i8 = ir.IntegerType.get_signless(8)
-    i32 = ir.IntegerType.get_signless(32)
-    i64 = ir.IntegerType.get_signless(64)
-    index = ir.IndexType.get()
-    ptr = llvm.PointerType.get()
-    elem = mu.dtype_to_ir_type(dtype)
-    chunk_ty = ir.MemRefType.get((chunk,), elem)
-
-    def const64(v):
-      return arith.constant(i64, v)
-
-    def word(k):
-      return memref.load(row_ref, [arith.constant(index, k)])
-
-    def base(s):  # the workspace of rank s (static), as a pointer
-      low = arith.extui(i64, word(2 * s))
-      high = arith.extui(i64, word(2 * s + 1))
-      return llvm.inttoptr(ptr, arith.ori(arith.shli(high, const64(32)), low))
-
-    def at(pointer, byte_offset):  # pointer + byte_offset (i64)
-      return mu.getelementptr(pointer, [byte_offset], i8)
-
-    rank = word(2 * axis_size)
-    rank64 = arith.extui(i64, rank)
     block = gpu.block_id(gpu.Dimension.x)
-    block64 = arith.index_cast(i64, block)
-    me = base(0)
-    for s in range(1, axis_size):
-      me = arith.select(arith.cmpi(arith.CmpIPredicate.eq, rank, arith.constant(i32, s)),
-                        base(s), me)
-    counter_ptr = at(me, arith.addi(const64(COUNTERS_OFFSET), arith.muli(block64, const64(4))))
-    count = llvm.load(i32, counter_ptr)
-    parity64 = arith.extui(i64, arith.andi(count, arith.constant(i32, 1)))
-
-    def slot(owner, source64):  # data slot [parity][source][block] of a workspace
-      n_slot = arith.addi(arith.muli(arith.addi(arith.muli(parity64, const64(axis_size)),
-                                                source64), const64(MAX_BLOCKS)), block64)
-      offset = arith.addi(const64(DATA_OFFSET), arith.muli(n_slot, const64(BLOCK_BYTES)))
-      return mu.ptr_as_memref(at(owner, offset), chunk_ty)
-
-    def flag(owner, source64):  # flags[block][source] of a workspace
-      n_flag = arith.addi(arith.muli(block64, const64(MAX_DEVICES)), source64)
-      return at(owner, arith.addi(const64(FLAGS_OFFSET), arith.muli(n_flag, const64(4))))
-
-    # 1. This block's part of x into slot [parity][rank][block] of every workspace (ours too).
-    start = arith.muli(block, arith.constant(index, chunk))
+    start = arith.muli(block, arith.constant(ir.IndexType.get(), chunk))
     mine = mgpu.FragmentedArray.load_strided(mu.memref_slice(x_ref, mu.ds(start, chunk)),
                                              vec_size=vec)
-    for s in range(axis_size):
-      mine.store_untiled(slot(base(s), rank64))
-    # 2. All threads past their stores (the barrier), then one thread raises our flag in every
-    #    workspace with release semantics at system scope, which is cumulative over the stores
-    #    the barrier ordered before it: a peer that sees the flag sees the part. (vLLM's
-    #    custom all-reduce orders its stores so. A system fence in every thread as well cost
-    #    2.7 µs a call at 8 KB on 2 H100s: BENCHMARKS.md.)
-    mu.warpgroup_barrier()
-    for s in range(axis_size):
-      mu.SemaphoreRef(flag(base(s), rank64)).signal(1)
-    # 3. Every rank's flag in our workspace: wait, consume (acquire, then the barrier).
-    for s in range(axis_size):
-      mu.SemaphoreRef(flag(me, const64(s))).wait(1)
-    # 4. The parts summed in rank order in float32, rounded once: the same bits everywhere.
-    total = None
-    for s in range(axis_size):
-      part = mgpu.FragmentedArray.load_strided(slot(me, const64(s)), vec_size=vec)
-      part = part.astype(ir.F32Type.get())
-      total = part if total is None else total + part
-    total.astype(elem).store_untiled(mu.memref_slice(y_ref, mu.ds(start, chunk)))
-    # 5. This block's next call uses the other parity's slots.
-    with mu.single_thread(mu.ThreadSubset.WARPGROUP):
-      llvm.store(arith.addi(count, arith.constant(i32, 1)), counter_ptr)
+    parts, done = exchange(row_ref, axis_size, SUM_REGION, block, mine)
+    # The parts summed in rank order in float32, rounded once: the same bits everywhere.
+    total = parts[0].astype(ir.F32Type.get())
+    for part in parts[1:]:
+      total = total + part.astype(ir.F32Type.get())
+    total.astype(mine.mlir_dtype).store_untiled(mu.memref_slice(y_ref, mu.ds(start, chunk)))
+    done()
 
-  from jax._src.interpreters import mlir as jax_mlir
-  with jax_mlir.make_ir_context() as context, ir.Location.unknown():
-    mgpu.dialect.register_dialect(context)
-    return mgpu.as_gpu_kernel(
-      body,
-        grid=(blocks, 1, 1),
-        block=(128, 1, 1),
-        in_shape=(jax.ShapeDtypeStruct((n,), dtype),
-                  jax.ShapeDtypeStruct((2 * axis_size + 1,), jnp.int32)),
-        out_shape=jax.ShapeDtypeStruct((n,), dtype),
-        smem_scratch_shape=(),
-        module_name="workspace_all_reduce",
-        kernel_name="workspace_all_reduce",
-    )
+  return as_kernel(body, "workspace_all_reduce", blocks,
+                   (jax.ShapeDtypeStruct((n,), dtype),
+                    jax.ShapeDtypeStruct((2 * axis_size + 1,), jnp.int32)),
+                   jax.ShapeDtypeStruct((n,), dtype))

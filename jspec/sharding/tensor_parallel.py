@@ -14,6 +14,11 @@ projections into all-reduces of XLA's choosing. Here each product is a `shard_ma
 Inside a shard the product is skinny_gemm's `project` (the kernel where it pays, XLA's dot
 elsewhere), and the all-reduce is jspec.pallas_kernels.workspace_all_reduce's one-shot kernel
 where it takes the message (Hopper GPUs of one process, a small message), else `lax.psum`.
+
+With the kernel, a row product may leave its sum to what reads it (`row(..., defer=True)`):
+a `PartialSum`, which the residual add and RMSNorm after an attention or an MLP take in one
+kernel with the all-reduce (jspec.pallas_kernels.workspace_norm; RMSNorm.add_and_norm), and
+anything else sums first (`+` does).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jspec.sharding.rules import ShardingRules, axis_size, mesh_axes
 
@@ -96,6 +101,10 @@ class TensorParallelProducts:
   `axis` (see the module docstring). `custom_all_reduce`: the row products' sums through the
   one-shot kernel where it takes them."""
 
+  # Whether `row(..., defer=True)` may leave the sum to the norm after it (benchmarks turn
+  # it off to time the fusion).
+  defer_sums = True
+
   def __init__(self, mesh: Mesh, rules: ShardingRules, axis: str, custom_all_reduce: bool,
                kernel_always: bool = False):
     from jspec.pallas_kernels import platform
@@ -121,22 +130,84 @@ class TensorParallelProducts:
                          in_specs=(PartitionSpec(*self._lead, None), self._split(w_KO.ndim, split)),
                          out_specs=out_spec, check_vma=False)(x_BTK, w_KO)
 
-  def row(self, x_BTI, w_IO, in_axes: int = 1):
+  def row(self, x_BTI, w_IO, in_axes: int = 1, defer: bool = False):
     """x [B, T, *in] times w [*in, *out] over the `in_axes` input axes, the first of them split
     over the mesh axis in both: each shard's partial product, summed over the shards by one
-    all-reduce; [B, T, *out] whole on every shard."""
+    all-reduce; [B, T, *out] whole on every shard. `defer`: a PartialSum instead, where the
+    workspace kernel is on and the output is one axis [B, T, D] (else the sum as without)."""
     in_shape, out_shape = w_IO.shape[:in_axes], w_IO.shape[in_axes:]
+    defer = defer and self.defer_sums and self._workspace is not None and len(out_shape) == 1
 
     def product(x, w, row):
       k = math.prod(w.shape[:in_axes])
       partial = self._local(x.reshape(*x.shape[:2], k), w.reshape(k, -1))
+      if defer:
+        return partial[None]
       return self._reduce(partial, row).reshape(*x.shape[:2], *out_shape)
     x_spec = PartitionSpec(*self._lead, *self._split(len(in_shape), 0))
     rows, row_spec = table_operand(self._workspace)
-    return jax.shard_map(product, mesh=self.mesh,
-                         in_specs=(x_spec, self._split(w_IO.ndim, 0), row_spec),
-                         out_specs=PartitionSpec(*self._lead, *(None,) * len(out_shape)),
-                         check_vma=False)(x_BTI, w_IO, rows)
+    out_spec = PartitionSpec(*self._lead, *(None,) * len(out_shape))
+    result = jax.shard_map(product, mesh=self.mesh,
+                           in_specs=(x_spec, self._split(w_IO.ndim, 0), row_spec),
+                           out_specs=PartitionSpec(self.axis, *out_spec) if defer else out_spec,
+                           check_vma=False)(x_BTI, w_IO, rows)
+    return PartialSum(result, self) if defer else result
+
+  def sum_partials(self, partials_ABTD):
+    """The all-reduce a deferred row product left out: [A, B, T, D] -> [B, T, D]."""
+    rows, row_spec = table_operand(self._workspace)
+    return jax.shard_map(lambda p, row: self._reduce(p[0], row), mesh=self.mesh,
+                         in_specs=(PartitionSpec(self.axis, *self._lead, None), row_spec),
+                         out_specs=PartitionSpec(*self._lead, None),
+                         check_vma=False)(partials_ABTD, rows)
+
+  def add_and_norm(self, partials_ABTD, residual_BTD, scale_D, eps: float,
+                   zero_centered: bool):
+    """(h, norm(h)) for h = residual + the sum of the partials, in one kernel
+    (jspec.pallas_kernels.workspace_norm), or None where it does not take a shard's rows."""
+    from jspec.pallas_kernels import workspace_norm
+    lead = PartitionSpec(*self._lead, None)
+    b, t, d = NamedSharding(self.mesh, lead).shard_shape(residual_BTD.shape)
+    if (self._workspace is None or residual_BTD.dtype != partials_ABTD.dtype
+        or scale_D.dtype != residual_BTD.dtype
+        or not workspace_norm.fits((b * t, d), residual_BTD.dtype)):
+      return None
+    size = self.mesh.shape[self.axis]
+
+    def per_shard(p, residual, scale, row):
+      h, normed = workspace_norm.workspace_add_norm(
+          p.reshape(b * t, d), residual.reshape(b * t, d), scale, row, size, eps=eps,
+          zero_centered=zero_centered)
+      return h.reshape(b, t, d), normed.reshape(b, t, d)
+    return jax.shard_map(per_shard, mesh=self.mesh,
+                         in_specs=(PartitionSpec(self.axis, *lead), lead, PartitionSpec(),
+                                   self._workspace.row_spec),
+                         out_specs=(lead, lead), check_vma=False)(
+        partials_ABTD, residual_BTD, scale_D, self._workspace.rows)
+
+
+class PartialSum:
+  """A row product's output before its all-reduce: each shard's partial sums, [A, B, T, D]
+  split over the products' axis. `reduced()` is the output; `+` sums first; a norm after a
+  residual add takes it whole (`add_and_norm`, one kernel with the sum)."""
+
+  def __init__(self, partials_ABTD, products: TensorParallelProducts):
+    self.partials_ABTD, self.products = partials_ABTD, products
+    self.shape, self.dtype = partials_ABTD.shape[1:], partials_ABTD.dtype
+
+  def reduced(self):
+    return self.products.sum_partials(self.partials_ABTD)
+
+  def add_and_norm(self, residual_BTD, scale_D, eps: float, zero_centered: bool):
+    """(residual + the sum, its RMSNorm) in one kernel, or None where it does not fit."""
+    return self.products.add_and_norm(self.partials_ABTD, residual_BTD, scale_D, eps,
+                                      zero_centered)
+
+  def __add__(self, other):
+    return self.reduced() + other
+
+  def __radd__(self, other):
+    return other + self.reduced()
 
 
 def tensor_parallel_products(mesh: Mesh, rules: ShardingRules, custom_all_reduce: bool,

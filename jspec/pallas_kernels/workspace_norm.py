@@ -1,0 +1,113 @@
+"""The all-reduce of a tp layer's output, the residual add after it and the next RMSNorm, in one
+kernel launch (TensorRT-LLM's "all-reduce + residual + RMSNorm" fusion).
+
+A tp decode step ends each attention and each MLP with a row product's all-reduce, and the
+next thing it does is the residual add and an RMSNorm (jspec.pallas_kernels.row_norms'
+`rms_norm`), a kernel of its own: 72 all-reduces and 72 norm kernels a Qwen3-8B step. Here the
+norm runs in the all-reduce's blocks, after their sums:
+
+  workspace_add_norm(partial [M, D], residual [M, D], scale [D], row, ...) -> (h, norm(h))
+
+with h = residual + the sum of `partial` over the group, rounded as the unfused steps round
+(the sum to the stream's dtype once, as the all-reduce returns it, then the add in float32
+rounded once, as `rms_norm` does), and norm(h) as `rms_norm` computes it (RMSNorm, or
+ZeroCenteredRMSNorm's (1 + w) with `zero_centered`). Only the order of the float32 sum of
+squares differs. Each block takes one row: it hands its row's part to every peer through the
+PeerWorkspace (jspec.pallas_kernels.workspace_all_reduce.exchange, in a region of its own),
+sums the parts, adds the residual, and normalises the row with a warpgroup reduction.
+
+Shape letters: M rows (tokens of the step), D the hidden size, A the devices on the axis.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jspec.pallas_kernels import workspace_all_reduce as wsar
+
+
+def fits(shape, dtype) -> bool:
+  """Rows [M, D] the kernel takes: float16 / bfloat16 / float32, at most wsar.NORM_ROWS rows
+  of at most wsar.NORM_ROW_BYTES, each a whole number of the warpgroup's 16-byte vectors."""
+  dtype = jnp.dtype(dtype)
+  if len(shape) != 2 or dtype not in wsar.DTYPES:
+    return False
+  rows, width = shape
+  return (0 < rows <= wsar.NORM_ROWS and 0 < width * dtype.itemsize <= wsar.NORM_ROW_BYTES
+          and width * dtype.itemsize % wsar.TILE_BYTES == 0)
+
+
+def workspace_add_norm(partial_MD, residual_MD, scale_D, row, axis_size: int, *, eps: float,
+                       zero_centered: bool = False):
+  """(h, norm(h)) for h = residual + the sum of `partial` over the group (see the module
+  docstring), inside a shard_map that hands each device its own `row` of a PeerWorkspace's
+  table. Every device's results hold the same bits. Hopper GPUs only."""
+  if not fits(partial_MD.shape, partial_MD.dtype):
+    raise ValueError(f"workspace_add_norm takes float16 / bfloat16 / float32 rows [M, D], M <= "
+                     f"{wsar.NORM_ROWS}, D a multiple of {wsar.TILE_BYTES} bytes up to "
+                     f"{wsar.NORM_ROW_BYTES}; got {partial_MD.shape} {partial_MD.dtype}")
+  if residual_MD.shape != partial_MD.shape or residual_MD.dtype != partial_MD.dtype:
+    raise ValueError(f"the residual must match the partial sums {partial_MD.shape} "
+                     f"{partial_MD.dtype}; got {residual_MD.shape} {residual_MD.dtype}")
+  if scale_D.shape != partial_MD.shape[1:] or scale_D.dtype != partial_MD.dtype:
+    raise ValueError(f"scale: expected [{partial_MD.shape[1]}] {partial_MD.dtype}, got "
+                     f"{scale_D.shape} {scale_D.dtype}")
+  row = row.reshape(-1)
+  if row.shape != (2 * axis_size + 1,) or row.dtype != jnp.int32:
+    raise ValueError(f"row: expected {2 * axis_size + 1} int32 words, got {row.shape} {row.dtype}")
+  rows, width = partial_MD.shape
+  kernel = _build(rows, width, jnp.dtype(partial_MD.dtype), axis_size, float(eps),
+                  bool(zero_centered))
+  h, normed = kernel(partial_MD.reshape(-1), residual_MD.reshape(-1), scale_D, row)
+  return h.reshape(rows, width), normed.reshape(rows, width)
+
+
+@functools.cache
+def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_centered: bool):
+  # Mosaic GPU's own modules: imported here, so that jspec imports without a GPU build.
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, gpu
+  import jax.experimental.mosaic.gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  vec = 16 // dtype.itemsize
+  region = wsar.norm_region(axis_size)
+
+  def body(ctx, x_ref, residual_ref, scale_ref, row_ref, h_ref, out_ref, scratch):
+    del ctx
+    f32 = ir.F32Type.get()
+    block = gpu.block_id(gpu.Dimension.x)
+    start = arith.muli(block, arith.constant(ir.IndexType.get(), width))
+    of_row = lambda ref: mu.memref_slice(ref, mu.ds(start, width))
+    load = lambda ref: mgpu.FragmentedArray.load_strided(ref, vec_size=vec)
+    mine = load(of_row(x_ref))
+    parts, done = wsar.exchange(row_ref, axis_size, region, block, mine)
+    total = parts[0].astype(f32)
+    for part in parts[1:]:
+      total = total + part.astype(f32)
+    # The sum rounded as the all-reduce returns it, then the residual add rounded once.
+    delta = total.astype(mine.mlir_dtype).astype(f32)
+    h = (load(of_row(residual_ref)).astype(f32) + delta).astype(mine.mlir_dtype)
+    h.store_untiled(of_row(h_ref))
+    h32 = h.astype(f32)
+    squares = (h32 * h32).reduce("add", 0, scratch)
+    inv_rms = (squares * (1.0 / width) + eps).rsqrt().broadcast((width,))
+    normed = h32 * inv_rms
+    scale = load(scale_ref).astype(f32)
+    if zero_centered:  # (1 + w) in float32, one cast (ZeroCenteredRMSNorm)
+      out = normed * (scale + 1.0)
+    else:  # cast, then the scale (RMSNorm)
+      out = scale * normed.astype(mine.mlir_dtype).astype(f32)
+    out.astype(mine.mlir_dtype).store_untiled(of_row(out_ref))
+    done()
+
+  n = rows * width
+  flat = jax.ShapeDtypeStruct((n,), dtype)
+  return wsar.as_kernel(
+      body, "workspace_add_norm", rows,
+      (flat, flat, jax.ShapeDtypeStruct((width,), dtype),
+       jax.ShapeDtypeStruct((2 * axis_size + 1,), jnp.int32)),
+      (flat, flat), scratch=jax.ShapeDtypeStruct((4 * 128,), jnp.float32))

@@ -1,0 +1,311 @@
+"""The all-reduce + residual add + RMSNorm kernel (jspec.pallas_kernels.workspace_norm) and the
+row products that leave it their sums (jspec.sharding.tensor_parallel.PartialSum).
+
+On the CPU: the shapes it takes, bad inputs refused, its module built for Hopper, a deferred
+row product reaching the norm as one fused call, a tp model through that path keeping one
+device's tokens (the kernel stood in for by psum and the row norm, which it must equal), and
+the lowering for CUDA holding the kernel and no all-reduce. On 2 GPUs (`gpu` marker): its
+outputs against a NumPy reference and the unfused kernels, both devices alike, its flags back
+at zero, long chains mixed with the plain all-reduce, and a model's tokens with and without
+the fusion."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jspec
+from helpers import fixture_dir, greedy
+from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
+from jspec.pallas_kernels import platform, row_norms, workspace_all_reduce as wsar
+from jspec.pallas_kernels import workspace_norm
+from jspec.sharding.rules import MeshConfig, ShardingRules
+from jspec.sharding.tensor_parallel import PartialSum, TensorParallelProducts
+
+
+@pytest.mark.parametrize("shape, dtype, takes", [
+    ((1, 4096), jnp.bfloat16, True), ((32, 2048), jnp.bfloat16, True),
+    ((8, 7168), jnp.bfloat16, True), ((4, 4096), jnp.float32, True),
+    ((33, 4096), jnp.bfloat16, False),      # more rows than the region has slots
+    ((1, 8192 + 1024), jnp.bfloat16, False),  # a row past 16 KB
+    ((2, 4096 + 64), jnp.bfloat16, False),  # not whole 2 KB tiles
+    ((1, 4096), jnp.int32, False), ((4096,), jnp.bfloat16, False)])
+def test_the_norm_kernel_takes_rows_of_whole_tiles_within_its_slots(shape, dtype, takes):
+  assert workspace_norm.fits(shape, dtype) == takes
+
+
+def test_bad_inputs_are_refused():
+  x = jnp.zeros((2, 1024), jnp.bfloat16)
+  row = jnp.zeros(5, jnp.int32)
+  with pytest.raises(ValueError, match="rows \\[M, D\\]"):
+    workspace_norm.workspace_add_norm(x[:, :1000], x[:, :1000], x[0, :1000], row, 2, eps=1e-6)
+  with pytest.raises(ValueError, match="residual must match"):
+    workspace_norm.workspace_add_norm(x, x.astype(jnp.float32), x[0], row, 2, eps=1e-6)
+  with pytest.raises(ValueError, match="scale: expected"):
+    workspace_norm.workspace_add_norm(x, x, x[0, :512], row, 2, eps=1e-6)
+  with pytest.raises(ValueError, match="row: expected 5"):
+    workspace_norm.workspace_add_norm(x, x, x[0], row[:3], 2, eps=1e-6)
+
+
+def test_the_norm_kernel_builds_for_hopper_without_a_gpu(monkeypatch):
+  """Its Mosaic GPU module (exchange, sums, the warpgroup reduction, both norm forms) builds
+  and verifies; its values are checked on GPUs (no interpreter runs raw Mosaic GPU)."""
+  from jax.experimental.mosaic.gpu import utils as mosaic_utils
+  monkeypatch.setattr(mosaic_utils, "_infer_arch", lambda: (9, 0))
+  for rows, width, dtype, size, zero_centered in [(1, 4096, jnp.bfloat16, 2, False),
+                                                  (32, 2048, jnp.float32, 4, True),
+                                                  (8, 7168, jnp.float16, 8, False)]:
+    assert callable(workspace_norm._build(rows, width, jnp.dtype(dtype), size, 1e-6,
+                                          zero_centered))
+
+
+def test_the_norm_region_lies_past_the_all_reduces_and_inside_the_workspace():
+  for size in (2, 4, 8):
+    norm = wsar.norm_region(size)
+    assert norm.offset == wsar.SUM_REGION.end(size)
+    assert norm.flags_offset < norm.counters_offset < norm.data_offset
+    assert norm.data_offset % 4096 == 0
+    assert norm.end(size) == wsar.workspace_bytes(size)
+
+
+def _reference_add_norm(partial, residual, scale, row, size, *, eps, zero_centered):
+  """What the kernel must equal: psum, then the row kernel's residual add + RMSNorm."""
+  del row, size
+  delta = jax.lax.psum(partial, "tp")
+  return row_norms.rms_norm(residual, scale, delta, eps=eps, zero_centered=zero_centered,
+                            interpret=True)
+
+
+def _stand_ins(monkeypatch, calls):
+  """psum for the all-reduce kernel, the reference for the norm kernel (counting its calls),
+  and `fits` for every shape of few rows: the plumbing, not the kernels, is under test."""
+  def add_norm(*args, **kwargs):
+    calls.append(args[0].shape)
+    return _reference_add_norm(*args, **kwargs)
+  monkeypatch.setattr(wsar, "workspace_all_reduce", lambda x, row, size: jax.lax.psum(x, "tp"))
+  monkeypatch.setattr(workspace_norm, "workspace_add_norm", add_norm)
+  monkeypatch.setattr(workspace_norm, "fits", lambda shape, dtype: shape[0] <= wsar.NORM_ROWS)
+
+
+def _kernel_products(monkeypatch, mesh):
+  """Products with the workspace on (Hopper patched in while they are made; XLA's dots in the
+  shards, as off Hopper)."""
+  with monkeypatch.context() as hopper:
+    hopper.setattr(platform, "on_hopper", lambda: True)
+    products = TensorParallelProducts(mesh, ShardingRules(), "tp", custom_all_reduce=True)
+  products._local = lambda x, w: jnp.einsum("...k,kn->...n", x, w)
+  return products
+
+
+@pytest.mark.parametrize("norm_class", [RMSNorm, ZeroCenteredRMSNorm])
+@pytest.mark.parametrize("batch, seq", [(1, 1), (4, 3)])
+def test_a_deferred_row_product_meets_its_norm_in_one_call(monkeypatch, norm_class, batch, seq):
+  """row(defer=True) hands the norm a PartialSum, which the norm takes whole (one fused call)
+  to the bits of the row product's sum followed by the residual add and the norm; `+` on it
+  sums first."""
+  calls = []
+  _stand_ins(monkeypatch, calls)
+  mesh = MeshConfig(tp=2).make_mesh()
+  products = _kernel_products(monkeypatch, mesh)
+  rng = np.random.default_rng(batch * 10 + seq)
+  x = jnp.asarray(rng.standard_normal((batch, seq, 4, 16)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((4, 16, 64)) / 8, jnp.float32)
+  residual = jnp.asarray(rng.standard_normal((batch, seq, 64)), jnp.float32)
+  norm = norm_class(64, 1e-6, jnp.float32)
+  norm.scale[...] = jnp.asarray(rng.standard_normal(64), jnp.float32)
+  from jspec.models.row_kernels import sharded_rms_norm
+  norm.row_kernel = sharded_rms_norm(mesh, ShardingRules(), 1e-6, norm.zero_centered, True)
+
+  deferred = products.row(x, w, in_axes=2, defer=True)
+  assert isinstance(deferred, PartialSum) and deferred.shape == (batch, seq, 64)
+  h, normed = norm.add_and_norm(residual, deferred)
+  assert calls == [(batch * seq, 64)]
+  summed = products.row(x, w, in_axes=2)
+  want_h, want_normed = norm.add_and_norm(residual, summed)
+  np.testing.assert_array_equal(np.asarray(h), np.asarray(want_h))
+  np.testing.assert_array_equal(np.asarray(normed), np.asarray(want_normed))
+  np.testing.assert_array_equal(np.asarray(residual + deferred), np.asarray(residual + summed))
+  np.testing.assert_array_equal(np.asarray(deferred + residual), np.asarray(summed + residual))
+  np.testing.assert_allclose(np.asarray(summed), np.einsum("btnh,nhd->btd", x, w), rtol=1e-5,
+                             atol=1e-5)
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 8, 7, 8, 7, 8], [100, 3, 44, 9]]
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 2}])
+def test_a_tp2_model_through_the_fused_path_keeps_one_devices_tokens(monkeypatch, spec):
+  """Every attention and MLP output of a tp = 2 model reaches its norm as a PartialSum and is
+  summed there (the stand-ins count the calls); greedy tokens (with MTP: drafts and verify
+  windows too) are one device's."""
+  calls = []
+  kwargs = dict(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=64,
+                max_num_seqs=4, norm_backend="pallas", speculative_config=spec)
+  one = jspec.LLM(**kwargs).generate(PROMPTS, greedy(8, ignore_eos=True))
+  llm = jspec.LLM(mesh=MeshConfig(tp=2), all_reduce_backend="xla", **kwargs)
+  _stand_ins(monkeypatch, calls)
+  workspace = wsar.PeerWorkspace(llm.mesh, "tp")
+  modules = [m for m in (llm.target, llm.mtp) if m is not None]
+  products = {id(n.tp_products): n.tp_products for _, n in nnx.iter_graph(modules)
+              if getattr(n, "tp_products", None) is not None}
+  assert products
+  for p in products.values():
+    p._workspace = workspace
+  got = llm.generate(PROMPTS, greedy(8, ignore_eos=True))
+  assert [o.token_ids for o in got] == [o.token_ids for o in one]
+  # Each layer: the attention's sum into the post-attention norm, the MLP's into the next
+  # layer's input norm (the last layer's into the final norm); once per traced program.
+  assert len(calls) >= 2 * len(llm.target.layers)
+
+
+def test_with_the_kernel_a_norm_after_a_row_product_lowers_to_the_fused_kernel(monkeypatch):
+  """Hopper patched in, lowered for CUDA without a GPU: the row product's sum and the norm
+  after it are one workspace_add_norm call; no all-reduce and no separate norm is left."""
+  from jax.experimental.mosaic.gpu import utils as mosaic_utils
+  monkeypatch.setattr(mosaic_utils, "_infer_arch", lambda: (9, 0))
+  mesh = MeshConfig(dp=2, tp=2).make_mesh()
+  products = _kernel_products(monkeypatch, mesh)
+  norm = RMSNorm(1024, 1e-6, jnp.bfloat16)
+
+  def must_not_run(*args):
+    raise AssertionError("the separate norm kernel ran")
+  norm.row_kernel = must_not_run
+  lead = NamedSharding(mesh, P(("dp", "ep"), None, None))
+
+  def step(x, w, residual):
+    return norm.add_and_norm(residual, products.row(x, w, in_axes=2, defer=True))
+  x = jax.ShapeDtypeStruct((2, 1, 8, 128), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P(("dp", "ep"), None, "tp", None)))
+  w = jax.ShapeDtypeStruct((8, 128, 1024), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P("tp", None, None)))
+  residual = jax.ShapeDtypeStruct((2, 1, 1024), jnp.bfloat16, sharding=lead)
+  with monkeypatch.context() as hopper:
+    hopper.setattr(platform, "on_hopper", lambda: True)
+    text = jax.jit(step).trace(x, w, residual).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "workspace_add_norm" in text
+  assert "stablehlo.all_reduce" not in text and "workspace_all_reduce\"" not in text
+
+
+# ---- on 2 GPUs --------------------------------------------------------------------------------
+
+def _gpu_pair():
+  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  if len(gpus) < 2:
+    pytest.skip("needs 2 GPUs")
+  return Mesh(np.asarray(gpus[:2]), ("tp",))
+
+
+def _numpy_add_norm(partials, residual, scale, eps, zero_centered, dtype):
+  """The reference, in NumPy: the float32 sum rounded to `dtype`, the add rounded, the norm."""
+  cast = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(dtype).astype(jnp.float32))
+  delta = cast(partials.astype(np.float32).sum(0))
+  h = cast(residual.astype(np.float32) + delta)
+  normed = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps)
+  scale = scale.astype(np.float32)
+  out = normed * (1 + scale) if zero_centered else scale * cast(normed)
+  return h, cast(out)
+
+
+def _run_add_norm(mesh, partials, residual, scale, eps, zero_centered):
+  workspace = wsar.workspace_for(mesh, "tp")
+  fn = jax.jit(jax.shard_map(
+      lambda p, r, s, row: tuple(o[None] for o in workspace_norm.workspace_add_norm(
+          p[0], r, s, row, 2, eps=eps, zero_centered=zero_centered)),
+      mesh=mesh, in_specs=(P("tp"), P(), P(), workspace.row_spec), out_specs=(P("tp"), P("tp")),
+      check_vma=False))
+  h, normed = fn(partials, residual, scale, workspace.rows)
+  return np.asarray(h.astype(jnp.float32)), np.asarray(normed.astype(jnp.float32)), workspace
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, width, dtype, zero_centered", [
+    (1, 4096, jnp.bfloat16, False), (8, 4096, jnp.bfloat16, False), (32, 2048, jnp.bfloat16, True),
+    (3, 7168, jnp.bfloat16, False), (2, 1024, jnp.float32, True), (4, 4096, jnp.float16, False)])
+def test_gpu_norm_kernel_equals_the_sum_the_add_and_the_norm(rows, width, dtype, zero_centered):
+  """h bit for bit as the unfused steps round it, the norm within one rounding of the NumPy
+  reference (the float32 sum of squares is ordered differently), both devices alike, and the
+  flags at zero afterwards."""
+  mesh = _gpu_pair()
+  rng = np.random.default_rng(rows * width)
+  partials = jnp.asarray(rng.standard_normal((2, rows, width)), dtype)
+  residual = jnp.asarray(rng.standard_normal((rows, width)) * 4, dtype)
+  scale = jnp.asarray(rng.standard_normal(width), dtype)
+  h, normed, workspace = _run_add_norm(
+      mesh, jax.device_put(partials, NamedSharding(mesh, P("tp"))), residual, scale, 1e-6,
+      zero_centered)
+  want_h, want_normed = _numpy_add_norm(np.asarray(partials.astype(jnp.float32)),
+                                        np.asarray(residual.astype(jnp.float32)),
+                                        np.asarray(scale.astype(jnp.float32)), 1e-6,
+                                        zero_centered, dtype)
+  for device in range(2):
+    np.testing.assert_array_equal(h[device], want_h)
+    ulp = np.abs(want_normed) * float(jnp.finfo(dtype).eps) + 1e-6
+    assert np.all(np.abs(normed[device] - want_normed) <= 2 * ulp)
+  np.testing.assert_array_equal(normed[0], normed[1])
+  assert all(not f.any() for f in workspace.flags().values())
+
+
+@pytest.mark.gpu
+def test_gpu_chains_of_sums_and_norms_keep_their_flags_in_step():
+  """150 rounds of a plain all-reduce (8 blocks), a norm of one row and a norm of eight rows in
+  turn: both devices end alike and near the psum + NumPy-order chain, the flags at zero, the
+  same per-slot call counts on both."""
+  mesh = _gpu_pair()
+  rng = np.random.default_rng(11)
+  partials = jax.device_put(jnp.asarray(rng.standard_normal((2, 8, 2048)), jnp.bfloat16),
+                            NamedSharding(mesh, P("tp")))
+  scale = jnp.asarray(rng.standard_normal(2048), jnp.bfloat16)
+
+  def chain(add_norm, reduce):
+    def fn(p, scale, row):
+      def step(_, h):
+        summed = reduce(p[0] * 0.5, row)
+        h1, n1 = add_norm(summed[:1] * 0.1, h[:1] * 0.5, scale, row)
+        h8, n8 = add_norm(p[0] * 0.1 + n1, h * 0.5, scale, row)
+        return (h8 + n8 * 0.01).at[:1].add(h1 * 0.01)
+      return jax.lax.fori_loop(0, 150, step, p[0])[None]
+    return fn
+
+  workspace = wsar.workspace_for(mesh, "tp")
+  run = lambda fn: np.asarray(jax.jit(jax.shard_map(
+      fn, mesh=mesh, in_specs=(P("tp"), P(), workspace.row_spec), out_specs=P("tp"),
+      check_vma=False))(partials, scale, workspace.rows).astype(jnp.float32))
+  got = run(chain(lambda p, r, s, row: workspace_norm.workspace_add_norm(p, r, s, row, 2,
+                                                                        eps=1e-6),
+                  lambda x, row: wsar.workspace_all_reduce(x, row, 2)))
+  want = run(chain(lambda p, r, s, row: row_norms.rms_norm(r, s, jax.lax.psum(p, "tp"),
+                                                           eps=1e-6),
+                   lambda x, row: jax.lax.psum(x, "tp")))
+  np.testing.assert_array_equal(got[0], got[1])
+  np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
+  assert all(not f.any() for f in workspace.flags().values())
+  counters = list(workspace.counters().values())
+  np.testing.assert_array_equal(counters[0], counters[1])
+  norm_slots = counters[0][wsar.MAX_BLOCKS:]
+  assert norm_slots[0] >= 300 and norm_slots[7] >= 150
+
+
+@pytest.mark.gpu
+def test_gpu_model_tokens_with_and_without_the_fusion():
+  """A float32 model of 4096-wide rows at tp = 2: the kernel path (sums fused into the norms)
+  emits the tokens of the same path with the norms apart."""
+  _gpu_pair()
+  import dataclasses
+  from jspec.bench.presets import PRESETS
+  config = dataclasses.replace(PRESETS["qwen3-8b"], num_layers=2, vocab_size=4096)
+  prompts = [[5, 6, 7, 8, 9], [1, 2]]
+  outputs = []
+  for defer in (True, False):
+    llm = jspec.LLM.from_random(config, mesh=MeshConfig(tp=2), dtype="float32",
+                                max_model_len=64, max_num_seqs=2, all_reduce_backend="kernel")
+    layers = [n for _, n in nnx.iter_graph(llm.target) if getattr(n, "tp_products", None)]
+    assert layers
+    for node in layers:
+      node.tp_products.defer_sums = defer
+    outputs.append([o.token_ids for o in llm.generate(prompts, greedy(12, ignore_eos=True))])
+  assert outputs[0] == outputs[1]
