@@ -52,10 +52,11 @@ def use_vocab_lookup(mesh, pairs, custom_all_reduce: bool = False):
   (jspec.sharding.vocab says why), their sum through the workspace all-reduce where
   `custom_all_reduce`."""
   for module, rules in _modules(pairs):
-    lookup = sharded_embedding_lookup(mesh, rules, custom_all_reduce)
     for _, node in nnx.iter_graph(module):
-      if hasattr(node, "embedding_lookup"):
-        node.embedding_lookup = lookup
+      if hasattr(node, "embedding_lookup") and hasattr(node, "embed"):
+        rows_axis = node.embed.get_metadata()["logical_axes"][0]
+        node.embedding_lookup = sharded_embedding_lookup(mesh, rules, custom_all_reduce,
+                                                         rows_axis)
 
 
 def use_experts(moe_backend: str, mesh, ep_strategy: str, target_and_rules, draft_and_rules):

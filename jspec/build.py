@@ -36,6 +36,7 @@ from jspec.sharding.moe import EP_STRATEGIES
 from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
 from jspec.sharding.rules import MeshConfig, ShardingRules
 from jspec.sharding.tensor_parallel import ALL_REDUCE_BACKENDS, resolve_all_reduce_backend
+from jspec.sharding.vocab import sharded_vocab_argmax
 from jspec.speculative.drafters.setup import TargetContext, setup_for
 from jspec.tokenizer import load_tokenizer
 
@@ -77,6 +78,9 @@ class LLMParts:
   all_reduce_backend: str
   experts_fn: object
   draft_experts_fn: object
+  # The target's and the draft's greedy argmax where the mesh splits their vocabulary
+  # (jspec.sharding.vocab.sharded_vocab_argmax), None elsewhere.
+  vocab_argmax: tuple = (None, None)
   device: DeviceModel | None = None
   scheduler: object = None
   scorer: Scorer | None = None
@@ -270,9 +274,11 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
 
   # ---- backends ----
   target_pair, draft_pair = (target, rules), (draft_module, draft_rules)
-  use_vocab_lookup(device_mesh, (target_pair, draft_pair, (mtp, draft_rules)),
-                   resolve_all_reduce_backend(all_reduce_backend, projection_backend,
-                                              device_mesh) == "kernel")
+  custom_all_reduce = resolve_all_reduce_backend(all_reduce_backend, projection_backend,
+                                                 device_mesh) == "kernel"
+  use_vocab_lookup(device_mesh, (target_pair, draft_pair, (mtp, draft_rules)), custom_all_reduce)
+  vocab_argmax = tuple(sharded_vocab_argmax(device_mesh, r, custom_all_reduce)
+                       for r in (rules, draft_rules))
   experts_fn, draft_experts_fn = use_experts(moe_backend, device_mesh, ep_strategy, target_pair,
                                              draft_pair)
   if resolved_attention == "pallas":
@@ -303,7 +309,7 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
       seed=seed, moe_backend=moe_backend, attention_backend=resolved_attention,
       projection_backend=projection_backend, norm_backend=norm_backend,
       recurrent_commit=recurrent_commit, all_reduce_backend=all_reduce_backend,
-      experts_fn=experts_fn, draft_experts_fn=draft_experts_fn)
+      experts_fn=experts_fn, draft_experts_fn=draft_experts_fn, vocab_argmax=vocab_argmax)
   parts.device = DeviceModel(parts)
   parts.scorer = Scorer(parts.device, parts)
   parts.scheduler = SCHEDULERS[batching](parts.device, parts)

@@ -35,7 +35,9 @@ class DeviceModel:
         draft_cache_shardings=(module_cache_shardings(parts.draft_module, parts.draft_rules,
                                                       parts.mesh, parts.dtype)
                                if parts.draft_module is not None else None),
-        replicated=parts.rules.sharding(parts.mesh, ()) if parts.mesh.size > 1 else None)
+        replicated=parts.rules.sharding(parts.mesh, ()) if parts.mesh.size > 1 else None,
+        **{name: fn for name, fn in zip(("vocab_argmax", "draft_vocab_argmax"),
+                                        parts.vocab_argmax) if fn is not None})
 
   @property
   def weights(self) -> tuple:

@@ -2,9 +2,10 @@
 (jspec.bench.collectives), held to a budget per mesh: a step that gains a collective fails here.
 
   tp = 2, dense or MoE layers split over tp: two all-reduces a layer (after the attention's
-           o_proj and after the MLP), plus three a step: the embedding looked up shard by shard
-           (jspec.sharding.vocab) and the argmax over the split vocabulary, a max and a min
-           (jspec.speculative.sampling.vocab_argmax).
+           o_proj and after the MLP), plus one a step: the greedy argmax over the split
+           vocabulary, each shard's best in a slot of its own (jspec.sharding.vocab). An
+           untied embedding table is whole on every device (ShardingRules.embed_vocab); a
+           tied one is the lm_head too, split, and its lookup adds one all-reduce.
   ep = 2:  one all-gather (tokens, ids and routing weights packed together) and one
            reduce-scatter per MoE layer; nothing else.
   dp = 2:  nothing.
@@ -60,14 +61,28 @@ def test_the_detector_finds_each_collective_with_its_bytes():
 
 @pytest.mark.parametrize("name, extra", [("qwen3_dense", {}), ("qwen3_moe", {}),
                                          ("qwen3_dense", {"all_reduce_backend": "xla"})])
-def test_a_tp2_step_makes_two_all_reduces_a_layer_and_three_more(name, extra):
+def test_a_tp2_step_makes_two_all_reduces_a_layer_and_one_more(name, extra):
   """XLA's partitioner (the default) and jspec's written-out products alike."""
   llm, programs = _programs(name, jspec.MeshConfig(tp=2), **extra)
+  assert not llm.config.tie_word_embeddings
   layers = len(llm.target.layers)
   mtp_layers = len(llm.mtp.layers)
   for kind, found in programs.items():
     runs = mtp_layers if kind == "draft" else layers
-    assert found == {"all-reduce": 2 * runs + 3}, (kind, found)
+    assert found == {"all-reduce": 2 * runs + 1}, (kind, found)
+
+
+def test_a_tied_embedding_table_adds_its_lookups_all_reduce():
+  """A tied table stays split with the lm_head: its lookup sums over tp, one all-reduce more."""
+  import dataclasses
+  config = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=128,
+                     max_num_seqs=4).config
+  llm = jspec.LLM.from_random(dataclasses.replace(config, tie_word_embeddings=True),
+                              mesh=jspec.MeshConfig(tp=2), dtype="float32", max_model_len=128,
+                              max_num_seqs=4)
+  assert llm.target.embed.get_metadata()["logical_axes"][0] == "vocab"
+  found = counts(collectives(step_programs(llm, 4, kinds=("decode",))["decode"]))
+  assert found == {"all-reduce": 2 * len(llm.target.layers) + 2}, found
 
 
 @pytest.mark.parametrize("mesh", [jspec.MeshConfig(ep=2), jspec.MeshConfig(dp=2, ep=4)])

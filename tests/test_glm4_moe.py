@@ -15,6 +15,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import jspec
+from jspec.sharding.rules import ShardingRules
 from helpers import cached_llm, fixture_dir, greedy, reference, two_sample_chi2
 from jspec.models import loading
 from jspec.models.moe_backends import experts_reference
@@ -217,8 +218,9 @@ def test_an_own_embedding_split_over_tp_drafts_what_one_device_drafts(tmp_path):
   spec = {"method": "mtp", "num_speculative_tokens": 2}
   outputs = {}
   for tp in (1, 2):
+    # Its rows split over tp (by default an own table is whole: ShardingRules.embed_vocab).
     llm = jspec.LLM(model=path, dtype="float32", max_model_len=64, speculative_config=spec,
-                    mesh=jspec.MeshConfig(tp=tp))
+                    mesh=jspec.MeshConfig(tp=tp), sharding_rules=ShardingRules(embed_vocab="tp"))
     assert (llm.mtp.layers[0].embedding_lookup is not None) == (tp == 2)
     result = llm.generate(PROMPTS[:2], greedy(8, ignore_eos=True))
     outputs[tp] = ([o.token_ids for o in result], result.metrics.mean_acceptance_length)

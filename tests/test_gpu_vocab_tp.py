@@ -11,6 +11,7 @@ import jax
 import pytest
 
 import jspec
+from jspec.sharding.rules import ShardingRules
 from helpers import fixture_dir, greedy
 
 pytestmark = pytest.mark.gpu
@@ -24,9 +25,10 @@ def test_tp2_dispatch_program_gathers_nothing(method):
   if GPUS < 2:
     pytest.skip(f"tp = 2 needs 2 GPUs, this machine has {GPUS}")
   spec = None if method is None else {"method": method, "num_speculative_tokens": 2}
+  # The table's rows split over tp too (whole by default: ShardingRules.embed_vocab).
   llm = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="bfloat16", max_model_len=128,
                   max_num_seqs=4, mesh=jspec.MeshConfig(tp=2, num_devices=2),
-                  speculative_config=spec)
+                  speculative_config=spec, sharding_rules=ShardingRules(embed_vocab="tp"))
   assert llm.target.embedding_lookup is not None
   outputs = llm.generate([[5, 6, 7, 8], [1, 2]], greedy(8, ignore_eos=True))
   assert [len(o.token_ids) for o in outputs] == [8, 8]

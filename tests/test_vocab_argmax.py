@@ -66,3 +66,45 @@ def test_a_vocabulary_split_over_devices_is_reduced_without_an_all_gather():
   assert "all-reduce" in hlo
   assert "all-gather" not in hlo
   np.testing.assert_array_equal(np.asarray(fn(jax.device_put(x, split))), np.argmax(x, -1))
+
+
+# ---- the argmax of a split vocabulary in one all-reduce (jspec.sharding.vocab) ----------------
+
+SPLITS = [((1, 2, 1), "tp", 2), ((1, 4, 1), "tp", 3), ((2, 2, 1), "tp", 2), ((2, 4, 1), "tp", 3),
+          ((1, 2, 2), "tp", 2)]  # (dp, tp, ep), the vocabulary's axes, logits' rank
+
+
+@pytest.mark.parametrize("mesh_shape, vocab, ndim", SPLITS)
+def test_the_split_argmax_equals_vocab_argmax_in_one_all_reduce(mesh_shape, vocab, ndim):
+  """Every shard's best (key, index) through one all-reduce: the tokens vocab_argmax gives
+  (ties to the lowest index across shards, a NaN row's first NaN, -0.0 tied with +0.0), rows
+  over the batch axes as the loop lays logits out, and no all-gather."""
+  from jspec.sharding.rules import MeshConfig, ShardingRules
+  from jspec.sharding.vocab import sharded_vocab_argmax
+  dp, tp, ep = mesh_shape
+  mesh = MeshConfig(dp=dp, tp=tp, ep=ep).make_mesh()
+  rules = ShardingRules(vocab=vocab)
+  argmax = jax.jit(sharded_vocab_argmax(mesh, rules))
+  rng = np.random.default_rng(dp * 100 + tp * 10 + ep + ndim)
+  for case in range(12):
+    shape = (dp * ep * int(rng.integers(1, 4)),) + (3,) * (ndim - 2) + (
+        tp * int(rng.integers(1, 40)),)
+    x = random_logits(rng, shape).astype(np.float32)
+    if case % 3 == 0:  # the same best value in two shards: the lower index must win
+      x[..., 0] = x[..., -1] = 50.0
+    layout = rules.sharding(mesh, ("batch",) + (None,) * (ndim - 2) + ("vocab",))
+    placed = jax.device_put(x, layout)
+    np.testing.assert_array_equal(np.asarray(argmax(placed)), np.asarray(vocab_argmax(x)),
+                                  err_msg=f"case {case}, shape {shape}")
+  text = argmax.lower(placed).compile().as_text()
+  assert text.count("all-reduce-start") + text.count("all-reduce(") == 1
+  assert "all-gather" not in text
+
+
+def test_no_split_argmax_where_the_vocabulary_is_whole_or_split_with_the_batch():
+  from jspec.sharding.rules import MeshConfig, ShardingRules
+  from jspec.sharding.vocab import sharded_vocab_argmax
+  assert sharded_vocab_argmax(MeshConfig(dp=2).make_mesh(), ShardingRules()) is None
+  assert sharded_vocab_argmax(MeshConfig(tp=2).make_mesh(), ShardingRules(vocab=None)) is None
+  assert sharded_vocab_argmax(MeshConfig(tp=2, ep=2).make_mesh(),
+                              ShardingRules(vocab=("ep", "tp"))) is None

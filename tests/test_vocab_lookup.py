@@ -49,13 +49,30 @@ def test_no_lookup_where_the_mesh_keeps_the_vocabulary_whole_or_splits_it_with_t
     assert sharded_embedding_lookup(mesh, ShardingRules(vocab=vocab)) is None
 
 
-@pytest.mark.parametrize("tp,vocab,expected", [(2, "tp", True), (2, None, False),
-                                               (1, "tp", False)])
-def test_the_llm_looks_up_shard_by_shard_only_where_its_mesh_splits_the_vocabulary(
-    tp, vocab, expected):
+@pytest.mark.parametrize("tp,embed_vocab,expected", [(2, "tp", True), (2, None, False),
+                                                     (1, "tp", False)])
+def test_the_llm_looks_up_shard_by_shard_only_where_its_mesh_splits_the_tables_rows(
+    tp, embed_vocab, expected):
+  """The fixture's table is untied: its rows follow ShardingRules.embed_vocab (whole by
+  default), and only split rows are looked up shard by shard."""
   llm = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=64,
-                  mesh=jspec.MeshConfig(tp=tp), sharding_rules=ShardingRules(vocab=vocab))
+                  mesh=jspec.MeshConfig(tp=tp),
+                  sharding_rules=ShardingRules(embed_vocab=embed_vocab))
+  assert not llm.config.tie_word_embeddings
   assert (llm.target.embedding_lookup is not None) == expected
+  assert llm.target.embed.get_metadata()["logical_axes"] == ("embed_vocab", "embed")
+
+
+def test_by_default_an_untied_table_is_whole_and_its_tokens_are_one_devices():
+  one = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=64)
+  llm = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=64,
+                  mesh=jspec.MeshConfig(tp=2))
+  assert llm.target.embedding_lookup is None
+  assert llm.target.embed.get_value().sharding.is_fully_replicated
+  prompts, params = [[5, 6, 7], [1, 2, 3, 4]], jspec.SamplingParams(temperature=0.0,
+                                                                     max_tokens=6)
+  assert ([o.token_ids for o in llm.generate(prompts, params)]
+          == [o.token_ids for o in one.generate(prompts, params)])
 
 
 def test_a_tp_decode_program_of_a_dense_model_holds_all_reduces_only():

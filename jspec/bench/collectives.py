@@ -24,7 +24,6 @@ from jspec.device import module_cache_shardings
 from jspec.models import caches as cache_lib
 from jspec.models.projections import with_kernel_scales
 from jspec.speculative import buckets
-from jspec.speculative.sampling import vocab_argmax
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
          "collective-permute", "collective-broadcast")
@@ -69,6 +68,8 @@ def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | N
   "prefill" (a chunk of `chunk` tokens from position 0, default the LLM's chunk size)."""
   tgd, t_state = nnx.split(llm.target)
   cache_shardings = llm._runner.ctx.cache_shardings
+  # The loop's own argmax over the target's and the draft's logits (LoopContext).
+  argmax, draft_argmax = llm._runner.ctx.vocab_argmax, llm._runner.ctx.draft_vocab_argmax
   batch_spec = llm.rules.sharding(llm.mesh, ("batch", "seq"))
   hidden_spec = llm.rules.sharding(llm.mesh, ("batch", "seq", None))
   ints = lambda width: jax.ShapeDtypeStruct((batch, width), jnp.int32, sharding=batch_spec)
@@ -82,7 +83,7 @@ def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | N
       target = with_kernel_scales(nnx.merge(tgd, state))
       hidden, win = target(tokens_BT, positions_BT, caches, cache_len, llm.experts_fn)
       num_emit_B = jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)
-      return vocab_argmax(target.logits(hidden)), cache_lib.commit(win, num_emit_B)
+      return argmax(target.logits(hidden)), cache_lib.commit(win, num_emit_B)
     return jax.jit(step, donate_argnums=1).lower(
         t_state, abstract_like(caches, cache_shardings), ints(width), ints(width)).compile()
 
@@ -101,7 +102,7 @@ def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | N
       layer = with_kernel_scales(nnx.merge(mgd, m_state)).layers[0]
       normed, _, cache = layer(target, tokens_BT, hidden_BTD, positions_BT, cache, cache_len,
                                llm.draft_experts_fn)
-      return vocab_argmax(layer.logits(target, normed[:, -1:])), cache
+      return draft_argmax(layer.logits(target, normed[:, -1:])), cache
     hidden = jax.ShapeDtypeStruct((batch, 1, llm.config.hidden_size), llm.dtype,
                                   sharding=hidden_spec)
     programs["draft"] = jax.jit(draft, donate_argnums=2).lower(
@@ -115,7 +116,7 @@ def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | N
       caches = cache_lib.constrain(target.init_caches(batch, width, llm.dtype), cache_shardings)
       hidden, caches = target(tokens_BP, positions_BP, caches, width, llm.experts_fn,
                               seq_lens_B=jnp.full((batch,), width, jnp.int32))
-      return vocab_argmax(target.logits(hidden[:, -1:])), caches
+      return argmax(target.logits(hidden[:, -1:])), caches
     programs["prefill"] = jax.jit(prefill).lower(t_state, ints(width),
                                                  ints(width)).compile().as_text()
   return programs

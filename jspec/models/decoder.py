@@ -102,7 +102,8 @@ class CausalLM(nnx.Module):
     self.cfg = cfg
     # Rows past vocab_size (padding to the vocabulary shards: ModelConfig.padded_for) are zeros.
     v, vp, d = cfg.vocab_size, cfg.padded_vocab_size, cfg.hidden_size
-    self.embed = param(rngs, (v, d), dtype, ("vocab", "embed"), scale=1.0, pad_to=(vp, d))
+    rows = "vocab" if cfg.tie_word_embeddings else "embed_vocab"  # ShardingRules says why
+    self.embed = param(rngs, (v, d), dtype, (rows, "embed"), scale=1.0, pad_to=(vp, d))
     self.final_norm = self.make_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = param(rngs, (d, v), dtype, ("embed", "vocab"), pad_to=(d, vp))

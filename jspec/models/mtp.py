@@ -80,7 +80,8 @@ class MTPLayer(nnx.Module):
     if spec.has_own_head:
       self.head = param(rngs, (d, v), dtype, ("embed", "vocab"), pad_to=(d, vp))
     if spec.has_own_embed:
-      self.embed = param(rngs, (v, d), dtype, ("vocab", "embed"), scale=1.0, pad_to=(vp, d))
+      self.embed = param(rngs, (v, d), dtype, ("embed_vocab", "embed"), scale=1.0,
+                         pad_to=(vp, d))
     # As CausalLM.embedding_lookup: set by the LLM where the mesh splits the vocabulary.
     self.embedding_lookup = None
     self.post_norm_feedback = spec.post_norm_feedback

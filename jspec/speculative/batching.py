@@ -193,7 +193,7 @@ def prefill_chunk(target, drafter, state: BatchState, queue: Queue, plan: BatchP
                                   prompt_len_N[:, None])[:, 0]
   logits_NV = members(logits_LV)
   first_N, _ = choose_tokens(logits_NV, member_req.temperature_B, member_req.top_k_B,
-                       member_req.top_p_B, keys_N, lp)
+                       member_req.top_p_B, keys_N, lp, ctx.vocab_argmax)
 
   # The drafter sees each member's own first token after the prompt.
   final_N, active_N, fresh_N = members(final_L), members(active_L), members(fresh_L)

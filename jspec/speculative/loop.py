@@ -47,7 +47,7 @@ def prefill_with_logits(target, draft_module, tokens_BP, prompt_lens_B, req: Req
   logits_BV = target.logits(take_rows(target_out.hidden_BTD, last_B)[:, None])[:, 0]
   keys_B = sampling.position_keys(stream_keys(req, TARGET_STREAM), prompt_lens_B[:, None])[:, 0]
   first_B, _ = choose_tokens(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B, keys_B,
-                             plan)
+                             plan, ctx.vocab_argmax)
 
   tokens_BS = jnp.zeros((batch, plan.cache_len), jnp.int32).at[:, :prompt_bucket].set(tokens_BP)
   tokens_BS = set_row_items(tokens_BS, prompt_lens_B, first_B)

@@ -55,6 +55,11 @@ class LoopContext:
   # The mesh's replicated sharding, or None (one device): the admission's walk over the queue
   # runs on every shard from replicated inputs (jspec.speculative.batching.admit says why).
   replicated: object = None
+  # The greedy argmax over the target's and the draft's logits: sampling.vocab_argmax, or where
+  # the mesh splits a vocabulary, the same tokens in one all-reduce
+  # (jspec.sharding.vocab.sharded_vocab_argmax).
+  vocab_argmax: Callable = sampling.vocab_argmax
+  draft_vocab_argmax: Callable = sampling.vocab_argmax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +92,12 @@ def stream_keys(req: RequestInputs, stream: int):
   return jax.vmap(lambda seed: jax.random.fold_in(jax.random.key(seed), stream))(req.seeds_B)
 
 
-def choose_tokens(logits_NV, temperature_N, top_k_N, top_p_N, keys_N, plan: "LoopPlan"):
-  """Token and the distribution it was drawn from (None when every row is greedy)."""
+def choose_tokens(logits_NV, temperature_N, top_k_N, top_p_N, keys_N, plan: "LoopPlan",
+                  argmax: Callable = sampling.vocab_argmax):
+  """Token and the distribution it was drawn from (None when every row is greedy); `argmax`
+  for greedy programs (LoopContext.vocab_argmax)."""
   if plan.all_greedy:
-    return sampling.vocab_argmax(logits_NV).astype(jnp.int32), None
+    return argmax(logits_NV).astype(jnp.int32), None
   probs_NV = sampling.processed_probs(logits_NV, temperature_N, top_k_N, top_p_N,
                                       plan.any_filtered)
   return sampling.sample(probs_NV, keys_N), probs_NV
@@ -112,7 +119,8 @@ def target_forward(target, drafter, tokens_BT, positions_BT, caches, kv_window: 
   return TargetOut(hidden_BTD), caches
 
 
-def draft_chooser(req: RequestInputs, lengths_B, plan: LoopPlan):
+def draft_chooser(req: RequestInputs, lengths_B, plan: LoopPlan,
+                  argmax: Callable = sampling.vocab_argmax):
   """choose(logits_BV, j) for the drafter: draft j's token and distribution, drawn from the
   draft random stream at its own position (so a draft never reuses a verify key)."""
   keys_BK = sampling.position_keys(
@@ -120,15 +128,16 @@ def draft_chooser(req: RequestInputs, lengths_B, plan: LoopPlan):
 
   def choose(logits_BV, j: int):
     return choose_tokens(logits_BV, req.temperature_B, req.top_k_B, req.top_p_B, keys_BK[:, j],
-                         plan)
+                         plan, argmax)
 
   return choose
 
 
-def accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, req, plan):
+def accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, req, plan,
+           argmax: Callable = sampling.vocab_argmax):
   k = plan.k
   if plan.all_greedy:
-    return verify.greedy_verify(drafts_BK, draft_len_B, target_logits_BTV)
+    return verify.greedy_verify(drafts_BK, draft_len_B, target_logits_BTV, argmax)
   batch, width, vocab = target_logits_BTV.shape
   repeat = lambda x_B: jnp.repeat(x_B, width)
   target_probs_BTV = sampling.processed_probs(
@@ -153,7 +162,8 @@ def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, pl
   draft, draft_probs_BKV = state.draft, None
   if k > 0:
     drafts_BK, draft_len_B, draft_probs_BKV, draft = drafter.propose(
-        draft, state.tokens_BS, lengths_B, draft_chooser(req, lengths_B, plan))
+        draft, state.tokens_BS, lengths_B,
+        draft_chooser(req, lengths_B, plan, ctx.draft_vocab_argmax))
   else:
     drafts_BK, draft_len_B = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32)
 
@@ -164,7 +174,7 @@ def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, pl
                                               ctx.experts_fn)
   logits_BTV = target.logits(target_out.hidden_BTD)
   accept_len_B, out_tokens_BT = accept(logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV,
-                                        state, req, plan)
+                                        state, req, plan, ctx.vocab_argmax)
 
   # Stop exactly where one-token-at-a-time decoding would: the first emitted token that is a
   # stop id, or that brings the sequence to its maximum length, ends it.

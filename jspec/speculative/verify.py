@@ -48,7 +48,7 @@ def _prefix_len(ok_BK, draft_len_B):
     return jnp.sum(run_BK, axis=1).astype(jnp.int32)
 
 
-def greedy_verify(draft_BK, draft_len_B, target_logits_BK1V):
+def greedy_verify(draft_BK, draft_len_B, target_logits_BK1V, argmax=vocab_argmax):
     """Accept the longest prefix of drafts equal to the target's argmax, then the argmax.
 
     This is what makes greedy speculative output equal greedy vanilla output token for token:
@@ -58,12 +58,13 @@ def greedy_verify(draft_BK, draft_len_B, target_logits_BK1V):
       draft_BK: [B, K] int draft tokens (entries at j >= draft_len are ignored).
       draft_len_B: [B] int in [0, K].
       target_logits_BK1V: [B, K+1, V] target logits at the K+1 verify positions.
+      argmax: vocab_argmax, or a function equal to it (LoopContext.vocab_argmax).
     Returns:
       accept_len_B: [B] int32 in [0, draft_len].
       out_tokens_BK1: [B, K+1] int32 (placeholders -1 after position accept_len).
     """
     B, K = draft_BK.shape
-    target_argmax_BK1 = vocab_argmax(target_logits_BK1V).astype(jnp.int32)
+    target_argmax_BK1 = argmax(target_logits_BK1V).astype(jnp.int32)
     match_BK = draft_BK.astype(jnp.int32) == target_argmax_BK1[:, :K]
     accept_len_B = _prefix_len(match_BK, draft_len_B)
     next_B = jnp.take_along_axis(target_argmax_BK1, accept_len_B[:, None], axis=1)[:, 0]
