@@ -166,3 +166,29 @@ def test_family_builds_on_the_neutral_decoder(family):
   others = {f"jspec.models.{f}" for f in FAMILY_MODULES} - {module}
   imported = import_graph()[module]
   assert not imported & others, f"{module} imports another family: {imported & others}"
+
+
+def test_the_kernels_import_nothing_from_the_models():
+  """jspec.pallas_kernels is a floor under jspec.models: the models pick kernels, the kernels
+  know nothing of the models."""
+  upward = {module: sorted(d for d in deps if d.startswith("jspec.models"))
+            for module, deps in import_graph().items()
+            if module.startswith("jspec.pallas_kernels")}
+  upward = {m: d for m, d in upward.items() if d}
+  assert not upward, f"kernels importing from jspec.models: {upward}"
+
+
+def test_kernels_share_only_public_names():
+  """What one kernel module takes from a sibling is public (the shared pieces live in
+  jspec.pallas_kernels.shared): no `from jspec.pallas_kernels.x import _private`."""
+  private = []
+  for module, path in module_files().items():
+    if not module.startswith("jspec.pallas_kernels"):
+      continue
+    with open(path) as f:
+      tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jspec.")
+          and any(alias.name.startswith("_") for alias in node.names)):
+        private.append((module, node.module, [a.name for a in node.names]))
+  assert not private, f"private names imported across modules: {private}"

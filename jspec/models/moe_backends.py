@@ -23,7 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jspec.models.experts_ragged import experts_ragged_dot, swiglu as _swiglu
+from jspec.pallas_kernels.experts_ragged import experts_ragged_dot, swiglu as _swiglu
 from jspec.pallas_kernels.experts import PALLAS_EXPERT_TILE
 
 ExpertsFn = Callable[..., jax.Array]

@@ -20,6 +20,8 @@ import re
 
 import numpy as np
 
+from jspec.pallas_kernels.shared import dequantize, expand_scale  # noqa: F401  (re-exported)
+
 FP8_METHOD = "fp8"
 
 # The projection kinds jspec holds in FP8, each in one precision in every layer (target and
@@ -214,16 +216,3 @@ def scale_shape(stored, in_axes: int, block: tuple[int, int]) -> tuple[int, ...]
   return tuple(grid)
 
 
-def expand_scale(scale, stored, in_axes: int, block: tuple[int, int], xp=np):
-  """A block scale (scale_shape's grid) repeated to the stored weight's shape."""
-  last_out = len(stored) - in_axes - 1
-  scale = xp.repeat(scale, block[0], axis=last_out)
-  scale = xp.repeat(scale, block[1], axis=-1)
-  return scale[(slice(None),) * last_out + (slice(0, stored[last_out]),) + (slice(None),) * (
-      in_axes - 1) + (slice(0, stored[-1]),)]
-
-
-def dequantize(weight, scale, in_axes: int, block: tuple[int, int], dtype, xp=np):
-  """The stored FP8 weight times its block scales, in float32, cast to `dtype`."""
-  full = expand_scale(scale, weight.shape, in_axes, block, xp)
-  return (weight.astype(xp.float32) * full).astype(dtype)

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.pallas_kernels import platform
-from jspec.pallas_kernels.grouped_gemm import _silu_mul, _smem_transforms
+from jspec.pallas_kernels.shared import silu_mul, smem_transforms
 
 # The TMA writes shared memory at 128-byte aligned addresses: every pipelined block must be a
 # multiple of this many bytes, or the second stage's buffer is misaligned.
@@ -190,7 +190,7 @@ def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dt
     plgpu.wait_smem_to_gmem(0)
 
   o_smem = out_smem or plgpu.SMEM((tokens_pad, block_cols), dtype,
-                                  transforms=_smem_transforms(block_cols, dtype))
+                                  transforms=smem_transforms(block_cols, dtype))
   return lambda *gmem_refs: pl.run_scoped(lambda o: run(o, *gmem_refs), o_smem)
 
 
@@ -231,16 +231,16 @@ def gate_up_decode(x_TD, w_gate_EDF, w_up_EDF, slot_expert_S, num_slots_1, token
         slot, col = item(i)
         return slot_expert_ref[slot], k, col
 
-      w_spec = plgpu.BlockSpec((None, bk, bc), w_index, transforms=_smem_transforms(bc, dtype),
+      w_spec = plgpu.BlockSpec((None, bk, bc), w_index, transforms=smem_transforms(bc, dtype),
                                delay_release=delay_release)
       x_spec = plgpu.BlockSpec((n, bk), lambda i, k: (0, k),
-                               transforms=_smem_transforms(bk, dtype),
+                               transforms=smem_transforms(bk, dtype),
                                delay_release=delay_release)
       return [x_spec, w_spec, w_spec]
 
     def epilogue(slot, col, sums, smem_refs, o_smem):
       gate, up = sums
-      _store_transposed(_silu_mul(gate, up), o_smem, act_ref.at[slot, :, pl.ds(col * bc, bc)])
+      _store_transposed(silu_mul(gate, up), o_smem, act_ref.at[slot, :, pl.ds(col * bc, bc)])
 
     _slot_pipeline(
         num_slots=num_slots_ref[0], col_blocks=ffn // bc, k_steps=dim // bk, block_cols=bc,
@@ -280,9 +280,9 @@ def down_decode(act_SNF, w_down_EFD, weight_SR, slot_expert_S, num_slots_1,
         return slot_expert_ref[slot], k, col
 
       a_spec = plgpu.BlockSpec((None, n, bk), lambda i, k: (item(i)[0], 0, k),
-                               transforms=_smem_transforms(bk, dtype),
+                               transforms=smem_transforms(bk, dtype),
                                delay_release=delay_release)
-      w_spec = plgpu.BlockSpec((None, bk, bc), w_index, transforms=_smem_transforms(bc, dtype),
+      w_spec = plgpu.BlockSpec((None, bk, bc), w_index, transforms=smem_transforms(bc, dtype),
                                delay_release=delay_release)
       r_spec = plgpu.BlockSpec((None, r), lambda i, k: (item(i)[0], 0),
                                delay_release=delay_release)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.models.experts_ragged import experts_ragged_dot
+from jspec.pallas_kernels.experts_ragged import experts_ragged_dot
 from jspec.pallas_kernels import (decode_gemm, decode_routing, fp8_experts,
                                   fp8_experts_grouped, grouped_gemm, permute, platform,
                                   routing)

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.pallas_kernels import decode_gemm, decode_routing, platform
-from jspec.pallas_kernels.grouped_gemm import _smem_transforms
+from jspec.pallas_kernels.shared import smem_transforms
 
 BLOCK = 128        # the published weight_block_size, both axes
 E4M3 = jnp.float8_e4m3fn
@@ -89,7 +89,7 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
   # The interpreter's wgmma reads both operands from shared memory only.
   return pl.run_scoped(mma_from_smem, *[
       plgpu.SMEM((BLOCK, BLOCK), x_smem.dtype,
-                 transforms=_smem_transforms(BLOCK, x_smem.dtype)) for _ in columns])
+                 transforms=smem_transforms(BLOCK, x_smem.dtype)) for _ in columns])
 
 
 def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8Tiling):
@@ -139,10 +139,10 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
           return item(i)[0] * k_steps + k
 
         x_spec = plgpu.BlockSpec((rows, step_k), lambda i, k: (0, k_step(i, k)),
-                                 transforms=_smem_transforms(step_k, x_dtype),
+                                 transforms=smem_transforms(step_k, x_dtype),
                                  delay_release=delay_release)
         w_spec = plgpu.BlockSpec((BLOCK, step_k), lambda i, k: (item(i)[1], k_step(i, k)),
-                                 transforms=_smem_transforms(BLOCK, E4M3),
+                                 transforms=smem_transforms(BLOCK, E4M3),
                                  delay_release=delay_release)
         s_spec = plgpu.BlockSpec((None, per_step * lanes),
                                  lambda i, k: (item(i)[1], k_step(i, k)),
@@ -177,7 +177,7 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
           stages=stages, epilogue=epilogue, operands_of=None, async_mma=False,
           accumulate=accumulate, first_sm=first_sm,
           out_smem=plgpu.SMEM((BLOCK, rows), jnp.float32,
-                              transforms=_smem_transforms(rows, jnp.float32)),
+                              transforms=smem_transforms(rows, jnp.float32)),
       )(x_ref, w_ref, s_ref, *act_ref)
 
     for j, n in enumerate(ns):

@@ -35,12 +35,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.models import quantization
 from jspec.pallas_kernels import decode_gemm, decode_routing, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, block_products
-from jspec.pallas_kernels.fp8_gemm import (MAX_ROWS, SCALE_LANES, _to_float16_rows,
-                                           bfloat16_rows, choose_splits)
-from jspec.pallas_kernels.grouped_gemm import _smem_transforms
+from jspec.pallas_kernels.fp8_gemm import MAX_ROWS, SCALE_LANES, bfloat16_rows, choose_splits
+from jspec.pallas_kernels.shared import dequantize, float16_rows, smem_transforms
 
 
 @jax.tree_util.register_dataclass
@@ -61,7 +59,7 @@ class Fp8Experts:
 
   def dequantized(self, dtype) -> jax.Array:
     """[E, in, out] in `dtype`: each e4m3 value times its block's scale, in float32."""
-    scaled = quantization.dequantize(self.w8, self.scale, 1, (BLOCK, BLOCK), dtype, jnp)
+    scaled = dequantize(self.w8, self.scale, 1, (BLOCK, BLOCK), dtype, jnp)
     return jnp.swapaxes(scaled, 1, 2)
 
 
@@ -141,15 +139,15 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
 
       if per_slot_x:
         x_spec = plgpu.BlockSpec((None, rows, step_k), lambda i, k: (slot(i), 0, k_step(i, k)),
-                                 transforms=_smem_transforms(step_k, x.dtype),
+                                 transforms=smem_transforms(step_k, x.dtype),
                                  delay_release=delay_release)
       else:
         x_spec = plgpu.BlockSpec((rows, step_k), lambda i, k: (0, k_step(i, k)),
-                                 transforms=_smem_transforms(step_k, x.dtype),
+                                 transforms=smem_transforms(step_k, x.dtype),
                                  delay_release=delay_release)
       w_spec = plgpu.BlockSpec((None, BLOCK, step_k),
                                lambda i, k: (slot_expert_ref[slot(i)], item(i)[1], k_step(i, k)),
-                               transforms=_smem_transforms(BLOCK, E4M3),
+                               transforms=smem_transforms(BLOCK, E4M3),
                                delay_release=delay_release)
       s_spec = plgpu.BlockSpec((None, None, blocks_per_step * lanes),
                                lambda i, k: (slot(i), item(i)[1], k_step(i, k)),
@@ -182,7 +180,7 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
         num_sums=num_weights, stages=stages, epilogue=epilogue, operands_of=None,
         async_mma=False, accumulate=accumulate,
         out_smem=plgpu.SMEM((BLOCK, rows), jnp.float32,
-                            transforms=_smem_transforms(rows, jnp.float32)),
+                            transforms=smem_transforms(rows, jnp.float32)),
     )(*in_refs)
 
   parts_WPSON = decode_gemm._kernel_call(
@@ -192,9 +190,9 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
 
 
 def _to_float16_slots(act_SNF):
-  """_to_float16_rows over every (slot, token) row: (act16 [S, N, F], 2^e [S, N])."""
+  """float16_rows over every (slot, token) row: (act16 [S, N, F], 2^e [S, N])."""
   s, n, f = act_SNF.shape
-  act16, scale = _to_float16_rows(act_SNF.reshape(s * n, f))
+  act16, scale = float16_rows(act_SNF.reshape(s * n, f))
   return act16.reshape(s, n, f), scale.reshape(s, n)
 
 
@@ -267,7 +265,7 @@ def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
   if bfloat16:  # as it is: no pass over x before the kernel
     x_ND, x_scale_N = bfloat16_rows(x_TD), 1.0
   else:
-    x16_TD, x_scale_T = _to_float16_rows(x_TD)
+    x16_TD, x_scale_T = float16_rows(x_TD)
     x_ND = jnp.pad(x16_TD, ((0, rows - num_tokens), (0, 0)))
     x_scale_N = jnp.pad(x_scale_T, (0, rows - num_tokens), constant_values=1.0)
   if rows <= TWO_SUMS_MAX_ROWS:

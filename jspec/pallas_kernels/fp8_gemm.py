@@ -28,14 +28,13 @@ import numpy as np
 
 from jspec.pallas_kernels import decode_gemm, decode_routing, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, Fp8Tiling, partials
+from jspec.pallas_kernels.shared import float16_rows
 
 MAX_ROWS = 64      # float32 sums of a 128-column item in registers
 E4M3_MAX = 448.0
 ACTIVATIONS = ("bfloat16", "float16", "e4m3")
 # A block's scale travels repeated over this many float32 lanes: one 128-byte TMA block.
 SCALE_LANES = 32
-# x's rows are scaled so that |x| < 2^14, under float16's largest finite value (65504).
-FLOAT16_MAX_EXPONENT = 14
 
 
 def default_tiling(rows: int) -> Fp8Tiling:
@@ -75,14 +74,6 @@ def choose_splits(k: int, n: int, num_sms: int) -> int:
                 and (i == 0 or (1 << i) * col_blocks <= MAX_ROUNDS * num_sms)]
   good = [s for s in candidates if fill(s) >= MIN_ROUND_FILL]
   return min(good) if good else max(candidates, key=lambda s: (fill(s), -s))
-
-
-def _to_float16_rows(x_MK):
-  """(x / 2^e as float16, 2^e per row): e puts each row's largest |x| under 2^14."""
-  x32 = x_MK.astype(jnp.float32)
-  _, exponent_M = jnp.frexp(jnp.max(jnp.abs(x32), axis=-1))  # amax < 2^exponent
-  shift_M = exponent_M - FLOAT16_MAX_EXPONENT
-  return jnp.ldexp(x32, -shift_M[:, None]).astype(jnp.float16), jnp.ldexp(1.0, shift_M)
 
 
 def bfloat16_rows(x_MK):
@@ -212,7 +203,7 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
   elif activations == "bfloat16":
     x_RK, row_scale_M = bfloat16_rows(x_MK), None
   else:
-    x16_MK, row_scale_M = _to_float16_rows(x_MK)
+    x16_MK, row_scale_M = float16_rows(x_MK)
     x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
   parts_SNR = partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling)
   bounds = np.cumsum([0] + ns)

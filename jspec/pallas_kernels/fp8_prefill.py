@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jspec.pallas_kernels import decode_gemm, platform
 from jspec.pallas_kernels.fp8_gemm import (BLOCK, E4M3, check_operands, quantize_activations,
                                            scale_lanes)
-from jspec.pallas_kernels.grouped_gemm import _smem_transforms
+from jspec.pallas_kernels.shared import smem_transforms
 
 ROW_TILE = 128     # rows of x per work item: wgmma's N
 COLUMN_TILE = 64   # output columns (weight rows) per work item: wgmma's M
@@ -166,9 +166,9 @@ def _products(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype, tiling: Prefi
 
       return [
           spec((ROW_TILE, BLOCK), lambda i, s: (row(i), step(i, s)),
-               _smem_transforms(BLOCK, E4M3)),
+               smem_transforms(BLOCK, E4M3)),
           spec((COLUMN_TILE, BLOCK), lambda i, s: (item(i)[0], step(i, s)),
-               _smem_transforms(BLOCK, E4M3)),
+               smem_transforms(BLOCK, E4M3)),
           spec((None, ROW_TILE), lambda i, s: (item(i)[0] // tiles_per_scale_row, step(i, s))),
           spec((None, ROW_TILE), lambda i, s: (step(i, s), row(i))),
       ]
@@ -196,7 +196,7 @@ def _products(x8_MK, w8_NK, w_lanes_NbX, act_scale_KbM, out_dtype, tiling: Prefi
         num_sums=1, stages=stages, epilogue=epilogue, operands_of=None, async_mma=False,
         accumulate=accumulate, programs=_programs(tiling),
         out_smem=None if transposed else plgpu.SMEM(
-            (COLUMN_TILE, ROW_TILE), dtype, transforms=_smem_transforms(ROW_TILE, dtype)),
+            (COLUMN_TILE, ROW_TILE), dtype, transforms=smem_transforms(ROW_TILE, dtype)),
     )(x_ref, w_ref, w_scale_ref, x_scale_ref)
 
   out_shape = (m, n) if transposed else (splits, n, m)
@@ -243,9 +243,9 @@ def _products_warp_specialized(x8_MK, w8_NK, w_scale_NbKb, act_scale_KbM, out_dt
           step_body, grid=(slice_steps,), memory_registers=40,
           in_specs=[
               plgpu.BlockSpec((ROW_TILE, BLOCK), lambda s: (0, s),
-                              transforms=_smem_transforms(BLOCK, E4M3)),
+                              transforms=smem_transforms(BLOCK, E4M3)),
               plgpu.BlockSpec((BLOCK, BLOCK), lambda s: (0, s),
-                              transforms=_smem_transforms(BLOCK, E4M3)),
+                              transforms=smem_transforms(BLOCK, E4M3)),
               plgpu.BlockSpec((None, ROW_TILE), lambda s: (s, 0)),
           ],
           wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=num_stages,
@@ -294,7 +294,7 @@ def _products_warp_specialized(x8_MK, w8_NK, w_scale_NbKb, act_scale_KbM, out_dt
       out_type=jax.ShapeDtypeStruct((splits, m, n) if transposed else (splits, n, m), dtype),
       grid=(platform.num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
       scratch_types=dict(o_smem=plgpu.SMEM(o_shape, dtype,
-                                           transforms=_smem_transforms(o_shape[-1], dtype))),
+                                           transforms=smem_transforms(o_shape[-1], dtype))),
       interpret=platform.interpret_params(), kernel_name="fp8_prefill_gemm_ws",
   )(x8_MK, w8_NK, w_scale_NbKb.astype(jnp.float32), act_scale_KbM)
 

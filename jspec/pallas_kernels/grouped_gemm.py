@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.pallas_kernels import platform
+from jspec.pallas_kernels.shared import silu_mul, smem_transforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,17 +52,6 @@ class Tiling:
   block_cols: int
   block_k: int
   num_stages: int
-
-
-def _smem_transforms(minor_elems: int, dtype) -> tuple:
-  """Tiling + swizzle for an SMEM tile whose contiguous dimension has `minor_elems`."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _silu_mul(gate, up):
-  return gate * jax.nn.sigmoid(gate) * up
 
 
 def _check_divisible(name, size, block):
@@ -94,7 +84,7 @@ def _store_tile(value, out_gmem_slice, dtype, transpose: bool):
 
   @functools.partial(pl.run_scoped,
                      o_smem=plgpu.SMEM((rows, cols), dtype,
-                                       transforms=_smem_transforms(cols, dtype)))
+                                       transforms=smem_transforms(cols, dtype)))
   def _(o_smem):
     if transpose:
       o_smem.T[...] = value.astype(dtype)
@@ -127,9 +117,9 @@ def gate_up_swiglu(x_PD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
   assert num_tiles_max * bm == num_rows, (num_tiles_max, bm, num_rows)
   _check_divisible("D", dim, bk)
   _check_divisible("F", ffn, bn)
-  x_spec = plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=_smem_transforms(bk, dtype),
+  x_spec = plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=smem_transforms(bk, dtype),
                            delay_release=1)
-  w_spec = plgpu.BlockSpec((bk, bn), lambda k: (k, 0), transforms=_smem_transforms(bn, dtype),
+  w_spec = plgpu.BlockSpec((bk, bn), lambda k: (k, 0), transforms=smem_transforms(bn, dtype),
                            delay_release=1)
   acc_shape = (bn, bm) if tiling.swapped else (bm, bn)
 
@@ -157,7 +147,7 @@ def gate_up_swiglu(x_PD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
         return acc_g[...], acc_u[...]
 
       gate, up = pl.run_scoped(acc_scope, plgpu.ACC(acc_shape), plgpu.ACC(acc_shape))
-      act = _silu_mul(gate, up)
+      act = silu_mul(gate, up)
       _store_tile(act, act_ref.at[rows, cols], dtype, transpose=tiling.swapped)
 
     _persistent_loop(num_tiles_max, ffn // bn, tile_expert_ref, tile_body)
@@ -178,9 +168,9 @@ def down_weighted(act: jax.Array, w_down_EFD: jax.Array, row_weight_P: jax.Array
   assert num_tiles_max * bm == num_rows, (num_tiles_max, bm, num_rows)
   _check_divisible("F", ffn, bk)
   _check_divisible("D", dim, bn)
-  a_spec = plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=_smem_transforms(bk, dtype),
+  a_spec = plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=smem_transforms(bk, dtype),
                            delay_release=1)
-  w_spec = plgpu.BlockSpec((bk, bn), lambda k: (k, 0), transforms=_smem_transforms(bn, dtype),
+  w_spec = plgpu.BlockSpec((bk, bn), lambda k: (k, 0), transforms=smem_transforms(bn, dtype),
                            delay_release=1)
   acc_shape = (bn, bm) if tiling.swapped else (bm, bn)
 

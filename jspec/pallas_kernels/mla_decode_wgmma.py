@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.pallas_kernels import platform
-from jspec.pallas_kernels.grouped_gemm import _smem_transforms
+from jspec.pallas_kernels.shared import smem_transforms
 
 ROWS = 64          # query rows per program: wgmma's M
 LOG2E = math.log2(math.e)
@@ -294,7 +294,7 @@ def _scratch(dtype, out_dtype, latent_dim: int, rope_dim: int, tiling: WgmmaTili
   bs, stages = tiling.block_slots, tiling.num_stages
 
   def smem(shape, dt):
-    return plgpu.SMEM(shape, dt, transforms=_smem_transforms(shape[-1], dt))
+    return plgpu.SMEM(shape, dt, transforms=smem_transforms(shape[-1], dt))
 
   q_smem = (smem((2, ROWS, half), dtype), smem((ROWS, rope_dim), dtype))
   # Separate buffers per latent half: a ref closed over by run_state may only be indexed by

@@ -1,20 +1,17 @@
 """A one-shot all-reduce of a small message through a workspace every GPU keeps for its peers.
 
-XLA's all-reduce (NCCL's, or its own one-shot kernel) costs 12-19 µs at 8 KB on 2 GPUs, and a
-Mosaic GPU kernel that reads its peers' inputs through `remote_ref` pays for XLA's collective
-launch: a device barrier (~9 µs) and a pointer table copy before every call. vLLM, SGLang and
-TensorRT-LLM instead register one buffer per GPU once, exchange the buffers' addresses once,
-and keep their handshake flags in it, so a call is one plain kernel launch. Here the same:
+XLA's all-reduce costs 12-19 µs at 8 KB on 2 GPUs; a `remote_ref` kernel pays XLA's collective
+launch (a ~9 µs barrier). vLLM, SGLang and TensorRT-LLM register one buffer per GPU once and
+keep their handshake flags in it, so a call is one plain kernel launch. Here the same:
 
   PeerWorkspace(mesh, axis)   one zeroed buffer on every device of the mesh, allocated once
                               and kept alive, and a table of the buffers' addresses: each
                               device holds its own row (its reduction group's addresses in
                               axis order, and its rank in the group).
   workspace_all_reduce(x, row, ...)
-                              inside a shard_map over the axis: each block of the kernel
-                              writes its part of x into every peer's workspace (its own
-                              included), raises a flag in each, waits for every peer's flag in
-                              its own, then sums the parts in rank order in float32.
+                              inside a shard_map: each block writes its part of x into every
+                              peer's workspace (its own too), raises a flag in each, waits for
+                              every peer's flag in its own, and sums the parts in rank order.
 
 The kernel reaches the workspaces through their raw addresses, so XLA sees an ordinary
 custom call: no collective launch, no barrier. The flags are counting semaphores that each
@@ -25,10 +22,10 @@ since it cannot finish a call without our flag for it, so it never writes the sl
 
 The workspace is per block, not per message byte: block b of every call uses slot b, its
 own counter and its own flags, so calls with different messages or block counts never
-overlap in the workspace. Every device of a group must make the same calls in the same order,
-as the devices of one SPMD program do. XLA runs a program whole once launched, so the flags
-are out of step only after a device fault mid-program, which ends the process's use of the GPU
-anyway. The buffers live as long as the process (the compiled programs hold their addresses).
+overlap. Each kind of kernel has a region of its own (`Region`; `exchange` is the handshake
+they share: jspec.pallas_kernels.workspace_norm uses it too). Every device of a group must
+make the same calls in the same order, as the devices of one SPMD program do. The buffers
+live as long as the process (the compiled programs hold their addresses).
 
 Peer addresses are valid inside one process (a one-process mesh over local GPUs, with peer
 access, as XLA enables it between them); across hosts the layers keep XLA's all-reduce.
