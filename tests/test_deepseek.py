@@ -121,7 +121,9 @@ def test_greedy_speculative_equals_vanilla(name, method, k):
 
 
 @pytest.mark.parametrize("name, mesh, spec, rows", [
-    ("deepseek_v3", (2, 2, 2), "mtp", 1), ("glm4_moe_lite", (2, 4, 1), None, 3)],
+    ("deepseek_v3", (2, 2, 2), "mtp", 1), ("glm4_moe_lite", (2, 4, 1), None, 3),
+    # Data-parallel attention (all heads on every device) with the experts over ep.
+    ("deepseek_v3", (2, 1, 4), "mtp", 2)],
     ids=lambda v: "dp%d-tp%d-ep%d" % v if isinstance(v, tuple) else str(v))
 def test_greedy_outputs_identical_on_the_8_device_meshes(name, mesh, spec, rows):
   """transformers' greedy tokens with query heads over tp, the latent cache replicated over tp
