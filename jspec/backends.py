@@ -59,9 +59,11 @@ def use_vocab_lookup(mesh, pairs, custom_all_reduce: bool = False):
                                                          rows_axis)
 
 
-def use_experts(moe_backend: str, mesh, ep_strategy: str, target_and_rules, draft_and_rules):
+def use_experts(moe_backend: str, mesh, ep_strategy: str, target_and_rules, draft_and_rules,
+                custom_all_reduce: bool = False):
   """(experts_fn, draft_experts_fn): the backend's expert product, wrapped in a shard_map over
-  the expert axes where the mesh has them; each MoE layer told its expert shards."""
+  the expert axes where the mesh has them; each MoE layer told its expert shards.
+  `custom_all_reduce`: its collectives through the workspace kernel (jspec.sharding.moe)."""
   base_experts = get_experts_fn(moe_backend)
   for module, rules in _modules((target_and_rules, draft_and_rules)):
     for _, node in nnx.iter_graph(module):
@@ -72,8 +74,10 @@ def use_experts(moe_backend: str, mesh, ep_strategy: str, target_and_rules, draf
           node.per_token_shard = wrapper
   if not needs_shard_map(mesh):
     return base_experts, base_experts
-  return (sharded_experts(base_experts, mesh, target_and_rules[1], ep_strategy),
-          sharded_experts(base_experts, mesh, draft_and_rules[1], ep_strategy))
+  return (sharded_experts(base_experts, mesh, target_and_rules[1], ep_strategy,
+                          custom_all_reduce),
+          sharded_experts(base_experts, mesh, draft_and_rules[1], ep_strategy,
+                          custom_all_reduce))
 
 
 def use_fused_prefill_attention(mesh, pairs):

@@ -279,8 +279,10 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
   use_vocab_lookup(device_mesh, (target_pair, draft_pair, (mtp, draft_rules)), custom_all_reduce)
   vocab_argmax = tuple(sharded_vocab_argmax(device_mesh, r, custom_all_reduce)
                        for r in (rules, draft_rules))
+  # The MoE layers' collectives through the kernel only where "kernel" is named: not yet timed
+  # against XLA's, so not under "auto" (jspec.sharding.moe).
   experts_fn, draft_experts_fn = use_experts(moe_backend, device_mesh, ep_strategy, target_pair,
-                                             draft_pair)
+                                             draft_pair, all_reduce_backend == "kernel")
   if resolved_attention == "pallas":
     # "auto" takes the MLA kernel (measured faster than XLA's latent attention) and cuDNN's
     # prefill attention; GQA layers' decode and verify steps keep XLA's attention unless

@@ -13,7 +13,7 @@ with h = residual + the sum of `partial` over the group, rounded as the unfused 
 rounded once, as `rms_norm` does), and norm(h) as `rms_norm` computes it (RMSNorm, or
 ZeroCenteredRMSNorm's (1 + w) with `zero_centered`). Only the order of the float32 sum of
 squares differs. Each block takes one row: it hands its row's part to every peer through the
-PeerWorkspace (jspec.pallas_kernels.workspace_all_reduce.exchange, in a region of its own),
+PeerWorkspace (jspec.pallas_kernels.peer_exchange, in a region of its own),
 sums the parts, adds the residual, and normalises the row with a warpgroup reduction.
 
 Shape letters: M rows (tokens of the step), D the hidden size, A the devices on the axis.
@@ -26,14 +26,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jspec.pallas_kernels import workspace_all_reduce as wsar
+from jspec.pallas_kernels import peer_exchange, workspace_all_reduce as wsar
 
 
 def fits(shape, dtype) -> bool:
   """Rows [M, D] the kernel takes: float16 / bfloat16 / float32, at most wsar.NORM_ROWS rows
   of at most wsar.NORM_ROW_BYTES, each a whole number of the warpgroup's 16-byte vectors."""
   dtype = jnp.dtype(dtype)
-  if len(shape) != 2 or dtype not in wsar.DTYPES:
+  if len(shape) != 2 or dtype not in wsar.FLOAT_DTYPES:
     return False
   rows, width = shape
   return (0 < rows <= wsar.NORM_ROWS and 0 < width * dtype.itemsize <= wsar.NORM_ROW_BYTES
@@ -84,7 +84,7 @@ def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_center
     of_row = lambda ref: mu.memref_slice(ref, mu.ds(start, width))
     load = lambda ref: mgpu.FragmentedArray.load_strided(ref, vec_size=vec)
     mine = load(of_row(x_ref))
-    parts, done = wsar.exchange(row_ref, axis_size, region, block, mine)
+    parts, done = peer_exchange.exchange(row_ref, axis_size, region, block, mine)
     total = parts[0].astype(f32)
     for part in parts[1:]:
       total = total + part.astype(f32)
@@ -106,7 +106,7 @@ def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_center
 
   n = rows * width
   flat = jax.ShapeDtypeStruct((n,), dtype)
-  return wsar.as_kernel(
+  return peer_exchange.as_kernel(
       body, "workspace_add_norm", rows,
       (flat, flat, jax.ShapeDtypeStruct((width,), dtype),
        jax.ShapeDtypeStruct((2 * axis_size + 1,), jnp.int32)),

@@ -13,6 +13,12 @@ bring tokens to the shard holding their experts and the results back:
 
 Both produce the same sums; which is faster depends on T (BENCHMARKS.md). Partial sums over tp
 (the down projection contracts the tp-sharded intermediate) are reduced with psum.
+
+With `custom_all_reduce` (LLM(all_reduce_backend="kernel") named explicitly: not yet timed, so
+not under "auto"), the small collectives go through jspec's workspace kernel
+(jspec.pallas_kernels.workspace_all_reduce) where it takes them: the tp sum; the all-gather as
+a sum of int32 words each shard writes into a slot of its own (exact: the other slots are
+zeros); the reduce-scatter as an all-reduce of which each shard keeps its own rows.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jspec.pallas_kernels import workspace_all_reduce as wsar
 from jspec.pallas_kernels.fp8_experts import Fp8Experts
 from jspec.sharding.rules import ShardingRules, axis_size
 
@@ -43,9 +50,53 @@ def _local_ids(ids_TK, experts_per_shard: int):
   return jnp.where((local >= 0) & (local < experts_per_shard), local, -1)
 
 
-def _reduce_tp(y, tp_sharded: bool):
-  """Sum the partial products of a tp-sharded intermediate; a tp-replicated head has none."""
-  return jax.lax.psum(y, "tp") if tp_sharded and jax.lax.axis_size("tp") > 1 else y
+class Collectives:
+  """The expert shard_map's collectives: XLA's, or the workspace kernel's where `rows` holds
+  the kernel's address rows ({axis: row}) and it takes the message."""
+
+  def __init__(self, rows: dict):
+    self.rows = rows
+
+  def _sum(self, axis: str, x):
+    """The sum of x over `axis` through the kernel, or None where it does not take x: its
+    elements flattened and padded with zeros to the kernel's whole 2 KB tiles."""
+    if axis not in self.rows:
+      return None
+    tile = wsar.TILE_BYTES // jnp.dtype(x.dtype).itemsize
+    flat = x.reshape(-1)
+    padded = jnp.pad(flat, (0, -flat.size % tile))
+    if not wsar.fits(padded.shape, padded.dtype):
+      return None
+    return self._kernel_sum(axis, padded)[:flat.size].reshape(x.shape)
+
+  def _kernel_sum(self, axis: str, flat):
+    return wsar.workspace_all_reduce(flat, self.rows[axis], jax.lax.axis_size(axis))
+
+  def reduce_tp(self, y, tp_sharded: bool):
+    """Sum the partial products of a tp-sharded intermediate; a tp-replicated head has none."""
+    if not tp_sharded or jax.lax.axis_size("tp") == 1:
+      return y
+    summed = self._sum("tp", y)
+    return jax.lax.psum(y, "tp") if summed is None else summed
+
+  def gather_words(self, words_TW):
+    """uint32 words [T, W] of every ep shard, in shard order: [ep * T, W]."""
+    ep = jax.lax.axis_size("ep")
+    mine = jax.lax.bitcast_convert_type(words_TW, jnp.int32)
+    slots = jax.lax.dynamic_update_slice(jnp.zeros((ep, *mine.shape), jnp.int32), mine[None],
+                                         (jax.lax.axis_index("ep"), 0, 0))
+    total = self._sum("ep", slots)
+    if total is None:
+      return jax.lax.all_gather(words_TW, "ep", axis=0, tiled=True)
+    return jax.lax.bitcast_convert_type(total.reshape(-1, words_TW.shape[1]), jnp.uint32)
+
+  def scatter_sum(self, y_all):
+    """The sum over ep of [ep * T, D], each shard keeping its own T rows."""
+    total = self._sum("ep", y_all)
+    if total is None:
+      return jax.lax.psum_scatter(y_all, "ep", scatter_dimension=0, tiled=True)
+    rows = y_all.shape[0] // jax.lax.axis_size("ep")
+    return jax.lax.dynamic_slice_in_dim(total, jax.lax.axis_index("ep") * rows, rows)
 
 
 def _as_words(a):
@@ -68,7 +119,7 @@ def _from_words(words_TW, like):
   return values.reshape(words_TW.shape[0], *like.shape[1:])
 
 
-def _gather_tokens(x_TD, ids_TK, weights_TK):
+def _gather_tokens(x_TD, ids_TK, weights_TK, collectives: Collectives | None = None):
   """The ep group's tokens, routed ids and routing weights, gathered by one all-gather of
   their bits packed side by side (three were three collectives of a few KB each in every MoE
   layer of a decode step, each paying a collective's fixed cost); three all-gathers where an
@@ -78,26 +129,29 @@ def _gather_tokens(x_TD, ids_TK, weights_TK):
   if any(w is None for w in words):
     return tuple(jax.lax.all_gather(a, "ep", axis=0, tiled=True) for a in parts)
   widths = [w.shape[1] for w in words]
-  gathered = jax.lax.all_gather(jnp.concatenate(words, axis=1), "ep", axis=0, tiled=True)
+  gathered = (collectives or Collectives({})).gather_words(jnp.concatenate(words, axis=1))
   bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
   return tuple(_from_words(gathered[:, lo:hi], a)
                for a, lo, hi in zip(parts, bounds[:-1], bounds[1:]))
 
 
-def _all_gather_body(experts_fn, tp_sharded, x_TD, ids_TK, weights_TK, w_gate, w_up, w_down):
+def _all_gather_body(experts_fn, tp_sharded, rows, x_TD, ids_TK, weights_TK, w_gate, w_up,
+                     w_down):
+  c = Collectives(rows)
   experts_per_shard = w_gate.shape[0]
   if jax.lax.axis_size("ep") == 1:  # a dp-only mesh: no collective of one shard
     y = experts_fn(x_TD, _local_ids(ids_TK, experts_per_shard), weights_TK, w_gate, w_up,
                    w_down).astype(jnp.float32)
-    return _reduce_tp(y, tp_sharded).astype(x_TD.dtype)
-  x_all, ids_all, weights_all = _gather_tokens(x_TD, ids_TK, weights_TK)
+    return c.reduce_tp(y, tp_sharded).astype(x_TD.dtype)
+  x_all, ids_all, weights_all = _gather_tokens(x_TD, ids_TK, weights_TK, c)
   y_all = experts_fn(x_all, _local_ids(ids_all, experts_per_shard), weights_all,
                      w_gate, w_up, w_down).astype(jnp.float32)
-  y_all = _reduce_tp(y_all, tp_sharded)
-  return jax.lax.psum_scatter(y_all, "ep", scatter_dimension=0, tiled=True).astype(x_TD.dtype)
+  y_all = c.reduce_tp(y_all, tp_sharded)
+  return c.scatter_sum(y_all).astype(x_TD.dtype)
 
 
-def _all_to_all_body(experts_fn, tp_sharded, x_TD, ids_TK, weights_TK, w_gate, w_up, w_down):
+def _all_to_all_body(experts_fn, tp_sharded, rows, x_TD, ids_TK, weights_TK, w_gate, w_up,
+                     w_down):
   num_tokens, top_k = ids_TK.shape
   experts_per_shard = w_gate.shape[0]
   ep = jax.lax.axis_size("ep")
@@ -116,7 +170,7 @@ def _all_to_all_body(experts_fn, tp_sharded, x_TD, ids_TK, weights_TK, w_gate, w
   ones = jnp.ones((ep * copies, 1), x_TD.dtype)
   y_rows = experts_fn(recv_x.reshape(ep * copies, -1), recv_id.reshape(ep * copies, 1), ones,
                       w_gate, w_up, w_down).astype(jnp.float32)
-  y_rows = _reduce_tp(y_rows, tp_sharded).reshape(ep, copies, -1)
+  y_rows = Collectives(rows).reduce_tp(y_rows, tp_sharded).reshape(ep, copies, -1)
   back_PMD = jax.lax.all_to_all(y_rows, "ep", split_axis=0, concat_axis=0, tiled=True)
   y_MD = back_PMD[dest_M, rows_M]
   y_TD = jnp.einsum("tkd,tk->td", y_MD.reshape(num_tokens, top_k, -1),
@@ -125,8 +179,10 @@ def _all_to_all_body(experts_fn, tp_sharded, x_TD, ids_TK, weights_TK, w_gate, w
 
 
 def sharded_experts(experts_fn: Callable, mesh: Mesh, rules: ShardingRules,
-                    strategy: str = "all_gather") -> Callable:
-  """Wraps an expert backend so it runs per shard; same signature, global arrays in and out."""
+                    strategy: str = "all_gather", custom_all_reduce: bool = False) -> Callable:
+  """Wraps an expert backend so it runs per shard; same signature, global arrays in and out.
+  `custom_all_reduce`: the collectives through the workspace kernel where it takes them (the
+  module docstring)."""
   if strategy not in EP_STRATEGIES:
     raise ValueError(f"ep strategy {strategy!r} is not supported; choose one of {EP_STRATEGIES}")
   tp_sharded = rules.spec(("moe_mlp",)) != rules.spec((None,))
@@ -137,10 +193,16 @@ def sharded_experts(experts_fn: Callable, mesh: Mesh, rules: ShardingRules,
   fp8_in, fp8_out = (Fp8Experts(spec, spec) for spec in (rules.spec(("experts", "moe_mlp",
                                                                       "embed")), w_in))
 
+  tables = _workspace_rows(mesh, tp_sharded) if custom_all_reduce else {}
+
   def mapped(body, weight_specs):
-    return jax.shard_map(functools.partial(body, experts_fn, tp_sharded), mesh=mesh,
-                         in_specs=(tokens, tokens, tokens, *weight_specs),
-                         out_specs=tokens, check_vma=False)
+    def per_shard(rows, *args):
+      return body(experts_fn, tp_sharded, {a: r.reshape(-1) for a, r in rows.items()}, *args)
+    fn = jax.shard_map(per_shard, mesh=mesh,
+                       in_specs=({a: spec for a, (_, spec) in tables.items()}, tokens, tokens,
+                                 tokens, *weight_specs),
+                       out_specs=tokens, check_vma=False)
+    return lambda *args: fn({a: table for a, (table, _) in tables.items()}, *args)
 
   bodies = {(name, fp8): mapped(body, (fp8_in, fp8_in, fp8_out) if fp8 else (w_in, w_in, w_out))
             for name, body in (("all_gather", _all_gather_body), ("all_to_all", _all_to_all_body))
@@ -152,6 +214,17 @@ def sharded_experts(experts_fn: Callable, mesh: Mesh, rules: ShardingRules,
     return bodies[chosen, fp8](x_TD, ids_TK, weights_TK, w_gate, w_up, w_down)
 
   return experts
+
+
+def _workspace_rows(mesh: Mesh, tp_sharded: bool) -> dict:
+  """{axis: (address table, its spec)} of the workspace kernel for the expert collectives, on
+  Hopper GPUs (none elsewhere: XLA's collectives)."""
+  from jspec.pallas_kernels import platform
+  axes = ["ep"] + (["tp"] if tp_sharded else [])
+  if not platform.on_hopper():
+    return {}
+  return {a: (ws.rows, ws.row_spec) for a in axes if mesh.shape[a] > 1
+          for ws in [wsar.workspace_for(mesh, a)]}
 
 
 def per_token_shard(mesh: Mesh, rules: ShardingRules) -> Callable | None:
