@@ -13,7 +13,8 @@ Variants (LLM(all_reduce_backend), jspec.sharding.tensor_parallel): `default` ("
 `kernel` on Hopper GPUs of one process), `partitioner` (XLA's partitioner places the tp layers'
 products and all-reduces), `xla` (jspec's shard-by-shard products, XLA's all-reduce), `kernel`
 (the same products, the workspace one-shot kernel, each all-reduce before a norm fused with it:
-jspec.pallas_kernels.workspace_norm), `unfused` (`kernel` with the all-reduce and the norm
+jspec.pallas_kernels.workspace_norm; named, also the MoE layers' tp sum and ep all-gather /
+reduce-scatter: jspec.sharding.moe), `unfused` (`kernel` with the all-reduce and the norm
 apart: TensorParallelProducts.defer_sums off).
 
 One JSON line per (mesh, batch): tokens/s (prefill included), TPOT, TTFT, and a digest of the
