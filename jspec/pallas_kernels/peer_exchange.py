@@ -1,5 +1,5 @@
-"""The handshake the workspace kernels share, and their launch: inside a Mosaic GPU kernel, one
-block's part handed to every device of its group through the PeerWorkspace
+"""The workspace's regions, the handshake its kernels share and their launch: inside a Mosaic GPU
+kernel, one block's part handed to every device of its group through the PeerWorkspace
 (jspec.pallas_kernels.workspace_all_reduce says how the workspace, its regions, flags and
 parities work). Used by the plain all-reduce and by the all-reduce + residual add + RMSNorm
 (jspec.pallas_kernels.workspace_norm).
@@ -7,9 +7,38 @@ parities work). Used by the plain all-reduce and by the all-reduce + residual ad
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
-from jspec.pallas_kernels.workspace_all_reduce import MAX_DEVICES, Region
+# Devices a group may have (the flags' layout).
+MAX_DEVICES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+  """A part of the workspace with flags, counters and data slots of its own: slot s of a call
+  (a kernel block) uses flags[s][source] (int32), counters[s] (int32) and the data slots
+  [2 parities][A sources][s] of `slot_bytes` each. Kernels that share a region share its
+  slots' call parity, so each kind of kernel has its own."""
+  offset: int
+  slots: int
+  slot_bytes: int
+
+  @property
+  def flags_offset(self) -> int:
+    return self.offset
+
+  @property
+  def counters_offset(self) -> int:
+    return self.offset + self.slots * MAX_DEVICES * 4
+
+  @property
+  def data_offset(self) -> int:
+    return self.offset + -(-(self.slots * (MAX_DEVICES + 1) * 4) // 4096) * 4096
+
+  def end(self, axis_size: int) -> int:
+    return self.data_offset + 2 * axis_size * self.slots * self.slot_bytes
 
 
 def exchange(row_ref, axis_size: int, region: Region, slot, part):

@@ -35,7 +35,6 @@ Shape letters: N the message's elements, A the devices on the axis, G the kernel
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -43,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jspec.pallas_kernels.peer_exchange import MAX_DEVICES, Region, as_kernel, exchange
 
 # The message a block writes, reads and sums: 128 threads x 16 bytes, one vector each.
 TILE_BYTES = 128 * 16
@@ -54,38 +55,10 @@ BLOCK_BYTES = 8 * 1024
 # big batches) keep XLA's all-reduce, whose ring is bandwidth-bound where this kernel writes
 # every part to every device; the two were not timed against each other past 64 KB.
 MAX_MESSAGE_BYTES = 256 * 1024
-# Devices a group may have (the flags' layout).
-MAX_DEVICES = 8
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 # int32 sums wrap, so a sum with zeros is exact for any bits: an all-gather of words written
 # into slots of their own (jspec.sharding.moe).
 DTYPES = FLOAT_DTYPES + (jnp.dtype(jnp.int32),)
-
-
-@dataclasses.dataclass(frozen=True)
-class Region:
-  """A part of the workspace with flags, counters and data slots of its own: slot s of a call
-  (a kernel block) uses flags[s][source] (int32), counters[s] (int32) and the data slots
-  [2 parities][A sources][s] of `slot_bytes` each. Kernels that share a region share its
-  slots' call parity, so each kind of kernel has its own."""
-  offset: int
-  slots: int
-  slot_bytes: int
-
-  @property
-  def flags_offset(self) -> int:
-    return self.offset
-
-  @property
-  def counters_offset(self) -> int:
-    return self.offset + self.slots * MAX_DEVICES * 4
-
-  @property
-  def data_offset(self) -> int:
-    return self.offset + -(-(self.slots * (MAX_DEVICES + 1) * 4) // 4096) * 4096
-
-  def end(self, axis_size: int) -> int:
-    return self.data_offset + 2 * axis_size * self.slots * self.slot_bytes
 
 
 # The all-reduce's region: MAX_BLOCKS slots of BLOCK_BYTES.
@@ -237,7 +210,6 @@ def _build(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int):
   from jax._src.lib.mlir.dialects import arith, gpu
   import jax.experimental.mosaic.gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mu
-  from jspec.pallas_kernels.peer_exchange import as_kernel, exchange
 
   vec = 16 // dtype.itemsize
   chunk = tiles_per_block * TILE_BYTES // dtype.itemsize  # elements a block carries

@@ -58,6 +58,23 @@ def sharded_embedding_lookup(mesh: Mesh, rules: ShardingRules, custom_all_reduce
   return lambda embed_VD, tokens_BT: lookup_fn(embed_VD, tokens_BT, table)
 
 
+def order_keys(logits_NV):
+  """int32 keys whose integer order is the values' float order
+  (jspec.speculative.sampling.vocab_argmax says how)."""
+  x_NV = logits_NV.astype(jnp.float32)
+  bits_NV = lax.bitcast_convert_type(jnp.where(x_NV == 0, 0.0, x_NV), jnp.int32)
+  key_NV = jnp.where(bits_NV < 0, bits_NV ^ jnp.int32(0x7FFFFFFF), bits_NV)
+  return jnp.where(jnp.isnan(x_NV), jnp.iinfo(jnp.int32).max, key_NV)
+
+
+def keyed_argmax(key_NV, axis: int = -1):
+  """(the largest key, the lowest index holding it) along `axis`."""
+  top_N1 = jnp.max(key_NV, axis=axis, keepdims=True)
+  index_NV = lax.broadcasted_iota(jnp.int32, key_NV.shape, axis % key_NV.ndim)
+  index_N = jnp.min(jnp.where(key_NV == top_N1, index_NV, jnp.iinfo(jnp.int32).max), axis=axis)
+  return jnp.squeeze(top_N1, axis), index_N
+
+
 # Floats of the exchanged slots: whole 2 KB tiles (the workspace kernel's unit).
 _SLOT_TILE = 512
 
@@ -75,7 +92,6 @@ def sharded_vocab_argmax(mesh: Mesh, rules: ShardingRules, custom_all_reduce: bo
   its own slot of a zeroed array; one sum over the shards (the workspace kernel where
   `custom_all_reduce` and it takes the message) hands every shard every slot."""
   from jspec.sharding.tensor_parallel import all_reduce_fn, table_operand
-  from jspec.speculative.sampling import keyed_argmax, order_keys
 
   vocab_axes = tuple(a for a in mesh_axes(rules.vocab) if axis_size(mesh, a) > 1)
   batch_axes = mesh_axes(rules.batch)

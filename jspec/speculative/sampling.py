@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jspec.sharding.vocab import keyed_argmax, order_keys
 from jspec.speculative.rows import set_row_items
 
 
@@ -37,22 +38,6 @@ def vocab_argmax(logits_NV, axis: int = -1):
     "Tensor parallelism at batch 1: ...").
     """
     return keyed_argmax(order_keys(logits_NV), axis)[1]
-
-
-def order_keys(logits_NV):
-    """int32 keys whose integer order is the values' float order (vocab_argmax says how)."""
-    x_NV = logits_NV.astype(jnp.float32)
-    bits_NV = lax.bitcast_convert_type(jnp.where(x_NV == 0, 0.0, x_NV), jnp.int32)
-    key_NV = jnp.where(bits_NV < 0, bits_NV ^ jnp.int32(0x7FFFFFFF), bits_NV)
-    return jnp.where(jnp.isnan(x_NV), jnp.iinfo(jnp.int32).max, key_NV)
-
-
-def keyed_argmax(key_NV, axis: int = -1):
-    """(the largest key, the lowest index holding it) along `axis`."""
-    top_N1 = jnp.max(key_NV, axis=axis, keepdims=True)
-    index_NV = lax.broadcasted_iota(jnp.int32, key_NV.shape, axis % key_NV.ndim)
-    index_N = jnp.min(jnp.where(key_NV == top_N1, index_NV, jnp.iinfo(jnp.int32).max), axis=axis)
-    return jnp.squeeze(top_N1, axis), index_N
 
 
 def processed_probs(logits_NV, temperature_N, top_k_N, top_p_N, any_filtered: bool = True):
