@@ -208,12 +208,13 @@ def test_gpu_model_with_the_kernel_emits_the_xla_all_reduces_tokens():
 # The workspace kernel (jspec.pallas_kernels.workspace_all_reduce): its plan, its address
 # table and its lowering on the CPU; its sums and its flags on 2 GPUs.
 
-def test_the_workspace_kernel_takes_small_float_messages_of_whole_tiles():
+def test_the_workspace_kernel_takes_small_float_and_int32_messages_of_whole_tiles():
   assert wsar.fits((1, 1, 4096), jnp.bfloat16)           # a batch-1 row: 8 KB, 4 tiles
   assert wsar.fits((32, 1, 4096), jnp.bfloat16)          # 256 KB: the limit
   assert not wsar.fits((33, 1, 4096), jnp.bfloat16)
   assert not wsar.fits((1, 1000), jnp.bfloat16)
-  assert not wsar.fits((1, 4096), jnp.int32)
+  assert wsar.fits((1, 4096), jnp.int32)                 # words gathered as sums (sharding.moe)
+  assert not wsar.fits((1, 4096), jnp.int8) and not wsar.fits((1, 4096), jnp.uint32)
   with pytest.raises(ValueError, match="whole 2048-byte tiles"):
     wsar.workspace_all_reduce(jnp.zeros((3, 100), jnp.bfloat16), jnp.zeros(5, jnp.int32), 2)
 

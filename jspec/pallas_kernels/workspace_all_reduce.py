@@ -20,12 +20,12 @@ a peer's flag for the next call may arrive early without harm. The parts go to o
 slots by the call's parity (a counter per block): a peer can be at most one call ahead,
 since it cannot finish a call without our flag for it, so it never writes the slot we read.
 
-The workspace is per block, not per message byte: block b of every call uses slot b, its
-own counter and its own flags, so calls with different messages or block counts never
-overlap. Each kind of kernel has a region of its own (`Region`; the handshake they share is
-jspec.pallas_kernels.peer_exchange's, which jspec.pallas_kernels.workspace_norm uses too). Every device of a group must
-make the same calls in the same order, as the devices of one SPMD program do. The buffers
-live as long as the process (the compiled programs hold their addresses).
+The workspace is per block, not per message byte: block b of every call uses slot b, its own
+counter and its own flags, so calls with different messages or block counts never overlap. Each
+kind of kernel has a region of its own (`Region`; the handshake they share is
+jspec.pallas_kernels.peer_exchange's, which jspec.pallas_kernels.workspace_norm uses too). Every
+device of a group must make the same calls in the same order, as the devices of one SPMD program
+do. The buffers live as long as the process (the compiled programs hold their addresses).
 
 Peer addresses are valid inside one process (a one-process mesh over local GPUs, with peer
 access, as XLA enables it between them); across hosts the layers keep XLA's all-reduce.
@@ -78,8 +78,8 @@ def workspace_bytes(axis_size: int) -> int:
 
 
 def fits(shape, dtype, max_blocks: int = 32) -> bool:
-  """A message the kernel takes: float16 / bfloat16 / float32, a whole number of 2 KB tiles,
-  at most MAX_MESSAGE_BYTES, that `max_blocks` blocks can split evenly (plan_blocks)."""
+  """A message the kernel takes: float16 / bfloat16 / float32 / int32, a whole number of 2 KB
+  tiles, at most MAX_MESSAGE_BYTES, that `max_blocks` blocks can split evenly (plan_blocks)."""
   dtype = jnp.dtype(dtype)
   nbytes = math.prod(shape) * dtype.itemsize
   if dtype not in DTYPES or not 0 < nbytes <= MAX_MESSAGE_BYTES or nbytes % TILE_BYTES:
@@ -191,7 +191,8 @@ def workspace_all_reduce(x, row, axis_size: int, *, max_blocks: int = 32):
   result holds the same bits: the parts are summed in rank order in float32 and rounded once.
   Hopper GPUs only (the kernel is Mosaic GPU's, with no interpreter)."""
   if not fits(x.shape, x.dtype, max_blocks):
-    raise ValueError(f"workspace_all_reduce takes float16 / bfloat16 / float32 messages of whole "
+    raise ValueError(f"workspace_all_reduce takes float16 / bfloat16 / float32 / int32 messages "
+                     f"of whole "
                      f"{TILE_BYTES}-byte tiles up to {MAX_MESSAGE_BYTES} bytes that "
                      f"{max_blocks} blocks split evenly; got {x.shape} {x.dtype}")
   row = row.reshape(-1)
