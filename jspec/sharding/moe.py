@@ -82,10 +82,12 @@ class Collectives:
   def gather_words(self, words_TW):
     """uint32 words [T, W] of every ep shard, in shard order: [ep * T, W]."""
     ep = jax.lax.axis_size("ep")
-    mine = jax.lax.bitcast_convert_type(words_TW, jnp.int32)
-    slots = jax.lax.dynamic_update_slice(jnp.zeros((ep, *mine.shape), jnp.int32), mine[None],
-                                         (jax.lax.axis_index("ep"), 0, 0))
-    total = self._sum("ep", slots)
+    total = None
+    if "ep" in self.rows:
+      mine = jax.lax.bitcast_convert_type(words_TW, jnp.int32)
+      slots = jax.lax.dynamic_update_slice(jnp.zeros((ep, *mine.shape), jnp.int32), mine[None],
+                                           (jax.lax.axis_index("ep"), 0, 0))
+      total = self._sum("ep", slots)
     if total is None:
       return jax.lax.all_gather(words_TW, "ep", axis=0, tiled=True)
     return jax.lax.bitcast_convert_type(total.reshape(-1, words_TW.shape[1]), jnp.uint32)

@@ -23,6 +23,23 @@ from jax.sharding import Mesh, PartitionSpec
 from jspec.sharding.rules import ShardingRules, axis_size, mesh_axes
 
 
+def _vocab_sum(mesh: Mesh, rules: ShardingRules, logical: str, custom_all_reduce: bool):
+  """(vocab axes, reduce(x, row), table, table spec) for a sum over the mesh axes that split
+  the logical axis `logical`: the workspace kernel's where `custom_all_reduce` and one axis
+  splits it (jspec.sharding.tensor_parallel.all_reduce_fn), psum otherwise. None where
+  nothing splits it, or a batch axis does (a shard's rows cannot serve another shard's
+  sequences)."""
+  from jspec.sharding.tensor_parallel import all_reduce_fn, table_operand
+  vocab_axes = tuple(a for a in mesh_axes(getattr(rules, logical)) if axis_size(mesh, a) > 1)
+  if not vocab_axes or set(vocab_axes) & set(mesh_axes(rules.batch)):
+    return None
+  if len(vocab_axes) == 1:
+    reduce, workspace = all_reduce_fn(mesh, vocab_axes[0], custom_all_reduce)
+  else:  # the kernel reduces over one axis
+    reduce, workspace = (lambda x, row: lax.psum(x, vocab_axes)), None
+  return (vocab_axes, reduce, *table_operand(workspace))
+
+
 def sharded_embedding_lookup(mesh: Mesh, rules: ShardingRules, custom_all_reduce: bool = False,
                              rows_axis: str = "vocab"):
   """(embed [V, D], tokens [B, T]) -> [B, T, D] as `jnp.take(embed, tokens, axis=0,
@@ -32,15 +49,10 @@ def sharded_embedding_lookup(mesh: Mesh, rules: ShardingRules, custom_all_reduce
   that also splits the batch: each shard then holds other sequences' tokens, which its rows
   cannot serve. `custom_all_reduce`: the shards' sum through the workspace kernel where it
   takes it."""
-  from jspec.sharding.tensor_parallel import all_reduce_fn, table_operand
-
-  vocab_axes = tuple(a for a in mesh_axes(getattr(rules, rows_axis)) if axis_size(mesh, a) > 1)
-  if not vocab_axes or set(vocab_axes) & set(mesh_axes(rules.batch)):
+  split = _vocab_sum(mesh, rules, rows_axis, custom_all_reduce)
+  if split is None:
     return None
-  if len(vocab_axes) == 1:
-    reduce, workspace = all_reduce_fn(mesh, vocab_axes[0], custom_all_reduce)
-  else:  # the kernel reduces over one axis
-    reduce, workspace = (lambda x, row: lax.psum(x, vocab_axes)), None
+  vocab_axes, reduce, table, table_spec = split
 
   def lookup(embed_VD, tokens_BT, row):
     rows = embed_VD.shape[0]
@@ -51,7 +63,6 @@ def sharded_embedding_lookup(mesh: Mesh, rules: ShardingRules, custom_all_reduce
     return reduce(jnp.where(mine_BT[..., None], x_BTD, 0), row)
 
   tokens = rules.spec(("batch", "seq"))
-  table, table_spec = table_operand(workspace)
   lookup_fn = jax.shard_map(lookup, mesh=mesh,
                             in_specs=(rules.spec((rows_axis, "embed")), tokens, table_spec),
                             out_specs=rules.spec(("batch", "seq", "embed")), check_vma=False)
@@ -91,18 +102,11 @@ def sharded_vocab_argmax(mesh: Mesh, rules: ShardingRules, custom_all_reduce: bo
   (key high 16 bits, key low 16 bits, index) as float32 (integers below 2^24: exact) into
   its own slot of a zeroed array; one sum over the shards (the workspace kernel where
   `custom_all_reduce` and it takes the message) hands every shard every slot."""
-  from jspec.sharding.tensor_parallel import all_reduce_fn, table_operand
-
-  vocab_axes = tuple(a for a in mesh_axes(rules.vocab) if axis_size(mesh, a) > 1)
-  batch_axes = mesh_axes(rules.batch)
-  if not vocab_axes or set(vocab_axes) & set(batch_axes):
+  split = _vocab_sum(mesh, rules, "vocab", custom_all_reduce)
+  if split is None:
     return None
+  vocab_axes, reduce, table, table_spec = split
   shards = axis_size(mesh, vocab_axes)
-  if len(vocab_axes) == 1:
-    reduce, workspace = all_reduce_fn(mesh, vocab_axes[0], custom_all_reduce)
-  else:
-    reduce, workspace = (lambda x, row: lax.psum(x, vocab_axes)), None
-  table, table_spec = table_operand(workspace)
 
   def per_shard(logits_BV, row):
     key_B, index_B = keyed_argmax(order_keys(logits_BV))
