@@ -8,6 +8,7 @@ warm-up call.
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant kernel    # ..., the one-shot kernel
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant partitioner  # XLA places them all
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant unfused  # kernel, norms apart
+    python benchmarks/tp_scaling.py --mesh 1,2,1 --one-row kernel  # one-row products: kernel
 
 Variants (LLM(all_reduce_backend), jspec.sharding.tensor_parallel): `default` ("auto":
 `kernel` on Hopper GPUs of one process), `partitioner` (XLA's partitioner places the tp layers'
@@ -15,7 +16,8 @@ products and all-reduces), `xla` (jspec's shard-by-shard products, XLA's all-red
 (the same products, the workspace one-shot kernel, each all-reduce before a norm fused with it:
 jspec.pallas_kernels.workspace_norm; named, also the MoE layers' tp sum and ep all-gather /
 reduce-scatter: jspec.sharding.moe), `unfused` (`kernel` with the all-reduce and the norm
-apart: TensorParallelProducts.defer_sums off).
+apart: TensorParallelProducts.defer_sums off). `--one-row` sets how one-row products run
+(jspec.pallas_kernels.skinny_gemm.ONE_ROW; the library's default unless given).
 
 One JSON line per (mesh, batch): tokens/s (prefill included), TPOT, TTFT, and a digest of the
 generated tokens (equal digests: equal tokens), then a table.
@@ -48,6 +50,8 @@ def main():
   parser.add_argument("--mesh", nargs="+", default=["1,1,1", "1,2,1"], help="dp,tp,ep triples")
   parser.add_argument("--variant", default="default", choices=sorted(VARIANTS))
   parser.add_argument("--method", default="none", choices=["none", "mtp"])
+  parser.add_argument("--one-row", choices=["kernel", "two_rows", "two_rows_all"],
+                      help="skinny_gemm.ONE_ROW (default: the library's)")
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
   parser.add_argument("--prompt-len", type=int, default=512)
@@ -63,6 +67,9 @@ def main():
                  if args.method == "mtp" else None)
   params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
   device = jax.devices()[0].device_kind
+  if args.one_row:
+    from jspec.pallas_kernels import skinny_gemm
+    skinny_gemm.ONE_ROW = args.one_row
   rows = []
   for mesh_text in args.mesh:
     dp, tp, ep = (int(x) for x in mesh_text.split(","))

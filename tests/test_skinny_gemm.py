@@ -9,8 +9,8 @@ import pytest
 
 import jspec
 from helpers import fixture_dir, greedy
-from jspec.pallas_kernels import platform
-from jspec.pallas_kernels.skinny_gemm import (XLA_DOT_REDUCE_ELEMENTS, choose_splits,
+from jspec.pallas_kernels import platform, skinny_gemm
+from jspec.pallas_kernels.skinny_gemm import (XLA_DOT_REDUCE_ELEMENTS, choose_splits, project,
                                               skinny_matmul, use_skinny)
 
 # (rows, K, N, K slices): one row and a row count off every tile, N of one 64-wide block.
@@ -58,6 +58,33 @@ def test_the_kernel_takes_what_xla_would_strength_reduce():
   assert not use_skinny(1, 4096, 1024, bf16) and not use_skinny(1, 2048, 512, bf16)
   # Prefill-sized row counts and 32-bit types stay with XLA.
   assert not use_skinny(128, 2048, 4096, bf16) and not use_skinny(1, 2048, 4096, jnp.float32)
+
+
+def _dot_shapes(x, w) -> list[str]:
+  """The output shapes of the dots `project` lowers x @ w to (from its StableHLO text)."""
+  import re
+  text = jax.jit(lambda x, w: project(x, w)).lower(x, w).as_text()  # traced anew: ONE_ROW
+  return re.findall(r"stablehlo.dot_general.*-> tensor<([\dx]+)x[a-z]", text)
+
+
+@pytest.mark.parametrize("mode", ["two_rows", "two_rows_all"])
+def test_one_row_products_run_as_two_row_gemms(mode, monkeypatch):
+  """ONE_ROW "two_rows" (the default): the one-row products use_skinny picks are a dot of two
+  equal rows, the first kept; "two_rows_all" treats every product under XLA's threshold so.
+  Either equals the product; anything else stays XLA's one-row dot."""
+  monkeypatch.setattr(skinny_gemm, "ONE_ROW", mode)
+  rng = np.random.default_rng(7)
+  for k, n in [(2048, 4096), (4096, 2048), (256, 512)]:
+    x = rng.standard_normal((1, 1, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32) / np.sqrt(k)
+    xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    y = np.asarray(project(xb, wb), np.float32)
+    exact = np.asarray(xb, np.float32)[0] @ np.asarray(wb, np.float32)
+    assert y.shape == (1, 1, n)
+    assert np.all(np.abs(y[0] - exact) <= _bf16_bound(np.asarray(xb, np.float32)[0],
+                                                      np.asarray(wb, np.float32)))
+    picked = use_skinny(1, k, n, jnp.bfloat16) or mode == "two_rows_all"
+    assert _dot_shapes(xb, wb) == ([f"2x{n}"] if picked else [f"1x1x{n}"]), (mode, k, n)
 
 
 @pytest.mark.parametrize("k, n, sms", [(2048, 4096, 132), (4096, 2048, 132), (2048, 4096, 16),

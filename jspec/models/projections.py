@@ -3,9 +3,10 @@
   "xla"     XLA's dot everywhere.
   "pallas"  jspec.pallas_kernels.skinny_gemm wherever it takes the shapes (<= 64 rows: decode,
             verify and draft steps; interpreted off GPU), XLA's dot for prefill.
-  "auto"    on Hopper, the kernel for the products XLA's GPU compiler would rewrite into a
-            multiply and a reduction (one row, operands under 10 M elements: e.g. a 2048 x 4096
-            projection in a batch-1 decode step); XLA's dot elsewhere and on other devices.
+  "auto"    on Hopper, the products XLA's GPU compiler would rewrite into a multiply and a
+            reduction (one row, operands under 10 M elements: e.g. a 2048 x 4096 projection in
+            a batch-1 decode step) as two-row GEMMs (skinny_gemm.ONE_ROW; the kernel before
+            2026-11-28); XLA's dot elsewhere and on other devices.
 
 The kernel needs the weights whole on every shard: with tensor parallelism over heads or the
 hidden size, "auto" keeps XLA's dot and "pallas" is refused.

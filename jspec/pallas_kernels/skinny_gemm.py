@@ -15,6 +15,15 @@ slices, a free reshape to [S, K/S, N]; slice s is the kernel's slot s, its "expe
 slice, its activations the matching columns of x and its routing weight 1. S is the largest
 power of two for which S x (N / block) work items still fit the SMs, so every SM streams. The
 S partial products (bf16, as the kernel writes them) are summed in float32.
+
+Default since 2026-11-28 (`ONE_ROW`): the products `use_skinny` picks run instead as XLA GEMMs
+of two equal rows, the first kept. The kernel needs glue around it, each piece a kernel launch
+of its own in the step: the pad and transpose of x before it, the sum of the S partials after
+it, and its slot table and routing weights (iota and broadcast kernels; NumPy constants too,
+which XLA turns back into them). On 2 H200s the GEMMs, with no glue, made the step faster:
+Qwen3-8B at tp = 2, batch 1, 3.677 against 3.839 ms a step; Qwen3-30B-A3B on one GPU 3.833
+against 3.882 (BENCHMARKS.md, "One-row products as two-row GEMMs"). The kernel stays for
+`projection_backend="pallas"`.
 """
 
 from __future__ import annotations
@@ -92,14 +101,33 @@ def skinny_matmul(x_MK: jax.Array, w_KN: jax.Array, splits: int | None = None) -
   return jnp.sum(parts_SRN[:, :m].astype(jnp.float32), axis=0).astype(x_MK.dtype)
 
 
+# How `project` multiplies one-row products: "two_rows" (those `use_skinny` picks as two-row
+# XLA GEMMs: x doubled, the first row kept; the rest through XLA's dot, which strength-reduces
+# those under its threshold), "kernel" (those `use_skinny` picks through the module's kernel),
+# or "two_rows_all" (every one-row product under XLA's threshold as two-row GEMMs, the small
+# k / v ones too: slower on one GPU, 4.614 against 4.525 ms a Qwen3-8B step). Benchmarks
+# switch it to time them.
+ONE_ROW = "two_rows"
+
+
+def _two_rows(x_K, w_KN):
+  # Two equal rows: XLA cannot fold a zero row away and strength-reduce the dot again.
+  return jnp.dot(jnp.stack([x_K, x_K]), w_KN)[0]
+
+
 def project(x_BTK: jax.Array, w_KN: jax.Array, always: bool = False) -> jax.Array:
   """x @ w over the last axis: the kernel where `use_skinny` says so (`always`: wherever the
-  kernel takes the shapes), XLA's dot otherwise."""
+  kernel takes the shapes), XLA's dot otherwise (see ONE_ROW for one-row products)."""
   *lead, k = x_BTK.shape
   rows = 1
   for size in lead:
     rows *= size
+  n = w_KN.shape[1]
+  if not always and rows == 1 and (
+      ONE_ROW == "two_rows_all" and k + k * n < XLA_DOT_REDUCE_ELEMENTS
+      or ONE_ROW == "two_rows" and use_skinny(rows, k, n, x_BTK.dtype)):
+    return _two_rows(x_BTK.reshape(k), w_KN).reshape(*lead, n)
   choose = fits_kernel if always else use_skinny
-  if not choose(rows, k, w_KN.shape[1], x_BTK.dtype):
+  if not choose(rows, k, n, x_BTK.dtype):
     return jnp.einsum("...k,kn->...n", x_BTK, w_KN)
   return skinny_matmul(x_BTK.reshape(rows, k), w_KN).reshape(*lead, w_KN.shape[1])
