@@ -7,17 +7,17 @@ memory plan, backends and scheduler is jspec.build's.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Sequence
 
 import numpy as np
 
-from jspec.build import build, enable_compilation_cache, random_modules
-from jspec.config import ModelConfig, SamplingParams, SpecConfig, is_int
+from jspec.build import LLMParts, build, enable_compilation_cache, random_modules
+from jspec.config import ModelConfig, SamplingParams, is_int
 from jspec.models.mtp import MTPSpec
+from jspec.options import OPTION_NAMES, EngineOptions, signature_with_options
 from jspec.outputs import GenerateOutputs, aggregate
 from jspec.schedulers.base import num_drafts
-from jspec.sharding.rules import MeshConfig, ShardingRules
+from jspec.sharding.rules import MeshConfig
 from jspec.stop_strings import apply_stop_strings
 from jspec.vllm_names import mesh_from_vllm
 
@@ -26,47 +26,38 @@ __all__ = ["LLM", "enable_compilation_cache"]
 Prompt = str | Sequence[int]
 
 
-class LLM:
+class LLM(LLMParts):
   """A target model (and its drafter, if any) on a mesh, ready to generate.
 
   Args mirror vLLM's offline `LLM`: `model` is a local Hugging Face directory (config.json +
-  safetensors, tokenizer files optional); `speculative_config` a dict such as
-  {"method": "mtp", "num_speculative_tokens": 3} or None for plain decoding. The built parts
-  (jspec.build.LLMParts: config, target, mtp, draft_module, memory_plan, max_num_seqs,
-  scheduler, ...) read as the LLM's own attributes.
+  safetensors, tokenizer files optional); the keywords are jspec.options.EngineOptions' fields
+  (e.g. `speculative_config`, a dict such as {"method": "mtp", "num_speculative_tokens": 3},
+  or None for plain decoding), and vLLM's spellings of them (jspec.vllm_names). The built
+  parts (jspec.build.LLMParts: config, target, mtp, draft_module, memory_plan, max_num_seqs,
+  scheduler, ...) are the LLM's own attributes.
   """
 
-  def __init__(self, model: str | None = None, *, mesh: MeshConfig | None = None,
-               speculative_config: SpecConfig | dict | None = None,
-               max_model_len: int | None = None,
-               dtype="bfloat16", moe_backend: str = "auto", seed: int = 0,
-               max_num_seqs: int | str = "auto", compilation_cache_dir: str | None = None,
-               ep_strategy: str = "auto", device_memory_bytes: int | None = None,
-               prefill_chunk_size: int = 256, attention_backend: str = "auto",
-               recurrent_commit: str = "store", sharding_rules: ShardingRules | None = None,
-               batching: str = "continuous", projection_backend: str = "auto",
-               norm_backend: str = "auto", all_reduce_backend: str = "auto",
-               _modules=None, _draft=None, **vllm_options):
+  # An LLM is one object, not a record of values: identity, not the dataclass's field-wise
+  # equality (which would also make it unhashable).
+  __eq__ = object.__eq__
+  __hash__ = object.__hash__
+
+  def __init__(self, model: str | None = None, *, _modules=None, _draft=None, **options):
     # _modules, _draft: random weights instead of a checkpoint (from_random, benchmarks).
-    # vllm_options: vLLM's spellings (tensor_parallel_size, ...), mapped or refused.
-    known = [name for name in inspect.signature(LLM.__init__).parameters
-             if not name.startswith("_") and name not in ("self", "vllm_options")]
-    mesh = mesh_from_vllm(mesh, vllm_options, known)
-    if not is_int(seed):
-      raise ValueError(f"seed={seed!r} must be an integer")
-    parts = build(
-        model, mesh=mesh, speculative_config=speculative_config, max_model_len=max_model_len,
-        dtype=dtype, moe_backend=moe_backend, seed=seed, max_num_seqs=max_num_seqs,
-        compilation_cache_dir=compilation_cache_dir, ep_strategy=ep_strategy,
-        device_memory_bytes=device_memory_bytes, prefill_chunk_size=prefill_chunk_size,
-        attention_backend=attention_backend, recurrent_commit=recurrent_commit,
-        sharding_rules=sharding_rules, batching=batching,
-        projection_backend=projection_backend, norm_backend=norm_backend,
-        all_reduce_backend=all_reduce_backend,
-        random_modules=_modules, random_draft=_draft)
-    for field in dataclasses.fields(parts):
-      setattr(self, field.name, getattr(parts, field.name))
+    vllm_options = {name: options.pop(name) for name in list(options)
+                    if name not in OPTION_NAMES}
+    mesh = mesh_from_vllm(options.get("mesh"), vllm_options, list(OPTION_NAMES))
+    if mesh is not None:
+      options["mesh"] = mesh
+    parts = build(model, EngineOptions(**options), random_modules=_modules,
+                  random_draft=_draft)
+    self.__dict__.update({field.name: getattr(parts, field.name)
+                          for field in dataclasses.fields(LLMParts)})
     self._request_counter = 0
+
+  def __repr__(self):
+    return (f"LLM({self.model_dir or self.config.architecture!r}, mesh={self.mesh_config}, "
+            f"spec={self.spec})")
 
   @property
   def _runner(self):
@@ -240,3 +231,6 @@ class LLM:
     """The target's float32 logits [len, vocab] for each sequence (one forward, no sampling)."""
     ids = self._encode(token_id_lists)
     return self.scorer.logits(ids)
+
+
+LLM.__init__.__signature__ = signature_with_options(LLM.__init__, after="model")

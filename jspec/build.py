@@ -20,31 +20,26 @@ from jspec.checkpoint import is_converted, restore_converted
 from jspec.config import ModelConfig, SpecConfig, checkpoint_dtype, resolve_dtype
 from jspec.models.hf_config import config_from_dir
 from jspec.device import DeviceModel
-from jspec.models.caches import RECURRENT_COMMIT_MODES
-from jspec.models.decode_attention import ATTENTION_BACKENDS, resolve_attention_backend
+from jspec.models.decode_attention import resolve_attention_backend
 from jspec.models.drafts import init_random_drafter
 from jspec.models.loading import init_random, load_checkpoint
 from jspec.models.moe_backends import expert_tile, resolve_moe_backend
-from jspec.models.projections import PROJECTION_BACKENDS
-from jspec.models.row_kernels import NORM_BACKENDS
-from jspec.pallas_kernels import platform
+from jspec.options import BATCHING_MODES, EngineOptions
 from jspec.progress import notice, stage
 from jspec.schedulers.continuous import ContinuousScheduler
 from jspec.schedulers.waves import WavesScheduler
 from jspec.scoring import Scorer
-from jspec.sharding.moe import EP_STRATEGIES
 from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
 from jspec.sharding.rules import MeshConfig, ShardingRules
-from jspec.sharding.tensor_parallel import ALL_REDUCE_BACKENDS, resolve_all_reduce_backend
+from jspec.sharding.tensor_parallel import resolve_all_reduce_backend
 from jspec.sharding.vocab import sharded_vocab_argmax
 from jspec.speculative.drafters.setup import TargetContext, setup_for
 from jspec.tokenizer import load_tokenizer
 
-# batching= -> the scheduler that runs every generate call (jspec.schedulers).
-# "continuous": a finished sequence's slot takes the next request inside the loop;
-# "waves": batches that end with their longest request (kept to compare against).
+# batching= -> the scheduler that runs every generate call (jspec.schedulers; the modes'
+# meanings: jspec.options.BATCHING_MODES).
 SCHEDULERS = {"continuous": ContinuousScheduler, "waves": WavesScheduler}
-BATCHING_MODES = tuple(SCHEDULERS)
+assert tuple(SCHEDULERS) == BATCHING_MODES
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
@@ -78,6 +73,7 @@ class LLMParts:
   all_reduce_backend: str
   experts_fn: object
   draft_experts_fn: object
+  options: EngineOptions | None = None  # as given (the fields above hold resolved values)
   # The target's and the draft's greedy argmax where the mesh splits their vocabulary
   # (jspec.sharding.vocab.sharded_vocab_argmax), None elsewhere.
   vocab_argmax: tuple = (None, None)
@@ -128,53 +124,6 @@ def check_model_dir(model):
   raise FileNotFoundError(f"model directory {model!r} does not exist{hint}")
 
 
-def check_options(*, attention_backend, projection_backend, ep_strategy, recurrent_commit,
-                  speculative_config, max_model_len, max_num_seqs, prefill_chunk_size,
-                  batching, norm_backend="auto", all_reduce_backend="auto") -> SpecConfig | None:
-  """The options that need no model, refused with the offending value and what is valid;
-  returns the parsed speculative_config."""
-  if attention_backend not in ATTENTION_BACKENDS:
-    raise ValueError(f"attention_backend={attention_backend!r} is not supported; choose one "
-                     f"of {ATTENTION_BACKENDS}")
-  if projection_backend not in PROJECTION_BACKENDS:
-    raise ValueError(f"projection_backend={projection_backend!r} is not supported; choose "
-                     f"one of {PROJECTION_BACKENDS}")
-  if norm_backend not in NORM_BACKENDS:
-    raise ValueError(f"norm_backend={norm_backend!r} is not supported; choose one of "
-                     f"{NORM_BACKENDS}")
-  if all_reduce_backend not in ALL_REDUCE_BACKENDS:
-    raise ValueError(f"all_reduce_backend={all_reduce_backend!r} is not supported; choose one "
-                     f"of {ALL_REDUCE_BACKENDS}")
-  if all_reduce_backend in ("xla", "kernel") and projection_backend == "xla":
-    raise ValueError(f"all_reduce_backend={all_reduce_backend!r} reduces the tensor-parallel "
-                     "products jspec writes shard by shard; projection_backend='xla' leaves "
-                     "them to XLA's partitioner: use projection_backend='auto' or 'pallas'")
-  if all_reduce_backend == "partitioner" and projection_backend == "pallas":
-    raise ValueError("all_reduce_backend='partitioner' leaves the tensor-parallel products to "
-                     "XLA's partitioner; projection_backend='pallas' writes them shard by shard: "
-                     "use projection_backend='auto' or 'xla'")
-  if all_reduce_backend == "kernel" and not platform.on_hopper():
-    raise ValueError("all_reduce_backend='kernel' needs Hopper GPUs (its one-shot kernel reads "
-                     "peer memory over NVLink, which no interpreter simulates); use 'auto'")
-  if ep_strategy not in EP_STRATEGIES:  # checked on every mesh, not only where ep > 1
-    raise ValueError(f"ep_strategy={ep_strategy!r} is not supported; choose one of "
-                     f"{EP_STRATEGIES}")
-  if recurrent_commit not in RECURRENT_COMMIT_MODES:
-    raise ValueError(f"recurrent_commit={recurrent_commit!r} is not supported; choose one of "
-                     f"{RECURRENT_COMMIT_MODES}")
-  spec = SpecConfig.parse(speculative_config)
-  if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
-    raise ValueError(f"max_model_len={max_model_len!r} must be an integer >= 2")
-  if max_num_seqs != "auto" and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
-    raise ValueError(f"max_num_seqs={max_num_seqs!r} must be an integer >= 1 or 'auto'")
-  if not (isinstance(prefill_chunk_size, int) and prefill_chunk_size >= 16
-          and prefill_chunk_size & (prefill_chunk_size - 1) == 0):
-    raise ValueError(f"prefill_chunk_size={prefill_chunk_size!r} must be a power of two >= 16")
-  if batching not in BATCHING_MODES:
-    raise ValueError(f"batching={batching!r} is not supported; choose one of {BATCHING_MODES}")
-  return spec
-
-
 def resolve_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
   """The requested max_model_len checked against the config, or its default (the model's
   context, capped to keep caches modest, and to a sliding window: inside it, attending to
@@ -200,38 +149,25 @@ def draft_rules_for(spec: SpecConfig | None, rules: ShardingRules) -> ShardingRu
   return rules.without_tp() if spec and spec.draft_tp == 1 else rules
 
 
-def build(model: str | None = None, *, mesh: MeshConfig | None = None,
-          speculative_config: SpecConfig | dict | None = None,
-          max_model_len: int | None = None, dtype="bfloat16", moe_backend: str = "auto",
-          seed: int = 0, max_num_seqs: int | str = "auto",
-          compilation_cache_dir: str | None = None, ep_strategy: str = "auto",
-          device_memory_bytes: int | None = None, prefill_chunk_size: int = 256,
-          attention_backend: str = "auto", recurrent_commit: str = "store",
-          sharding_rules: ShardingRules | None = None, batching: str = "continuous",
-          projection_backend: str = "auto", norm_backend: str = "auto",
-          all_reduce_backend: str = "auto", random_modules=None,
+def build(model: str | None, options: EngineOptions, random_modules=None,
           random_draft=None) -> LLMParts:
-  """The parts of `jspec.LLM` (its arguments are this function's; `random_modules`,
-  `random_draft`: what `random_modules` built instead of loading)."""
+  """The parts of `jspec.LLM(model, **options)`; `random_modules`, `random_draft`: what
+  `random_modules` built instead of loading."""
+  spec = options.check()
+  dtype = options.dtype
   dtype = resolve_dtype(checkpoint_dtype(model) if dtype == "auto" else dtype)
-  spec = check_options(attention_backend=attention_backend,
-                       projection_backend=projection_backend, ep_strategy=ep_strategy,
-                       recurrent_commit=recurrent_commit, speculative_config=speculative_config,
-                       norm_backend=norm_backend, all_reduce_backend=all_reduce_backend,
-                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       prefill_chunk_size=prefill_chunk_size, batching=batching)
+  attention_backend, projection_backend = options.attention_backend, options.projection_backend
+  norm_backend, all_reduce_backend = options.norm_backend, options.all_reduce_backend
+  max_model_len, max_num_seqs = options.max_model_len, options.max_num_seqs
   # "auto": the Pallas decode kernels on a Hopper GPU, XLA's attention elsewhere.
   resolved_attention = resolve_attention_backend(attention_backend)
-  mesh_config = mesh or MeshConfig()
-  moe_backend = resolve_moe_backend(moe_backend)
-  enable_compilation_cache(compilation_cache_dir)
+  mesh_config = options.mesh or MeshConfig()
+  moe_backend = resolve_moe_backend(options.moe_backend)
+  enable_compilation_cache(options.compilation_cache_dir)
   device_mesh = mesh_config.make_mesh()
   # The logical-axis -> mesh-axis table (jspec.sharding.rules); e.g. ShardingRules(vocab=None)
   # keeps the embedding and lm_head whole on every tp shard.
-  rules = sharding_rules or ShardingRules()
-  if spec and spec.draft_tp not in (None, 1, mesh_config.tp):
-    raise ValueError(f"draft_tp={spec.draft_tp} must be 1 (the draft replicated over tp) "
-                     f"or the target's tp={mesh_config.tp}")
+  rules = options.sharding_rules or ShardingRules()
   draft_rules = draft_rules_for(spec, rules)
   drafter_setup = setup_for(spec)
 
@@ -261,13 +197,13 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
 
   # ---- drafter ----
   draft_module = drafter_setup.module(spec, target_context, target, mtp, random_draft)
-  set_recurrent_commit(target, recurrent_commit)
+  set_recurrent_commit(target, options.recurrent_commit)
 
   # ---- memory plan ----
   k = spec.num_speculative_tokens if spec else 0
   memory_plan = plan_memory(mesh_config, device_mesh, target, draft_module, rules, draft_rules,
                             dtype, max_num_seqs, max_model_len, k,
-                            capacity_bytes=device_memory_bytes or device_capacity())
+                            capacity_bytes=options.device_memory_bytes or device_capacity())
   if max_num_seqs == "auto":
     notice(f"max_num_seqs='auto': {memory_plan.max_num_seqs} sequences at max_model_len="
            f"{max_model_len} ({memory_plan.describe()})")
@@ -281,7 +217,8 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
                        for r in (rules, draft_rules))
   # The MoE layers' collectives through the kernel only where "kernel" is named: not yet timed
   # against XLA's, so not under "auto" (jspec.sharding.moe).
-  experts_fn, draft_experts_fn = use_experts(moe_backend, device_mesh, ep_strategy, target_pair,
+  experts_fn, draft_experts_fn = use_experts(moe_backend, device_mesh, options.ep_strategy,
+                                             target_pair,
                                              draft_pair, all_reduce_backend == "kernel")
   if resolved_attention == "pallas":
     # "auto" takes the MLA kernel (measured faster than XLA's latent attention) and cuDNN's
@@ -307,14 +244,15 @@ def build(model: str | None = None, *, mesh: MeshConfig | None = None,
       mesh_config=mesh_config, mesh=device_mesh, rules=rules, draft_rules=draft_rules,
       target=target, mtp=mtp, mtp_spec=mtp_spec, draft_module=draft_module,
       max_model_len=max_model_len, max_num_seqs=memory_plan.max_num_seqs,
-      prefill_chunk_size=prefill_chunk_size, memory_plan=memory_plan, batching=batching,
-      seed=seed, moe_backend=moe_backend, attention_backend=resolved_attention,
-      projection_backend=projection_backend, norm_backend=norm_backend,
-      recurrent_commit=recurrent_commit, all_reduce_backend=all_reduce_backend,
+      prefill_chunk_size=options.prefill_chunk_size, memory_plan=memory_plan,
+      batching=options.batching, seed=options.seed, moe_backend=moe_backend,
+      attention_backend=resolved_attention, projection_backend=projection_backend,
+      norm_backend=norm_backend, recurrent_commit=options.recurrent_commit,
+      all_reduce_backend=all_reduce_backend, options=options,
       experts_fn=experts_fn, draft_experts_fn=draft_experts_fn, vocab_argmax=vocab_argmax)
   parts.device = DeviceModel(parts)
   parts.scorer = Scorer(parts.device, parts)
-  parts.scheduler = SCHEDULERS[batching](parts.device, parts)
+  parts.scheduler = SCHEDULERS[options.batching](parts.device, parts)
   return parts
 
 

@@ -12,24 +12,11 @@ def _add_model_args(parser, model_required: bool):
   parser.add_argument("--model", required=model_required, default=None,
                       help="local Hugging Face checkpoint directory"
                       + ("" if model_required else " (default: the built-in demo model)"))
-  parser.add_argument("--dtype", default="auto",
-                      help="auto (the checkpoint's own) | float32 | bfloat16 | float16")
-  parser.add_argument("--max-model-len", type=int, default=None,
-                      help="default: the model's max_position_embeddings, at most 4096")
-  parser.add_argument("--moe-backend", default="auto",
-                      help="auto | pallas | ragged_dot | dense | reference")
-  parser.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "pallas"],
-                      help="decode/verify attention: XLA, or the split-S Pallas kernels "
-                           "(auto: the kernels on Hopper GPUs)")
-  parser.add_argument("--norm-backend", default="auto", choices=["auto", "xla", "pallas"],
-                      help="decode/verify steps' residual adds, norms and RoPE: XLA's fusions, "
-                           "or one Pallas kernel per group (auto: the kernels on GPUs)")
-  parser.add_argument("--all-reduce-backend", default="auto",
-                      choices=["auto", "partitioner", "xla", "kernel"],
-                      help="tensor-parallel layers: partitioner = XLA places products and "
-                           "all-reduces; xla / kernel = jspec's shard-by-shard products reduced "
-                           "by XLA's all-reduce / jspec's workspace one-shot kernel (Hopper GPUs "
-                           "of one process); auto = kernel where it runs, else partitioner")
+  # The engine's own options, their help and choices declared once (jspec.options; imported
+  # here, after main's Ctrl-C handler: it imports JAX); the CLI reads the checkpoint's dtype
+  # unless told otherwise.
+  from jspec.options import cli_flags
+  cli_flags(parser, defaults={"dtype": "auto"})
   parser.add_argument("--dp", type=int, default=1,
                       help="data parallelism: sequences split over this many device groups")
   parser.add_argument("--tp", type=int, default=1,
@@ -38,10 +25,6 @@ def _add_model_args(parser, model_required: bool):
   parser.add_argument("--ep", type=int, default=1,
                       help="expert parallelism (MoE models): experts split over this many "
                            "devices")
-  parser.add_argument("--max-num-seqs", default="auto",
-                      type=lambda v: v if v == "auto" else int(v),
-                      help="sequences decoded at once (slots); 'auto': as many as the memory "
-                           "plan fits")
   parser.add_argument("--vocab-replicated", action="store_true",
                       help="keep the embedding and lm_head whole on every tp shard: one more "
                            "copy of them per GPU, no vocabulary collectives in the step "
@@ -81,12 +64,10 @@ def _build_llm(args, model_dir):
   # The mesh takes the first dp*tp*ep devices (jspec.MeshConfig).
   mesh = jspec.MeshConfig(dp=args.dp, tp=args.tp, ep=args.ep)
   rules = jspec.ShardingRules(vocab=None) if args.vocab_replicated else None
-  return jspec.LLM(model=model_dir, mesh=mesh,
-                   speculative_config=_spec_config(args), max_model_len=args.max_model_len,
-                   dtype=args.dtype, moe_backend=args.moe_backend,
-                   attention_backend=args.attention_backend, sharding_rules=rules,
-                   max_num_seqs=args.max_num_seqs, norm_backend=args.norm_backend,
-                   all_reduce_backend=args.all_reduce_backend)
+  from jspec.options import cli_option_names
+  options = {name: getattr(args, name) for name in cli_option_names()}
+  return jspec.LLM(model=model_dir, mesh=mesh, speculative_config=_spec_config(args),
+                   sharding_rules=rules, **options)
 
 
 def _token_ids(text: str, flag: str) -> list[int]:
@@ -246,16 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the presets as FP8 checkpoints (e4m3 projections and experts with "
                           "128 x 128 block scales, as DeepSeek-V3 and the Qwen FP8 releases); "
                           "the roofline counts their bytes")
-  bench.add_argument("--moe-backend", default="auto",
-                     help="auto | pallas | ragged_dot | dense | reference")
-  bench.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "pallas"],
-                     help="decode/verify attention: XLA, or the split-S Pallas kernels "
-                          "(auto: the kernels on Hopper GPUs)")
-  bench.add_argument("--norm-backend", default="auto", choices=["auto", "xla", "pallas"],
-                     help="decode/verify steps' residual adds, norms and RoPE: XLA's fusions, "
-                          "or one Pallas kernel per group (auto: the kernels on GPUs)")
-  bench.add_argument("--recurrent-commit", default="store", choices=["replay", "store"],
-                     help="hybrid models: how verify windows of linear-attention layers commit")
+  from jspec.options import cli_flags
+  cli_flags(bench, names=("moe_backend", "attention_backend", "norm_backend",
+                          "recurrent_commit"))
   bench.add_argument("--bandwidth-bytes", type=int, default=2 << 30,
                      help="bytes the HBM read / copy probes move")
   bench.add_argument("--proof", action="store_true",

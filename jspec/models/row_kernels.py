@@ -31,7 +31,7 @@ MAX_ROWS = 256
 
 def resolve_norm_backend(backend: str) -> str:
   """"auto" -> "pallas" on a GPU, else "xla"; the others as they are (jspec.build's
-  check_options refuses any other name)."""
+  EngineOptions.check refuses any other name)."""
   from jspec.pallas_kernels import platform
   if backend == "auto":
     return "pallas" if platform.on_gpu() else "xla"
