@@ -34,7 +34,7 @@ from jspec.bench.roofline import hbm_bandwidth, seconds_per_call, step_bytes
 from jspec.bench.steps import STEPS_PER_CALL, StepTimer
 from jspec.models.projections import PROJECTION_BACKENDS
 from jspec.models.row_kernels import NORM_BACKENDS
-from jspec.speculative import buckets
+from jspec.shapes import buckets
 
 
 def matrix_shapes(cfg) -> dict:

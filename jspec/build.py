@@ -29,7 +29,8 @@ from jspec.progress import notice, stage
 from jspec.schedulers.continuous import ContinuousScheduler
 from jspec.schedulers.waves import WavesScheduler
 from jspec.scoring import Scorer
-from jspec.sharding.plan import device_capacity, plan_memory, validate_mesh
+from jspec.memory_plan import device_capacity, plan_memory
+from jspec.sharding.plan import validate_mesh
 from jspec.sharding.rules import MeshConfig, ShardingRules
 from jspec.sharding.tensor_parallel import resolve_all_reduce_backend
 from jspec.sharding.vocab import sharded_vocab_argmax

@@ -14,8 +14,8 @@ from flax import nnx
 
 from jspec.models import caches as cache_lib
 from jspec.sharding.rules import global_array
-from jspec.speculative.loop import split_module
-from jspec.speculative.step import LoopContext
+from jspec.loop.waves import split_module
+from jspec.loop.step import LoopContext
 
 
 class DeviceModel:

@@ -2,7 +2,7 @@
 fits a mesh of devices of a given memory (e.g. DeepSeek-V3 with its NextN layer on 8 H200 in
 FP8, and not in bf16).
 
-The same planner `LLM` runs at load time (jspec.sharding.plan.plan_memory), over modules built
+The same planner `LLM` runs at load time (jspec.memory_plan.plan_memory), over modules built
 abstractly (nnx.eval_shape: shapes and logical axes, no arrays) and an abstract mesh (no
 devices): the weights counted as the sharding rules would place them, the caches as the modules
 would allocate them.
@@ -17,7 +17,8 @@ from jax.sharding import AbstractMesh
 from jspec.config import ModelConfig
 from jspec.models.mtp import MTPHead, MTPSpec
 from jspec.models.registry import family_of
-from jspec.sharding.plan import MemoryPlan, plan_memory, sharded_configs, validate_mesh
+from jspec.memory_plan import MemoryPlan, plan_memory
+from jspec.sharding.plan import sharded_configs, validate_mesh
 from jspec.sharding.rules import MESH_AXES, MeshConfig, ShardingRules
 
 

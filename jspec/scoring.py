@@ -17,8 +17,8 @@ from jspec.device import DeviceModel
 from jspec.models import caches as cache_lib
 from jspec.outputs import position_logprobs
 from jspec.sharding.rules import to_host
-from jspec.speculative import buckets
-from jspec.speculative.chunks import in_chunks
+from jspec.shapes import buckets
+from jspec.shapes.chunks import in_chunks
 from jspec.speculative.logprobs import prompt_logprobs_fn
 
 

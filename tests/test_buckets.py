@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jspec.models.decode_attention import split_plan
-from jspec.speculative import buckets
+from jspec.shapes import buckets
 
 
 @pytest.mark.parametrize("seed", range(4))

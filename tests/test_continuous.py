@@ -13,7 +13,7 @@ import pytest
 import jspec
 from helpers import fixture_dir, greedy
 from jspec.schedulers.dispatch_chain import DispatchChain
-from jspec.speculative.dispatch import run_if
+from jspec.loop.dispatch import run_if
 
 RNG = np.random.default_rng(18)
 # Ragged prompts (one longer than the 16-token prefill chunk), skewed output lengths; ids

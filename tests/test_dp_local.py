@@ -18,7 +18,7 @@ import pytest
 import jspec
 from helpers import fixture_dir, greedy
 from jspec.models.caches import write_slots
-from jspec.speculative.rows import row_items, set_row_items
+from jspec.shapes.rows import row_items, set_row_items
 
 COLLECTIVE = re.compile(r"= (\(?[^=]*?\)?) (all-gather|all-reduce|all-to-all|collective-permute|"
                         r"reduce-scatter)(?:-start)?\(")

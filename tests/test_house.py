@@ -192,3 +192,32 @@ def test_kernels_share_only_public_names():
           and any(alias.name.startswith("_") for alias in node.names)):
         private.append((module, node.module, [a.name for a in node.names]))
   assert not private, f"private names imported across modules: {private}"
+
+
+# jspec's packages from the bottom floor up: a module imports nothing from a floor above its
+# own (function-level imports included). The top-level modules (build, api, memory_plan, ...)
+# stand above them all; jspec.config and the other leaf records are read from every floor.
+FLOORS = ("pallas_kernels", "shapes", "sharding", "models", "speculative", "loop", "schedulers")
+
+
+def _floor(module: str) -> int | None:
+  parts = module.split(".")
+  return FLOORS.index(parts[1]) if len(parts) > 1 and parts[1] in FLOORS else None
+
+
+def test_no_package_imports_from_a_floor_above_it():
+  upward = []
+  for module, deps in import_graph().items():
+    own = _floor(module)
+    if own is None:
+      continue
+    upward += [(module, dep) for dep in sorted(deps)
+               if _floor(dep) is not None and _floor(dep) > own]
+  assert not upward, "imports from a higher floor (FLOORS, bottom first): " + "\n".join(
+      f"{m} -> {d}" for m, d in upward)
+
+
+def test_the_floor_check_sees_an_upward_import():
+  assert _floor("jspec.sharding.plan") < _floor("jspec.models.caches")
+  assert _floor("jspec.loop.step") > _floor("jspec.speculative.verify")
+  assert _floor("jspec.build") is None and _floor("jspec.pallas_kernels") == 0

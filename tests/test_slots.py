@@ -5,7 +5,7 @@ import pytest
 
 import jspec
 from helpers import fixture_dir
-from jspec.sharding import plan as plan_lib
+from jspec import memory_plan as plan_lib
 
 DENSE = fixture_dir("qwen3_dense")
 MTP = {"method": "mtp", "num_speculative_tokens": 2}

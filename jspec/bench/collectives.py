@@ -23,7 +23,7 @@ from jspec.bench.steps import abstract_like
 from jspec.device import module_cache_shardings
 from jspec.models import caches as cache_lib
 from jspec.models.projections import with_kernel_scales
-from jspec.speculative import buckets
+from jspec.shapes import buckets
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
          "collective-permute", "collective-broadcast")

@@ -27,7 +27,7 @@ from jspec.bench.roofline import (cache_values_per_token, distinct_experts, hbm_
                                   mla_attention_bytes, step_bytes)
 from jspec.bench.steps import StepTimer
 from jspec.progress import stage
-from jspec.sharding.plan import device_capacity
+from jspec.memory_plan import device_capacity
 
 VERIFY_WIDTHS = (2, 4, 6)
 

@@ -32,7 +32,7 @@ from jspec.bench.roofline import seconds_per_call
 from jspec.device import module_cache_shardings
 from jspec.models import caches as cache_lib
 from jspec.models.projections import with_kernel_scales
-from jspec.speculative import buckets
+from jspec.shapes import buckets
 from jspec.speculative.sampling import vocab_argmax
 
 STEPS_PER_CALL = 8

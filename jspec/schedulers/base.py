@@ -12,8 +12,8 @@ from typing import Protocol
 
 from jspec.config import SamplingParams, SpecConfig
 from jspec.outputs import RequestOutput
-from jspec.speculative import buckets
-from jspec.speculative.step import LoopPlan
+from jspec.shapes import buckets
+from jspec.loop.step import LoopPlan
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ import numpy as np
 
 from jspec.outputs import (CompletionOutput, RequestMetrics, RequestOutput, aggregate,
                            position_logprobs)
-from jspec.speculative.queue import QueuePlan
+from jspec.loop.queue import QueuePlan
 
 
 @dataclasses.dataclass

@@ -1,8 +1,8 @@
 """Host side of continuous batching: one program per call's shapes, run as a few dispatches.
 
 A call compiles (once per shape: slots, cache slots, queue buckets, drafter, first-wave prompt
-bucket) a `start` program (jspec.speculative.slots) and a `dispatch` program
-(jspec.speculative.dispatch). `start` allocates the slots' state and prefills the first
+bucket) a `start` program (jspec.loop.slots) and a `dispatch` program
+(jspec.loop.dispatch). `start` allocates the slots' state and prefills the first
 requests that fit the slots in one batched pass (the wave scheduler's prefill), so a call whose
 requests all fit runs as a wave would. `dispatch` runs the loop until its Finished rows fill,
 its step budget is spent or every request is done. The state is donated from one dispatch to
@@ -37,11 +37,12 @@ from jspec.schedulers.base import (DispatchTiming, RunResult, cache_len_for, loo
 from jspec.schedulers.collect import FinishedCompletion, OutputCollector
 from jspec.schedulers.dispatch_chain import DispatchChain
 from jspec.sharding.rules import to_host
-from jspec.speculative import buckets, dispatch
-from jspec.speculative.loop import merge_module
-from jspec.speculative.queue import device_queue, plan_queue
-from jspec.speculative.slots import BatchPlan, Wave, start_state
-from jspec.speculative.state import FINISH_REASONS
+from jspec.loop import dispatch
+from jspec.shapes import buckets
+from jspec.loop.waves import merge_module
+from jspec.loop.queue import device_queue, plan_queue
+from jspec.loop.slots import BatchPlan, Wave, start_state
+from jspec.loop.state import FINISH_REASONS
 from jspec.timing import Clock, ReadyTime
 
 DISPATCH_SECONDS = 1.0

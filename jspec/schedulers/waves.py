@@ -1,6 +1,6 @@
 """The waves scheduler (`batching="waves"`, kept to compare against): requests sorted by prompt
 length run in batches of max_num_seqs, each as two programs (prefill, then the decode loop of
-jspec.speculative.loop) with the state donated between them; a batch ends when its longest
+jspec.loop.waves) with the state donated between them; a batch ends when its longest
 request ends, and the next one starts then.
 """
 
@@ -21,10 +21,10 @@ from jspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jspec.progress import stage
 from jspec.schedulers.base import RunResult, cache_len_for, loop_plan, num_drafts
 from jspec.sharding.rules import to_host
-from jspec.speculative import buckets
-from jspec.speculative.loop import decode_loop, merge_module, prefill
-from jspec.speculative.state import FINISH_REASONS, RequestInputs
-from jspec.speculative.step import LoopPlan
+from jspec.shapes import buckets
+from jspec.loop.waves import decode_loop, merge_module, prefill
+from jspec.loop.state import FINISH_REASONS, RequestInputs
+from jspec.loop.step import LoopPlan
 from jspec.timing import Clock, ReadyTime
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jspec.models import caches as cache_lib
-from jspec.speculative.chunks import in_chunks
+from jspec.shapes.chunks import in_chunks
 
 # Logits rows computed at once by the prompt pass: [rows x V] float32 at a time.
 PROMPT_LOGITS_ROWS = 512

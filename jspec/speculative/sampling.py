@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jspec.sharding.vocab import keyed_argmax, order_keys
-from jspec.speculative.rows import set_row_items
+from jspec.shapes.rows import set_row_items
 
 
 def vocab_argmax(logits_NV, axis: int = -1):

@@ -20,7 +20,7 @@ vLLM's and tpu-inference's rejection samplers implement the same rule.
 import jax
 import jax.numpy as jnp
 
-from jspec.speculative.rows import row_items
+from jspec.shapes.rows import row_items
 from jspec.speculative.sampling import sample, vocab_argmax
 
 PLACEHOLDER_TOKEN = -1

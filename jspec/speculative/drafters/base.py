@@ -18,13 +18,13 @@ names a drafter:
       the loop asks the target for them in prefill and verify;
   prefill_chunk(draft, tokens_BC, positions_BC, next_tokens_BC, prompt_lens_B, last_B,
                 target_out) -> DraftState
-      continuous batching (jspec.speculative.batching): one chunk of prompt positions of the
+      continuous batching (jspec.loop.rounds): one chunk of prompt positions of the
       rows being filled, their state zeroed before their first chunk; next_tokens_BC[b, c] is
       the token after position c (the row's first sampled token after its prompt's last
       position), positions at or past prompt_lens_B are padding, and last_B is the chunk
       index of the prompt's last position (meaningful in the row's last chunk only).
 
-Invariant (shared with jspec.speculative.state): between steps, for a running sequence of
+Invariant (shared with jspec.loop.state): between steps, for a running sequence of
 length L, a drafter with caches holds entries for positions 0 .. L-2 computed from committed
 tokens; entries past that are stale and are overwritten before they are read.
 """

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jspec.models import caches as cache_lib
-from jspec.speculative.chunks import in_chunks
+from jspec.shapes.chunks import in_chunks
 from jspec.speculative.drafters.base import DraftState, Drafter, TargetOut, to_vocab
 
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jspec.models import caches as cache_lib
-from jspec.speculative.chunks import in_chunks
+from jspec.shapes.chunks import in_chunks
 from jspec.speculative.drafters.base import DraftState, Drafter, TargetOut, take_rows
-from jspec.speculative.rows import set_row_items
+from jspec.shapes.rows import set_row_items
 
 
 class HiddenStateDrafter(Drafter):

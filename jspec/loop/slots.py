@@ -23,10 +23,10 @@ from flax import struct
 from jspec.models import caches as cache_lib
 from jspec.speculative import logprobs as logprob_lib
 from jspec.speculative.drafters import make_drafter
-from jspec.speculative.loop import prefill_with_logits
-from jspec.speculative.queue import Queue
-from jspec.speculative.state import FINISH_NONE, DecodeState, Metrics, RequestInputs
-from jspec.speculative.step import LoopContext, LoopPlan, target_forward
+from jspec.loop.waves import prefill_with_logits
+from jspec.loop.queue import Queue
+from jspec.loop.state import FINISH_NONE, DecodeState, Metrics, RequestInputs
+from jspec.loop.step import LoopContext, LoopPlan, target_forward
 
 FREE, PREFILL, RUN = 0, 1, 2
 
@@ -170,7 +170,7 @@ def start_state(target, draft_module, queue: Queue, wave: Wave | None, plan: Bat
                 ctx: LoopContext, wave_chunk: int) -> BatchState:
   """The state a call's first dispatch starts from: every slot free (`wave` None), or the
   wave's slots running, their prompts prefilled in one batched pass of `wave_chunk` tokens
-  at a time (jspec.speculative.loop.prefill), each with its first token sampled."""
+  at a time (jspec.loop.waves.prefill), each with its first token sampled."""
   lp = plan.loop
   drafter = make_drafter(lp.method, target, draft_module, lp, ctx)
   state = init_state(target, drafter, queue, plan, ctx)

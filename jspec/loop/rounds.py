@@ -1,8 +1,8 @@
 """Continuous batching inside the jitted loop: slots that take the next request when theirs ends.
 
-A call's requests wait on device in a `Queue` (jspec.speculative.queue).
+A call's requests wait on device in a `Queue` (jspec.loop.queue).
 The loop keeps `batch` slots. Before it, `start_state`
-(jspec.speculative.slots) prefills the first requests that fit
+(jspec.loop.slots) prefills the first requests that fit
 the slots as one batched prefill of their whole prompt bucket (a `Wave`), as a wave
 scheduler would: a call whose requests all fit pays nothing for being continuous. Then each
 *round* of the dispatch's `lax.while_loop`:
@@ -10,12 +10,12 @@ scheduler would: a call whose requests all fit pays nothing for being continuous
   1. admit (only when a slot is free and requests wait, or a prompt is in progress): each
      data-parallel shard's idle prefill lanes (`lanes` per shard: one for long prompts,
      several for short ones) take the next waiting groups (the samples of one request,
-     jspec.speculative.queue) while it has a free slot for each sample;
+     jspec.loop.queue) while it has a free slot for each sample;
   2. prefill: each lane runs the next `prefill_chunk` tokens of its group's prompt through
      the target (and the drafter), on the group leader's caches gathered out of the batch;
      the updated rows are written back to every slot of the group, so n samples share one
      prefill. After the last chunk each slot samples its first token (its own seed) and runs;
-  3. decode: draft -> verify -> accept steps of every running slot (jspec.speculative.step):
+  3. decode: draft -> verify -> accept steps of every running slot (jspec.loop.step):
      one, then more in an inner loop for as long as nothing else is due (no prompt in
      progress, no slot to refill): between refills a round is the wave scheduler's loop, one
      step per iteration with no bookkeeping;
@@ -23,7 +23,7 @@ scheduler would: a call whose requests all fit pays nothing for being continuous
      become free.
 
 The loop stops after `budget` steps, when the Finished rows might not hold another batch, or
-when every request is done: a *dispatch* (jspec.speculative.dispatch decides when each part of
+when every request is done: a *dispatch* (jspec.loop.dispatch decides when each part of
 a round is due). The host then collects the finished rows and
 updates its progress while the next dispatch, already queued on the state it donated, runs
 (jspec.schedulers.continuous).
@@ -35,7 +35,7 @@ state and drafter state reset on refill; a KV cache needs no reset, its stale sl
 rewritten before they are read). Every shard runs the same program: a lane with nothing to
 prefill computes on padding and writes nothing back (an idle lane's rows point past the shard).
 
-Slot phases and shape letters: jspec.speculative.slots.
+Slot phases and shape letters: jspec.loop.slots.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ import jax.numpy as jnp
 from jspec.speculative import logprobs as logprob_lib
 from jspec.speculative import sampling
 from jspec.speculative.drafters.base import take_rows
-from jspec.speculative.queue import Queue
-from jspec.speculative.rows import (by_shard, gather_rows, scatter_rows, select_rows,
+from jspec.loop.queue import Queue
+from jspec.shapes.rows import (by_shard, gather_rows, scatter_rows, select_rows,
                                     set_row_items)
-from jspec.speculative.slots import (FREE, PREFILL, RUN, BatchPlan, BatchState, Finished,
+from jspec.loop.slots import (FREE, PREFILL, RUN, BatchPlan, BatchState, Finished,
                                      SlotLogprobs)
-from jspec.speculative.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, RequestInputs
-from jspec.speculative.step import (TARGET_STREAM, LoopContext, choose_tokens, decode_step,
+from jspec.loop.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, RequestInputs
+from jspec.loop.step import (TARGET_STREAM, LoopContext, choose_tokens, decode_step,
                                     is_stop, stream_keys, target_forward)
 
 

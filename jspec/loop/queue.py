@@ -4,7 +4,7 @@ and its device half (the `Queue` the jitted loop admits from).
 A request asks for `n` completions of one prompt (SamplingParams.n). It enters the queue as
 one or more *groups* of at most `group` samples: a group is admitted into that many slots of
 one data-parallel shard at once, its prompt is prefilled once, and the prefilled state is
-written to every slot of the group (jspec.speculative.batching.admit). Sample 0 draws with the
+written to every slot of the group (jspec.loop.rounds.admit). Sample 0 draws with the
 request's own seed, so its tokens are those n = 1 gives; sample i > 0 with a seed derived
 from (seed, i).
 
@@ -24,7 +24,7 @@ import numpy as np
 from flax import struct
 
 from jspec.config import SamplingParams
-from jspec.speculative import buckets
+from jspec.shapes import buckets
 
 MIN_QUEUE_GROUPS = 64
 MIN_QUEUE_TOKENS = 4096

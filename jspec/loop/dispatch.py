@@ -1,6 +1,6 @@
 """A dispatch of the continuous-batching loop: its rounds, and which of their parts are due.
 
-jspec.speculative.slots holds the slots, jspec.speculative.batching what happens to them
+jspec.loop.slots holds the slots, jspec.loop.rounds what happens to them
 (admit, prefill a chunk, decode, harvest); this module decides, inside the jitted
 `lax.while_loop`, when each runs: admission and prefill only when a slot is free and requests
 wait (or a prompt is in progress), decode steps in an inner loop for as long as nothing else
@@ -12,11 +12,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.speculative.batching import admit, decode, harvest, prefill_chunk
+from jspec.loop.rounds import admit, decode, harvest, prefill_chunk
 from jspec.speculative.drafters import make_drafter
-from jspec.speculative.queue import Queue
-from jspec.speculative.slots import FREE, RUN, BatchPlan, BatchState, Finished
-from jspec.speculative.step import LoopContext
+from jspec.loop.queue import Queue
+from jspec.loop.slots import FREE, RUN, BatchPlan, BatchState, Finished
+from jspec.loop.step import LoopContext
 
 
 def run_if(flag, fn, operand):

@@ -1,7 +1,7 @@
 """One draft -> verify -> accept step, and the pieces every loop that runs it shares.
 
-Both schedulers run this step: the wave loop (jspec.speculative.loop) on a batch that
-started together, the continuous loop (jspec.speculative.batching) on slots that take the
+Both schedulers run this step: the wave loop (jspec.loop.waves) on a batch that
+started together, the continuous loop (jspec.loop.rounds) on slots that take the
 next request when theirs ends. For every running sequence of length L, one step:
 
   1. drafts k tokens d_1..d_k through the drafter surface (jspec.speculative.drafters: an
@@ -35,8 +35,8 @@ from jspec.speculative import sampling, verify
 from jspec.speculative.drafters import TargetOut, make_drafter
 from jspec.speculative.drafters.base import take_rows
 from jspec.speculative.logprobs import TokenLogprobs, window_logprobs
-from jspec.speculative.rows import row_items, set_row_items
-from jspec.speculative.state import (FINISH_LENGTH, FINISH_STOP, DecodeState, Metrics,
+from jspec.shapes.rows import row_items, set_row_items
+from jspec.loop.state import (FINISH_LENGTH, FINISH_STOP, DecodeState, Metrics,
                                      RequestInputs)
 
 TARGET_STREAM, DRAFT_STREAM = 0, 1
@@ -53,7 +53,7 @@ class LoopContext:
   cache_shardings: tuple | None = None
   draft_cache_shardings: tuple | None = None
   # The mesh's replicated sharding, or None (one device): the admission's walk over the queue
-  # runs on every shard from replicated inputs (jspec.speculative.batching.admit says why).
+  # runs on every shard from replicated inputs (jspec.loop.rounds.admit says why).
   replicated: object = None
   # The greedy argmax over the target's and the draft's logits: sampling.vocab_argmax, or where
   # the mesh splits a vocabulary, the same tokens in one all-reduce

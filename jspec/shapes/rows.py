@@ -1,5 +1,5 @@
 """Rows of batch-first pytrees, per data-parallel shard: the gathers and scatters the
-continuous loop moves slots with (jspec.speculative.batching), and the per-row reads and
+continuous loop moves slots with (jspec.loop.rounds), and the per-row reads and
 writes of a step (`row_items`, `set_row_items`). Each is batched over the shard or row axis,
 so a shard reads and writes only its own rows.
 

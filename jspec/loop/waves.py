@@ -1,9 +1,9 @@
 """The wave loop: prefill a batch, then one `lax.while_loop` of steps until it is done.
 
 Pure functions over `DecodeState`. `prefill` runs the prompts and samples each sequence's first
-token; `decode_loop` repeats the shared draft -> verify -> accept step (jspec.speculative.step)
+token; `decode_loop` repeats the shared draft -> verify -> accept step (jspec.loop.step)
 until every sequence of the batch has finished. The continuous loop reuses `prefill_with_logits`
-for the first requests of a call (jspec.speculative.batching.start_state).
+for the first requests of a call (jspec.loop.slots.start_state).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from flax import nnx
 
 from jspec.models import caches as cache_lib
 from jspec.speculative import sampling
-from jspec.speculative.chunks import in_chunks
+from jspec.shapes.chunks import in_chunks
 from jspec.speculative.drafters import make_drafter
 from jspec.speculative.drafters.base import take_rows
-from jspec.speculative.rows import set_row_items
-from jspec.speculative.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState,
+from jspec.shapes.rows import set_row_items
+from jspec.loop.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState,
                                      Metrics, RequestInputs)
-from jspec.speculative.step import (TARGET_STREAM, LoopContext, LoopPlan, choose_tokens,
+from jspec.loop.step import (TARGET_STREAM, LoopContext, LoopPlan, choose_tokens,
                                     decode_step, is_stop, stream_keys, target_forward)
 
 
