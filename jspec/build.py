@@ -34,7 +34,8 @@ from jspec.sharding.plan import validate_mesh
 from jspec.sharding.rules import MeshConfig, ShardingRules
 from jspec.sharding.tensor_parallel import resolve_all_reduce_backend
 from jspec.sharding.vocab import sharded_vocab_argmax
-from jspec.speculative.drafters.setup import TargetContext, setup_for
+from jspec.speculative.drafters import setup_for
+from jspec.speculative.drafters.setup import TargetContext
 from jspec.tokenizer import load_tokenizer
 
 # batching= -> the scheduler that runs every generate call (jspec.schedulers; the modes'

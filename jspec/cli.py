@@ -33,8 +33,8 @@ def _add_model_args(parser, model_required: bool):
 
 
 def _add_spec_args(parser):
-  parser.add_argument("--spec", default="none",
-                      choices=["none", "mtp", "ngram", "draft_model", "eagle3"],
+  from jspec.config import SPEC_METHODS
+  parser.add_argument("--spec", default="none", choices=["none", *SPEC_METHODS],
                       help="drafter: the checkpoint's MTP head, n-gram lookup, a separate draft "
                            "model or an EAGLE-3 head (both from --draft-model), or none")
   parser.add_argument("--draft-model", default=None, metavar="DIR",

@@ -66,3 +66,21 @@ def test_an_llm_is_hashable_and_equal_only_to_itself():
   assert llm.options.max_model_len == 64 and llm.options.max_num_seqs == 1
   assert llm == llm and {llm: 1}[llm] == 1
   assert "LLM(" in repr(llm) and len(repr(llm)) < 300
+
+
+def test_each_speculative_method_has_one_registry_entry():
+  """A method is a name SpecConfig accepts (jspec.config, the floor with no drafters) and
+  one jspec.speculative.drafters.METHODS entry (its drafter and its setup); the CLI offers
+  exactly those."""
+  from jspec.config import SPEC_METHODS
+  from jspec.speculative.drafters import METHODS, Drafter, setup_for
+  from jspec.speculative.drafters.setup import DrafterSetup
+  assert set(METHODS) == set(SPEC_METHODS)
+  for name, method in METHODS.items():
+    assert issubclass(method.drafter, Drafter) and isinstance(method.setup, DrafterSetup)
+    spec = jspec.SpecConfig.parse({"method": name, "num_speculative_tokens": 2,
+                                   **({"model": "/x"} if name in ("draft_model", "eagle3")
+                                      else {})})
+    assert setup_for(spec) is method.setup
+  actions = {a.dest: a for a in _generate_parser()._actions}
+  assert list(actions["spec"].choices) == ["none", *SPEC_METHODS]

@@ -67,7 +67,7 @@ class LoopPlan:
   """Everything static about one compiled program (hashable: it keys the jit cache)."""
   batch: int
   cache_len: int
-  method: str | None       # None or a drafter (jspec.speculative.drafters.DRAFTERS)
+  method: str | None       # None or a method (jspec.speculative.drafters.METHODS)
   k: int                   # drafts per step; 0 without speculation
   all_greedy: bool         # every request has temperature 0: argmax paths only
   any_filtered: bool = True  # some request uses top-k or top-p (the sampling path sorts)

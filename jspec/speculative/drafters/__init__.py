@@ -1,21 +1,40 @@
-"""Drafters behind one surface (base.py): the loop builds one with `make_drafter` and calls
-only prefill / propose / extend."""
+"""Drafters behind one surface (base.py), and the one registry of speculative methods: for
+each speculative_config "method", the drafter the loop runs (`make_drafter`: prefill /
+propose / extend) and the setup the build runs (`setup_for`: checks before any weight is
+read, then the drafter's module; setup.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from jspec.config import SPEC_METHODS, SpecConfig
 from jspec.speculative.drafters.base import DraftState, Drafter, TargetOut
 from jspec.speculative.drafters.draft_model import DraftModelDrafter
 from jspec.speculative.drafters.hidden_state import HiddenStateDrafter
 from jspec.speculative.drafters.ngram import NgramDrafter
+from jspec.speculative.drafters.setup import (DraftModelSetup, DrafterSetup, Eagle3Setup,
+                                              MTPSetup)
 
-# speculative_config "method" -> the drafter that runs it. MTP and EAGLE heads differ only in
-# their module (what `target_features` and each layer compute), not in how they draft.
-DRAFTERS = {
-    "mtp": HiddenStateDrafter,
-    "eagle3": HiddenStateDrafter,
-    "draft_model": DraftModelDrafter,
-    "ngram": NgramDrafter,
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """One speculative method: how it drafts, and how its drafter is checked and loaded."""
+  drafter: type[Drafter]
+  setup: DrafterSetup
+
+
+# MTP and EAGLE heads differ only in their module (what `target_features` and each layer
+# compute), not in how they draft. jspec.config.SPEC_METHODS holds the names SpecConfig
+# accepts (the config floor reads no drafter); they must be this table's keys.
+METHODS = {
+    "mtp": Method(HiddenStateDrafter, MTPSetup()),
+    "eagle3": Method(HiddenStateDrafter, Eagle3Setup()),
+    "draft_model": Method(DraftModelDrafter, DraftModelSetup()),
+    "ngram": Method(NgramDrafter, DrafterSetup()),
 }
+if set(METHODS) != set(SPEC_METHODS):
+  raise ImportError(f"speculative methods without a registry entry or a name: "
+                    f"{sorted(set(METHODS) ^ set(SPEC_METHODS))}")
 
 
 class _NoDrafter(Drafter):
@@ -30,7 +49,13 @@ class _NoDrafter(Drafter):
 
 def make_drafter(method: str | None, target, module, plan, ctx) -> Drafter:
   """The drafter for `method` over `module` (the draft's NNX module, or None)."""
-  return (DRAFTERS[method] if method else _NoDrafter)(target, module, plan, ctx)
+  return (METHODS[method].drafter if method else _NoDrafter)(target, module, plan, ctx)
 
 
-__all__ = ["DRAFTERS", "DraftState", "Drafter", "TargetOut", "make_drafter"]
+def setup_for(spec: SpecConfig | None) -> DrafterSetup:
+  """The setup of `spec`'s method; plain decoding (no spec) has the default one."""
+  return METHODS[spec.method].setup if spec else DrafterSetup()
+
+
+__all__ = ["METHODS", "DraftState", "Drafter", "Method", "TargetOut", "make_drafter",
+           "setup_for"]

@@ -122,17 +122,3 @@ class DraftModelSetup(DrafterSetup):
       raise FileNotFoundError(f"draft model directory {spec.model!r} does not exist")
     return dataclasses.replace(config_from_dir(spec.model),
                                expert_tile=expert_tile(target.moe_backend))
-
-
-# speculative_config "method" -> how its drafter is checked and loaded (jspec.config.SPEC_METHODS).
-SETUPS = {
-    "mtp": MTPSetup(),
-    "eagle3": Eagle3Setup(),
-    "draft_model": DraftModelSetup(),
-    "ngram": DrafterSetup(),
-}
-
-
-def setup_for(spec: SpecConfig | None) -> DrafterSetup:
-  """The setup of `spec`'s method; plain decoding (no spec) has the default one."""
-  return SETUPS[spec.method] if spec else DrafterSetup()
