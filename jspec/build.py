@@ -24,7 +24,7 @@ from jspec.models.decode_attention import resolve_attention_backend
 from jspec.models.drafts import init_random_drafter
 from jspec.models.loading import init_random, load_checkpoint
 from jspec.models.moe_backends import expert_tile, resolve_moe_backend
-from jspec.options import BATCHING_MODES, EngineOptions
+from jspec.options import EngineOptions
 from jspec.progress import notice, stage
 from jspec.schedulers.continuous import ContinuousScheduler
 from jspec.schedulers.waves import WavesScheduler
@@ -39,9 +39,8 @@ from jspec.speculative.drafters.setup import TargetContext
 from jspec.tokenizer import load_tokenizer
 
 # batching= -> the scheduler that runs every generate call (jspec.schedulers; the modes'
-# meanings: jspec.options.BATCHING_MODES).
+# meanings: jspec.options.BATCHING_MODES, whose names these keys are).
 SCHEDULERS = {"continuous": ContinuousScheduler, "waves": WavesScheduler}
-assert tuple(SCHEDULERS) == BATCHING_MODES
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
@@ -75,7 +74,7 @@ class LLMParts:
   all_reduce_backend: str
   experts_fn: object
   draft_experts_fn: object
-  options: EngineOptions | None = None  # as given (the fields above hold resolved values)
+  options: EngineOptions  # as given (the fields above hold resolved values)
   # The target's and the draft's greedy argmax where the mesh splits their vocabulary
   # (jspec.sharding.vocab.sharded_vocab_argmax), None elsewhere.
   vocab_argmax: tuple = (None, None)

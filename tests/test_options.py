@@ -55,6 +55,12 @@ def test_a_wrong_option_is_refused_by_the_options_alone(name, value):
     EngineOptions(**{name: value}).check()
 
 
+def test_each_batching_mode_has_its_scheduler():
+  from jspec.build import SCHEDULERS
+  from jspec.options import BATCHING_MODES
+  assert tuple(SCHEDULERS) == BATCHING_MODES
+
+
 def test_the_llm_class_declares_its_built_parts():
   declared = {f.name for f in dataclasses.fields(jspec.LLM)}
   assert declared == {f.name for f in dataclasses.fields(LLMParts)}
