@@ -216,11 +216,10 @@ def build(model: str | None, options: EngineOptions, random_modules=None,
   use_vocab_lookup(device_mesh, (target_pair, draft_pair, (mtp, draft_rules)), custom_all_reduce)
   vocab_argmax = tuple(sharded_vocab_argmax(device_mesh, r, custom_all_reduce)
                        for r in (rules, draft_rules))
-  # The MoE layers' collectives through the kernel only where "kernel" is named: not yet timed
-  # against XLA's, so not under "auto" (jspec.sharding.moe).
+  # The MoE layers' collectives too (jspec.sharding.moe): on 2 H200s, Qwen3-30B-A3B at ep = 2,
+  # batch 32, 11.28 against XLA's 11.50 ms a step, the same tokens (BENCHMARKS.md).
   experts_fn, draft_experts_fn = use_experts(moe_backend, device_mesh, options.ep_strategy,
-                                             target_pair,
-                                             draft_pair, all_reduce_backend == "kernel")
+                                             target_pair, draft_pair, custom_all_reduce)
   if resolved_attention == "pallas":
     # "auto" takes the MLA kernel (measured faster than XLA's latent attention) and cuDNN's
     # prefill attention; GQA layers' decode and verify steps keep XLA's attention unless
