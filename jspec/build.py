@@ -188,6 +188,11 @@ def build(model: str | None, options: EngineOptions, random_modules=None,
     validate_mesh(config, mesh_config)
     max_model_len = resolve_max_model_len(config, max_model_len)
     tokenizer = load_tokenizer(model)
+  if spec is not None and spec.speculative_token_tree is not None and (
+      "linear_attention" in config.layer_types):
+    raise ValueError("speculative_token_tree needs caches by position; this model's linear-"
+                     "attention layers keep one recurrent state per sequence, which a tree's "
+                     "branches would share. Use a chain (no speculative_token_tree)")
   target_context = TargetContext(config, model_dir, tokenizer, mesh_config, device_mesh,
                                  draft_rules, dtype, moe_backend)
   if random_modules is None:

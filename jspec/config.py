@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+
 SUPPORTED_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -204,65 +205,8 @@ class ModelConfig:
     return (layer_index + 1) % self.decoder_sparse_step == 0
 
 
-SPEC_METHODS = ("mtp", "ngram", "draft_model", "eagle3")
-SEPARATE_DRAFT_METHODS = ("draft_model", "eagle3")
-# Drafts per step at most: vLLM's MTP / EAGLE recipes use 1-7, n-gram lookup up to ~10.
-MAX_SPECULATIVE_TOKENS = 16  # drafters loaded from their own directory
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-  """Speculative decoding settings; vLLM's `speculative_config` dict maps onto it."""
-  method: str
-  num_speculative_tokens: int
-  prompt_lookup_min: int = 1
-  prompt_lookup_max: int = 3
-  draft_tp: int | None = None  # 1 = replicate the draft over tp; None = shard like the target.
-  # MTP only: token ids the head may draft (a reduced draft vocabulary; outputs are unchanged).
-  draft_vocab: tuple[int, ...] | None = None
-  # draft_model / eagle3: the drafter's local Hugging Face directory.
-  model: str | None = None
-
-  def __post_init__(self):
-    if self.method not in SPEC_METHODS:
-      raise ValueError(f"speculative method {self.method!r} is not supported; "
-                       f"choose one of {SPEC_METHODS}")
-    k = self.num_speculative_tokens
-    if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-      raise ValueError(f"num_speculative_tokens={k!r} must be an integer in [1, "
-                       f"{MAX_SPECULATIVE_TOKENS}]: each draft token adds a verify row to every "
-                       "step and a compiled shape, and acceptance falls with each one")
-    if self.method in SEPARATE_DRAFT_METHODS and not self.model:
-      raise ValueError(f"speculative method {self.method!r} needs 'model': the drafter's "
-                       "checkpoint directory")
-    if self.method not in SEPARATE_DRAFT_METHODS and self.model is not None:
-      raise ValueError(f"speculative method {self.method!r} takes no 'model' (it drafts from "
-                       f"the target's own checkpoint); 'model' is for {SEPARATE_DRAFT_METHODS}")
-    if self.draft_vocab is not None:
-      if self.method != "mtp":
-        raise ValueError(f"draft_vocab restricts an MTP head's drafts; method is {self.method!r}")
-      ids = tuple(int(t) for t in self.draft_vocab)
-      if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
-        raise ValueError("draft_vocab must hold at least one token id, each >= 0 and distinct")
-      object.__setattr__(self, "draft_vocab", ids)
-    if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-      raise ValueError(
-          f"n-gram bounds out of order: need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) "
-          f"<= prompt_lookup_max ({self.prompt_lookup_max})")
-
-  @classmethod
-  def parse(cls, spec: "SpecConfig | dict | None") -> "SpecConfig | None":
-    if spec is None or isinstance(spec, SpecConfig):
-      return spec
-    if not isinstance(spec, dict):
-      raise ValueError(f"speculative_config must be a dict, SpecConfig or None, got {spec!r}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(spec) - known
-    if unknown:
-      raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(known)}")
-    if "method" not in spec or "num_speculative_tokens" not in spec:
-      raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
-    return cls(**spec)
+from jspec.spec_config import (MAX_SPECULATIVE_TOKENS, SEPARATE_DRAFT_METHODS,  # noqa: E402,F401
+                                SPEC_METHODS, TREE_METHODS, SpecConfig)
 
 
 # The most alternatives per position `logprobs` / `prompt_logprobs` may ask for (vLLM's

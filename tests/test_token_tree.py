@@ -109,3 +109,55 @@ def test_a_chain_tree_accepts_what_greedy_verify_accepts(k):
   for b in range(batch):
     assert list(np.asarray(path[b])) == list(range(int(got_len[b]) + 1)) + [-1] * (
         k - int(got_len[b]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_verify_and_draft_layouts_see_exactly_the_ancestors(seed):
+  """Brute force over random trees: a verify query sees the slots below start and its
+  ancestors' window slots; a draft pass's query at depth d sees those of its ancestors below
+  the root, where the passes before it wrote them (node i at start + i - 1)."""
+  from jspec.speculative.tree import draft_layout, verify_layout
+  rng = np.random.default_rng(seed)
+  tree, slots = random_tree(rng), 40
+  start_B = rng.integers(0, 20, size=3)
+  layout = verify_layout(tree)
+  positions_BN = start_B[:, None] + np.asarray(tree.depths)[None]
+  got = np.asarray(layout.visible_BTS(jnp.asarray(positions_BN), slots))
+  np.testing.assert_array_equal(np.asarray(layout.slots(jnp.asarray(positions_BN))),
+                                start_B[:, None] + np.arange(tree.num_nodes))
+  for b, start in enumerate(start_B):
+    for i in range(tree.num_nodes):
+      want = {s for s in range(slots) if s < start} | {start + a for a in tree.ancestors(i)}
+      assert set(np.flatnonzero(got[b, i])) == want
+  for depth in range(1, tree.depth):
+    nodes, layout = draft_layout(tree, depth)
+    positions_BW = np.repeat((start_B + depth - 1)[:, None], len(nodes), axis=1)
+    got = np.asarray(layout.visible_BTS(jnp.asarray(positions_BW), slots))
+    for b, start in enumerate(start_B):
+      for w, i in enumerate(nodes):
+        assert tree.children(i)
+        want = ({s for s in range(slots) if s < start}
+                | {start + a - 1 for a in tree.ancestors(i) if a > 0})
+        assert set(np.flatnonzero(got[b, w])) == want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compaction_moves_the_accepted_path_to_consecutive_slots(seed):
+  from jspec.models.caches import compact_slots
+  rng = np.random.default_rng(seed)
+  tree = random_tree(rng)
+  batch, slots, heads, width = 4, 40, 2, 3
+  cache = rng.standard_normal((batch, heads, slots, width)).astype(np.float32)
+  start_B = rng.integers(0, 20, size=batch)
+  leaves = [i for i in range(tree.num_nodes) if not tree.children(i)]
+  paths = np.full((batch, tree.depth + 1), -1, np.int32)
+  for b in range(batch):
+    node = tree.ancestors(int(rng.choice(leaves)))[:int(rng.integers(1, tree.depth + 2))]
+    paths[b, :len(node)] = node
+  got = np.asarray(compact_slots(jnp.asarray(cache), jnp.asarray(paths), jnp.asarray(start_B), 2))
+  want = cache.copy()
+  for b in range(batch):
+    for j, node in enumerate(paths[b]):
+      if node >= 0:
+        want[b, :, start_B[b] + j] = cache[b, :, start_B[b] + node]
+  np.testing.assert_array_equal(got, want)

@@ -38,6 +38,8 @@ from jspec.speculative.logprobs import TokenLogprobs, window_logprobs
 from jspec.shapes.rows import row_items, set_row_items
 from jspec.loop.state import (FINISH_LENGTH, FINISH_STOP, DecodeState, Metrics,
                                      RequestInputs)
+from jspec.loop.tree_step import tree_window
+from jspec.token_tree import TokenTree
 
 TARGET_STREAM, DRAFT_STREAM = 0, 1
 
@@ -77,6 +79,8 @@ class LoopPlan:
   # Log-probabilities of emitted tokens with this many alternatives (jspec.speculative.logprobs),
   # from the verify pass; None: not computed.
   num_logprobs: int | None = None
+  # A token tree to verify instead of a chain (greedy programs only), k = its nodes - 1.
+  tree: TokenTree | None = None
 
 
 @struct.dataclass
@@ -154,11 +158,25 @@ def accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, re
 
 def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, plan: LoopPlan,
                 ctx: LoopContext) -> tuple[DecodeState, StepOutputs]:
-  k, batch, lengths_B = plan.k, plan.batch, state.lengths_B
-  running_B = ~state.done_B
+  lengths_B = state.lengths_B
   last_token_B = row_items(state.tokens_BS, lengths_B - 1)
   drafter = make_drafter(plan.method, target, draft_module, plan, ctx)
+  if plan.tree is not None:
+    forward = lambda t, p, c: target_forward(target, drafter, t, p, c, plan.cache_len,
+                                             ctx.experts_fn)
+    (accept_len_B, out_tokens_BT, target_out, window_caches, draft, logits_BTV,
+     draft_len_B) = tree_window(target, drafter, state, last_token_B, plan, ctx, forward)
+    positions_BT = lengths_B[:, None] - 1 + jnp.arange(plan.k + 1, dtype=jnp.int32)
+  else:
+    (accept_len_B, out_tokens_BT, target_out, window_caches, draft, logits_BTV, draft_len_B,
+     positions_BT) = _chain_window(target, drafter, state, req, plan, ctx, last_token_B)
+  return _finish_step(state, req, plan, drafter, accept_len_B, out_tokens_BT, target_out,
+                      window_caches, draft, logits_BTV, draft_len_B, positions_BT)
 
+
+def _chain_window(target, drafter, state, req, plan, ctx, last_token_B):
+  """A chain's draft, verify and accept: the drafts at positions L..L+k-1."""
+  k, batch, lengths_B = plan.k, plan.batch, state.lengths_B
   draft, draft_probs_BKV = state.draft, None
   if k > 0:
     drafts_BK, draft_len_B, draft_probs_BKV, draft = drafter.propose(
@@ -175,6 +193,15 @@ def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, pl
   logits_BTV = target.logits(target_out.hidden_BTD)
   accept_len_B, out_tokens_BT = accept(logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV,
                                         state, req, plan, ctx.vocab_argmax)
+  return (accept_len_B, out_tokens_BT, target_out, window_caches, draft, logits_BTV,
+          draft_len_B, positions_BT)
+
+
+def _finish_step(state, req, plan, drafter, accept_len_B, out_tokens_BT, target_out,
+                 window_caches, draft, logits_BTV, draft_len_B, positions_BT):
+  """Stops, tokens, lengths, caches, the drafter's extend and the metrics after acceptance."""
+  k, lengths_B = plan.k, state.lengths_B
+  running_B = ~state.done_B
 
   # Stop exactly where one-token-at-a-time decoding would: the first emitted token that is a
   # stop id, or that brings the sequence to its maximum length, ends it.

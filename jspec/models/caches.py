@@ -77,6 +77,10 @@ class KVCache:
     del num_emit_B  # Rolls back by length: slots past the new length are never read.
     return self
 
+  def compact(self, path_BD, start_B) -> "KVCache":
+    return KVCache(compact_slots(self.keys, path_BD, start_B, 2),
+                   compact_slots(self.values, path_BD, start_B, 2))
+
 
 @struct.dataclass
 class MLACache:
@@ -99,6 +103,9 @@ class MLACache:
   def commit(self, num_emit_B) -> "MLACache":
     del num_emit_B  # Rolls back by length, as KVCache.
     return self
+
+  def compact(self, path_BD, start_B) -> "MLACache":
+    return MLACache(compact_slots(self.latent, path_BD, start_B, 1))
 
 
 @struct.dataclass
@@ -159,6 +166,29 @@ class RecurrentWindow:
     state = advance_state(self.start.state, self.keys, self.values, self.log_decay, self.beta,
                           num_emit_B)
     return RecurrentCache(conv, state)
+
+
+def compact_slots(cache_B_S_, path_BD, start_B, slot_axis: int):
+  """A token tree's accepted path moved to consecutive slots (jspec.models.tree_attention):
+  slot start + j takes the row at start + path[j] (path[0] = 0, the root); -1 past the
+  accepted depth leaves the slot as it is. The rows are gathered before any is written."""
+  depth = path_BD.shape[1]
+  sources_BD = start_B[:, None] + jnp.maximum(path_BD, 0)
+  targets_BD = start_B[:, None] + jnp.arange(depth, dtype=jnp.int32)
+  targets_BD = jnp.where(path_BD >= 0, targets_BD, cache_B_S_.shape[slot_axis])  # dropped
+  rows = jax.vmap(lambda c, i: jnp.take(c, i, axis=slot_axis - 1, mode="clip"))(
+      cache_B_S_, sources_BD)
+  return write_slots(cache_B_S_, jnp.moveaxis(rows, slot_axis, 1), targets_BD, slot_axis)
+
+
+def compact(caches: tuple, path_BD, start_B) -> tuple:
+  """Each layer's cache after a token tree's verify window: the accepted path's rows at the
+  slots its positions name. Recurrent layers keep no per-path state: trees refuse them."""
+  for cache in caches:
+    if not hasattr(cache, "compact"):
+      raise ValueError(f"token trees need caches by position; {type(cache).__name__} keeps "
+                       "a recurrent state that one window cannot hold per path")
+  return tuple(cache.compact(path_BD, start_B) for cache in caches)
 
 
 def commit(caches: tuple, num_emit_B) -> tuple:

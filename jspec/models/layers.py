@@ -20,6 +20,7 @@ from jspec.models.linear import linear, project_many_named, project_named
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.models.params import param
 from jspec.models.row_kernels import takes_rows
+from jspec.models.tree_attention import active_layout
 from jspec.pallas_kernels import short_attention as short_kernel
 
 
@@ -226,6 +227,13 @@ class Attention(nnx.Module):
     if self.kv_replicas > 1:  # copy r of head j at r*j .. r*j+r-1: query group order is kept
       k_BTKH = jnp.repeat(k_BTKH, self.kv_replicas, axis=2)
       v_BTKH = jnp.repeat(v_BTKH, self.kv_replicas, axis=2)
+    tree = active_layout(q_BTNH.shape[1])
+    if tree is not None:  # a token tree's window: its slots, XLA's masked attention
+      slots_BT = tree.slots(positions_BT)
+      cache = KVCache(write_cache(cache.keys, k_BTKH, slots_BT),
+                      write_cache(cache.values, v_BTKH, slots_BT))
+      return self._xla_attention(q_BTNH, cache.keys, cache.values,
+                                 tree.visible_BTS(positions_BT, kv_window), kv_window), cache
     if self.kv_write is not None and takes_rows(k_BTKH, ndim=4):
       cache_k, cache_v = self.kv_write(cache.keys, cache.values, k_BTKH, v_BTKH, positions_BT)
     else:
@@ -249,14 +257,21 @@ class Attention(nnx.Module):
     values_BKSH = cache_v[:, :, :kv_window]
     if self.prefill_attention is not None and group * t > MAX_ROWS_PER_KV_HEAD:
       return self.prefill_attention(q_BTNH, keys_BKSH, values_BKSH, positions_BT), cache
+    visible_BTS = jnp.arange(kv_window)[None, None, :] <= positions_BT[:, :, None]
+    return self._xla_attention(q_BTNH, cache_k, cache_v, visible_BTS, kv_window), cache
+
+  def _xla_attention(self, q_BTNH, cache_k, cache_v, visible_BTS, kv_window: int):
+    """Attention over the first `kv_window` slots where `visible_BTS` [B, T, S] allows."""
+    b, t, n, h = q_BTNH.shape
+    group = n // self.num_kv_heads
+    keys_BKSH, values_BKSH = cache_k[:, :, :kv_window], cache_v[:, :, :kv_window]
     q_BKGTH = q_BTNH.reshape(b, t, self.num_kv_heads, group, h).transpose(0, 2, 3, 1, 4)
     scores_BKGTS = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, keys_BKSH,
                               preferred_element_type=jnp.float32) * (h ** -0.5)
-    visible_BTS = jnp.arange(kv_window)[None, None, :] <= positions_BT[:, :, None]
     scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, -jnp.inf)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(values_BKSH.dtype)
     out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS, values_BKSH)
-    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), cache
+    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 class GatedAttention(Attention):

@@ -55,6 +55,7 @@ from jspec.models import quantization
 from jspec.models.linear import linear, project_named
 from jspec.models.norms import RMSNorm
 from jspec.models.params import param
+from jspec.models.tree_attention import active_layout
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not the
 # config's rms_norm_eps (DeepseekV3RMSNorm(q_lora_rank), Glm4MoeLiteRMSNorm(kv_lora_rank)).
@@ -68,9 +69,10 @@ def mla_cache(cfg: ModelConfig, batch: int, slots: int, dtype) -> MLACache:
   return MLACache.zeros(batch, slots, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype)
 
 
-def latent_attention(q_BTNL, cache_BSL, positions_BT, scale: float):
+def latent_attention(q_BTNL, cache_BSL, positions_BT, scale: float, visible_BTS=None):
   """The absorbed form's attention over the latent: [q_lat | q_rope] against each cached row
-  [latent | rope key], causal by position; returns the probability-weighted rows [B,T,N,L]
+  [latent | rope key], causal by position (or where `visible_BTS` [B, T, S] says: a token
+  tree); returns the probability-weighted rows [B,T,N,L]
   (their first C values are the latent context). Every head reads the same rows.
 
   XLA runs this as two matrix products per sequence, scores then the weighted sum, each
@@ -78,15 +80,17 @@ def latent_attention(q_BTNL, cache_BSL, positions_BT, scale: float):
   kernel would read them once (`jspec bench` reports the time against the single read)."""
   scores_BNTS = jnp.einsum("btnl,bsl->bnts", q_BTNL, cache_BSL,
                            preferred_element_type=jnp.float32)
-  probs_BNTS = _causal_softmax(scores_BNTS * scale, positions_BT, cache_BSL.dtype)
+  probs_BNTS = _causal_softmax(scores_BNTS * scale, positions_BT, cache_BSL.dtype, visible_BTS)
   # Weights the whole rows, rope key included, and lets the caller drop those R columns: the
   # cache stays one operand of both products (no sliced copy of it), for R / L more
   # multiply-adds.
   return jnp.einsum("bnts,bsl->btnl", probs_BNTS, cache_BSL)
 
 
-def _causal_softmax(scores_BNTS, positions_BT, dtype):
-  visible_BTS = jnp.arange(scores_BNTS.shape[-1])[None, None, :] <= positions_BT[:, :, None]
+def _causal_softmax(scores_BNTS, positions_BT, dtype, visible_BTS=None):
+  """Softmax over the slots each query sees: those up to its position, or `visible_BTS`."""
+  if visible_BTS is None:
+    visible_BTS = jnp.arange(scores_BNTS.shape[-1])[None, None, :] <= positions_BT[:, :, None]
   scores_BNTS = jnp.where(visible_BTS[:, None], scores_BNTS, -jnp.inf)
   return jax.nn.softmax(scores_BNTS, axis=-1).astype(dtype)
 
@@ -188,6 +192,15 @@ class MLAttention(nnx.Module):
     """Writes the window's latent rows at `positions_BT`, attends causally over the first
     `kv_window` slots; `absorbed` None: by the window's length (ABSORBED_MAX_TOKENS)."""
     q_nope_BTNP, q_rope_BTNR, rows_BTL = self.project(x_BTD, positions_BT)
+    tree = active_layout(x_BTD.shape[1])
+    if tree is not None:  # a token tree's window: its slots, XLA's masked latent attention
+      cache = MLACache(write_slots(cache.latent, rows_BTL, tree.slots(positions_BT), 1))
+      q_BTNL = self.absorbed_query(q_nope_BTNP, q_rope_BTNR)
+      context_BTNL = latent_attention(q_BTNL, cache.latent[:, :kv_window], positions_BT,
+                                      self.scale, tree.visible_BTS(positions_BT, kv_window))
+      out_BTNV = jnp.einsum("btnc,nvc->btnv", context_BTNL[..., :self.latent_dim],
+                            self._head_weight("w_uv", context_BTNL.dtype))
+      return self._dense(out_BTNV, "o_proj", "btnv,nvd->btd", in_axes=2), cache
     cache = MLACache(write_slots(cache.latent, rows_BTL, positions_BT, slot_axis=1))
     if absorbed is None:
       absorbed = x_BTD.shape[1] <= ABSORBED_MAX_TOKENS

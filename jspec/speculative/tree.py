@@ -1,15 +1,10 @@
-"""Static token trees for speculation: their topology, the mask a verify pass attends with, and
-greedy acceptance of the longest path the target agrees with.
+"""Token trees in the loop: the attention layouts of a tree's draft and verify passes, and greedy
+acceptance of the longest path the target agrees with. The topology (`TokenTree`, vLLM's
+`speculative_token_tree` spelling) lives in jspec.token_tree.
 
-A tree is spelled as vLLM's `speculative_token_tree` spells it: a list of paths, each a tuple of
-child ranks from the root (the last committed token), `(0,)` the drafter's top candidate at
-depth 1, `(1,)` its second, `(0, 0)` the top candidate after `(0,)`, and so on. Every path's
-parent must be listed too. A chain of k drafts is `[(0,), (0, 0), ..., (0,) * k]`.
-
-Nodes are numbered in the order the paths are listed after sorting by (depth, path): the
-verify window is [root, node 1, ..., node N-1], node 0 being the root. A node attends to the
-committed cache and to its ancestors in the window (itself included), never to its siblings:
-`ancestor_mask`. Its position is the committed length + its depth.
+A verify window is [root, node 1, ..., node N-1], node 0 being the last committed token. A node
+attends to the committed cache and to its ancestors in the window (itself included), never to
+its siblings: `TokenTree.ancestor_mask`. Its position is the committed length - 1 + its depth.
 
 Greedy acceptance (`greedy_accept`): a node is accepted when its parent is and its token is the
 target's argmax at its parent, so that every accepted node is what one-token-at-a-time greedy
@@ -23,77 +18,13 @@ Shape letters: B batch, N nodes (root included), D the tree's depth (longest pat
 
 from __future__ import annotations
 
-import dataclasses
-
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.models.tree_attention import TreeLayout
 from jspec.speculative.verify import PLACEHOLDER_TOKEN
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenTree:
-  """A static tree over N nodes, node 0 the root: parent, depth and rank of each node
-  (tuples, so that the tree is hashable and can key a compiled program)."""
-  paths: tuple[tuple[int, ...], ...]   # node i > 0's path from the root; () for the root
-  parents: tuple[int, ...]             # parents[0] = -1
-  depths: tuple[int, ...]
-
-  @classmethod
-  def from_paths(cls, paths) -> "TokenTree":
-    """The tree of `paths` (vLLM's spelling, see the module docstring). Refuses an empty
-    list, a path of negative ranks, a repeated path, and a path whose parent is missing."""
-    paths = [tuple(int(r) for r in p) for p in paths]
-    if not paths:
-      raise ValueError("a token tree needs at least one path, e.g. [(0,)]")
-    for p in paths:
-      if not p or any(r < 0 for r in p):
-        raise ValueError(f"tree path {p} must be a non-empty tuple of ranks >= 0")
-    if len(set(paths)) != len(paths):
-      raise ValueError(f"tree paths repeat: {sorted(p for p in set(paths) if paths.count(p) > 1)}")
-    known = set(paths)
-    for p in paths:
-      if len(p) > 1 and p[:-1] not in known:
-        raise ValueError(f"tree path {p} has no parent {p[:-1]} in the list")
-    ordered = [()] + sorted(paths, key=lambda p: (len(p), p))
-    index = {p: i for i, p in enumerate(ordered)}
-    parents = tuple([-1] + [index[p[:-1]] for p in ordered[1:]])
-    return cls(tuple(ordered), parents, tuple(len(p) for p in ordered))
-
-  @classmethod
-  def chain(cls, k: int) -> "TokenTree":
-    return cls.from_paths([(0,) * d for d in range(1, k + 1)])
-
-  @property
-  def num_nodes(self) -> int:
-    return len(self.parents)
-
-  @property
-  def depth(self) -> int:
-    return max(self.depths)
-
-  def ancestors(self, node: int) -> list[int]:
-    """The nodes from the root down to `node`, both included."""
-    path = [node]
-    while self.parents[path[-1]] >= 0:
-      path.append(self.parents[path[-1]])
-    return path[::-1]
-
-  def ancestor_mask(self) -> np.ndarray:
-    """[N, N] bool: node i attends to node j of the window iff j is i or one of its
-    ancestors."""
-    mask = np.zeros((self.num_nodes, self.num_nodes), bool)
-    for i in range(self.num_nodes):
-      mask[i, self.ancestors(i)] = True
-    return mask
-
-  def path_table(self) -> np.ndarray:
-    """[N, D + 1] int32: row i lists node i's path from the root, padded with -1."""
-    table = np.full((self.num_nodes, self.depth + 1), -1, np.int32)
-    for i in range(self.num_nodes):
-      nodes = self.ancestors(i)
-      table[i, :len(nodes)] = nodes
-    return table
+from jspec.token_tree import TokenTree
 
 
 def greedy_accept(tree: TokenTree, node_tokens_BN, target_argmax_BN):
@@ -127,3 +58,33 @@ def greedy_accept(tree: TokenTree, node_tokens_BN, target_argmax_BN):
                       jnp.where(j_D1 == accept_len_B[:, None], next_B[:, None],
                                 PLACEHOLDER_TOKEN))
   return accept_len_B, out_BD1.astype(jnp.int32), path_BD1
+
+
+def verify_layout(tree: TokenTree) -> TreeLayout:
+  """The target's verify pass: node i at slot start + i (start = the committed length - 1,
+  the root's position), seeing its ancestors."""
+  mask = tree.ancestor_mask()
+  return TreeLayout(tuple(range(tree.num_nodes)), tuple(tuple(bool(v) for v in row)
+                                                        for row in mask))
+
+
+def draft_layout(tree: TokenTree, depth: int) -> tuple[tuple[int, ...], TreeLayout]:
+  """(nodes, layout) of a drafter's pass at `depth` >= 1: the nodes there that have children,
+  whose outputs give those children. Node i's keys go to slot start + i - 1, where start is
+  the slot of node 1 (a chain's first draft pass), and each node sees its ancestors below the
+  root (their passes ran at the depths before). A chain's tree reproduces the chain's slots
+  and causal masks exactly."""
+  nodes = tuple(i for i in tree.nodes_at(depth) if tree.children(i))
+  visible = tuple(tuple(u + 1 in tree.ancestors(i) for u in range(tree.num_nodes - 1))
+                  for i in nodes)
+  return nodes, TreeLayout(tuple(i - 1 for i in nodes), visible, start_shift=depth - 1)
+
+
+def child_tokens(tree: TokenTree, parents: tuple[int, ...], logits_BWV) -> dict[int, jax.Array]:
+  """{child: tokens [B]} for the children of `parents` (logits_BWV[:, w] is parents[w]'s):
+  the child of rank r takes the parent's r-th most likely token (greedy drafting; ties to the
+  lower token id, as argmax)."""
+  width = 1 + max(tree.rank(c) for p in parents for c in tree.children(p))
+  _, top_BWR = jax.lax.top_k(logits_BWV.astype(jnp.float32), width)
+  return {c: top_BWR[:, w, tree.rank(c)].astype(jnp.int32)
+          for w, p in enumerate(parents) for c in tree.children(p)}

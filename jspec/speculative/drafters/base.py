@@ -1,7 +1,7 @@
 """The surface every drafter offers the loop, and the state it carries between steps.
 
 A drafter proposes up to k tokens per sequence each step and keeps whatever it needs (its own
-caches, its last logits) in a `DraftState`. The loop calls only these four methods and never
+caches, its last logits) in a `DraftState`. The loop calls only these methods and never
 names a drafter:
 
   prefill(tokens_BP, prompt_lens_B, first_B, target_out) -> DraftState
@@ -16,6 +16,9 @@ names a drafter:
       the target's hidden states at the window positions;
   aux_layers: the target layers whose *input* hidden states the drafter reads (EAGLE-3);
       the loop asks the target for them in prefill and verify;
+  propose_tree(draft, tokens_BS, lengths_B, tree), accept_tree(draft, path_BD1, lengths_B)
+      a token tree's greedy drafts and, after verification, the accepted path (drafters
+      whose caches hold draft passes by slot move that path's rows into place);
   prefill_chunk(draft, tokens_BC, positions_BC, next_tokens_BC, prompt_lens_B, last_B,
                 target_out) -> DraftState
       continuous batching (jspec.loop.rounds): one chunk of prompt positions of the
@@ -74,6 +77,16 @@ class Drafter:
 
   def prefill_chunk(self, draft: DraftState, tokens_BC, positions_BC, next_tokens_BC,
                     prompt_lens_B, last_B, target_out: TargetOut) -> DraftState:
+    return draft
+
+  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree):
+    """(node_tokens_BK, draft): greedy drafts for a token tree's nodes 1..N-1
+    (jspec.speculative.tree), K = N - 1."""
+    raise ValueError(f"{type(self).__name__} drafts no token trees")
+
+  def accept_tree(self, draft: DraftState, path_BD1, lengths_B) -> DraftState:
+    """After a tree's verification: `path_BD1` the accepted nodes from the root (-1 past the
+    accepted depth), `lengths_B` the lengths before the step."""
     return draft
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jspec.models import caches as cache_lib
+from jspec.models.tree_attention import tree_layout
+from jspec.speculative import tree as tree_lib
 from jspec.shapes.chunks import in_chunks
 from jspec.speculative.drafters.base import DraftState, Drafter, TargetOut, take_rows
 from jspec.shapes.rows import set_row_items
@@ -87,6 +89,30 @@ class HiddenStateDrafter(Drafter):
     probs_BKV = None if probs[0] is None else jnp.stack(probs, axis=1)
     draft_len_B = jnp.full(lengths_B.shape, plan.k, jnp.int32)
     return jnp.stack(drafts, axis=1), draft_len_B, probs_BKV, draft.replace(caches=tuple(caches))
+
+  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree):
+    """The root's children from the extend's logits; then, depth by depth, one head pass over
+    the nodes with children (a node pairs its token with its parent's feedback, as draft step
+    j pairs draft j - 1 with step j - 1's), laid out by jspec.speculative.tree.draft_layout."""
+    layers, plan = self.head.layers, self.plan
+    tokens = tree_lib.child_tokens(tree, (0,), draft.logits_BV[:, None])
+    feedback = {0: draft.feedback_BD}
+    caches = list(draft.caches)
+    for depth in range(1, tree.depth):
+      nodes, layout = tree_lib.draft_layout(tree, depth)
+      index = depth % len(layers)
+      tokens_BW = jnp.stack([tokens[i] for i in nodes], axis=1)
+      hidden_BWD = jnp.stack([feedback[tree.parents[i]] for i in nodes], axis=1)
+      positions_BW = jnp.broadcast_to((lengths_B + depth - 2)[:, None], tokens_BW.shape)
+      with tree_layout(layout):
+        normed_BWD, feedback_BWD, caches[index] = layers[index](
+            self.target, tokens_BW, hidden_BWD, positions_BW, caches[index], plan.cache_len,
+            self.ctx.draft_experts_fn)
+      feedback.update({i: feedback_BWD[:, w] for w, i in enumerate(nodes)})
+      tokens.update(tree_lib.child_tokens(tree, nodes,
+                                          layers[index].logits(self.target, normed_BWD)))
+    drafts_BK = jnp.stack([tokens[i] for i in range(1, tree.num_nodes)], axis=1)
+    return drafts_BK, draft.replace(caches=tuple(caches))
 
   def prefill_chunk(self, draft: DraftState, tokens_BC, positions_BC, next_tokens_BC,
                     prompt_lens_B, last_B, target_out: TargetOut) -> DraftState:

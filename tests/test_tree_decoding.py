@@ -1,0 +1,114 @@
+"""Token trees in the loop (speculative_config's `speculative_token_tree`): greedy decoding over
+a tree emits exactly what greedy vanilla decoding emits, for every drafter that drafts trees,
+on GQA and MLA targets, under both schedulers and on dp / tp meshes; what cannot run a tree is
+refused before any model work. Float32 fixtures on the CPU.
+
+The trees below have several children at depth 1, so the accepted path is often not the
+window's first rows: the caches' compaction (jspec.models.caches.compact) runs for real. A
+draft model that is the target itself accepts every top candidate; a one-layer draft model
+accepts some; random MTP / EAGLE-3 heads accept almost none.
+"""
+
+import numpy as np
+import pytest
+
+import jspec
+from drafter_checkpoints import eagle3_head, truncated_draft_model
+from helpers import cached_llm, fixture_dir, greedy
+
+RNG = np.random.default_rng(20261128)
+# Below every fixture's vocabulary (deepseek_v3: 192).
+PROMPTS = [RNG.integers(0, 190, size=n).tolist() for n in (3, 9, 5, 14)]
+MAX_TOKENS = 20
+WIDE = "[(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (0, 1)]"      # 7 nodes, depth 3
+NO_TOP_PAIR = "[(0,), (1,), (0, 1), (1, 0), (1, 1), (0, 1, 0)]"    # no (0, 0): rank 1 needed
+CHAIN3 = "[(0,), (0, 0), (0, 0, 0)]"
+
+
+def _nodes(tree: str) -> int:
+  return tree.count("(")  # one per path
+
+
+def _vanilla(name, prompts=PROMPTS):
+  return [o.token_ids for o in cached_llm(name).generate(prompts, greedy(MAX_TOKENS),
+                                                          use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def llama_drafters(tmp_path_factory):
+  root, llama = tmp_path_factory.mktemp("tree_drafters"), fixture_dir("llama3")
+  return {"itself": llama,
+          "one_layer": truncated_draft_model(llama, str(root / "one_layer"), 1),
+          "eagle3": eagle3_head(llama, str(root / "eagle3"), 96, aux_layer_ids=(0, 1, 1))}
+
+
+@pytest.mark.parametrize("drafter, tree", [("itself", NO_TOP_PAIR), ("one_layer", WIDE),
+                                           ("eagle3", WIDE)])
+def test_greedy_tree_equals_vanilla_with_separate_drafters(llama_drafters, drafter, tree):
+  method = "eagle3" if drafter == "eagle3" else "draft_model"
+  llm = cached_llm("llama3", method, _nodes(tree), model=llama_drafters[drafter],
+                   speculative_token_tree=tree)
+  outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
+  assert [o.token_ids for o in outs] == _vanilla("llama3")
+  for o in outs:
+    assert len(o.token_ids) == 1 + o.metrics.num_accepted_tokens + o.metrics.num_steps
+  if drafter == "itself":
+    # Without a (0, 0) node, depth 2 is reached only through a rank-1 child: the accepted
+    # path leaves the window's first rows, so the compaction is what keeps tokens exact.
+    assert outs.metrics.num_accepted_tokens > outs.metrics.num_steps // 2
+
+
+def test_a_chain_shaped_tree_is_the_chain(llama_drafters):
+  """The same drafts, the same acceptance, step for step: the tree layouts of a chain are the
+  chain's slots and causal masks."""
+  chain = cached_llm("llama3", "draft_model", 3, model=llama_drafters["one_layer"])
+  tree = cached_llm("llama3", "draft_model", 3, model=llama_drafters["one_layer"],
+                    speculative_token_tree=CHAIN3)
+  a, b = (m.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False) for m in (chain, tree))
+  assert [o.token_ids for o in a] == [o.token_ids for o in b]
+  assert [o.metrics.num_accepted_tokens for o in a] == [o.metrics.num_accepted_tokens for o in b]
+  assert [o.metrics.num_steps for o in a] == [o.metrics.num_steps for o in b]
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
+def test_greedy_tree_equals_vanilla_with_mtp_heads(name):
+  """GQA (GLM-4.5) and MLA (DeepSeek-V3, a two-layer head) targets and heads."""
+  llm = cached_llm(name, "mtp", _nodes(WIDE), speculative_token_tree=WIDE)
+  assert [o.token_ids for o in llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)] == (
+      _vanilla(name))
+
+
+@pytest.mark.parametrize("mesh, batching", [(jspec.MeshConfig(tp=2), "continuous"),
+                                            (jspec.MeshConfig(dp=2), "waves")])
+def test_greedy_tree_on_meshes_and_both_schedulers(llama_drafters, mesh, batching):
+  llm = jspec.LLM(model=fixture_dir("llama3"), dtype="float32", max_model_len=128,
+                  mesh=mesh, batching=batching,
+                  speculative_config={"method": "draft_model", "num_speculative_tokens": 6,
+                                      "model": llama_drafters["itself"],
+                                      "speculative_token_tree": NO_TOP_PAIR})
+  outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
+  assert [o.token_ids for o in outs] == _vanilla("llama3")
+
+
+def test_what_cannot_run_a_tree_is_refused(llama_drafters):
+  spec = lambda **kw: {"method": "draft_model", "num_speculative_tokens": 3,
+                       "model": llama_drafters["itself"], **kw}
+  with pytest.raises(ValueError, match="must be equal"):
+    jspec.LLM(model=fixture_dir("llama3"), speculative_config=spec(
+        speculative_token_tree=WIDE))
+  with pytest.raises(ValueError, match="not a list of paths"):
+    jspec.LLM(model=fixture_dir("llama3"), speculative_config=spec(
+        speculative_token_tree="[(0,), (0"))
+  with pytest.raises(ValueError, match="no parent"):
+    jspec.LLM(model=fixture_dir("llama3"), speculative_config=spec(
+        speculative_token_tree=[(0,), (0, 0), (1, 0, 0)]))
+  with pytest.raises(ValueError, match="drafter with logits"):
+    jspec.LLM(model=fixture_dir("llama3"), speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "speculative_token_tree": CHAIN3})
+  with pytest.raises(ValueError, match="recurrent state"):
+    jspec.LLM(model=fixture_dir("qwen3_5_text"), speculative_config={
+        "method": "mtp", "num_speculative_tokens": 3, "speculative_token_tree": CHAIN3})
+  llm = cached_llm("llama3", "draft_model", 3, model=llama_drafters["itself"],
+                   speculative_token_tree=CHAIN3)
+  with pytest.raises(ValueError, match="greedy requests only.*temperature=0.7"):
+    llm.generate(PROMPTS[:1], jspec.SamplingParams(temperature=0.7, max_tokens=4))
