@@ -53,6 +53,8 @@ def main():
   parser.add_argument("--one-row", choices=["kernel", "two_rows", "two_rows_all"],
                       help="skinny_gemm.ONE_ROW (default: the library's)")
   parser.add_argument("--k", type=int, default=3)
+  parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
+                                     "k becomes its node count)")
   parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
   parser.add_argument("--prompt-len", type=int, default=512)
   parser.add_argument("--max-tokens", type=int, default=128)
@@ -65,6 +67,9 @@ def main():
   spec = jspec.MTPSpec("qwen3_next", 1, is_moe=config.is_moe) if args.method == "mtp" else None
   speculative = ({"method": "mtp", "num_speculative_tokens": args.k}
                  if args.method == "mtp" else None)
+  if args.tree:
+    speculative.update(num_speculative_tokens=args.tree.count("("),
+                       speculative_token_tree=args.tree)
   params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
   device = jax.devices()[0].device_kind
   if args.one_row:
@@ -91,7 +96,8 @@ def main():
       tokens = [o.outputs[0].token_ids for o in first]
       digest = hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:10]
       row = dict(model=args.model, layers=config.num_layers, device=device, mesh=mesh_text,
-                 variant=args.variant, method=args.method, batch=batch,
+                 variant=args.variant, method=args.method + ("-tree" if args.tree else ""),
+                 batch=batch,
                  tokens_per_second=round(mid.tokens_per_second, 1),
                  tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),
                  mean_acceptance_length=mid.mean_acceptance_length, tokens_digest=digest)
