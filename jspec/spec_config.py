@@ -29,7 +29,7 @@ class SpecConfig:
   model: str | None = None
   # A static token tree to verify instead of a chain, in vLLM's spelling: a list of paths of
   # child ranks ("[(0,), (1,), (0, 0)]" or the list itself; jspec.token_tree). Its nodes (the
-  # root excluded) must number num_speculative_tokens. Greedy requests only.
+  # root excluded) must number num_speculative_tokens.
   speculative_token_tree: str | tuple | list | None = None
 
   def __post_init__(self):

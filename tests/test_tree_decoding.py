@@ -1,7 +1,8 @@
 """Token trees in the loop (speculative_config's `speculative_token_tree`): greedy decoding over
 a tree emits exactly what greedy vanilla decoding emits, for every drafter that drafts trees,
 on GQA and MLA targets, under both schedulers and on dp / tp meshes; what cannot run a tree is
-refused before any model work. Float32 fixtures on the CPU.
+refused before any model work; sampled trees keep the target's distribution. Float32 fixtures
+on the CPU.
 
 The trees below have several children at depth 1, so the accepted path is often not the
 window's first rows: the caches' compaction (jspec.models.caches.compact) runs for real. A
@@ -14,7 +15,7 @@ import pytest
 
 import jspec
 from drafter_checkpoints import eagle3_head, truncated_draft_model
-from helpers import cached_llm, fixture_dir, greedy
+from helpers import cached_llm, fixture_dir, greedy, two_sample_chi2
 
 RNG = np.random.default_rng(20261128)
 # Below every fixture's vocabulary (deepseek_v3: 192).
@@ -108,7 +109,26 @@ def test_what_cannot_run_a_tree_is_refused(llama_drafters):
   with pytest.raises(ValueError, match="recurrent state"):
     jspec.LLM(model=fixture_dir("qwen3_5_text"), speculative_config={
         "method": "mtp", "num_speculative_tokens": 3, "speculative_token_tree": CHAIN3})
-  llm = cached_llm("llama3", "draft_model", 3, model=llama_drafters["itself"],
-                   speculative_token_tree=CHAIN3)
-  with pytest.raises(ValueError, match="greedy requests only.*temperature=0.7"):
-    llm.generate(PROMPTS[:1], jspec.SamplingParams(temperature=0.7, max_tokens=4))
+
+
+@pytest.mark.parametrize("tree", ["[(0,), (1,), (0, 0), (1, 0)]"])
+def test_sampled_tree_keeps_the_target_distribution(llama_drafters, tree):
+  """Temperature 1, top-k 8: the first three generated tokens (the second and third decided by
+  the tree's multi-candidate rejection sampling) follow the target's own distribution, as the
+  chain's do (tests/test_drafters.py: a two-sample chi-square of 1500 samples, one request's
+  n = 1500, against draws from the marginals `compute_logits` gives). Siblings are
+  independent draws from the same draft distribution, so they may repeat a token."""
+  from test_drafters import CHI_PROMPT, VOCAB, _target_marginals
+  params = jspec.SamplingParams(temperature=1.0, top_k=8, max_tokens=4, seed=0, n=1500,
+                                ignore_eos=True)
+  llm = cached_llm("llama3", "draft_model", _nodes(tree), model=llama_drafters["one_layer"],
+                   speculative_token_tree=tree)
+  outs = llm.generate([CHI_PROMPT], params, use_tqdm=False)
+  samples = outs[0].outputs
+  rng = np.random.default_rng(_nodes(tree))
+  for i, probs_V in enumerate(_target_marginals(CHI_PROMPT, 8, 3)):
+    sampled = np.array([c.token_ids[i] for c in samples])
+    stat, critical, dof = two_sample_chi2(sampled, rng.choice(VOCAB, size=len(sampled),
+                                                              p=probs_V))
+    assert dof >= 3 and stat < critical, (i, stat, critical, dof)
+  assert 0 < outs.metrics.num_accepted_tokens < outs.metrics.num_draft_tokens

@@ -111,7 +111,7 @@ def test_rejection_sampling_preserves_target_distribution_for_deterministic_draf
 
 BROKEN_RULES = {
     "always_accept": ("_accept_draft", lambda u, p, q: jnp.ones_like(u, dtype=bool)),
-    "resample_from_p": ("_residual_probs", lambda p, q: p),
+    "resample_from_p": ("residual_probs", lambda p, q: p),
     "accept_with_p": ("_accept_draft", lambda u, p, q: u < p),
 }
 

@@ -79,7 +79,7 @@ class LoopPlan:
   # Log-probabilities of emitted tokens with this many alternatives (jspec.speculative.logprobs),
   # from the verify pass; None: not computed.
   num_logprobs: int | None = None
-  # A token tree to verify instead of a chain (greedy programs only), k = its nodes - 1.
+  # A token tree to verify instead of a chain, k = its nodes - 1.
   tree: TokenTree | None = None
 
 
@@ -165,7 +165,8 @@ def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, pl
     forward = lambda t, p, c: target_forward(target, drafter, t, p, c, plan.cache_len,
                                              ctx.experts_fn)
     (accept_len_B, out_tokens_BT, target_out, window_caches, draft, logits_BTV,
-     draft_len_B) = tree_window(target, drafter, state, last_token_B, plan, ctx, forward)
+     draft_len_B) = tree_window(target, drafter, state, req, last_token_B, plan, ctx, forward,
+                                (stream_keys(req, TARGET_STREAM), stream_keys(req, DRAFT_STREAM)))
     positions_BT = lengths_B[:, None] - 1 + jnp.arange(plan.k + 1, dtype=jnp.int32)
   else:
     (accept_len_B, out_tokens_BT, target_out, window_caches, draft, logits_BTV, draft_len_B,

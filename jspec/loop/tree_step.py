@@ -1,9 +1,10 @@
-"""A step's draft and verify over a token tree (greedy), returned as a chain's would be.
+"""A step's draft and verify over a token tree, returned as a chain's would be.
 
 The drafter proposes the tree's nodes (jspec.speculative.drafters: `propose_tree`); the target
 runs one pass over [root, nodes] with the tree's mask (jspec.models.tree_attention); greedy
 acceptance takes the deepest node whose path the target agrees with
-(jspec.speculative.tree.greedy_accept); the caches move that path's rows to the slots its
+(jspec.speculative.tree.greedy_accept), sampled requests walk the tree by multi-candidate
+rejection sampling (jspec.speculative.tree.sampled_accept: lossless); the caches move that path's rows to the slots its
 positions name. What comes back is laid out as a chain of the path: tokens, the target's
 outputs and logits along it, padded to the window's N rows. From there `decode_step` goes on
 as for a chain (stops, lengths, metrics by depth, the drafter's extend).
@@ -16,24 +17,60 @@ import jax.numpy as jnp
 
 from jspec.models import caches as cache_lib
 from jspec.models.tree_attention import tree_layout
-from jspec.speculative import tree as tree_lib
+from jspec.speculative import sampling, tree as tree_lib
 from jspec.speculative.verify import PLACEHOLDER_TOKEN
 
 
-def tree_window(target, drafter, state, last_token_B, plan, ctx, forward):
+def children_chooser(tree, req, lengths_B, plan, draft_stream_B):
+  """choose(parents, logits_BWV) for the drafter: greedy programs take each parent's top-ranked
+  tokens; sampled ones draw every child from the parent's processed draft distribution, with
+  the draft stream's key at the child's position folded with its rank."""
+  if plan.all_greedy:
+    return lambda parents, logits_BWV: (tree_lib.greedy_children(tree, parents, logits_BWV),
+                                        None)
+
+  def keys_fn(depth: int, rank: int):
+    keys_B = sampling.position_keys(draft_stream_B, (lengths_B + depth - 1)[:, None])[:, 0]
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, rank)
+
+  def choose(parents, logits_BWV):
+    batch, width, vocab = logits_BWV.shape
+    repeat = lambda x_B: jnp.repeat(x_B, width)
+    probs_BWV = sampling.processed_probs(
+        logits_BWV.reshape(batch * width, vocab), repeat(req.temperature_B), repeat(req.top_k_B),
+        repeat(req.top_p_B), plan.any_filtered).reshape(batch, width, vocab)
+    return tree_lib.sampled_children(tree, parents, probs_BWV, keys_fn), probs_BWV
+
+  return choose
+
+
+def tree_window(target, drafter, state, req, last_token_B, plan, ctx, forward, streams):
   """(accept_len_B, out_tokens_BN, target_out, caches, draft, logits_BNV, draft_len_B) for
-  one greedy step over `plan.tree`; `forward(tokens, positions, caches)` runs the target
-  (jspec.loop.step.target_forward)."""
+  one step over `plan.tree`; `forward(tokens, positions, caches)` runs the target
+  (jspec.loop.step.target_forward); `streams` (target, draft): the requests' stream keys."""
   tree, lengths_B = plan.tree, state.lengths_B
   nodes = tree.num_nodes
-  drafts_BK, draft = drafter.propose_tree(state.draft, state.tokens_BS, lengths_B, tree)
+  choose = children_chooser(tree, req, lengths_B, plan, streams[1])
+  drafts_BK, draft_probs_BPV, draft = drafter.propose_tree(state.draft, state.tokens_BS,
+                                                           lengths_B, tree, choose)
   tokens_BN = jnp.concatenate([last_token_B[:, None], drafts_BK], axis=1)
   positions_BN = lengths_B[:, None] - 1 + jnp.asarray(tree.depths, jnp.int32)
   with tree_layout(tree_lib.verify_layout(tree)):
     target_out, caches = forward(tokens_BN, positions_BN, state.target_caches)
   logits_BNV = target.logits(target_out.hidden_BTD)
-  accept_len_B, out_BD1, path_BD1 = tree_lib.greedy_accept(tree, tokens_BN,
-                                                           ctx.vocab_argmax(logits_BNV))
+  if plan.all_greedy:
+    accept_len_B, out_BD1, path_BD1 = tree_lib.greedy_accept(tree, tokens_BN,
+                                                             ctx.vocab_argmax(logits_BNV))
+  else:
+    batch, _, vocab = logits_BNV.shape
+    repeat = lambda x_B: jnp.repeat(x_B, nodes)
+    target_probs_BNV = sampling.processed_probs(
+        logits_BNV.reshape(batch * nodes, vocab), repeat(req.temperature_B),
+        repeat(req.top_k_B), repeat(req.top_p_B), plan.any_filtered).reshape(batch, nodes, vocab)
+    keys_BD1 = sampling.position_keys(
+        streams[0], lengths_B[:, None] + jnp.arange(tree.depth + 1, dtype=jnp.int32))
+    accept_len_B, out_BD1, path_BD1 = tree_lib.sampled_accept(
+        tree, tokens_BN, target_probs_BNV, draft_probs_BPV, keys_BD1)
   caches = cache_lib.compact(caches, path_BD1, lengths_B - 1)
   draft = drafter.accept_tree(draft, path_BD1, lengths_B)
 

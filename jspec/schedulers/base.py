@@ -46,18 +46,6 @@ class Scheduler(Protocol):
     `decode(ids) -> texts`: each token's own text (Logprob.decoded_token), or None."""
 
 
-def check_tree_sampling(spec: SpecConfig | None, params: list[SamplingParams]) -> None:
-  """Token trees are verified greedily: a sampled request is refused, naming its temperature.
-  (Lossless sampling over a tree needs multi-candidate rejection, not built yet.)"""
-  if spec is None or spec.speculative_token_tree is None:
-    return
-  hot = [sp.temperature for sp in params if sp.temperature != 0]
-  if hot:
-    raise ValueError(f"speculative_token_tree verifies greedy requests only (temperature=0); "
-                     f"got temperature={hot[0]}. Sample with a chain (no "
-                     "speculative_token_tree)")
-
-
 def num_drafts(spec: SpecConfig | None) -> int:
   """k: drafts per step, 0 without speculation."""
   return spec.num_speculative_tokens if spec else 0
@@ -74,7 +62,6 @@ def loop_plan(spec: SpecConfig | None, params: list[SamplingParams], *, batch: i
   """The static plan of a program serving `params`: the sampling paths they need (argmax only
   when all are greedy; sorting only when one filters by top-k or top-p)."""
   all_greedy = all(sp.temperature == 0 for sp in params)
-  check_tree_sampling(spec, params)
   tree = spec.token_tree if spec else None
   return LoopPlan(batch=batch, cache_len=cache_len, method=spec.method if spec else None,
                   k=num_drafts(spec), all_greedy=all_greedy, tree=tree,

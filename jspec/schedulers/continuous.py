@@ -32,8 +32,8 @@ from jspec import interrupt
 from jspec.device import DeviceModel
 from jspec.models.projections import with_kernel_scales
 from jspec.progress import RequestProgress, stage
-from jspec.schedulers.base import (DispatchTiming, RunResult, cache_len_for, check_tree_sampling,
-                                   loop_plan, num_drafts)
+from jspec.schedulers.base import (DispatchTiming, RunResult, cache_len_for, loop_plan,
+                                   num_drafts)
 from jspec.schedulers.collect import FinishedCompletion, OutputCollector
 from jspec.schedulers.dispatch_chain import DispatchChain
 from jspec.sharding.rules import to_host
@@ -75,8 +75,7 @@ class ContinuousScheduler:
   # ---- plans -----------------------------------------------------------------------------
 
   def check(self, params):
-    """Serves every sampling setting (token trees: greedy ones)."""
-    check_tree_sampling(self.parts.spec, params)
+    """Serves every sampling setting."""
 
   def _plans(self, prompt_ids, params, seeds):
     parts = self.parts

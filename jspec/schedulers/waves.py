@@ -19,8 +19,7 @@ from jspec.device import DeviceModel
 from jspec.models.projections import with_kernel_scales
 from jspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jspec.progress import stage
-from jspec.schedulers.base import (RunResult, cache_len_for, check_tree_sampling, loop_plan,
-                                   num_drafts)
+from jspec.schedulers.base import RunResult, cache_len_for, loop_plan, num_drafts
 from jspec.sharding.rules import to_host
 from jspec.shapes import buckets
 from jspec.loop.waves import decode_loop, merge_module, prefill
@@ -86,7 +85,6 @@ class WavesScheduler:
   # ---- generation -----------------------------------------------------------------------
 
   def check(self, params: list[SamplingParams]):
-    check_tree_sampling(self.parts.spec, params)
     if any(p.n > 1 or p.logprobs is not None or p.prompt_logprobs is not None for p in params):
       raise ValueError("batching='waves' generates one completion per prompt without "
                        "logprobs; use batching='continuous' for n, logprobs and prompt_logprobs")

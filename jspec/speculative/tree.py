@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.models.tree_attention import TreeLayout
-from jspec.speculative.verify import PLACEHOLDER_TOKEN
+from jspec.speculative.sampling import sample
+from jspec.speculative.verify import PLACEHOLDER_TOKEN, residual_probs as verify_residual
 from jspec.token_tree import TokenTree
 
 
@@ -80,11 +81,103 @@ def draft_layout(tree: TokenTree, depth: int) -> tuple[tuple[int, ...], TreeLayo
   return nodes, TreeLayout(tuple(i - 1 for i in nodes), visible, start_shift=depth - 1)
 
 
-def child_tokens(tree: TokenTree, parents: tuple[int, ...], logits_BWV) -> dict[int, jax.Array]:
+def branch_nodes(tree: TokenTree) -> tuple[int, ...]:
+  """The nodes with children (the root first), in index order: the rows of a sampled tree's
+  draft distributions."""
+  return tuple(i for i in range(tree.num_nodes) if tree.children(i))
+
+
+def join_probs(probs_BPV, more_BWV):
+  """Draft distributions of the branch nodes so far, with the next depth's appended (passes
+  run depth by depth, so concatenation keeps `branch_nodes` order); None when greedy."""
+  if probs_BPV is None or more_BWV is None:
+    return None
+  return jnp.concatenate([probs_BPV, more_BWV], axis=1)
+
+
+def greedy_children(tree: TokenTree, parents: tuple[int, ...], logits_BWV) -> dict:
   """{child: tokens [B]} for the children of `parents` (logits_BWV[:, w] is parents[w]'s):
-  the child of rank r takes the parent's r-th most likely token (greedy drafting; ties to the
-  lower token id, as argmax)."""
+  the child of rank r takes the parent's r-th most likely token (ties to the lower token id,
+  as argmax)."""
   width = 1 + max(tree.rank(c) for p in parents for c in tree.children(p))
   _, top_BWR = jax.lax.top_k(logits_BWV.astype(jnp.float32), width)
   return {c: top_BWR[:, w, tree.rank(c)].astype(jnp.int32)
           for w, p in enumerate(parents) for c in tree.children(p)}
+
+
+def sampled_children(tree: TokenTree, parents: tuple[int, ...], probs_BWV, keys_fn) -> dict:
+  """{child: tokens [B]}: every child of a parent an independent draw from the parent's draft
+  distribution probs_BWV[:, w], child c with keys_fn(depth(c), rank(c)) [B]. Siblings may
+  repeat a token; the verification (`sampled_accept`) is exact for independent draws."""
+  return {c: sample(probs_BWV[:, w], keys_fn(tree.depths[c], tree.rank(c)))
+          for w, p in enumerate(parents) for c in tree.children(p)}
+
+
+def _children_table(tree: TokenTree) -> np.ndarray:
+  """[N, C] each node's children in rank order, padded with -1 (C >= 1)."""
+  width = max(1, max(len(tree.children(i)) for i in range(tree.num_nodes)))
+  table = np.full((tree.num_nodes, width), -1, np.int32)
+  for i in range(tree.num_nodes):
+    kids = sorted(tree.children(i), key=tree.rank)
+    table[i, :len(kids)] = kids
+  return table
+
+
+def sampled_accept(tree: TokenTree, tokens_BN, target_probs_BNV, draft_probs_BPV, keys_BD1):
+  """Lossless verification of a sampled tree (SpecInfer's multi-candidate speculative
+  sampling, Miao et al. 2023, Theorem 4.2): from the root down, a node's children, each an
+  independent draw from the draft distribution q at the node, are tried in rank order; child
+  x is accepted with probability min(1, p(x) / q(x)), and after each rejection p becomes
+  norm(max(p - q, 0)). The first accepted child becomes the node and the walk goes on with
+  its own children and the target's distribution there; where every child is rejected (or a
+  node has none) the next token is drawn from the current p. Each emitted token is thus
+  distributed as the target's, whatever q and however many children each node has (zero
+  included): the argument of the chain's rejection sampling, applied per candidate.
+
+  target_probs_BNV: the target's processed distributions at the window's nodes;
+  draft_probs_BPV: the drafter's at `branch_nodes(tree)`; keys_BD1: the target stream's keys
+  at positions L .. L + D (the token each depth decides). Returns greedy_accept's triple."""
+  nodes, depth = tree.num_nodes, tree.depth
+  children_NC = jnp.asarray(_children_table(tree))
+  slot = np.zeros(nodes, np.int32)
+  slot[list(branch_nodes(tree))] = np.arange(len(branch_nodes(tree)))
+  slot_N = jnp.asarray(slot)
+  p_BNV = target_probs_BNV.astype(jnp.float32)
+  q_BPV = draft_probs_BPV.astype(jnp.float32)
+  batch = tokens_BN.shape[0]
+  rows_B = jnp.arange(batch)
+  fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
+  uniform = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))
+
+  node_B = jnp.zeros((batch,), jnp.int32)
+  alive_B = jnp.ones((batch,), bool)
+  p_BV = p_BNV[:, 0]
+  path = [node_B]
+  for d in range(depth):
+    kids_BC = children_NC[node_B]
+    q_BV = q_BPV[rows_B, slot_N[node_B]]
+    chosen_B = jnp.full((batch,), -1, jnp.int32)
+    for i in range(kids_BC.shape[1]):
+      child_B = kids_BC[:, i]
+      trying_B = alive_B & (child_B >= 0) & (chosen_B < 0)
+      token_B = tokens_BN[rows_B, jnp.maximum(child_B, 0)]
+      u_B = uniform(fold(keys_BD1[:, d], 2 + i))
+      take_B = trying_B & (u_B * q_BV[rows_B, token_B] < p_BV[rows_B, token_B])
+      chosen_B = jnp.where(take_B, child_B, chosen_B)
+      p_BV = jnp.where((trying_B & ~take_B)[:, None], verify_residual(p_BV, q_BV), p_BV)
+    moved_B = chosen_B >= 0
+    node_B = jnp.where(moved_B, chosen_B, node_B)
+    p_BV = jnp.where(moved_B[:, None], p_BNV[rows_B, node_B], p_BV)
+    alive_B = moved_B
+    path.append(jnp.where(moved_B, chosen_B, -1))
+  path_BD1 = jnp.stack(path, axis=1)
+  accept_len_B = jnp.sum(path_BD1[:, 1:] >= 0, axis=1).astype(jnp.int32)
+  bonus_key_B = fold(keys_BD1[rows_B, accept_len_B], 1)
+  next_B = sample(p_BV, bonus_key_B)
+  path_tokens_BD1 = jnp.take_along_axis(tokens_BN, jnp.maximum(path_BD1, 0), axis=1)
+  j_D1 = jnp.arange(depth + 1, dtype=jnp.int32)[None, :]
+  drafts_BD1 = jnp.pad(path_tokens_BD1[:, 1:], ((0, 0), (0, 1)))
+  out_BD1 = jnp.where(j_D1 < accept_len_B[:, None], drafts_BD1,
+                      jnp.where(j_D1 == accept_len_B[:, None], next_B[:, None],
+                                PLACEHOLDER_TOKEN))
+  return accept_len_B, out_BD1.astype(jnp.int32), path_BD1

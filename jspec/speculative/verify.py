@@ -80,7 +80,7 @@ def _accept_draft(u_BK, p_draft_BK, q_draft_BK):
     return u_BK * q_draft_BK < p_draft_BK
 
 
-def _residual_probs(p_BV, q_BV):
+def residual_probs(p_BV, q_BV):
     """norm(max(0, p - q)): the distribution to resample from after a rejection.
 
     The residual mass equals the rejection probability 1 - sum_x min(p, q), so it is zero only
@@ -142,5 +142,5 @@ def rejection_verify(draft_BK, draft_len_B, draft_probs_BKV, target_probs_BK1V, 
     q_BV = jnp.where((accept_len_B < draft_len_B)[:, None], q_at_a_BV, 0.0)
     resample_keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(
         row_items(keys_BK1, accept_len_B), _RESAMPLE_FOLD)
-    next_B = sample(_residual_probs(p_BV, q_BV), resample_keys_B)
+    next_B = sample(residual_probs(p_BV, q_BV), resample_keys_B)
     return accept_len_B, _emit(draft_BK, accept_len_B, next_B)

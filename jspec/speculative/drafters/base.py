@@ -16,8 +16,8 @@ names a drafter:
       the target's hidden states at the window positions;
   aux_layers: the target layers whose *input* hidden states the drafter reads (EAGLE-3);
       the loop asks the target for them in prefill and verify;
-  propose_tree(draft, tokens_BS, lengths_B, tree), accept_tree(draft, path_BD1, lengths_B)
-      a token tree's greedy drafts and, after verification, the accepted path (drafters
+  propose_tree(draft, tokens_BS, lengths_B, tree, choose), accept_tree(draft, path_BD1,
+      lengths_B): a token tree's drafts (and their draft distributions) and, after verification, the accepted path (drafters
       whose caches hold draft passes by slot move that path's rows into place);
   prefill_chunk(draft, tokens_BC, positions_BC, next_tokens_BC, prompt_lens_B, last_B,
                 target_out) -> DraftState
@@ -79,9 +79,11 @@ class Drafter:
                     prompt_lens_B, last_B, target_out: TargetOut) -> DraftState:
     return draft
 
-  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree):
-    """(node_tokens_BK, draft): greedy drafts for a token tree's nodes 1..N-1
-    (jspec.speculative.tree), K = N - 1."""
+  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree, choose):
+    """(node_tokens_BK, probs_BPV, draft): drafts for a token tree's nodes 1..N-1
+    (jspec.speculative.tree), K = N - 1. `choose(parents, logits_BWV)` -> ({child: tokens_B},
+    probs_BWV or None when greedy) picks the children of `parents` from their logits; probs_BPV
+    stacks the draft distributions at `tree.branch_nodes` (None when greedy)."""
     raise ValueError(f"{type(self).__name__} drafts no token trees")
 
   def accept_tree(self, draft: DraftState, path_BD1, lengths_B) -> DraftState:

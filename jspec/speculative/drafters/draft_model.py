@@ -70,7 +70,7 @@ class DraftModelDrafter(Drafter):
     draft_len_B = jnp.full((batch,), plan.k, jnp.int32)
     return jnp.stack(drafts, axis=1), draft_len_B, probs_BKV, draft.replace(caches=caches)
 
-  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree):
+  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree, choose):
     """The two-token refresh as `propose`, the root's children from its last logits; then,
     depth by depth, one pass over the nodes with children (node i's keys at slot L + i - 1,
     jspec.speculative.tree.draft_layout)."""
@@ -78,16 +78,18 @@ class DraftModelDrafter(Drafter):
     positions_B2 = lengths_B[:, None] - 2 + jnp.arange(2, dtype=jnp.int32)
     tokens_B2 = jnp.take_along_axis(tokens_BS, positions_B2, axis=1)
     hidden_B2D, caches = model(tokens_B2, positions_B2, draft.caches, plan.cache_len, fn)
-    tokens = tree_lib.child_tokens(tree, (0,), self._logits(hidden_B2D[:, 1:]))
+    tokens, probs = choose((0,), self._logits(hidden_B2D[:, 1:]))
     for depth in range(1, tree.depth):
       nodes, layout = tree_lib.draft_layout(tree, depth)
       tokens_BW = jnp.stack([tokens[i] for i in nodes], axis=1)
       positions_BW = jnp.broadcast_to((lengths_B + depth - 1)[:, None], tokens_BW.shape)
       with tree_layout(layout):
         hidden_BWD, caches = model(tokens_BW, positions_BW, caches, plan.cache_len, fn)
-      tokens.update(tree_lib.child_tokens(tree, nodes, self._logits(hidden_BWD)))
+      more, more_probs = choose(nodes, self._logits(hidden_BWD))
+      tokens.update(more)
+      probs = tree_lib.join_probs(probs, more_probs)
     drafts_BK = jnp.stack([tokens[i] for i in range(1, tree.num_nodes)], axis=1)
-    return drafts_BK, draft.replace(caches=caches)
+    return drafts_BK, probs, draft.replace(caches=caches)
 
   def accept_tree(self, draft: DraftState, path_BD1, lengths_B) -> DraftState:
     """The accepted drafts' rows (node i at slot L + i - 1) moved to their positions' slots,

@@ -90,12 +90,12 @@ class HiddenStateDrafter(Drafter):
     draft_len_B = jnp.full(lengths_B.shape, plan.k, jnp.int32)
     return jnp.stack(drafts, axis=1), draft_len_B, probs_BKV, draft.replace(caches=tuple(caches))
 
-  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree):
+  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree, choose):
     """The root's children from the extend's logits; then, depth by depth, one head pass over
     the nodes with children (a node pairs its token with its parent's feedback, as draft step
     j pairs draft j - 1 with step j - 1's), laid out by jspec.speculative.tree.draft_layout."""
     layers, plan = self.head.layers, self.plan
-    tokens = tree_lib.child_tokens(tree, (0,), draft.logits_BV[:, None])
+    tokens, probs = choose((0,), draft.logits_BV[:, None])
     feedback = {0: draft.feedback_BD}
     caches = list(draft.caches)
     for depth in range(1, tree.depth):
@@ -109,10 +109,11 @@ class HiddenStateDrafter(Drafter):
             self.target, tokens_BW, hidden_BWD, positions_BW, caches[index], plan.cache_len,
             self.ctx.draft_experts_fn)
       feedback.update({i: feedback_BWD[:, w] for w, i in enumerate(nodes)})
-      tokens.update(tree_lib.child_tokens(tree, nodes,
-                                          layers[index].logits(self.target, normed_BWD)))
+      more, more_probs = choose(nodes, layers[index].logits(self.target, normed_BWD))
+      tokens.update(more)
+      probs = tree_lib.join_probs(probs, more_probs)
     drafts_BK = jnp.stack([tokens[i] for i in range(1, tree.num_nodes)], axis=1)
-    return drafts_BK, draft.replace(caches=tuple(caches))
+    return drafts_BK, probs, draft.replace(caches=tuple(caches))
 
   def prefill_chunk(self, draft: DraftState, tokens_BC, positions_BC, next_tokens_BC,
                     prompt_lens_B, last_B, target_out: TargetOut) -> DraftState:
