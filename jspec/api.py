@@ -16,7 +16,7 @@ from jspec.config import ModelConfig, SamplingParams, is_int
 from jspec.models.mtp import MTPSpec
 from jspec.options import OPTION_NAMES, EngineOptions, signature_with_options
 from jspec.outputs import GenerateOutputs, aggregate
-from jspec.schedulers.base import num_drafts
+from jspec.schedulers.base import draft_positions
 from jspec.sharding.rules import MeshConfig
 from jspec.stop_strings import apply_stop_strings
 from jspec.vllm_names import mesh_from_vllm
@@ -197,7 +197,7 @@ class LLM(LLMParts):
           completion.text = text(completion.token_ids)
           if p.stop:
             apply_stop_strings(completion, p.stop, p.include_stop_str_in_output, text)
-    k = num_drafts(self.spec)
+    k = draft_positions(self.spec)
     return GenerateOutputs(outputs, aggregate(outputs, k, result.wall_time_s),
                            host_seconds_per_dispatch=result.host_seconds_per_dispatch,
                            dispatches=result.dispatches)

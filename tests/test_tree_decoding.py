@@ -16,6 +16,7 @@ import pytest
 import jspec
 from drafter_checkpoints import eagle3_head, truncated_draft_model
 from helpers import cached_llm, fixture_dir, greedy, two_sample_chi2
+from jspec.token_tree import TokenTree
 
 RNG = np.random.default_rng(20261128)
 # Below every fixture's vocabulary (deepseek_v3: 192).
@@ -51,8 +52,12 @@ def test_greedy_tree_equals_vanilla_with_separate_drafters(llama_drafters, draft
                    speculative_token_tree=tree)
   outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
   assert [o.token_ids for o in outs] == _vanilla("llama3")
+  depth = TokenTree.parse(tree).depth
   for o in outs:
     assert len(o.token_ids) == 1 + o.metrics.num_accepted_tokens + o.metrics.num_steps
+    # Acceptance is reported by depth: every step drafts each depth once.
+    assert o.metrics.num_drafts_per_position == [o.metrics.num_steps] * depth
+    assert sum(o.metrics.num_accepted_per_position) == o.metrics.num_accepted_tokens
   if drafter == "itself":
     # Without a (0, 0) node, depth 2 is reached only through a rank-1 child: the accepted
     # path leaves the window's first rows, so the compaction is what keeps tokens exact.

@@ -51,6 +51,13 @@ def num_drafts(spec: SpecConfig | None) -> int:
   return spec.num_speculative_tokens if spec else 0
 
 
+def draft_positions(spec: SpecConfig | None) -> int:
+  """How many draft positions the acceptance metrics report: k for a chain, the depth for a
+  token tree (its nodes are counted by depth: drafted and accepted at depth 1, 2, ...)."""
+  tree = spec.token_tree if spec else None
+  return tree.depth if tree is not None else num_drafts(spec)
+
+
 def cache_len_for(prompts, params, k: int, max_model_len: int) -> int:
   """The cache bucket of a batch: its longest prompt + max_tokens, capped, with k+1 slack."""
   max_total = max(min(len(p) + sp.max_tokens, max_model_len) for p, sp in zip(prompts, params))

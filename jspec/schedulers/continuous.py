@@ -32,8 +32,8 @@ from jspec import interrupt
 from jspec.device import DeviceModel
 from jspec.models.projections import with_kernel_scales
 from jspec.progress import RequestProgress, stage
-from jspec.schedulers.base import (DispatchTiming, RunResult, cache_len_for, loop_plan,
-                                   num_drafts)
+from jspec.schedulers.base import (DispatchTiming, RunResult, cache_len_for, draft_positions,
+                                   loop_plan, num_drafts)
 from jspec.schedulers.collect import FinishedCompletion, OutputCollector
 from jspec.schedulers.dispatch_chain import DispatchChain
 from jspec.sharding.rules import to_host
@@ -215,7 +215,7 @@ class ContinuousScheduler:
     rate_key = (plan, jax.tree.map(lambda x: x.shape, queue))
     prompt_lps = parts.scorer.prompt_logprobs(prompt_ids, params, decode)
 
-    collector = OutputCollector(queue_plan, self.k, decode)
+    collector = OutputCollector(queue_plan, draft_positions(self.parts.spec), decode)
     remaining = [p.n for p in params]
     progress = RequestProgress(len(prompt_ids), show=use_tqdm,
                                bar=use_tqdm if callable(use_tqdm) else None)

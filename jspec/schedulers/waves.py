@@ -19,7 +19,8 @@ from jspec.device import DeviceModel
 from jspec.models.projections import with_kernel_scales
 from jspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jspec.progress import stage
-from jspec.schedulers.base import RunResult, cache_len_for, loop_plan, num_drafts
+from jspec.schedulers.base import (RunResult, cache_len_for, draft_positions, loop_plan,
+                                   num_drafts)
 from jspec.sharding.rules import to_host
 from jspec.shapes import buckets
 from jspec.loop.waves import decode_loop, merge_module, prefill
@@ -132,6 +133,7 @@ class WavesScheduler:
   def _run_batch(self, prompts, params, seeds,
                  offset_s: float = 0.0) -> tuple[list[RequestOutput], float]:
     parts, k, put = self.parts, self.k, self.device.put
+    depth = draft_positions(parts.spec)  # the metrics' positions
     batch = buckets.batch_bucket(len(prompts), parts.mesh_config.batch_width)
     cache_len = cache_len_for(prompts, params, k, parts.max_model_len)
     prompt_len = buckets.prompt_bucket(max(len(p) for p in prompts), cache_len)
@@ -166,7 +168,7 @@ class WavesScheduler:
     for row, prompt in enumerate(prompts):
       generated = tokens_BS[row, len(prompt):lengths_B[row]].tolist()
       row_metrics = RequestMetrics.from_counts(
-          metrics.drafted_at_BK[row, :k], metrics.accepted_at_BK[row, :k],
+          metrics.drafted_at_BK[row, :depth], metrics.accepted_at_BK[row, :depth],
           int(metrics.num_steps_B[row]), len(generated), None,
           token_times_s=clock.seconds(emitted_at_BS[row, len(prompt):lengths_B[row]]))
       completion = CompletionOutput(index=0, token_ids=generated, text=None,
