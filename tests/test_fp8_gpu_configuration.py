@@ -68,7 +68,7 @@ def test_fp8_kernels_in_the_model_equal_the_scaled_xla_products(monkeypatch):
 def test_bench_steps_read_the_scale_lanes_made_before_their_loop(monkeypatch):
   """`jspec bench` times the steps as `generate` runs them: every FP8 kernel call of its target
   and MTP step programs reads block scales repeated over the kernel's lanes once, before the
-  loop of steps (projections.with_kernel_scales), not a repeat inside every step."""
+  loop of steps (projections.with_loop_constants), not a repeat inside every step."""
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, traced on the CPU
     llm = _llm()

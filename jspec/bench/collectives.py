@@ -22,7 +22,7 @@ from jspec.bench.profile import HLO_ARRAY, HLO_BYTES
 from jspec.bench.steps import abstract_like
 from jspec.device import module_cache_shardings
 from jspec.models import caches as cache_lib
-from jspec.models.projections import with_kernel_scales
+from jspec.models.projections import with_loop_constants
 from jspec.shapes import buckets
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
@@ -80,7 +80,7 @@ def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | N
     caches = jax.eval_shape(lambda: llm.target.init_caches(batch, cache_len, llm.dtype))
 
     def step(state, caches, tokens_BT, positions_BT):
-      target = with_kernel_scales(nnx.merge(tgd, state))
+      target = with_loop_constants(nnx.merge(tgd, state))
       hidden, win = target(tokens_BT, positions_BT, caches, cache_len, llm.experts_fn)
       num_emit_B = jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)
       return argmax(target.logits(hidden)), cache_lib.commit(win, num_emit_B)
@@ -98,8 +98,8 @@ def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | N
     draft_shardings = module_cache_shardings(llm.mtp, llm.draft_rules, llm.mesh, llm.dtype)[0]
 
     def draft(t_state, m_state, cache, tokens_BT, hidden_BTD, positions_BT):
-      target = with_kernel_scales(nnx.merge(tgd, t_state))
-      layer = with_kernel_scales(nnx.merge(mgd, m_state)).layers[0]
+      target = with_loop_constants(nnx.merge(tgd, t_state))
+      layer = with_loop_constants(nnx.merge(mgd, m_state)).layers[0]
       normed, _, cache = layer(target, tokens_BT, hidden_BTD, positions_BT, cache, cache_len,
                                llm.draft_experts_fn)
       return draft_argmax(layer.logits(target, normed[:, -1:])), cache

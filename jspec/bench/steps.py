@@ -31,7 +31,7 @@ from flax import nnx
 from jspec.bench.roofline import seconds_per_call
 from jspec.device import module_cache_shardings
 from jspec.models import caches as cache_lib
-from jspec.models.projections import with_kernel_scales
+from jspec.models.projections import with_loop_constants
 from jspec.shapes import buckets
 from jspec.speculative.sampling import vocab_argmax
 
@@ -89,7 +89,7 @@ class StepTimer:
 
     def steps(state, caches, tokens_BT, positions_BT):
       # The FP8 kernels' scale lanes made before the loop, as the schedulers' programs do.
-      target = with_kernel_scales(nnx.merge(tgd, state))
+      target = with_loop_constants(nnx.merge(tgd, state))
 
       def body(_, carry):
         caches, tokens_BT = carry
@@ -108,8 +108,8 @@ class StepTimer:
     llm, tgd, mgd = self.llm, self.target_graphdef, self.mtp_graphdef
 
     def steps(t_state, m_state, cache, tokens_BT, hidden_BTD, positions_BT):
-      target = with_kernel_scales(nnx.merge(tgd, t_state))
-      mtp = with_kernel_scales(nnx.merge(mgd, m_state))
+      target = with_loop_constants(nnx.merge(tgd, t_state))
+      mtp = with_loop_constants(nnx.merge(mgd, m_state))
       layer = mtp.layers[0]
 
       def body(_, carry):

@@ -121,7 +121,10 @@ class CausalLM(nnx.Module):
   def logits(self, hidden_BTD):
     """float32 logits from post-norm hidden states, through the (possibly tied) lm_head; over
     the padded vocabulary, -inf past the true one."""
-    if self.cfg.tie_word_embeddings:
+    tied_head_DV = getattr(self, "tied_head_DV", None)  # the CPU's (with_loop_constants)
+    if tied_head_DV is not None:
+      logits_BTV = jnp.einsum("btd,dv->btv", hidden_BTD.astype(jnp.float32), tied_head_DV)
+    elif self.cfg.tie_word_embeddings:
       logits_BTV = jnp.einsum("btd,vd->btv", hidden_BTD, self.embed[...],
                               preferred_element_type=jnp.float32)
     else:

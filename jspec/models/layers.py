@@ -122,7 +122,7 @@ class Attention(nnx.Module):
     self.projection = None
     self.fp8_projection = None
     # Set inside a traced program before a loop of steps: each FP8 scale repeated over the
-    # kernel's lanes (jspec.models.projections.with_kernel_scales), by weight name.
+    # kernel's lanes (jspec.models.projections.with_loop_constants), by weight name.
     self.fp8_lanes = None
     # Optional kernel for the q / k norms and RoPE of steps with few rows, set by the LLM
     # (jspec.models.row_kernels): (q, k, positions, q and k norm scales or None) -> (q, k).

@@ -95,7 +95,7 @@ def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_pro
   [N/b, K/b]) -> [.., N]) where one is set, else is multiplied by its scale in float32 and cast
   to x's dtype before XLA's dot (prefill: the cast weight is read once per call's many rows);
   the result has the stored weight's output axes. fp8_lanes: the scale repeated over the
-  kernel's lanes beforehand (jspec.models.projections.with_kernel_scales), or None.
+  kernel's lanes beforehand (jspec.models.projections.with_loop_constants), or None.
   fp8_sum_apart: the kernel's K-slice sum as a kernel of its own (fp8_gemm.fp8_matmul's
   sum_apart; False where the consumer is elementwise)."""
   lead = x.shape[:-in_axes]

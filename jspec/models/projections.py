@@ -18,6 +18,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jspec.sharding.rules import ShardingRules, axis_size
@@ -100,16 +101,29 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules,
   return Fp8Projection(per_shard(product), per_shard(products))
 
 
-def with_kernel_scales(module):
-  """`module` (merged inside a traced program) with each layer whose FP8 projections go to the
-  kernel (`fp8_projection` set) given their block scales repeated over the kernel's lanes
-  (`fp8_lanes`, by weight name): computed here, before a loop of steps, they are constants of
-  the loop instead of a repeat in every step. Layers read them in linear.project_named."""
+def with_loop_constants(module):
+  """`module` (merged inside a traced program) with the values its steps would otherwise
+  recompute, computed here, before a loop of steps, so that they are constants of the loop:
+
+  - each layer whose FP8 projections go to the kernel (`fp8_projection` set) gets its block
+    scales repeated over the kernel's lanes (`fp8_lanes`, by weight name; read in
+    linear.project_named);
+  - on the CPU, a decoder with a tied embedding gets its lm_head as [D, V] float32
+    (`tied_head_DV`, read in Decoder.logits). XLA's CPU dot wants that layout and type; left
+    to the step, it is converted and transposed inside the loop, and in the continuous
+    loop's nested while loops the hoisting stops one loop short: on the demo model three
+    transposes and copies of it, about 40 ms, in every round. On a GPU the bf16 table is read
+    as it is."""
   from flax import nnx
   from jspec.pallas_kernels import fp8_gemm
   if module is None:
     return module
+  on_cpu = jax.devices()[0].platform == "cpu"
   for _, node in nnx.iter_graph(module):
+    cfg = getattr(node, "cfg", None)
+    if on_cpu and getattr(cfg, "tie_word_embeddings", False) and hasattr(node, "embed") and (
+        hasattr(node, "logits")):
+      node.tied_head_DV = node.embed[...].astype(jnp.float32).T
     if getattr(node, "fp8_projection", None) is None:
       continue
     node.fp8_lanes = {

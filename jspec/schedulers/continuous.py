@@ -30,7 +30,7 @@ from flax import nnx
 
 from jspec import interrupt
 from jspec.device import DeviceModel
-from jspec.models.projections import with_kernel_scales
+from jspec.models.projections import with_loop_constants
 from jspec.progress import RequestProgress, stage
 from jspec.schedulers.base import (DispatchTiming, RunResult, cache_len_for, draft_positions,
                                    loop_plan, num_drafts)
@@ -170,8 +170,8 @@ class ContinuousScheduler:
 
         def dispatch_fn(target_state, draft_state, state, queue, budget):
           # FP8 kernel scales prepared once, outside the loop of steps.
-          return dispatch.dispatch(with_kernel_scales(nnx.merge(tgd, target_state)),
-                                   with_kernel_scales(merge_module(dgd, draft_state)),
+          return dispatch.dispatch(with_loop_constants(nnx.merge(tgd, target_state)),
+                                   with_loop_constants(merge_module(dgd, draft_state)),
                                    state, queue, budget, plan, ctx)
 
         state_in = jax.tree.map(

@@ -16,7 +16,7 @@ from flax import nnx
 from jspec import interrupt
 from jspec.config import SamplingParams
 from jspec.device import DeviceModel
-from jspec.models.projections import with_kernel_scales
+from jspec.models.projections import with_loop_constants
 from jspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jspec.progress import stage
 from jspec.schedulers.base import (RunResult, cache_len_for, draft_positions, loop_plan,
@@ -50,8 +50,8 @@ class WavesScheduler:
 
     def loop_fn(target_state, draft_state, state, req):
       # FP8 kernel scales prepared once, outside the loop of steps.
-      return decode_loop(with_kernel_scales(nnx.merge(tgd, target_state)),
-                         with_kernel_scales(merge_module(dgd, draft_state)), state, req, plan,
+      return decode_loop(with_loop_constants(nnx.merge(tgd, target_state)),
+                         with_loop_constants(merge_module(dgd, draft_state)), state, req, plan,
                          ctx)
 
     return prefill_fn, loop_fn
