@@ -221,10 +221,13 @@ def build(model: str | None, options: EngineOptions, random_modules=None,
   use_vocab_lookup(device_mesh, (target_pair, draft_pair, (mtp, draft_rules)), custom_all_reduce)
   vocab_argmax = tuple(sharded_vocab_argmax(device_mesh, r, custom_all_reduce)
                        for r in (rules, draft_rules))
-  # The MoE layers' collectives too (jspec.sharding.moe): on 2 H200s, Qwen3-30B-A3B at ep = 2,
-  # batch 32, 11.28 against XLA's 11.50 ms a step, the same tokens (BENCHMARKS.md).
+  # The MoE layers' collectives through the kernel only where "kernel" is named: on 2 H200s
+  # (Qwen3-30B-A3B, ep = 2) batch 32 ran 1.9% faster with them, but a batch-1 run printed
+  # nothing within 120 s where XLA's collectives finished in 87 s (a hang is suspected, not
+  # yet found: BENCHMARKS.md), so "auto" keeps XLA's (jspec.sharding.moe).
   experts_fn, draft_experts_fn = use_experts(moe_backend, device_mesh, options.ep_strategy,
-                                             target_pair, draft_pair, custom_all_reduce)
+                                             target_pair, draft_pair,
+                                             all_reduce_backend == "kernel")
   if resolved_attention == "pallas":
     # "auto" takes the MLA kernel (measured faster than XLA's latent attention) and cuDNN's
     # prefill attention; GQA layers' decode and verify steps keep XLA's attention unless
