@@ -20,6 +20,7 @@ names, S cache slots.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from typing import Iterator
 
@@ -62,21 +63,24 @@ class TreeLayout:
     return (offset_BS < 0)[:, None, :] | (inside_BS[:, None, :] & seen_BTS)
 
 
-_ACTIVE: list[TreeLayout] = []
+# Per thread (a context variable): programs may be traced on a worker thread while another
+# thread traces its own.
+_ACTIVE: contextvars.ContextVar[TreeLayout | None] = contextvars.ContextVar("tree_layout",
+                                                                           default=None)
 
 
 @contextlib.contextmanager
 def tree_layout(layout: TreeLayout | None) -> Iterator[None]:
   """Attention layers traced inside see `layout` (None: causal windows, as outside)."""
-  _ACTIVE.append(layout)
+  token = _ACTIVE.set(layout)
   try:
     yield
   finally:
-    _ACTIVE.pop()
+    _ACTIVE.reset(token)
 
 
 def active_layout(width: int) -> TreeLayout | None:
   """The layout for a window of `width` tokens, if one is active and has that width."""
-  layout = _ACTIVE[-1] if _ACTIVE else None
+  layout = _ACTIVE.get()
   return layout if layout is not None and layout.width == width else None
 
