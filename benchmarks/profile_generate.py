@@ -30,6 +30,11 @@ def main():
   parser.add_argument("--vocab-replicated", action="store_true",
                       help="keep the embedding and lm_head whole on every tp shard")
   parser.add_argument("--all-reduce-backend", default="auto", choices=["auto", "partitioner", "xla", "kernel"])
+  parser.add_argument("--method", default="none", choices=["none", "mtp"],
+                      help="mtp: a random one-layer MTP head drafts (nothing is accepted)")
+  parser.add_argument("--k", type=int, default=3)
+  parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
+                                     "k becomes its node count)")
   parser.add_argument("--idle", action="store_true",
                       help="also where GPU 0 sat idle: gaps summed by the kernel after them")
   args = parser.parse_args()
@@ -39,11 +44,19 @@ def main():
     config = dataclasses.replace(config, num_layers=args.layers)
   rng = np.random.default_rng(0)
   params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+  mtp_spec = speculative = None
+  if args.method == "mtp":
+    mtp_spec = jspec.MTPSpec("qwen3_next", 1, is_moe=config.is_moe)
+    speculative = {"method": "mtp", "num_speculative_tokens": args.k}
+    if args.tree:
+      speculative.update(num_speculative_tokens=args.tree.count("("),
+                         speculative_token_tree=args.tree)
   for mesh_text in args.mesh:
     dp, tp, ep = (int(x) for x in mesh_text.split(","))
     # Room for the prompt and its new tokens (at least the 1024 slots the script always had).
     max_len = max(1024, args.prompt_len + args.max_tokens + 16)
-    llm = jspec.LLM.from_random(config, None, max_model_len=max_len, max_num_seqs=max(args.batch),
+    llm = jspec.LLM.from_random(config, mtp_spec, max_model_len=max_len,
+                                max_num_seqs=max(args.batch), speculative_config=speculative,
                                 mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep),
                                 sharding_rules=(ShardingRules(vocab=None) if args.vocab_replicated
                                                 else None),
