@@ -4,8 +4,8 @@ The drafter proposes the tree's nodes (jspec.speculative.drafters: `propose_tree
 runs one pass over [root, nodes] with the tree's mask (jspec.models.tree_attention); greedy
 acceptance takes the deepest node whose path the target agrees with
 (jspec.speculative.tree.greedy_accept), sampled requests walk the tree by multi-candidate
-rejection sampling (jspec.speculative.tree.sampled_accept: lossless); the caches move that path's rows to the slots its
-positions name. What comes back is laid out as a chain of the path: tokens, the target's
+rejection sampling (jspec.speculative.tree.sampled_accept: lossless); the caches move that
+path's rows to the slots its positions name. What comes back is laid out as a chain of the path: tokens, the target's
 outputs and logits along it, padded to the window's N rows. From there `decode_step` goes on
 as for a chain (stops, lengths, metrics by depth, the drafter's extend).
 """
@@ -21,6 +21,15 @@ from jspec.speculative import sampling, tree as tree_lib
 from jspec.speculative.verify import PLACEHOLDER_TOKEN
 
 
+def _processed_rows(logits_BWV, req, plan):
+  """[B, W, V] each sequence's W distributions, processed with its own sampling settings."""
+  batch, width, vocab = logits_BWV.shape
+  repeat = lambda x_B: jnp.repeat(x_B, width)
+  return sampling.processed_probs(
+      logits_BWV.reshape(batch * width, vocab), repeat(req.temperature_B), repeat(req.top_k_B),
+      repeat(req.top_p_B), plan.any_filtered).reshape(batch, width, vocab)
+
+
 def children_chooser(tree, req, lengths_B, plan, draft_stream_B):
   """choose(parents, logits_BWV) for the drafter: greedy programs take each parent's top-ranked
   tokens; sampled ones draw every child from the parent's processed draft distribution, with
@@ -34,11 +43,7 @@ def children_chooser(tree, req, lengths_B, plan, draft_stream_B):
     return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, rank)
 
   def choose(parents, logits_BWV):
-    batch, width, vocab = logits_BWV.shape
-    repeat = lambda x_B: jnp.repeat(x_B, width)
-    probs_BWV = sampling.processed_probs(
-        logits_BWV.reshape(batch * width, vocab), repeat(req.temperature_B), repeat(req.top_k_B),
-        repeat(req.top_p_B), plan.any_filtered).reshape(batch, width, vocab)
+    probs_BWV = _processed_rows(logits_BWV, req, plan)
     return tree_lib.sampled_children(tree, parents, probs_BWV, keys_fn), probs_BWV
 
   return choose
@@ -62,11 +67,7 @@ def tree_window(target, drafter, state, req, last_token_B, plan, ctx, forward, s
     accept_len_B, out_BD1, path_BD1 = tree_lib.greedy_accept(tree, tokens_BN,
                                                              ctx.vocab_argmax(logits_BNV))
   else:
-    batch, _, vocab = logits_BNV.shape
-    repeat = lambda x_B: jnp.repeat(x_B, nodes)
-    target_probs_BNV = sampling.processed_probs(
-        logits_BNV.reshape(batch * nodes, vocab), repeat(req.temperature_B),
-        repeat(req.top_k_B), repeat(req.top_p_B), plan.any_filtered).reshape(batch, nodes, vocab)
+    target_probs_BNV = _processed_rows(logits_BNV, req, plan)
     keys_BD1 = sampling.position_keys(
         streams[0], lengths_B[:, None] + jnp.arange(tree.depth + 1, dtype=jnp.int32))
     accept_len_B, out_BD1, path_BD1 = tree_lib.sampled_accept(

@@ -50,15 +50,20 @@ def greedy_accept(tree: TokenTree, node_tokens_BN, target_argmax_BN):
   best_B = jnp.argmax(score_BN, axis=1).astype(jnp.int32)
   accept_len_B = depth_N[best_B]
   path_BD1 = jnp.asarray(tree.path_table())[best_B]
-  drafted_BD1 = jnp.take_along_axis(node_tokens_BN, jnp.maximum(path_BD1, 0), axis=1)
   next_B = jnp.take_along_axis(target_argmax_BN, best_B[:, None], axis=1)[:, 0]
-  # Emitted: the path's drafts at depths 1..accept_len, i.e. drafted_BD1[:, 1:], then next.
-  j_D1 = jnp.arange(tree.depth + 1, dtype=jnp.int32)[None, :]
+  return accept_len_B, _emitted(node_tokens_BN, path_BD1, accept_len_B, next_B), path_BD1
+
+
+def _emitted(node_tokens_BN, path_BD1, accept_len_B, next_B):
+  """[B, D+1] the tokens a step emits: the accepted path's drafts at depths 1..accept_len,
+  then `next_B`, then PLACEHOLDER_TOKEN."""
+  drafted_BD1 = jnp.take_along_axis(node_tokens_BN, jnp.maximum(path_BD1, 0), axis=1)
+  j_D1 = jnp.arange(path_BD1.shape[1], dtype=jnp.int32)[None, :]
   drafts_BD1 = jnp.pad(drafted_BD1[:, 1:], ((0, 0), (0, 1)))
   out_BD1 = jnp.where(j_D1 < accept_len_B[:, None], drafts_BD1,
                       jnp.where(j_D1 == accept_len_B[:, None], next_B[:, None],
                                 PLACEHOLDER_TOKEN))
-  return accept_len_B, out_BD1.astype(jnp.int32), path_BD1
+  return out_BD1.astype(jnp.int32)
 
 
 def verify_layout(tree: TokenTree) -> TreeLayout:
@@ -174,10 +179,4 @@ def sampled_accept(tree: TokenTree, tokens_BN, target_probs_BNV, draft_probs_BPV
   accept_len_B = jnp.sum(path_BD1[:, 1:] >= 0, axis=1).astype(jnp.int32)
   bonus_key_B = fold(keys_BD1[rows_B, accept_len_B], 1)
   next_B = sample(p_BV, bonus_key_B)
-  path_tokens_BD1 = jnp.take_along_axis(tokens_BN, jnp.maximum(path_BD1, 0), axis=1)
-  j_D1 = jnp.arange(depth + 1, dtype=jnp.int32)[None, :]
-  drafts_BD1 = jnp.pad(path_tokens_BD1[:, 1:], ((0, 0), (0, 1)))
-  out_BD1 = jnp.where(j_D1 < accept_len_B[:, None], drafts_BD1,
-                      jnp.where(j_D1 == accept_len_B[:, None], next_B[:, None],
-                                PLACEHOLDER_TOKEN))
-  return accept_len_B, out_BD1.astype(jnp.int32), path_BD1
+  return accept_len_B, _emitted(tokens_BN, path_BD1, accept_len_B, next_B), path_BD1

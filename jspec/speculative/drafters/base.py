@@ -17,8 +17,9 @@ names a drafter:
   aux_layers: the target layers whose *input* hidden states the drafter reads (EAGLE-3);
       the loop asks the target for them in prefill and verify;
   propose_tree(draft, tokens_BS, lengths_B, tree, choose), accept_tree(draft, path_BD1,
-      lengths_B): a token tree's drafts (and their draft distributions) and, after verification, the accepted path (drafters
-      whose caches hold draft passes by slot move that path's rows into place);
+      lengths_B): a token tree's drafts (and their draft distributions) and, after
+      verification, the accepted path (drafters whose caches hold draft passes by slot move
+      that path's rows into place);
   prefill_chunk(draft, tokens_BC, positions_BC, next_tokens_BC, prompt_lens_B, last_B,
                 target_out) -> DraftState
       continuous batching (jspec.loop.rounds): one chunk of prompt positions of the

@@ -52,13 +52,20 @@ class DraftModelDrafter(Drafter):
                            self.ctx.draft_experts_fn, seq_lens_B=prompt_lens_B)
     return draft.replace(caches=caches)
 
+  def _refresh(self, draft: DraftState, tokens_BS, lengths_B):
+    """The two-token forward over positions L-2 and L-1 (the module docstring says why):
+    (the logits at L-1 [B, 1, V], the caches)."""
+    positions_B2 = lengths_B[:, None] - 2 + jnp.arange(2, dtype=jnp.int32)
+    tokens_B2 = jnp.take_along_axis(tokens_BS, positions_B2, axis=1)
+    hidden_B2D, caches = self.model(tokens_B2, positions_B2, draft.caches, self.plan.cache_len,
+                                    self.ctx.draft_experts_fn)
+    return self._logits(hidden_B2D[:, 1:]), caches
+
   def propose(self, draft: DraftState, tokens_BS, lengths_B, choose):
     plan, model, fn = self.plan, self.model, self.ctx.draft_experts_fn
     batch = lengths_B.shape[0]
-    positions_B2 = lengths_B[:, None] - 2 + jnp.arange(2, dtype=jnp.int32)
-    tokens_B2 = jnp.take_along_axis(tokens_BS, positions_B2, axis=1)
-    hidden_B2D, caches = model(tokens_B2, positions_B2, draft.caches, plan.cache_len, fn)
-    token_B, probs_BV = choose(self._logits(hidden_B2D[:, 1:])[:, 0], 0)
+    logits_B1V, caches = self._refresh(draft, tokens_BS, lengths_B)
+    token_B, probs_BV = choose(logits_B1V[:, 0], 0)
     drafts, probs = [token_B], [probs_BV]
     for j in range(1, plan.k):
       positions_B1 = (lengths_B + j - 1)[:, None]  # draft j-1 sits at L + j - 1
@@ -75,10 +82,8 @@ class DraftModelDrafter(Drafter):
     depth by depth, one pass over the nodes with children (node i's keys at slot L + i - 1,
     jspec.speculative.tree.draft_layout)."""
     plan, model, fn = self.plan, self.model, self.ctx.draft_experts_fn
-    positions_B2 = lengths_B[:, None] - 2 + jnp.arange(2, dtype=jnp.int32)
-    tokens_B2 = jnp.take_along_axis(tokens_BS, positions_B2, axis=1)
-    hidden_B2D, caches = model(tokens_B2, positions_B2, draft.caches, plan.cache_len, fn)
-    tokens, probs = choose((0,), self._logits(hidden_B2D[:, 1:]))
+    logits_B1V, caches = self._refresh(draft, tokens_BS, lengths_B)
+    tokens, probs = choose((0,), logits_B1V)
     for depth in range(1, tree.depth):
       nodes, layout = tree_lib.draft_layout(tree, depth)
       tokens_BW = jnp.stack([tokens[i] for i in nodes], axis=1)
