@@ -14,7 +14,7 @@ Variants (LLM(all_reduce_backend), jspec.sharding.tensor_parallel): `default` ("
 `kernel` on Hopper GPUs of one process), `partitioner` (XLA's partitioner places the tp layers'
 products and all-reduces), `xla` (jspec's shard-by-shard products, XLA's all-reduce), `kernel`
 (the same products, the workspace one-shot kernel, each all-reduce before a norm fused with it:
-jspec.pallas_kernels.workspace_norm; named, also the MoE layers' tp sum and ep all-gather /
+jspec.pallas_kernels.workspace_norm; also the MoE layers' tp sum and ep all-gather /
 reduce-scatter: jspec.sharding.moe), `unfused` (`kernel` with the all-reduce and the norm
 apart: TensorParallelProducts.defer_sums off). `--one-row` sets how one-row products run
 (jspec.pallas_kernels.skinny_gemm.ONE_ROW; the library's default unless given).

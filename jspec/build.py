@@ -221,13 +221,11 @@ def build(model: str | None, options: EngineOptions, random_modules=None,
   use_vocab_lookup(device_mesh, (target_pair, draft_pair, (mtp, draft_rules)), custom_all_reduce)
   vocab_argmax = tuple(sharded_vocab_argmax(device_mesh, r, custom_all_reduce)
                        for r in (rules, draft_rules))
-  # The MoE layers' collectives through the kernel only where "kernel" is named: on 2 H200s
-  # (Qwen3-30B-A3B, ep = 2) batch 32 ran 1.9% faster with them, but a batch-1 run printed
-  # nothing within 120 s where XLA's collectives finished in 87 s (a hang is suspected, not
-  # yet found: BENCHMARKS.md), so "auto" keeps XLA's (jspec.sharding.moe).
+  # The MoE layers' collectives go through the kernel wherever it runs, "auto" included: on 2
+  # H200s (Qwen3-30B-A3B, ep = 2, one lease) a step took 5.84 against 6.41 ms at batch 1 and
+  # 11.31 against 11.41 ms at batch 32 with XLA's (BENCHMARKS.md; jspec.sharding.moe).
   experts_fn, draft_experts_fn = use_experts(moe_backend, device_mesh, options.ep_strategy,
-                                             target_pair, draft_pair,
-                                             all_reduce_backend == "kernel")
+                                             target_pair, draft_pair, custom_all_reduce)
   if resolved_attention == "pallas":
     # "auto" takes the MLA kernel (measured faster than XLA's latent attention) and cuDNN's
     # prefill attention; GQA layers' decode and verify steps keep XLA's attention unless

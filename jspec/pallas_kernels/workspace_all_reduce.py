@@ -63,14 +63,16 @@ DTYPES = FLOAT_DTYPES + (jnp.dtype(jnp.int32),)
 
 # The all-reduce's region: MAX_BLOCKS slots of BLOCK_BYTES.
 SUM_REGION = Region(0, MAX_BLOCKS, BLOCK_BYTES)
-# The all-reduce + residual add + RMSNorm's region (jspec.pallas_kernels.workspace_norm): one
-# slot per row of up to 16 KB, after the all-reduce's.
+# The all-reduce + residual add + RMSNorm's region (jspec.pallas_kernels.workspace_norm), after
+# the all-reduce's: rows of up to 16 KB, each split over blocks of one tile, so a row has
+# NORM_ROW_BYTES // TILE_BYTES slots of TILE_BYTES (row r's chunk c in slot r * 8 + c).
 NORM_ROWS = 32
 NORM_ROW_BYTES = 16 * 1024
+NORM_ROW_SLOTS = NORM_ROW_BYTES // TILE_BYTES
 
 
 def norm_region(axis_size: int) -> Region:
-  return Region(SUM_REGION.end(axis_size), NORM_ROWS, NORM_ROW_BYTES)
+  return Region(SUM_REGION.end(axis_size), NORM_ROWS * NORM_ROW_SLOTS, TILE_BYTES)
 
 
 def workspace_bytes(axis_size: int) -> int:
@@ -222,7 +224,8 @@ def _build(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int):
     integer = dtype == jnp.dtype(jnp.int32)
     mine = mgpu.FragmentedArray.load_strided(mu.memref_slice(x_ref, mu.ds(start, chunk)),
                                              vec_size=vec, is_signed=True if integer else None)
-    parts, done = exchange(row_ref, axis_size, SUM_REGION, block, mine)
+    load_parts, done = exchange(row_ref, axis_size, SUM_REGION, block, mine)
+    parts = load_parts()
     # The parts summed in rank order in float32 (int32: as they are), rounded once: the same
     # bits everywhere.
     widen = (lambda a: a) if integer else (lambda a: a.astype(ir.F32Type.get()))

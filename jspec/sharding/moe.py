@@ -14,10 +14,10 @@ bring tokens to the shard holding their experts and the results back:
 Both produce the same sums; which is faster depends on T (BENCHMARKS.md). Partial sums over tp
 (the down projection contracts the tp-sharded intermediate) are reduced with psum.
 
-With `custom_all_reduce` (LLM(all_reduce_backend="kernel") named explicitly; not under "auto":
-at ep = 2 on 2 H200s, Qwen3-30B-A3B batch 32 took 11.28 ms a step against 11.50 with XLA's
-collectives, but a batch-1 run of the 48 layers printed nothing within 120 s where XLA's
-finished in 87 s, the symptom of an earlier 48-layer run too; BENCHMARKS.md), the small collectives go through jspec's workspace kernel
+With `custom_all_reduce` (LLM(all_reduce_backend="auto" or "kernel") on Hopper GPUs of one
+process: at ep = 2 on 2 H200s, Qwen3-30B-A3B took 5.84 ms a step at batch 1 against 6.41 with
+XLA's collectives, 11.31 against 11.41 at batch 32; BENCHMARKS.md), the small collectives go
+through jspec's workspace kernel
 (jspec.pallas_kernels.workspace_all_reduce) where it takes them: the tp sum; the all-gather as
 a sum of int32 words each shard writes into a slot of its own (exact: the other slots are
 zeros); the reduce-scatter as an all-reduce of which each shard keeps its own rows.

@@ -40,8 +40,8 @@ from jspec.sharding.rules import ShardingRules, axis_size, mesh_axes
 #   "xla"          jspec's products shard by shard, each row product reduced by XLA's
 #                  all-reduce;
 #   "kernel"       the same products, reduced by the workspace one-shot kernel (Hopper GPUs of
-#                  one process only); named explicitly, the MoE layers' collectives too
-#                  (jspec.sharding.moe says why not under "auto").
+#                  one process only), and the MoE layers' collectives too
+#                  (jspec.sharding.moe).
 ALL_REDUCE_BACKENDS = ("auto", "partitioner", "xla", "kernel")
 
 
