@@ -8,8 +8,9 @@ Compiles the model at 1 and 2 of each layer kind its preset has (dense layers; M
 the preset's first dense ones), and reports per step program (decode, verify of k+1, MTP draft,
 prefill chunk) the collectives a layer adds and those of the step itself, with their bytes per
 device. The widths that size a collective (hidden size, heads, batch) are the preset's; those
-that do not (vocabulary, MLP and expert intermediate sizes) are cut so that the weights fit a
-CPU's memory. Meshes are dp,tp,ep triples.
+that do not (vocabulary, MLP and expert intermediate sizes, the number of routed experts: a
+token's routing and its sums are exchanged, never an expert's weights) are cut so that the
+weights fit a CPU's memory and compile in minutes. Meshes are dp,tp,ep triples.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def small_widths(config, layers: int, moe_layers: int):
   if config.is_moe:
     cut.update(moe_intermediate_size=min(config.moe_intermediate_size, 256),
                first_k_dense_replace=layers)
+    if config.num_experts > 16 and 16 % max(config.n_group, 1) == 0:
+      cut["num_experts"] = 16  # every group keeps experts enough for the top-k
     if config.shared_expert_intermediate_size:
       cut["shared_expert_intermediate_size"] = min(config.shared_expert_intermediate_size, 256)
     if not config.first_k_dense_replace and layers:
