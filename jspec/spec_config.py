@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jspec.token_tree import TokenTree
 
@@ -74,7 +75,7 @@ class SpecConfig:
     """The tree to verify, or None for a chain."""
     if self.speculative_token_tree is None:
       return None
-    return TokenTree.from_paths(self.speculative_token_tree)
+    return _tree_of(self.speculative_token_tree)
 
   @classmethod
   def parse(cls, spec: "SpecConfig | dict | None") -> "SpecConfig | None":
@@ -89,3 +90,9 @@ class SpecConfig:
     if "method" not in spec or "num_speculative_tokens" not in spec:
       raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
     return cls(**spec)
+
+
+@functools.cache
+def _tree_of(paths: tuple) -> TokenTree:
+  """One TokenTree per normalised path tuple: the loop asks for it at every trace."""
+  return TokenTree.from_paths(paths)

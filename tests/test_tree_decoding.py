@@ -1,8 +1,9 @@
 """Token trees in the loop (speculative_config's `speculative_token_tree`): greedy decoding over
 a tree emits exactly what greedy vanilla decoding emits, for every drafter that drafts trees,
-on GQA and MLA targets, under both schedulers and on dp / tp meshes; what cannot run a tree is
-refused before any model work; sampled trees keep the target's distribution. Float32 fixtures
-on the CPU.
+on GQA and MLA targets, under both schedulers and on dp / tp / ep meshes; logprobs come from
+the accepted path; what cannot run a tree is refused before any model work; sampled trees keep
+the target's distribution, with a draft model and an EAGLE-3 head. Float32 fixtures on the
+CPU.
 
 The trees below have several children at depth 1, so the accepted path is often not the
 window's first rows: the caches' compaction (jspec.models.caches.compact) runs for real. A
@@ -96,6 +97,29 @@ def test_greedy_tree_on_meshes_and_both_schedulers(llama_drafters, mesh, batchin
   assert [o.token_ids for o in outs] == _vanilla("llama3")
 
 
+def test_greedy_tree_with_experts_over_dp_and_ep():
+  """An MoE target (GLM-4.5) and its MTP head with attention over dp and experts over ep."""
+  llm = jspec.LLM(model=fixture_dir("glm4_moe"), dtype="float32", max_model_len=128,
+                  mesh=jspec.MeshConfig(dp=2, ep=2),
+                  speculative_config={"method": "mtp", "num_speculative_tokens": _nodes(WIDE),
+                                      "speculative_token_tree": WIDE})
+  outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
+  assert [o.token_ids for o in outs] == _vanilla("glm4_moe")
+
+
+def test_logprobs_come_from_the_accepted_path(llama_drafters):
+  """logprobs under a tree are the target's log-softmax where each emitted token was chosen:
+  the rows of the accepted path, which leaves the window's first rows here."""
+  from test_logprobs import _check
+  llm = cached_llm("llama3", "draft_model", _nodes(NO_TOP_PAIR), model=llama_drafters["itself"],
+                   speculative_token_tree=NO_TOP_PAIR)
+  outs = llm.generate(PROMPTS, greedy(MAX_TOKENS, logprobs=3), use_tqdm=False)
+  for prompt, out in zip(PROMPTS, outs):
+    logits = llm.compute_logits([prompt + out.token_ids])[0]
+    _check(out.logprobs, out.token_ids, logits[len(prompt) - 1:-1], 3)
+  assert outs.metrics.num_accepted_tokens > outs.metrics.num_steps // 2
+
+
 def test_what_cannot_run_a_tree_is_refused(llama_drafters):
   spec = lambda **kw: {"method": "draft_model", "num_speculative_tokens": 3,
                        "model": llama_drafters["itself"], **kw}
@@ -116,8 +140,8 @@ def test_what_cannot_run_a_tree_is_refused(llama_drafters):
         "method": "mtp", "num_speculative_tokens": 3, "speculative_token_tree": CHAIN3})
 
 
-@pytest.mark.parametrize("tree", ["[(0,), (1,), (0, 0), (1, 0)]"])
-def test_sampled_tree_keeps_the_target_distribution(llama_drafters, tree):
+@pytest.mark.parametrize("drafter", ["one_layer", "eagle3"])
+def test_sampled_tree_keeps_the_target_distribution(llama_drafters, drafter):
   """Temperature 1, top-k 8: the first three generated tokens (the second and third decided by
   the tree's multi-candidate rejection sampling) follow the target's own distribution, as the
   chain's do (tests/test_drafters.py: a two-sample chi-square of 1500 samples, one request's
@@ -126,7 +150,9 @@ def test_sampled_tree_keeps_the_target_distribution(llama_drafters, tree):
   from test_drafters import CHI_PROMPT, VOCAB, _target_marginals
   params = jspec.SamplingParams(temperature=1.0, top_k=8, max_tokens=4, seed=0, n=1500,
                                 ignore_eos=True)
-  llm = cached_llm("llama3", "draft_model", _nodes(tree), model=llama_drafters["one_layer"],
+  tree = "[(0,), (1,), (0, 0), (1, 0)]"
+  method = "eagle3" if drafter == "eagle3" else "draft_model"
+  llm = cached_llm("llama3", method, _nodes(tree), model=llama_drafters[drafter],
                    speculative_token_tree=tree)
   outs = llm.generate([CHI_PROMPT], params, use_tqdm=False)
   samples = outs[0].outputs
@@ -136,4 +162,8 @@ def test_sampled_tree_keeps_the_target_distribution(llama_drafters, tree):
     stat, critical, dof = two_sample_chi2(sampled, rng.choice(VOCAB, size=len(sampled),
                                                               p=probs_V))
     assert dof >= 3 and stat < critical, (i, stat, critical, dof)
-  assert 0 < outs.metrics.num_accepted_tokens < outs.metrics.num_draft_tokens
+  # The one-layer draft model accepts some drafts; the random EAGLE-3 head may accept none,
+  # which leaves every step to the residual distributions.
+  assert outs.metrics.num_accepted_tokens < outs.metrics.num_draft_tokens
+  if drafter == "one_layer":
+    assert outs.metrics.num_accepted_tokens > 0

@@ -22,12 +22,8 @@ from jspec.speculative.verify import PLACEHOLDER_TOKEN
 
 
 def _processed_rows(logits_BWV, req, plan):
-  """[B, W, V] each sequence's W distributions, processed with its own sampling settings."""
-  batch, width, vocab = logits_BWV.shape
-  repeat = lambda x_B: jnp.repeat(x_B, width)
-  return sampling.processed_probs(
-      logits_BWV.reshape(batch * width, vocab), repeat(req.temperature_B), repeat(req.top_k_B),
-      repeat(req.top_p_B), plan.any_filtered).reshape(batch, width, vocab)
+  return sampling.processed_rows(logits_BWV, req.temperature_B, req.top_k_B, req.top_p_B,
+                                 plan.any_filtered)
 
 
 def children_chooser(tree, req, lengths_B, plan, draft_stream_B):

@@ -40,6 +40,16 @@ def vocab_argmax(logits_NV, axis: int = -1):
     return keyed_argmax(order_keys(logits_NV), axis)[1]
 
 
+def processed_rows(logits_BWV, temperature_B, top_k_B, top_p_B, any_filtered: bool = True):
+    """[B, W, V] -> [B, W, V]: `processed_probs` of W rows per sequence (a verify window, a
+    tree's nodes), each with its own sequence's sampling settings."""
+    batch, width, vocab = logits_BWV.shape
+    repeat = lambda x_B: jnp.repeat(jnp.asarray(x_B), width)
+    return processed_probs(logits_BWV.reshape(batch * width, vocab), repeat(temperature_B),
+                           repeat(top_k_B), repeat(top_p_B), any_filtered
+                           ).reshape(batch, width, vocab)
+
+
 def processed_probs(logits_NV, temperature_N, top_k_N, top_p_N, any_filtered: bool = True):
     """The float32 distribution a request samples from, row by row.
 
