@@ -142,11 +142,9 @@ def accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, re
   k = plan.k
   if plan.all_greedy:
     return verify.greedy_verify(drafts_BK, draft_len_B, target_logits_BTV, argmax)
-  batch, width, vocab = target_logits_BTV.shape
-  repeat = lambda x_B: jnp.repeat(x_B, width)
-  target_probs_BTV = sampling.processed_probs(
-      target_logits_BTV.reshape(batch * width, vocab), repeat(req.temperature_B),
-      repeat(req.top_k_B), repeat(req.top_p_B), plan.any_filtered).reshape(batch, width, vocab)
+  batch = target_logits_BTV.shape[0]
+  target_probs_BTV = sampling.processed_rows(target_logits_BTV, req.temperature_B, req.top_k_B,
+                                             req.top_p_B, plan.any_filtered)
   keys_BT = sampling.position_keys(stream_keys(req, TARGET_STREAM),
                                    state.lengths_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32))
   if k == 0:  # Vanilla sampling: the "bonus" token is the only token.
