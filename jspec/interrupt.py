@@ -19,8 +19,10 @@ daemon threads still inside C++ by unwinding their stacks, which aborts the proc
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue as queues
+import signal
 import sys
 import threading
 import weakref
@@ -32,12 +34,42 @@ _exit_registered = False
 
 
 def get(items: queues.Queue):
-  """items.get(), in slices that let a pending KeyboardInterrupt through."""
-  while True:
-    try:
-      return items.get(timeout=POLL_SECONDS)
-    except queues.Empty:
-      continue
+  """items.get(), in slices that let a pending KeyboardInterrupt through.
+
+  Python drops a KeyboardInterrupt that its handler raises inside a finalizer or a weakref
+  callback ("Exception ignored in ..."), and a waiting main thread runs them often (JAX's
+  garbage-collection hook among them): a Ctrl-C could then be lost and the call run to its end.
+  So while it waits, Python's own SIGINT handler (where no other is set) also notes the
+  Ctrl-C, and the next slice raises one that was lost."""
+  with _noting_ctrl_c() as lost:
+    while True:
+      if lost.is_set():
+        raise KeyboardInterrupt
+      try:
+        return items.get(timeout=POLL_SECONDS)
+      except queues.Empty:
+        continue
+
+
+@contextlib.contextmanager
+def _noting_ctrl_c():
+  """An Event set by every SIGINT while inside, on the main thread where Python's default
+  handler is in place; elsewhere an Event never set."""
+  noted = threading.Event()
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    yield noted
+    return
+
+  def handler(signum, frame):
+    noted.set()
+    signal.default_int_handler(signum, frame)
+
+  signal.signal(signal.SIGINT, handler)
+  try:
+    yield noted
+  finally:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def start_thread(target, *args, name: str) -> threading.Thread:

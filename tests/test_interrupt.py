@@ -61,6 +61,30 @@ def test_ctrl_c_during_generate_raises_at_once_and_leaves_the_llm_usable(batchin
   assert llm.generate(["In the beginning"], SHORT)[0].token_ids == expected
 
 
+def test_a_ctrl_c_whose_exception_was_lost_is_raised_by_the_next_wait(monkeypatch):
+  """Python drops a KeyboardInterrupt raised inside a finalizer; stood in for here by a default
+  handler that raises nothing. The wait still raises within one slice, and Python's own handler
+  is back in place afterwards."""
+  import queue
+  from jspec import interrupt
+  real = signal.default_int_handler
+  swallowed = []
+  lost = lambda signum, frame: swallowed.append(signum)
+  monkeypatch.setattr(signal, "default_int_handler", lost)
+  signal.signal(signal.SIGINT, lost)
+  try:
+    items = queue.Queue()
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    threading.Timer(5.0, items.put, (None,)).start()  # the call's result, far later
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+      interrupt.get(items)
+    assert swallowed == [signal.SIGINT] and time.monotonic() - start < 2
+    assert signal.getsignal(signal.SIGINT) is lost  # the handler found is restored
+  finally:
+    signal.signal(signal.SIGINT, real)
+
+
 def _cli_interrupted_at(line_pattern: str) -> tuple[int, float, str]:
   """`jspec generate` (the demo model, 2000 tokens) sent SIGINT when its stderr prints a line
   matching `line_pattern`: (exit status, seconds from the signal to the exit, stderr)."""
