@@ -56,20 +56,21 @@ def _noting_ctrl_c():
   """An Event set by every SIGINT while inside, on the main thread where Python's default
   handler is in place; elsewhere an Event never set."""
   noted = threading.Event()
+  previous = signal.getsignal(signal.SIGINT)
   if (threading.current_thread() is not threading.main_thread()
-      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+      or previous is not signal.default_int_handler):
     yield noted
     return
 
   def handler(signum, frame):
     noted.set()
-    signal.default_int_handler(signum, frame)
+    previous(signum, frame)
 
   signal.signal(signal.SIGINT, handler)
   try:
     yield noted
   finally:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, previous)
 
 
 def start_thread(target, *args, name: str) -> threading.Thread:

@@ -5,9 +5,10 @@ runs one pass over [root, nodes] with the tree's mask (jspec.models.tree_attenti
 acceptance takes the deepest node whose path the target agrees with
 (jspec.speculative.tree.greedy_accept), sampled requests walk the tree by multi-candidate
 rejection sampling (jspec.speculative.tree.sampled_accept: lossless); the caches move that
-path's rows to the slots its positions name. What comes back is laid out as a chain of the path: tokens, the target's
-outputs and logits along it, padded to the window's N rows. From there `decode_step` goes on
-as for a chain (stops, lengths, metrics by depth, the drafter's extend).
+path's rows to the slots its positions name. What comes back is laid out as a chain of the
+path: tokens, the target's outputs and logits along it, padded to the window's N rows. From
+there `decode_step` goes on as for a chain (stops, lengths, metrics by depth, the drafter's
+extend).
 """
 
 from __future__ import annotations
