@@ -112,3 +112,18 @@ def test_idle_gaps_are_charged_to_the_kernel_after_them():
   assert idle.busy_ns == 20 + 10 + 5 + 8
   assert sorted(idle.gaps_ns) == [2, 5, 10]
   assert idle.before == {"c": (2, 15), "e": (1, 2)}
+
+
+def test_idle_summary_counts_launch_gaps_apart_from_longer_waits():
+  """Gaps of at most 2 us (a graph's kernel-to-kernel latency) are summed apart from 2-20 us
+  gaps and longer ones; each gap lands in exactly one bucket."""
+  from jspec.bench.profile import idle_from_events, idle_summary
+  # Kernels of 1 us with gaps of 0.5, 1.5, 2, 3, 19 and 25 us before them.
+  starts, t = [], 0
+  for gap_ns in (0, 500, 1_500, 2_000, 3_000, 19_000, 25_000):
+    t += gap_ns
+    starts.append(t)
+    t += 1_000
+  text = idle_summary(idle_from_events([(s, s + 1_000, f"k{i}") for i, s in enumerate(starts)]))
+  assert "idle in 6 gaps: 0.00 ms in 3 gaps of at most 2 us" in text
+  assert "0.02 ms in gaps of 2-20 us, 0.03 ms in longer ones" in text

@@ -105,10 +105,13 @@ def idle_from_events(events) -> Idle:
 
 def idle_summary(idle: Idle, top: int = 12) -> str:
   gaps = sorted(idle.gaps_ns)
+  # Gaps under 2 us are a graph's kernel-to-kernel launch latency: many, each small.
+  tiny = [g for g in gaps if g <= 2_000]
   small = sum(g for g in gaps if 2_000 < g <= 20_000)
   large = sum(g for g in gaps if g > 20_000)
   lines = [f"span {idle.span_ns / 1e6:.2f} ms, busy {idle.busy_ns / 1e6:.2f} ms "
            f"({100 * idle.busy_ns / idle.span_ns:.0f}%), idle in {len(gaps)} gaps: "
+           f"{sum(tiny) / 1e6:.2f} ms in {len(tiny)} gaps of at most 2 us, "
            f"{small / 1e6:.2f} ms in gaps of 2-20 us, {large / 1e6:.2f} ms in longer ones",
            f"  {'idle before':40s} {'gaps':>6s} {'us':>9s}"]
   for name, (count, ns) in sorted(idle.before.items(), key=lambda kv: -kv[1][1])[:top]:
