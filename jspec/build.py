@@ -24,6 +24,7 @@ from jspec.models.decode_attention import resolve_attention_backend
 from jspec.models.drafts import init_random_drafter
 from jspec.models.loading import init_random, load_checkpoint
 from jspec.models.moe_backends import expert_tile, resolve_moe_backend
+from jspec.models.qkv_fusion import fuse_qkv
 from jspec.options import EngineOptions
 from jspec.progress import notice, stage
 from jspec.schedulers.continuous import ContinuousScheduler
@@ -204,6 +205,8 @@ def build(model: str | None, options: EngineOptions, random_modules=None,
   # ---- drafter ----
   draft_module = drafter_setup.module(spec, target_context, target, mtp, random_draft)
   set_recurrent_commit(target, options.recurrent_commit)
+  # q, k and v as one product wherever a layer takes it (jspec.models.qkv_fusion).
+  fuse_qkv(target, mtp, draft_module)
 
   # ---- memory plan ----
   k = spec.num_speculative_tokens if spec else 0

@@ -19,6 +19,7 @@ from flax import nnx
 
 from jspec.models.mtp import MTPHead, MTPSpec
 from jspec.models.params import unpadded_shape
+from jspec.models.qkv_fusion import unfused_flat_state
 from jspec.models.registry import family_of
 from jspec.sharding.plan import sharded_configs
 
@@ -52,9 +53,10 @@ def save_converted(llm, out_dir: str):
     src = os.path.join(llm.model_dir, name)
     if os.path.isfile(src):
       shutil.copy(src, os.path.join(out_dir, name))
-  tree = {"target": nnx.state(llm.target)}
+  # Saved with q, k and v apart, as the layers are built (jspec.models.qkv_fusion).
+  tree = {"target": nnx.from_flat_state(unfused_flat_state(llm.target))}
   if llm.mtp is not None:
-    tree["mtp"] = nnx.state(llm.mtp)
+    tree["mtp"] = nnx.from_flat_state(unfused_flat_state(llm.mtp))
   with open(os.path.join(out_dir, MTP_SPEC_FILE), "w") as f:
     json.dump(None if llm.mtp_spec is None else dataclasses.asdict(llm.mtp_spec), f)
   with open(os.path.join(out_dir, LAYOUT_FILE), "w") as f:

@@ -365,8 +365,8 @@ def test_draft_model_replicated_over_tp_2_equals_vanilla(drafter_dirs):
                   mesh=jspec.MeshConfig(tp=2),
                   speculative_config={"method": "draft_model", "model": drafter_dirs["one_layer"],
                                       "num_speculative_tokens": 3, "draft_tp": 1})
-  assert not llm.target.layers[0].attn.q_proj[...].sharding.is_fully_replicated
-  assert llm.draft_module.layers[0].attn.q_proj[...].sharding.is_fully_replicated
+  assert not llm.target.layers[0].attn.o_proj[...].sharding.is_fully_replicated
+  assert llm.draft_module.layers[0].attn.o_proj[...].sharding.is_fully_replicated
   outs = llm.generate(PROMPTS[:4], greedy(MAX_TOKENS))
   assert [o.token_ids for o in outs] == _vanilla(PROMPTS[:4])
 

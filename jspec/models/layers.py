@@ -73,6 +73,9 @@ class Attention(nnx.Module):
     kv_axis = "kv_heads" if self.kv_replicas == 1 else None
     self.fp8_block = cfg.fp8_block
     block = lambda name: quantization.block_for(cfg, "self_attn." + name)
+    # Set by jspec.models.qkv_fusion.fuse_qkv once the weights are loaded: q, k and v then
+    # live in one qkv_proj [D, K, G + 2, H] and q_proj, k_proj, v_proj are gone.
+    self.fused_qkv = False
     self._init_query(cfg, dtype, rngs)
     self.k_proj, self.k_proj_scale = linear(rngs, (d, k, h), dtype,
                                             ("embed", kv_axis, "head_dim"), 1, block("k_proj"))
@@ -141,10 +144,19 @@ class Attention(nnx.Module):
     return project_named(self, x, name, spec, in_axes, self.projection)
 
   def _dense_qkv(self, x_BTD, q_spec: str):
-    """The q, k and v projections of x: one FP8 kernel call where they go to the kernel
+    """The q, k and v projections of x: one product where they are one matrix
+    (jspec.models.qkv_fusion), one FP8 kernel call where they go to the kernel
     (linear.project_many_named), else three products."""
-    specs = (("q_proj", q_spec), ("k_proj", "btd,dkh->btkh"), ("v_proj", "btd,dkh->btkh"))
     tp = self.tp_products
+    if self.fused_qkv:
+      if tp is not None:  # each shard its own KV heads and their query heads
+        qkv_BTKCH = tp.column(x_BTD, self.qkv_proj[...], split=1)
+      else:
+        qkv_BTKCH = self._dense(x_BTD, "qkv_proj", "btd,dkch->btkch")
+      b, t, k, c, h = qkv_BTKCH.shape
+      return (qkv_BTKCH[:, :, :, :c - 2].reshape(b, t, k * (c - 2), h),
+              qkv_BTKCH[:, :, :, c - 2], qkv_BTKCH[:, :, :, c - 1])
+    specs = (("q_proj", q_spec), ("k_proj", "btd,dkh->btkh"), ("v_proj", "btd,dkh->btkh"))
     if tp is not None and self.q_proj_scale is None:
       # Each shard its own heads; with KV heads fewer than the shards, k and v are whole on
       # every shard (kv_replicas) and keep XLA's product.

@@ -23,6 +23,7 @@ from safetensors.numpy import save_file
 from jspec.config import ModelConfig
 from jspec.models import weights as W
 from jspec.models.params import unpadded_shape
+from jspec.models.qkv_fusion import unfused_flat_state
 from jspec.models.mtp import MTPSpec
 from jspec.models.registry import family_of
 
@@ -68,7 +69,7 @@ def _to_hf(path, array: np.ndarray, rule) -> list[np.ndarray]:
 
 def _hf_tensors(module, rules: dict, prefix: tuple = ()) -> dict:
   tensors = {}
-  for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+  for path, variable in unfused_flat_state(module, nnx.Param):
     rule = rules[path]
     if len(rule.names) != 1 and rule.split is None:
       raise ValueError(f"parameter {path} maps to {len(rule.names)} HF tensors (MoE experts); "
