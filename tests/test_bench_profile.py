@@ -127,3 +127,38 @@ def test_idle_summary_counts_launch_gaps_apart_from_longer_waits():
   text = idle_summary(idle_from_events([(s, s + 1_000, f"k{i}") for i, s in enumerate(starts)]))
   assert "idle in 6 gaps: 0.00 ms in 3 gaps of at most 2 us" in text
   assert "0.02 ms in gaps of 2-20 us, 0.03 ms in longer ones" in text
+
+
+def test_a_step_is_cut_between_host_copies_and_reported_with_its_gaps():
+  """middle_step: the runs between MemcpyD2H copies, the middle one of the most common length;
+  step_report: kernels summed by name with the gaps before them, overlaps counted apart."""
+  from jspec.bench.step_trace import middle_step, step_report
+  events, t = [], 0
+
+  def add(name, gap, ran):
+    nonlocal t
+    t += gap
+    events.append((t, t + ran, name))
+    t += ran
+
+  for step in range(4):
+    add("MemcpyD2H", 50_000, 1_000)
+    add("gemm", 500, 10_000)
+    add("norm", -300, 2_000)     # started 0.3 us before gemm ended
+    add("gemm", 1_500, 10_000)
+    if step == 3:                # a shorter last run: not the common length
+      break
+    add("attention", 3_000, 4_000)
+  add("MemcpyD2H", 50_000, 1_000)
+  step = middle_step(events)
+  assert [name for _, _, name in step] == ["MemcpyD2H", "gemm", "norm", "gemm", "attention"]
+  assert step[0] == events[5]    # runs 0-2 have 5 kernels: the middle one is run 1
+  text = step_report(step, top=3, start=1, show=2)
+  assert "5 kernels" in text and "busy 27.0 us" in text
+  assert "2 gaps of at most 2 us (2.0 us), 3.0 us in longer ones, 0.3 us overlapped" in text
+  assert any(line.split()[:4] == ["gemm", "2", "20.0", "2.0"] for line in text.splitlines())
+  assert text.splitlines()[-2:] == [
+      f"  {'gemm':60s} gap   0.50 us, ran   10.00 us",
+      f"  {'norm':60s} gap  -0.30 us, ran    2.00 us"]
+  with pytest.raises(ValueError, match="no MemcpyD2H"):
+    middle_step([(0, 1, "gemm")])
