@@ -107,10 +107,12 @@ def test_attention_projections_through_the_kernel_match_xla():
   assert pallas.projection_backend == "pallas" and xla.projection_backend == "xla"
   attn, plain = pallas.target.layers[0].attn, xla.target.layers[0].attn
   assert attn.projection is not None and plain.projection is None
-  # q, k and v each run the kernel (named moe_decode_down) under their own shard_map.
+  # q, k and v, one matrix (jspec.models.qkv_fusion), run the kernel (named moe_decode_down)
+  # once, under one shard_map.
+  assert attn.fused_qkv and plain.fused_qkv
   x = jnp.ones((1, 1, 64), jnp.bfloat16)
   traced, untouched = (str(jax.make_jaxpr(a._project)(x)) for a in (attn, plain))
-  assert traced.count("shard_map") == 3 and "moe_decode_down" in traced
+  assert traced.count("shard_map") == 1 and "moe_decode_down" in traced
   assert "shard_map" not in untouched and "moe_decode_down" not in untouched
   rng = np.random.default_rng(3)
   for b, t in ((1, 1), (2, 4), (3, 5)):
