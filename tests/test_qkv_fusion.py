@@ -27,12 +27,12 @@ def _attentions(module):
   return [node for _, node in nnx.iter_graph(module) if hasattr(node, "fused_qkv")]
 
 
-@pytest.mark.parametrize("name,tp", [("qwen3_dense", 1), ("qwen3_dense", 2), ("llama3", 2),
-                                     ("qwen2", 1)])
+@pytest.mark.parametrize("name,tp", [("qwen3_dense", 2), ("qwen2", 1)])
 def test_fused_layers_give_the_tokens_and_logits_of_three_products(name, tp, monkeypatch):
-  """Greedy tokens equal and logits within float32 rounding of the unfused layers, for GQA
-  families with q / k norms (Qwen3), q / k / v biases (Qwen2) and Llama's RoPE, on one device
-  and split over tp, with an MTP or n-gram drafter where the fixture has one."""
+  """Greedy tokens equal and logits within float32 rounding of the unfused layers: a GQA
+  family with q / k norms (Qwen3) split over tp, one with q / k / v biases (Qwen2) on one
+  device, through n-gram drafts' verify steps. (Every fixture family's parity tests run
+  fused.)"""
   spec = {"method": "ngram", "num_speculative_tokens": 2}
   apart = _llm(name, tp, fused=False, monkeypatch=monkeypatch, speculative_config=spec)
   fused = _llm(name, tp, speculative_config=spec)
