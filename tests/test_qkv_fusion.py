@@ -15,11 +15,14 @@ PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 8, 7, 8, 7, 8]]
 
 
 def _llm(name, tp=1, fused=True, monkeypatch=None, **kwargs):
-  if not fused:  # the layers as loaded: q, k and v apart
+  """The fixture's LLM; fused=False (with pytest's monkeypatch): its layers as loaded, q, k
+  and v apart."""
+  if not fused:
     monkeypatch.setattr(jspec.build, "fuse_qkv", lambda *modules: 0)
   llm = jspec.LLM(model=fixture_dir(name), mesh=jspec.MeshConfig(tp=tp, num_devices=tp),
                   dtype="float32", max_model_len=64, **kwargs)
-  monkeypatch and monkeypatch.undo()
+  if not fused:
+    monkeypatch.undo()
   return llm
 
 

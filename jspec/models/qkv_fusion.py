@@ -3,9 +3,10 @@ head, its G query heads, then its key head and its value head.
 
 Why: a batch-1 step multiplies one row by each projection. Apart, q is a two-row GEMM with a
 pad and a slice around it and k, v one XLA reduction (a tp shard's k and v are under XLA's
-10 M-element GEMM threshold); together they are one GEMM over one matrix. Qwen3-8B shapes on
-one H200, one lease: a step took 4.449 against 4.504 ms at batch 1 and 4.641 against 4.679 at
-batch 8, and 3.586 against 3.605 ms at tp = 2 (BENCHMARKS.md, "q, k and v as one product").
+10 M-element GEMM threshold); together they are one GEMM over one matrix. On an H200,
+Qwen3-30B-A3B's batch-1 step took 3.807 against 3.852 ms and Qwen3-8B's 4.449-4.488 against
+4.467-4.504 (two leases: -1.2% and none), 3.586 against 3.605 ms at tp = 2; TTFT fell 3-7%
+(BENCHMARKS.md, "q, k and v as one product").
 
 Grouping by KV head keeps the tp split whole: splitting axis K over the shards hands each its
 own KV heads and exactly their query heads, the query heads `o_proj` expects (query head n
@@ -29,7 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jspec.models.layers import Attention
 
 QKV_AXES = ("embed", "kv_heads", None, "head_dim")
-APART_AXES = {"q_proj": ("embed", "q_heads", "head_dim"), "k_proj": ("embed", "kv_heads", "head_dim"),
+APART_AXES = {"q_proj": ("embed", "q_heads", "head_dim"),
+              "k_proj": ("embed", "kv_heads", "head_dim"),
               "v_proj": ("embed", "kv_heads", "head_dim")}
 
 
@@ -49,7 +51,8 @@ def fusable(attn) -> bool:
   q, k = attn.q_proj[...], attn.k_proj[...]
   # The query heads split over the same mesh axes as the KV heads, so a shard's query heads
   # are its KV heads' groups.
-  return q.shape[1] % k.shape[1] == 0 and _spec(q)[:2] == _spec(k)[:2] == _spec(attn.v_proj[...])[:2]
+  return (q.shape[1] % k.shape[1] == 0
+          and _spec(q)[:2] == _spec(k)[:2] == _spec(attn.v_proj[...])[:2])
 
 
 def _join(q_DNH, k_DKH, v_DKH):
