@@ -84,9 +84,9 @@ def test_layers_that_keep_q_k_and_v_apart():
   gated = _llm("qwen3_5_text")
   assert _attentions(gated.target) and all(not a.fused_qkv for a in _attentions(gated.target))
   fp8 = _llm("qwen3_dense_fp8")
-  assert all(not a.fused_qkv for a in _attentions(fp8.target))
-  replicated = _llm("qwen3_dense_tied_legacy", tp=4)  # 2 KV heads over 4 shards
-  assert replicated.target.cfg.kv_head_replicas > 1
+  assert _attentions(fp8.target) and all(not a.fused_qkv for a in _attentions(fp8.target))
+  replicated = _llm("qwen3_dense_tied_legacy", tp=4)  # 1 KV head over 4 shards
+  assert replicated.target.cfg.kv_head_replicas > 1 and _attentions(replicated.target)
   assert all(not a.fused_qkv for a in _attentions(replicated.target))
 
 

@@ -76,13 +76,18 @@ class Idle(NamedTuple):
   before: dict
 
 
+def kernel_events(trace_dir: str, device_index: int = 0) -> list:
+  """(start ns, end ns, kernel name) of every kernel on one GPU's stream lines, sorted."""
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+  plane = _device_plane(ProfileData.from_file(paths[-1]), device_index)
+  return sorted((e.start_ns, e.end_ns, e.name) for line in plane.lines
+                if line.name.startswith("Stream") for e in line.events)
+
+
 def idle_time(trace_dir: str, device_index: int = 0) -> Idle:
   """Where a GPU waited: every stream's kernels merged in time, each gap between them charged
   to the kernel that followed it (after an all-reduce, the kernel that waited on it)."""
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-  plane = _device_plane(ProfileData.from_file(paths[-1]), device_index)
-  return idle_from_events([(e.start_ns, e.end_ns, e.name) for line in plane.lines
-                           if line.name.startswith("Stream") for e in line.events])
+  return idle_from_events(kernel_events(trace_dir, device_index))
 
 
 def idle_from_events(events) -> Idle:

@@ -10,12 +10,11 @@ before the one before it ended.
 from __future__ import annotations
 
 import collections
-import glob
-import os
 import tempfile
 
 import jax
-from jax.profiler import ProfileData
+
+from jspec.bench.profile import kernel_events
 
 
 def traced_kernels(fn) -> list:
@@ -24,10 +23,7 @@ def traced_kernels(fn) -> list:
     jax.profiler.start_trace(trace_dir)
     jax.block_until_ready(fn())
     jax.profiler.stop_trace()
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
-    plane = next(p for p in ProfileData.from_file(path).planes if p.name == "/device:GPU:0")
-    return sorted((e.start_ns, e.end_ns, e.name) for line in plane.lines
-                  if line.name.startswith("Stream") for e in line.events)
+    return kernel_events(trace_dir)
 
 
 def middle_step(kernels: list) -> list:
