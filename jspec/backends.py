@@ -22,7 +22,7 @@ from jspec.models.moe import MoE
 from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
                                       weights_replicated)
-from jspec.models.row_kernels import (resolve_norm_backend, sharded_kv_write,
+from jspec.models.row_kernels import (resolve_norm_backend, sharded_kv_write, sharded_router,
                                       sharded_qk_norm_rope, sharded_rms_norm)
 from jspec.pallas_kernels import platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
@@ -213,10 +213,12 @@ def _use_fp8_projections(fp8_block, mesh, pairs):
 
 
 def use_row_kernels(backend: str, mesh, pairs) -> str:
-  """Sets the norms' `row_kernel`, the attention layers' `qk_kernel` and `kv_write`
-  (jspec.models.row_kernels) where the backend is "pallas" and the shapes fit; returns the
+  """Sets the norms' `row_kernel`, the attention layers' `qk_kernel` and `kv_write`, the
+  softmax MoE layers' `router_kernel` (jspec.models.row_kernels) where the backend is "pallas"
+  and the shapes fit (the router whole on every shard); returns the
   backend in effect ("auto" resolved)."""
   from jspec.pallas_kernels.kv_write import fits_kernel as kv_fits
+  from jspec.pallas_kernels.router_topk import fits_kernel as router_fits
   from jspec.pallas_kernels.row_norms import fits_kernel
   backend = resolve_norm_backend(backend)
   if backend == "xla":
@@ -242,6 +244,11 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         # kernel that sum is a kernel of its own, and the FP8 step measured no faster (one
         # H100, BENCHMARKS.md, "KV cache writes in one kernel").
         node.kv_write = kv_write
+      if (isinstance(node, MoE) and node.scoring == "softmax"
+          and axis_size(mesh, rules.embed) == 1 and axis_size(mesh, rules.experts_router) == 1
+          and router_fits(1, *node.router.get_value().shape, node.top_k)):
+        node.router_kernel = sharded_router(mesh, rules, node.top_k, node.norm_topk_prob,
+                                            interpret)
       if (isinstance(node, Attention) and node.takes_qk_kernel()
           and node.fp8_projection is None):
         # FP8 q and k stay with XLA: with their K-slice sum fused into the norms and RoPE

@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jspec
 from jspec.models.layers import rope
+from jspec.models.moe import MoE
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.row_norms import (fits_heads, fits_kernel, inv_frequencies,
@@ -184,13 +186,18 @@ def test_the_steps_run_the_kernels_where_the_backend_sets_them():
   assert "rms_norm" not in str(jax.make_jaxpr(layer.post_attn_norm)(prefill))
 
 
-@pytest.mark.parametrize("name", ["qwen3_dense", "qwen3_5_text"])
+@pytest.mark.parametrize("name", ["qwen3_dense", "qwen3_5_text", "qwen3_moe"])
 def test_greedy_tokens_through_the_kernels_equal_xla(name):
   """Vanilla and MTP decoding through the kernels give XLA's path's tokens (float32: the two
   differ only in the order of float32 sums). Qwen3.5 has (1 + w) norms and partial RoPE, so
-  its attention keeps XLA's q / k path and its norms take the kernel's zero-centred form."""
+  its attention keeps XLA's q / k path and its norms take the kernel's zero-centred form.
+  Qwen3-MoE's layers route their step's tokens through the router kernels."""
   want = greedy_token_ids(_llm(name, "xla"), PROMPTS, 6)
-  assert greedy_token_ids(_llm(name, "pallas"), PROMPTS, 6) == want
+  kernels = _llm(name, "pallas")
+  moe_layers = [n for _, n in nnx.iter_graph(kernels.target) if isinstance(n, MoE)]
+  assert all(n.router_kernel is not None for n in moe_layers)
+  assert bool(moe_layers) == (name == "qwen3_moe")
+  assert greedy_token_ids(kernels, PROMPTS, 6) == want
   spec = _llm(name, "pallas", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
   assert greedy_token_ids(spec, PROMPTS, 6) == want
 
@@ -202,6 +209,16 @@ def test_greedy_tokens_through_the_kernels_on_a_mesh_equal_one_device():
   meshed = _llm("qwen3_dense", "pallas", mesh=jspec.MeshConfig(dp=2, tp=4))
   attn = meshed.target.layers[0].attn
   assert attn.qk_kernel is not None and attn.kv_write is not None and attn.kv_replicas == 2
+  assert greedy_token_ids(meshed, PROMPTS, 5) == want
+
+
+def test_router_kernels_on_a_mesh_route_each_shards_tokens():
+  """dp = 2 x ep = 2 x tp = 2: each batch shard routes its own tokens through the router
+  kernels, the router whole on every shard; the tokens are one device's."""
+  want = greedy_token_ids(_llm("qwen3_moe", "xla"), PROMPTS, 5)
+  meshed = _llm("qwen3_moe", "pallas", mesh=jspec.MeshConfig(dp=2, tp=2, ep=2))
+  assert all(n.router_kernel is not None
+             for _, n in nnx.iter_graph(meshed.target) if isinstance(n, MoE))
   assert greedy_token_ids(meshed, PROMPTS, 5) == want
 
 

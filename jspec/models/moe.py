@@ -31,7 +31,7 @@ from jspec.models import quantization
 from jspec.models.layers import MLP
 from jspec.models.linear import linear
 from jspec.models.params import param
-from jspec.pallas_kernels import fp8_experts
+from jspec.pallas_kernels import fp8_experts, router_topk
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 # What DeepSeek-style configs may say, and what jspec implements exactly of it.
@@ -129,6 +129,9 @@ class MoE(nnx.Module):
     # Runs the routing (top-k over experts) on each shard's own tokens where the mesh splits
     # them (set by the LLM: jspec.sharding.moe.per_token_shard); the identity otherwise.
     self.per_token_shard = _whole
+    # Softmax routing of a step's few tokens in the router kernels (set by the LLM where
+    # norm_backend is "pallas": jspec.models.row_kernels.sharded_router); XLA's otherwise.
+    self.router_kernel = None
     self.top_k = cfg.num_experts_per_tok
     self.norm_topk_prob = cfg.norm_topk_prob
     self.scoring = cfg.router_scoring
@@ -153,6 +156,8 @@ class MoE(nnx.Module):
   def _route(self, x_TD):
     dtype = x_TD.dtype
     if self.scoring == "softmax":
+      if self.router_kernel is not None and x_TD.shape[0] <= router_topk.MAX_TOKENS:
+        return self.router_kernel(x_TD, self.router[...])
       router_logits_TE = jnp.einsum("td,de->te", x_TD, self.router[...])
       return self.per_token_shard(
           lambda logits, _: route(logits, self.top_k, self.norm_topk_prob, dtype))(

@@ -7,7 +7,8 @@ jspec.pallas_kernels.row_norms' residual add + RMSNorm and q / k norms + RoPE, p
   "auto"    "pallas" on a GPU, "xla" elsewhere.
 
 A step's new keys and values go into the KV cache through one kernel too
-(jspec.pallas_kernels.kv_write), in place of XLA's two scatters.
+(jspec.pallas_kernels.kv_write), in place of XLA's two scatters, and a softmax MoE layer's
+routing through two (jspec.pallas_kernels.router_topk) in place of XLA's eight.
 
 The kernels work on whole rows, so they run under `shard_map` with the rows split over the
 batch axes as the activations are, and heads over tp for q and k; a norm whose width the mesh
@@ -101,3 +102,15 @@ def sharded_kv_write(mesh: Mesh, rules: ShardingRules, interpret: bool):
   return jax.shard_map(functools.partial(write_kv, interpret=interpret), mesh=mesh,
                        in_specs=(cache, cache, rows, rows, positions), out_specs=(cache, cache),
                        check_vma=False)
+
+
+def sharded_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool, interpret: bool):
+  """(x [T, D], router [D, E]) -> (expert ids [T, K], weights [T, K]): softmax routing
+  (jspec.pallas_kernels.router_topk) on each shard's own tokens, the router whole on every
+  shard (the tokens split as jspec.sharding.moe.per_token_shard splits them)."""
+  from jspec.pallas_kernels.router_topk import route_softmax
+  tokens = rules.spec(("batch", None))
+  return jax.shard_map(
+      functools.partial(route_softmax, top_k=top_k, norm=norm, interpret=interpret),
+      mesh=mesh, in_specs=(tokens, PartitionSpec()), out_specs=(tokens, tokens),
+      check_vma=False)
