@@ -23,7 +23,8 @@ from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
                                       weights_replicated)
 from jspec.models.row_kernels import (resolve_norm_backend, sharded_kv_write, sharded_router,
-                                      sharded_qk_norm_rope, sharded_rms_norm)
+                                      sharded_qk_norm_rope, sharded_qkv_norm_rope,
+                                      sharded_rms_norm)
 from jspec.pallas_kernels import platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
 from jspec.sharding.rules import axis_size
@@ -258,4 +259,6 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         eps = node.q_norm.eps if node.use_qk_norm else 1e-6
         node.qk_kernel = sharded_qk_norm_rope(mesh, rules, kv_axis, eps, node.rope_theta,
                                               interpret)
+        if node.fused_qkv and not node.has_bias:  # the product's slices into the kernel
+          node.qkv_kernel = sharded_qkv_norm_rope(mesh, rules, eps, node.rope_theta, interpret)
   return backend

@@ -15,7 +15,8 @@ from jspec.models.moe import MoE
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.row_norms import (fits_heads, fits_kernel, inv_frequencies,
-                                            qk_norm_rope, rms_norm, row_chunk)
+                                            qk_norm_rope, qkv_norm_rope, rms_norm,
+                                            row_chunk)
 from tests.helpers import fixture_dir, greedy_token_ids
 
 EPS = 1e-6
@@ -111,6 +112,27 @@ def test_qk_norm_rope_matches_the_formula_in_float32(seed):
   assert_rotated_close(got_q, rope_reference(q, positions, theta), positions)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_qkv_norm_rope_on_the_fused_product_is_qk_norm_rope_of_its_slices(seed):
+  """The fused q / k / v product [M, K, G + 2, H] (each KV head's G query heads, its key, its
+  value): the same q and k as qk_norm_rope of the product's slices, bit for bit, and the
+  value heads as they are."""
+  rng = np.random.default_rng(200 + seed)
+  rows, kv_heads, group = (int(rng.integers(1, n)) for n in (6, 4, 5))
+  head_dim = int(rng.choice([32, 64, 128]))
+  qkv = jnp.asarray(rng.standard_normal((rows, kv_heads, group + 2, head_dim)), jnp.float32)
+  positions = jnp.asarray(rng.integers(0, 4000, rows))
+  scales = [jnp.asarray(1 + 0.2 * rng.standard_normal(head_dim), jnp.float32) for _ in "qk"]
+  for norm_scales in (scales, (None, None)):
+    q, k, v = qkv_norm_rope(qkv, positions, *norm_scales, eps=EPS, theta=1e6)
+    want_q, want_k = qk_norm_rope(qkv[:, :, :group].reshape(rows, kv_heads * group, head_dim),
+                                  qkv[:, :, group], positions, *norm_scales, eps=EPS,
+                                  theta=1e6)
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(want_q))
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(qkv[:, :, group + 1]))
+
+
 def assert_rotated_close(got, want, positions):
   """Row by row: within 1e-5 of the largest value, plus what float32 cos / sin lose on large
   angles (XLA reduces an angle of a rad to within pi in float32, about a * 2^-24 off; the
@@ -175,7 +197,9 @@ def test_the_steps_run_the_kernels_where_the_backend_sets_them():
   layer, plain_layer = llm.target.layers[0], plain.target.layers[0]
   assert layer.attn.qk_kernel is not None and layer.post_attn_norm.row_kernel is not None
   assert layer.attn.kv_write is not None and llm.target.final_norm.row_kernel is not None
+  assert layer.attn.fused_qkv and layer.attn.qkv_kernel is not None
   assert plain_layer.attn.qk_kernel is None and plain_layer.post_attn_norm.row_kernel is None
+  assert plain_layer.attn.qkv_kernel is None
   assert plain_layer.attn.kv_write is None
   assert layer.attn.q_norm.row_kernel is None  # q / k norms run inside qk_norm_rope
   d = llm.config.hidden_size
@@ -184,6 +208,10 @@ def test_the_steps_run_the_kernels_where_the_backend_sets_them():
   assert "add_rms_norm" in step
   prefill = jnp.ones((2, 200, d), jnp.float32)  # more rows than MAX_ROWS: XLA's fusions
   assert "rms_norm" not in str(jax.make_jaxpr(layer.post_attn_norm)(prefill))
+  # The fused q / k / v product's q and k go to qkv_norm_rope whole, not sliced first.
+  positions = jnp.zeros((2, 3), jnp.int32)
+  project = str(jax.make_jaxpr(layer.attn._project_rotated)(x, positions))
+  assert "qkv_norm_rope" in project and "qk_norm_rope" not in project.replace("qkv_norm", "")
 
 
 @pytest.mark.parametrize("name", ["qwen3_dense", "qwen3_5_text", "qwen3_moe"])
@@ -202,13 +230,16 @@ def test_greedy_tokens_through_the_kernels_equal_xla(name):
   assert greedy_token_ids(spec, PROMPTS, 6) == want
 
 
-def test_greedy_tokens_through_the_kernels_on_a_mesh_equal_one_device():
-  """dp = 2 splits the rows, tp = 4 the query heads; the fixture's 2 KV heads are then
-  computed whole on every tp shard (kv_replicas = 2), so the keys enter the kernel unsplit."""
+@pytest.mark.parametrize("tp", [4, 2])
+def test_greedy_tokens_through_the_kernels_on_a_mesh_equal_one_device(tp):
+  """dp = 2 splits the rows, tp the query heads. At tp = 4 the fixture's 2 KV heads are
+  computed whole on every tp shard (kv_replicas = 2: q, k and v apart), so the keys enter the
+  kernel unsplit; at tp = 2 each shard holds one KV head's fused q / k / v product."""
   want = greedy_token_ids(_llm("qwen3_dense", "xla"), PROMPTS, 5)
-  meshed = _llm("qwen3_dense", "pallas", mesh=jspec.MeshConfig(dp=2, tp=4))
+  meshed = _llm("qwen3_dense", "pallas", mesh=jspec.MeshConfig(dp=2, tp=tp))
   attn = meshed.target.layers[0].attn
-  assert attn.qk_kernel is not None and attn.kv_write is not None and attn.kv_replicas == 2
+  assert attn.qk_kernel is not None and attn.kv_write is not None
+  assert attn.kv_replicas == tp // 2 and (attn.qkv_kernel is not None) == (tp == 2)
   assert greedy_token_ids(meshed, PROMPTS, 5) == want
 
 
@@ -267,3 +298,21 @@ def test_gpu_qk_norm_rope_at_model_shapes(rows, q_heads, kv_heads):
   for got, x in ((got_q, q), (got_k, k)):
     assert_rotated_close(got, rope_reference(rms_norm_reference(x, scale)[1], positions, 1e6),
                          positions)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, kv_heads, group", [(1, 8, 4), (8, 8, 4), (32, 4, 4)])
+def test_gpu_qkv_norm_rope_at_model_shapes(rows, kv_heads, group):
+  """Compiled: the fused product's q and k as qk_norm_rope gives them from its slices, bf16
+  as the models run it, and v as it is."""
+  rng = np.random.default_rng(rows)
+  qkv = jnp.asarray(rng.standard_normal((rows, kv_heads, group + 2, 128)) * 3, jnp.bfloat16)
+  positions = jnp.asarray(rng.integers(0, 32768, rows))
+  scale = jnp.asarray(1 + 0.2 * rng.standard_normal(128), jnp.bfloat16)
+  q, k, v = qkv_norm_rope(qkv, positions, scale, scale, eps=EPS, theta=1e6)
+  want_q, want_k = qk_norm_rope(qkv[:, :, :group].reshape(rows, kv_heads * group, 128),
+                                qkv[:, :, group], positions, scale, scale, eps=EPS, theta=1e6)
+  np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(want_q, np.float32))
+  np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(want_k, np.float32))
+  np.testing.assert_array_equal(np.asarray(v, np.float32),
+                                np.asarray(qkv[:, :, group + 1], np.float32))

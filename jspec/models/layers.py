@@ -14,6 +14,7 @@ from flax import nnx
 
 from jspec.models import quantization
 from jspec.models import rope as rope_lib
+from jspec.models.rope import rope
 from jspec.models.caches import KVCache, write_slots
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
 from jspec.models.linear import linear, project_many_named, project_named
@@ -22,25 +23,6 @@ from jspec.models.params import param
 from jspec.models.row_kernels import takes_rows
 from jspec.models.tree_attention import active_layout
 from jspec.pallas_kernels import short_attention as short_kernel
-
-
-def rope(x_BTNH, positions_BT, theta: float, rotary_dim: int | None = None):
-  """Rotary embedding in the rotate-half convention of Qwen3 (transformers `apply_rotary_pos_emb`),
-  over the first `rotary_dim` dims of each head (partial RoPE, as Qwen3-Next / Qwen3.5, GLM-4.5's
-  `Glm4MoeAttention` and bamba's `apply_rotary_pos_emb` do: the two halves of the rotated part,
-  not interleaved pairs); the rest pass through. Frequencies are over rotary_dim."""
-  head_dim = x_BTNH.shape[-1]
-  dim = head_dim if rotary_dim is None else rotary_dim
-  inv_freq_H2 = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-  angles_BTH2 = positions_BT[..., None].astype(jnp.float32) * inv_freq_H2
-  angles_BTH = jnp.concatenate([angles_BTH2, angles_BTH2], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(angles_BTH), jnp.sin(angles_BTH)
-  x32 = x_BTNH.astype(jnp.float32)
-  rot, rest = x32[..., :dim], x32[..., dim:]
-  half = dim // 2
-  rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-  out = jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)
-  return out.astype(x_BTNH.dtype)
 
 
 def write_cache(cache_BKSH, new_BTKH, positions_BT):
@@ -130,6 +112,9 @@ class Attention(nnx.Module):
     # Optional kernel for the q / k norms and RoPE of steps with few rows, set by the LLM
     # (jspec.models.row_kernels): (q, k, positions, q and k norm scales or None) -> (q, k).
     self.qk_kernel = None
+    # The same on a fused q / k / v product, v taken out too (row_kernels.
+    # sharded_qkv_norm_rope): set with qk_kernel on fused layers without biases.
+    self.qkv_kernel = None
     # Optional kernel writing a step's keys and values into the cache, set by the LLM
     # (jspec.models.row_kernels.sharded_kv_write): (keys, values, k, v, positions) -> (keys,
     # values), for steps of few rows. None: two XLA scatters.
@@ -149,10 +134,7 @@ class Attention(nnx.Module):
     (linear.project_many_named), else three products."""
     tp = self.tp_products
     if self.fused_qkv:
-      if tp is not None:  # each shard its own KV heads and their query heads
-        qkv_BTKCH = tp.column(x_BTD, self.qkv_proj[...], split=1)
-      else:
-        qkv_BTKCH = self._dense(x_BTD, "qkv_proj", "btd,dkch->btkch")
+      qkv_BTKCH = self._fused_product(x_BTD)
       b, t, k, c, h = qkv_BTKCH.shape
       return (qkv_BTKCH[:, :, :, :c - 2].reshape(b, t, k * (c - 2), h),
               qkv_BTKCH[:, :, :, c - 2], qkv_BTKCH[:, :, :, c - 1])
@@ -169,6 +151,12 @@ class Attention(nnx.Module):
     # and the cache writes): one kernel fewer a layer; with gate / up's, 0.982x Qwen3-8B's FP8
     # batch-1 step on an H100 (BENCHMARKS.md, "FP8 K-slice sums fused into their readers; …").
     return project_many_named(self, x_BTD, specs, self.projection, fp8_sum_apart=False)
+
+  def _fused_product(self, x_BTD):
+    """The fused q / k / v product [B, T, K, G + 2, H]."""
+    if self.tp_products is not None:  # each shard its own KV heads and their query heads
+      return self.tp_products.column(x_BTD, self.qkv_proj[...], split=1)
+    return self._dense(x_BTD, "qkv_proj", "btd,dkch->btkch")
 
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
@@ -192,8 +180,7 @@ class Attention(nnx.Module):
     and stale slots past p (rejected drafts, padding) are never read. Only the first
     `kv_window` slots are read (static): prefill from position 0 needs no more than its bucket.
     """
-    q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project(x_BTD)
-    q_BTNH, k_BTKH = self._norm_and_rope(q_BTNH, k_BTKH, positions_BT)
+    q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project_rotated(x_BTD, positions_BT)
     out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window)
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
@@ -205,6 +192,16 @@ class Attention(nnx.Module):
     if self.has_o_bias:
       out_BTD = out_BTD + self.o_bias[...]
     return out_BTD, cache
+
+  def _project_rotated(self, x_BTD, positions_BT):
+    """(q, k normed and rotated, v, gate): where `qkv_kernel` is set and the step has few
+    rows, the fused product's q and k rotated and its v taken out in one kernel."""
+    if self.qkv_kernel is not None and takes_rows(x_BTD, ndim=3):
+      scales = ((self.q_norm.scale[...], self.k_norm.scale[...]) if self.use_qk_norm
+                else (None, None))
+      return (*self.qkv_kernel(self._fused_product(x_BTD), positions_BT, *scales), None)
+    q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project(x_BTD)
+    return (*self._norm_and_rope(q_BTNH, k_BTKH, positions_BT), v_BTKH, gate_BTNH)
 
   def _norm_and_rope(self, q_BTNH, k_BTKH, positions_BT):
     """q and k normed over head_dim (where the family does) and rotated: one kernel where
@@ -292,6 +289,12 @@ class GatedAttention(Attention):
   attention output is multiplied by sigmoid(gate) before o_proj, and q/k norms are (1 + w)."""
 
   norm_cls = ZeroCenteredRMSNorm
+
+  def _fused_product(self, x_BTD):
+    """The fused q / k / v product [B, T, K, G + 2, H]."""
+    if self.tp_products is not None:  # each shard its own KV heads and their query heads
+      return self.tp_products.column(x_BTD, self.qkv_proj[...], split=1)
+    return self._dense(x_BTD, "qkv_proj", "btd,dkch->btkch")
 
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim

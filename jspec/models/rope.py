@@ -1,5 +1,6 @@
-"""Rotary position embeddings beyond plain RoPE: YaRN and Llama-3 ("llama3") frequencies, YaRN's
-softmax scale, and the interleaved pair layout of DeepSeek-V3 / GLM-4.7-Flash.
+"""Rotary position embeddings: plain RoPE (`rope`, the layers'), and beyond it YaRN and Llama-3
+("llama3") frequencies, YaRN's softmax scale, and the interleaved pair layout of DeepSeek-V3 /
+GLM-4.7-Flash.
 
 YaRN follows transformers `_compute_yarn_parameters` (modeling_rope_utils.py) term by term:
   - the correction range [low, high] of rotary dims from `beta_fast` / `beta_slow` rotations
@@ -178,3 +179,22 @@ def apply_rope(x_BTNH, positions_BT, inv_freq_H2: np.ndarray, attention_factor: 
   half = x32.shape[-1] // 2
   rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
   return (x32 * cos + rotated * sin).astype(x_BTNH.dtype)
+
+
+def rope(x_BTNH, positions_BT, theta: float, rotary_dim: int | None = None):
+  """Rotary embedding in the rotate-half convention of Qwen3 (transformers `apply_rotary_pos_emb`),
+  over the first `rotary_dim` dims of each head (partial RoPE, as Qwen3-Next / Qwen3.5, GLM-4.5's
+  `Glm4MoeAttention` and bamba's `apply_rotary_pos_emb` do: the two halves of the rotated part,
+  not interleaved pairs); the rest pass through. Frequencies are over rotary_dim."""
+  head_dim = x_BTNH.shape[-1]
+  dim = head_dim if rotary_dim is None else rotary_dim
+  inv_freq_H2 = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  angles_BTH2 = positions_BT[..., None].astype(jnp.float32) * inv_freq_H2
+  angles_BTH = jnp.concatenate([angles_BTH2, angles_BTH2], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles_BTH), jnp.sin(angles_BTH)
+  x32 = x_BTNH.astype(jnp.float32)
+  rot, rest = x32[..., :dim], x32[..., dim:]
+  half = dim // 2
+  rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+  out = jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)
+  return out.astype(x_BTNH.dtype)

@@ -91,6 +91,31 @@ def sharded_qk_norm_rope(mesh: Mesh, rules: ShardingRules, kv_axis: str | None, 
                        out_specs=(q, k), check_vma=False)
 
 
+def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: float,
+                          interpret: bool):
+  """(qkv [B, T, K, G + 2, H], positions [B, T], q and k norm scales [H] or None) -> (q
+  [B, T, N, H], k, v [B, T, K, H]): a fused q / k / v product's q and k normed and rotated
+  and its v taken out, in one kernel (jspec.pallas_kernels.row_norms.qkv_norm_rope); KV heads
+  split over the mesh as the fused product leaves them."""
+  from jspec.pallas_kernels.row_norms import qkv_norm_rope
+  qkv = rules.spec(("batch", "seq", "kv_heads", None, None))
+  q = rules.spec(("batch", "seq", "q_heads", None))
+  kv = rules.spec(("batch", "seq", "kv_heads", None))
+  positions = rules.spec(("batch", "seq"))
+
+  def per_shard(qkv_BTKCH, positions_BT, q_scale, k_scale):
+    b, t, k, c, h = qkv_BTKCH.shape
+    q_out, k_out, v_out = qkv_norm_rope(qkv_BTKCH.reshape(b * t, k, c, h),
+                                        positions_BT.reshape(b * t), q_scale, k_scale,
+                                        eps=eps, theta=theta, interpret=interpret)
+    return (q_out.reshape(b, t, k * (c - 2), h), k_out.reshape(b, t, k, h),
+            v_out.reshape(b, t, k, h))
+
+  whole = PartitionSpec()
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv, positions, whole, whole),
+                       out_specs=(q, kv, kv), check_vma=False)
+
+
 def sharded_kv_write(mesh: Mesh, rules: ShardingRules, interpret: bool):
   """(keys, values [B, K, S, H], k, v [B, T, K, H], positions [B, T]) -> (keys, values) with
   the new rows written (jspec.pallas_kernels.kv_write), per shard: sequences over the batch

@@ -101,21 +101,29 @@ def rms_norm(x_MD: jax.Array, scale_D: jax.Array, residual_MD: jax.Array | None 
   )(*inputs)
 
 
-def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, normed: bool):
-  """Program (m, j): head j of row m, a query head for j < N, else key head j - N."""
+def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int,
+               normed: bool, group: int | None):
+  """Program (m, j): head j of row m, a query head for j < N, else key head j - N, else (the
+  fused layout) value head j - N - K, copied as it is.
+
+  group None: q [M, N, H] and k [M, K, H] apart. Else one array [M, K x (G + 2), H], a
+  layer's fused q / k / v product (jspec.models.qkv_fusion): for each KV head its G query
+  heads, its key, its value; the value heads go out as they are, so that no slice of the
+  product runs as a kernel of its own."""
+  srcs, refs = (refs[:2], refs[2:]) if group is None else ((refs[0], refs[0]), refs[1:])
+  q_src, k_src = srcs
+  q_scale_ref = k_scale_ref = None
   if normed:
-    q_ref, k_ref, q_scale_ref, k_scale_ref, q_out_ref, k_out_ref = refs
-  else:
-    q_ref, k_ref, q_out_ref, k_out_ref = refs
-    q_scale_ref = k_scale_ref = None
+    q_scale_ref, k_scale_ref, *refs = refs
+  q_out_ref, k_out_ref, *v_out = refs
   m, j = pl.program_id(0), pl.program_id(1)
   half = freq_ref.shape[0]
   angle = pos_ref[m].astype(jnp.float32) * freq_ref[pl.ds(0, half)]
   cos, sin = jnp.cos(angle), jnp.sin(angle)
   first, second = pl.ds(0, half), pl.ds(half, half)
 
-  def rotate(src_ref, scale_ref, dst_ref, head):
-    x1, x2 = src_ref[m, head, first], src_ref[m, head, second]
+  def rotate(src_ref, src_head, scale_ref, dst_ref, head):
+    x1, x2 = src_ref[m, src_head, first], src_ref[m, src_head, second]
     dtype = x1.dtype
     if normed:  # RMSNorm over head_dim: float32, cast, scale in the parameter dtype
       a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
@@ -129,17 +137,29 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, normed: bool)
     dst_ref[m, head, first] = (a * cos - b * sin).astype(dst_ref.dtype)
     dst_ref[m, head, second] = (b * cos + a * sin).astype(dst_ref.dtype)
 
+  if group is None:
+    q_head, k_head = (lambda n: n), (lambda i: i)
+  else:
+    q_head = lambda n: (n // group) * (group + 2) + n % group
+    k_head = lambda i: i * (group + 2) + group
+
   @pl.when(j < q_heads)
   def _():
-    rotate(q_ref, q_scale_ref, q_out_ref, j)
+    rotate(q_src, q_head(j), q_scale_ref, q_out_ref, j)
 
-  @pl.when(j >= q_heads)
+  @pl.when((j >= q_heads) & (j < q_heads + kv_heads))
   def _():
-    rotate(k_ref, k_scale_ref, k_out_ref, j - q_heads)
+    rotate(k_src, k_head(j - q_heads), k_scale_ref, k_out_ref, j - q_heads)
+
+  if v_out:
+    @pl.when(j >= q_heads + kv_heads)
+    def _():
+      i = j - q_heads - kv_heads
+      v_out[0][m, i, :] = q_src[m, k_head(i) + 1, :]
 
 
 def inv_frequencies(head_dim: int, theta: float) -> jax.Array:
-  """RoPE's frequencies [H/2] in float32, by jspec.models.layers.rope's expression."""
+  """RoPE's frequencies [H/2] in float32, by jspec.models.rope.rope's expression."""
   return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
 
 
@@ -155,7 +175,7 @@ def qk_norm_rope(q_MNH: jax.Array, k_MKH: jax.Array, positions_M: jax.Array,
                  eps: float = 1e-6, theta: float, interpret: bool | None = None):
   """Queries [M, N, H] and keys [M, K, H] of rows at `positions_M`, each head RMSNormed over H
   by its scale (none where the scales are None) and then rotated by plain RoPE over the whole
-  head (jspec.models.layers.rope): (q, k) in their dtypes."""
+  head (jspec.models.rope.rope): (q, k) in their dtypes."""
   rows, q_heads, head_dim = q_MNH.shape
   if k_MKH.shape[0] != rows or k_MKH.shape[2] != head_dim or positions_M.shape != (rows,):
     raise ValueError(f"qk_norm_rope takes q [M, N, H], k [M, K, H] and positions [M], got "
@@ -168,12 +188,51 @@ def qk_norm_rope(q_MNH: jax.Array, k_MKH: jax.Array, positions_M: jax.Array,
     interpret = not platform.on_gpu()
   normed = q_scale_H is not None
   scales = (q_scale_H, k_scale_H) if normed else ()
-  kernel = functools.partial(_qk_kernel, eps=eps, q_heads=q_heads, normed=normed)
+  kv_heads = k_MKH.shape[1]
+  kernel = functools.partial(_qk_kernel, eps=eps, q_heads=q_heads, kv_heads=kv_heads,
+                             normed=normed, group=None)
   return pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct(q_MNH.shape, q_MNH.dtype),
                  jax.ShapeDtypeStruct(k_MKH.shape, k_MKH.dtype)),
-      grid=(rows, q_heads + k_MKH.shape[1]),
+      grid=(rows, q_heads + kv_heads),
       compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
       interpret=interpret, name="qk_norm_rope",
   )(positions_M.astype(jnp.int32), inv_frequencies(head_dim, theta), q_MNH, k_MKH, *scales)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "theta", "interpret"))
+def qkv_norm_rope(qkv_MKCH: jax.Array, positions_M: jax.Array,
+                  q_scale_H: jax.Array | None = None, k_scale_H: jax.Array | None = None, *,
+                  eps: float = 1e-6, theta: float, interpret: bool | None = None):
+  """qk_norm_rope on a fused q / k / v product [M, K, G + 2, H] (for each KV head its G query
+  heads, its key, its value: jspec.models.qkv_fusion): (q [M, K x G, H], k [M, K, H], v
+  [M, K, H]), q and k normed and rotated, v as it is. One kernel where slicing q, k and v
+  out of the product would take three more."""
+  rows, kv_heads, width, head_dim = qkv_MKCH.shape
+  group = width - 2
+  if positions_M.shape != (rows,) or group < 1:
+    raise ValueError(f"qkv_norm_rope takes qkv [M, K, G + 2, H] and positions [M], got "
+                     f"{qkv_MKCH.shape}, {positions_M.shape}")
+  if (q_scale_H is None) != (k_scale_H is None):
+    raise ValueError("qkv_norm_rope takes both norm scales or neither")
+  if not fits_heads(head_dim):
+    raise ValueError(f"qkv_norm_rope needs head_dim / 2 a power of two >= 16, got {head_dim}")
+  if interpret is None:
+    interpret = not platform.on_gpu()
+  normed = q_scale_H is not None
+  scales = (q_scale_H, k_scale_H) if normed else ()
+  q_heads = kv_heads * group
+  kernel = functools.partial(_qk_kernel, eps=eps, q_heads=q_heads, kv_heads=kv_heads,
+                             normed=normed, group=group)
+  dtype = qkv_MKCH.dtype
+  return pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((rows, q_heads, head_dim), dtype),
+                 jax.ShapeDtypeStruct((rows, kv_heads, head_dim), dtype),
+                 jax.ShapeDtypeStruct((rows, kv_heads, head_dim), dtype)),
+      grid=(rows, q_heads + 2 * kv_heads),
+      compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+      interpret=interpret, name="qkv_norm_rope",
+  )(positions_M.astype(jnp.int32), inv_frequencies(head_dim, theta),
+    qkv_MKCH.reshape(rows, kv_heads * width, head_dim), *scales)
