@@ -290,12 +290,6 @@ class GatedAttention(Attention):
 
   norm_cls = ZeroCenteredRMSNorm
 
-  def _fused_product(self, x_BTD):
-    """The fused q / k / v product [B, T, K, G + 2, H]."""
-    if self.tp_products is not None:  # each shard its own KV heads and their query heads
-      return self.tp_products.column(x_BTD, self.qkv_proj[...], split=1)
-    return self._dense(x_BTD, "qkv_proj", "btd,dkch->btkch")
-
   def _init_query(self, cfg, dtype, rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     self.q_proj, self.q_proj_scale = linear(rngs, (d, n, 2, h), dtype,

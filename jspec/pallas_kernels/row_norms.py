@@ -7,7 +7,8 @@ so these small kernels were about 0.77 ms of Qwen3-8B's 4.80 ms step (BENCHMARKS
 MLA decode on an H200 against their targets; ..."). Here each group is one kernel:
 
   rms_norm       the residual add (optional) and the RMSNorm after it: (h, norm(h));
-  qk_norm_rope   the q and k RMSNorms over head_dim (optional) and their rotary embedding.
+  qk_norm_rope   the q and k RMSNorms over head_dim (optional) and their rotary embedding;
+  qkv_norm_rope  the same read from a fused q / k / v product, its v copied out beside them.
 
 Both round where the modules of jspec.models.norms and jspec.models.layers round (the sum in
 bfloat16, normalising in float32, the cast, the scale), so they stand in for them; only the
