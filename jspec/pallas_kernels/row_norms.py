@@ -170,6 +170,29 @@ def fits_heads(head_dim: int) -> bool:
   return head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0
 
 
+def _qk_call(name: str, heads, out_shape, positions_M, scales, *, q_heads: int, kv_heads: int,
+             group: int | None, head_dim: int, eps: float, theta: float, interpret):
+  """The pallas_call of _qk_kernel over `heads` (its head inputs) after the checks both forms
+  share: both norm scales or neither, heads the kernel takes."""
+  if (scales[0] is None) != (scales[1] is None):
+    raise ValueError(f"{name} takes both norm scales or neither")
+  if not fits_heads(head_dim):
+    raise ValueError(f"{name} needs head_dim / 2 a power of two >= 16, got {head_dim}")
+  if interpret is None:
+    interpret = not platform.on_gpu()
+  normed = scales[0] is not None
+  kernel = functools.partial(_qk_kernel, eps=eps, q_heads=q_heads, kv_heads=kv_heads,
+                             normed=normed, group=group)
+  rows = positions_M.shape[0]
+  return pl.pallas_call(
+      kernel, out_shape=out_shape,
+      grid=(rows, q_heads + kv_heads * (1 if group is None else 2)),
+      compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+      interpret=interpret, name=name,
+  )(positions_M.astype(jnp.int32), inv_frequencies(head_dim, theta), *heads,
+    *(scales if normed else ()))
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "theta", "interpret"))
 def qk_norm_rope(q_MNH: jax.Array, k_MKH: jax.Array, positions_M: jax.Array,
                  q_scale_H: jax.Array | None = None, k_scale_H: jax.Array | None = None, *,
@@ -181,25 +204,12 @@ def qk_norm_rope(q_MNH: jax.Array, k_MKH: jax.Array, positions_M: jax.Array,
   if k_MKH.shape[0] != rows or k_MKH.shape[2] != head_dim or positions_M.shape != (rows,):
     raise ValueError(f"qk_norm_rope takes q [M, N, H], k [M, K, H] and positions [M], got "
                      f"{q_MNH.shape}, {k_MKH.shape}, {positions_M.shape}")
-  if (q_scale_H is None) != (k_scale_H is None):
-    raise ValueError("qk_norm_rope takes both norm scales or neither")
-  if not fits_heads(head_dim):
-    raise ValueError(f"qk_norm_rope needs head_dim / 2 a power of two >= 16, got {head_dim}")
-  if interpret is None:
-    interpret = not platform.on_gpu()
-  normed = q_scale_H is not None
-  scales = (q_scale_H, k_scale_H) if normed else ()
-  kv_heads = k_MKH.shape[1]
-  kernel = functools.partial(_qk_kernel, eps=eps, q_heads=q_heads, kv_heads=kv_heads,
-                             normed=normed, group=None)
-  return pl.pallas_call(
-      kernel,
-      out_shape=(jax.ShapeDtypeStruct(q_MNH.shape, q_MNH.dtype),
-                 jax.ShapeDtypeStruct(k_MKH.shape, k_MKH.dtype)),
-      grid=(rows, q_heads + kv_heads),
-      compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
-      interpret=interpret, name="qk_norm_rope",
-  )(positions_M.astype(jnp.int32), inv_frequencies(head_dim, theta), q_MNH, k_MKH, *scales)
+  return _qk_call("qk_norm_rope", (q_MNH, k_MKH),
+                  (jax.ShapeDtypeStruct(q_MNH.shape, q_MNH.dtype),
+                   jax.ShapeDtypeStruct(k_MKH.shape, k_MKH.dtype)),
+                  positions_M, (q_scale_H, k_scale_H), q_heads=q_heads,
+                  kv_heads=k_MKH.shape[1], group=None, head_dim=head_dim, eps=eps, theta=theta,
+                  interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "theta", "interpret"))
@@ -215,25 +225,9 @@ def qkv_norm_rope(qkv_MKCH: jax.Array, positions_M: jax.Array,
   if positions_M.shape != (rows,) or group < 1:
     raise ValueError(f"qkv_norm_rope takes qkv [M, K, G + 2, H] and positions [M], got "
                      f"{qkv_MKCH.shape}, {positions_M.shape}")
-  if (q_scale_H is None) != (k_scale_H is None):
-    raise ValueError("qkv_norm_rope takes both norm scales or neither")
-  if not fits_heads(head_dim):
-    raise ValueError(f"qkv_norm_rope needs head_dim / 2 a power of two >= 16, got {head_dim}")
-  if interpret is None:
-    interpret = not platform.on_gpu()
-  normed = q_scale_H is not None
-  scales = (q_scale_H, k_scale_H) if normed else ()
   q_heads = kv_heads * group
-  kernel = functools.partial(_qk_kernel, eps=eps, q_heads=q_heads, kv_heads=kv_heads,
-                             normed=normed, group=group)
-  dtype = qkv_MKCH.dtype
-  return pl.pallas_call(
-      kernel,
-      out_shape=(jax.ShapeDtypeStruct((rows, q_heads, head_dim), dtype),
-                 jax.ShapeDtypeStruct((rows, kv_heads, head_dim), dtype),
-                 jax.ShapeDtypeStruct((rows, kv_heads, head_dim), dtype)),
-      grid=(rows, q_heads + 2 * kv_heads),
-      compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
-      interpret=interpret, name="qkv_norm_rope",
-  )(positions_M.astype(jnp.int32), inv_frequencies(head_dim, theta),
-    qkv_MKCH.reshape(rows, kv_heads * width, head_dim), *scales)
+  row_heads = lambda n: jax.ShapeDtypeStruct((rows, n, head_dim), qkv_MKCH.dtype)
+  return _qk_call("qkv_norm_rope", (qkv_MKCH.reshape(rows, kv_heads * width, head_dim),),
+                  (row_heads(q_heads), row_heads(kv_heads), row_heads(kv_heads)),
+                  positions_M, (q_scale_H, k_scale_H), q_heads=q_heads, kv_heads=kv_heads,
+                  group=group, head_dim=head_dim, eps=eps, theta=theta, interpret=interpret)
