@@ -35,7 +35,7 @@ from jspec.pallas_kernels import platform
 MAX_TOKENS = 64      # decode, verify and draft steps; prefill chunks keep XLA's
 MAX_EXPERTS = 1024   # one Triton block of logits a program
 ROW_CHUNK = 64       # router rows a loop step of router_partials reads
-SLICE_ROWS = 128     # router rows a program of router_partials reads at most
+SLICE_ROWS = 128     # router rows a program of router_partials reads, about (num_slices)
 NUM_WARPS = 4
 
 

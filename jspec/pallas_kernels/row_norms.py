@@ -186,7 +186,7 @@ def _qk_call(name: str, heads, out_shape, positions_M, scales, *, q_heads: int, 
   rows = positions_M.shape[0]
   return pl.pallas_call(
       kernel, out_shape=out_shape,
-      grid=(rows, q_heads + kv_heads * (1 if group is None else 2)),
+      grid=(rows, q_heads + kv_heads * (len(out_shape) - 1)),  # a program per output head
       compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
       interpret=interpret, name=name,
   )(positions_M.astype(jnp.int32), inv_frequencies(head_dim, theta), *heads,
