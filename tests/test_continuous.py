@@ -216,9 +216,12 @@ def test_progress_is_shown_by_default_and_off_with_jspec_progress_0(monkeypatch)
   shown = RequestProgress(3)
   assert not shown.bar.disable and shown.bar.delay > 0  # drawn once a call lasts a moment
   shown.close()
-  assert RequestProgress(3, show=False).bar.disable
+  hidden = RequestProgress(3, show=False)
+  assert hidden.bar is None  # no tqdm at all when nothing is drawn
+  hidden.update(1, 10)
+  hidden.close()
   monkeypatch.setenv("JSPEC_PROGRESS", "0")
-  assert RequestProgress(3).bar.disable
+  assert RequestProgress(3).bar is None
 
 
 @pytest.mark.parametrize("flag", [True, False])
@@ -250,7 +253,8 @@ def test_dispatch_chain_runs_one_dispatch_ahead_of_the_host():
     launches.append((state, budget))
     return state + 1, f"rows of {state}"
 
-  chain = DispatchChain(launch, 0, 64)
+  chain = DispatchChain(launch, lambda: (0, "prefilled"), 64)
+  assert chain.started() == "prefilled"
   assert chain.next() == "rows of 0"
   _wait_for(lambda: len(launches) == 2)  # launched while the host holds the first rows
   time.sleep(0.05)
@@ -270,8 +274,23 @@ def test_dispatch_chain_raises_a_failed_launch_on_the_host():
       raise RuntimeError("device error")
     return state + 1, state
 
-  chain = DispatchChain(launch, 0, 64)
+  chain = DispatchChain(launch, lambda: (0, None), 64)
   assert chain.next() == 0
   with pytest.raises(RuntimeError, match="device error"):
     chain.next()
   chain.close()
+
+
+def test_dispatch_chain_raises_a_failed_start_on_the_host_and_launches_nothing():
+  launches = []
+
+  def start():
+    raise RuntimeError("out of memory")
+
+  chain = DispatchChain(lambda state, budget: launches.append(state), start, 64)
+  with pytest.raises(RuntimeError, match="out of memory"):
+    chain.started()
+  with pytest.raises(RuntimeError, match="out of memory"):
+    chain.next()
+  chain.close()
+  assert launches == []

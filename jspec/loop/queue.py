@@ -133,9 +133,3 @@ class Queue:
   @property
   def num_groups(self):
     return jnp.sum(self.size_Q > 0).astype(jnp.int32)
-
-
-def device_queue(plan: QueuePlan, eos_ids, max_model_len: int, put) -> Queue:
-  """The queue on device, every array replicated: `put(host, logical_axes)` places one."""
-  arrays = queue_arrays(plan, eos_ids, max_model_len)
-  return Queue(**{name: put(a, (None,) * a.ndim) for name, a in arrays.items()})

@@ -7,10 +7,12 @@ requests that fit the slots in one batched pass (the wave scheduler's prefill), 
 requests all fit runs as a wave would. `dispatch` runs the loop until its Finished rows fill,
 its step budget is spent or every request is done. The state is donated from one dispatch to
 the next and never leaves the device. A worker thread (jspec.schedulers.dispatch_chain)
-launches each dispatch as soon as the previous one returns, *before* the host reads that
-one's finished rows, so the device waits neither for the host's collecting, progress bar or
-output building nor for a hand-off between threads; it stops after the dispatch that reports
-every request done.
+launches `start` and then each dispatch as soon as the previous one returns, *before* the
+host reads that one's finished rows, so the device waits neither for the host's collecting,
+progress bar or output building nor for a hand-off between threads; it stops after the
+dispatch that reports every request done. A call's queue and first wave reach the device as
+one buffer each, and a dispatch's finished rows come back as one (jspec.shapes.packing): on a
+GPU each small copy costs tens of µs, almost all of it fixed.
 
 The step budget: a call whose requests all fit the slots runs in one dispatch (no boundary)
 unless the rate of earlier calls says that would take over `LONG_CALL_SECONDS`; otherwise a
@@ -40,8 +42,9 @@ from jspec.sharding.rules import to_host
 from jspec.loop import dispatch
 from jspec.shapes import buckets
 from jspec.loop.waves import merge_module
-from jspec.loop.queue import device_queue, plan_queue
+from jspec.loop.queue import Queue, plan_queue, queue_arrays
 from jspec.loop.slots import BatchPlan, Wave, start_state
+from jspec.shapes.packing import Layout, TreeLayout
 from jspec.loop.state import FINISH_REASONS
 from jspec.timing import Clock, ReadyTime
 
@@ -60,15 +63,29 @@ class WavePlan:
   prompt_bucket: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """Arrays packed into one device buffer, and where each lies in it."""
+  layout: Layout
+  buffer: jax.Array
+
+  @property
+  def spec(self) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(self.buffer.shape, self.buffer.dtype,
+                                sharding=self.buffer.sharding)
+
+
 class ContinuousScheduler:
   """Compiles and runs the continuous-batching loop over a DeviceModel (jspec.device)."""
 
   def __init__(self, device: DeviceModel, parts):
     self.device, self.parts = device, parts
     self.k = num_drafts(parts.spec)
-    self.dispatch_programs = {}  # (BatchPlan, queue shapes) -> dispatch
-    self.start_programs = {}     # (BatchPlan, queue shapes, prompt bucket) -> start
-    self._rates = {}          # (BatchPlan, queue shapes) -> steps per second last measured
+    self.dispatch_programs = {}  # (BatchPlan, queue layout) -> dispatch
+    self.finished_layouts = {}   # (BatchPlan, queue layout) -> dispatch's packed Finished
+    self.start_programs = {}     # (BatchPlan, queue layout, wave layout) -> start
+    self._budgets = {}        # step budget -> its replicated device scalar
+    self._rates = {}          # (BatchPlan, queue layout) -> steps per second last measured
     self.finished_rows = None  # Finished rows per dispatch; None: twice the slots
     self.budget = None         # steps per dispatch; None: chosen per call (module docstring)
 
@@ -112,16 +129,22 @@ class ContinuousScheduler:
     longest = max(len(queue_plan.prompts[queue_plan.groups[g].request]) for g in range(count))
     return WavePlan(group_B, count, buckets.prompt_bucket(longest, plan.loop.cache_len))
 
-  def _wave_inputs(self, wave: WavePlan, queue_plan) -> Wave:
+  @staticmethod
+  def _wave_fields(wave: WavePlan, queue_plan) -> dict[str, np.ndarray]:
+    """The wave's `Wave` fields on the host."""
     tokens = np.zeros((len(wave.group_B), wave.prompt_bucket), np.int32)
     lens = np.ones((len(wave.group_B),), np.int32)
     for row, g in enumerate(wave.group_B):
       if g >= 0:
         prompt = queue_plan.prompts[queue_plan.groups[g].request]
         tokens[row, :len(prompt)], lens[row] = prompt, len(prompt)
-    put = self.device.put
-    return Wave(tokens_BP=put(tokens, ("batch", "seq")),
-                         prompt_lens_B=put(lens, ("batch",)), group_B=put(wave.group_B, ("batch",)))
+    return dict(tokens_BP=tokens, prompt_lens_B=lens, group_B=wave.group_B)
+
+  def _packed(self, fields: dict[str, np.ndarray]) -> Packed:
+    """Host arrays as one replicated int32 buffer on the device: one host-to-device copy
+    instead of one per array (jspec.shapes.packing)."""
+    layout = Layout.of(fields)
+    return Packed(layout, self.device.put(layout.pack_host(fields), (None,)))
 
   # ---- compilation -----------------------------------------------------------------------
 
@@ -131,36 +154,38 @@ class ContinuousScheduler:
     shardings = self.device.batch_shardings(state_shape, batch)
     return shardings.replace(decode=self.device.with_cache_shardings(shardings.decode))
 
-  def _start_fn(self, plan: BatchPlan):
+  def _start_fn(self, plan: BatchPlan, queue_layout: Layout, wave_layout: Layout | None):
     device, ctx = self.device, self.device.ctx
     tgd, dgd = device.target_graphdef, device.draft_graphdef
     chunk = self.parts.prefill_chunk_size
 
-    def start_fn(target_state, draft_state, queue, wave):
+    def start_fn(target_state, draft_state, queue_buffer, wave_buffer):
+      wave = None if wave_layout is None else Wave(**wave_layout.unpack(wave_buffer))
       state = start_state(nnx.merge(tgd, target_state), merge_module(dgd, draft_state),
-                                   queue, wave, plan, ctx, chunk)
+                          Queue(**queue_layout.unpack(queue_buffer)), wave, plan, ctx, chunk)
       # A small output of its own (not donated with the state): ready when the prefill is.
       return state, jnp.sum(state.decode.lengths_B)
 
     return start_fn
 
-  def _compile(self, plan: BatchPlan, queue, wave):
-    """(start, dispatch) executables for these shapes (`wave`: a slots.Wave or None)."""
+  def _compile(self, plan: BatchPlan, queue: Packed, wave: Packed | None):
+    """(start, dispatch, the layout of dispatch's packed Finished rows) for these shapes.
+    Dispatch takes no wave: one program serves every first-wave prompt bucket."""
     device, ctx = self.device, self.device.ctx
-    shapes = jax.tree.map(lambda x: x.shape, queue)
-    key = (plan, shapes)
-    start_key = key + (None if wave is None else wave.tokens_BP.shape,)
+    key = (plan, queue.layout)
+    start_key = key + (None if wave is None else wave.layout,)
     if key in self.dispatch_programs and start_key in self.start_programs:
-      return self.start_programs[start_key], self.dispatch_programs[key]
+      return (self.start_programs[start_key], self.dispatch_programs[key],
+              self.finished_layouts[key])
     tgd, dgd = device.target_graphdef, device.draft_graphdef
     replicated = device.sharding(())
     lp = plan.loop
     label = (f"compiling continuous batch={lp.batch} cache={lp.cache_len} chunk="
              f"{lp.prefill_chunk} method={lp.method or 'none'} k={lp.k}"
-             + (f" wave prompt={wave.tokens_BP.shape[1]}" if wave is not None else ""))
+             + (f" wave prompt={wave.layout.fields[0].shape[1]}" if wave is not None else ""))
     with stage(label):
-      start_fn = self._start_fn(plan)
-      args = (*device.weights, queue, wave)
+      start_fn = self._start_fn(plan, queue.layout, None if wave is None else wave.layout)
+      args = (*device.weights, queue.spec, None if wave is None else wave.spec)
       state_shape = jax.eval_shape(start_fn, *args)[0]
       shardings = self._shardings(state_shape, lp.batch)
       if start_key not in self.start_programs:
@@ -168,23 +193,31 @@ class ContinuousScheduler:
             start_fn, out_shardings=(shardings, replicated)).lower(*args).compile)
       if key not in self.dispatch_programs:
 
-        def dispatch_fn(target_state, draft_state, state, queue, budget):
+        def run(target_state, draft_state, state, queue_buffer, budget):
           # FP8 kernel scales prepared once, outside the loop of steps.
           return dispatch.dispatch(with_loop_constants(nnx.merge(tgd, target_state)),
                                    with_loop_constants(merge_module(dgd, draft_state)),
-                                   state, queue, budget, plan, ctx)
+                                   state, Queue(**queue.layout.unpack(queue_buffer)), budget,
+                                   plan, ctx)
 
         state_in = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state_shape,
             shardings)
         budget = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-        finished_shape = jax.eval_shape(dispatch_fn, *device.weights, state_in, queue,
-                                        budget)[1]
-        finished_sh = jax.tree.map(lambda x: device.sharding((None,) * x.ndim), finished_shape)
+        finished = TreeLayout.of(jax.eval_shape(run, *device.weights, state_in, queue.spec,
+                                                budget)[1])
+
+        def dispatch_fn(*args):
+          # The Finished rows leave as one buffer: one device-to-host copy a dispatch.
+          state, rows = run(*args)
+          return state, finished.pack(rows)
+
         self.dispatch_programs[key] = interrupt.call(jax.jit(
-            dispatch_fn, out_shardings=(shardings, finished_sh), donate_argnums=(2,)).lower(
-                *device.weights, state_in, queue, budget).compile)
-    return self.start_programs[start_key], self.dispatch_programs[key]
+            dispatch_fn, out_shardings=(shardings, device.sharding((None,))),
+            donate_argnums=(2,)).lower(*device.weights, state_in, queue.spec, budget).compile)
+        self.finished_layouts[key] = finished
+    return (self.start_programs[start_key], self.dispatch_programs[key],
+            self.finished_layouts[key])
 
   # ---- a call ----------------------------------------------------------------------------
 
@@ -208,11 +241,12 @@ class ContinuousScheduler:
   def generate(self, prompt_ids, params, seeds, use_tqdm=True, decode=None) -> RunResult:
     device, parts = self.device, self.parts
     plan, queue_plan = self._plans(prompt_ids, params, seeds)
-    queue = device_queue(queue_plan, parts.config.eos_token_ids, parts.max_model_len, device.put)
+    queue = self._packed(queue_arrays(queue_plan, parts.config.eos_token_ids,
+                                      parts.max_model_len))
     wave_plan = self._wave(plan, queue_plan)
-    wave = None if wave_plan is None else self._wave_inputs(wave_plan, queue_plan)
-    start_c, dispatch_c = self._compile(plan, queue, wave)
-    rate_key = (plan, jax.tree.map(lambda x: x.shape, queue))
+    wave = None if wave_plan is None else self._packed(self._wave_fields(wave_plan, queue_plan))
+    start_c, dispatch_c, finished_layout = self._compile(plan, queue, wave)
+    rate_key = (plan, queue.layout)
     prompt_lps = parts.scorer.prompt_logprobs(prompt_ids, params, decode)
 
     collector = OutputCollector(queue_plan, draft_positions(self.parts.spec), decode)
@@ -220,22 +254,22 @@ class ContinuousScheduler:
     progress = RequestProgress(len(prompt_ids), show=use_tqdm,
                                bar=use_tqdm if callable(use_tqdm) else None)
     targets = device.weights
-    budgets = {}
+    budgets = self._budgets
     timings = []
 
     def launch(state, budget):
-      if budget not in budgets:
+      if budget not in budgets:  # kept across calls: a put costs ~0.1 ms on a GPU
         budgets[budget] = device.put(np.asarray(budget, np.int32), ())
       begin = time.perf_counter()
-      state, finished = dispatch_c(*targets, state, queue, budgets[budget])
+      state, rows = dispatch_c(*targets, state, queue.buffer, budgets[budget])
       # Waits for the dispatch's end (on a GPU its launch already has; on a CPU it returns at
-      # once): the chain stops after the dispatch that left nothing to do.
-      last = bool(finished.all_done)
+      # once), then reads its rows, so that the chain stops after the dispatch that left
+      # nothing to do.
+      finished = finished_layout.unpack_host(to_host(rows))
       timings.append(DispatchTiming(begin - start, time.perf_counter() - begin))
-      return state, (finished, last)
+      return state, (finished, bool(finished.all_done))
 
-    def collect(finished) -> tuple[int, int]:
-      host = to_host(finished)
+    def collect(host) -> tuple[int, int]:
       count, tokens = int(host.count), 0
       done_requests = 0
       for i in range(count):
@@ -260,13 +294,13 @@ class ContinuousScheduler:
       return int(host.iterations), int(host.clock)
 
     start = time.perf_counter()
-    state, prefilled = start_c(*targets, queue, wave)
     host_seconds = 0.0
     chain = None
     try:
-      chain = DispatchChain(launch, state, self._first_budget(rate_key, wave_plan, queue_plan),
-                            is_last=lambda out: out[1])
-      prefill_done = ReadyTime(prefilled)
+      chain = DispatchChain(
+          launch, lambda: start_c(*targets, queue.buffer, None if wave is None else wave.buffer),
+          self._first_budget(rate_key, wave_plan, queue_plan), is_last=lambda out: out[1])
+      prefill_done = ReadyTime(chain.started())
       for index in itertools.count():
         pending, _ = chain.next()
         ready = time.perf_counter()
