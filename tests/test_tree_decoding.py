@@ -77,6 +77,40 @@ def test_a_chain_shaped_tree_is_the_chain(llama_drafters):
   assert [o.metrics.num_steps for o in a] == [o.metrics.num_steps for o in b]
 
 
+@pytest.mark.parametrize("name, method, tree, mesh", [
+    ("llama3", "draft_model", NO_TOP_PAIR, None),
+    ("llama3", "draft_model", NO_TOP_PAIR, jspec.MeshConfig(tp=2)),
+    ("glm4_moe", "mtp", WIDE, None)])
+def test_greedy_tree_through_the_cache_write_kernel_equals_vanilla(llama_drafters, monkeypatch,
+                                                                   name, method, tree, mesh):
+  """With the row kernels (norm_backend="pallas", as on a GPU; interpreted here), the tree
+  windows write their keys and values at the layout's slots through the cache-write kernel
+  (the target's verify window of root and nodes; an MTP head's passes too), and the tokens are
+  vanilla greedy's."""
+  from jspec.models.tree_attention import active_layout
+  from jspec.pallas_kernels import kv_write as kv_lib
+  tree_widths = []  # windows written under a tree layout (traced inside a tree pass)
+  kernel = kv_lib.write_kv
+
+  def counted(keys, values, k_BTKH, *args, **kwargs):
+    if active_layout(k_BTKH.shape[1]) is not None:
+      tree_widths.append(k_BTKH.shape[1])
+    return kernel(keys, values, k_BTKH, *args, **kwargs)
+
+  monkeypatch.setattr(kv_lib, "write_kv", counted)
+  spec = {"method": method, "num_speculative_tokens": _nodes(tree),
+          "speculative_token_tree": tree}
+  if method == "draft_model":
+    spec["model"] = llama_drafters["itself"]
+  llm = jspec.LLM(model=fixture_dir(name), dtype="float32", max_model_len=128, mesh=mesh,
+                  norm_backend="pallas", speculative_config=spec)
+  outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
+  assert [o.token_ids for o in outs] == _vanilla(name)
+  assert 1 + _nodes(tree) in tree_widths  # the verify window
+  if method == "draft_model":  # the draft model is the target: rank-1 paths accepted
+    assert outs.metrics.num_accepted_tokens > outs.metrics.num_steps // 2
+
+
 @pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
 def test_greedy_tree_equals_vanilla_with_mtp_heads(name):
   """GQA (GLM-4.5) and MLA (DeepSeek-V3, a two-layer head) targets and heads."""

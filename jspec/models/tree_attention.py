@@ -10,8 +10,10 @@ is again by position.
 
 The layout reaches the attention layers as a trace-time context (`tree_layout`) rather than an
 argument: every family's layer stack would otherwise pass it through. A layer that finds a
-layout whose width matches its window runs XLA's masked attention (the fused kernels assume a
-causal window) and writes its keys at the layout's slots.
+layout whose width matches its window writes its keys at the layout's slots (GQA layers
+through the cache-write kernel where it runs) and attends with the layout's table through
+XLA's masked attention (the fused attention kernels assume a causal window; the short-context
+kernel given the tree's mask was measured slower, BENCHMARKS.md).
 
 Shape letters: B batch, T window tokens (the layout's queries), M window slots the layout
 names, S cache slots.
