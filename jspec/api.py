@@ -66,17 +66,16 @@ class LLM(LLMParts):
 
   @classmethod
   def from_random(cls, config: ModelConfig, mtp_spec: MTPSpec | None = None, *,
-                  mesh: MeshConfig | None = None, dtype="bfloat16", seed: int = 0,
-                  draft_config=None, **kwargs):
-    """Random weights of the given shapes, born sharded on the mesh (benchmarks, tests).
-    `draft_config`: the drafter of a "draft_model" (a ModelConfig) or "eagle3" (an
-    Eagle3Config) speculative_config, also random."""
-    mesh = mesh or MeshConfig()
-    dtype = "bfloat16" if dtype == "auto" else dtype
-    modules, draft = random_modules(config, mtp_spec, mesh, dtype, seed, draft_config,
-                                    kwargs.get("sharding_rules"),
-                                    kwargs.get("speculative_config"), kwargs.get("moe_backend"))
-    return cls(mesh=mesh, dtype=dtype, seed=seed, _modules=modules, _draft=draft, **kwargs)
+                  draft_config=None, **options):
+    """Random weights of the given shapes, born sharded on the mesh (benchmarks, tests);
+    `options` as `LLM`'s (dtype "auto": bfloat16). `draft_config`: the drafter of a
+    "draft_model" (a ModelConfig) or "eagle3" (an Eagle3Config) speculative_config, also
+    random."""
+    declared = EngineOptions(**options)
+    options.update(mesh=declared.mesh or MeshConfig(),
+                   dtype="bfloat16" if declared.dtype == "auto" else declared.dtype)
+    modules, draft = random_modules(config, mtp_spec, EngineOptions(**options), draft_config)
+    return cls(_modules=modules, _draft=draft, **options)
 
   # ---- requests -------------------------------------------------------------------------
 

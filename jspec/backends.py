@@ -142,7 +142,7 @@ def use_pallas_attention(mesh, pairs, explicit: bool = True):
           node.latent_kernel_max_rows = MLA_KERNEL_MAX_ROWS * axis_size(mesh, rules.q_heads)
 
 
-def use_projections(backend: str, fp8_block, mesh, pairs, all_reduce_backend: str = "auto") -> str:
+def use_projections(backend: str, fp8_block, mesh, pairs, all_reduce_backend: str) -> str:
   """Sets the attention layers' projection product (jspec.models.projections); returns the
   backend in effect: "auto" becomes "pallas" on Hopper where the weights are whole on every
   shard (the kernel then takes only the products XLA would strength-reduce), else "xla".

@@ -265,16 +265,15 @@ def build(model: str | None, options: EngineOptions, random_modules=None,
   return parts
 
 
-def random_modules(config: ModelConfig, mtp_spec, mesh_config: MeshConfig, dtype: str,
-                   seed: int, draft_config=None, sharding_rules: ShardingRules | None = None,
-                   speculative_config=None, moe_backend: str | None = None):
+def random_modules(config: ModelConfig, mtp_spec, options: EngineOptions, draft_config=None):
   """((None, config, target, mtp, mtp_spec), draft or None): random weights of the given
-  shapes, born sharded on the mesh (benchmarks, tests), for `build`'s `random_modules` and
-  `random_draft`. `draft_config`: the drafter of a "draft_model" (a ModelConfig) or "eagle3"
-  (an Eagle3Config) speculative_config, also random."""
-  rules = sharding_rules or ShardingRules()
-  draft_rules = draft_rules_for(SpecConfig.parse(speculative_config), rules)
-  config = dataclasses.replace(config, expert_tile=expert_tile(moe_backend or "auto"))
+  shapes, born sharded on `options.mesh` (benchmarks, tests), for `build`'s `random_modules`
+  and `random_draft`. `draft_config`: the drafter of a "draft_model" (a ModelConfig) or
+  "eagle3" (an Eagle3Config) speculative_config, also random."""
+  mesh_config, dtype, seed = options.mesh, options.dtype, options.seed
+  rules = options.sharding_rules or ShardingRules()
+  draft_rules = draft_rules_for(SpecConfig.parse(options.speculative_config), rules)
+  config = dataclasses.replace(config, expert_tile=expert_tile(options.moe_backend))
   validate_mesh(config, mesh_config)
   with stage("initialising random weights"):
     target, mtp = init_random(config, mtp_spec, resolve_dtype(dtype), mesh_config.make_mesh(),

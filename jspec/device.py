@@ -14,7 +14,7 @@ from flax import nnx
 
 from jspec.models import caches as cache_lib
 from jspec.sharding.rules import global_array
-from jspec.loop.waves import split_module
+from jspec.models.params import split_module
 from jspec.loop.step import LoopContext
 
 

@@ -10,7 +10,6 @@ would allocate them.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh
 
@@ -23,13 +22,14 @@ from jspec.sharding.rules import MESH_AXES, MeshConfig, ShardingRules
 
 
 def plan_for_config(cfg: ModelConfig, mesh: MeshConfig, *, capacity_bytes: int,
-                    max_model_len: int, max_num_seqs: int | str = 1,
+                    max_model_len: int, max_num_seqs: int | str, dtype,
                     num_speculative_tokens: int = 0, mtp: MTPSpec | None = None,
-                    dtype=jnp.bfloat16, rules: ShardingRules | None = None) -> MemoryPlan:
+                    rules: ShardingRules | None = None) -> MemoryPlan:
   """The plan `LLM(model, mesh=mesh, max_model_len=..., max_num_seqs=...)` would make on devices
   of `capacity_bytes` each; raises the same ValueError when it does not fit. `mtp`: the
   checkpoint's MTP / NextN layers (jspec.models.mtp.MTPSpec), drafting with
-  `num_speculative_tokens`; `dtype`: the unquantized weights' and the caches'."""
+  `num_speculative_tokens`; `dtype`: the unquantized weights' and the caches' (as a jnp
+  dtype, the one LLM's dtype="bfloat16" resolves to)."""
   validate_mesh(cfg, mesh)
   rules = rules or ShardingRules()
   jax_mesh = AbstractMesh((mesh.dp, mesh.ep, mesh.tp), MESH_AXES)

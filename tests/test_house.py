@@ -1,5 +1,6 @@
 """The house's shape, checked from the source: jspec's imports form no circle, modules stay
-small, and every model family builds on the family-neutral decoder.
+small, every model family builds on the family-neutral decoder, no package imports from a
+floor above its own, and every option of `jspec.LLM` has its default in one place.
 
 The import graph is read with `ast` (no jspec code runs): every `import` and `from ... import`
 anywhere in a file, function bodies and `if TYPE_CHECKING:` blocks included. Rule for edges:
@@ -221,3 +222,46 @@ def test_the_floor_check_sees_an_upward_import():
   assert _floor("jspec.sharding.plan") < _floor("jspec.models.caches")
   assert _floor("jspec.loop.step") > _floor("jspec.speculative.verify")
   assert _floor("jspec.build") is None and _floor("jspec.pallas_kernels") == 0
+
+
+# Every LLM option's default is declared once, in jspec.options.EngineOptions. The training
+# package (jspec.train) is another API whose functions take training's own seeds and dtypes.
+OWN_DEFAULTS = ("jspec.options", "jspec.train")
+
+
+def option_names() -> set[str]:
+  """EngineOptions' field names, read from the source."""
+  tree = ast.parse(open(os.path.join(ROOT, "options.py")).read())
+  cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineOptions")
+  return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
+
+
+def redeclared_options(source: str, names: set[str]) -> list[str]:
+  """'function(name=default)' for each parameter named as an option and given a default."""
+  found = []
+  for node in ast.walk(ast.parse(source)):
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      continue
+    args = node.args
+    positional = args.posonlyargs + args.args
+    with_default = positional[len(positional) - len(args.defaults):]
+    pairs = list(zip(with_default, args.defaults)) + [
+        (a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+    found += [f"{node.name}({a.arg}={ast.unparse(d)})" for a, d in pairs if a.arg in names]
+  return found
+
+
+def test_every_option_has_its_default_in_one_place():
+  names = option_names()
+  assert {"mesh", "dtype", "seed", "max_num_seqs", "speculative_config"} <= names
+  found = [f"{module}: {where}" for module, path in sorted(module_files().items())
+           if not module.startswith(OWN_DEFAULTS)
+           for where in redeclared_options(open(path).read(), names)]
+  assert not found, ("option defaults declared outside jspec.options.EngineOptions:\n"
+                     + "\n".join(found))
+
+
+def test_the_option_check_sees_a_second_default():
+  source = "def f(a, dtype='bfloat16', *, seed=0, mesh=None, other=1):\n  pass\n"
+  assert redeclared_options(source, {"dtype", "seed", "mesh"}) == [
+      "f(dtype='bfloat16')", "f(seed=0)", "f(mesh=None)"]

@@ -5,6 +5,7 @@ modules are built abstractly and the mesh has no devices."""
 
 import json
 
+import jax.numpy as jnp
 import pytest
 
 import jspec
@@ -47,7 +48,8 @@ def _config(tmp_path, fp8: bool):
 
 def _plan(cfg, **kwargs):
   return plan_for_config(cfg, MESH, capacity_bytes=H200_BYTES, max_model_len=32768,
-                         max_num_seqs=8, num_speculative_tokens=1, mtp=NEXTN, **kwargs)
+                         max_num_seqs=8, dtype=jnp.bfloat16, num_speculative_tokens=1, mtp=NEXTN,
+                         **kwargs)
 
 
 def test_deepseek_v3_with_nextn_fits_8_h200_in_fp8(tmp_path):

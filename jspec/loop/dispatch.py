@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 
 from jspec.loop.rounds import admit, decode, harvest, prefill_chunk
-from jspec.speculative.drafters import make_drafter
 from jspec.loop.queue import Queue
 from jspec.loop.slots import FREE, RUN, BatchPlan, BatchState, Finished
 from jspec.loop.step import LoopContext
@@ -53,11 +52,10 @@ def steps_may_continue(state: BatchState, queue: Queue):
   return ~jnp.any(state.prefill_group_L >= 0) & ~refill
 
 
-def dispatch(target, draft_module, state: BatchState, queue: Queue, budget, plan: BatchPlan,
+def dispatch(target, drafter, state: BatchState, queue: Queue, budget, plan: BatchPlan,
              ctx: LoopContext):
   """Rounds until `budget` decode steps ran, the Finished rows might not hold one more batch,
   or every request is done: (state, Finished)."""
-  drafter = make_drafter(plan.loop.method, target, draft_module, plan.loop, ctx)
   lp = plan.loop
   state = state.replace(iteration=jnp.int32(0))
 
@@ -77,7 +75,7 @@ def dispatch(target, draft_module, state: BatchState, queue: Queue, budget, plan
 
     def body(carry):
       s, _ = carry
-      s = decode(target, draft_module, s, plan, ctx)
+      s = decode(target, drafter, s, plan, ctx)
       return s.replace(iteration=s.iteration + 1), jnp.zeros((), bool)
 
     return jax.lax.while_loop(cond, body, (s, jnp.ones((), bool)))[0]

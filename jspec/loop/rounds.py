@@ -259,13 +259,13 @@ def _put_rows(tree, rows_DM, values, flag_N, shards: int, per_shard: int):
 
 # ---- 3. decode and 4. harvest ----------------------------------------------------------------
 
-def decode(target, draft_module, state: BatchState, plan: BatchPlan,
+def decode(target, drafter, state: BatchState, plan: BatchPlan,
            ctx: LoopContext) -> BatchState:
   """One step of every running slot; generated tokens' logprobs into the slots' buffers."""
   lp = plan.loop
   before_B = state.decode.lengths_B
   running_B = ~state.decode.done_B
-  decoded, out = decode_step(target, draft_module, state.decode, state.req, lp, ctx)
+  decoded, out = decode_step(target, drafter, state.decode, state.req, lp, ctx)
   logprobs = state.logprobs
   if logprobs is not None:
     # Token t of the window is generated token (length - prompt_len + t) of its slot.

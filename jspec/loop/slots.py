@@ -22,7 +22,6 @@ from flax import struct
 
 from jspec.models import caches as cache_lib
 from jspec.speculative import logprobs as logprob_lib
-from jspec.speculative.drafters import make_drafter
 from jspec.loop.waves import prefill_with_logits
 from jspec.loop.queue import Queue
 from jspec.loop.state import FINISH_NONE, DecodeState, Metrics, RequestInputs
@@ -117,7 +116,7 @@ def draft_state_shape(target, drafter, batch: int, ctx: LoopContext):
     caches = target.init_caches(batch, 16, ctx.dtype)
     target_out, _ = target_forward(target, drafter, tokens_BP, positions_BP, caches, 16,
                                     ctx.experts_fn, seq_lens_B=lens_B)
-    return drafter.prefill(tokens_BP, lens_B, lens_B, target_out)
+    return drafter.prefill(tokens_BP, lens_B, lens_B, target_out, 16)
   return jax.eval_shape(prefill_small)
 
 
@@ -166,13 +165,12 @@ class Wave:
   group_B: jax.Array
 
 
-def start_state(target, draft_module, queue: Queue, wave: Wave | None, plan: BatchPlan,
+def start_state(target, drafter, queue: Queue, wave: Wave | None, plan: BatchPlan,
                 ctx: LoopContext, wave_chunk: int) -> BatchState:
   """The state a call's first dispatch starts from: every slot free (`wave` None), or the
   wave's slots running, their prompts prefilled in one batched pass of `wave_chunk` tokens
   at a time (jspec.loop.waves.prefill), each with its first token sampled."""
   lp = plan.loop
-  drafter = make_drafter(lp.method, target, draft_module, lp, ctx)
   state = init_state(target, drafter, queue, plan, ctx)
   if wave is None:
     return state
@@ -189,7 +187,7 @@ def start_state(target, draft_module, queue: Queue, wave: Wave | None, plan: Bat
       stop_ids_BX=pick(queue.stop_ids_QX[g_B], r.stop_ids_BX),
       seeds_B=pick(queue.seeds_QM[g_B, 0], r.seeds_B))
   dec, logits_BV = prefill_with_logits(
-      target, draft_module, wave.tokens_BP, wave.prompt_lens_B, req,
+      target, drafter, wave.tokens_BP, wave.prompt_lens_B, req,
       dataclasses.replace(lp, prefill_chunk=wave_chunk), ctx)
   # The drafter's state must be laid out as the loop expects it, whatever the prompt bucket.
   expected = jax.tree.map(lambda x: (x.shape, x.dtype), state.decode.draft)

@@ -32,7 +32,7 @@ from flax import struct
 
 from jspec.models import caches as cache_lib
 from jspec.speculative import sampling, verify
-from jspec.speculative.drafters import TargetOut, make_drafter
+from jspec.speculative.drafters import TargetOut
 from jspec.speculative.drafters.base import take_rows
 from jspec.speculative.logprobs import TokenLogprobs, window_logprobs
 from jspec.shapes.rows import row_items, set_row_items
@@ -154,11 +154,10 @@ def accept(target_logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV, state, re
                                  keys_BT)
 
 
-def decode_step(target, draft_module, state: DecodeState, req: RequestInputs, plan: LoopPlan,
+def decode_step(target, drafter, state: DecodeState, req: RequestInputs, plan: LoopPlan,
                 ctx: LoopContext) -> tuple[DecodeState, StepOutputs]:
   lengths_B = state.lengths_B
   last_token_B = row_items(state.tokens_BS, lengths_B - 1)
-  drafter = make_drafter(plan.method, target, draft_module, plan, ctx)
   if plan.tree is not None:
     forward = lambda t, p, c: target_forward(target, drafter, t, p, c, plan.cache_len,
                                              ctx.experts_fn)

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jspec.models import caches as cache_lib
 from jspec.speculative import sampling
 from jspec.shapes.chunks import in_chunks
-from jspec.speculative.drafters import make_drafter
 from jspec.speculative.drafters.base import take_rows
 from jspec.shapes.rows import set_row_items
 from jspec.loop.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState,
@@ -24,18 +22,17 @@ from jspec.loop.step import (TARGET_STREAM, LoopContext, LoopPlan, choose_tokens
                                     decode_step, is_stop, stream_keys, target_forward)
 
 
-def prefill(target, draft_module, tokens_BP, prompt_lens_B, req: RequestInputs, plan: LoopPlan,
+def prefill(target, drafter, tokens_BP, prompt_lens_B, req: RequestInputs, plan: LoopPlan,
             ctx: LoopContext) -> DecodeState:
   """Runs the prompts, samples each sequence's first token, fills the target's and the
   drafter's state."""
-  return prefill_with_logits(target, draft_module, tokens_BP, prompt_lens_B, req, plan, ctx)[0]
+  return prefill_with_logits(target, drafter, tokens_BP, prompt_lens_B, req, plan, ctx)[0]
 
 
-def prefill_with_logits(target, draft_module, tokens_BP, prompt_lens_B, req: RequestInputs,
+def prefill_with_logits(target, drafter, tokens_BP, prompt_lens_B, req: RequestInputs,
                         plan: LoopPlan, ctx: LoopContext) -> tuple[DecodeState, jax.Array]:
   """`prefill`, and the float32 logits [B, V] each first token was chosen from."""
   batch, prompt_bucket = tokens_BP.shape
-  drafter = make_drafter(plan.method, target, draft_module, plan, ctx)
   positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
   caches = cache_lib.constrain(target.init_caches(batch, plan.cache_len, ctx.dtype),
                                ctx.cache_shardings)
@@ -55,7 +52,7 @@ def prefill_with_logits(target, draft_module, tokens_BP, prompt_lens_B, req: Req
   stop_B = is_stop(first_B[:, None], req.stop_ids_BX)[:, 0]
   finish_B = jnp.where(stop_B, FINISH_STOP,
                        jnp.where(lengths_B >= req.max_len_B, FINISH_LENGTH, FINISH_NONE))
-  draft = drafter.prefill(tokens_BP, prompt_lens_B, first_B, target_out)
+  draft = drafter.prefill(tokens_BP, prompt_lens_B, first_B, target_out, plan.prefill_chunk)
   state = DecodeState(tokens_BS=tokens_BS, lengths_B=lengths_B, done_B=finish_B != FINISH_NONE,
                       finish_B=finish_B, target_caches=caches, draft=draft,
                       metrics=Metrics.zeros(batch, plan.k), step=jnp.int32(0),
@@ -63,22 +60,14 @@ def prefill_with_logits(target, draft_module, tokens_BP, prompt_lens_B, req: Req
   return state, logits_BV
 
 
-def decode_loop(target, draft_module, state: DecodeState, req: RequestInputs, plan: LoopPlan,
+def decode_loop(target, drafter, state: DecodeState, req: RequestInputs, plan: LoopPlan,
                 ctx: LoopContext) -> DecodeState:
   """Steps until every sequence is done; the step bound only guards against a logic error."""
   def cond(s: DecodeState):
     return jnp.any(~s.done_B) & (s.step < plan.cache_len)
 
   def body(s: DecodeState):
-    return decode_step(target, draft_module, s, req, plan, ctx)[0]
+    return decode_step(target, drafter, s, req, plan, ctx)[0]
 
   return jax.lax.while_loop(cond, body, state)
 
-
-def split_module(module):
-  """(graphdef, state) for a module or None; graphdefs are static, states are jit arguments."""
-  return (None, None) if module is None else nnx.split(module)
-
-
-def merge_module(graphdef, state):
-  return None if graphdef is None else nnx.merge(graphdef, state)

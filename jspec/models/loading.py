@@ -221,8 +221,7 @@ def init_random_module(make: Callable, mesh: Mesh, sharding_rules: ShardingRules
 
 
 def init_random(cfg: ModelConfig, mtp_spec: MTPSpec | None, dtype, mesh: Mesh,
-                target_rules: ShardingRules, draft_rules: ShardingRules | None = None,
-                seed: int = 0):
+                target_rules: ShardingRules, draft_rules: ShardingRules | None, seed: int):
   """Random target (and MTP head) weights born sharded (`init_random_module`)."""
   generators = {}
 

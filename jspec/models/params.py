@@ -52,3 +52,13 @@ def ones_param(shape, dtype, logical_axes) -> nnx.Param:
 def zeros_param(shape, dtype, logical_axes) -> nnx.Param:
   # init_scale 0: random initialisation (loading.init_random) draws 0 * normal = 0.
   return nnx.Param(jnp.zeros(shape, dtype), logical_axes=logical_axes, init_scale=0.0)
+
+
+def split_module(module):
+  """(graphdef, state) for a module or None; graphdefs are static, states are jit arguments."""
+  return (None, None) if module is None else nnx.split(module)
+
+
+def merge_module(graphdef, state):
+  """The module of `split_module`'s (graphdef, state); None for None."""
+  return None if graphdef is None else nnx.merge(graphdef, state)

@@ -10,10 +10,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from flax import nnx
+
 from jspec.config import SamplingParams, SpecConfig
+from jspec.models.params import merge_module
+from jspec.models.projections import with_loop_constants
 from jspec.outputs import RequestOutput
 from jspec.shapes import buckets
 from jspec.loop.step import LoopPlan
+from jspec.speculative.drafters import make_drafter
+
+
+def program_models(device, target_state, draft_state, plan: LoopPlan, in_loop: bool):
+  """(target, drafter) at the top of a program: the modules merged from their states, with
+  the FP8 kernel scales prepared once, outside the loop of steps, where `in_loop`; the drafter
+  built once for the whole program and handed down to every function that drafts."""
+  target = nnx.merge(device.target_graphdef, target_state)
+  draft = merge_module(device.draft_graphdef, draft_state)
+  if in_loop:
+    target, draft = with_loop_constants(target), with_loop_constants(draft)
+  return target, make_drafter(plan.method, target, draft, plan, device.ctx)
 
 
 @dataclasses.dataclass

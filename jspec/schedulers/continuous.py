@@ -28,20 +28,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jspec import interrupt
 from jspec.device import DeviceModel
-from jspec.models.projections import with_loop_constants
 from jspec.progress import RequestProgress, stage
 from jspec.schedulers.base import (DispatchTiming, RunResult, cache_len_for, draft_positions,
-                                   loop_plan, num_drafts)
+                                   loop_plan, num_drafts, program_models)
 from jspec.schedulers.collect import FinishedCompletion, OutputCollector
 from jspec.schedulers.dispatch_chain import DispatchChain
 from jspec.sharding.rules import to_host
 from jspec.loop import dispatch
 from jspec.shapes import buckets
-from jspec.loop.waves import merge_module
 from jspec.loop.queue import Queue, plan_queue, queue_arrays
 from jspec.loop.slots import BatchPlan, Wave, start_state
 from jspec.shapes.packing import Layout, TreeLayout
@@ -156,13 +153,14 @@ class ContinuousScheduler:
 
   def _start_fn(self, plan: BatchPlan, queue_layout: Layout, wave_layout: Layout | None):
     device, ctx = self.device, self.device.ctx
-    tgd, dgd = device.target_graphdef, device.draft_graphdef
     chunk = self.parts.prefill_chunk_size
 
     def start_fn(target_state, draft_state, queue_buffer, wave_buffer):
       wave = None if wave_layout is None else Wave(**wave_layout.unpack(wave_buffer))
-      state = start_state(nnx.merge(tgd, target_state), merge_module(dgd, draft_state),
-                          Queue(**queue_layout.unpack(queue_buffer)), wave, plan, ctx, chunk)
+      target, drafter = program_models(device, target_state, draft_state, plan.loop,
+                                       in_loop=False)
+      state = start_state(target, drafter, Queue(**queue_layout.unpack(queue_buffer)), wave,
+                          plan, ctx, chunk)
       # A small output of its own (not donated with the state): ready when the prefill is.
       return state, jnp.sum(state.decode.lengths_B)
 
@@ -177,7 +175,6 @@ class ContinuousScheduler:
     if key in self.dispatch_programs and start_key in self.start_programs:
       return (self.start_programs[start_key], self.dispatch_programs[key],
               self.finished_layouts[key])
-    tgd, dgd = device.target_graphdef, device.draft_graphdef
     replicated = device.sharding(())
     lp = plan.loop
     label = (f"compiling continuous batch={lp.batch} cache={lp.cache_len} chunk="
@@ -194,11 +191,10 @@ class ContinuousScheduler:
       if key not in self.dispatch_programs:
 
         def run(target_state, draft_state, state, queue_buffer, budget):
-          # FP8 kernel scales prepared once, outside the loop of steps.
-          return dispatch.dispatch(with_loop_constants(nnx.merge(tgd, target_state)),
-                                   with_loop_constants(merge_module(dgd, draft_state)),
-                                   state, Queue(**queue.layout.unpack(queue_buffer)), budget,
-                                   plan, ctx)
+          target, drafter = program_models(device, target_state, draft_state, plan.loop,
+                                           in_loop=True)
+          return dispatch.dispatch(target, drafter, state,
+                                   Queue(**queue.layout.unpack(queue_buffer)), budget, plan, ctx)
 
         state_in = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state_shape,

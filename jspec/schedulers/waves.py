@@ -11,19 +11,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jspec import interrupt
 from jspec.config import SamplingParams
 from jspec.device import DeviceModel
-from jspec.models.projections import with_loop_constants
 from jspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jspec.progress import stage
 from jspec.schedulers.base import (RunResult, cache_len_for, draft_positions, loop_plan,
-                                   num_drafts)
+                                   num_drafts, program_models)
 from jspec.sharding.rules import to_host
 from jspec.shapes import buckets
-from jspec.loop.waves import decode_loop, merge_module, prefill
+from jspec.loop.waves import decode_loop, prefill
 from jspec.loop.state import FINISH_REASONS, RequestInputs
 from jspec.loop.step import LoopPlan
 from jspec.timing import Clock, ReadyTime
@@ -40,19 +38,17 @@ class WavesScheduler:
   # ---- compilation ----------------------------------------------------------------------
 
   def _functions(self, plan: LoopPlan):
-    tgd, dgd, ctx = self.device.target_graphdef, self.device.draft_graphdef, self.device.ctx
+    device, ctx = self.device, self.device.ctx
 
     def prefill_fn(target_state, draft_state, tokens_BP, prompt_lens_B, req):
-      state = prefill(nnx.merge(tgd, target_state), merge_module(dgd, draft_state), tokens_BP,
-                      prompt_lens_B, req, plan, ctx)
+      target, drafter = program_models(device, target_state, draft_state, plan, in_loop=False)
+      state = prefill(target, drafter, tokens_BP, prompt_lens_B, req, plan, ctx)
       # A small output of its own (the state is donated to the loop): ready with the prefill.
       return state, jnp.sum(state.lengths_B)
 
     def loop_fn(target_state, draft_state, state, req):
-      # FP8 kernel scales prepared once, outside the loop of steps.
-      return decode_loop(with_loop_constants(nnx.merge(tgd, target_state)),
-                         with_loop_constants(merge_module(dgd, draft_state)), state, req, plan,
-                         ctx)
+      target, drafter = program_models(device, target_state, draft_state, plan, in_loop=True)
+      return decode_loop(target, drafter, state, req, plan, ctx)
 
     return prefill_fn, loop_fn
 

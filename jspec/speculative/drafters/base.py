@@ -4,9 +4,9 @@ A drafter proposes up to k tokens per sequence each step and keeps whatever it n
 caches, its last logits) in a `DraftState`. The loop calls only these methods and never
 names a drafter:
 
-  prefill(tokens_BP, prompt_lens_B, first_B, target_out) -> DraftState
+  prefill(tokens_BP, prompt_lens_B, first_B, target_out, chunk) -> DraftState
       after the target's prefill: the prompt, each sequence's first sampled token, and the
-      target's hidden states over the prompt (`TargetOut`);
+      target's hidden states over the prompt (`TargetOut`), run `chunk` positions at a time;
   propose(draft, tokens_BS, lengths_B, choose) -> (drafts_BK, draft_len_B, probs_BKV, draft)
       the drafts for the next verify window; `choose(logits_BV, j)` picks draft j (0-based)
       from logits over the target's padded vocabulary, with the request's sampling settings
@@ -66,7 +66,8 @@ class Drafter:
 
   aux_layers: tuple[int, ...] = ()
 
-  def prefill(self, tokens_BP, prompt_lens_B, first_B, target_out: TargetOut) -> DraftState:
+  def prefill(self, tokens_BP, prompt_lens_B, first_B, target_out: TargetOut,
+              chunk: int) -> DraftState:
     return DraftState()
 
   def extend(self, draft: DraftState, out_tokens_BT, positions_BT, num_emit_B, running_B,

@@ -31,7 +31,8 @@ class DraftModelDrafter(Drafter):
   def _logits(self, hidden_BTD):
     return to_vocab(self.model.logits(hidden_BTD), self.vocab_size, self.padded_vocab)
 
-  def prefill(self, tokens_BP, prompt_lens_B, first_B, target_out: TargetOut) -> DraftState:
+  def prefill(self, tokens_BP, prompt_lens_B, first_B, target_out: TargetOut,
+              chunk: int) -> DraftState:
     batch, prompt_bucket = tokens_BP.shape
     positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
     caches = cache_lib.constrain(self.model.init_caches(batch, self.plan.cache_len,
@@ -41,7 +42,7 @@ class DraftModelDrafter(Drafter):
     _, caches = in_chunks(
         lambda t, p, c: self.model(t, p, c, prompt_bucket, self.ctx.draft_experts_fn,
                                    seq_lens_B=prompt_lens_B),
-        (tokens_BP, positions_BP), caches, self.plan.prefill_chunk)
+        (tokens_BP, positions_BP), caches, chunk)
     return DraftState(caches=caches)
 
   def prefill_chunk(self, draft: DraftState, tokens_BC, positions_BC, next_tokens_BC,

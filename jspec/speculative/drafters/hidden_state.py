@@ -48,7 +48,8 @@ class HiddenStateDrafter(Drafter):
     logits_BV = self.head.layers[0].logits(self.target, take_rows(normed_BTD, last_B)[:, None])
     return draft.replace(logits_BV=logits_BV[:, 0], feedback_BD=take_rows(feedback_BTD, last_B))
 
-  def prefill(self, tokens_BP, prompt_lens_B, first_B, target_out: TargetOut) -> DraftState:
+  def prefill(self, tokens_BP, prompt_lens_B, first_B, target_out: TargetOut,
+              chunk: int) -> DraftState:
     batch, prompt_bucket = tokens_BP.shape
     last_B = prompt_lens_B - 1
     positions_BP = jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32), tokens_BP.shape)
@@ -66,7 +67,7 @@ class HiddenStateDrafter(Drafter):
 
     (normed_BPD, feedback_BPD), cache0 = in_chunks(
         extend, (next_BP, target_out.hidden_BTD, positions_BP, *target_out.aux_BTD), caches[0],
-        self.plan.prefill_chunk)
+        chunk)
     draft = DraftState(caches=(cache0,) + tuple(caches[1:]))
     return self._last_emitted(draft, normed_BPD, feedback_BPD, last_B)
 
