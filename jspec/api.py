@@ -14,6 +14,7 @@ import numpy as np
 from jspec.build import LLMParts, build, enable_compilation_cache, random_modules
 from jspec.config import ModelConfig, SamplingParams, is_int
 from jspec.models.mtp import MTPSpec
+from jspec import interrupt
 from jspec.options import OPTION_NAMES, EngineOptions, signature_with_options
 from jspec.outputs import GenerateOutputs, aggregate
 from jspec.schedulers.base import draft_positions
@@ -179,7 +180,9 @@ class LLM(LLMParts):
     if self.tokenizer is not None:  # each token's own text, for Logprob.decoded_token
       decode = lambda ids: self.tokenizer.batch_decode([[i] for i in ids])
     # Wall time counts running only: compiling a new bucket is reported by its own progress line.
-    result = self.scheduler.generate(prompt_ids, params, seeds, use_tqdm=use_tqdm, decode=decode)
+    with interrupt.watch():  # a Ctrl-C Python dropped between the call's waits is not lost
+      result = self.scheduler.generate(prompt_ids, params, seeds, use_tqdm=use_tqdm,
+                                       decode=decode)
     outputs = result.outputs
     eos = set(self.config.eos_token_ids)
     for out, p in zip(outputs, params):

@@ -39,9 +39,9 @@ def get(items: queues.Queue):
   Python drops a KeyboardInterrupt that its handler raises inside a finalizer or a weakref
   callback ("Exception ignored in ..."), and a waiting main thread runs them often (JAX's
   garbage-collection hook among them): a Ctrl-C could then be lost and the call run to its end.
-  So while it waits, Python's own SIGINT handler (where no other is set) also notes the
-  Ctrl-C, and the next slice raises one that was lost."""
-  with _noting_ctrl_c() as lost:
+  So while it waits (and through a whole `watch`), Python's own SIGINT handler (where no other
+  is set) also notes the Ctrl-C, and the next slice raises one that was lost."""
+  with watch() as lost:
     while True:
       if lost.is_set():
         raise KeyboardInterrupt
@@ -49,6 +49,30 @@ def get(items: queues.Queue):
         return items.get(timeout=POLL_SECONDS)
       except queues.Empty:
         continue
+
+
+_watching: threading.Event | None = None  # the outermost watch's Event (main thread only)
+
+
+@contextlib.contextmanager
+def watch():
+  """Ctrl-C noted from here to the end of the block (`get`'s rule): a call wraps its whole
+  generation, so that a Ctrl-C whose exception Python dropped between two waits (while the
+  host prepares the call or collects its rows) is still raised by the next wait. Nested
+  watches share the outermost one's Event."""
+  global _watching
+  if threading.current_thread() is not threading.main_thread():
+    yield threading.Event()  # never set: Python runs signal handlers on the main thread only
+    return
+  if _watching is not None:
+    yield _watching
+    return
+  with _noting_ctrl_c() as noted:
+    _watching = noted
+    try:
+      yield noted
+    finally:
+      _watching = None
 
 
 @contextlib.contextmanager

@@ -40,7 +40,11 @@ def _device_threads():
 
 @pytest.mark.parametrize("batching, module", [("continuous", continuous), ("waves", waves)])
 def test_ctrl_c_during_generate_raises_at_once_and_leaves_the_llm_usable(batching, module,
-                                                                         monkeypatch):
+                                                                         monkeypatch, request):
+  # A user's process: Python's own SIGINT handler, the test on the main thread.
+  assert threading.current_thread() is threading.main_thread()
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
   thread_errors = []
   monkeypatch.setattr(threading, "excepthook", thread_errors.append)
   llm = jspec.LLM(model=jspec.demo_model_path(), dtype="float32", max_model_len=512,
@@ -80,6 +84,31 @@ def test_a_ctrl_c_whose_exception_was_lost_is_raised_by_the_next_wait(monkeypatc
     with pytest.raises(KeyboardInterrupt):
       interrupt.get(items)
     assert swallowed == [signal.SIGINT] and time.monotonic() - start < 2
+    assert signal.getsignal(signal.SIGINT) is lost  # the handler found is restored
+  finally:
+    signal.signal(signal.SIGINT, real)
+
+
+def test_a_ctrl_c_lost_between_two_waits_is_raised_by_the_next_wait(monkeypatch):
+  """Inside a `watch` (a whole generate call), a Ctrl-C whose exception Python dropped while
+  the host was between waits (stood in for by a default handler that raises nothing) is
+  raised by the next wait, at once."""
+  import queue
+  from jspec import interrupt
+  real = signal.default_int_handler
+  swallowed = []
+  lost = lambda signum, frame: swallowed.append(signum)
+  monkeypatch.setattr(signal, "default_int_handler", lost)
+  signal.signal(signal.SIGINT, lost)
+  try:
+    with interrupt.watch():
+      os.kill(os.getpid(), signal.SIGINT)  # no wait under way: the host is busy elsewhere
+      time.sleep(0.1)
+      assert swallowed == [signal.SIGINT]
+      items = queue.Queue()
+      items.put("ready at once")
+      with pytest.raises(KeyboardInterrupt):
+        interrupt.get(items)
     assert signal.getsignal(signal.SIGINT) is lost  # the handler found is restored
   finally:
     signal.signal(signal.SIGINT, real)
