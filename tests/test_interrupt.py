@@ -65,53 +65,53 @@ def test_ctrl_c_during_generate_raises_at_once_and_leaves_the_llm_usable(batchin
   assert llm.generate(["In the beginning"], SHORT)[0].token_ids == expected
 
 
-def test_a_ctrl_c_whose_exception_was_lost_is_raised_by_the_next_wait(monkeypatch):
-  """Python drops a KeyboardInterrupt raised inside a finalizer; stood in for here by a default
-  handler that raises nothing. The wait still raises within one slice, and Python's own handler
-  is back in place afterwards."""
-  import queue
-  from jspec import interrupt
+@pytest.fixture
+def dropping_handler(monkeypatch):
+  """Python's default SIGINT handler replaced by one that raises nothing and records each
+  signal: a stand-in for a KeyboardInterrupt Python dropped inside a finalizer. Yields the
+  handler and its record; the real handler is back afterwards."""
   real = signal.default_int_handler
   swallowed = []
   lost = lambda signum, frame: swallowed.append(signum)
   monkeypatch.setattr(signal, "default_int_handler", lost)
   signal.signal(signal.SIGINT, lost)
   try:
+    yield lost, swallowed
+  finally:
+    signal.signal(signal.SIGINT, real)
+
+
+def test_a_ctrl_c_whose_exception_was_lost_is_raised_by_the_next_wait(dropping_handler):
+  """Python drops a KeyboardInterrupt raised inside a finalizer. The wait still raises within
+  one slice, and the handler it found is back in place afterwards."""
+  import queue
+  from jspec import interrupt
+  lost, swallowed = dropping_handler
+  items = queue.Queue()
+  threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+  threading.Timer(5.0, items.put, (None,)).start()  # the call's result, far later
+  start = time.monotonic()
+  with pytest.raises(KeyboardInterrupt):
+    interrupt.get(items)
+  assert swallowed == [signal.SIGINT] and time.monotonic() - start < 2
+  assert signal.getsignal(signal.SIGINT) is lost  # the handler found is restored
+
+
+def test_a_ctrl_c_lost_between_two_waits_is_raised_by_the_next_wait(dropping_handler):
+  """Inside a `watch` (a whole generate call), a Ctrl-C whose exception Python dropped while
+  the host was between waits is raised by the next wait, at once."""
+  import queue
+  from jspec import interrupt
+  lost, swallowed = dropping_handler
+  with interrupt.watch():
+    os.kill(os.getpid(), signal.SIGINT)  # no wait under way: the host is busy elsewhere
+    time.sleep(0.1)
+    assert swallowed == [signal.SIGINT]
     items = queue.Queue()
-    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
-    threading.Timer(5.0, items.put, (None,)).start()  # the call's result, far later
-    start = time.monotonic()
+    items.put("ready at once")
     with pytest.raises(KeyboardInterrupt):
       interrupt.get(items)
-    assert swallowed == [signal.SIGINT] and time.monotonic() - start < 2
-    assert signal.getsignal(signal.SIGINT) is lost  # the handler found is restored
-  finally:
-    signal.signal(signal.SIGINT, real)
-
-
-def test_a_ctrl_c_lost_between_two_waits_is_raised_by_the_next_wait(monkeypatch):
-  """Inside a `watch` (a whole generate call), a Ctrl-C whose exception Python dropped while
-  the host was between waits (stood in for by a default handler that raises nothing) is
-  raised by the next wait, at once."""
-  import queue
-  from jspec import interrupt
-  real = signal.default_int_handler
-  swallowed = []
-  lost = lambda signum, frame: swallowed.append(signum)
-  monkeypatch.setattr(signal, "default_int_handler", lost)
-  signal.signal(signal.SIGINT, lost)
-  try:
-    with interrupt.watch():
-      os.kill(os.getpid(), signal.SIGINT)  # no wait under way: the host is busy elsewhere
-      time.sleep(0.1)
-      assert swallowed == [signal.SIGINT]
-      items = queue.Queue()
-      items.put("ready at once")
-      with pytest.raises(KeyboardInterrupt):
-        interrupt.get(items)
-    assert signal.getsignal(signal.SIGINT) is lost  # the handler found is restored
-  finally:
-    signal.signal(signal.SIGINT, real)
+  assert signal.getsignal(signal.SIGINT) is lost  # the handler found is restored
 
 
 def _cli_interrupted_at(line_pattern: str) -> tuple[int, float, str]:
