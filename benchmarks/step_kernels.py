@@ -31,10 +31,14 @@ def main():
   parser.add_argument("--top", type=int, default=24)
   parser.add_argument("--from", dest="start", type=int, default=0)
   parser.add_argument("--show", type=int, default=40)
+  parser.add_argument("--fp8", action="store_true",
+                      help="the preset as an FP8 checkpoint (e4m3, 128 x 128 block scales)")
   args = parser.parse_args()
   config = PRESETS[args.model]
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
+  if args.fp8:
+    config = dataclasses.replace(config, fp8_block=(128, 128))
   dp, tp, ep = (int(x) for x in args.mesh.split(","))
   llm = jspec.LLM.from_random(config, None, max_model_len=1024, max_num_seqs=args.batch,
                               mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep))
@@ -46,7 +50,8 @@ def main():
   llm.generate(prompts, params)
   plain = time.perf_counter() - start
   kernels = traced_kernels(lambda: llm.generate(prompts, params))
-  print(f"== {args.model} mesh {args.mesh} batch {args.batch}: {plain * 1e3:.2f} ms a call "
+  print(f"== {args.model}{' FP8' if args.fp8 else ''} mesh {args.mesh} batch {args.batch}: "
+        f"{plain * 1e3:.2f} ms a call "
         f"unprofiled, {len(kernels)} kernels profiled")
   print(step_report(middle_step(kernels), args.top, args.start, args.show), flush=True)
 

@@ -1,0 +1,131 @@
+"""Where a preset's warm-up goes, bf16 against FP8: the first `generate` of a fresh LLM (tracing,
+lowering, XLA's compile of every program), summed by phase and by program from JAX's own
+compile events, then the TPOT of two more calls.
+
+    python benchmarks/warmup.py --model qwen3-30b-a3b --layers 12
+    python benchmarks/warmup.py --model qwen3-30b-a3b --layers 12 --host-events
+
+`--host-events` traces the warm-up with `jax.profiler` instead (host events only: XLA's passes,
+PTX -> cubin, the Mosaic GPU kernels' compiles) and prints the largest totals by event name;
+events on parallel compile threads overlap, so their totals can exceed the wall time. Run with
+JSPEC_COMPILATION_CACHE=off: a persistent cache hit would hide the compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gc
+import glob
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+from jax.profiler import ProfileData
+
+import jspec
+from jspec.bench.presets import PRESETS
+
+
+def host_event_totals(trace_dir: str, width: int = 90) -> dict:
+  """{event name: [count, total ns]} over the host planes of a trace."""
+  path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+  totals = collections.defaultdict(lambda: [0, 0])
+  for plane in ProfileData.from_file(path).planes:
+    if plane.name.startswith("/host"):
+      for line in plane.lines:
+        for event in line.events:
+          totals[event.name[:width]][0] += 1
+          totals[event.name[:width]][1] += event.duration_ns
+  return totals
+
+
+def compile_events():
+  """A listener of JAX's duration events and its {(phase, program): [count, seconds]}."""
+  events = collections.defaultdict(lambda: [0, 0.0])
+
+  def listener(event, duration, **kwargs):
+    phase = event.rsplit("/", 1)[-1]
+    events[(phase, kwargs.get("fun_name", ""))][0] += 1
+    events[(phase, kwargs.get("fun_name", ""))][1] += duration
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  return events
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+  parser.add_argument("--layers", type=int, default=0, help="override the preset's layers")
+  parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8"],
+                      choices=["bf16", "fp8"])
+  parser.add_argument("--max-tokens", type=int, default=64)
+  parser.add_argument("--host-events", action="store_true",
+                      help="trace the warm-up and print host events by name instead")
+  parser.add_argument("--top", type=int, default=40)
+  args = parser.parse_args()
+  base = PRESETS[args.model]
+  if args.layers:
+    base = dataclasses.replace(base, num_layers=args.layers)
+  prompt = [np.random.default_rng(0).integers(0, base.vocab_size, 512).tolist()]
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+  events = compile_events()
+  rows, traces = [], {}
+  for precision in args.precisions:
+    config = dataclasses.replace(base, fp8_block=(128, 128) if precision == "fp8" else None)
+    start = time.perf_counter()
+    llm = jspec.LLM.from_random(config, None, max_model_len=1024, max_num_seqs=1)
+    built = time.perf_counter() - start
+    events.clear()
+    trace_dir = tempfile.mkdtemp()
+    start = time.perf_counter()
+    if args.host_events:
+      options = jax.profiler.ProfileOptions()
+      options.python_tracer_level = 0  # Python frames would swamp the host events
+      options.host_tracer_level = 3
+      with jax.profiler.trace(trace_dir, profiler_options=options):
+        llm.generate(prompt, params, use_tqdm=False)
+    else:
+      llm.generate(prompt, params, use_tqdm=False)
+    warm = time.perf_counter() - start
+    print(f"\n== {precision}: built in {built:.1f} s, warm-up {warm:.1f} s", flush=True)
+    if args.host_events:
+      traces[precision] = host_event_totals(trace_dir)
+    else:
+      by_phase = collections.defaultdict(float)
+      for (phase, _), (_, seconds) in events.items():
+        by_phase[phase] += seconds
+      for phase, seconds in sorted(by_phase.items(), key=lambda item: -item[1]):
+        print(f"  {phase:42s} {seconds:8.2f} s")
+      for (phase, name), (count, seconds) in sorted(events.items(),
+                                                    key=lambda item: -item[1][1])[:12]:
+        print(f"    {seconds:7.2f} s x{count:<3d} {phase:40s} {name}")
+    tpots = [llm.generate(prompt, params, use_tqdm=False).metrics.tpot_s for _ in range(2)]
+    rows.append((precision, built, warm, 1e3 * statistics.median(tpots)))
+    del llm
+    gc.collect()
+
+  if traces:
+    names = set().union(*traces.values())
+    largest = sorted(names, key=lambda n: -max(t.get(n, [0, 0])[1] for t in traces.values()))
+    print(f"\n{'host event':90s} " + " ".join(f"{p + ' s':>9s} {'n':>5s}" for p in traces))
+    for name in largest[:args.top]:
+      print(f"{name:90s} " + " ".join(f"{t.get(name, [0, 0])[1] / 1e9:9.2f} "
+                                      f"{t.get(name, [0, 0])[0]:5d}" for t in traces.values()))
+  print(f"\n{jax.devices()[0].device_kind}, {args.model}"
+        f"{f', {args.layers} layers' if args.layers else ''}, batch 1, 512-token prompt, "
+        f"{args.max_tokens} new tokens{', traced' if traces else ''}")
+  print(f"{'precision':9s} {'build s':>8s} {'warm-up s':>9s} {'TPOT ms':>8s}")
+  for precision, built, warm, tpot in rows:
+    print(f"{precision:9s} {built:8.1f} {warm:9.1f} {tpot:8.3f}")
+  if len(rows) == 2:
+    print(f"fp8 / bf16: warm-up {rows[1][2] / rows[0][2]:.2f}x, TPOT {rows[1][3] / rows[0][3]:.3f}x")
+
+
+if __name__ == "__main__":
+  main()
