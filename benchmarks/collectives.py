@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -32,16 +31,18 @@ def small_widths(config, layers: int, moe_layers: int):
   sizes cut (they size no collective)."""
   cut = dict(vocab_size=4096, num_layers=layers + moe_layers,
              intermediate_size=min(config.intermediate_size, 1024) or 0)
-  if config.is_moe:
-    cut.update(moe_intermediate_size=min(config.moe_intermediate_size, 256),
-               first_k_dense_replace=layers)
-    if config.num_experts > 16 and 16 % max(config.n_group, 1) == 0:
-      cut["num_experts"] = 16  # every group keeps experts enough for the top-k
-    if config.shared_expert_intermediate_size:
-      cut["shared_expert_intermediate_size"] = min(config.shared_expert_intermediate_size, 256)
-    if not config.first_k_dense_replace and layers:
+  moe = config.moe
+  if moe is not None:
+    cut["moe"] = dict(intermediate_size=min(moe.intermediate_size, 256),
+                      first_k_dense_replace=layers)
+    if moe.num_experts > 16 and 16 % max(moe.n_group, 1) == 0:
+      cut["moe"]["num_experts"] = 16  # every group keeps experts enough for the top-k
+    if moe.shared_expert_intermediate_size:
+      cut["moe"]["shared_expert_intermediate_size"] = min(moe.shared_expert_intermediate_size,
+                                                          256)
+    if not moe.first_k_dense_replace and layers:
       cut["num_layers"] = moe_layers  # a model without dense layers: MoE layers only
-  return dataclasses.replace(config, **cut)
+  return config.replace(**cut)
 
 
 def describe(found) -> str:
@@ -65,7 +66,7 @@ def main():
   parser.add_argument("--all-reduce-backend", default="auto", choices=["auto", "xla"])
   args = parser.parse_args()
   config = PRESETS[args.model]
-  dense = 0 if config.is_moe and not config.first_k_dense_replace else 1
+  dense = 0 if config.is_moe and not config.moe.first_k_dense_replace else 1
   moe = 1 if config.is_moe else 0
   print(f"| model | mesh | batch | program | per dense layer | per MoE layer | per step |")
   print("| --- | --- | ---: | --- | --- | --- | --- |")

@@ -38,8 +38,8 @@ LAYERS = 8  # distinct states chained per call, so no state is served from L2
 
 
 def _inputs(key, batch, length, cfg):
-  g, r = cfg.linear_num_key_heads, cfg.linear_num_value_heads // cfg.linear_num_key_heads
-  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  g, r = cfg.linear.num_key_heads, cfg.linear.num_value_heads // cfg.linear.num_key_heads
+  dk, dv = cfg.linear.key_head_dim, cfg.linear.value_head_dim
   ks = jax.random.split(key, 6)
   unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
   states = 0.1 * jax.random.normal(ks[0], (LAYERS, batch, g, r, dk, dv), jnp.float32)

@@ -35,9 +35,10 @@ TAUS = (1.5, 2.0, 2.5, 3.0, 3.5)
 def eagle3_config(target: jspec.ModelConfig, draft_vocab: int) -> Eagle3Config:
   """The shapes of the published Llama-3.1-8B EAGLE-3 head (one Llama layer of the target's
   width, a 32k draft vocabulary), for any Llama-shaped target."""
-  layer = dataclasses.replace(target, num_layers=1, tie_word_embeddings=False, num_experts=0,
+  layer = target.replace(num_layers=1, tie_word_embeddings=False,
                               intermediate_size=target.intermediate_size
-                              or target.moe_intermediate_size)
+                              or target.moe.intermediate_size,
+                              moe=None)
   return Eagle3Config(layer=layer, draft_vocab_size=draft_vocab,
                       target_hidden_size=target.hidden_size,
                       aux_layer_ids=default_aux_layers(target.num_layers))

@@ -42,7 +42,7 @@ def main():
   mesh = MeshConfig(dp=1, tp=args.tp, ep=args.ep).make_mesh()
   rules = ShardingRules()
   dtype = jnp.dtype(args.dtype)
-  e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+  e, d, f = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
 
   def weights(shape, axes, seed):
     draw = jax.jit(lambda key: (jax.random.normal(key, shape) * shape[1] ** -0.5).astype(dtype),
@@ -59,7 +59,7 @@ def main():
   rows = []
   for tokens in args.tokens:
     x = jax.random.normal(jax.random.key(tokens), (tokens, d), jnp.float32)
-    ids, w = route(x @ router, cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype)
+    ids, w = route(x @ router, cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob, dtype)
     put = lambda a, axes: global_array(jax.device_get(a), rules.sharding(mesh, axes))
     inputs = (put(x.astype(dtype), ("batch", None)), put(ids, ("batch", None)),
               put(w, ("batch", None)), w_gate, w_up, w_down)

@@ -276,10 +276,10 @@ def profiled_kernels(fn, args):
 def _layer_bytes(cfg, experts_used, num_tokens, itemsize=2):
   """Least bytes of one MoE layer call: the router, the experts that got tokens, the shared
   experts, x read and y written."""
-  d, f = cfg.hidden_size, cfg.moe_intermediate_size
-  shared = 3 * d * (cfg.shared_expert_intermediate_size + f * cfg.num_shared_experts)
-  shared += d * bool(cfg.shared_expert_intermediate_size)
-  return itemsize * (d * cfg.num_experts + experts_used * 3 * d * f + shared
+  d, f = cfg.hidden_size, cfg.moe.intermediate_size
+  shared = 3 * d * (cfg.moe.shared_expert_intermediate_size + f * cfg.moe.num_shared_experts)
+  shared += d * bool(cfg.moe.shared_expert_intermediate_size)
+  return itemsize * (d * cfg.moe.num_experts + experts_used * 3 * d * f + shared
                      + 2 * num_tokens * d)
 
 
@@ -291,7 +291,7 @@ def bench_decode_model(name, cfg, tokens, hbm_bw, check, weight_budget=4e9):
   from jspec.pallas_kernels.experts import decode_tilings
 
   cfg = dataclasses.replace(cfg, expert_tile=64).padded_for(1, 1)
-  d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  d, e, f = cfg.hidden_size, cfg.moe.num_experts, cfg.moe.intermediate_size
   expert_bytes = 3 * d * f * 2
   copies = int(max(1, min(4, weight_budget // (e * expert_bytes))))
   layers = [MoE(cfg, jnp.bfloat16, nnx.Rngs(params=c)) for c in range(copies)]
@@ -408,7 +408,7 @@ def main_decode(args):
   from jspec.bench.presets import PRESETS
   if args.tiny:
     cfg = PRESETS["tiny-moe"]
-    models = {"tiny-moe": dataclasses.replace(cfg, shared_expert_intermediate_size=64)}
+    models = {"tiny-moe": cfg.replace(moe=dict(shared_expert_intermediate_size=64))}
     tokens = (1, 3)
   else:
     models = {m: PRESETS[m] for m in (args.models.split(",") if args.models != ",".join(MODELS)

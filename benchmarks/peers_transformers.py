@@ -31,10 +31,10 @@ def hf_config(preset):
                 max_position_embeddings=preset.max_position_embeddings,
                 rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta})
   if preset.is_moe:
-    return Qwen3MoeConfig(num_experts=preset.num_experts,
-                          num_experts_per_tok=preset.num_experts_per_tok,
-                          moe_intermediate_size=preset.moe_intermediate_size,
-                          norm_topk_prob=preset.norm_topk_prob, **common)
+    return Qwen3MoeConfig(num_experts=preset.moe.num_experts,
+                          num_experts_per_tok=preset.moe.num_experts_per_tok,
+                          moe_intermediate_size=preset.moe.intermediate_size,
+                          norm_topk_prob=preset.moe.norm_topk_prob, **common)
   return Qwen3Config(**common)
 
 

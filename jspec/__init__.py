@@ -11,8 +11,10 @@ import logging as _logging
 # Public names, imported on first use (PEP 562): `import jspec` itself loads nothing heavy, so
 # the CLI sets its Ctrl-C handler before JAX starts importing (a couple of seconds in which a
 # Ctrl-C used to print a long traceback, or be lost).
-_EXPORTS = {"LLM": "jspec.api", "ModelConfig": "jspec.config",
-            "SamplingParams": "jspec.config", "SpecConfig": "jspec.config",
+_EXPORTS = {"LLM": "jspec.api", "ModelConfig": "jspec.config", "MoEConfig": "jspec.config",
+            "MLAConfig": "jspec.config", "LinearAttentionConfig": "jspec.config",
+            "MTPConfig": "jspec.config", "SamplingParams": "jspec.config",
+            "SpecConfig": "jspec.config",
             "MTPSpec": "jspec.models.mtp", "CompletionOutput": "jspec.outputs",
             "GenerateOutputs": "jspec.outputs", "Logprob": "jspec.outputs",
             "RequestMetrics": "jspec.outputs", "RequestOutput": "jspec.outputs",
@@ -43,6 +45,6 @@ class _NoTorchAdvice(_logging.Filter):
 _logging.getLogger("transformers").addFilter(_NoTorchAdvice())
 
 __all__ = ["LLM", "SamplingParams", "SpecConfig", "MeshConfig", "ShardingRules", "ModelConfig",
-           "MTPSpec", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
+           "MoEConfig", "MLAConfig", "LinearAttentionConfig", "MTPConfig", "MTPSpec", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
            "GenerateOutputs", "demo_model_path"]
 __version__ = "0.1.0"

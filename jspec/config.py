@@ -48,7 +48,63 @@ def resolve_dtype(dtype: Any):
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Mixture of experts. Qwen3-MoE's layout: every `decoder_sparse_step`-th layer sparse unless
+  listed in `mlp_only_layers`, a softmax router, top-k weights renormalised where
+  `norm_topk_prob`, an optional gated shared expert of `shared_expert_intermediate_size`.
+  DeepSeek-V3 / GLM-4.5's (jspec.models.moe): "sigmoid" scores with an optional per-expert
+  correction bias used only to choose experts, top-k within the best `topk_group` of `n_group`
+  expert groups, weights times `routed_scaling_factor`, `num_shared_experts` ungated SwiGLU
+  experts of width intermediate_size each (one MLP of their total width), and dense MLPs in
+  the first `first_k_dense_replace` layers."""
+  num_experts: int
+  num_experts_per_tok: int
+  intermediate_size: int
+  norm_topk_prob: bool = False
+  mlp_only_layers: tuple[int, ...] = ()
+  decoder_sparse_step: int = 1
+  shared_expert_intermediate_size: int = 0  # 0: no gated shared expert
+  router_scoring: str = "softmax"
+  router_correction_bias: bool = False
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
+  num_shared_experts: int = 0
+  first_k_dense_replace: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+  """Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash; jspec.models.mla). q_lora_rank
+  0: queries through one q_proj instead of q_a_proj -> norm -> q_b_proj."""
+  q_lora_rank: int
+  kv_lora_rank: int
+  qk_nope_head_dim: int
+  qk_rope_head_dim: int
+  v_head_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+  """Gated DeltaNet, the token mixer of hybrid models' "linear_attention" layers (Qwen3-Next,
+  Qwen3.5; jspec.models.gated_deltanet)."""
+  num_key_heads: int
+  num_value_heads: int
+  key_head_dim: int
+  value_head_dim: int
+  conv_kernel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+  """Multi-token prediction heads the config declares (their layout is found from weights)."""
+  num_layers: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
+  """A decoder's shape: the fields every family has, then one group per kind of part that only
+  some families have (None where the model has none), each declared by its family alone."""
   architecture: str
   vocab_size: int
   hidden_size: int
@@ -62,38 +118,14 @@ class ModelConfig:
   tie_word_embeddings: bool
   max_position_embeddings: int
   eos_token_ids: tuple[int, ...] = ()
-  # Mixture of experts (Qwen3-MoE); num_experts == 0 means a dense model.
-  num_experts: int = 0
-  num_experts_per_tok: int = 0
-  moe_intermediate_size: int = 0
-  norm_topk_prob: bool = False
-  mlp_only_layers: tuple[int, ...] = ()
-  decoder_sparse_step: int = 1
-  # Multi-token prediction heads declared by the config (their layout is found from weights).
-  num_mtp_layers: int = 0
+  moe: MoEConfig | None = None
+  mla: MLAConfig | None = None
+  linear: LinearAttentionConfig | None = None
+  mtp: MTPConfig | None = None
   # Hybrid models (Qwen3-Next / Qwen3.5): each layer's token mixer, "full_attention" or
-  # "linear_attention" (Gated DeltaNet); empty means every layer is full attention.
+  # "linear_attention" (`linear`); empty means every layer is full attention.
   layer_types: tuple[str, ...] = ()
   partial_rotary_factor: float = 1.0
-  linear_num_key_heads: int = 0
-  linear_num_value_heads: int = 0
-  linear_key_head_dim: int = 0
-  linear_value_head_dim: int = 0
-  linear_conv_kernel: int = 0
-  shared_expert_intermediate_size: int = 0  # 0: no shared expert
-  # DeepSeek-V3 / GLM-4.5 routing (jspec.models.moe): "softmax" (Qwen) or "sigmoid" scores;
-  # with sigmoid, an optional per-expert correction bias used only to choose experts, top-k
-  # within the best `topk_group` of `n_group` expert groups, weights times
-  # `routed_scaling_factor`; `num_shared_experts` ungated SwiGLU experts of width
-  # moe_intermediate_size each (one MLP of their total width), and dense MLPs in the first
-  # `first_k_dense_replace` layers.
-  router_scoring: str = "softmax"
-  router_correction_bias: bool = False
-  n_group: int = 1
-  topk_group: int = 1
-  routed_scaling_factor: float = 1.0
-  num_shared_experts: int = 0
-  first_k_dense_replace: int = 0
   # Attention: biases on the q/k/v projections (GLM-4.5); q/k RMSNorms over head_dim (Qwen3
   # always, GLM-4.5 optionally).
   attention_bias: bool = False
@@ -104,13 +136,6 @@ class ModelConfig:
   # use_sliding_window; 0: none). jspec attends over the whole context, which is exact while
   # every position is inside the window: jspec.LLM refuses a longer max_model_len.
   sliding_window: int = 0
-  # Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash; jspec.models.mla); kv_lora_rank 0:
-  # not MLA. q_lora_rank 0: queries through one q_proj instead of q_a_proj -> norm -> q_b_proj.
-  q_lora_rank: int = 0
-  kv_lora_rank: int = 0
-  qk_nope_head_dim: int = 0
-  qk_rope_head_dim: int = 0
-  v_head_dim: int = 0
   # RoPE beyond rope_theta (jspec.models.rope): YaRN's or Llama-3's ("llama3") parameters as
   # sorted (key, value) items, empty for plain RoPE; `rope_interleave`: rotary dims in
   # interleaved pairs (DeepSeek-V3).
@@ -141,13 +166,24 @@ class ModelConfig:
   moe_hidden_padding: int = 0
   moe_intermediate_padding: int = 0
 
+  def replace(self, **changes) -> "ModelConfig":
+    """dataclasses.replace, where a group's name may also take a dict: the changes to that
+    group's fields (`config.replace(moe=dict(num_experts=16))`)."""
+    for name in ("moe", "mla", "linear", "mtp"):
+      if isinstance(changes.get(name), dict):
+        group = getattr(self, name)
+        if group is None:
+          raise ValueError(f"{self.architecture} has no {name} group to change")
+        changes[name] = dataclasses.replace(group, **changes[name])
+    return dataclasses.replace(self, **changes)
+
   @property
   def is_moe(self) -> bool:
-    return self.num_experts > 0
+    return self.moe is not None
 
   @property
   def is_mla(self) -> bool:
-    return self.kv_lora_rank > 0
+    return self.mla is not None
 
   def layer_type(self, layer_index: int) -> str:
     return self.layer_types[layer_index] if self.layer_types else "full_attention"
@@ -182,7 +218,7 @@ class ModelConfig:
 
   @property
   def moe_padded_intermediate_size(self) -> int:
-    return self.moe_intermediate_size + self.moe_intermediate_padding
+    return self.moe.intermediate_size + self.moe_intermediate_padding
 
   def padded_for(self, vocab_shards: int, expert_shards: int) -> "ModelConfig":
     """This config with the padding that splitting the vocabulary into `vocab_shards` and each
@@ -191,7 +227,7 @@ class ModelConfig:
     up = lambda n, multiple: -(-n // multiple) * multiple
     fields = dict(vocab_padding=up(self.vocab_size, vocab_shards) - self.vocab_size)
     if self.is_moe:
-      f, tile = self.moe_intermediate_size, self.expert_tile
+      f, tile = self.moe.intermediate_size, self.expert_tile
       fields.update(moe_hidden_padding=up(self.hidden_size, tile) - self.hidden_size,
                     moe_intermediate_padding=up(f, tile * expert_shards) - f)
     return dataclasses.replace(self, **fields)
@@ -199,10 +235,11 @@ class ModelConfig:
   def layer_is_moe(self, layer_index: int) -> bool:
     """Qwen3-MoE's rule (transformers `Qwen3MoeDecoderLayer`): sparse unless listed as dense;
     and DeepSeek-V3 / GLM-4.5's: the first `first_k_dense_replace` layers are dense."""
-    if (not self.is_moe or layer_index in self.mlp_only_layers
-        or layer_index < self.first_k_dense_replace):
+    moe = self.moe
+    if (moe is None or layer_index in moe.mlp_only_layers
+        or layer_index < moe.first_k_dense_replace):
       return False
-    return (layer_index + 1) % self.decoder_sparse_step == 0
+    return (layer_index + 1) % moe.decoder_sparse_step == 0
 
 
 from jspec.spec_config import (MAX_SPECULATIVE_TOKENS, SEPARATE_DRAFT_METHODS,  # noqa: E402,F401

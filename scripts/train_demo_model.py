@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jspec.config import ModelConfig  # noqa: E402
+from jspec.config import ModelConfig, MTPConfig  # noqa: E402
 from jspec.models.hf_config import config_from_dir  # noqa: E402
 from jspec.train import corpus as corpus_lib  # noqa: E402
 from jspec.train import tokenizer as tok_lib  # noqa: E402
@@ -37,7 +37,7 @@ def demo_config(vocab_size: int, eos: int) -> ModelConfig:
                      intermediate_size=768, num_layers=6, num_heads=6, num_kv_heads=2,
                      head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
                      tie_word_embeddings=True, max_position_embeddings=2048,
-                     eos_token_ids=(eos,), num_mtp_layers=1)
+                     eos_token_ids=(eos,), mtp=MTPConfig(num_layers=1))
 
 
 def prepare(work: str, vocab_size: int, seed: int, log=print):

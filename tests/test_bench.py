@@ -22,7 +22,7 @@ def _param_count(module):
 
 def test_step_bytes_counts_every_weight_a_step_reads():
   """Dense: all parameters but the embedding table (only B rows of it are read), plus KV."""
-  cfg = dataclasses.replace(PRESETS["tiny-moe"], num_experts=0, architecture="Qwen3ForCausalLM")
+  cfg = PRESETS["tiny-moe"].replace(architecture="Qwen3ForCausalLM", moe=None)
   llm = jspec.LLM.from_random(cfg, dtype="float32", max_model_len=64)
   weights = _param_count(llm.target) - cfg.vocab_size * cfg.hidden_size
   kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
@@ -34,7 +34,7 @@ def test_step_bytes_counts_every_weight_a_step_reads():
 def test_moe_step_reads_only_the_experts_that_get_tokens():
   cfg = PRESETS["tiny-moe"]
   one, many = step_bytes(cfg, 1, 1, 0), step_bytes(cfg, 1024, 1, 0)
-  expert_bytes = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_layers
+  expert_bytes = 2 * 3 * cfg.hidden_size * cfg.moe.intermediate_size * cfg.num_layers
   kv = 2 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
   assert expected_experts_used(8, 2, 1) == 2.0
   assert abs(expected_experts_used(8, 2, 1024) - 8) < 1e-6
@@ -105,10 +105,10 @@ def test_peer_benchmark_builds_transformers_configs_of_the_same_shapes():
 def test_step_bytes_counts_mla_weights_and_the_latent_cache():
   """MLA: every attention parameter once, and per token one latent row per layer (C + R
   values shared by all heads), not per-head keys and values."""
-  cfg = dataclasses.replace(PRESETS["tiny-mla"], num_experts=0, first_k_dense_replace=0)
+  cfg = PRESETS["tiny-mla"].replace(moe=None)
   llm = jspec.LLM.from_random(cfg, dtype="float32", max_model_len=64)
   weights = _param_count(llm.target) - cfg.vocab_size * cfg.hidden_size
-  latent_per_token = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+  latent_per_token = cfg.num_layers * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
   for batch, context in ((1, 0), (3, 40)):
     assert step_bytes(cfg, batch, 1, context, itemsize=4) == 4 * (
         weights + batch * (context + 1) * latent_per_token)
@@ -120,5 +120,5 @@ def test_bench_times_mla_attention_over_the_latent():
   cfg = PRESETS["tiny-mla"]
   llm = jspec.LLM.from_random(cfg, dtype="float32", max_model_len=64)
   assert StepTimer(llm).mla_attention(batch=2, context=40, width=4) > 0
-  assert mla_attention_bytes(cfg, 2, 40, 4) == 2 * 40 * (cfg.kv_lora_rank
-                                                         + cfg.qk_rope_head_dim) * 4
+  assert mla_attention_bytes(cfg, 2, 40, 4) == 2 * 40 * (cfg.mla.kv_lora_rank
+                                                         + cfg.mla.qk_rope_head_dim) * 4

@@ -25,7 +25,7 @@ MAX_TOKENS = 24
 
 def test_configs_follow_the_checkpoints():
   ds = cached_llm("deepseek_v3").config
-  assert (ds.architecture, ds.q_lora_rank, ds.kv_lora_rank, ds.rope_interleave) == (
+  assert (ds.architecture, ds.mla.q_lora_rank, ds.mla.kv_lora_rank, ds.rope_interleave) == (
       "DeepseekV3ForCausalLM", 32, 32, True)
   assert dict(ds.rope_scaling) == {
       "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
@@ -34,7 +34,7 @@ def test_configs_follow_the_checkpoints():
   assert [layer.is_moe for layer in cached_llm("deepseek_v3").target.layers] == [
       False, True, True]
   lite = cached_llm("glm4_moe_lite")
-  assert (lite.config.architecture, lite.config.q_lora_rank) == ("Glm4MoeLiteForCausalLM", 0)
+  assert (lite.config.architecture, lite.config.mla.q_lora_rank) == ("Glm4MoeLiteForCausalLM", 0)
   assert not hasattr(lite.target.layers[0].attn, "q_a_proj")
   # mlp_layer_types ["dense", "sparse", "sparse"], as transformers reads it.
   assert [layer.is_moe for layer in lite.target.layers] == [False, True, True]
@@ -146,7 +146,7 @@ def test_memory_plan_counts_the_latent_cache_replicated_over_tp():
   the MTP layers' latent caches likewise."""
   name = "deepseek_v3"
   cfg = cached_llm(name).config
-  row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+  row = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
   plans = {}
   for tp in (1, 4):
     llm = jspec.LLM(model=fixture_dir(name), dtype="float32", max_model_len=64, max_num_seqs=4,

@@ -4,8 +4,6 @@ FP8 expert kernels (jspec.pallas_kernels.fp8_experts), and a Qwen3.5-style hybri
 product kernel on the Gated DeltaNet, gated attention and MLP projections, each against the
 same seeded model with its weights scaled before XLA's products (the CPU's configuration)."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,10 +37,11 @@ def _assert_same_outputs(reference, candidate, max_tokens: int):
 def _tiny_fp8_mla():
   # Dimensions of whole 128 x 128 blocks where the kernels need them (q_a, q_b, o, the MLPs,
   # the experts); kv_a's 128 + 64 rows end in a partial block and keep the scaled XLA path.
-  return dataclasses.replace(
-      PRESETS["tiny-mla"], hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=2,
-      q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
-      v_head_dim=128, moe_intermediate_size=128, fp8_block=(128, 128))
+  return PRESETS["tiny-mla"].replace(
+      hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=2, fp8_block=(128, 128),
+      mla=dict(q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
+               v_head_dim=128),
+      moe=dict(intermediate_size=128))
 
 
 def _llm(**kwargs):
@@ -94,11 +93,11 @@ def test_bench_steps_read_the_scale_lanes_made_before_their_loop(monkeypatch):
 def _tiny_fp8_hybrid():
   # One Gated DeltaNet and one gated-attention layer, every projection whole 128 x 128 blocks:
   # in_proj [1 key head, q | k | v | z = 4 x 128, 128], out_proj [128, 128], q [2 x 128, 128].
-  return dataclasses.replace(
-      PRESETS["qwen3.5-9b"], vocab_size=512, hidden_size=128, intermediate_size=256,
+  return PRESETS["qwen3.5-9b"].replace(vocab_size=512, hidden_size=128, intermediate_size=256,
       num_layers=2, layer_types=("linear_attention", "full_attention"), num_heads=1,
-      num_kv_heads=1, head_dim=128, linear_num_key_heads=1, linear_num_value_heads=1,
-      fp8_block=(128, 128))
+      num_kv_heads=1, head_dim=128,
+      fp8_block=(128, 128),
+      linear=dict(num_key_heads=1, num_value_heads=1))
 
 
 def test_fp8_kernel_in_a_hybrid_model_equals_the_scaled_xla_products(monkeypatch):

@@ -29,9 +29,10 @@ PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 8, 7, 8, 7, 8], [100, 3, 44, 9, 17, 120,
 def test_config_and_layers_follow_the_checkpoint():
   llm = cached_llm(NAME)
   cfg = llm.config
-  assert (cfg.architecture, cfg.router_scoring, cfg.router_correction_bias) == (
+  assert (cfg.architecture, cfg.moe.router_scoring, cfg.moe.router_correction_bias) == (
       "Glm4MoeForCausalLM", "sigmoid", True)
-  assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.num_shared_experts) == (
+  moe = cfg.moe
+  assert (moe.n_group, moe.topk_group, moe.routed_scaling_factor, moe.num_shared_experts) == (
       4, 2, 2.5, 1)
   assert cfg.attention_bias and cfg.use_qk_norm and cfg.rotary_dim == cfg.head_dim // 2
   assert [layer.is_moe for layer in llm.target.layers] == [False, True, True]
@@ -109,7 +110,8 @@ def test_group_limit_and_correction_bias_change_the_fixtures_routing():
     return captured
 
   llm = cached_llm(NAME)
-  k, groups, kept = llm.config.num_experts_per_tok, llm.config.n_group, llm.config.topk_group
+  moe = llm.config.moe
+  k, groups, kept = moe.num_experts_per_tok, moe.n_group, moe.topk_group
   moe_layers = [layer.mlp for layer in llm.target.layers if layer.is_moe]
   changed = {"group": 0, "bias": 0}
   for moe, x in zip(moe_layers, moe_inputs(llm.target)):

@@ -233,8 +233,8 @@ def test_memory_plan_counts_recurrent_state_and_verify_windows():
   llm = jspec.LLM(model=fixture_dir(name), dtype="float32", max_model_len=64, max_num_seqs=4,
                   speculative_config={"method": "mtp", "num_speculative_tokens": 3},
                   recurrent_commit="store")
-  g, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-  r, window = cfg.linear_num_value_heads // g, cfg.linear_conv_kernel - 1
+  g, dk, dv = cfg.linear.num_key_heads, cfg.linear.key_head_dim, cfg.linear.value_head_dim
+  r, window = cfg.linear.num_value_heads // g, cfg.linear.conv_kernel - 1
   linear = sum(t == "linear_attention" for t in cfg.layer_types)
   slots = 128  # 64 + k + 1, rounded up to a multiple of 128
   kv = (cfg.num_layers - linear) * 2 * 4 * cfg.num_kv_heads * slots * cfg.head_dim * 4

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 import jspec
 from helpers import cached_llm, fixture_dir, greedy, reference
-from jspec.config import ModelConfig
+from jspec.config import ModelConfig, MoEConfig
 from jspec.models import rope as rope_lib
 from jspec.models.hf_config import config_from_dir, config_from_hf
 from jspec.models.layers import Attention
@@ -50,8 +50,8 @@ def test_configs_follow_the_checkpoints():
   mistral = _llm("mistral").config
   assert (mistral.sliding_window, mistral.head_dim, mistral.attention_bias) == (80, 32, False)
   mixtral = _llm("mixtral").config
-  assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size,
-          mixtral.norm_topk_prob, mixtral.router_scoring) == (4, 2, 32, True, "softmax")
+  assert (mixtral.moe.num_experts, mixtral.moe.num_experts_per_tok, mixtral.moe.intermediate_size,
+          mixtral.moe.norm_topk_prob, mixtral.moe.router_scoring) == (4, 2, 32, True, "softmax")
   assert mixtral.vocab_size == 255 and mixtral.sliding_window == 0
   assert all(layer.is_moe for layer in _llm("mixtral").target.layers)
   qwen2 = _llm("qwen2").config
@@ -284,8 +284,9 @@ def test_presets_are_the_published_configs(name):
 
 
 @pytest.mark.parametrize("changes", [dict(attention_bias=True, o_proj_bias=True),
-                                     dict(num_experts=4, num_experts_per_tok=2,
-                                          moe_intermediate_size=32, norm_topk_prob=True)],
+                                     dict(moe=MoEConfig(num_experts=4, num_experts_per_tok=2,
+                                                        intermediate_size=32,
+                                                        norm_topk_prob=True))],
                          ids=["llama-biases", "mixtral"])
 def test_roofline_counts_every_weight(changes):
   """At a batch that reaches every expert the step reads every parameter but the embedding."""

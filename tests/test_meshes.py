@@ -215,7 +215,7 @@ def test_pallas_moe_pads_the_hidden_size_too(interpreted_on_every_device):
   so both backends hold the same model."""
   import dataclasses
   from jspec.bench.presets import PRESETS
-  config = dataclasses.replace(PRESETS["tiny-moe"], hidden_size=96, moe_intermediate_size=40)
+  config = PRESETS["tiny-moe"].replace(hidden_size=96, moe=dict(intermediate_size=40))
   llms = {backend: jspec.LLM.from_random(config, dtype="float32", max_model_len=64,
                                          mesh=jspec.MeshConfig(tp=2, ep=2), moe_backend=backend)
           for backend in ("pallas", "reference")}

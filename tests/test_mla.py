@@ -3,7 +3,6 @@ transcription of transformers' formulas, interleaved rope, the absorbed form aga
 expanded one and against transformers' attention, the latent cache's rollback by length,
 its layout over a mesh, and refusals."""
 
-import dataclasses
 import math
 
 import jax
@@ -13,7 +12,7 @@ import pytest
 from flax import nnx
 
 import jspec
-from jspec.config import ModelConfig
+from jspec.config import MLAConfig, ModelConfig
 from jspec.models import rope as rope_lib
 from jspec.models.caches import MLACache
 from jspec.models.mla import MLAttention, mla_cache
@@ -108,9 +107,9 @@ def _config(q_lora_rank=24, interleave=True, scaling=YARN, heads=4):
       architecture="DeepseekV3ForCausalLM", vocab_size=64, hidden_size=48, intermediate_size=64,
       num_layers=1, num_heads=heads, num_kv_heads=heads, head_dim=8, rms_norm_eps=1e-6,
       rope_theta=1000.0, tie_word_embeddings=False, max_position_embeddings=2048,
-      q_lora_rank=q_lora_rank, kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8,
-      v_head_dim=10, rope_scaling=rope_lib.rope_scaling_items(scaling, 2048),
-      rope_interleave=interleave)
+      rope_scaling=rope_lib.rope_scaling_items(scaling, 2048), rope_interleave=interleave,
+      mla=MLAConfig(q_lora_rank=q_lora_rank, kv_lora_rank=20, qk_nope_head_dim=12,
+                    qk_rope_head_dim=8, v_head_dim=10))
 
 
 def _attention(cfg, seed):
@@ -132,7 +131,7 @@ def _run(attn, x, positions, cache, kv_window, absorbed=None):
 
 def _random_cache(cfg, batch, slots, seed):
   rng = np.random.default_rng(seed)
-  width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+  width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
   return MLACache(jnp.asarray(rng.normal(size=(batch, slots, width)), jnp.float32))
 
 
@@ -162,10 +161,12 @@ def _transformers_mla(attn: MLAttention, cfg, x):
   w = {k: np.asarray(v[...], np.float64) for k, v in nnx.to_flat_state(nnx.state(attn))
        for k in ["/".join(map(str, k))]}
   norm = lambda a, scale: scale * a / np.sqrt(np.mean(a * a, -1, keepdims=True) + 1e-6)
-  n, p, r, c = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+  n, p, r, c = (cfg.num_heads, cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim,
+                cfg.mla.kv_lora_rank)
   t = x.shape[0]
-  if cfg.q_lora_rank:
-    q = norm(x @ w["q_a_proj"], w["q_a_norm/scale"]) @ w["q_b_proj"].reshape(cfg.q_lora_rank, -1)
+  if cfg.mla.q_lora_rank:
+    q_b = w["q_b_proj"].reshape(cfg.mla.q_lora_rank, -1)
+    q = norm(x @ w["q_a_proj"], w["q_a_norm/scale"]) @ q_b
   else:
     q = x @ w["q_proj"].reshape(cfg.hidden_size, -1)
   q = q.reshape(t, n, p + r)
@@ -244,7 +245,7 @@ def test_latent_cache_is_replicated_over_tp_and_split_over_batch():
 
 
 def test_tp_must_divide_the_query_heads():
-  cfg = dataclasses.replace(_config(heads=6), num_experts=0)
+  cfg = _config(heads=6)
   with pytest.raises(ValueError, match="tp=4 must divide num_attention_heads=6"):
     jspec.LLM.from_random(cfg, dtype="float32", mesh=jspec.MeshConfig(tp=4, num_devices=4))
 

@@ -7,7 +7,6 @@ layer through the kernel (alone and under shard_map on a dp x tp mesh) against i
 XLA path, greedy MTP tokens through the kernel against vanilla decoding, and
 attention_backend "auto"."""
 
-import dataclasses
 import functools
 
 import jax
@@ -19,7 +18,7 @@ from flax import nnx
 import jspec
 from jspec.bench.presets import PRESETS
 from helpers import cached_llm, fixture_dir, greedy, reference
-from jspec.config import ModelConfig
+from jspec.config import MLAConfig, ModelConfig
 from jspec.models import decode_attention
 from jspec.models.caches import MLACache
 from jspec.models.mla import MLAttention
@@ -305,8 +304,9 @@ def _config(heads=4):
       architecture="DeepseekV3ForCausalLM", vocab_size=64, hidden_size=48, intermediate_size=64,
       num_layers=1, num_heads=heads, num_kv_heads=heads, head_dim=8, rms_norm_eps=1e-6,
       rope_theta=1000.0, tie_word_embeddings=False, max_position_embeddings=256,
-      q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=16,
-      v_head_dim=10, rope_interleave=True)
+      rope_interleave=True,
+      mla=MLAConfig(q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=16,
+                    v_head_dim=10))
 
 
 @nnx.jit(static_argnames=("kv_window",))
@@ -319,7 +319,7 @@ def _layer_inputs(cfg, batch, t, slots, seed):
   x = jnp.asarray(rng.normal(size=(batch, t, cfg.hidden_size)), jnp.float32)
   starts = rng.integers(0, slots - t, batch)
   positions = jnp.asarray(starts[:, None] + np.arange(t), jnp.int32)
-  width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+  width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
   cache = MLACache(jnp.asarray(rng.normal(size=(batch, slots, width)), jnp.float32))
   return x, positions, cache
 
@@ -331,7 +331,7 @@ def test_layer_through_the_kernel_equals_the_xla_path(t):
   attn = MLAttention(cfg, jnp.float32, nnx.Rngs(3))
   x, positions, cache = _layer_inputs(cfg, 3, t, 64, t)
   want, want_cache = _run(attn, x, positions, cache, 64)
-  attn.latent_kernel = functools.partial(mla_decode, latent_dim=cfg.kv_lora_rank,
+  attn.latent_kernel = functools.partial(mla_decode, latent_dim=cfg.mla.kv_lora_rank,
                                          scale=attn.scale, splits=2, interpret=True)
   got, got_cache = _run(attn, x, positions, cache, 64)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
@@ -348,14 +348,14 @@ def test_windows_past_the_row_limit_keep_the_xla_path():
 
   def kernel(q, cache, positions):
     calls.append(q.shape)
-    return mla_decode(q, cache, positions, latent_dim=cfg.kv_lora_rank, scale=attn.scale,
+    return mla_decode(q, cache, positions, latent_dim=cfg.mla.kv_lora_rank, scale=attn.scale,
                       interpret=True)
 
   attn.latent_kernel, attn.latent_kernel_max_rows = kernel, 8
   for t in (1, 4):
     x, positions, cache = _layer_inputs(cfg, 2, t, 32, t)
     attn(x, positions, cache, 32)
-  assert calls == [(2, 1, 4, cfg.kv_lora_rank + cfg.qk_rope_head_dim)]
+  assert calls == [(2, 1, 4, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)]
 
 
 def test_sharded_kernel_splits_sequences_over_dp_and_heads_over_tp():
@@ -365,7 +365,7 @@ def test_sharded_kernel_splits_sequences_over_dp_and_heads_over_tp():
   mesh = MeshConfig(dp=2, tp=2, num_devices=4).make_mesh()
   rules = ShardingRules()
   rng = np.random.default_rng(11)
-  width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+  width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
   q = jnp.asarray(rng.normal(size=(2, 3, 4, width)) * width ** -0.25, jnp.float32)
   cache = jnp.asarray(rng.normal(size=(2, 40, width)), jnp.float32)
   positions = jnp.asarray([[20, 21, 22], [5, 6, 7]], jnp.int32)
@@ -409,8 +409,8 @@ def test_greedy_mtp_tokens_through_the_wgmma_form_equal_the_xla_paths(monkeypatc
   random weights, float32), MTP k = 3: with attention_backend "auto" as on a Hopper GPU and
   every decode, verify and draft window through the wgmma form (interpreted), the logits and
   greedy tokens of XLA's path."""
-  cfg = dataclasses.replace(PRESETS["tiny-mla"], num_heads=16, num_kv_heads=16,
-                            kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=16)
+  cfg = PRESETS["tiny-mla"].replace(num_heads=16, num_kv_heads=16,
+            mla=dict(kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=16))
 
   def llm():
     return jspec.LLM.from_random(cfg, jspec.MTPSpec("deepseek_v3", 1, is_moe=True),
@@ -505,8 +505,8 @@ def test_layer_on_gpu_through_the_kernel_matches_the_xla_path():
   """An MLA layer of DeepSeek-V3's latent width (C = 512, R = 64) and 16 heads in bfloat16,
   a verify window of 4 over 2000 slots: the kernel (compiled) and XLA's path agree within
   bfloat16's rounding; layers narrower than Triton's tiles keep XLA's path on a GPU."""
-  cfg = dataclasses.replace(_config(heads=16), kv_lora_rank=512, qk_rope_head_dim=64,
-                            hidden_size=256)
+  cfg = _config(heads=16).replace(hidden_size=256,
+                            mla=dict(kv_lora_rank=512, qk_rope_head_dim=64))
   attn = MLAttention(cfg, jnp.bfloat16, nnx.Rngs(5))
   x, positions, cache = _layer_inputs(cfg, 2, 4, 2000, 5)
   x, cache = x.astype(jnp.bfloat16), MLACache(cache.latent.astype(jnp.bfloat16))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import jspec
 from flax import nnx
-from jspec.config import ModelConfig
+from jspec.config import MLAConfig, ModelConfig
 from jspec.models.caches import MLACache
 from jspec.models.mla import MLAttention
 from drafter_checkpoints import eagle3_head, truncated_draft_model
@@ -271,7 +271,8 @@ def test_gpu_mla_expanded_form_through_cudnn_matches_xla(seed):
       architecture="DeepseekV3ForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=64,
       num_layers=1, num_heads=8, num_kv_heads=8, head_dim=8, rms_norm_eps=1e-6,
       rope_theta=1000.0, tie_word_embeddings=False, max_position_embeddings=2048,
-      q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+      mla=MLAConfig(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                    v_head_dim=16))
   attn = MLAttention(cfg, jnp.bfloat16, nnx.Rngs(seed))
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.normal(size=(2, 96, cfg.hidden_size)), jnp.bfloat16)

@@ -27,10 +27,10 @@ def test_distinct_experts_counts_each_routed_expert_once(seed):
 
 
 def test_step_bytes_count_the_experts_each_layer_routed():
-  d, f = CFG.hidden_size, CFG.moe_intermediate_size
+  d, f = CFG.hidden_size, CFG.moe.intermediate_size
   used = [3, 7]
   assert routed_expert_bytes(CFG, used) == 10 * 3 * d * f * 2
-  uniform = expected_experts_used(CFG.num_experts, CFG.num_experts_per_tok, 4)
+  uniform = expected_experts_used(CFG.moe.num_experts, CFG.moe.num_experts_per_tok, 4)
   routed, assumed = step_bytes(CFG, 4, 1, 100, experts_used=used), step_bytes(CFG, 4, 1, 100)
   assert abs((routed - assumed) - (10 - 2 * uniform) * 3 * d * f * 2) <= 1
   with pytest.raises(ValueError, match="experts_used has 1 counts for 2 MoE layers"):
@@ -43,7 +43,7 @@ def test_step_timer_records_the_experts_a_biased_router_sends_every_token_to():
   step's MoE bytes are 2 experts a layer where uniform routing would assume 5.8."""
   llm = jspec.LLM.from_random(CFG, dtype="float32", max_model_len=64)
   for layer, winners in ((1, (1, 5)), (2, (2, 6))):
-    bias = np.zeros(CFG.num_experts, np.float32)
+    bias = np.zeros(CFG.moe.num_experts, np.float32)
     bias[list(winners)] = 10.0
     llm.target.layers[layer].mlp.correction_bias.set_value(jnp.asarray(bias))
   routed = StepTimer(llm).routed_experts(batch=3, context=20, width=2)
@@ -51,5 +51,5 @@ def test_step_timer_records_the_experts_a_biased_router_sends_every_token_to():
   assert [set(np.unique(ids).tolist()) for ids in routed] == [{1, 5}, {2, 6}]
   used = [distinct_experts(ids) for ids in routed]
   assert used == [2, 2]
-  assert expected_experts_used(CFG.num_experts, 2, 6) > 5.8
+  assert expected_experts_used(CFG.moe.num_experts, 2, 6) > 5.8
   assert step_bytes(CFG, 3, 2, 20, experts_used=used) < step_bytes(CFG, 3, 2, 20)

@@ -2,6 +2,7 @@
 `DeepseekV3TopkRouter` / `Glm4MoeTopkRouter`: sigmoid scores, the correction bias used only to
 choose, group-limited top-k, renormalisation and scaling; shared experts; refusals."""
 
+import dataclasses
 import types
 
 import jax.numpy as jnp
@@ -10,7 +11,8 @@ import pytest
 from flax import nnx
 
 import jspec
-from jspec.models.moe import MoE, read_sigmoid_moe_fields, route_sigmoid
+from jspec.config import MoEConfig
+from jspec.models.moe import MoE, read_sigmoid_moe, route_sigmoid
 from jspec.models.moe_backends import experts_reference
 
 
@@ -114,15 +116,15 @@ def test_ties_go_to_the_lower_index():
     np.testing.assert_allclose(weights, want_w, rtol=1e-6)
 
 
-def _cfg(**overrides):
-  fields = dict(architecture="Glm4MoeForCausalLM", vocab_size=64, hidden_size=32,
-                intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=False,
-                max_position_embeddings=64, num_experts=16, num_experts_per_tok=4,
-                moe_intermediate_size=8, norm_topk_prob=True, router_scoring="sigmoid",
-                router_correction_bias=True, n_group=4, topk_group=2,
-                routed_scaling_factor=2.5, num_shared_experts=2)
-  return jspec.ModelConfig(**{**fields, **overrides})
+def _cfg(num_layers=1, **moe_changes):
+  moe = MoEConfig(num_experts=16, num_experts_per_tok=4, intermediate_size=8,
+                  norm_topk_prob=True, router_scoring="sigmoid", router_correction_bias=True,
+                  n_group=4, topk_group=2, routed_scaling_factor=2.5, num_shared_experts=2)
+  return jspec.ModelConfig(
+      architecture="Glm4MoeForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+      num_layers=num_layers, num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6,
+      rope_theta=1e4, tie_word_embeddings=False, max_position_embeddings=64,
+      moe=dataclasses.replace(moe, **moe_changes))
 
 
 def _swiglu(x, gate, up, down):
@@ -145,7 +147,7 @@ def test_moe_block_adds_ungated_shared_experts_to_the_routed_sum():
     for e, w in zip(ids[t], weights[t]):
       want[t] += w * _swiglu(x_td[t], p["w_gate"][e], p["w_up"][e], p["w_down"][e])
   gate_up = p["shared_experts.gate_up_proj"]
-  assert gate_up.shape == (cfg.hidden_size, 2, 2 * cfg.moe_intermediate_size)
+  assert gate_up.shape == (cfg.hidden_size, 2, 2 * cfg.moe.intermediate_size)
   want += _swiglu(x_td, gate_up[:, 0], gate_up[:, 1], p["shared_experts.down_proj"])
   np.testing.assert_allclose(got.reshape(-1, cfg.hidden_size), want, atol=1e-5, rtol=1e-5)
 
@@ -178,13 +180,13 @@ def _hf(**overrides):
 
 
 def test_sigmoid_moe_fields_are_read():
-  fields = read_sigmoid_moe_fields(_hf(scoring_func="sigmoid", topk_method="noaux_tc"))
-  assert fields == dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=8,
-                        norm_topk_prob=True, router_scoring="sigmoid",
-                        router_correction_bias=True, n_group=4, topk_group=2,
-                        routed_scaling_factor=2.5, num_shared_experts=1,
-                        first_k_dense_replace=3)
-  assert read_sigmoid_moe_fields(_hf()) == fields  # GLM's configs name neither key
+  moe = read_sigmoid_moe(_hf(scoring_func="sigmoid", topk_method="noaux_tc"))
+  assert moe == MoEConfig(num_experts=16, num_experts_per_tok=4, intermediate_size=8,
+                          norm_topk_prob=True, router_scoring="sigmoid",
+                          router_correction_bias=True, n_group=4, topk_group=2,
+                          routed_scaling_factor=2.5, num_shared_experts=1,
+                          first_k_dense_replace=3)
+  assert read_sigmoid_moe(_hf()) == moe  # GLM's configs name neither key
   cfg = _cfg(first_k_dense_replace=3, num_layers=5)
   assert [cfg.layer_is_moe(i) for i in range(5)] == [False] * 3 + [True] * 2
 
@@ -203,4 +205,4 @@ def test_sigmoid_moe_fields_are_read():
 ])
 def test_unsupported_routing_is_refused(overrides, match):
   with pytest.raises(ValueError, match=match):
-    read_sigmoid_moe_fields(_hf(**overrides))
+    read_sigmoid_moe(_hf(**overrides))

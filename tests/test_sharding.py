@@ -153,7 +153,7 @@ def test_invalid_meshes_name_the_constraint(mesh, match):
 
 def test_ep_must_divide_experts():
   import dataclasses
-  config = dataclasses.replace(config_from_dir(fixture_dir("qwen3_moe")), num_experts=6)
+  config = config_from_dir(fixture_dir("qwen3_moe")).replace(moe=dict(num_experts=6))
   with pytest.raises(ValueError, match="ep=4 must divide num_experts=6"):
     jspec.LLM.from_random(config, mesh=jspec.MeshConfig(ep=4, num_devices=4), dtype="float32")
 

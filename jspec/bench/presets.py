@@ -1,8 +1,6 @@
 """Real-size model shapes for benchmarks (random weights built on the device)."""
 
-import dataclasses
-
-from jspec.config import ModelConfig
+from jspec.config import LinearAttentionConfig, MLAConfig, MTPConfig, MoEConfig, ModelConfig
 from jspec.models.rope import rope_scaling_items
 
 def _every_fourth_full(num_layers: int) -> tuple[str, ...]:
@@ -23,27 +21,29 @@ PRESETS = {
         architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048,
         intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
         rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
-        max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=768, norm_topk_prob=True),
+        max_position_embeddings=40960,
+        moe=MoEConfig(num_experts=128, num_experts_per_tok=8, intermediate_size=768,
+                      norm_topk_prob=True)),
     # Qwen3.5-9B (dense, hybrid): 3 Gated DeltaNet layers to each gated-attention layer.
     "qwen3.5-9b": ModelConfig(
         architecture="Qwen3_5ForConditionalGeneration", vocab_size=248320, hidden_size=4096,
         intermediate_size=12288, num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256,
         rms_norm_eps=1e-6, rope_theta=1e7, tie_word_embeddings=False,
         max_position_embeddings=262144, layer_types=_HYBRID_32, partial_rotary_factor=0.25,
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel=4,
-        weight_prefix="model.language_model."),
+        weight_prefix="model.language_model.",
+        linear=LinearAttentionConfig(num_key_heads=16, num_value_heads=32, key_head_dim=128,
+                                     value_head_dim=128, conv_kernel=4)),
     # Qwen3.5-35B-A3B: 40 hybrid layers, 256 experts top-8 plus a shared expert.
     "qwen3.5-35b-a3b": ModelConfig(
         architecture="Qwen3_5MoeForConditionalGeneration", vocab_size=248320, hidden_size=2048,
         intermediate_size=0, num_layers=40, num_heads=16, num_kv_heads=2, head_dim=256,
         rms_norm_eps=1e-6, rope_theta=1e7, tie_word_embeddings=False,
-        max_position_embeddings=262144, num_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=512, norm_topk_prob=True, shared_expert_intermediate_size=512,
-        layer_types=_HYBRID_40, partial_rotary_factor=0.25, linear_num_key_heads=16,
-        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel=4, weight_prefix="model.language_model."),
+        max_position_embeddings=262144,
+        layer_types=_HYBRID_40, partial_rotary_factor=0.25, weight_prefix="model.language_model.",
+        moe=MoEConfig(num_experts=256, num_experts_per_tok=8, intermediate_size=512,
+                      norm_topk_prob=True, shared_expert_intermediate_size=512),
+        linear=LinearAttentionConfig(num_key_heads=16, num_value_heads=32, key_head_dim=128,
+                                     value_head_dim=128, conv_kernel=4)),
     # DeepSeek-V3 / R1 layer shapes (MLA, 256 routed experts top-8 in 8 groups, 1 shared
     # expert, 3 dense layers first) with its NextN layer. All 61 layers take ~1.3 TB in
     # bfloat16; `num_layers` 6 (the 3 dense + 3 MoE layers, ~23 GB each, plus the MTP layer
@@ -52,15 +52,18 @@ PRESETS = {
         architecture="DeepseekV3ForCausalLM", vocab_size=129280, hidden_size=7168,
         intermediate_size=18432, num_layers=6, num_heads=128, num_kv_heads=128, head_dim=64,
         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-        max_position_embeddings=163840, num_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=2048, norm_topk_prob=True, router_scoring="sigmoid",
-        router_correction_bias=True, n_group=8, topk_group=4, routed_scaling_factor=2.5,
-        num_shared_experts=1, first_k_dense_replace=3, num_mtp_layers=1, q_lora_rank=1536,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        max_position_embeddings=163840,
         rope_scaling=rope_scaling_items(
             {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, 163840),
-        rope_interleave=True),
+        rope_interleave=True,
+        moe=MoEConfig(num_experts=256, num_experts_per_tok=8, intermediate_size=2048,
+                      norm_topk_prob=True, router_scoring="sigmoid", router_correction_bias=True,
+                      n_group=8, topk_group=4, routed_scaling_factor=2.5, num_shared_experts=1,
+                      first_k_dense_replace=3),
+        mtp=MTPConfig(num_layers=1),
+        mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128)),
     # GLM-4.5-Air layer shapes (zai-org/GLM-4.5-Air config.json): GQA 96 / 8 heads of 128 with
     # q/k/v biases and RoPE on half of each head, 128 routed experts top-8 (sigmoid, one group,
     # correction bias) + 1 shared expert, the first layer dense, 1 NextN layer. The published
@@ -71,11 +74,13 @@ PRESETS = {
         architecture="Glm4MoeForCausalLM", vocab_size=151552, hidden_size=4096,
         intermediate_size=10944, num_layers=20, num_heads=96, num_kv_heads=8, head_dim=128,
         rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
-        max_position_embeddings=131072, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=1408, norm_topk_prob=True, num_mtp_layers=1,
-        partial_rotary_factor=0.5, router_scoring="sigmoid", router_correction_bias=True,
-        n_group=1, topk_group=1, routed_scaling_factor=1.0, num_shared_experts=1,
-        first_k_dense_replace=1, attention_bias=True, use_qk_norm=False),
+        max_position_embeddings=131072,
+        partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False,
+        moe=MoEConfig(num_experts=128, num_experts_per_tok=8, intermediate_size=1408,
+                      norm_topk_prob=True, router_scoring="sigmoid", router_correction_bias=True,
+                      n_group=1, topk_group=1, routed_scaling_factor=1.0, num_shared_experts=1,
+                      first_k_dense_replace=1),
+        mtp=MTPConfig(num_layers=1)),
     # Llama-3.1-8B (meta-llama/Llama-3.1-8B config.json): GQA 32 / 8 heads of 128, llama3 RoPE
     # scaling (factor 8 over the original 8192 positions), untied head.
     "llama-3.1-8b": ModelConfig(
@@ -103,25 +108,28 @@ PRESETS = {
         architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=4096,
         intermediate_size=0, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
         rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
-        max_position_embeddings=32768, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=14336, norm_topk_prob=True, use_qk_norm=False),
+        max_position_embeddings=32768, use_qk_norm=False,
+        moe=MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=14336,
+                      norm_topk_prob=True)),
     # A few-MB model with the same structure, for smoke runs on a CPU.
     "tiny-moe": ModelConfig(
         architecture="Qwen3MoeForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-        rope_theta=1e4, tie_word_embeddings=False, max_position_embeddings=4096, num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
+        rope_theta=1e4, tie_word_embeddings=False, max_position_embeddings=4096,
+        moe=MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=64,
+                      norm_topk_prob=True)),
 }
-PRESETS["tiny-mla"] = dataclasses.replace(
-    PRESETS["deepseek-v3"], vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-    num_heads=4, num_kv_heads=4, head_dim=8, num_experts=8, num_experts_per_tok=2, n_group=4,
-    topk_group=2, moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=32,
-    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    max_position_embeddings=4096)
-PRESETS["tiny-glm"] = dataclasses.replace(
-    PRESETS["glm-4.5-air"], vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, n_group=4,
-    topk_group=2, moe_intermediate_size=32, max_position_embeddings=4096)
+PRESETS["tiny-mla"] = PRESETS["deepseek-v3"].replace(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=4, head_dim=8, max_position_embeddings=4096,
+    moe=dict(num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, intermediate_size=32,
+             first_k_dense_replace=1),
+    mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=16))
+PRESETS["tiny-glm"] = PRESETS["glm-4.5-air"].replace(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
+    moe=dict(num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, intermediate_size=32))
 
 # The MTP layout each preset's checkpoints publish (the others: Qwen3-Next's).
 MTP_LAYOUTS = {"deepseek-v3": "deepseek_v3", "tiny-mla": "deepseek_v3",

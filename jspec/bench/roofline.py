@@ -92,21 +92,21 @@ def distinct_experts(ids_TK) -> int:
 def routed_expert_bytes(cfg: ModelConfig, experts_used, itemsize: int = 2) -> int:
   """Bytes of the routed experts' weights a step reads: gate, up and down of every expert
   counted in `experts_used` (one count per MoE layer)."""
-  return int(sum(experts_used)) * 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
+  return int(sum(experts_used)) * 3 * cfg.hidden_size * cfg.moe.intermediate_size * itemsize
 
 
 def cache_values_per_token(cfg: ModelConfig) -> int:
   """Values one full-attention layer caches per token: keys and values of every KV head, or
   MLA's latent and rope key (shared by all heads)."""
   if cfg.is_mla:
-    return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
   return 2 * cfg.num_kv_heads * cfg.head_dim
 
 
 def mla_weights(cfg: ModelConfig) -> int:
   """Parameters of one MLA layer's attention, and the layer's two norms."""
-  d, n, q, c = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-  p, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+  d, n, q, c = cfg.hidden_size, cfg.num_heads, cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank
+  p, r, v = cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
   query = d * q + q + q * n * (p + r) if q else d * n * (p + r)
   return query + d * (c + r) + c + n * (p + v) * c + n * v * d + 2 * d
 
@@ -145,9 +145,11 @@ def _step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize
   attention += d * cfg.o_proj_bias
   if cfg.is_mla:
     attention = mla_weights(cfg)
-  g, r = cfg.linear_num_key_heads, cfg.linear_num_value_heads // max(cfg.linear_num_key_heads, 1)
-  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-  linear = d * g * (2 * dk + 2 * r * dv + 2 * r) + g * r * dv * d + 2 * d + dv
+  linear, g, r, dk, dv = 0, 0, 0, 0, 0
+  if cfg.linear is not None:
+    g, dk, dv = cfg.linear.num_key_heads, cfg.linear.key_head_dim, cfg.linear.value_head_dim
+    r = cfg.linear.num_value_heads // g
+    linear = d * g * (2 * dk + 2 * r * dv + 2 * r) + g * r * dv * d + 2 * d + dv
   weights, kv_layers, state_bytes = 0, 0, 0
   moe_layers = [layer for layer in range(cfg.num_layers) if cfg.layer_is_moe(layer)]
   if experts_used is not None and len(experts_used) != len(moe_layers):
@@ -161,14 +163,15 @@ def _step_bytes(cfg: ModelConfig, batch: int, width: int, context: int, itemsize
       weights += attention
       kv_layers += 1
     if cfg.layer_is_moe(layer):
-      used = (expected_experts_used(cfg.num_experts, cfg.num_experts_per_tok, batch * width)
+      moe = cfg.moe
+      used = (expected_experts_used(moe.num_experts, moe.num_experts_per_tok, batch * width)
               if experts_used is None else experts_used[moe_layers.index(layer)])
-      weights += used * 3 * d * cfg.moe_intermediate_size
-      weights += 3 * d * cfg.shared_expert_intermediate_size + d * bool(
-          cfg.shared_expert_intermediate_size)
-      weights += 3 * d * cfg.moe_intermediate_size * cfg.num_shared_experts
+      weights += used * 3 * d * moe.intermediate_size
+      weights += 3 * d * moe.shared_expert_intermediate_size + d * bool(
+          moe.shared_expert_intermediate_size)
+      weights += 3 * d * moe.intermediate_size * moe.num_shared_experts
       # The router in the model's dtype (never quantized), added with the state bytes.
-      state_bytes += (d * cfg.num_experts + cfg.num_experts * cfg.router_correction_bias) * (
+      state_bytes += (d * moe.num_experts + moe.num_experts * moe.router_correction_bias) * (
           itemsize)
     else:
       weights += 3 * d * cfg.intermediate_size

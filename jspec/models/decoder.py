@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import jax.numpy as jnp
 from flax import nnx
 
-from jspec.config import ModelConfig
+from jspec.config import ModelConfig, MTPConfig
 from jspec.models import quantization
 from jspec.models import weights as W
 from jspec.models.caches import KVCache
@@ -196,7 +196,7 @@ def common_fields(hf_config, rope: dict) -> dict:
       rms_norm_eps=hf_config.rms_norm_eps, rope_theta=float(rope_theta),
       tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
       max_position_embeddings=hf_config.max_position_embeddings, eos_token_ids=eos_ids,
-      num_mtp_layers=int(num_mtp))
+      mtp=MTPConfig(int(num_mtp)) if num_mtp else None)
 
 
 # ---- checkpoint layout ------------------------------------------------------------------------

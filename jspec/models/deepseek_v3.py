@@ -18,14 +18,16 @@ does jspec.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from jspec.config import ModelConfig
+from jspec.config import MLAConfig, ModelConfig
 from jspec.models import quantization
 from jspec.models import weights as W
 from jspec.models.decoder import CausalLM, DecoderLayer, common_fields
 from jspec.models.mla import MLAttention, mla_cache
-from jspec.models.moe import read_sigmoid_moe_fields
+from jspec.models.moe import read_sigmoid_moe
 from jspec.models.rope import rope_scaling_items
 
 GLM4_MOE_LITE = "Glm4MoeLiteForCausalLM"
@@ -62,21 +64,23 @@ def read_config(hf_config, arch: str) -> ModelConfig:
     raise ValueError("attention_bias=True is not supported for latent attention (no published "
                      "DeepSeek-V3 or GLM-4.7-Flash checkpoint has projection biases)")
   fields = common_fields(hf_config, {"rope_theta": theta})  # the YaRN part is read above
-  moe = read_sigmoid_moe_fields(hf_config)
+  moe = read_sigmoid_moe(hf_config)
   layer_types = getattr(hf_config, "mlp_layer_types", None)
   if arch == GLM4_MOE_LITE and layer_types is not None:
     unknown = sorted(set(layer_types) - set(MLP_LAYER_TYPES))
     if unknown or len(layer_types) != hf_config.num_hidden_layers:
       raise ValueError(f"mlp_layer_types must give one of {list(MLP_LAYER_TYPES)} for each of "
                        f"the {hf_config.num_hidden_layers} layers; got {list(layer_types)}")
-    moe.update(first_k_dense_replace=0,
-               mlp_only_layers=tuple(i for i, t in enumerate(layer_types) if t == "dense"))
+    moe = dataclasses.replace(
+        moe, first_k_dense_replace=0,
+        mlp_only_layers=tuple(i for i, t in enumerate(layer_types) if t == "dense"))
   q_lora_rank = getattr(hf_config, "q_lora_rank", None) or 0
   return ModelConfig(
-      architecture=arch, **fields, **moe,
-      q_lora_rank=int(q_lora_rank), kv_lora_rank=int(hf_config.kv_lora_rank),
-      qk_nope_head_dim=int(hf_config.qk_nope_head_dim),
-      qk_rope_head_dim=int(hf_config.qk_rope_head_dim), v_head_dim=int(hf_config.v_head_dim),
+      architecture=arch, **fields, moe=moe,
+      mla=MLAConfig(q_lora_rank=int(q_lora_rank), kv_lora_rank=int(hf_config.kv_lora_rank),
+                    qk_nope_head_dim=int(hf_config.qk_nope_head_dim),
+                    qk_rope_head_dim=int(hf_config.qk_rope_head_dim),
+                    v_head_dim=int(hf_config.v_head_dim)),
       rope_scaling=scaling, rope_interleave=bool(getattr(hf_config, "rope_interleave", False)))
 
 
@@ -85,8 +89,8 @@ def read_config(hf_config, arch: str) -> ModelConfig:
 def mla_rules(cfg: ModelConfig, p: str) -> dict:
   """`{p}self_attn.*` -> an MLAttention. kv_b_proj's rows are per head [key nope | value]."""
   d, n = cfg.hidden_size, cfg.num_heads
-  q, c = cfg.q_lora_rank, cfg.kv_lora_rank
-  nope, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+  q, c = cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank
+  nope, r, v = cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
   a = p + "self_attn."
   rule = lambda name, hf_shape, build: W.TensorRule((a + name,), (hf_shape,), build)
   transpose = lambda shape: (lambda w: np.ascontiguousarray(w.T).reshape(shape))

@@ -66,10 +66,10 @@ class GatedDeltaNet(nnx.Module):
 
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     d = cfg.hidden_size
-    self.heads = cfg.linear_num_key_heads
-    self.per_key = cfg.linear_num_value_heads // cfg.linear_num_key_heads
-    self.key_dim, self.value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    self.kernel = cfg.linear_conv_kernel
+    self.heads = cfg.linear.num_key_heads
+    self.per_key = cfg.linear.num_value_heads // cfg.linear.num_key_heads
+    self.key_dim, self.value_dim = cfg.linear.key_head_dim, cfg.linear.value_head_dim
+    self.kernel = cfg.linear.conv_kernel
     g, r, dk, dv = self.heads, self.per_key, self.key_dim, self.value_dim
     self.channels = 2 * dk + r * dv
     self.fp8_block = block = cfg.fp8_block

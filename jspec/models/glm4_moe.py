@@ -20,7 +20,7 @@ from __future__ import annotations
 from jspec.config import ModelConfig
 from jspec.models import weights as W
 from jspec.models.decoder import CausalLM, common_fields
-from jspec.models.moe import read_sigmoid_moe_fields
+from jspec.models.moe import read_sigmoid_moe
 
 ACTIVATIONS = ("silu",)
 ROPE_TYPES = ("default",)  # the family's attention applies plain RoPE only
@@ -47,7 +47,7 @@ def read_config(hf_config, arch: str) -> ModelConfig:
   partial = rope.get("partial_rotary_factor",
                      getattr(hf_config, "partial_rotary_factor", None) or 0.5)
   return ModelConfig(
-      architecture=arch, **common_fields(hf_config, rope), **read_sigmoid_moe_fields(hf_config),
+      architecture=arch, **common_fields(hf_config, rope), moe=read_sigmoid_moe(hf_config),
       partial_rotary_factor=float(partial),
       attention_bias=bool(getattr(hf_config, "attention_bias", False)),
       use_qk_norm=bool(getattr(hf_config, "use_qk_norm", False)))

@@ -26,7 +26,7 @@ is inside the window, and jspec.LLM refuses a longer max_model_len (`ModelConfig
 
 from __future__ import annotations
 
-from jspec.config import ModelConfig
+from jspec.config import ModelConfig, MoEConfig
 from jspec.models import weights as W
 from jspec.models.decoder import CausalLM, DecoderLayer, common_fields
 from jspec.models.rope import rope_scaling_items
@@ -69,9 +69,10 @@ def read_config(hf_config, arch: str) -> ModelConfig:
   elif arch in (MISTRAL, MIXTRAL):
     fields.update(sliding_window=int(getattr(hf_config, "sliding_window", None) or 0))
   if arch == MIXTRAL:
-    fields.update(intermediate_size=0, num_experts=int(hf_config.num_local_experts),
-                  num_experts_per_tok=int(hf_config.num_experts_per_tok),
-                  moe_intermediate_size=int(hf_config.intermediate_size), norm_topk_prob=True)
+    fields.update(intermediate_size=0, moe=MoEConfig(
+        num_experts=int(hf_config.num_local_experts),
+        num_experts_per_tok=int(hf_config.num_experts_per_tok),
+        intermediate_size=int(hf_config.intermediate_size), norm_topk_prob=True))
   return ModelConfig(architecture=arch, **fields)
 
 

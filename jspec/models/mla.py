@@ -66,7 +66,7 @@ ABSORBED_MAX_TOKENS = 64
 
 
 def mla_cache(cfg: ModelConfig, batch: int, slots: int, dtype) -> MLACache:
-  return MLACache.zeros(batch, slots, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype)
+  return MLACache.zeros(batch, slots, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim, dtype)
 
 
 def latent_attention(q_BTNL, cache_BSL, positions_BT, scale: float, visible_BTS=None):
@@ -99,8 +99,9 @@ class MLAttention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
     d, n = cfg.hidden_size, cfg.num_heads
-    p, r, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    self.q_lora_rank = cfg.q_lora_rank
+    mla = cfg.mla
+    p, r, v, c = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank
+    self.q_lora_rank = cfg.mla.q_lora_rank
     # FP8 checkpoints: every projection kept as published (jspec.models.linear.linear), the
     # per-head query weights flattened (the checkpoint's blocks straddle heads of p + r).
     self.fp8_block = cfg.fp8_block

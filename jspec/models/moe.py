@@ -1,6 +1,6 @@
 """Sparse MoE blocks: a router, the routed experts through a pluggable backend, shared experts.
 
-Two routers, as `cfg.router_scoring` says:
+Two routers, as `cfg.moe.router_scoring` says:
   softmax  Qwen3-MoE / Qwen3.5 (transformers `Qwen3MoeSparseMoeBlock`): softmax over all
            experts in float32, top-k, the k weights renormalised when `norm_topk_prob`.
   sigmoid  DeepSeek-V3 / GLM-4.5 (transformers `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`;
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jspec.config import MoEConfig
 from jspec.models import quantization
 from jspec.models.layers import MLP
 from jspec.models.linear import linear
@@ -84,9 +85,9 @@ class MoE(nnx.Module):
   """The sparse block `cfg` describes: its router, routed experts and shared experts."""
 
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
-    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    if cfg.router_scoring not in ROUTER_SCORINGS:
-      raise ValueError(f"router_scoring={cfg.router_scoring!r} is not supported; jspec "
+    d, e, f = cfg.hidden_size, cfg.moe.num_experts, cfg.moe.intermediate_size
+    if cfg.moe.router_scoring not in ROUTER_SCORINGS:
+      raise ValueError(f"router_scoring={cfg.moe.router_scoring!r} is not supported; jspec "
                        f"supports {list(ROUTER_SCORINGS)}")
     self.router = param(rngs, (d, e), dtype, ("embed", "experts_router"))
     # Expert weights padded with zeros to the backend's tile (ModelConfig.padded_for): every
@@ -132,25 +133,25 @@ class MoE(nnx.Module):
     # Softmax routing of a step's few tokens in the router kernels (set by the LLM where
     # norm_backend is "pallas": jspec.models.row_kernels.sharded_router); XLA's otherwise.
     self.router_kernel = None
-    self.top_k = cfg.num_experts_per_tok
-    self.norm_topk_prob = cfg.norm_topk_prob
-    self.scoring = cfg.router_scoring
-    self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
-    self.routed_scaling_factor = cfg.routed_scaling_factor
-    self.has_correction_bias = cfg.router_correction_bias
+    self.top_k = cfg.moe.num_experts_per_tok
+    self.norm_topk_prob = cfg.moe.norm_topk_prob
+    self.scoring = cfg.moe.router_scoring
+    self.n_group, self.topk_group = cfg.moe.n_group, cfg.moe.topk_group
+    self.routed_scaling_factor = cfg.moe.routed_scaling_factor
+    self.has_correction_bias = cfg.moe.router_correction_bias
     if self.has_correction_bias:
       # float32 whatever the model dtype, as transformers and vLLM keep it: biases of similar
       # experts differ below bfloat16's resolution, and they decide which experts run.
       self.correction_bias = param(rngs, (e,), jnp.float32, ("experts_router",), scale=0.1)
-    self.has_shared_expert = cfg.shared_expert_intermediate_size > 0
+    self.has_shared_expert = cfg.moe.shared_expert_intermediate_size > 0
     if self.has_shared_expert:
       # Every token also goes through one dense SwiGLU, scaled by sigmoid(x @ gate).
-      self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size, dtype, rngs,
+      self.shared_expert = MLP(d, cfg.moe.shared_expert_intermediate_size, dtype, rngs,
                                quantization.blocks_for(cfg, quantization.SHARED_KINDS))
       self.shared_expert_gate = param(rngs, (d, 1), dtype, ("embed", None))
-    self.has_shared_experts = cfg.num_shared_experts > 0
+    self.has_shared_experts = cfg.moe.num_shared_experts > 0
     if self.has_shared_experts:
-      self.shared_experts = MLP(d, f * cfg.num_shared_experts, dtype, rngs,
+      self.shared_experts = MLP(d, f * cfg.moe.num_shared_experts, dtype, rngs,
                                 quantization.blocks_for(cfg, quantization.SHARED_KINDS))
 
   def _route(self, x_TD):
@@ -224,8 +225,8 @@ class MoE(nnx.Module):
 
 # ---- DeepSeek-V3 / GLM-4.5 configuration keys -------------------------------------------------
 
-def read_sigmoid_moe_fields(hf_config) -> dict:
-  """The ModelConfig fields of a DeepSeek-V3 / GLM-4.5 style MoE config, validated.
+def read_sigmoid_moe(hf_config) -> MoEConfig:
+  """The MoE group of a DeepSeek-V3 / GLM-4.5 style config, validated.
 
   `scoring_func` and `topk_method` (DeepSeek's config.json keys; GLM's configs omit them and
   mean sigmoid / noaux_tc, the only routing transformers implements for either) must name what
@@ -259,9 +260,9 @@ def read_sigmoid_moe_fields(hf_config) -> dict:
   if not 1 <= top_k <= topk_group * per_group:
     raise ValueError(f"num_experts_per_tok={top_k} must be in [1, topk_group * experts per "
                      f"group = {topk_group * per_group}]")
-  return dict(
+  return MoEConfig(
       num_experts=num_experts, num_experts_per_tok=top_k,
-      moe_intermediate_size=int(hf_config.moe_intermediate_size),
+      intermediate_size=int(hf_config.moe_intermediate_size),
       norm_topk_prob=bool(hf_config.norm_topk_prob), router_scoring="sigmoid",
       router_correction_bias=True, n_group=n_group, topk_group=topk_group,
       routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", None) or 1.0),

@@ -123,7 +123,7 @@ def unconverted_kinds(hf_config, cfg, model_dir: str) -> tuple[str, ...]:
     for kind in found:
       if member is not None:
         members[(scope, layer, kind)].add(member)
-  experts = cfg.num_experts * 3
+  experts = cfg.moe.num_experts * 3 if cfg.is_moe else 0
   for (scope, layer, kind), seen in members.items():
     if kind == "mlp.experts":
       whole = {e for e, part in seen if part is None}
@@ -164,32 +164,31 @@ def refuse_unsupported(cfg, model_dir: str) -> None:
   bo, bi = cfg.fp8_block
   fp8_linear_attention = "linear_attention" in cfg.layer_types and any(
       block_for(cfg, kind) for kind in LINEAR_KINDS)
-  if fp8_linear_attention and (cfg.linear_key_head_dim % bo or cfg.linear_value_head_dim % bo
-                               or cfg.linear_value_head_dim % bi):
+  linear = cfg.linear
+  if fp8_linear_attention and (linear.key_head_dim % bo or linear.value_head_dim % bo
+                               or linear.value_head_dim % bi):
     raise ValueError(f"{model_dir}: FP8 blocks of {cfg.fp8_block[0]} x {cfg.fp8_block[1]} do "
                      f"not tile the linear-attention heads (linear_key_head_dim="
-                     f"{cfg.linear_key_head_dim}, linear_value_head_dim="
-                     f"{cfg.linear_value_head_dim}); jspec keeps those projections per head "
+                     f"{linear.key_head_dim}, linear_value_head_dim="
+                     f"{linear.value_head_dim}); jspec keeps those projections per head "
                      "and needs whole blocks in each")
   # GQA projections are kept split by head ([N, H, D] for q): a block must hold whole heads
   # or tile each head, or one stored scale would stand for two of the checkpoint's. (MLA's
   # per-head FP8 weights are kept flattened, as published, and need no such check.)
-  if cfg.kv_lora_rank == 0 and any(cfg.head_dim % b and b % cfg.head_dim
-                                   for b in cfg.fp8_block):
+  if not cfg.is_mla and any(cfg.head_dim % b and b % cfg.head_dim for b in cfg.fp8_block):
     raise ValueError(f"{model_dir}: FP8 blocks of {cfg.fp8_block[0]} x {cfg.fp8_block[1]} "
                      f"straddle attention heads of head_dim={cfg.head_dim}; jspec keeps those "
                      "weights per head and needs blocks that hold whole heads or tile each")
-  if cfg.kv_lora_rank and any(size % cfg.fp8_block[0] for size in (
-      cfg.qk_nope_head_dim, cfg.v_head_dim)) or cfg.kv_lora_rank and (
-          cfg.v_head_dim % cfg.fp8_block[1]):
+  if cfg.is_mla and (any(size % cfg.fp8_block[0] for size in (
+      cfg.mla.qk_nope_head_dim, cfg.mla.v_head_dim)) or cfg.mla.v_head_dim % cfg.fp8_block[1]):
     raise ValueError(f"{model_dir}: FP8 blocks of {cfg.fp8_block[0]} x {cfg.fp8_block[1]} do "
                      f"not tile kv_b_proj's per-head rows (qk_nope_head_dim="
-                     f"{cfg.qk_nope_head_dim}, v_head_dim={cfg.v_head_dim}); jspec splits them "
-                     "into the key and value parts and needs whole blocks in each")
+                     f"{cfg.mla.qk_nope_head_dim}, v_head_dim={cfg.mla.v_head_dim}); jspec splits "
+                     "them into the key and value parts and needs whole blocks in each")
   if cfg.is_moe and block_for(cfg, "mlp.experts") and (
-      cfg.moe_intermediate_size % cfg.fp8_block[0] or cfg.hidden_size % cfg.fp8_block[1]):
+      cfg.moe.intermediate_size % cfg.fp8_block[0] or cfg.hidden_size % cfg.fp8_block[1]):
     raise ValueError(f"{model_dir}: FP8 blocks of {cfg.fp8_block[0]} x {cfg.fp8_block[1]} do "
-                     f"not tile the experts (moe_intermediate_size={cfg.moe_intermediate_size}, "
+                     f"not tile the experts (moe_intermediate_size={cfg.moe.intermediate_size}, "
                      f"hidden_size={cfg.hidden_size}); jspec needs whole expert blocks")
 
 

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 from flax import nnx
 
-from jspec.config import ModelConfig
+from jspec.config import LinearAttentionConfig, ModelConfig, MoEConfig
 from jspec.models import quantization
 from jspec.models import weights as W
 from jspec.models.caches import KVCache
@@ -110,28 +110,29 @@ def read_config(hf_config, arch: str) -> ModelConfig:
   fields = common_fields(text, rope)
   if arch in MULTIMODAL:  # the wrapper's tie_word_embeddings decides, as in transformers
     fields["tie_word_embeddings"] = bool(getattr(hf_config, "tie_word_embeddings", False))
-  moe = {}
+  moe = None
   num_experts = int(getattr(text, "num_experts", 0) or 0)
   if num_experts:
-    moe = dict(num_experts=num_experts, num_experts_per_tok=text.num_experts_per_tok,
-               moe_intermediate_size=text.moe_intermediate_size,
-               # Qwen3.5-MoE's router always renormalises (Qwen3VLMoeTextTopKRouter).
-               norm_topk_prob=bool(getattr(text, "norm_topk_prob", True)),
-               mlp_only_layers=tuple(getattr(text, "mlp_only_layers", None) or ()),
-               decoder_sparse_step=int(getattr(text, "decoder_sparse_step", None) or 1),
-               shared_expert_intermediate_size=int(
-                   getattr(text, "shared_expert_intermediate_size", 0) or 0))
+    moe = MoEConfig(
+        num_experts=num_experts, num_experts_per_tok=text.num_experts_per_tok,
+        intermediate_size=text.moe_intermediate_size,
+        # Qwen3.5-MoE's router always renormalises (Qwen3VLMoeTextTopKRouter).
+        norm_topk_prob=bool(getattr(text, "norm_topk_prob", True)),
+        mlp_only_layers=tuple(getattr(text, "mlp_only_layers", None) or ()),
+        decoder_sparse_step=int(getattr(text, "decoder_sparse_step", None) or 1),
+        shared_expert_intermediate_size=int(
+            getattr(text, "shared_expert_intermediate_size", 0) or 0))
   partial = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0))
   media = tuple(int(t) for name in ("image_token_id", "video_token_id")
                 if (t := getattr(hf_config, name, None)) is not None)
   return ModelConfig(
-      architecture=arch, **fields, **moe, layer_types=layer_types,
+      architecture=arch, **fields, moe=moe, layer_types=layer_types,
       partial_rotary_factor=float(partial),
-      linear_num_key_heads=text.linear_num_key_heads,
-      linear_num_value_heads=text.linear_num_value_heads,
-      linear_key_head_dim=text.linear_key_head_dim,
-      linear_value_head_dim=text.linear_value_head_dim,
-      linear_conv_kernel=text.linear_conv_kernel_dim,
+      linear=LinearAttentionConfig(num_key_heads=text.linear_num_key_heads,
+                                   num_value_heads=text.linear_num_value_heads,
+                                   key_head_dim=text.linear_key_head_dim,
+                                   value_head_dim=text.linear_value_head_dim,
+                                   conv_kernel=text.linear_conv_kernel_dim),
       weight_prefix="model.language_model." if arch in MULTIMODAL else "model.",
       multimodal_token_ids=media)
 
@@ -146,9 +147,9 @@ def linear_attention_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
   """`{p}linear_attn.*` -> GatedDeltaNet, from Qwen3.5's separate in_proj_{qkv,z,b,a} or
   Qwen3-Next's per-key-head fused in_proj_qkvz / in_proj_ba (transformers'
   `fix_query_key_value_ordering`), whichever the layer has."""
-  d, g = cfg.hidden_size, cfg.linear_num_key_heads
-  r = cfg.linear_num_value_heads // g
-  dk, dv, x = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel
+  d, g = cfg.hidden_size, cfg.linear.num_key_heads
+  r = cfg.linear.num_value_heads // g
+  dk, dv, x = cfg.linear.key_head_dim, cfg.linear.value_head_dim, cfg.linear.conv_kernel
   q = p + "linear_attn."
   channels = 2 * g * dk + g * r * dv
 
@@ -201,10 +202,10 @@ def linear_attention_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
 
 def moe_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
   rules = W.expert_rules(cfg, p, names)
-  if cfg.shared_expert_intermediate_size:
+  if cfg.moe.shared_expert_intermediate_size:
     d = cfg.hidden_size
     rules.update(W.prefixed(("shared_expert",), W.dense_mlp_rules(
-        p + "mlp.shared_expert.", d, cfg.shared_expert_intermediate_size)))
+        p + "mlp.shared_expert.", d, cfg.moe.shared_expert_intermediate_size)))
     rules[("shared_expert_gate",)] = W.TensorRule(
         (p + "mlp.shared_expert_gate.weight",), ((1, d),), lambda a: np.ascontiguousarray(a.T))
   return rules

@@ -132,7 +132,7 @@ def expert_rules(cfg: ModelConfig, p: str, names: set[str], block: str = "mlp.",
   [E, D, F]: transformers >= 5 and Qwen3.5-MoE), whichever this layer has. `block` and
   `expert_names` (gate, up, down) name another per-expert layout: Mixtral's
   `block_sparse_moe.experts.{e}.{w1, w3, w2}`."""
-  d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  d, e, f = cfg.hidden_size, cfg.moe.num_experts, cfg.moe.intermediate_size
   p_block = p + block
   rules = {("router",): _rule(p_block + "gate.weight", (e, d), _linear_t((d, e)))}
   gate_up = p_block + "experts.gate_up_proj"
@@ -158,14 +158,14 @@ def sigmoid_moe_rules(cfg: ModelConfig, p: str, names: set[str]) -> dict:
   `{p}mlp.gate.weight` and its `e_score_correction_bias`, the routed experts (per-expert or
   fused keys, as `expert_rules`), and the ungated `{p}mlp.shared_experts.*`."""
   rules = expert_rules(cfg, p, names)
-  e = cfg.num_experts
-  if cfg.router_correction_bias:
+  e = cfg.moe.num_experts
+  if cfg.moe.router_correction_bias:
     rules[("correction_bias",)] = _rule(p + "mlp.gate.e_score_correction_bias", (e,),
                                         _copy((e,)))
-  if cfg.num_shared_experts:
+  if cfg.moe.num_shared_experts:
     rules.update(prefixed(("shared_experts",), dense_mlp_rules(
         p + "mlp.shared_experts.", cfg.hidden_size,
-        cfg.moe_intermediate_size * cfg.num_shared_experts)))
+        cfg.moe.intermediate_size * cfg.moe.num_shared_experts)))
   return rules
 
 
@@ -230,8 +230,8 @@ def detect_mtp(cfg: ModelConfig, names: set[str]) -> MTPSpec | None:
   found = qwen_layers or ds_layers
   if found != set(range(len(found))):
     raise ValueError(f"MTP layers {sorted(found)} are not numbered 0..{len(found) - 1}")
-  if cfg.num_mtp_layers and cfg.num_mtp_layers != len(found):
-    raise ValueError(f"config declares {cfg.num_mtp_layers} MTP layers but the weights hold "
+  if cfg.mtp is not None and cfg.mtp.num_layers != len(found):
+    raise ValueError(f"config declares {cfg.mtp.num_layers} MTP layers but the weights hold "
                      f"{len(found)}")
   first = ("mtp.layers.0." if layout == "qwen3_next"
            else f"{cfg.weight_prefix}layers.{cfg.num_layers}.")

@@ -18,11 +18,11 @@ def validate_mesh(cfg: ModelConfig, mesh: MeshConfig):
   checks = [("tp", mesh.tp, "num_attention_heads", cfg.num_heads),
             ("tp", mesh.tp, "intermediate_size", cfg.intermediate_size)]
   if cfg.is_moe:
-    checks += [("ep", mesh.ep, "num_experts", cfg.num_experts),
-               ("tp", mesh.tp, "moe_intermediate_size", cfg.moe_intermediate_size)]
-    if cfg.shared_expert_intermediate_size:
+    checks += [("ep", mesh.ep, "num_experts", cfg.moe.num_experts),
+               ("tp", mesh.tp, "moe_intermediate_size", cfg.moe.intermediate_size)]
+    if cfg.moe.shared_expert_intermediate_size:
       checks.append(("tp", mesh.tp, "shared_expert_intermediate_size",
-                     cfg.shared_expert_intermediate_size))
+                     cfg.moe.shared_expert_intermediate_size))
   if cfg.fp8_block is not None:
     # FP8 scales are split over tp like the weights' columns: a shard holds whole blocks.
     block = max(cfg.fp8_block)
@@ -30,16 +30,16 @@ def validate_mesh(cfg: ModelConfig, mesh: MeshConfig):
                    cfg.intermediate_size // block))
     if cfg.is_moe:
       checks.append(("tp", mesh.tp, f"moe_intermediate_size / FP8 block {block}",
-                     cfg.moe_intermediate_size // block))
-    if cfg.kv_lora_rank:  # MLA's per-head weights are kept flattened, as published
-      qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+                     cfg.moe.intermediate_size // block))
+    if cfg.is_mla:  # MLA's per-head weights are kept flattened, as published
+      qk = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
       checks.append(("tp", mesh.tp, f"num_heads x qk_head_dim / FP8 block {block}",
                      cfg.num_heads * qk // block))
       checks.append(("tp", mesh.tp, f"num_heads x v_head_dim / FP8 block {block}",
-                     cfg.num_heads * cfg.v_head_dim // block))
+                     cfg.num_heads * cfg.mla.v_head_dim // block))
   if "linear_attention" in cfg.layer_types:
     # Linear-attention heads are split by key head; each key head's value heads go with it.
-    checks.append(("tp", mesh.tp, "linear_num_key_heads", cfg.linear_num_key_heads))
+    checks.append(("tp", mesh.tp, "linear_num_key_heads", cfg.linear.num_key_heads))
   for axis, size, name, value in checks:
     if value % size:
       raise ValueError(f"{axis}={size} must divide {name}={value}")

@@ -34,7 +34,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def hf_config_dict(cfg: ModelConfig, num_mtp_layers: int, dtype: str) -> dict:
   """A transformers `Qwen3Config` as JSON (dense models only)."""
   if cfg.is_moe:
-    raise ValueError("the saver writes dense Qwen3 models only (cfg.num_experts > 0)")
+    raise ValueError("the saver writes dense Qwen3 models only (this one has experts)")
   eos = list(cfg.eos_token_ids)
   config = {
       "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
