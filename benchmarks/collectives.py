@@ -7,16 +7,18 @@ optimized HLO on the CPU's simulated devices (no GPU needed):
 Compiles the model at 1 and 2 of each layer kind its preset has (dense layers; MoE layers after
 the preset's first dense ones), and reports per step program (decode, verify of k+1, MTP draft,
 prefill chunk) the collectives a layer adds and those of the step itself, with their bytes per
-device. The widths that size a collective (hidden size, heads, batch) are the preset's; those
-that do not (vocabulary, MLP and expert intermediate sizes, the number of routed experts: a
-token's routing and its sums are exchanged, never an expert's weights) are cut so that the
-weights fit a CPU's memory and compile in minutes. Meshes are dp,tp,ep triples.
+device. The widths that size a collective (hidden size, batch; GQA's heads, whose KV copies
+depend on tp) are the preset's; those that do not (vocabulary, MLP and expert intermediate
+sizes, the number of routed experts: a token's routing and its sums are exchanged, never an
+expert's weights; MLA's heads) are cut so that the weights fit a CPU's memory and compile in
+minutes. Meshes are dp,tp,ep triples.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -31,6 +33,12 @@ def small_widths(config, layers: int, moe_layers: int):
   sizes cut (they size no collective)."""
   cut = dict(vocab_size=4096, num_layers=layers + moe_layers,
              intermediate_size=min(config.intermediate_size, 1024) or 0)
+  if config.is_mla:
+    # MLA's per-head weights (q_b, kv_b and o: DeepSeek-V3's 128 heads at 7168 wide) are most
+    # of a layer, and at dp x ep each of the 8 simulated devices of this one process holds a
+    # copy. The heads size no collective (tp all-reduces the [tokens, hidden] output), so 16
+    # of them, which any tp up to 16 divides, give the same table.
+    cut.update(num_heads=16, num_kv_heads=16)
   moe = config.moe
   if moe is not None:
     cut["moe"] = dict(intermediate_size=min(moe.intermediate_size, 256),
@@ -90,6 +98,11 @@ def main():
                                     all_reduce_backend=args.all_reduce_backend)
         found[label] = {kind: collectives(text)
                         for kind, text in step_programs(llm, batch, args.k).items()}
+        # Freed before the next one is built: at dp x ep, DeepSeek-V3's attention weights are
+        # replicated on all 8 simulated devices of this one process (about 12 GB), and two
+        # LLMs at once ran a 23 GB machine out of memory.
+        del llm
+        gc.collect()
       for kind, base in found["base"].items():
         per_dense = difference(found["dense"][kind], base) if "dense" in found else []
         per_moe = difference(found["moe"][kind], base) if "moe" in found else []
