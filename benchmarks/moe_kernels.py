@@ -253,17 +253,14 @@ def hlo_kernel_count(hlo_text: str) -> int:
 
 def profiled_kernels(fn, args):
   """(kernel launches, their summed µs, [(name, µs)]) of one call, from a profile."""
-  import glob
-  import os
   import tempfile
-  from jax.profiler import ProfileData
+  from jspec.bench.profile import trace_data
   jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir)
     jax.block_until_ready(fn(*args))
     jax.profiler.stop_trace()
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
-    data = ProfileData.from_file(path)
+    data = trace_data(trace_dir)
   events = []
   for plane in data.planes:
     if plane.name == "/device:GPU:0":

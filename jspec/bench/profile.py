@@ -43,14 +43,19 @@ def _device_plane(space: ProfileData, device_index: int):
   raise ValueError(f"trace has no plane {wanted!r}; planes: {names}")
 
 
+def trace_data(trace_dir: str) -> ProfileData:
+  """The newest `jax.profiler` trace under `trace_dir`, read back."""
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+  if not paths:
+    raise ValueError(f"no .xplane.pb under {trace_dir}")
+  return ProfileData.from_file(paths[-1])
+
+
 def op_times(trace_dir: str, device_index: int = 0) -> dict:
   """{op name: (count, total ns)} on one GPU, from its "XLA Ops" line (HLO-level names), or,
   where the trace has no such line, by kernel name from its stream lines. Key None holds the
   kernels' summed time on the stream lines."""
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-  if not paths:
-    raise ValueError(f"no .xplane.pb under {trace_dir}")
-  plane = _device_plane(ProfileData.from_file(paths[-1]), device_index)
+  plane = _device_plane(trace_data(trace_dir), device_index)
   xla_ops = collections.defaultdict(lambda: [0, 0])
   kernels = collections.defaultdict(lambda: [0, 0])
   for line in plane.lines:
@@ -78,8 +83,7 @@ class Idle(NamedTuple):
 
 def kernel_events(trace_dir: str, device_index: int = 0) -> list:
   """(start ns, end ns, kernel name) of every kernel on one GPU's stream lines, sorted."""
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-  plane = _device_plane(ProfileData.from_file(paths[-1]), device_index)
+  plane = _device_plane(trace_data(trace_dir), device_index)
   return sorted((e.start_ns, e.end_ns, e.name) for line in plane.lines
                 if line.name.startswith("Stream") for e in line.events)
 

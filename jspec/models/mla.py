@@ -101,7 +101,7 @@ class MLAttention(nnx.Module):
     d, n = cfg.hidden_size, cfg.num_heads
     mla = cfg.mla
     p, r, v, c = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank
-    self.q_lora_rank = cfg.mla.q_lora_rank
+    self.q_lora_rank = mla.q_lora_rank
     # FP8 checkpoints: every projection kept as published (jspec.models.linear.linear), the
     # per-head query weights flattened (the checkpoint's blocks straddle heads of p + r).
     self.fp8_block = cfg.fp8_block
