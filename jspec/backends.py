@@ -14,6 +14,7 @@ from jspec.models.decode_attention import (sharded_mla_decode, sharded_short_att
                                            sharded_window_attention)
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
+from jspec.models.linear import fp8_whole_blocks
 from jspec.models.mla import MLAttention
 from jspec.models.norms import RMSNorm
 from jspec.models.prefill_attention import (cudnn_version, fits_cudnn,
@@ -22,15 +23,16 @@ from jspec.models.moe import MoE
 from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
                                       weights_replicated)
-from jspec.models.row_kernels import (resolve_norm_backend, sharded_kv_write, sharded_router,
-                                      sharded_qk_norm_rope, sharded_qkv_norm_rope,
-                                      sharded_rms_norm)
+from jspec.models.row_kernels import (resolve_norm_backend, sharded_fp8_qkv_norm_rope,
+                                      sharded_kv_write, sharded_router, sharded_qk_norm_rope,
+                                      sharded_qkv_norm_rope, sharded_rms_norm)
 from jspec.pallas_kernels import platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
 from jspec.sharding.rules import axis_size
 from jspec.sharding.tensor_parallel import resolve_all_reduce_backend, tensor_parallel_products
 from jspec.sharding.vocab import sharded_embedding_lookup
 
+QKV = ("q_proj", "k_proj", "v_proj")
 # "auto"'s limit on an MLA window's query rows per shard for the latent kernel.
 MLA_KERNEL_MAX_ROWS = 128
 
@@ -213,6 +215,18 @@ def _use_fp8_projections(fp8_block, mesh, pairs):
         node.fp8_projection = kernel
 
 
+def _takes_fp8_qkv_kernel(node) -> bool:
+  """Whether an attention layer's q, k and v are one FP8 call whose partials the norm and RoPE
+  kernel can read: the base class's projections (no output gate), no biases, not fused, the
+  kernel's norms and RoPE, every KV head its own, whole 128 x 128 blocks."""
+  from jspec.pallas_kernels.fp8_gemm import fits_kernel as fits_fp8_kernel
+  return (node.fp8_projection is not None and type(node)._project is Attention._project
+          and node.takes_qk_kernel() and not node.has_bias and not node.fused_qkv
+          and node.kv_replicas == 1 and fp8_whole_blocks(node, QKV)
+          and all(fits_fp8_kernel(1, node.q_proj.shape[-1], getattr(node, name).shape[0]
+                                  * node.head_dim, node.fp8_block) for name in QKV))
+
+
 def use_row_kernels(backend: str, mesh, pairs) -> str:
   """Sets the norms' `row_kernel`, the attention layers' `qk_kernel` and `kv_write`, the
   softmax MoE layers' `router_kernel` (jspec.models.row_kernels) where the backend is "pallas"
@@ -239,11 +253,16 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         if form not in norms:
           norms[form] = sharded_rms_norm(mesh, rules, node.eps, node.zero_centered, interpret)
         node.row_kernel = norms[form]
+      fp8_qkv = isinstance(node, Attention) and _takes_fp8_qkv_kernel(node)
+      if fp8_qkv:  # the K-slice sums of q, k and v read by the norm and RoPE kernel
+        node.fp8_qkv_kernel = sharded_fp8_qkv_norm_rope(
+            mesh, rules, node.q_norm.eps if node.use_qk_norm else 1e-6, node.rope_theta,
+            interpret)
       if (isinstance(node, Attention) and kv_write is not None and kv_fits(node.head_dim)
-          and node.fp8_projection is None):
-        # FP8 layers keep XLA's writes, into which XLA fuses the value's K-slice sum: with the
-        # kernel that sum is a kernel of its own, and the FP8 step measured no faster (one
-        # H100, BENCHMARKS.md, "KV cache writes in one kernel").
+          and (node.fp8_projection is None or fp8_qkv)):
+        # Other FP8 layers keep XLA's writes, into which XLA fuses the value's K-slice sum:
+        # with the kernel that sum is a kernel of its own, and the FP8 step measured no faster
+        # (one H100, BENCHMARKS.md, "KV cache writes in one kernel").
         node.kv_write = kv_write
       if (isinstance(node, MoE) and node.scoring == "softmax"
           and axis_size(mesh, rules.embed) == 1 and axis_size(mesh, rules.experts_router) == 1

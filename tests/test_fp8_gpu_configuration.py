@@ -175,3 +175,53 @@ def test_on_the_gpu_fp8_kernels_equal_the_scaled_xla_products(config, mtp):
   assert any(node.fp8_projection is not None for _, node in nnx.iter_graph(kernels.target)
              if hasattr(node, "fp8_projection"))
   _assert_same_outputs(xla, kernels, max_tokens=6)
+
+
+def _tiny_fp8_qwen3():
+  # q [2 x 128, 128], k and v [128, 128]: whole 128 x 128 blocks for the one q / k / v call.
+  return PRESETS["qwen3-8b"].replace(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                     num_layers=2, num_heads=2, num_kv_heads=1, head_dim=128,
+                                     fp8_block=(128, 128))
+
+
+def _qwen3_llm(**kwargs):
+  return jspec.LLM.from_random(_tiny_fp8_qwen3(), dtype="float32", seed=4, max_model_len=64,
+                               max_num_seqs=2, attention_backend="xla",
+                               speculative_config={"method": "ngram",
+                                                   "num_speculative_tokens": 2}, **kwargs)
+
+
+def test_fp8_q_k_v_partials_summed_in_the_norm_kernel_equal_the_scaled_xla_products(
+    monkeypatch):
+  """With the row kernels on, a plain attention layer's q, k and v are one FP8 kernel call
+  whose K-slice partials the q / k norm and RoPE kernel sums as it reads them
+  (row_norms.qkv_partials_norm_rope: no sum of XLA's), and its keys and values go into the
+  cache through the write kernel; decode and the n-gram verify windows give the CPU
+  configuration's logits and tokens."""
+  cpu = _qwen3_llm()
+  with monkeypatch.context() as patch:
+    patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
+    gpu = _qwen3_llm(norm_backend="pallas")
+  attn = gpu.target.layers[0].attn
+  assert attn.fp8_qkv_kernel is not None and attn.kv_write is not None
+  assert attn.qk_kernel is None and cpu.target.layers[0].attn.fp8_qkv_kernel is None
+  def summed_products(*args, **kwargs):
+    raise AssertionError("q, k and v were summed before the kernel")
+
+  x = jnp.ones((2, 3, 128), jnp.float32)
+  with monkeypatch.context() as patch:
+    patch.setattr(fp8_gemm, "_products", summed_products)
+    project = str(jax.make_jaxpr(attn._project_rotated)(x, jnp.zeros((2, 3), jnp.int32)))
+  assert "qkv_partials_norm_rope" in project
+  _assert_same_outputs(cpu, gpu, max_tokens=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not platform.on_hopper(), reason="needs a Hopper GPU")
+def test_on_the_gpu_fp8_q_k_v_partials_equal_the_scaled_xla_products():
+  """Compiled: the FP8 q / k / v call's partials through the norm and RoPE kernel (Triton)
+  give the XLA products' logits and tokens."""
+  xla, kernels = _qwen3_llm(projection_backend="xla"), _qwen3_llm()
+  assert kernels.target.layers[0].attn.fp8_qkv_kernel is not None
+  assert xla.target.layers[0].attn.fp8_qkv_kernel is None
+  _assert_same_outputs(xla, kernels, max_tokens=6)

@@ -3,6 +3,8 @@
 NumPy reference of the published formulas, and whole models' tokens against XLA's path. The
 kernels run in interpret mode here; the compiled ones are checked on a GPU (marked gpu)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +17,8 @@ from jspec.models.moe import MoE
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.row_norms import (fits_heads, fits_kernel, inv_frequencies,
-                                            qk_norm_rope, qkv_norm_rope, rms_norm,
-                                            row_chunk)
+                                            qk_norm_rope, qkv_norm_rope,
+                                            qkv_partials_norm_rope, rms_norm, row_chunk)
 from tests.helpers import fixture_dir, greedy_token_ids
 
 EPS = 1e-6
@@ -131,6 +133,58 @@ def test_qkv_norm_rope_on_the_fused_product_is_qk_norm_rope_of_its_slices(seed):
     np.testing.assert_array_equal(np.asarray(q), np.asarray(want_q))
     np.testing.assert_array_equal(np.asarray(k), np.asarray(want_k))
     np.testing.assert_array_equal(np.asarray(v), np.asarray(qkv[:, :, group + 1]))
+
+
+def summed_partials(parts_SNR, rows, row_scale_M, dtype):
+  """fp8_gemm's sum of an FP8 call's K-slice partials [S, N, R]: [M, N] in `dtype`."""
+  out = jnp.sum(parts_SNR[:, :, :rows], axis=0).T
+  return (out if row_scale_M is None else out * row_scale_M[:, None]).astype(dtype)
+
+
+def partials_case(rng, rows, q_heads, kv_heads, head_dim, splits, padded):
+  parts = rng.standard_normal((splits, (q_heads + 2 * kv_heads) * head_dim, padded)) * 2
+  return jnp.asarray(parts, jnp.float32), jnp.asarray(rng.integers(0, 32768, rows))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_qkv_partials_norm_rope_is_qk_norm_rope_of_the_summed_products(seed):
+  """The K-slice partials of one FP8 call for q, k and v [S, (N + 2K) x H, R]: the kernel's
+  q and k are, bit for bit, qk_norm_rope of the summed products (fp8_gemm's sum: times the
+  row scales where given, cast), and v is the summed value heads."""
+  rng = np.random.default_rng(300 + seed)
+  rows, q_heads, kv_heads = (int(rng.integers(1, n)) for n in (6, 7, 4))
+  head_dim, splits = int(rng.choice([32, 64, 128])), int(rng.choice([1, 2, 4, 8]))
+  padded = rows + int(rng.integers(0, 4))  # the kernel's padded rows are never read
+  parts, positions = partials_case(rng, rows, q_heads, kv_heads, head_dim, splits, padded)
+  dtype = [jnp.float32, jnp.bfloat16][seed % 2]
+  row_scale = None if seed % 3 == 0 else jnp.asarray(2.0 ** rng.integers(-3, 4, rows),
+                                                      jnp.float32)
+  scales = [jnp.asarray(1 + 0.2 * rng.standard_normal(head_dim), dtype) for _ in "qk"]
+  summed = summed_partials(parts, rows, row_scale, dtype).reshape(rows, -1, head_dim)
+  for norm_scales in (scales, (None, None)):
+    q, k, v = qkv_partials_norm_rope(parts, positions, row_scale, *norm_scales,
+                                     q_heads=q_heads, kv_heads=kv_heads, dtype=dtype, eps=EPS,
+                                     theta=1e6)
+    want_q, want_k = qk_norm_rope(summed[:, :q_heads], summed[:, q_heads:q_heads + kv_heads],
+                                  positions, *norm_scales, eps=EPS, theta=1e6)
+    assert q.dtype == k.dtype == v.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(want_q, np.float32))
+    np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(want_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(v, np.float32),
+                                  np.asarray(summed[:, q_heads + kv_heads:], np.float32))
+
+
+def test_qkv_partials_norm_rope_refuses_partials_it_cannot_read():
+  parts, positions = partials_case(np.random.default_rng(0), 2, 4, 2, 64, 2, 2)
+  call = functools.partial(qkv_partials_norm_rope, theta=1e6, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="N=3, K=2"):  # 8 x 64 columns are not (3 + 4) heads
+    call(parts, positions, q_heads=3, kv_heads=2)
+  with pytest.raises(ValueError, match="R >= M"):  # more positions than partial rows
+    call(parts, jnp.zeros(3, jnp.int32), q_heads=4, kv_heads=2)
+  with pytest.raises(ValueError, match="power of two"):
+    call(jnp.concatenate([parts, parts[:1]]), positions, q_heads=4, kv_heads=2)
+  with pytest.raises(ValueError, match="row scales"):
+    call(parts, positions, jnp.ones(3), q_heads=4, kv_heads=2)
 
 
 def assert_rotated_close(got, want, positions):
@@ -316,3 +370,26 @@ def test_gpu_qkv_norm_rope_at_model_shapes(rows, kv_heads, group):
   np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(want_k, np.float32))
   np.testing.assert_array_equal(np.asarray(v, np.float32),
                                 np.asarray(qkv[:, :, group + 1], np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, q_heads, kv_heads, splits", [(1, 32, 8, 8), (1, 32, 4, 8),
+                                                             (8, 32, 8, 4), (32, 16, 4, 2)])
+def test_gpu_qkv_partials_norm_rope_at_model_shapes(rows, q_heads, kv_heads, splits):
+  """Compiled (Triton): against qk_norm_rope of XLA's sum of the same partials in bf16, as
+  the models run them. The two sum the partials in their own orders, so a value may round to
+  the neighbouring bf16 number: each within one bf16 step of its row's largest, and nearly
+  all equal."""
+  rng = np.random.default_rng(rows + splits)
+  parts, positions = partials_case(rng, rows, q_heads, kv_heads, 128, splits,
+                                   max(rows, 8))
+  scale = jnp.asarray(1 + 0.2 * rng.standard_normal(128), jnp.bfloat16)
+  got = qkv_partials_norm_rope(parts, positions, None, scale, scale, q_heads=q_heads,
+                               kv_heads=kv_heads, dtype=jnp.bfloat16, eps=EPS, theta=1e6)
+  summed = summed_partials(parts, rows, None, jnp.bfloat16).reshape(rows, -1, 128)
+  want = (*qk_norm_rope(summed[:, :q_heads], summed[:, q_heads:q_heads + kv_heads], positions,
+                        scale, scale, eps=EPS, theta=1e6), summed[:, q_heads + kv_heads:])
+  for g, w in zip(got, want):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    top = np.abs(w).max(axis=(1, 2), keepdims=True)
+    assert np.all(np.abs(g - w) <= top * 2.0 ** -7) and np.mean(g == w) > 0.98

@@ -17,7 +17,8 @@ from jspec.models import rope as rope_lib
 from jspec.models.rope import rope
 from jspec.models.caches import KVCache, write_slots
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
-from jspec.models.linear import linear, project_many_named, project_named
+from jspec.models.linear import (fp8_operands, fp8_rows_fit, linear, project_many_named,
+                                 project_named)
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.models.params import param
 from jspec.models.row_kernels import takes_rows
@@ -98,8 +99,7 @@ class Attention(nnx.Module):
     self.short_attention = None
     # Optional fused attention for steps of more than MAX_ROWS_PER_KV_HEAD query rows per KV
     # head, the prefill chunks (jspec.models.prefill_attention), set by the LLM: (q [B,T,N,H],
-    # cache k, v [B,K,S,H] of the first kv_window slots, positions [B,T]) -> [B,T,N,H].
-    # None: XLA's attention.
+    # cache k, v [B,K,S,H] of the first kv_window slots, positions [B,T]) -> [B,T,N,H], or None.
     self.prefill_attention = None
     # Optional products for the projections of steps with few rows (jspec.models.projections),
     # set by the LLM: (x [B, T, K], w [K, N]) -> [B, T, N], and its FP8 form with the block
@@ -109,12 +109,12 @@ class Attention(nnx.Module):
     # Set inside a traced program before a loop of steps: each FP8 scale repeated over the
     # kernel's lanes (jspec.models.projections.with_loop_constants), by weight name.
     self.fp8_lanes = None
-    # Optional kernel for the q / k norms and RoPE of steps with few rows, set by the LLM
-    # (jspec.models.row_kernels): (q, k, positions, q and k norm scales or None) -> (q, k).
-    self.qk_kernel = None
-    # The same on a fused q / k / v product, v taken out too (row_kernels.
-    # sharded_qkv_norm_rope): set with qk_kernel on fused layers without biases.
-    self.qkv_kernel = None
+    # Optional kernels for the q / k norms and RoPE of steps with few rows, set by the LLM
+    # (jspec.models.row_kernels): qk_kernel (q, k, positions, q and k norm scales or None) ->
+    # (q, k); qkv_kernel the same on a fused q / k / v product, v taken out too (fused layers
+    # without biases); fp8_qkv_kernel on one FP8 call's K-slice partials of q, k and v, summed
+    # as it reads them (FP8 layers whose products take it).
+    self.qk_kernel = self.qkv_kernel = self.fp8_qkv_kernel = None
     # Optional kernel writing a step's keys and values into the cache, set by the LLM
     # (jspec.models.row_kernels.sharded_kv_write): (keys, values, k, v, positions) -> (keys,
     # values), for steps of few rows. None: two XLA scatters.
@@ -194,22 +194,29 @@ class Attention(nnx.Module):
     return out_BTD, cache
 
   def _project_rotated(self, x_BTD, positions_BT):
-    """(q, k normed and rotated, v, gate): where `qkv_kernel` is set and the step has few
-    rows, the fused product's q and k rotated and its v taken out in one kernel."""
+    """(q, k normed and rotated, v, gate): where `qkv_kernel` (or `fp8_qkv_kernel`) is set and
+    the step has few rows, q and k rotated and v taken out in one kernel."""
     if self.qkv_kernel is not None and takes_rows(x_BTD, ndim=3):
-      scales = ((self.q_norm.scale[...], self.k_norm.scale[...]) if self.use_qk_norm
-                else (None, None))
-      return (*self.qkv_kernel(self._fused_product(x_BTD), positions_BT, *scales), None)
+      return (*self.qkv_kernel(self._fused_product(x_BTD), positions_BT,
+                               *self._norm_scales()), None)
+    names = ("q_proj", "k_proj", "v_proj")
+    if self.fp8_qkv_kernel is not None and fp8_rows_fit(self, x_BTD, names):
+      return (*self.fp8_qkv_kernel(x_BTD, *fp8_operands(self, names, x_BTD.shape[-1]),
+                                   positions_BT, *self._norm_scales(),
+                                   q_heads=self.q_proj.shape[0],
+                                   kv_heads=self.k_proj.shape[0]), None)
     q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project(x_BTD)
     return (*self._norm_and_rope(q_BTNH, k_BTKH, positions_BT), v_BTKH, gate_BTNH)
+
+  def _norm_scales(self):
+    return ((self.q_norm.scale[...], self.k_norm.scale[...]) if self.use_qk_norm
+            else (None, None))
 
   def _norm_and_rope(self, q_BTNH, k_BTKH, positions_BT):
     """q and k normed over head_dim (where the family does) and rotated: one kernel where
     `qk_kernel` is set and the step has few rows, else XLA's fusions."""
     if self.qk_kernel is not None and takes_rows(q_BTNH, ndim=4):
-      scales = ((self.q_norm.scale[...], self.k_norm.scale[...]) if self.use_qk_norm
-                else (None, None))
-      return self.qk_kernel(q_BTNH, k_BTKH, positions_BT, *scales)
+      return self.qk_kernel(q_BTNH, k_BTKH, positions_BT, *self._norm_scales())
     if self.use_qk_norm:
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
     return self._rope(q_BTNH, positions_BT), self._rope(k_BTKH, positions_BT)

@@ -57,19 +57,35 @@ def project_many_named(layer, x, names_specs, product=None, fp8_sum_apart: bool 
   layer's FP8 product takes several weights (`many`: jspec.models.projections.Fp8Projection),
   they are one kernel call."""
   fp8_product = layer.fp8_projection
-  weights = [getattr(layer, name)[...] for name, _ in names_specs]
-  scales = [getattr(layer, name + "_scale") for name, _ in names_specs]
-  if (getattr(fp8_product, "many", None) is None or any(s is None for s in scales)
-      or not all(_whole_blocks(w, layer.fp8_block) for w in weights)):
+  names = [name for name, _ in names_specs]
+  operands = fp8_operands(layer, names, x.shape[-1])
+  if getattr(fp8_product, "many", None) is None or operands is None:
     return tuple(project_named(layer, x, name, spec, product=product,
                                fp8_sum_apart=fp8_sum_apart) for name, spec in names_specs)
+  outs = fp8_product.many(x, *operands, sum_apart=fp8_sum_apart)
+  return tuple(out.reshape(*x.shape[:-1], *getattr(layer, name).shape[:-1])
+               for out, name in zip(outs, names))
+
+
+def fp8_operands(layer, names, k: int):
+  """(weights [N_i, K], block scales [N_i/128, K/128], their kernel lanes or None) of
+  `layer`'s FP8 projections `names` (one input axis each) as the FP8 kernels take them, or
+  None where one is unquantized or not in whole blocks."""
+  if not fp8_whole_blocks(layer, names):
+    return None
+  weights = [getattr(layer, name)[...] for name in names]
+  scales = [getattr(layer, name + "_scale") for name in names]
   lanes = None
   if layer.fp8_lanes is not None:
-    lanes = [_flat_grid(layer.fp8_lanes[name]) for name, _ in names_specs]
-  k = x.shape[-1]
-  outs = fp8_product.many(x, [w.reshape(-1, k) for w in weights],
-                          [_flat_grid(s[...]) for s in scales], lanes, sum_apart=fp8_sum_apart)
-  return tuple(out.reshape(*x.shape[:-1], *w.shape[:-1]) for out, w in zip(outs, weights))
+    lanes = [_flat_grid(layer.fp8_lanes[name]) for name in names]
+  return ([w.reshape(-1, k) for w in weights], [_flat_grid(s[...]) for s in scales], lanes)
+
+
+def fp8_whole_blocks(layer, names) -> bool:
+  """Whether each of `layer`'s projections `names` is FP8 with whole 128 x 128 blocks over
+  its flattened [N, K] form (the form the FP8 kernels take)."""
+  return all(getattr(layer, name + "_scale") is not None
+             and _whole_blocks(getattr(layer, name), layer.fp8_block) for name in names)
 
 
 def _whole_blocks(weight, block: tuple[int, int], in_axes: int = 1) -> bool:
@@ -117,3 +133,13 @@ def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_pro
     return jnp.einsum(spec, x, weight)
   out = product(x.reshape(*lead, k), weight.reshape(k, -1))
   return out.reshape(*lead, *weight.shape[in_axes:])
+
+
+def fp8_rows_fit(layer, x, names) -> bool:
+  """Whether x's rows go to the few-row FP8 kernel (fp8_gemm) with each of `layer`'s
+  projections `names` (FP8, one input axis each)."""
+  from jspec.pallas_kernels import fp8_gemm
+  rows, k = math.prod(x.shape[:-1]), x.shape[-1]
+  return layer.fp8_block is not None and all(
+      fp8_gemm.fits_kernel(rows, k, math.prod(getattr(layer, name).shape[:-1]),
+                           layer.fp8_block) for name in names)

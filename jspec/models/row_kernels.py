@@ -116,6 +116,45 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
                        out_specs=(q, kv, kv), check_vma=False)
 
 
+def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: float,
+                              interpret: bool):
+  """(x [B, T, D], (w8 [N_i, D] for q, k, v), their block scales, their scales' kernel lanes
+  or None, positions [B, T], q and k norm scales [H] or None; q_heads, kv_heads static) ->
+  (q [B, T, N, H], k, v [B, T, K, H]): one FP8 kernel call for q, k and v
+  (fp8_gemm.fp8_partials_many) whose K-slice partials go straight into the q / k norm and
+  RoPE kernel, which sums them as it reads them (row_norms.qkv_partials_norm_rope). Per batch
+  shard, the weights whole on every shard (as the FP8 products run)."""
+  from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
+  from jspec.pallas_kernels.row_norms import qkv_partials_norm_rope
+  x = rules.spec(("batch", "seq", None))
+  heads = rules.spec(("batch", "seq", None, None))
+  positions = rules.spec(("batch", "seq"))
+  whole = PartitionSpec()
+
+  def per_shard(x_BTD, w8s, scales, lanes, positions_BT, q_scale, k_scale, *, q_heads,
+                kv_heads):
+    b, t, d = x_BTD.shape
+    parts_SNR, row_scale_M = fp8_partials_many(x_BTD.reshape(b * t, d), w8s, scales, lanes)
+    outs = qkv_partials_norm_rope(parts_SNR, positions_BT.reshape(b * t), row_scale_M,
+                                  q_scale, k_scale, q_heads=q_heads, kv_heads=kv_heads,
+                                  dtype=x_BTD.dtype, eps=eps, theta=theta, interpret=interpret)
+    return tuple(out.reshape(b, t, *out.shape[1:]) for out in outs)
+
+  @functools.cache
+  def for_heads(q_heads, kv_heads):
+    return jax.shard_map(
+        functools.partial(per_shard, q_heads=q_heads, kv_heads=kv_heads), mesh=mesh,
+        in_specs=(x, whole, whole, whole, positions, whole, whole),
+        out_specs=(heads, heads, heads), check_vma=False)
+
+  def call(x_BTD, w8s, scales, lanes, positions_BT, q_scale, k_scale, *, q_heads, kv_heads):
+    return for_heads(q_heads, kv_heads)(x_BTD, tuple(w8s), tuple(scales),
+                                        None if lanes is None else tuple(lanes),
+                                        positions_BT, q_scale, k_scale)
+
+  return call
+
+
 def sharded_kv_write(mesh: Mesh, rules: ShardingRules, interpret: bool):
   """(keys, values [B, K, S, H], k, v [B, T, K, H], positions [B, T]) -> (keys, values) with
   the new rows written (jspec.pallas_kernels.kv_write), per shard: sequences over the batch

@@ -165,6 +165,42 @@ def fp8_matmul_many(x_MK: jax.Array, w8s_NK: tuple, scales_NbKb: tuple,
 
 def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activations,
               sum_apart):
+  parts_SNR, row_scale_M = _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits,
+                                     tiling, activations)
+  m = x_MK.shape[0]
+  ns = [w.shape[0] for w in w8s_NK]
+  bounds = np.cumsum([0] + ns)
+  out_MN = jnp.sum(parts_SNR[:, :, :m], axis=0).T
+  if row_scale_M is not None:
+    out_MN = out_MN * row_scale_M[:, None]
+  out_MN = out_MN.astype(x_MK.dtype)
+  if parts_SNR.shape[0] > 1 and sum_apart:
+    # The sum of the K-slice partials stays out of the consumer's fusion. Where the consumer
+    # reduces over the output row (the residual add and RMSnorm after o_proj or down), XLA
+    # fuses the sum into it, and at a few rows that reduction runs in one thread block that
+    # loads each output's partials one after another: 9.7 µs a layer for Qwen3-30B-A3B's
+    # o_proj (8 slices, one row) on an H100, where the sum alone is a small parallel kernel
+    # (BENCHMARKS.md, "FP8 experts at decode sizes: …").
+    out_MN = jax.lax.optimization_barrier(out_MN)
+  return tuple(out_MN[:, start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations"))
+def fp8_partials_many(x_MK: jax.Array, w8s_NK: tuple, scales_NbKb: tuple,
+                      lanes_NbX: tuple | None = None, splits: int | None = None,
+                      tiling: Fp8Tiling | None = None, activations: str | None = None):
+  """fp8_matmul_many before its K-slice sum, for a consumer that sums the slices as it reads
+  them (row_norms.qkv_partials_norm_rope): (partials [S, sum of N_i, R] float32, the weights'
+  columns one after another and the rows padded to R, and each row's scale [M] float32 or
+  None). The products are sum over S of partials[:, :, :M].T times the row scales, cast to
+  x's dtype. Jitted as fp8_matmul is: every layer's call is then one lowering, and one
+  compile of the Mosaic GPU kernel (each costs about 0.75 s)."""
+  lanes_NbX = lanes_NbX or (None,) * len(w8s_NK)
+  return _partials("fp8_partials_many", x_MK, tuple(w8s_NK), tuple(scales_NbKb),
+                   tuple(lanes_NbX), splits, tiling, activations)
+
+
+def _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activations):
   shapes = [check_operands(name, x_MK, w, s) for w, s in zip(w8s_NK, scales_NbKb)]
   m, k, _ = shapes[0]
   ns = [n for _, _, n in shapes]
@@ -205,18 +241,4 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
   else:
     x16_MK, row_scale_M = float16_rows(x_MK)
     x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
-  parts_SNR = partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling)
-  bounds = np.cumsum([0] + ns)
-  out_MN = jnp.sum(parts_SNR[:, :, :m], axis=0).T
-  if row_scale_M is not None:
-    out_MN = out_MN * row_scale_M[:, None]
-  out_MN = out_MN.astype(x_MK.dtype)
-  if splits > 1 and sum_apart:
-    # The sum of the K-slice partials stays out of the consumer's fusion. Where the consumer
-    # reduces over the output row (the residual add and RMSnorm after o_proj or down), XLA
-    # fuses the sum into it, and at a few rows that reduction runs in one thread block that
-    # loads each output's partials one after another: 9.7 µs a layer for Qwen3-30B-A3B's
-    # o_proj (8 slices, one row) on an H100, where the sum alone is a small parallel kernel
-    # (BENCHMARKS.md, "FP8 experts at decode sizes: …").
-    out_MN = jax.lax.optimization_barrier(out_MN)
-  return tuple(out_MN[:, start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
+  return partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling), row_scale_M

@@ -8,7 +8,9 @@ MLA decode on an H200 against their targets; ..."). Here each group is one kerne
 
   rms_norm       the residual add (optional) and the RMSNorm after it: (h, norm(h));
   qk_norm_rope   the q and k RMSNorms over head_dim (optional) and their rotary embedding;
-  qkv_norm_rope  the same read from a fused q / k / v product, its v copied out beside them.
+  qkv_norm_rope  the same read from a fused q / k / v product, its v copied out beside them;
+  qkv_partials_norm_rope  the same read from an FP8 q / k / v call's K-slice partials, each
+                 value summed as it is read (so that the sum is no kernel of its own).
 
 Both round where the modules of jspec.models.norms and jspec.models.layers round (the sum in
 bfloat16, normalising in float32, the cast, the scale), so they stand in for them; only the
@@ -103,15 +105,23 @@ def rms_norm(x_MD: jax.Array, scale_D: jax.Array, residual_MD: jax.Array | None 
 
 
 def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int,
-               normed: bool, group: int | None):
+               normed: bool, group: int | None, partials: bool = False, row_scaled: bool = False):
   """Program (m, j): head j of row m, a query head for j < N, else key head j - N, else (the
   fused layout) value head j - N - K, copied as it is.
 
   group None: q [M, N, H] and k [M, K, H] apart. Else one array [M, K x (G + 2), H], a
   layer's fused q / k / v product (jspec.models.qkv_fusion): for each KV head its G query
   heads, its key, its value; the value heads go out as they are, so that no slice of the
-  product runs as a kernel of its own."""
-  srcs, refs = (refs[:2], refs[2:]) if group is None else ((refs[0], refs[0]), refs[1:])
+  product runs as a kernel of its own.
+  partials: one float32 array [S, (N + 2K) x H, R], the K-slice partials of an FP8 q / k / v
+  product (fp8_gemm.fp8_partials_many: q's heads, k's, v's, rows last), each value their sum
+  over S (times the row's scale where row_scaled) cast to the outputs' type."""
+  if partials:
+    parts_ref, *refs = refs
+    srcs = (parts_ref, parts_ref)
+    row_scale_ref = refs.pop(0) if row_scaled else None
+  else:
+    srcs, refs = (refs[:2], refs[2:]) if group is None else ((refs[0], refs[0]), refs[1:])
   q_src, k_src = srcs
   q_scale_ref = k_scale_ref = None
   if normed:
@@ -123,8 +133,16 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int
   cos, sin = jnp.cos(angle), jnp.sin(angle)
   first, second = pl.ds(0, half), pl.ds(half, half)
 
+  def read(src_ref, src_head, start, size):
+    if not partials:
+      return src_ref[m, src_head, pl.ds(start, size)]
+    x = jnp.sum(src_ref[:, pl.ds(src_head * 2 * half + start, size), m], axis=0)
+    if row_scaled:
+      x = x * row_scale_ref[m]
+    return x.astype(q_out_ref.dtype)
+
   def rotate(src_ref, src_head, scale_ref, dst_ref, head):
-    x1, x2 = src_ref[m, src_head, first], src_ref[m, src_head, second]
+    x1, x2 = read(src_ref, src_head, 0, half), read(src_ref, src_head, half, half)
     dtype = x1.dtype
     if normed:  # RMSNorm over head_dim: float32, cast, scale in the parameter dtype
       a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
@@ -140,9 +158,13 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int
 
   if group is None:
     q_head, k_head = (lambda n: n), (lambda i: i)
+    v_head = lambda i: q_heads + kv_heads + i  # the partials' layout
   else:
     q_head = lambda n: (n // group) * (group + 2) + n % group
     k_head = lambda i: i * (group + 2) + group
+    v_head = lambda i: k_head(i) + 1
+  if partials:
+    k_head = lambda i: q_heads + i
 
   @pl.when(j < q_heads)
   def _():
@@ -156,7 +178,7 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int
     @pl.when(j >= q_heads + kv_heads)
     def _():
       i = j - q_heads - kv_heads
-      v_out[0][m, i, :] = q_src[m, k_head(i) + 1, :]
+      v_out[0][m, i, :] = read(q_src, v_head(i), 0, 2 * half)
 
 
 def inv_frequencies(head_dim: int, theta: float) -> jax.Array:
@@ -171,7 +193,8 @@ def fits_heads(head_dim: int) -> bool:
 
 
 def _qk_call(name: str, heads, out_shape, positions_M, scales, *, q_heads: int, kv_heads: int,
-             group: int | None, head_dim: int, eps: float, theta: float, interpret):
+             group: int | None, head_dim: int, eps: float, theta: float, interpret,
+             partials: bool = False, row_scaled: bool = False):
   """The pallas_call of _qk_kernel over `heads` (its head inputs) after the checks both forms
   share: both norm scales or neither, heads the kernel takes."""
   if (scales[0] is None) != (scales[1] is None):
@@ -182,7 +205,8 @@ def _qk_call(name: str, heads, out_shape, positions_M, scales, *, q_heads: int, 
     interpret = not platform.on_gpu()
   normed = scales[0] is not None
   kernel = functools.partial(_qk_kernel, eps=eps, q_heads=q_heads, kv_heads=kv_heads,
-                             normed=normed, group=group)
+                             normed=normed, group=group, partials=partials,
+                             row_scaled=row_scaled)
   rows = positions_M.shape[0]
   return pl.pallas_call(
       kernel, out_shape=out_shape,
@@ -231,3 +255,37 @@ def qkv_norm_rope(qkv_MKCH: jax.Array, positions_M: jax.Array,
                   (row_heads(q_heads), row_heads(kv_heads), row_heads(kv_heads)),
                   positions_M, (q_scale_H, k_scale_H), q_heads=q_heads, kv_heads=kv_heads,
                   group=group, head_dim=head_dim, eps=eps, theta=theta, interpret=interpret)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("q_heads", "kv_heads", "dtype", "eps", "theta", "interpret"))
+def qkv_partials_norm_rope(parts_SNR: jax.Array, positions_M: jax.Array,
+                           row_scale_M: jax.Array | None = None,
+                           q_scale_H: jax.Array | None = None,
+                           k_scale_H: jax.Array | None = None, *, q_heads: int, kv_heads: int,
+                           dtype, eps: float = 1e-6, theta: float,
+                           interpret: bool | None = None):
+  """qk_norm_rope on the K-slice partials of one FP8 call for q, k and v
+  (fp8_gemm.fp8_partials_many: [S, (N + 2K) x H, R] float32, q's N heads, k's K, v's K, R >=
+  M rows): each value the sum of its S partials times its row's scale (where given), cast to
+  `dtype`, as fp8_matmul_many gives q, k and v; then (q [M, N, H], k [M, K, H], v [M, K, H])
+  as qk_norm_rope gives q and k, v as it is. The sums are read where they are used: no
+  kernel of their own, no pass of XLA's over q, k and v."""
+  splits, width, padded = parts_SNR.shape
+  rows = positions_M.shape[0]
+  head_dim = width // (q_heads + 2 * kv_heads)
+  if (parts_SNR.dtype != jnp.float32 or head_dim * (q_heads + 2 * kv_heads) != width
+      or padded < rows or splits & (splits - 1)
+      or (row_scale_M is not None and row_scale_M.shape != (rows,))):
+    raise ValueError(f"qkv_partials_norm_rope takes float32 partials [S (a power of two), "
+                     f"(N + 2K) x H, R >= M], positions [M] and row scales [M] or None, got "
+                     f"{parts_SNR.shape} {parts_SNR.dtype}, {positions_M.shape}, "
+                     f"{None if row_scale_M is None else row_scale_M.shape} for N={q_heads}, "
+                     f"K={kv_heads}")
+  row_heads = lambda n: jax.ShapeDtypeStruct((rows, n, head_dim), dtype)
+  heads = (parts_SNR,) + (() if row_scale_M is None else (row_scale_M.astype(jnp.float32),))
+  return _qk_call("qkv_partials_norm_rope", heads,
+                  (row_heads(q_heads), row_heads(kv_heads), row_heads(kv_heads)),
+                  positions_M, (q_scale_H, k_scale_H), q_heads=q_heads, kv_heads=kv_heads,
+                  group=None, head_dim=head_dim, eps=eps, theta=theta, interpret=interpret,
+                  partials=True, row_scaled=row_scale_M is not None)
