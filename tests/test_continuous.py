@@ -294,3 +294,19 @@ def test_dispatch_chain_raises_a_failed_start_on_the_host_and_launches_nothing()
     chain.next()
   chain.close()
   assert launches == []
+
+
+def test_a_call_whose_requests_all_fit_compiles_its_dispatch_without_admission():
+  """Requests that all start in the first wave are never admitted: their dispatch program
+  leaves admission and the prefill chunk out (fewer products than the admitting program's),
+  and gives the tokens the same requests get inside a call that admits."""
+  llm = _llm.__wrapped__(method="mtp", k=2, slots=2)  # its own: only this test's programs
+  prompts = PROMPTS[:4]
+  params = [greedy(6, ignore_eos=True)] * 4
+  fitting = [o.token_ids for o in llm.generate(prompts[:2], params[:2], use_tqdm=False)]
+  admitting = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+  programs = {admits: c for (*_, admits), c in llm.scheduler.dispatch_programs.items()}
+  assert sorted(programs) == [False, True]
+  dots = {admits: c.as_text().count(" dot(") for admits, c in programs.items()}
+  assert 0 < dots[False] < dots[True]
+  assert admitting[:2] == fitting

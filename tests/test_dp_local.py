@@ -91,10 +91,13 @@ def test_a_dp_dispatch_program_moves_no_float_values_between_shards(name, method
   spec = None if method is None else {"method": method, "num_speculative_tokens": 2}
   llm = jspec.LLM(model=fixture_dir(name), dtype="float32", max_model_len=64, max_num_seqs=4,
                   mesh=jspec.MeshConfig(dp=2, num_devices=2), speculative_config=spec)
-  prompts = [[5, 6, 7], [1, 2], [3, 4, 5, 6], [9]]
+  # Two requests more than the slots: the dispatch program admits them (its walk over the
+  # queue and its prefill chunk are checked too); with every request in the wave its own.
+  prompts = [[5, 6, 7], [1, 2], [3, 4, 5, 6], [9], [8, 8], [2, 7, 1]]
   llm.generate(prompts, greedy(4, ignore_eos=True))
+  llm.generate(prompts[:4], greedy(4, ignore_eos=True))
+  assert sorted(admits for *_, admits in llm.scheduler.dispatch_programs) == [False, True]
   programs = list(llm.scheduler.dispatch_programs.values())
-  assert programs
   for program in programs:
     text = program.as_text()
     assert COLLECTIVE.search(text)  # the loop conditions still agree across shards

@@ -28,7 +28,8 @@ def test_dispatch_program_copies_no_cache_buffer(method):
   assert len(outputs) == 12
 
   scheduler = llm.scheduler
-  (plan, _), = scheduler.dispatch_programs.keys()
+  (plan, _, admits), = scheduler.dispatch_programs.keys()
+  assert admits  # 12 requests, 8 slots
   dispatch_c, = scheduler.dispatch_programs.values()
   caches = jax.eval_shape(lambda: llm.target.init_caches(plan.loop.batch, plan.loop.cache_len,
                                                          llm.dtype))

@@ -32,8 +32,10 @@ def test_tp2_dispatch_program_gathers_nothing(method):
   assert llm.target.embedding_lookup is not None
   outputs = llm.generate([[5, 6, 7, 8], [1, 2]], greedy(8, ignore_eos=True))
   assert [len(o.token_ids) for o in outputs] == [8, 8]
+  # Six requests for four slots: a dispatch program that admits (and prefills) them too.
+  llm.generate([[5, 6, 7, 8], [1, 2], [3], [4, 4], [9, 1], [2]], greedy(4, ignore_eos=True))
   programs = list(llm.scheduler.dispatch_programs.values())
-  assert programs
+  assert len(programs) == 2
   for program in programs:
     text = program.as_text()
     assert "all-reduce" in text

@@ -53,9 +53,11 @@ def steps_may_continue(state: BatchState, queue: Queue):
 
 
 def dispatch(target, drafter, state: BatchState, queue: Queue, budget, plan: BatchPlan,
-             ctx: LoopContext):
+             ctx: LoopContext, admits: bool = True):
   """Rounds until `budget` decode steps ran, the Finished rows might not hold one more batch,
-  or every request is done: (state, Finished)."""
+  or every request is done: (state, Finished). `admits` False: a call whose requests all
+  started in the first wave, for which admission is never due; the program leaves it out
+  (and the prefill chunk with it)."""
   lp = plan.loop
   state = state.replace(iteration=jnp.int32(0))
 
@@ -88,7 +90,8 @@ def dispatch(target, drafter, state: BatchState, queue: Queue, budget, plan: Bat
   def body(carry):
     s, f = carry
     begin = s.iteration
-    s = run_if(admission_due(s, queue), admit_and_prefill, s)
+    if admits:
+      s = run_if(admission_due(s, queue), admit_and_prefill, s)
     s = decode_steps(s)
     # A round with no running slot (prompts only) still advances the clock and the budget.
     idle = (s.iteration == begin).astype(jnp.int32)
