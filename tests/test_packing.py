@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.shapes.packing import Layout, TreeLayout
+from jspec.shapes.packing import Layout, TreeLayout, tree_shapes
 
 
 def random_fields(rng):
@@ -73,3 +73,14 @@ def test_wrong_arrays_are_refused():
     layout.pack_host({"x": np.zeros(3, np.float32)})
   with pytest.raises(ValueError, match="int32"):
     layout.unpack_host(np.zeros(4, np.int32))
+
+
+def test_tree_shapes_tell_shape_dtype_and_structure_apart():
+  """The planned-shapes check of the continuous scheduler's programs: equal for the same tree
+  of arrays or shape structs (bf16 leaves too, which do not pack), different when one leaf's
+  shape or dtype, or the structure, differs."""
+  tree = {"a": jnp.zeros((2, 3), jnp.bfloat16), "b": (jnp.zeros((4,), jnp.int32), None)}
+  assert tree_shapes(tree) == tree_shapes(jax.eval_shape(lambda: tree))
+  assert tree_shapes(tree) != tree_shapes({**tree, "a": jnp.zeros((3, 2), jnp.bfloat16)})
+  assert tree_shapes(tree) != tree_shapes({**tree, "a": jnp.zeros((2, 3), jnp.float32)})
+  assert tree_shapes(tree) != tree_shapes({**tree, "b": (jnp.zeros((4,), jnp.int32),)})

@@ -42,8 +42,8 @@ from jspec.sharding.rules import to_host
 from jspec.loop import dispatch
 from jspec.shapes import buckets
 from jspec.loop.queue import Queue, plan_queue, queue_arrays
-from jspec.loop.slots import BatchPlan, Wave, start_state
-from jspec.shapes.packing import Layout, TreeLayout
+from jspec.loop.slots import BatchPlan, Finished, Wave, start_state
+from jspec.shapes.packing import Layout, TreeLayout, tree_shapes
 from jspec.loop.state import FINISH_REASONS
 from jspec.timing import Clock, ReadyTime
 
@@ -188,11 +188,20 @@ class ContinuousScheduler:
     with stage(label):
       start_fn = self._start_fn(plan, queue.layout, None if wave is None else wave.layout)
       args = (*device.weights, queue.spec, None if wave is None else wave.spec)
-      state_shape = jax.eval_shape(start_fn, *args)[0]
+      # The state's shapes from the slots' initial state alone (start returns the same with a
+      # wave or without): tracing the whole start program for them would trace it twice.
+      state_shape = jax.eval_shape(self._start_fn(plan, queue.layout, None),
+                                   *device.weights, queue.spec, None)[0]
       shardings = self._shardings(state_shape, lp.batch)
       if start_key not in self.start_programs:
-        self.start_programs[start_key] = interrupt.call(jax.jit(
-            start_fn, out_shardings=(shardings, replicated)).lower(*args).compile)
+
+        def compile_start():
+          lowered = jax.jit(start_fn, out_shardings=(shardings, replicated)).lower(*args)
+          if tree_shapes(lowered.out_info[0]) != tree_shapes(state_shape):
+            raise AssertionError("start's state is not the planned one")
+          return lowered.compile()
+
+        self.start_programs[start_key] = interrupt.call(compile_start)
       if key not in self.dispatch_programs:
 
         def run(target_state, draft_state, state, queue_buffer, budget):
@@ -206,12 +215,16 @@ class ContinuousScheduler:
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state_shape,
             shardings)
         budget = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-        finished = TreeLayout.of(jax.eval_shape(run, *device.weights, state_in, queue.spec,
-                                                budget)[1])
+        # The loop's carry keeps Finished.empty's layout (checked at dispatch_fn's trace): no
+        # trace of the whole dispatch for it.
+        finished = TreeLayout.of(jax.eval_shape(lambda: Finished.empty(plan)))
 
         def dispatch_fn(*args):
           # The Finished rows leave as one buffer: one device-to-host copy a dispatch.
           state, rows = run(*args)
+          if TreeLayout.of(rows) != finished:
+            raise AssertionError(f"dispatch's Finished rows {TreeLayout.of(rows)} are not the "
+                                 f"planned {finished}")
           return state, finished.pack(rows)
 
         self.dispatch_programs[key] = interrupt.call(jax.jit(

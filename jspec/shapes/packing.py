@@ -132,3 +132,10 @@ class TreeLayout:
     leaves = self.layout.unpack_host(buffer)
     return jax.tree_util.tree_unflatten(self.treedef, [leaves[f.name]
                                                        for f in self.layout.fields])
+
+
+def tree_shapes(tree):
+  """A pytree's structure and each leaf's (shape, dtype), comparable with ==: whether a
+  program's outputs are the shapes it was planned with."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return treedef, [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
