@@ -8,13 +8,14 @@ attribute; the layers read them when they run (jspec.models). Nothing here reads
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jspec.models.decode_attention import (sharded_mla_decode, sharded_short_attention,
                                            sharded_window_attention)
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
-from jspec.models.linear import fp8_whole_blocks
+from jspec.models.linear import QKV_NAMES, fp8_rows_fit, fp8_whole_blocks
 from jspec.models.mla import MLAttention
 from jspec.models.norms import RMSNorm
 from jspec.models.prefill_attention import (cudnn_version, fits_cudnn,
@@ -32,7 +33,6 @@ from jspec.sharding.rules import axis_size
 from jspec.sharding.tensor_parallel import resolve_all_reduce_backend, tensor_parallel_products
 from jspec.sharding.vocab import sharded_embedding_lookup
 
-QKV = ("q_proj", "k_proj", "v_proj")
 # "auto"'s limit on an MLA window's query rows per shard for the latent kernel.
 MLA_KERNEL_MAX_ROWS = 128
 
@@ -219,12 +219,12 @@ def _takes_fp8_qkv_kernel(node) -> bool:
   """Whether an attention layer's q, k and v are one FP8 call whose partials the norm and RoPE
   kernel can read: the base class's projections (no output gate), no biases, not fused, the
   kernel's norms and RoPE, every KV head its own, whole 128 x 128 blocks."""
-  from jspec.pallas_kernels.fp8_gemm import fits_kernel as fits_fp8_kernel
-  return (node.fp8_projection is not None and type(node)._project is Attention._project
-          and node.takes_qk_kernel() and not node.has_bias and not node.fused_qkv
-          and node.kv_replicas == 1 and fp8_whole_blocks(node, QKV)
-          and all(fits_fp8_kernel(1, node.q_proj.shape[-1], getattr(node, name).shape[0]
-                                  * node.head_dim, node.fp8_block) for name in QKV))
+  if (node.fp8_projection is None or type(node)._project is not Attention._project
+      or not node.takes_qk_kernel() or node.has_bias or node.fused_qkv
+      or node.kv_replicas != 1 or not fp8_whole_blocks(node, QKV_NAMES)):
+    return False
+  one_row = jax.ShapeDtypeStruct((1, node.q_proj.shape[-1]), jnp.float32)
+  return fp8_rows_fit(node, one_row, QKV_NAMES)
 
 
 def use_row_kernels(backend: str, mesh, pairs) -> str:

@@ -17,8 +17,8 @@ from jspec.models import rope as rope_lib
 from jspec.models.rope import rope
 from jspec.models.caches import KVCache, write_slots
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
-from jspec.models.linear import (fp8_operands, fp8_rows_fit, linear, project_many_named,
-                                 project_named)
+from jspec.models.linear import (QKV_NAMES, fp8_operands, fp8_rows_fit, linear,
+                                 project_many_named, project_named)
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.models.params import param
 from jspec.models.row_kernels import takes_rows
@@ -199,9 +199,8 @@ class Attention(nnx.Module):
     if self.qkv_kernel is not None and takes_rows(x_BTD, ndim=3):
       return (*self.qkv_kernel(self._fused_product(x_BTD), positions_BT,
                                *self._norm_scales()), None)
-    names = ("q_proj", "k_proj", "v_proj")
-    if self.fp8_qkv_kernel is not None and fp8_rows_fit(self, x_BTD, names):
-      return (*self.fp8_qkv_kernel(x_BTD, *fp8_operands(self, names, x_BTD.shape[-1]),
+    if self.fp8_qkv_kernel is not None and fp8_rows_fit(self, x_BTD, QKV_NAMES):
+      return (*self.fp8_qkv_kernel(x_BTD, *fp8_operands(self, QKV_NAMES, x_BTD.shape[-1]),
                                    positions_BT, *self._norm_scales(),
                                    q_heads=self.q_proj.shape[0],
                                    kv_heads=self.k_proj.shape[0]), None)

@@ -14,6 +14,8 @@ from flax import nnx
 from jspec.models import quantization
 from jspec.models.params import param
 
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")  # an attention layer's one FP8 call, in its order
+
 
 def linear(rngs: nnx.Rngs, shape, dtype, logical_axes, in_axes: int = 1,
            fp8_block: tuple[int, int] | None = None, scale: float | None = None,

@@ -156,15 +156,17 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int
     dst_ref[m, head, first] = (a * cos - b * sin).astype(dst_ref.dtype)
     dst_ref[m, head, second] = (b * cos + a * sin).astype(dst_ref.dtype)
 
-  if group is None:
-    q_head, k_head = (lambda n: n), (lambda i: i)
-    v_head = lambda i: q_heads + kv_heads + i  # the partials' layout
+  # Each output head's head in its source: q's and k's arrays apart; the partials' q, k, v
+  # heads one after another; the fused product's groups of G query heads, key, value.
+  if partials:
+    q_head, k_head = (lambda n: n), (lambda i: q_heads + i)
+    v_head = lambda i: q_heads + kv_heads + i
+  elif group is None:
+    q_head, k_head, v_head = (lambda n: n), (lambda i: i), None
   else:
     q_head = lambda n: (n // group) * (group + 2) + n % group
     k_head = lambda i: i * (group + 2) + group
     v_head = lambda i: k_head(i) + 1
-  if partials:
-    k_head = lambda i: q_heads + i
 
   @pl.when(j < q_heads)
   def _():

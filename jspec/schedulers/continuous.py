@@ -236,13 +236,13 @@ class ContinuousScheduler:
 
   # ---- a call ----------------------------------------------------------------------------
 
-  def _first_budget(self, key, wave: WavePlan | None, queue_plan) -> int:
-    """Steps of the first dispatch: the whole call when its requests all start in the wave
-    (and earlier calls' rate says it is not long), else about DISPATCH_SECONDS."""
+  def _first_budget(self, key, admits: bool, queue_plan) -> int:
+    """Steps of the first dispatch: the whole call when it admits nothing (all in the wave)
+    and earlier calls' rate says it is not long, else about DISPATCH_SECONDS."""
     if self.budget is not None:
       return self.budget
     rate = self._rates.get(key)
-    if wave is not None and wave.num_groups == len(queue_plan.groups):
+    if not admits:
       # Each step emits at least one token of every running request; prefill the first.
       steps = max(min(len(queue_plan.prompts[g.request]) + queue_plan.params[g.request].max_tokens,
                       self.parts.max_model_len) - len(queue_plan.prompts[g.request])
@@ -316,7 +316,7 @@ class ContinuousScheduler:
     try:
       chain = DispatchChain(
           launch, lambda: start_c(*targets, queue.buffer, None if wave is None else wave.buffer),
-          self._first_budget(rate_key, wave_plan, queue_plan), is_last=lambda out: out[1])
+          self._first_budget(rate_key, admits, queue_plan), is_last=lambda out: out[1])
       prefill_done = ReadyTime(chain.started())
       for index in itertools.count():
         pending, _ = chain.next()
