@@ -35,6 +35,8 @@ def main():
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
+  parser.add_argument("--fp8", action="store_true",
+                      help="the preset as an FP8 checkpoint (e4m3, 128 x 128 block scales)")
   parser.add_argument("--idle", action="store_true",
                       help="also where GPU 0 sat idle: gaps summed by the kernel after them")
   args = parser.parse_args()
@@ -42,6 +44,8 @@ def main():
   config = PRESETS[args.model]
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
+  if args.fp8:
+    config = dataclasses.replace(config, fp8_block=(128, 128))
   rng = np.random.default_rng(0)
   params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
   mtp_spec = speculative = None
@@ -70,7 +74,8 @@ def main():
                                    with_idle=args.idle)
       # A call of one new token takes no decode step: its time is the prefill alone.
       steps = max(1, max(o.metrics.num_steps for o in outputs[0]))
-      print(f"\n== {args.model} mesh {mesh_text} batch {batch}: {steps} steps, "
+      name = args.model + (" FP8" if args.fp8 else "")
+      print(f"\n== {name} mesh {mesh_text} batch {batch}: {steps} steps, "
             f"{1e3 * wall / steps:.2f} ms/step (prefill included, profiler on)")
       print(summary(wall, times, args.top), flush=True)
       if idle:
