@@ -24,8 +24,9 @@ from jspec.models.moe import MoE
 from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
                                       weights_replicated)
-from jspec.models.row_kernels import (resolve_norm_backend, sharded_fp8_qkv_norm_rope,
-                                      sharded_kv_write, sharded_router, sharded_qk_norm_rope,
+from jspec.models.row_kernels import (resolve_norm_backend, sharded_fp8_add_rms_norm,
+                                      sharded_fp8_qkv_norm_rope, sharded_kv_write,
+                                      sharded_router, sharded_qk_norm_rope,
                                       sharded_qkv_norm_rope, sharded_rms_norm)
 from jspec.pallas_kernels import platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
@@ -244,7 +245,8 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
     kv_write = None  # the cache's slots and head_dim whole on every shard
     if axis_size(mesh, rules.cache_seq) == 1 and axis_size(mesh, rules.head_dim) == 1:
       kv_write = sharded_kv_write(mesh, rules, interpret)
-    for _, node in nnx.iter_graph(module):
+    fp8_add_norm = sharded_fp8_add_rms_norm(mesh, rules, interpret)
+    for path, node in nnx.iter_graph(module):
       # The norms of the hidden size only (layers, final, MTP and EAGLE heads): MLA's latent
       # norms read a slice of their projection's output, which a kernel would copy first.
       if (isinstance(node, RMSNorm) and node.axis_name == "embed"
@@ -253,6 +255,11 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         if form not in norms:
           norms[form] = sharded_rms_norm(mesh, rules, node.eps, node.zero_centered, interpret)
         node.row_kernel = norms[form]
+      if getattr(node, "fp8_projection", None) is not None and (
+          isinstance(node, Attention) or (isinstance(node, MLP) and path[-1:] == ("mlp",))):
+        # o_proj's and a layer MLP's down_proj's K slices summed by the norm after them (a
+        # shared expert's output is gated first: its sum stays apart)
+        node.fp8_add_norm = fp8_add_norm
       fp8_qkv = isinstance(node, Attention) and _takes_fp8_qkv_kernel(node)
       if fp8_qkv:  # the K-slice sums of q, k and v read by the norm and RoPE kernel
         node.fp8_qkv_kernel = sharded_fp8_qkv_norm_rope(

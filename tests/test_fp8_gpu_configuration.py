@@ -13,9 +13,10 @@ from flax import nnx
 import jspec
 from jspec.bench.presets import PRESETS
 from jspec.bench.steps import StepTimer
-from jspec.models import gated_deltanet, layers
+from jspec.models import gated_deltanet, layers, linear
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
+from jspec.models.linear import project_to_norm
 from jspec.models.mla import MLAttention
 from jspec.pallas_kernels import fp8_gemm, platform
 
@@ -129,8 +130,8 @@ def test_fp8_kernel_in_a_hybrid_model_equals_the_scaled_xla_products(monkeypatch
 
 def test_k_slice_sums_left_to_elementwise_readers(monkeypatch):
   """An FP8 kernel call's K-slice sum stays a kernel of its own (fp8_gemm.fp8_matmul's
-  sum_apart) only where a norm reduces over the product's row next (o_proj, down_proj, the
-  linear attention's out_proj); the sums of gate / up (read by SwiGLU) and of q, k, v (read by
+  sum_apart) only where a norm reduces over the product's row next (o_proj and down_proj
+  where the row kernels are off, the linear attention's out_proj); the sums of gate / up (read by SwiGLU) and of q, k, v (read by
   their norms, RoPE and the cache writes) go into their readers' fusions."""
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, traced on the CPU
@@ -143,7 +144,7 @@ def test_k_slice_sums_left_to_elementwise_readers(monkeypatch):
     for name in names:
       assert apart.setdefault(name, flag) == flag
 
-  for module in (layers, gated_deltanet):
+  for module in (layers, gated_deltanet, linear):  # linear: o_proj's, down_proj's (to_norm)
     one = module.project_named
     monkeypatch.setattr(module, "project_named", lambda layer, x, name, *a, _one=one, **kw: (
         record([name], kw.get("fp8_sum_apart", True)) or _one(layer, x, name, *a, **kw)))
@@ -213,6 +214,40 @@ def test_fp8_q_k_v_partials_summed_in_the_norm_kernel_equal_the_scaled_xla_produ
     patch.setattr(fp8_gemm, "_products", summed_products)
     project = str(jax.make_jaxpr(attn._project_rotated)(x, jnp.zeros((2, 3), jnp.int32)))
   assert "qkv_partials_norm_rope" in project
+  _assert_same_outputs(cpu, gpu, max_tokens=4)
+
+
+def test_fp8_o_and_down_partials_summed_in_the_add_norm_kernel_equal_the_scaled_xla_products(
+    monkeypatch):
+  """With the row kernels on, o_proj's and the MLP's down_proj's K-slice partials go straight
+  into the residual add and RMSNorm after them (row_norms.add_partials_rms_norm: no sum of
+  XLA's); decode and the n-gram verify windows give the CPU configuration's logits and
+  tokens."""
+  cpu = _qwen3_llm()
+  with monkeypatch.context() as patch:
+    patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
+    gpu = _qwen3_llm(norm_backend="pallas")
+  layer = gpu.target.layers[0]
+  assert layer.attn.fp8_add_norm is not None and layer.mlp.fp8_add_norm is not None
+  assert cpu.target.layers[0].attn.fp8_add_norm is None
+  heads = layer.attn.o_proj.shape[1:]
+  out_BTNH, x_BTD = jnp.ones((2, 3, *heads), jnp.float32), jnp.ones((2, 3, 128), jnp.float32)
+
+  def summed_products(*args, **kwargs):
+    raise AssertionError("o_proj's or down_proj's partials were summed before the norm")
+
+  with monkeypatch.context() as patch:
+    patch.setattr(fp8_gemm, "_products", summed_products)
+    attn_out = str(jax.make_jaxpr(lambda h, out: layer.post_attn_norm.add_and_norm(
+        h, project_to_norm(layer.attn, out, "o_proj", "btnh,nhd->btd", 2)))(x_BTD, out_BTNH))
+    act_BTF = jnp.ones((2, 3, layer.mlp.down_proj.shape[1]), jnp.float32)
+    mlp_out = str(jax.make_jaxpr(lambda h, act: layer.post_attn_norm.add_and_norm(
+        h, project_to_norm(layer.mlp, act, "down_proj", "btf,fd->btd")))(x_BTD, act_BTF))
+  assert "add_partials_rms_norm" in attn_out and "add_partials_rms_norm" in mlp_out
+  reduced = project_to_norm(layer.mlp, act_BTF, "down_proj", "btf,fd->btd")
+  np.testing.assert_array_equal(  # `+` sums first: what XLA's products give
+      np.asarray(x_BTD + reduced), np.asarray(x_BTD + layer.mlp._dense(act_BTF, "down_proj",
+                                                                       "btf,fd->btd")))
   _assert_same_outputs(cpu, gpu, max_tokens=4)
 
 
