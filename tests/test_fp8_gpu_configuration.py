@@ -102,17 +102,21 @@ def _tiny_fp8_hybrid():
 
 
 def test_fp8_kernel_in_a_hybrid_model_equals_the_scaled_xla_products(monkeypatch):
-  def llm():
+  """The GPU's choices, the row kernels included: the gated attention's o_proj and the MLPs'
+  down_proj leave their K-slice sums to the norm kernel after them."""
+  def llm(**kwargs):
     return jspec.LLM.from_random(_tiny_fp8_hybrid(), jspec.MTPSpec("qwen3_next", 1, is_moe=False),
                                  dtype="float32", seed=3, max_model_len=64, max_num_seqs=2,
                                  attention_backend="xla",
                                  speculative_config={"method": "mtp",
-                                                     "num_speculative_tokens": 2})
+                                                     "num_speculative_tokens": 2}, **kwargs)
 
   cpu = llm()
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
-    gpu = llm()
+    gpu = llm(norm_backend="pallas")
+  assert all(gpu.target.layers[i].mlp.fp8_add_norm is not None for i in (0, 1))
+  assert gpu.target.layers[1].attn.fp8_add_norm is not None
   kinds = {type(node) for _, node in nnx.iter_graph(gpu.target)
            if isinstance(node, (GatedDeltaNet, Attention, MLP)) and node.fp8_projection}
   assert {GatedDeltaNet, MLP} <= kinds and any(issubclass(k, Attention) for k in kinds)
