@@ -18,7 +18,7 @@ from jspec.pallas_kernels.fp8_experts import (BLOCK, CHUNK_TOKENS, DECODE_PATH_M
                                               experts_fp8_decode, fits_kernel, slot_products)
 from jspec.pallas_kernels.fp8_experts_grouped import (MAX_TILE_ROWS, MIN_TILE_ROWS,
                                                       experts_fp8_grouped, tile_rows)
-from jspec.pallas_kernels.fp8_gemm import choose_splits, quantize_activations
+from jspec.pallas_kernels.fp8_gemm import choose_splits, quantize_activations, scale_lanes
 
 RUN_SEED = 20261125
 
@@ -109,6 +109,38 @@ def test_k_slices_of_each_slot_sum_to_the_whole_product(num_tokens, gate_up_spli
   problem = _problem(9, num_tokens, dim=512, ffn=384, dtype=dtype)
   tiling = Fp8ExpertsTiling(gate_up_splits=gate_up_splits, down_splits=down_splits)
   _assert_close(experts_fp8_decode(*problem, tiling=tiling), _reference64(*problem))
+
+
+def _with_lanes(problem):
+  """The problem with each expert weight's block scales repeated over the kernel's lanes
+  beforehand (Fp8Experts.lanes, as the models make them before a loop of steps)."""
+  *rest, w_gate, w_up, w_down = problem
+  return (*rest, *(Fp8Experts(w.w8, w.scale, scale_lanes(w.scale)) for w in (w_gate, w_up,
+                                                                              w_down)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scale_lanes_made_beforehand_give_the_same_layer(seed):
+  """Block scales repeated over the lanes before the call (read by expert in the kernel)
+  give, bit for bit, what the per-call gather and repeat of the slots' scales gives: one to
+  9 tokens, K whole or in slices; past the lanes' rows (40 tokens) the call repeats them
+  itself, as without."""
+  rng = np.random.default_rng([RUN_SEED, 30, seed])
+  num_tokens = [1, 3, 9, 40][seed]
+  problem = _problem(30 + seed, num_tokens, top_k=int(rng.integers(1, 4)), dim=512,
+                     ffn=256, dtype=[jnp.bfloat16, jnp.float32][seed % 2])
+  tiling = Fp8ExpertsTiling(gate_up_splits=int(rng.choice([1, 2, 4])), down_splits=1)
+  want = experts_fp8_decode(*problem, tiling=tiling)
+  got = experts_fp8_decode(*_with_lanes(problem), tiling=tiling)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  _assert_close(got, _reference64(*problem))
+
+
+def test_scale_lanes_of_another_shape_are_refused():
+  *rest, w_gate, w_up, w_down = _problem(31, 1)
+  wrong = [Fp8Experts(w.w8, w.scale, scale_lanes(w.scale, 16)) for w in (w_gate, w_up, w_down)]
+  with pytest.raises(ValueError, match="Fp8Experts.lanes has shape"):
+    experts_fp8_decode(*rest, *wrong)
 
 
 def test_k_slices_that_would_split_a_block_are_refused():
@@ -285,6 +317,9 @@ def test_expert_parallel_shards_give_the_one_device_layer(interpreted_on_every_d
     _assert_w8a8_close(y, problem)
   else:
     _assert_close(y, _reference64(*problem))
+    # The scales' lanes made beforehand are split over the mesh as the scales are.
+    np.testing.assert_array_equal(np.asarray(fn(*_with_lanes(problem)), np.float32),
+                                  np.asarray(y, np.float32))
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
 from jspec.models.linear import project_to_norm
 from jspec.models.mla import MLAttention
-from jspec.pallas_kernels import fp8_gemm, platform
+from jspec.pallas_kernels import fp8_experts, fp8_gemm, platform
 
 
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
@@ -62,7 +62,16 @@ def test_fp8_kernels_in_the_model_equal_the_scaled_xla_products(monkeypatch):
                  if isinstance(node, (MLAttention, MLP))]
   assert projections and all(p is not None for p in projections)
   assert gpu.target.layers[1].mlp.fp8_to_backend and not cpu.target.layers[1].mlp.fp8_to_backend
+  by_expert = []  # per decode-size expert product: whether its scales' lanes were made before
+
+  def spy(x, weights, *args, products=fp8_experts.slot_products, **kwargs):
+    if x.dtype != jnp.float8_e4m3fn:
+      by_expert.append(all(w.lanes is not None for w in weights))
+    return products(x, weights, *args, **kwargs)
+
+  monkeypatch.setattr(fp8_experts, "slot_products", spy)
   _assert_same_outputs(cpu, gpu, max_tokens=4)
+  assert any(by_expert)  # the decode steps' experts read scale lanes made before their loop
 
 
 def test_bench_steps_read_the_scale_lanes_made_before_their_loop(monkeypatch):

@@ -124,6 +124,9 @@ class MoE(nnx.Module):
     # stored: at decode sizes they read the e4m3 bytes (jspec.pallas_kernels.fp8_experts).
     self.fp8_to_backend = (block is not None and tuple(block) == (fp8_experts.BLOCK,) * 2
                            and cfg.expert_tile > 1)
+    # Set inside a traced program before a loop of steps: the three block scales repeated
+    # over the kernel's lanes (Fp8Experts.lanes; projections.with_loop_constants), or None.
+    self.fp8_expert_lanes = None
     # Expert-parallel shards the expert weights are split over (set by the LLM): FP8 steps
     # that gather their routed experts pad them to a multiple of it.
     self.expert_shards = 1
@@ -207,10 +210,11 @@ class MoE(nnx.Module):
     # Activations follow the weights' padded hidden size in, and drop it on the way out.
     x_in_TD = jnp.pad(x_TD, ((0, 0), (0, self.hidden_padding))) if self.hidden_padding else x_TD
     if self.fp8_to_backend:
+      lanes = self.fp8_expert_lanes or (None,) * 3
       expert_ids_TK, expert_weights = ids_TK, [
-          fp8_experts.Fp8Experts(w[...], sc[...]) for w, sc in (
+          fp8_experts.Fp8Experts(w[...], sc[...], ln) for (w, sc), ln in zip((
               (self.w_gate, self.w_gate_scale), (self.w_up, self.w_up_scale),
-              (self.w_down, self.w_down_scale))]
+              (self.w_down, self.w_down_scale)), lanes)]
     else:
       expert_ids_TK, *expert_weights = self._experts_for(ids_TK, x_TD.dtype)
     y_TD = experts_fn(x_in_TD, expert_ids_TK, weights_TK, *expert_weights)

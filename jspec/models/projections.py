@@ -107,7 +107,9 @@ def with_loop_constants(module):
 
   - each layer whose FP8 projections go to the kernel (`fp8_projection` set) gets its block
     scales repeated over the kernel's lanes (`fp8_lanes`, by weight name; read in
-    linear.project_named);
+    linear.project_named), and each MoE layer whose FP8 experts go to the expert kernels its
+    experts' (`fp8_expert_lanes`: a decode step's kernel then reads its slots' scales where
+    they lie, not a gather and repeat of them in every step);
   - on the CPU, a decoder with a tied embedding gets its lm_head as [D, V] float32
     (`tied_head_DV`, read in Decoder.logits). XLA's CPU dot wants that layout and type; left
     to the step, it is converted and transposed inside the loop, and in the continuous
@@ -124,6 +126,9 @@ def with_loop_constants(module):
     if on_cpu and getattr(cfg, "tie_word_embeddings", False) and hasattr(node, "embed") and (
         hasattr(node, "logits")):
       node.tied_head_DV = node.embed[...].astype(jnp.float32).T
+    if getattr(node, "fp8_to_backend", False):
+      node.fp8_expert_lanes = tuple(fp8_gemm.scale_lanes(scale[...]) for scale in (
+          node.w_gate_scale, node.w_up_scale, node.w_down_scale))
     if getattr(node, "fp8_projection", None) is None:
       continue
     node.fp8_lanes = {

@@ -46,10 +46,14 @@ from jspec.pallas_kernels.shared import dequantize, float16_rows, smem_transform
 class Fp8Experts:
   """One projection of every expert as an FP8 checkpoint stores it: w8 [E, out, in]
   float8_e4m3fn, scale [E, ceil(out / 128), ceil(in / 128)] float32 (`weight_scale_inv`,
-  which multiplies). Passed to the expert backends in place of a [E, in, out] array."""
+  which multiplies). Passed to the expert backends in place of a [E, in, out] array. lanes:
+  fp8_gemm.scale_lanes(scale), made once before a loop of steps (jspec.models.projections.
+  with_loop_constants) so that a decode step's kernel reads its slots' scales as they are,
+  with no gather and repeat of its own; or None."""
 
   w8: jax.Array
   scale: jax.Array
+  lanes: jax.Array | None = None
 
   @property
   def shape(self) -> tuple[int, int, int]:
@@ -103,9 +107,18 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
   k_steps = k // splits // step_k
   lanes = max(rows, SCALE_LANES)
   # Each slot's block scales over `lanes` lanes, so that a step's scales arrive with its tiles
-  # as one TMA block (fp8_block_kernel.partials says why); gathered for the slots only. A lane holds
-  # the weight block's scale, times row n's scale of that K group where x is e4m3.
-  if fp8_x:
+  # as one TMA block (fp8_block_kernel.partials says why); gathered for the slots only, or
+  # read by expert where made beforehand (Fp8Experts.lanes). A lane holds the weight block's
+  # scale, times row n's scale of that K group where x is e4m3.
+  by_expert = (not fp8_x and lanes == SCALE_LANES
+               and all(w.lanes is not None for w in weights))
+  if by_expert:
+    for w in weights:
+      if w.lanes.shape != (*w.scale.shape[:2], w.scale.shape[2] * SCALE_LANES):
+        raise ValueError(f"Fp8Experts.lanes has shape {w.lanes.shape}, not scale_lanes("
+                         f"scale)'s for a scale of {w.scale.shape}")
+    scale_rows = [w.lanes for w in weights]
+  elif fp8_x:
     act_SKbR = jnp.pad(act_scale_SKbN.astype(jnp.float32),
                        ((0, 0), (0, 0), (0, lanes - rows)))
     scale_rows = [(w.scale[slot_expert_S].astype(jnp.float32)[..., None]
@@ -150,7 +163,8 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
                                transforms=smem_transforms(BLOCK, E4M3),
                                delay_release=delay_release)
       s_spec = plgpu.BlockSpec((None, None, blocks_per_step * lanes),
-                               lambda i, k: (slot(i), item(i)[1], k_step(i, k)),
+                               lambda i, k: (slot_expert_ref[slot(i)] if by_expert else slot(i),
+                                             item(i)[1], k_step(i, k)),
                                delay_release=delay_release)
       return [x_spec] + [w_spec] * num_weights + [s_spec] * num_weights
 

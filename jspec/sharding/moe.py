@@ -193,9 +193,10 @@ def sharded_experts(experts_fn: Callable, mesh: Mesh, rules: ShardingRules,
   tokens = rules.spec(("batch", None))
   w_in = rules.spec(("experts", "embed", "moe_mlp"))
   w_out = rules.spec(("experts", "moe_mlp", "embed"))
-  # FP8 experts as stored, [E, out, in] and their block scales on the same axes.
-  fp8_in, fp8_out = (Fp8Experts(spec, spec) for spec in (rules.spec(("experts", "moe_mlp",
-                                                                      "embed")), w_in))
+  # FP8 experts as stored, [E, out, in] and their block scales (and the scales' kernel lanes,
+  # where made) on the same axes.
+  fp8_specs = {lanes: tuple(Fp8Experts(spec, spec, spec if lanes else None) for spec in (
+      rules.spec(("experts", "moe_mlp", "embed")), w_in)) for lanes in (False, True)}
 
   tables = _workspace_rows(mesh, tp_sharded) if custom_all_reduce else {}
 
@@ -208,13 +209,19 @@ def sharded_experts(experts_fn: Callable, mesh: Mesh, rules: ShardingRules,
                        out_specs=tokens, check_vma=False)
     return lambda *args: fn({a: table for a, (table, _) in tables.items()}, *args)
 
-  bodies = {(name, fp8): mapped(body, (fp8_in, fp8_in, fp8_out) if fp8 else (w_in, w_in, w_out))
+  def weight_specs(fp8):  # fp8: None (bf16 experts), or whether the scales' lanes come along
+    if fp8 is None:
+      return w_in, w_in, w_out
+    fp8_in, fp8_out = fp8_specs[fp8]
+    return fp8_in, fp8_in, fp8_out
+
+  bodies = {(name, fp8): mapped(body, weight_specs(fp8))
             for name, body in (("all_gather", _all_gather_body), ("all_to_all", _all_to_all_body))
-            for fp8 in (False, True)}
+            for fp8 in (None, False, True)}
 
   def experts(x_TD, ids_TK, weights_TK, w_gate, w_up, w_down):
     chosen = AUTO_STRATEGY if strategy == "auto" else strategy
-    fp8 = isinstance(w_gate, Fp8Experts)
+    fp8 = w_gate.lanes is not None if isinstance(w_gate, Fp8Experts) else None
     return bodies[chosen, fp8](x_TD, ids_TK, weights_TK, w_gate, w_up, w_down)
 
   return experts
