@@ -256,7 +256,8 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
           norms[form] = sharded_rms_norm(mesh, rules, node.eps, node.zero_centered, interpret)
         node.row_kernel = norms[form]
       if getattr(node, "fp8_projection", None) is not None and (
-          isinstance(node, Attention) or (isinstance(node, MLP) and path[-1:] == ("mlp",))):
+          isinstance(node, (Attention, MLAttention))
+          or (isinstance(node, MLP) and path[-1:] == ("mlp",))):
         # o_proj's and a layer MLP's down_proj's K slices summed by the norm after them (a
         # shared expert's output is gated first: its sum stays apart)
         node.fp8_add_norm = fp8_add_norm

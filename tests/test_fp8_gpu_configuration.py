@@ -54,10 +54,15 @@ def _llm(**kwargs):
 
 
 def test_fp8_kernels_in_the_model_equal_the_scaled_xla_products(monkeypatch):
+  """The GPU's choices, the row kernels included: MLA's o_proj and the dense MLP's down_proj
+  leave their K-slice sums to the norm kernel after them, and the decode steps' experts read
+  their scales' lanes made before the loop."""
   cpu = _llm()
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
-    gpu = _llm()
+    gpu = _llm(norm_backend="pallas")
+  assert gpu.target.layers[0].attn.fp8_add_norm is not None  # MLA
+  assert gpu.target.layers[0].mlp.fp8_add_norm is not None  # the dense first layer
   projections = [node.fp8_projection for _, node in nnx.iter_graph(gpu.target)
                  if isinstance(node, (MLAttention, MLP))]
   assert projections and all(p is not None for p in projections)
