@@ -29,7 +29,8 @@ def main():
   parser.add_argument("--top", type=int, default=12)
   parser.add_argument("--vocab-replicated", action="store_true",
                       help="keep the embedding and lm_head whole on every tp shard")
-  parser.add_argument("--all-reduce-backend", default="auto", choices=["auto", "partitioner", "xla", "kernel"])
+  parser.add_argument("--all-reduce-backend", default="auto",
+                      choices=["auto", "partitioner", "xla", "kernel"])
   parser.add_argument("--method", default="none", choices=["none", "mtp"],
                       help="mtp: a random one-layer MTP head drafts (nothing is accepted)")
   parser.add_argument("--k", type=int, default=3)

@@ -149,8 +149,9 @@ def test_fp8_kernel_in_a_hybrid_model_equals_the_scaled_xla_products(monkeypatch
 def test_k_slice_sums_left_to_elementwise_readers(monkeypatch):
   """An FP8 kernel call's K-slice sum stays a kernel of its own (fp8_gemm.fp8_matmul's
   sum_apart) only where a norm reduces over the product's row next (o_proj and down_proj
-  where the row kernels are off, the linear attention's out_proj); the sums of gate / up (read by SwiGLU) and of q, k, v (read by
-  their norms, RoPE and the cache writes) go into their readers' fusions."""
+  where the row kernels are off, the linear attention's out_proj); the sums of gate / up
+  (read by SwiGLU) and of q, k, v (read by their norms, RoPE and the cache writes) go into
+  their readers' fusions."""
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, traced on the CPU
     llm = jspec.LLM.from_random(_tiny_fp8_hybrid(), jspec.MTPSpec("qwen3_next", 1, is_moe=False),
