@@ -47,7 +47,8 @@ test: $(DEV_STAMP)
 # it rather than 75% of every GPU at start (and keeping it): one per two CPU cores, at most 8.
 # The few that hold tens of GB (marked large_gpu_memory) run afterwards in one process, alone.
 PYTHON ?= python3
-GPU_WORKERS ?= $(shell n=$$(( $$(nproc) / 2 )); [ $$n -gt 8 ] && n=8; [ $$n -lt 1 ] && n=1; echo $$n)
+GPU_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 8) / 2 )); [ $$n -gt 8 ] && n=8; \
+                 [ $$n -lt 1 ] && n=1; echo $$n)
 GPU_PYTEST := PYTHONPATH=. JSPEC_PROGRESS=0 XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pytest -q
 test-gpu:
 	@workers=$$($(PYTHON) -c 'import xdist' 2>/dev/null && echo "-n $(GPU_WORKERS)"); set -x; \
