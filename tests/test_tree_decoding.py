@@ -1,6 +1,7 @@
 """Token trees in the loop (speculative_config's `speculative_token_tree`): greedy decoding over
 a tree emits exactly what greedy vanilla decoding emits, for every drafter that drafts trees,
-on GQA and MLA targets, under both schedulers and on dp / tp / ep meshes; logprobs come from
+on GQA and MLA targets, under both schedulers and on dp / tp / ep meshes, with a draft
+vocabulary too; logprobs come from
 the accepted path; what cannot run a tree is refused before any model work; sampled trees keep
 the target's distribution, with a draft model and an EAGLE-3 head. Float32 fixtures on the
 CPU.
@@ -117,6 +118,28 @@ def test_greedy_tree_equals_vanilla_with_mtp_heads(name):
   llm = cached_llm(name, "mtp", _nodes(WIDE), speculative_token_tree=WIDE)
   assert [o.token_ids for o in llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)] == (
       _vanilla(name))
+
+
+def test_greedy_tree_with_a_draft_vocabulary_equals_vanilla():
+  """The trained demo model's MTP head (real acceptance) restricted to a draft vocabulary
+  (FR-Spec's, `draft_vocab`) drafts a tree's nodes from it: with one that holds every token
+  vanilla decoding emits (and a tenth of the rest) nodes are accepted; with one that holds
+  none of them no node is; the tokens are vanilla greedy's either way."""
+  demo = lambda spec=None: jspec.LLM(model=jspec.demo_model_path(), dtype="float32",
+                                      max_model_len=128, speculative_config=spec)
+  vanilla = demo()
+  want = [o.token_ids for o in vanilla.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)]
+  emitted = {t for tokens in want for t in tokens}
+  rest = [t for t in np.random.default_rng(5).permutation(vanilla.config.vocab_size).tolist()
+          if t not in emitted]
+  inside = tuple(sorted(emitted)) + tuple(rest[:len(rest) // 10])
+  outside = tuple(rest)
+  for draft_vocab, accepted in ((inside, True), (outside, False)):
+    llm = demo({"method": "mtp", "num_speculative_tokens": _nodes(WIDE),
+                "speculative_token_tree": WIDE, "draft_vocab": draft_vocab})
+    outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    assert (outs.metrics.num_accepted_tokens > 0) == accepted, len(draft_vocab)
 
 
 @pytest.mark.parametrize("mesh, batching", [(jspec.MeshConfig(tp=2), "continuous"),
