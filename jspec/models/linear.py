@@ -137,20 +137,20 @@ def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_pro
   return out.reshape(*lead, *weight.shape[in_axes:])
 
 
-def fp8_rows_fit(layer, x, names) -> bool:
+def fp8_rows_fit(layer, x, names, in_axes: int = 1) -> bool:
   """Whether x's rows go to the few-row FP8 kernel (fp8_gemm) with each of `layer`'s
-  projections `names` (FP8, one input axis each)."""
+  projections `names` (FP8, `in_axes` input axes each)."""
   from jspec.pallas_kernels import fp8_gemm
-  rows, k = math.prod(x.shape[:-1]), x.shape[-1]
+  rows, k = math.prod(x.shape[:-in_axes]), math.prod(x.shape[-in_axes:])
   return layer.fp8_block is not None and all(
-      fp8_gemm.fits_kernel(rows, k, math.prod(getattr(layer, name).shape[:-1]),
+      fp8_gemm.fits_kernel(rows, k, math.prod(getattr(layer, name).shape[:-in_axes]),
                            layer.fp8_block) for name in names)
 
 
 class SlicedFp8Product:
   """An FP8 row product's output before the sum of its K slices, for the residual add and
-  RMSNorm that read it next (o_proj, down_proj): `reduced()` is the output; `+` and `*` sum
-  first; the norm takes it whole (`add_and_norm`: its kernel sums the partials as it reads
+  RMSNorm that read it next (o_proj, down_proj): `reduced()` is the output; `+` sums first;
+  the norm takes it whole (`add_and_norm`: its kernel sums the partials as it reads
   them, jspec.models.row_kernels.sharded_fp8_add_rms_norm), so that the sum is no kernel of
   its own."""
 
@@ -170,27 +170,20 @@ class SlicedFp8Product:
   def __radd__(self, other):
     return other + self.reduced()
 
-  def __mul__(self, other):
-    return self.reduced() * other
-
-  __rmul__ = __mul__
-
 
 def project_to_norm(layer, x, name: str, spec: str, in_axes: int = 1, product=None):
   """project_named for a projection whose output a residual add and RMSNorm read next: a
   SlicedFp8Product where `layer.fp8_add_norm` is set (jspec.backends.use_row_kernels) and the
   FP8 weight, in whole blocks, takes x's rows in the few-row kernel; else the product."""
-  from jspec.pallas_kernels import fp8_gemm
   reduce = lambda: project_named(layer, x, name, spec, in_axes, product)
   kernel, scale = layer.fp8_add_norm, getattr(layer, name + "_scale")
   weight = getattr(layer, name)
   if (kernel is None or scale is None or weight.ndim != in_axes + 1
-      or not _whole_blocks(weight, layer.fp8_block, in_axes)):
+      or not _whole_blocks(weight, layer.fp8_block, in_axes)
+      or not fp8_rows_fit(layer, x, (name,), in_axes)):
     return reduce()
   lead = x.shape[:x.ndim - in_axes]
-  k, n = math.prod(weight.shape[-in_axes:]), math.prod(weight.shape[:-in_axes])
-  if not fp8_gemm.fits_kernel(math.prod(lead), k, n, layer.fp8_block):
-    return reduce()
+  k, n = math.prod(weight.shape[-in_axes:]), weight.shape[0]
   lanes = None if layer.fp8_lanes is None else _flat_grid(layer.fp8_lanes[name], in_axes)
   operands = (x.reshape(*lead, k), weight[...].reshape(n, k), _flat_grid(scale[...], in_axes),
               lanes)
