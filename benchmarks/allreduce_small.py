@@ -5,7 +5,13 @@ drop them).
 
   nccl       lax.psum (NCCL, or XLA's one-shot kernel under its flag)
   workspace  jspec.pallas_kernels.workspace_all_reduce: per-GPU workspaces registered once,
-             flags in them, one plain kernel launch a call (the tp layers' "kernel" backend)
+             one plain kernel launch a call (the tp layers' "kernel" backend), in its default
+             protocol; workspace-lamport / workspace-flags name the protocol (the data polled
+             as its own flag, or a flag raised after it: jspec.pallas_kernels.lamport_exchange)
+  norm-lamport, norm-flags
+             jspec.pallas_kernels.workspace_norm: the all-reduce fused with the residual add
+             and RMSNorm of one row (the message), as a tp decode step at batch 1 calls it;
+             checked against norm-flags
   mosaic     jspec.pallas_kernels.all_reduce: peer reads through remote_ref, launched by XLA
              as a collective kernel (its barrier and pointer table each call)
 
@@ -34,15 +40,30 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jspec.pallas_kernels.all_reduce import one_shot_all_reduce
+from jspec.pallas_kernels import workspace_norm
 from jspec.pallas_kernels.workspace_all_reduce import fits, workspace_all_reduce, workspace_for
+from jspec.pallas_kernels.workspace_norm import workspace_add_norm
 
 
 def reduce_fn(impl: str, axis_size: int, blocks: int | None, skip_barrier: bool = False):
   """(x, row) -> the sum of x over "tp"; `row` is the workspace table's row (workspace only)."""
   if impl == "nccl":
     return lambda x, row: lax.psum(x, "tp")
-  if impl == "workspace":
-    return lambda x, row: workspace_all_reduce(x, row, axis_size, max_blocks=blocks or 32)
+  if impl.startswith("workspace"):
+    protocol = impl.partition("-")[2] or None
+    return lambda x, row: workspace_all_reduce(x, row, axis_size, max_blocks=blocks or 32,
+                                               protocol=protocol)
+  if impl.startswith("norm-"):
+    protocol = impl.partition("-")[2]
+
+    def add_norm(x, row):
+      row_1D = x.reshape(1, -1)
+      scale = jnp.ones(row_1D.shape[1:], x.dtype)
+      residual = jnp.zeros_like(row_1D)  # the same on every device, as a model's stream
+      _, normed = workspace_add_norm(row_1D, residual, scale, row, axis_size, eps=1e-6,
+                                     protocol=protocol)
+      return normed.reshape(x.shape)
+    return add_norm
   if impl == "mosaic":
     return lambda x, row: one_shot_all_reduce(x, "tp", axis_size, num_blocks=blocks,
                                               _skip_device_barrier=skip_barrier)
@@ -88,7 +109,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--impl", nargs="+", default=["nccl", "workspace"],
-                      choices=["nccl", "workspace", "mosaic"])
+                      choices=["nccl", "workspace", "workspace-lamport", "workspace-flags",
+                               "norm-lamport", "norm-flags", "mosaic"])
   parser.add_argument("--kb", type=int, nargs="+", default=[8, 32, 64])
   parser.add_argument("--devices", type=int, default=2)
   parser.add_argument("--length", type=int, default=72, help="all-reduces in the chain")
@@ -114,32 +136,37 @@ def main():
     n = kb * 1024 // dtype.itemsize
     x_host = np.random.default_rng(kb).standard_normal((args.devices, n)).astype(np.float32)
     x = jax.device_put(jnp.asarray(x_host, dtype), NamedSharding(mesh, P("tp")))
-    want = None
+    want = {}
     for form in args.form:
       base = time_call(chain_program(mesh, reduce_fn("none", args.devices, None), args.length,
                                      form), x, args.repeats)
       for impl in args.impl:
-        for blocks in (args.blocks if impl != "nccl" else [None]):
-          if impl == "workspace" and not fits(x.shape[1:], dtype, blocks):
-            print(f"  {kb:4d} KB workspace blocks={blocks}: no even split, skipped")
+        norm = impl.startswith("norm-")
+        for blocks in (args.blocks if impl.startswith(("workspace", "mosaic")) else [None]):
+          if impl.startswith("workspace") and not fits(x.shape[1:], dtype, blocks):
+            print(f"  {kb:4d} KB {impl} blocks={blocks}: no even split, skipped")
+            continue
+          if norm and not workspace_norm.fits((1, n), dtype):
+            print(f"  {kb:4d} KB {impl}: not one row the norm kernel takes, skipped")
             continue
           reduce = reduce_fn(impl, args.devices, blocks, args.skip_barrier)
           got = np.asarray(sharded(mesh, reduce)(x).astype(jnp.float32))
-          if want is None:
-            psum = sharded(mesh, reduce_fn("nccl", args.devices, None))
-            want = np.asarray(psum(x).astype(jnp.float32))
-          exact = bool(np.array_equal(got, want))
-          close = bool(np.allclose(got, want, rtol=2e-2, atol=2e-2))
+          reference = "norm-flags" if norm else "nccl"
+          if reference not in want:
+            program = sharded(mesh, reduce_fn(reference, args.devices, None))
+            want[reference] = np.asarray(program(x).astype(jnp.float32))
+          exact = bool(np.array_equal(got, want[reference]))
+          close = bool(np.allclose(got, want[reference], rtol=2e-2, atol=2e-2))
           same = bool(all(np.array_equal(got[0], g) for g in got))
           wall = time_call(chain_program(mesh, reduce, args.length, form), x, args.repeats)
           per_call = 1e6 * (wall - base) / args.length
           rows.append((kb, form, impl, blocks, per_call, 1e6 * wall / args.length, exact,
                        close, same))
-          print(f"  {kb:4d} KB {form:9s} {impl:7s} blocks={blocks}: {per_call:7.2f} us "
+          print(f"  {kb:4d} KB {form:9s} {impl:17s} blocks={blocks}: {per_call:7.2f} us "
                 f"(chain {1e6 * wall / args.length:.2f} us/op) exact={exact} close={close} "
                 f"shards_equal={same}", flush=True)
   print("\n| message | form | all-reduce | blocks | us per all-reduce | chain us/op | equals psum"
-        " | shards equal |")
+        " (norm-*: norm-flags) | shards equal |")
   print("| ---: | --- | --- | ---: | ---: | ---: | --- | --- |")
   for kb, form, impl, blocks, per_call, chain, exact, close, same in rows:
     equal = "bitwise" if exact else ("within 2e-2" if close else "NO")

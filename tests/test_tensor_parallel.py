@@ -318,13 +318,14 @@ def test_gpu_workspace_kernel_equals_psum_on_two_gpus(elements, dtype, max_block
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(got[0], got[1])
   assert all(not f.any() for f in workspace.flags().values())
+  assert all(workspace.lamport_idle().values())
 
 
 @pytest.mark.gpu
 def test_gpu_workspace_kernel_chains_of_mixed_messages_keep_their_flags_in_step():
-  """Hundreds of dependent calls in a loop, three message sizes (1, 8 and 32 blocks) in turn,
-  as a decode loop makes them: every value equals the same chain through psum, the flags are
-  zero afterwards, and both devices count the same calls per block."""
+  """The flag protocol: hundreds of dependent calls in a loop, three message sizes (1, 8 and
+  32 blocks) in turn, as a decode loop makes them: every value equals the same chain through
+  psum, the flags are zero afterwards, and both devices count the same calls per block."""
   mesh = _gpu_pair()
   rng = np.random.default_rng(7)
   x = jax.device_put(jnp.asarray(rng.standard_normal((2, 65536)), jnp.bfloat16),
@@ -341,7 +342,7 @@ def test_gpu_workspace_kernel_chains_of_mixed_messages_keep_their_flags_in_step(
     return fn
 
   got, workspace = _gpu_workspace_run(
-      mesh, chain(lambda v, row: wsar.workspace_all_reduce(v, row, 2)), x)
+      mesh, chain(lambda v, row: wsar.workspace_all_reduce(v, row, 2, protocol="flags")), x)
   want, _ = _gpu_workspace_run(mesh, chain(lambda v, row: jax.lax.psum(v, "tp")), x)
   np.testing.assert_array_equal(got, want)
   assert all(not f.any() for f in workspace.flags().values())

@@ -69,7 +69,7 @@ def test_the_norm_region_lies_past_the_all_reduces_and_inside_the_workspace():
     assert norm.offset == wsar.SUM_REGION.end(size)
     assert norm.flags_offset < norm.counters_offset < norm.data_offset
     assert norm.data_offset % 4096 == 0
-    assert norm.end(size) == wsar.workspace_bytes(size)
+    assert norm.end(size) == wsar.lamport_sum_region(size).offset  # the Lamport regions next
 
 
 def _reference_add_norm(partial, residual, scale, row, size, *, eps, zero_centered):
@@ -248,13 +248,15 @@ def test_gpu_norm_kernel_equals_the_sum_the_add_and_the_norm(rows, width, dtype,
     assert np.all(np.abs(normed[device] - want_normed) <= 2 * ulp)
   np.testing.assert_array_equal(normed[0], normed[1])
   assert all(not f.any() for f in workspace.flags().values())
+  assert all(workspace.lamport_idle().values())
 
 
 @pytest.mark.gpu
 def test_gpu_chains_of_sums_and_norms_keep_their_flags_in_step():
-  """150 rounds of a plain all-reduce (8 blocks), a norm of one row and a norm of eight rows in
-  turn: both devices end alike and near the psum + NumPy-order chain, the flags at zero, the
-  same per-slot call counts on both."""
+  """The flag protocol (tests/test_lamport_exchange.py has the Lamport one): 150 rounds of a
+  plain all-reduce (8 blocks), a norm of one row and a norm of eight rows in turn: both devices
+  end alike and near the psum + NumPy-order chain, the flags at zero, the same per-slot call
+  counts on both."""
   mesh = _gpu_pair()
   rng = np.random.default_rng(11)
   partials = jax.device_put(jnp.asarray(rng.standard_normal((2, 8, 2048)), jnp.bfloat16),
@@ -276,9 +278,9 @@ def test_gpu_chains_of_sums_and_norms_keep_their_flags_in_step():
   run = lambda fn: np.asarray(jax.jit(jax.shard_map(
       fn, mesh=mesh, in_specs=(P("tp"), P(), workspace.row_spec), out_specs=P("tp"),
       check_vma=False))(partials, scale, workspace.rows).astype(jnp.float32))
-  got = run(chain(lambda p, r, s, row: workspace_norm.workspace_add_norm(p, r, s, row, 2,
-                                                                        eps=1e-6),
-                  lambda x, row: wsar.workspace_all_reduce(x, row, 2)))
+  got = run(chain(lambda p, r, s, row: workspace_norm.workspace_add_norm(
+                      p, r, s, row, 2, eps=1e-6, protocol="flags"),
+                  lambda x, row: wsar.workspace_all_reduce(x, row, 2, protocol="flags")))
   want = run(chain(lambda p, r, s, row: row_norms.rms_norm(r, s, jax.lax.psum(p, "tp"),
                                                            eps=1e-6),
                    lambda x, row: jax.lax.psum(x, "tp")))

@@ -55,7 +55,7 @@ def exchange(row_ref, axis_size: int, region: Region, slot, part, *, first_slot=
   device's workspace (c a static chunk number, or None: this block's own), and `done()` moves
   this block's slot to its other parity for the next call (after the parts are read)."""
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
+  from jax._src.lib.mlir.dialects import arith, llvm, scf
   import jax.experimental.mosaic.gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mu
 
@@ -63,7 +63,6 @@ def exchange(row_ref, axis_size: int, region: Region, slot, part, *, first_slot=
   i32 = ir.IntegerType.get_signless(32)
   i64 = ir.IntegerType.get_signless(64)
   index = ir.IndexType.get()
-  ptr = llvm.PointerType.get()
   vec = part.layout.vec_size
   part_ty = ir.MemRefType.get(part.shape, part.mlir_dtype)
   first_slot = slot if first_slot is None else first_slot
@@ -71,27 +70,15 @@ def exchange(row_ref, axis_size: int, region: Region, slot, part, *, first_slot=
   def const64(v):
     return arith.constant(i64, v)
 
-  def word(k):
-    return memref.load(row_ref, [arith.constant(index, k)])
-
-  def base(s):  # the workspace of rank s (static), as a pointer
-    low = arith.extui(i64, word(2 * s))
-    high = arith.extui(i64, word(2 * s + 1))
-    return llvm.inttoptr(ptr, arith.ori(arith.shli(high, const64(32)), low))
-
   def at(pointer, byte_offset):  # pointer + byte_offset (i64)
     return mu.getelementptr(pointer, [byte_offset], i8)
 
   def as64(value):
     return arith.index_cast(i64, value) if value.type == index else arith.extui(i64, value)
 
-  rank = word(2 * axis_size)
+  base, rank, me = workspace_pointers(row_ref, axis_size)
   rank64 = arith.extui(i64, rank)
   slot64, first64 = as64(slot), as64(first_slot)
-  me = base(0)
-  for s in range(1, axis_size):
-    me = arith.select(arith.cmpi(arith.CmpIPredicate.eq, rank, arith.constant(i32, s)),
-                      base(s), me)
 
   def counter_ptr(n_slot64):
     return at(me, arith.addi(const64(region.counters_offset), arith.muli(n_slot64, const64(4))))
@@ -161,6 +148,32 @@ def exchange(row_ref, axis_size: int, region: Region, slot, part, *, first_slot=
     with mu.single_thread(mu.ThreadSubset.WARPGROUP):
       llvm.store(arith.addi(own_count, arith.constant(i32, 1)), counter_ptr(slot64))
   return parts, done
+
+
+def workspace_pointers(row_ref, axis_size: int):
+  """From a PeerWorkspace row inside a kernel: (base(s), the workspace of rank s (static) as a
+  pointer; this device's rank (i32); this device's workspace as a pointer)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, memref
+  i32 = ir.IntegerType.get_signless(32)
+  i64 = ir.IntegerType.get_signless(64)
+  index = ir.IndexType.get()
+
+  def word(k):
+    return memref.load(row_ref, [arith.constant(index, k)])
+
+  def base(s):
+    low = arith.extui(i64, word(2 * s))
+    high = arith.extui(i64, word(2 * s + 1))
+    return llvm.inttoptr(llvm.PointerType.get(),
+                         arith.ori(arith.shli(high, arith.constant(i64, 32)), low))
+
+  rank = word(2 * axis_size)
+  me = base(0)
+  for s in range(1, axis_size):
+    me = arith.select(arith.cmpi(arith.CmpIPredicate.eq, rank, arith.constant(i32, s)),
+                      base(s), me)
+  return base, rank, me
 
 
 def _consume_one(flag_ptr):

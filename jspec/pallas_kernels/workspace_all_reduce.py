@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jspec.pallas_kernels import lamport_exchange as lamport
 from jspec.pallas_kernels.peer_exchange import MAX_DEVICES, Region, as_kernel, exchange
 
 # The message a block writes, reads and sums: 128 threads x 16 bytes, one vector each.
@@ -75,8 +76,34 @@ def norm_region(axis_size: int) -> Region:
   return Region(SUM_REGION.end(axis_size), NORM_ROWS * NORM_ROW_SLOTS, TILE_BYTES)
 
 
+# The same two kinds of kernel without flags (jspec.pallas_kernels.lamport_exchange), float
+# messages only: the all-reduce's blocks, then the norm's rows with a set of slots per chunk
+# count (lamport.first_row_slot).
+def lamport_sum_region(axis_size: int) -> lamport.LamportRegion:
+  return lamport.LamportRegion(norm_region(axis_size).end(axis_size), MAX_BLOCKS, BLOCK_BYTES)
+
+
+def lamport_norm_region(axis_size: int) -> lamport.LamportRegion:
+  return lamport.LamportRegion(lamport_sum_region(axis_size).end(axis_size),
+                               lamport.row_slots(NORM_ROWS, NORM_ROW_SLOTS), TILE_BYTES)
+
+
 def workspace_bytes(axis_size: int) -> int:
-  return norm_region(axis_size).end(axis_size)
+  return lamport_norm_region(axis_size).end(axis_size)
+
+
+# How a float message is handed over: "lamport" (the data polled, one NVLink crossing) or
+# "flags" (a flag raised after the data); int32 messages always take the flags, since every
+# bit pattern is a valid int32 and none can mark an empty slot.
+PROTOCOLS = ("lamport", "flags")
+DEFAULT_PROTOCOL = "lamport"
+
+
+def protocol_for(dtype, protocol: str | None) -> str:
+  protocol = DEFAULT_PROTOCOL if protocol is None else protocol
+  if protocol not in PROTOCOLS:
+    raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+  return "flags" if jnp.dtype(dtype) == jnp.dtype(jnp.int32) else protocol
 
 
 def fits(shape, dtype, max_blocks: int = 32) -> bool:
@@ -144,9 +171,10 @@ class PeerWorkspace:
                        "within one process; this mesh spans processes")
     self.mesh, self.axis, self.axis_size = mesh, axis, size
     self.row_spec = PartitionSpec(*mesh.axis_names, None)
-    words = workspace_bytes(self.axis_size) // 4
-    self._buffers = {d.id: jax.device_put(np.zeros(words, np.int32), d)
-                     for d in self.mesh.devices.flat}
+    words = np.zeros(workspace_bytes(self.axis_size) // 4, np.int32)
+    for region in self._lamport_regions():  # empty data slots: SENTINEL bytes
+      words[region.data_offset // 4:region.end(size) // 4] = -1
+    self._buffers = {d.id: jax.device_put(words, d) for d in self.mesh.devices.flat}
     for buffer in self._buffers.values():
       buffer.block_until_ready()
     addresses = {d: int(b.unsafe_buffer_pointer()) for d, b in self._buffers.items()}
@@ -167,8 +195,27 @@ class PeerWorkspace:
                                .reshape(r.slots, MAX_DEVICES) for r in self._regions()])
             for d, words in self._read().items()}
 
+  def lamport_idle(self) -> dict[int, bool]:
+    """Per device: whether every Lamport slot's next two phases are empty (SENTINEL), as
+    they must be between programs (the third holds the slot's last call)."""
+    idle = {}
+    for d, words in self._read().items():
+      ok = True
+      for region in self._lamport_regions():
+        count = words[region.counters_offset // 4:][:region.slots]
+        data = words[region.data_offset // 4:region.end(self.axis_size) // 4].reshape(
+            lamport.PHASES, self.axis_size, region.slots, -1)
+        for step in (0, 1):
+          phase = (count + step) % lamport.PHASES
+          ok &= bool((data[phase, :, np.arange(region.slots)] == -1).all())
+      idle[d] = ok
+    return idle
+
   def _regions(self) -> tuple[Region, Region]:
     return SUM_REGION, norm_region(self.axis_size)
+
+  def _lamport_regions(self) -> tuple[lamport.LamportRegion, lamport.LamportRegion]:
+    return lamport_sum_region(self.axis_size), lamport_norm_region(self.axis_size)
 
   def _read(self) -> dict[int, np.ndarray]:
     # The kernels write the buffers behind JAX's back, and JAX keeps the host copy of an array
@@ -187,11 +234,14 @@ def workspace_for(mesh: Mesh, axis: str) -> PeerWorkspace:
   return _WORKSPACES[key]
 
 
-def workspace_all_reduce(x, row, axis_size: int, *, max_blocks: int = 32):
+def workspace_all_reduce(x, row, axis_size: int, *, max_blocks: int = 32,
+                         protocol: str | None = None):
   """The sum of `x` over the devices of its group, inside a shard_map that hands each device
   its own `row` of a PeerWorkspace's table (any shape of 2 A + 1 int32 words). Every device's
-  result holds the same bits: the parts are summed in rank order in float32 and rounded once.
+  result holds the same bits: the parts are summed in rank order in float32 and rounded once
+  (with `protocol` "lamport", a NaN part's bits may change, and so may a zero sum's sign).
   Hopper GPUs only (the kernel is Mosaic GPU's, with no interpreter)."""
+  protocol = protocol_for(x.dtype, protocol)
   if not fits(x.shape, x.dtype, max_blocks):
     raise ValueError(f"workspace_all_reduce takes float16 / bfloat16 / float32 / int32 messages "
                      f"of whole "
@@ -202,12 +252,14 @@ def workspace_all_reduce(x, row, axis_size: int, *, max_blocks: int = 32):
     raise ValueError(f"row: expected {2 * axis_size + 1} int32 words, got {row.shape} {row.dtype}")
   flat = x.reshape(-1)
   blocks, tiles_per_block = plan_blocks(flat.size * flat.dtype.itemsize, max_blocks)
-  kernel = _build(flat.size, jnp.dtype(flat.dtype), axis_size, blocks, tiles_per_block)
+  kernel = _build(flat.size, jnp.dtype(flat.dtype), axis_size, blocks, tiles_per_block,
+                  protocol)
   return kernel(flat, row).reshape(x.shape)
 
 
 @functools.cache
-def _build(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int):
+def _build(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int,
+           protocol: str = "flags"):
   # Mosaic GPU's own modules: imported here, so that jspec imports without a GPU build.
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, gpu
@@ -224,7 +276,11 @@ def _build(n: int, dtype, axis_size: int, blocks: int, tiles_per_block: int):
     integer = dtype == jnp.dtype(jnp.int32)
     mine = mgpu.FragmentedArray.load_strided(mu.memref_slice(x_ref, mu.ds(start, chunk)),
                                              vec_size=vec, is_signed=True if integer else None)
-    load_parts, done = exchange(row_ref, axis_size, SUM_REGION, block, mine)
+    if protocol == "lamport":
+      load_parts, done = lamport.exchange(row_ref, axis_size, lamport_sum_region(axis_size),
+                                          block, mine)
+    else:
+      load_parts, done = exchange(row_ref, axis_size, SUM_REGION, block, mine)
     parts = load_parts()
     # The parts summed in rank order in float32 (int32: as they are), rounded once: the same
     # bits everywhere.

@@ -27,7 +27,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jspec.pallas_kernels import peer_exchange, workspace_all_reduce as wsar
+from jspec.pallas_kernels import lamport_exchange as lamport, peer_exchange
+from jspec.pallas_kernels import workspace_all_reduce as wsar
 
 
 def fits(shape, dtype) -> bool:
@@ -42,10 +43,12 @@ def fits(shape, dtype) -> bool:
 
 
 def workspace_add_norm(partial_MD, residual_MD, scale_D, row, axis_size: int, *, eps: float,
-                       zero_centered: bool = False):
+                       zero_centered: bool = False, protocol: str | None = None):
   """(h, norm(h)) for h = residual + the sum of `partial` over the group (see the module
   docstring), inside a shard_map that hands each device its own `row` of a PeerWorkspace's
-  table. Every device's results hold the same bits. Hopper GPUs only."""
+  table. Every device's results hold the same bits. `protocol`: the handover
+  (wsar.PROTOCOLS; None: wsar.DEFAULT_PROTOCOL). Hopper GPUs only."""
+  protocol = wsar.protocol_for(partial_MD.dtype, protocol)
   if not fits(partial_MD.shape, partial_MD.dtype):
     raise ValueError(f"workspace_add_norm takes float16 / bfloat16 / float32 rows [M, D], M <= "
                      f"{wsar.NORM_ROWS}, D a multiple of {wsar.TILE_BYTES} bytes up to "
@@ -61,13 +64,14 @@ def workspace_add_norm(partial_MD, residual_MD, scale_D, row, axis_size: int, *,
     raise ValueError(f"row: expected {2 * axis_size + 1} int32 words, got {row.shape} {row.dtype}")
   rows, width = partial_MD.shape
   kernel = _build(rows, width, jnp.dtype(partial_MD.dtype), axis_size, float(eps),
-                  bool(zero_centered))
+                  bool(zero_centered), protocol)
   h, normed = kernel(partial_MD.reshape(-1), residual_MD.reshape(-1), scale_D, row)
   return h.reshape(rows, width), normed.reshape(rows, width)
 
 
 @functools.cache
-def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_centered: bool):
+def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_centered: bool,
+           protocol: str = "flags"):
   # Mosaic GPU's own modules: imported here, so that jspec imports without a GPU build.
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, gpu
@@ -93,10 +97,16 @@ def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_center
     load = lambda ref, start: mgpu.FragmentedArray.load_strided(
         mu.memref_slice(ref, mu.ds(start, chunk)), vec_size=vec)
     mine = load(x_ref, own_start)
-    first_slot = arith.muli(row, arith.constant(index, wsar.NORM_ROW_SLOTS))
-    parts, done = peer_exchange.exchange(
-        row_ref, axis_size, region, arith.addi(first_slot, mine_c), mine,
-        first_slot=first_slot, chunks=chunks)
+    if protocol == "lamport":
+      first_slot = lamport.first_row_slot(wsar.NORM_ROWS, chunks, row)
+      parts, done = lamport.exchange(
+          row_ref, axis_size, wsar.lamport_norm_region(axis_size),
+          arith.addi(first_slot, mine_c), mine, first_slot=first_slot, chunks=chunks)
+    else:
+      first_slot = arith.muli(row, arith.constant(index, wsar.NORM_ROW_SLOTS))
+      parts, done = peer_exchange.exchange(
+          row_ref, axis_size, region, arith.addi(first_slot, mine_c), mine,
+          first_slot=first_slot, chunks=chunks)
 
     def h_of(chunk_parts, start):
       total = chunk_parts[0].astype(f32)
