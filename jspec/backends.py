@@ -228,6 +228,15 @@ def _takes_fp8_qkv_kernel(node) -> bool:
   return fp8_rows_fit(node, one_row, QKV_NAMES)
 
 
+# o_proj's and a layer MLP's down_proj's FP8 K-slice partials summed inside the residual add
+# and RMSNorm kernel after them (row_norms.add_partials_rms_norm), in place of XLA's sum: off,
+# since a Qwen3-8B FP8 step (18 layers, one H200) measured slower with it, 2.095 against
+# 1.873 ms at batch 1 and 2.193 against 1.959 at batch 8 (BENCHMARKS.md, "Workspace kernels
+# without flags"): one block a row reads every slice in the kernel, where XLA's sum spreads
+# the reading over the GPU.
+FP8_PARTIALS_IN_NORM = False
+
+
 def use_row_kernels(backend: str, mesh, pairs) -> str:
   """Sets the norms' `row_kernel`, the attention layers' `qk_kernel` and `kv_write`, the
   softmax MoE layers' `router_kernel` (jspec.models.row_kernels) where the backend is "pallas"
@@ -255,7 +264,7 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         if form not in norms:
           norms[form] = sharded_rms_norm(mesh, rules, node.eps, node.zero_centered, interpret)
         node.row_kernel = norms[form]
-      if getattr(node, "fp8_projection", None) is not None and (
+      if FP8_PARTIALS_IN_NORM and getattr(node, "fp8_projection", None) is not None and (
           isinstance(node, (Attention, MLAttention))
           or (isinstance(node, MLP) and path[-1:] == ("mlp",))):
         # o_proj's and a layer MLP's down_proj's K slices summed by the norm after them (a

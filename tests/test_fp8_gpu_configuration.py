@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import jspec
+from jspec import backends
 from jspec.bench.presets import PRESETS
 from jspec.bench.steps import StepTimer
 from jspec.models import gated_deltanet, layers, linear
@@ -55,8 +56,9 @@ def _llm(**kwargs):
 
 def test_fp8_kernels_in_the_model_equal_the_scaled_xla_products(monkeypatch):
   """The GPU's choices, the row kernels included: MLA's o_proj and the dense MLP's down_proj
-  leave their K-slice sums to the norm kernel after them, and the decode steps' experts read
-  their scales' lanes made before the loop."""
+  leave their K-slice sums to the norm kernel after them (opted in), and the decode steps'
+  experts read their scales' lanes made before the loop."""
+  monkeypatch.setattr(backends, "FP8_PARTIALS_IN_NORM", True)  # opted in (off by default)
   cpu = _llm()
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
@@ -117,7 +119,8 @@ def _tiny_fp8_hybrid():
 
 def test_fp8_kernel_in_a_hybrid_model_equals_the_scaled_xla_products(monkeypatch):
   """The GPU's choices, the row kernels included: the gated attention's o_proj and the MLPs'
-  down_proj leave their K-slice sums to the norm kernel after them."""
+  down_proj leave their K-slice sums to the norm kernel after them (opted in)."""
+  monkeypatch.setattr(backends, "FP8_PARTIALS_IN_NORM", True)  # opted in (off by default)
   def llm(**kwargs):
     return jspec.LLM.from_random(_tiny_fp8_hybrid(), jspec.MTPSpec("qwen3_next", 1, is_moe=False),
                                  dtype="float32", seed=3, max_model_len=64, max_num_seqs=2,
@@ -236,12 +239,23 @@ def test_fp8_q_k_v_partials_summed_in_the_norm_kernel_equal_the_scaled_xla_produ
   _assert_same_outputs(cpu, gpu, max_tokens=4)
 
 
+def test_by_default_o_and_down_partials_are_summed_before_the_norm(monkeypatch):
+  """The GPU's choices leave o_proj's and down_proj's K-slice sums to XLA (measured faster)."""
+  with monkeypatch.context() as patch:
+    patch.setattr(platform, "on_hopper", lambda: True)
+    gpu = _qwen3_llm(norm_backend="pallas")
+  layer = gpu.target.layers[0]
+  assert layer.attn.fp8_add_norm is None and layer.mlp.fp8_add_norm is None
+  assert layer.post_attn_norm.row_kernel is not None  # the row kernels are on
+
+
 def test_fp8_o_and_down_partials_summed_in_the_add_norm_kernel_equal_the_scaled_xla_products(
     monkeypatch):
   """With the row kernels on, o_proj's and the MLP's down_proj's K-slice partials go straight
   into the residual add and RMSNorm after them (row_norms.add_partials_rms_norm: no sum of
   XLA's); decode and the n-gram verify windows give the CPU configuration's logits and
   tokens."""
+  monkeypatch.setattr(backends, "FP8_PARTIALS_IN_NORM", True)  # opted in (off by default)
   cpu = _qwen3_llm()
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
