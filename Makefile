@@ -44,10 +44,11 @@ test: $(DEV_STAMP)
 # (no registry access), the checkout as it is. PYTHON names another interpreter. The tests
 # spend most of their time compiling, on the CPU cores: where pytest-xdist is installed they
 # run in GPU_WORKERS processes (0: one) that share the GPUs, each taking GPU memory as it needs
-# it rather than 75% of every GPU at start (and keeping it): one per two CPU cores, at most 8.
+# it rather than 75% of every GPU at start (and keeping it): one per two CPU cores, at most 16
+# (16 on 2 H200 with 32 cores: 6 min 5 s, BENCHMARKS.md).
 # The few that hold tens of GB (marked large_gpu_memory) run afterwards in one process, alone.
 PYTHON ?= python3
-GPU_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 8) / 2 )); [ $$n -gt 8 ] && n=8; \
+GPU_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 8) / 2 )); [ $$n -gt 16 ] && n=16; \
                  [ $$n -lt 1 ] && n=1; echo $$n)
 GPU_PYTEST := PYTHONPATH=. JSPEC_PROGRESS=0 XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pytest -q
 test-gpu:
