@@ -4,14 +4,19 @@ XLA's all-reduce costs 12-19 µs at 8 KB on 2 GPUs; a `remote_ref` kernel pays X
 launch (a ~9 µs barrier). vLLM, SGLang and TensorRT-LLM register one buffer per GPU once and
 keep their handshake flags in it, so a call is one plain kernel launch. Here the same:
 
-  PeerWorkspace(mesh, axis)   one zeroed buffer on every device of the mesh, allocated once
+  PeerWorkspace(mesh, axis)   one buffer on every device of the mesh, allocated once
                               and kept alive, and a table of the buffers' addresses: each
                               device holds its own row (its reduction group's addresses in
                               axis order, and its rank in the group).
   workspace_all_reduce(x, row, ...)
                               inside a shard_map: each block writes its part of x into every
-                              peer's workspace (its own too), raises a flag in each, waits for
-                              every peer's flag in its own, and sums the parts in rank order.
+                              peer's workspace (its own too), learns that every peer's part
+                              has landed in its own, and sums the parts in rank order.
+
+How a block learns it, the `protocol`: "lamport" (float messages, the default) polls the data
+itself, whose empty slots hold a bit pattern no part is sent as (jspec.pallas_kernels.
+lamport_exchange: one crossing of NVLink); "flags" (int32 messages always) raises a flag after
+the data and waits for the peers' flags, as described next.
 
 The kernel reaches the workspaces through their raw addresses, so XLA sees an ordinary
 custom call: no collective launch, no barrier. The flags are counting semaphores that each
