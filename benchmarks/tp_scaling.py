@@ -64,7 +64,9 @@ def main():
   config = PRESETS[args.model]
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
-  spec = jspec.MTPSpec("qwen3_next", 1, is_moe=config.is_moe) if args.method == "mtp" else None
+  # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.
+  layout = "deepseek_v3" if config.mla else "qwen3_next"
+  spec = jspec.MTPSpec(layout, 1, is_moe=config.is_moe) if args.method == "mtp" else None
   speculative = ({"method": "mtp", "num_speculative_tokens": args.k}
                  if args.method == "mtp" else None)
   if args.tree:
