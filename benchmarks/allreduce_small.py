@@ -11,7 +11,8 @@ drop them).
   norm-lamport, norm-flags
              jspec.pallas_kernels.workspace_norm: the all-reduce fused with the residual add
              and RMSNorm of one row (the message), as a tp decode step at batch 1 calls it;
-             checked against norm-flags
+             checked against norm-flags; norm-lamport-prefetch with the residual and scale
+             read before the exchange (workspace_norm.PREFETCH)
   mosaic     jspec.pallas_kernels.all_reduce: peer reads through remote_ref, launched by XLA
              as a collective kernel (its barrier and pointer table each call)
 
@@ -54,9 +55,10 @@ def reduce_fn(impl: str, axis_size: int, blocks: int | None, skip_barrier: bool 
     return lambda x, row: workspace_all_reduce(x, row, axis_size, max_blocks=blocks or 32,
                                                protocol=protocol)
   if impl.startswith("norm-"):
-    protocol = impl.partition("-")[2]
+    protocol, _, prefetch = impl.partition("-")[2].partition("-")
 
     def add_norm(x, row):
+      workspace_norm.PREFETCH = prefetch == "prefetch"  # read when the kernel is built
       row_1D = x.reshape(1, -1)
       scale = jnp.ones(row_1D.shape[1:], x.dtype)
       residual = jnp.zeros_like(row_1D)  # the same on every device, as a model's stream
@@ -110,7 +112,8 @@ def main():
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--impl", nargs="+", default=["nccl", "workspace"],
                       choices=["nccl", "workspace", "workspace-lamport", "workspace-flags",
-                               "norm-lamport", "norm-flags", "mosaic"])
+                               "norm-lamport", "norm-lamport-prefetch", "norm-flags",
+                               "mosaic"])
   parser.add_argument("--kb", type=int, nargs="+", default=[8, 32, 64])
   parser.add_argument("--devices", type=int, default=2)
   parser.add_argument("--length", type=int, default=72, help="all-reduces in the chain")

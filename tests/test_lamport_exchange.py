@@ -71,8 +71,9 @@ def test_both_kernels_build_for_hopper_in_both_protocols_without_a_gpu(monkeypat
       assert callable(wsar._build(n, jnp.dtype(dtype), size, blocks, per, protocol))
     for rows, width, dtype, size in [(1, 4096, jnp.bfloat16, 2), (32, 2048, jnp.float32, 4),
                                      (8, 7168, jnp.float16, 8)]:
-      assert callable(workspace_norm._build(rows, width, jnp.dtype(dtype), size, 1e-6, False,
-                                            protocol))
+      for prefetch in (False, True):
+        assert callable(workspace_norm._build(rows, width, jnp.dtype(dtype), size, 1e-6, False,
+                                              protocol, prefetch))
 
 
 def test_a_lamport_part_must_be_16_byte_float_vectors(monkeypatch):
@@ -143,7 +144,11 @@ def test_gpu_parts_holding_the_sentinels_bits_arrive():
     (1, 4096, jnp.bfloat16, False), (8, 4096, jnp.bfloat16, False),
     (32, 2048, jnp.bfloat16, True), (3, 7168, jnp.bfloat16, False),
     (2, 1024, jnp.float32, True), (4, 4096, jnp.float16, False)])
-def test_gpu_lamport_norms_equal_the_flag_protocols(rows, width, dtype, zero_centered):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gpu_lamport_norms_equal_the_flag_protocols(monkeypatch, rows, width, dtype,
+                                                    zero_centered, prefetch):
+  """Bit for bit the flag protocol's norm (which reads the residual and scale after the
+  exchange), with the Lamport kernel's reads before it (`PREFETCH`) or after."""
   mesh = _gpu_pair()
   rng = np.random.default_rng(rows * width + 1)
   partials = jax.device_put(jnp.asarray(rng.standard_normal((2, rows, width)), dtype),
@@ -155,8 +160,9 @@ def test_gpu_lamport_norms_equal_the_flag_protocols(rows, width, dtype, zero_cen
     return lambda p, r, s, row: jnp.stack(workspace_norm.workspace_add_norm(
         p, r, s, row, 2, eps=1e-6, zero_centered=zero_centered, protocol=protocol))
 
-  got, workspace = _run(mesh, add_norm("lamport"), partials, residual, scale)
   want, _ = _run(mesh, add_norm("flags"), partials, residual, scale)
+  monkeypatch.setattr(workspace_norm, "PREFETCH", prefetch)
+  got, workspace = _run(mesh, add_norm("lamport"), partials, residual, scale)
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(got[0], got[1])
   assert all(workspace.lamport_idle().values())

@@ -31,6 +31,12 @@ from jspec.pallas_kernels import lamport_exchange as lamport, peer_exchange
 from jspec.pallas_kernels import workspace_all_reduce as wsar
 
 
+# Load the residual's chunks and the scale before the exchange, so that their reads overlap
+# the wait for the peers' parts instead of following it (two memory round trips off each
+# call's critical path). The same results; off until timed on GPUs.
+PREFETCH = False
+
+
 def fits(shape, dtype) -> bool:
   """Rows [M, D] the kernel takes: float16 / bfloat16 / float32, at most wsar.NORM_ROWS rows
   of at most wsar.NORM_ROW_BYTES, each a whole number of the warpgroup's 16-byte vectors."""
@@ -64,14 +70,14 @@ def workspace_add_norm(partial_MD, residual_MD, scale_D, row, axis_size: int, *,
     raise ValueError(f"row: expected {2 * axis_size + 1} int32 words, got {row.shape} {row.dtype}")
   rows, width = partial_MD.shape
   kernel = _build(rows, width, jnp.dtype(partial_MD.dtype), axis_size, float(eps),
-                  bool(zero_centered), protocol)
+                  bool(zero_centered), protocol, PREFETCH)
   h, normed = kernel(partial_MD.reshape(-1), residual_MD.reshape(-1), scale_D, row)
   return h.reshape(rows, width), normed.reshape(rows, width)
 
 
 @functools.cache
 def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_centered: bool,
-           protocol: str = "flags"):
+           protocol: str = "flags", prefetch: bool = False):
   # Mosaic GPU's own modules: imported here, so that jspec imports without a GPU build.
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, gpu
@@ -97,6 +103,14 @@ def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_center
     load = lambda ref, start: mgpu.FragmentedArray.load_strided(
         mu.memref_slice(ref, mu.ds(start, chunk)), vec_size=vec)
     mine = load(x_ref, own_start)
+    chunk_start = lambda c: arith.addi(row_start, arith.constant(index, c * chunk))
+    scale_at = lambda: load(scale_ref, arith.muli(mine_c, arith.constant(index, chunk)))
+    if prefetch:  # read while the parts travel
+      residuals = [load(residual_ref, chunk_start(c)) for c in range(chunks)]
+      own_residual, early_scale = load(residual_ref, own_start), scale_at()
+    else:  # read when they are used
+      residuals = [functools.partial(load, residual_ref, chunk_start(c)) for c in range(chunks)]
+      own_residual = functools.partial(load, residual_ref, own_start)
     if protocol == "lamport":
       first_slot = lamport.first_row_slot(wsar.NORM_ROWS, chunks, row)
       parts, done = lamport.exchange(
@@ -108,26 +122,27 @@ def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_center
           row_ref, axis_size, region, arith.addi(first_slot, mine_c), mine,
           first_slot=first_slot, chunks=chunks)
 
-    def h_of(chunk_parts, start):
+    def h_of(chunk_parts, residual):
       total = chunk_parts[0].astype(f32)
       for part in chunk_parts[1:]:
         total = total + part.astype(f32)
       # The sum rounded as the all-reduce returns it, then the residual add rounded once.
       delta = total.astype(mine.mlir_dtype).astype(f32)
-      return (load(residual_ref, start).astype(f32) + delta).astype(mine.mlir_dtype)
+      residual = residual if prefetch else residual()
+      return (residual.astype(f32) + delta).astype(mine.mlir_dtype)
 
     # The whole row's sum of squares: every block of the row sums every chunk.
     squares = None
     for c in range(chunks):
-      h32 = h_of(parts(c), arith.addi(row_start, arith.constant(index, c * chunk))).astype(f32)
+      h32 = h_of(parts(c), residuals[c]).astype(f32)
       squares = h32 * h32 if squares is None else squares + h32 * h32
     total_squares = squares.reduce("add", 0, scratch)
     inv_rms = (total_squares * (1.0 / width) + eps).rsqrt().broadcast((chunk,))
     # This block's own chunk, written out.
-    h = h_of(parts(), own_start)
+    h = h_of(parts(), own_residual)
     h.store_untiled(mu.memref_slice(h_ref, mu.ds(own_start, chunk)))
     normed = h.astype(f32) * inv_rms
-    scale = load(scale_ref, arith.muli(mine_c, arith.constant(index, chunk))).astype(f32)
+    scale = (early_scale if prefetch else scale_at()).astype(f32)
     if zero_centered:  # (1 + w) in float32, one cast (ZeroCenteredRMSNorm)
       out = normed * (scale + 1.0)
     else:  # cast, then the scale (RMSNorm)
