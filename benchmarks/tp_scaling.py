@@ -110,7 +110,8 @@ def main():
                  mean_acceptance_length=mid.mean_acceptance_length, tokens_digest=digest)
       rows.append(row)
       print(json.dumps(row), flush=True)
-  print(f"\n| device | model | mesh | variant | method | batch | tok/s | TPOT ms | TTFT ms | tokens |")
+  print("\n| device | model | mesh | variant | method | batch | tok/s | TPOT ms | TTFT ms "
+        "| tokens |")
   print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
   for r in rows:
     print(f"| {r['device']} | {r['model']} | {r['mesh']} | {r['variant']} | {r['method']} | "
