@@ -51,8 +51,9 @@ def test_a_fresh_workspace_has_every_lamport_slot_empty_and_its_flags_at_zero():
   assert not words[region.counters_offset // 4:][:region.slots].any()
 
 
-def test_int32_messages_keep_the_flags_and_bad_protocols_are_refused():
-  assert wsar.protocol_for(jnp.int32, "lamport") == "flags"
+def test_int32_messages_keep_the_flags_unless_named_and_bad_protocols_are_refused():
+  assert wsar.protocol_for(jnp.int32, None) == "flags"
+  assert wsar.protocol_for(jnp.int32, "lamport") == "lamport"  # the caller's promise
   assert wsar.protocol_for(jnp.bfloat16, None) == wsar.DEFAULT_PROTOCOL
   assert wsar.protocol_for(jnp.float32, "flags") == "flags"
   with pytest.raises(ValueError, match="protocol must be one of"):
@@ -76,11 +77,10 @@ def test_both_kernels_build_for_hopper_in_both_protocols_without_a_gpu(monkeypat
                                               protocol, prefetch))
 
 
-def test_a_lamport_part_must_be_16_byte_float_vectors(monkeypatch):
+def test_int32_words_build_in_the_lamport_form(monkeypatch):
   from jax.experimental.mosaic.gpu import utils as mosaic_utils
   monkeypatch.setattr(mosaic_utils, "_infer_arch", lambda: (9, 0))
-  with pytest.raises(ValueError, match="16-byte float vectors"):
-    wsar._build(4096, jnp.dtype(jnp.int32), 2, 4, 1, "lamport")
+  assert callable(wsar._build(4096, jnp.dtype(jnp.int32), 2, 4, 1, "lamport"))
 
 
 def _gpu_pair():

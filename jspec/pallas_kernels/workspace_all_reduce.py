@@ -97,18 +97,20 @@ def workspace_bytes(axis_size: int) -> int:
   return lamport_norm_region(axis_size).end(axis_size)
 
 
-# How a float message is handed over: "lamport" (the data polled, one NVLink crossing) or
-# "flags" (a flag raised after the data); int32 messages always take the flags, since every
-# bit pattern is a valid int32 and none can mark an empty slot.
+# How a message is handed over: "lamport" (the data polled, one NVLink crossing) or "flags" (a
+# flag raised after the data). int32 messages take the flags unless the caller names
+# "lamport", which promises that no word is all ones (every bit pattern is a valid int32, so
+# only the caller can rule out the one that marks an empty slot).
 PROTOCOLS = ("lamport", "flags")
 DEFAULT_PROTOCOL = "lamport"
 
 
 def protocol_for(dtype, protocol: str | None) -> str:
-  protocol = DEFAULT_PROTOCOL if protocol is None else protocol
-  if protocol not in PROTOCOLS:
+  if protocol is not None and protocol not in PROTOCOLS:
     raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-  return "flags" if jnp.dtype(dtype) == jnp.dtype(jnp.int32) else protocol
+  if jnp.dtype(dtype) == jnp.dtype(jnp.int32):
+    return protocol or "flags"
+  return protocol or DEFAULT_PROTOCOL
 
 
 def fits(shape, dtype, max_blocks: int = 32) -> bool:
@@ -244,8 +246,9 @@ def workspace_all_reduce(x, row, axis_size: int, *, max_blocks: int = 32,
   """The sum of `x` over the devices of its group, inside a shard_map that hands each device
   its own `row` of a PeerWorkspace's table (any shape of 2 A + 1 int32 words). Every device's
   result holds the same bits: the parts are summed in rank order in float32 and rounded once
-  (with `protocol` "lamport", a NaN part's bits may change, and so may a zero sum's sign).
-  Hopper GPUs only (the kernel is Mosaic GPU's, with no interpreter)."""
+  (under "lamport" an all-ones NaN element is sent as the quiet NaN). `protocol`: see
+  PROTOCOLS; an int32 message takes "lamport" only where named, and then no word of it may be
+  all ones. Hopper GPUs only (the kernel is Mosaic GPU's, with no interpreter)."""
   protocol = protocol_for(x.dtype, protocol)
   if not fits(x.shape, x.dtype, max_blocks):
     raise ValueError(f"workspace_all_reduce takes float16 / bfloat16 / float32 / int32 messages "
