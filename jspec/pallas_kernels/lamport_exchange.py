@@ -4,14 +4,15 @@
 jspec.pallas_kernels.peer_exchange hands a part over with a flag: the sender stores the part
 into the peer's workspace, orders the stores with a release at system scope (a round trip over
 NVLink for the acknowledgements) and then raises a flag that must cross NVLink again before the
-peer may read. Here the data is its own flag. Every data slot holds SENTINEL bytes (all ones)
-until a peer's part lands in it; the reader polls its slot with volatile loads until no element
-holds the sentinel, which is one crossing of NVLink instead of three.
+peer may read. Here the data is its own flag. Every data slot holds all-ones bytes (the
+sentinel) until a peer's part lands in it; the reader polls its slot with volatile loads until
+no element holds the sentinel, which is one crossing of NVLink instead of three.
 
 That needs three things:
 - No part may hold the sentinel's bit pattern. All ones is a NaN (of any float width), so the
   sender turns such an element into the positive quiet NaN of its width (sums are NaN either
-  way). Only float parts go this way; int32 parts keep the flags.
+  way). int32 parts go this way only where their caller rules out all-ones words
+  (jspec.sharding.moe's gather, with a stand-in); elsewhere they keep the flags.
 - A slot must hold the sentinel again before its next use: three phases a slot, a call uses
   phase (its call count mod 3), and a block re-fills the phase its slot used one call before,
   which every reader finished in the previous kernel. A peer is never more than one call ahead
@@ -21,7 +22,7 @@ That needs three things:
   used together (the norm region keeps a set of slots per chunk count), so every chunk's count
   equals the block's own.
 
-The workspace's Lamport regions start filled with SENTINEL (PeerWorkspace does this).
+The workspace's Lamport regions start filled with the sentinel (PeerWorkspace does this).
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ import numpy as np
 
 from jspec.pallas_kernels.peer_exchange import MAX_DEVICES, workspace_pointers
 
-# Every byte of an empty data slot.
-SENTINEL_BYTE = 0xFF
 PHASES = 3
 # 16-byte vectors a thread polls in one loop (64 registers): enough to overlap the loads'
 # latencies, few enough to leave registers for the rest of the kernel.
@@ -43,7 +42,7 @@ POLL_BATCH = 16
 @dataclasses.dataclass(frozen=True)
 class LamportRegion:
   """A part of the workspace: counters[s] (int32, a call count per slot), then data slots
-  [PHASES][A sources][slots] of `slot_bytes` each, which start as SENTINEL bytes."""
+  [PHASES][A sources][slots] of `slot_bytes` each, which start as all-ones bytes."""
   offset: int
   slots: int
   slot_bytes: int

@@ -179,7 +179,7 @@ class PeerWorkspace:
     self.mesh, self.axis, self.axis_size = mesh, axis, size
     self.row_spec = PartitionSpec(*mesh.axis_names, None)
     words = np.zeros(workspace_bytes(self.axis_size) // 4, np.int32)
-    for region in self._lamport_regions():  # empty data slots: SENTINEL bytes
+    for region in self._lamport_regions():  # empty data slots: all-ones bytes
       words[region.data_offset // 4:region.end(size) // 4] = -1
     self._buffers = {d.id: jax.device_put(words, d) for d in self.mesh.devices.flat}
     for buffer in self._buffers.values():
@@ -203,7 +203,7 @@ class PeerWorkspace:
             for d, words in self._read().items()}
 
   def lamport_idle(self) -> dict[int, bool]:
-    """Per device: whether every Lamport slot's next two phases are empty (SENTINEL), as
+    """Per device: whether every Lamport slot's next two phases are empty (all ones), as
     they must be between programs (the third holds the slot's last call)."""
     idle = {}
     for d, words in self._read().items():
