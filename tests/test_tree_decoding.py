@@ -86,8 +86,10 @@ def test_greedy_tree_through_the_cache_write_kernel_equals_vanilla(llama_drafter
                                                                    name, method, tree, mesh):
   """With the row kernels (norm_backend="pallas", as on a GPU; interpreted here), the tree
   windows write their keys and values at the layout's slots through the cache-write kernel
-  (the target's verify window of root and nodes; an MTP head's passes too), and the tokens are
-  vanilla greedy's."""
+  (the target's verify window of root and nodes; an MTP head's passes too), the accepted
+  path's rows go back to their positions' slots through it (GQA caches; a draft model's too),
+  and the tokens are vanilla greedy's."""
+  from jspec.models import caches as cache_lib
   from jspec.models.tree_attention import active_layout
   from jspec.pallas_kernels import kv_write as kv_lib
   tree_widths = []  # windows written under a tree layout (traced inside a tree pass)
@@ -98,7 +100,15 @@ def test_greedy_tree_through_the_cache_write_kernel_equals_vanilla(llama_drafter
       tree_widths.append(k_BTKH.shape[1])
     return kernel(keys, values, k_BTKH, *args, **kwargs)
 
+  compacted = []  # per compaction: how many caches went through a write kernel
+  compact = cache_lib.compact
+
+  def counted_compact(caches, path_BD, start_B, writers=None):
+    compacted.append(sum(w is not None for w in writers or ()))
+    return compact(caches, path_BD, start_B, writers)
+
   monkeypatch.setattr(kv_lib, "write_kv", counted)
+  monkeypatch.setattr(cache_lib, "compact", counted_compact)
   spec = {"method": method, "num_speculative_tokens": _nodes(tree),
           "speculative_token_tree": tree}
   if method == "draft_model":
@@ -108,6 +118,9 @@ def test_greedy_tree_through_the_cache_write_kernel_equals_vanilla(llama_drafter
   outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
   assert [o.token_ids for o in outs] == _vanilla(name)
   assert 1 + _nodes(tree) in tree_widths  # the verify window
+  # The target's layers (GQA: the Llama fixture) and the draft model's compact through the
+  # kernel; GLM's MTP head keeps no cache of its own to compact.
+  assert compacted and all(n > 0 for n in compacted), compacted
   if method == "draft_model":  # the draft model is the target: rank-1 paths accepted
     assert outs.metrics.num_accepted_tokens > outs.metrics.num_steps // 2
 

@@ -69,7 +69,7 @@ def tree_window(target, drafter, state, req, last_token_B, plan, ctx, forward, s
         streams[0], lengths_B[:, None] + jnp.arange(tree.depth + 1, dtype=jnp.int32))
     accept_len_B, out_BD1, path_BD1 = tree_lib.sampled_accept(
         tree, tokens_BN, target_probs_BNV, draft_probs_BPV, keys_BD1)
-  caches = cache_lib.compact(caches, path_BD1, lengths_B - 1)
+  caches = cache_lib.compact(caches, path_BD1, lengths_B - 1, cache_lib.kv_writers(target))
   draft = drafter.accept_tree(draft, path_BD1, lengths_B)
 
   pad = nodes - out_BD1.shape[1]

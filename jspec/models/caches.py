@@ -77,9 +77,16 @@ class KVCache:
     del num_emit_B  # Rolls back by length: slots past the new length are never read.
     return self
 
-  def compact(self, path_BD, start_B) -> "KVCache":
-    return KVCache(compact_slots(self.keys, path_BD, start_B, 2),
-                   compact_slots(self.values, path_BD, start_B, 2))
+  def compact(self, path_BD, start_B, write=None) -> "KVCache":
+    """compact_slots on keys and values; with `write` (an Attention's `kv_write`: the cache
+    write kernel) the gathered rows go in through it, in place of XLA's scatters."""
+    if write is None:
+      return KVCache(compact_slots(self.keys, path_BD, start_B, 2),
+                     compact_slots(self.values, path_BD, start_B, 2))
+    sources_BD, targets_BD = path_slots(path_BD, start_B, self.keys.shape[2])
+    rows = lambda cache_BKSH: jnp.moveaxis(gather_slots(cache_BKSH, sources_BD, 2), 2, 1)
+    return KVCache(*write(self.keys, self.values, rows(self.keys), rows(self.values),
+                          targets_BD))
 
 
 @struct.dataclass
@@ -168,27 +175,50 @@ class RecurrentWindow:
     return RecurrentCache(conv, state)
 
 
+def path_slots(path_BD, start_B, slots: int):
+  """(sources, targets) [B, D] of compact_slots: slot start + j takes the row at
+  start + path[j]; a target of `slots` (past the cache) drops the row."""
+  depth = path_BD.shape[1]
+  sources_BD = start_B[:, None] + jnp.maximum(path_BD, 0)
+  targets_BD = start_B[:, None] + jnp.arange(depth, dtype=jnp.int32)
+  return sources_BD, jnp.where(path_BD >= 0, targets_BD, slots)
+
+
+def gather_slots(cache_B_S_, sources_BD, slot_axis: int):
+  """Each sequence's rows at slots `sources_BD`, on the slot axis (its place kept)."""
+  return jax.vmap(lambda c, i: jnp.take(c, i, axis=slot_axis - 1, mode="clip"))(
+      cache_B_S_, sources_BD)
+
+
 def compact_slots(cache_B_S_, path_BD, start_B, slot_axis: int):
   """A token tree's accepted path moved to consecutive slots (jspec.models.tree_attention):
   slot start + j takes the row at start + path[j] (path[0] = 0, the root); -1 past the
   accepted depth leaves the slot as it is. The rows are gathered before any is written."""
-  depth = path_BD.shape[1]
-  sources_BD = start_B[:, None] + jnp.maximum(path_BD, 0)
-  targets_BD = start_B[:, None] + jnp.arange(depth, dtype=jnp.int32)
-  targets_BD = jnp.where(path_BD >= 0, targets_BD, cache_B_S_.shape[slot_axis])  # dropped
-  rows = jax.vmap(lambda c, i: jnp.take(c, i, axis=slot_axis - 1, mode="clip"))(
-      cache_B_S_, sources_BD)
+  sources_BD, targets_BD = path_slots(path_BD, start_B, cache_B_S_.shape[slot_axis])
+  rows = gather_slots(cache_B_S_, sources_BD, slot_axis)
   return write_slots(cache_B_S_, jnp.moveaxis(rows, slot_axis, 1), targets_BD, slot_axis)
 
 
-def compact(caches: tuple, path_BD, start_B) -> tuple:
+def compact(caches: tuple, path_BD, start_B, writers: tuple | None = None) -> tuple:
   """Each layer's cache after a token tree's verify window: the accepted path's rows at the
-  slots its positions name. Recurrent layers keep no per-path state: trees refuse them."""
+  slots its positions name; `writers` (one per cache, or None) the layers' cache write
+  kernels, which GQA caches then write through. Recurrent layers keep no per-path state:
+  trees refuse them."""
   for cache in caches:
     if not hasattr(cache, "compact"):
       raise ValueError(f"token trees need caches by position; {type(cache).__name__} keeps "
                        "a recurrent state that one window cannot hold per path")
-  return tuple(cache.compact(path_BD, start_B) for cache in caches)
+  if writers is None or len(writers) != len(caches):
+    writers = (None,) * len(caches)
+  return tuple(cache.compact(path_BD, start_B, write) if write is not None
+               else cache.compact(path_BD, start_B) for cache, write in zip(caches, writers))
+
+
+def kv_writers(model) -> tuple:
+  """The cache write kernel of each of `model`'s layers (None where a layer has none), in the
+  order of its caches."""
+  return tuple(getattr(getattr(layer, "attn", None), "kv_write", None)
+               for layer in getattr(model, "layers", ()))
 
 
 def commit(caches: tuple, num_emit_B) -> tuple:

@@ -102,5 +102,6 @@ class DraftModelDrafter(Drafter):
     so that the cache is by position again up to the deepest accepted node's parent (that
     node itself, never fed, is the next step's refresh)."""
     path_BD = jnp.where(path_BD1[:, 1:] > 0, path_BD1[:, 1:] - 1, -1)
-    return draft.replace(caches=cache_lib.compact(draft.caches, path_BD, lengths_B))
+    return draft.replace(caches=cache_lib.compact(draft.caches, path_BD, lengths_B,
+                                                  cache_lib.kv_writers(self.model)))
 
