@@ -51,6 +51,31 @@ def test_a_fresh_workspace_has_every_lamport_slot_empty_and_its_flags_at_zero():
   assert not words[region.counters_offset // 4:][:region.slots].any()
 
 
+def test_lamport_idle_checks_the_next_two_phases_of_every_slot(monkeypatch):
+  """A slot's next two phases (its count and count + 1, mod 3) must be empty between
+  programs; the third holds its last call's parts and may hold anything."""
+  mesh = Mesh(np.asarray(jax.devices()[:2]), ("tp",))
+  workspace = wsar.PeerWorkspace(mesh, "tp")
+  fresh = {d: w.copy() for d, w in workspace._read().items()}
+  region = wsar.lamport_norm_region(2)
+  slot, count = 37, 5   # phases: next 5 % 3 = 2, then 0; the last call's is 1
+
+  def word(phase, source):  # the first word of [phase][source][slot]
+    n = (phase * 2 + source) * region.slots + slot
+    return (region.data_offset + n * region.slot_bytes) // 4
+
+  def state(phase_written):
+    words = {d: w.copy() for d, w in fresh.items()}
+    for w in words.values():
+      w[region.counters_offset // 4 + slot] = count
+      w[word(phase_written, 1)] = 12345
+    return words
+
+  for phase, idle in [(1, True), (2, False), (0, False)]:
+    monkeypatch.setattr(workspace, "_read", lambda phase=phase: state(phase))
+    assert all(workspace.lamport_idle().values()) == idle, phase
+
+
 def test_int32_messages_keep_the_flags_unless_named_and_bad_protocols_are_refused():
   assert wsar.protocol_for(jnp.int32, None) == "flags"
   assert wsar.protocol_for(jnp.int32, "lamport") == "lamport"  # the caller's promise
