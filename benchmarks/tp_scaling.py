@@ -63,6 +63,9 @@ def main():
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
+  parser.add_argument("--draft-vocab-size", type=int, default=0,
+                      help="with --method mtp: the head drafts from the first N token ids only "
+                           "(speculative_config's draft_vocab)")
   parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
   parser.add_argument("--prompt-len", type=int, default=512)
   parser.add_argument("--max-tokens", type=int, default=128)
@@ -82,6 +85,8 @@ def main():
   if args.tree:
     speculative.update(num_speculative_tokens=args.tree.count("("),
                        speculative_token_tree=args.tree)
+  if args.draft_vocab_size:
+    speculative["draft_vocab"] = list(range(args.draft_vocab_size))
   params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
   device = jax.devices()[0].device_kind
   if args.one_row:

@@ -1,5 +1,6 @@
 """On real GPUs: greedy outputs identical on every mesh the machine's GPUs allow, for each
-drafter, dense and MoE (the MoE through the Pallas kernels where bf16 makes them run)."""
+drafter (an MTP token tree included), dense and MoE (the MoE through the Pallas kernels where
+bf16 makes them run)."""
 
 import functools
 
@@ -14,7 +15,10 @@ MESHES = [(2, 1, 1), (1, 2, 1), (1, 1, 2),                                 # 2 G
           (2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 4, 1), (4, 1, 1),           # 4 GPUs
           (2, 2, 2), (1, 4, 2), (8, 1, 1), (1, 8, 1)]                      # 8 GPUs
 SPECS = {"none": None, "mtp": {"method": "mtp", "num_speculative_tokens": 3},
-         "ngram": {"method": "ngram", "num_speculative_tokens": 3}}
+         "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+         # a 7-node token tree of depth 3: ancestor masks, tree acceptance, cache compaction
+         "tree": {"method": "mtp", "num_speculative_tokens": 7, "speculative_token_tree":
+                  "[(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (0, 1)]"}}
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 8, 7, 8, 7, 8]]
 # The fixtures have 4 query heads; "wide_moe" (random weights, 8 heads) also covers tp = 8.
 MODELS = ["qwen3_dense", "qwen3_moe", "wide_moe"]
