@@ -8,8 +8,7 @@ warm-up call.
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant kernel    # ..., the one-shot kernel
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant partitioner  # XLA places them all
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant unfused  # kernel, norms apart
-    python benchmarks/tp_scaling.py --mesh 1,2,1 --variant norm-prefetch  # workspace_norm.PREFETCH
-    python benchmarks/tp_scaling.py --model qwen3-30b-a3b --mesh 1,1,2 --variant lamport-gather
+    python benchmarks/tp_scaling.py --mesh 1,2,1 --variant norm-late  # workspace_norm.PREFETCH off
     python benchmarks/tp_scaling.py --mesh 1,2,1 --one-row kernel  # one-row products: kernel
 
 Variants (LLM(all_reduce_backend), jspec.sharding.tensor_parallel): `default` ("auto":
@@ -39,15 +38,12 @@ from flax import nnx
 import jspec
 from jspec.bench.presets import PRESETS
 from jspec.pallas_kernels import workspace_norm
-from jspec.sharding import moe
 
 VARIANTS = {"default": {}, "partitioner": dict(all_reduce_backend="partitioner"),
             "xla": dict(all_reduce_backend="xla"), "kernel": dict(all_reduce_backend="kernel"),
             "unfused": dict(all_reduce_backend="kernel"),
-            # the fused all-reduce + norm reading the residual and scale before the exchange
-            "norm-prefetch": {},
-            # the MoE layers' ep all-gather in the kernel's Lamport form (moe.LAMPORT_GATHER)
-            "lamport-gather": {}}
+            # the fused all-reduce + norm reading the residual and scale after the exchange
+            "norm-late": {}}
 
 
 def main():
@@ -73,8 +69,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
   config = PRESETS[args.model]
-  workspace_norm.PREFETCH = args.variant == "norm-prefetch" or workspace_norm.PREFETCH
-  moe.LAMPORT_GATHER = args.variant == "lamport-gather" or moe.LAMPORT_GATHER
+  workspace_norm.PREFETCH = args.variant != "norm-late" and workspace_norm.PREFETCH
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.

@@ -27,7 +27,7 @@ def _with_workspace(monkeypatch, mesh, custom):
   """sharded_experts built with Hopper patched in (so the address rows exist), run on XLA's
   einsum backend with psum standing in for the kernel's sum."""
   monkeypatch.setattr(moe.Collectives, "_kernel_sum",
-                      lambda self, axis, x, protocol=None: jax.lax.psum(x, axis))
+                      lambda self, axis, x: jax.lax.psum(x, axis))
   with monkeypatch.context() as hopper:
     hopper.setattr(platform, "on_hopper", lambda: True)
     return moe.sharded_experts(experts_reference, mesh, ShardingRules(),
@@ -54,37 +54,6 @@ def test_the_kernel_collectives_give_xlas_sums(monkeypatch, dp, tp, ep, tokens_p
                              rtol=1e-4, atol=1e-5)
   found = counts(collectives(custom.lower(x, ids, weights, wg, wu, wd).compile().as_text()))
   assert "all-gather" not in found and "reduce-scatter" not in found, found
-
-
-@pytest.mark.parametrize("dp, tp, ep", [(1, 1, 2), (2, 1, 2), (1, 2, 2)])
-def test_the_lamport_gather_gives_xlas_sums_with_a_dropped_slot(monkeypatch, dp, tp, ep):
-  """With LAMPORT_GATHER the gather's words go to the kernel as "lamport" with no word all
-  ones: a dropped slot's id -1 arrives as the stand-in, which every shard drops too."""
-  monkeypatch.setattr(moe, "LAMPORT_GATHER", True)
-  protocols, all_ones = [], []  # per kernel sum; all-ones words per gather, counted on device
-
-  def stand_in(self, axis, x, protocol=None):
-    protocols.append(protocol)
-    if protocol == "lamport":
-      jax.debug.callback(lambda n: all_ones.append(int(n)), jnp.sum(x == -1))
-    return jax.lax.psum(x, axis)
-
-  mesh = MeshConfig(dp=dp, tp=tp, ep=ep).make_mesh()
-  tokens = 2 * dp * ep
-  x, ids, weights, wg, wu, wd = expert_problem(7 + dp + tp, tokens, num_experts=4 * ep, top_k=2,
-                                               dim=64, ffn=32 * tp, dtype=jnp.float32)
-  ids = ids.at[0, 0].set(-1)
-  with monkeypatch.context() as hopper:
-    hopper.setattr(platform, "on_hopper", lambda: True)
-    custom = moe.sharded_experts(experts_reference, mesh, ShardingRules(),
-                                 custom_all_reduce=True)
-  monkeypatch.setattr(moe.Collectives, "_kernel_sum", stand_in)
-  got = jax.jit(custom)(x, ids, weights, wg, wu, wd)
-  want = moe.sharded_experts(experts_reference, mesh, ShardingRules())(x, ids, weights, wg, wu,
-                                                                        wd)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
-  assert "lamport" in protocols, protocols
-  assert all_ones and not any(all_ones)
 
 
 def test_without_the_kernel_option_the_collectives_stay_xlas(monkeypatch):
@@ -124,12 +93,10 @@ def test_the_kernel_takes_int32_words():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lamport", [False, True])
-def test_gpu_int32_sums_are_exact_and_gather_words_bit_for_bit(monkeypatch, lamport):
+def test_gpu_int32_sums_are_exact_and_gather_words_bit_for_bit():
   """On 2 GPUs: the kernel's int32 sum wraps as integers do, and words written into slots of
-  their own come back on both devices bit for bit (NaN and denormal patterns included; in the
-  Lamport form an all-ones word as its stand-in)."""
-  monkeypatch.setattr(moe, "LAMPORT_GATHER", lamport)
+  their own come back on both devices bit for bit (NaN, denormal and all-ones patterns
+  included)."""
   gpus = [d for d in jax.devices() if d.platform == "gpu"]
   if len(gpus) < 2:
     pytest.skip("needs 2 GPUs")
@@ -146,8 +113,6 @@ def test_gpu_int32_sums_are_exact_and_gather_words_bit_for_bit(monkeypatch, lamp
                              out_specs=P("ep"), check_vma=False))
   got = np.asarray(fn(jax.device_put(words, NamedSharding(mesh, P("ep"))), workspace.rows))
   want = words.reshape(32, 64).copy()
-  if lamport:
-    want[want == 0xFFFFFFFF] = moe.ALL_ONES_STAND_IN
   for device in range(2):
     np.testing.assert_array_equal(got[device], want)
   assert all(not f.any() for f in workspace.flags().values())
@@ -155,15 +120,10 @@ def test_gpu_int32_sums_are_exact_and_gather_words_bit_for_bit(monkeypatch, lamp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mesh, lamport_gather", [(MeshConfig(ep=2), False),
-                                                  (MeshConfig(ep=2), True),
-                                                  (MeshConfig(tp=2), False)])
-def test_gpu_moe_model_with_the_kernel_collectives_keeps_xlas_tokens(monkeypatch, mesh,
-                                                                      lamport_gather):
+@pytest.mark.parametrize("mesh", [MeshConfig(ep=2), MeshConfig(tp=2)])
+def test_gpu_moe_model_with_the_kernel_collectives_keeps_xlas_tokens(mesh):
   """A float32 MoE fixture on 2 GPUs: all_reduce_backend="kernel" (the MoE layers'
-  collectives through the kernel, the ep gather with flags or in the Lamport form) emits the
-  tokens of "xla"."""
-  monkeypatch.setattr(moe, "LAMPORT_GATHER", lamport_gather)
+  collectives through the kernel) emits the tokens of "xla"."""
   import jspec
   from helpers import fixture_dir, greedy
   if sum(d.platform == "gpu" for d in jax.devices()) < 2:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jspec.models import caches as cache_lib
+from jspec.models import caches as cache_lib, moe_backends
 from jspec.speculative import sampling, verify
 from jspec.speculative.drafters import TargetOut
 from jspec.speculative.drafters.base import take_rows
@@ -112,8 +112,18 @@ def is_stop(tokens_BT, stop_ids_BX):
 
 
 def target_forward(target, drafter, tokens_BT, positions_BT, caches, kv_window: int,
-                    experts_fn, seq_lens_B=None):
-  """The target over a window, with the layer inputs the drafter reads (TargetOut)."""
+                    experts_fn, seq_lens_B=None, live_B=None):
+  """The target over a window, with the layer inputs the drafter reads (TargetOut). MoE
+  layers route the live tokens only (moe_backends.live_tokens_only): a prefill's positions
+  before seq_lens_B, a step's rows of live_B [B] (a dead row's window is never committed)."""
+  if seq_lens_B is not None:
+    live_BT = positions_BT < seq_lens_B[:, None]
+  elif live_B is not None and tokens_BT.shape[0] > 1:  # one row runs until it ends
+    live_BT = jnp.broadcast_to(live_B[:, None], tokens_BT.shape)
+  else:
+    live_BT = None
+  if live_BT is not None:
+    experts_fn = moe_backends.live_tokens_only(experts_fn, live_BT)
   if drafter.aux_layers:
     hidden_BTD, caches, aux = target(tokens_BT, positions_BT, caches, kv_window, experts_fn,
                                      seq_lens_B=seq_lens_B, aux_layers=drafter.aux_layers)
@@ -160,7 +170,7 @@ def decode_step(target, drafter, state: DecodeState, req: RequestInputs, plan: L
   last_token_B = row_items(state.tokens_BS, lengths_B - 1)
   if plan.tree is not None:
     forward = lambda t, p, c: target_forward(target, drafter, t, p, c, plan.cache_len,
-                                             ctx.experts_fn)
+                                             ctx.experts_fn, live_B=~state.done_B)
     (accept_len_B, out_tokens_BT, target_out, window_caches, draft, logits_BTV,
      draft_len_B) = tree_window(target, drafter, state, req, last_token_B, plan, ctx, forward,
                                 (stream_keys(req, TARGET_STREAM), stream_keys(req, DRAFT_STREAM)))
@@ -187,7 +197,7 @@ def _chain_window(target, drafter, state, req, plan, ctx, last_token_B):
   positions_BT = lengths_B[:, None] - 1 + jnp.arange(k + 1, dtype=jnp.int32)
   target_out, window_caches = target_forward(target, drafter, verify_tokens_BT, positions_BT,
                                               state.target_caches, plan.cache_len,
-                                              ctx.experts_fn)
+                                              ctx.experts_fn, live_B=~state.done_B)
   logits_BTV = target.logits(target_out.hidden_BTD)
   accept_len_B, out_tokens_BT = accept(logits_BTV, drafts_BK, draft_len_B, draft_probs_BKV,
                                         state, req, plan, ctx.vocab_argmax)

@@ -85,3 +85,19 @@ def get_experts_fn(name: str) -> ExpertsFn:
     return experts_pallas
   return {"reference": experts_reference, "dense": experts_dense,
           "ragged_dot": experts_ragged_dot}[name]
+
+
+def live_tokens_only(experts_fn: ExpertsFn, live_BT: jax.Array) -> ExpertsFn:
+  """`experts_fn` that computes the tokens of live_BT [B, T] only (the MoE layer's T = B x T
+  rows, row-major): a dead token's ids become -1, which every backend skips, so that its
+  output is zeros and the experts only it picked are not read. Why: a step's padding rows (a
+  batch bucket's spare rows, the free slots of the continuous scheduler, a prefill chunk's
+  positions past its prompt) route like any token, and at expert parallelism one padding row
+  can double the experts a shard reads (ep = 2 at batch 1: a bucket of 2 rows, one padding)."""
+  def experts(x_TD, topk_ids_TK, topk_weights_TK, *weights):
+    if x_TD.shape[0] != live_BT.size:
+      raise ValueError(f"live_BT {live_BT.shape} does not cover the layer's {x_TD.shape[0]} "
+                       "tokens")
+    ids_TK = jnp.where(live_BT.reshape(-1, 1), topk_ids_TK, -1).astype(topk_ids_TK.dtype)
+    return experts_fn(x_TD, ids_TK, topk_weights_TK, *weights)
+  return experts

@@ -45,16 +45,6 @@ EP_STRATEGIES = ("auto", "all_gather", "all_to_all")
 AUTO_STRATEGY = "all_gather"
 
 
-# The ep all-gather of tokens, ids and routing weights through the kernel's Lamport form (the
-# data polled, no flag: jspec.pallas_kernels.lamport_exchange), which needs no word to be all
-# ones: such a word (two all-ones bf16 NaNs, an all-ones float32 NaN, the id -1 of a dropped
-# slot) is sent as ALL_ONES_STAND_IN, a NaN in both widths and an expert id past every model's,
-# which every shard drops as it drops -1. Off until timed on GPUs; the float sums take the
-# Lamport form by default.
-LAMPORT_GATHER = False
-ALL_ONES_STAND_IN = 0x7FC07FC0
-
-
 def _local_ids(ids_TK, experts_per_shard: int):
   """Global expert ids -> this ep shard's local ids; other shards' experts become -1."""
   first = jax.lax.axis_index("ep") * experts_per_shard
@@ -69,8 +59,8 @@ class Collectives:
   def __init__(self, rows: dict):
     self.rows = rows
 
-  def _sum(self, axis: str, x, protocol: str | None = None):
-    """The sum of x over `axis` through the kernel (in `protocol`: wsar.protocol_for), or None
+  def _sum(self, axis: str, x):
+    """The sum of x over `axis` through the kernel (wsar.protocol_for its dtype), or None
     where it does not take x: its elements flattened and padded with zeros to the kernel's
     whole 2 KB tiles."""
     if axis not in self.rows:
@@ -80,11 +70,10 @@ class Collectives:
     padded = jnp.pad(flat, (0, -flat.size % tile))
     if not wsar.fits(padded.shape, padded.dtype):
       return None
-    return self._kernel_sum(axis, padded, protocol)[:flat.size].reshape(x.shape)
+    return self._kernel_sum(axis, padded)[:flat.size].reshape(x.shape)
 
-  def _kernel_sum(self, axis: str, flat, protocol: str | None = None):
-    return wsar.workspace_all_reduce(flat, self.rows[axis], jax.lax.axis_size(axis),
-                                     protocol=protocol)
+  def _kernel_sum(self, axis: str, flat):
+    return wsar.workspace_all_reduce(flat, self.rows[axis], jax.lax.axis_size(axis))
 
   def reduce_tp(self, y, tp_sharded: bool):
     """Sum the partial products of a tp-sharded intermediate; a tp-replicated head has none."""
@@ -94,20 +83,17 @@ class Collectives:
     return jax.lax.psum(y, "tp") if summed is None else summed
 
   def gather_words(self, words_TW):
-    """uint32 words [T, W] of every ep shard, in shard order: [ep * T, W] (with LAMPORT_GATHER
-    through the kernel, an all-ones word arrives as ALL_ONES_STAND_IN)."""
+    """uint32 words [T, W] of every ep shard, in shard order: [ep * T, W]. Through the kernel
+    they take the flag protocol: the Lamport form would need a stand-in for all-ones words, and
+    it measured no faster on Qwen3-30B-A3B at ep = 2 (10.946 against 10.921 ms a step at batch
+    32, 5.210 against 5.205 at batch 1; BENCHMARKS.md, 2026-11-29)."""
     ep = jax.lax.axis_size("ep")
     total = None
     if "ep" in self.rows:
-      protocol = None
-      if LAMPORT_GATHER:
-        protocol = "lamport"
-        words_TW = jnp.where(words_TW == jnp.uint32(0xFFFFFFFF), jnp.uint32(ALL_ONES_STAND_IN),
-                             words_TW)
       mine = jax.lax.bitcast_convert_type(words_TW, jnp.int32)
       slots = jax.lax.dynamic_update_slice(jnp.zeros((ep, *mine.shape), jnp.int32), mine[None],
                                            (jax.lax.axis_index("ep"), 0, 0))
-      total = self._sum("ep", slots, protocol)
+      total = self._sum("ep", slots)
     if total is None:
       return jax.lax.all_gather(words_TW, "ep", axis=0, tiled=True)
     return jax.lax.bitcast_convert_type(total.reshape(-1, words_TW.shape[1]), jnp.uint32)
