@@ -11,13 +11,11 @@ import pytest
 from flax import nnx
 
 import jspec
-from jspec import backends
 from jspec.bench.presets import PRESETS
 from jspec.bench.steps import StepTimer
 from jspec.models import gated_deltanet, layers, linear
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, Attention
-from jspec.models.linear import project_to_norm
 from jspec.models.mla import MLAttention
 from jspec.pallas_kernels import fp8_experts, fp8_gemm, platform
 
@@ -55,16 +53,12 @@ def _llm(**kwargs):
 
 
 def test_fp8_kernels_in_the_model_equal_the_scaled_xla_products(monkeypatch):
-  """The GPU's choices, the row kernels included: MLA's o_proj and the dense MLP's down_proj
-  leave their K-slice sums to the norm kernel after them (opted in), and the decode steps'
-  experts read their scales' lanes made before the loop."""
-  monkeypatch.setattr(backends, "FP8_PARTIALS_IN_NORM", True)  # opted in (off by default)
+  """The GPU's choices, the row kernels included: the FP8 products through the few-row
+  kernel, and the decode steps' experts read their scales' lanes made before the loop."""
   cpu = _llm()
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
     gpu = _llm(norm_backend="pallas")
-  assert gpu.target.layers[0].attn.fp8_add_norm is not None  # MLA
-  assert gpu.target.layers[0].mlp.fp8_add_norm is not None  # the dense first layer
   projections = [node.fp8_projection for _, node in nnx.iter_graph(gpu.target)
                  if isinstance(node, (MLAttention, MLP))]
   assert projections and all(p is not None for p in projections)
@@ -118,9 +112,8 @@ def _tiny_fp8_hybrid():
 
 
 def test_fp8_kernel_in_a_hybrid_model_equals_the_scaled_xla_products(monkeypatch):
-  """The GPU's choices, the row kernels included: the gated attention's o_proj and the MLPs'
-  down_proj leave their K-slice sums to the norm kernel after them (opted in)."""
-  monkeypatch.setattr(backends, "FP8_PARTIALS_IN_NORM", True)  # opted in (off by default)
+  """The GPU's choices, the row kernels included: the linear attention's, the gated
+  attention's and the MLPs' FP8 products through the few-row kernel."""
   def llm(**kwargs):
     return jspec.LLM.from_random(_tiny_fp8_hybrid(), jspec.MTPSpec("qwen3_next", 1, is_moe=False),
                                  dtype="float32", seed=3, max_model_len=64, max_num_seqs=2,
@@ -132,8 +125,6 @@ def test_fp8_kernel_in_a_hybrid_model_equals_the_scaled_xla_products(monkeypatch
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
     gpu = llm(norm_backend="pallas")
-  assert all(gpu.target.layers[i].mlp.fp8_add_norm is not None for i in (0, 1))
-  assert gpu.target.layers[1].attn.fp8_add_norm is not None
   kinds = {type(node) for _, node in nnx.iter_graph(gpu.target)
            if isinstance(node, (GatedDeltaNet, Attention, MLP)) and node.fp8_projection}
   assert {GatedDeltaNet, MLP} <= kinds and any(issubclass(k, Attention) for k in kinds)
@@ -236,51 +227,6 @@ def test_fp8_q_k_v_partials_summed_in_the_norm_kernel_equal_the_scaled_xla_produ
     patch.setattr(fp8_gemm, "_products", summed_products)
     project = str(jax.make_jaxpr(attn._project_rotated)(x, jnp.zeros((2, 3), jnp.int32)))
   assert "qkv_partials_norm_rope" in project
-  _assert_same_outputs(cpu, gpu, max_tokens=4)
-
-
-def test_by_default_o_and_down_partials_are_summed_before_the_norm(monkeypatch):
-  """The GPU's choices leave o_proj's and down_proj's K-slice sums to XLA (measured faster)."""
-  with monkeypatch.context() as patch:
-    patch.setattr(platform, "on_hopper", lambda: True)
-    gpu = _qwen3_llm(norm_backend="pallas")
-  layer = gpu.target.layers[0]
-  assert layer.attn.fp8_add_norm is None and layer.mlp.fp8_add_norm is None
-  assert layer.post_attn_norm.row_kernel is not None  # the row kernels are on
-
-
-def test_fp8_o_and_down_partials_summed_in_the_add_norm_kernel_equal_the_scaled_xla_products(
-    monkeypatch):
-  """With the row kernels on, o_proj's and the MLP's down_proj's K-slice partials go straight
-  into the residual add and RMSNorm after them (row_norms.add_partials_rms_norm: no sum of
-  XLA's); decode and the n-gram verify windows give the CPU configuration's logits and
-  tokens."""
-  monkeypatch.setattr(backends, "FP8_PARTIALS_IN_NORM", True)  # opted in (off by default)
-  cpu = _qwen3_llm()
-  with monkeypatch.context() as patch:
-    patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
-    gpu = _qwen3_llm(norm_backend="pallas")
-  layer = gpu.target.layers[0]
-  assert layer.attn.fp8_add_norm is not None and layer.mlp.fp8_add_norm is not None
-  assert cpu.target.layers[0].attn.fp8_add_norm is None
-  heads = layer.attn.o_proj.shape[1:]
-  out_BTNH, x_BTD = jnp.ones((2, 3, *heads), jnp.float32), jnp.ones((2, 3, 128), jnp.float32)
-
-  def summed_products(*args, **kwargs):
-    raise AssertionError("o_proj's or down_proj's partials were summed before the norm")
-
-  with monkeypatch.context() as patch:
-    patch.setattr(fp8_gemm, "_products", summed_products)
-    attn_out = str(jax.make_jaxpr(lambda h, out: layer.post_attn_norm.add_and_norm(
-        h, project_to_norm(layer.attn, out, "o_proj", "btnh,nhd->btd", 2)))(x_BTD, out_BTNH))
-    act_BTF = jnp.ones((2, 3, layer.mlp.down_proj.shape[1]), jnp.float32)
-    mlp_out = str(jax.make_jaxpr(lambda h, act: layer.post_attn_norm.add_and_norm(
-        h, project_to_norm(layer.mlp, act, "down_proj", "btf,fd->btd")))(x_BTD, act_BTF))
-  assert "add_partials_rms_norm" in attn_out and "add_partials_rms_norm" in mlp_out
-  reduced = project_to_norm(layer.mlp, act_BTF, "down_proj", "btf,fd->btd")
-  np.testing.assert_array_equal(  # `+` sums first: what XLA's products give
-      np.asarray(x_BTD + reduced), np.asarray(x_BTD + layer.mlp._dense(act_BTF, "down_proj",
-                                                                       "btf,fd->btd")))
   _assert_same_outputs(cpu, gpu, max_tokens=4)
 
 

@@ -16,8 +16,8 @@ from jspec.models.layers import rope
 from jspec.models.moe import MoE
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.pallas_kernels import platform
-from jspec.pallas_kernels.row_norms import (add_partials_rms_norm, fits_heads, fits_kernel,
-                                            inv_frequencies, qk_norm_rope, qkv_norm_rope,
+from jspec.pallas_kernels.row_norms import (fits_heads, fits_kernel, inv_frequencies,
+                                            qk_norm_rope, qkv_norm_rope,
                                             qkv_partials_norm_rope, rms_norm, row_chunk)
 from tests.helpers import fixture_dir, greedy_token_ids
 
@@ -185,46 +185,6 @@ def test_qkv_partials_norm_rope_refuses_partials_it_cannot_read():
     call(jnp.concatenate([parts, parts[:1]]), positions, q_heads=4, kv_heads=2)
   with pytest.raises(ValueError, match="row scales"):
     call(parts, positions, jnp.ones(3), q_heads=4, kv_heads=2)
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_add_partials_rms_norm_is_rms_norm_of_the_summed_product(seed):
-  """The residual add and RMSNorm with the delta given as one FP8 call's K-slice partials
-  [S, D, R] (o_proj's, down_proj's): bit for bit rms_norm with the summed product (fp8_gemm's
-  sum: times the row scales where given, cast to the product's dtype) as its residual."""
-  rng = np.random.default_rng(400 + seed)
-  rows, splits = int(rng.integers(1, 7)), int(rng.choice([1, 2, 4, 8]))
-  width = int(rng.choice([64, 128, 384, 2048]))
-  padded = rows + int(rng.integers(0, 4))  # the kernel's padded rows are never read
-  dtype = [jnp.float32, jnp.bfloat16][seed % 2]
-  zero_centered = seed % 4 >= 2
-  parts = jnp.asarray(rng.standard_normal((splits, width, padded)) * 2, jnp.float32)
-  row_scale = None if seed % 3 == 0 else jnp.asarray(2.0 ** rng.integers(-3, 4, rows),
-                                                      jnp.float32)
-  x = jnp.asarray(rng.standard_normal((rows, width)), dtype)
-  scale = jnp.asarray(1 + 0.2 * rng.standard_normal(width), dtype)
-  h, normed = add_partials_rms_norm(x, parts, scale, row_scale, dtype=dtype, eps=EPS,
-                                    zero_centered=zero_centered)
-  want_h, want = rms_norm(x, scale, summed_partials(parts, rows, row_scale, dtype), eps=EPS,
-                          zero_centered=zero_centered)
-  assert h.dtype == normed.dtype == dtype
-  np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(want_h, np.float32))
-  np.testing.assert_array_equal(np.asarray(normed, np.float32), np.asarray(want, np.float32))
-
-
-def test_add_partials_rms_norm_refuses_partials_it_cannot_read():
-  x, scale = jnp.ones((2, 128)), jnp.ones(128)
-  call = functools.partial(add_partials_rms_norm, eps=EPS, dtype=jnp.float32)
-  with pytest.raises(ValueError, match="R >= M"):
-    call(x, jnp.ones((2, 128, 1)), scale)  # fewer partial rows than rows
-  with pytest.raises(ValueError, match="power of"):
-    call(x, jnp.ones((3, 128, 2)), scale)
-  with pytest.raises(ValueError, match=r"\(2, 64, 2\)"):
-    call(x, jnp.ones((2, 64, 2)), scale)  # partials of another width
-  with pytest.raises(ValueError, match="float32 partials"):
-    call(x, jnp.ones((2, 128, 2), jnp.bfloat16), scale)
-  with pytest.raises(ValueError, match="row scales"):
-    call(x, jnp.ones((2, 128, 2)), scale, jnp.ones(3))
 
 
 def assert_rotated_close(got, want, positions):
@@ -435,21 +395,3 @@ def test_gpu_qkv_partials_norm_rope_at_model_shapes(rows, q_heads, kv_heads, spl
     assert np.all(np.abs(g - w) <= top * 2.0 ** -7) and np.mean(g == w) > 0.98
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows, width, splits", [(1, 2048, 8), (1, 4096, 4), (8, 4096, 4),
-                                                 (32, 7168, 2)])
-def test_gpu_add_partials_rms_norm_at_model_shapes(rows, width, splits):
-  """Compiled (Triton): against rms_norm with XLA's sum of the same partials in bf16, as the
-  models run them (o_proj of Qwen3-30B-A3B, Qwen3-8B's o and down, DeepSeek-V3's width). The
-  two sum the partials in their own orders, so a value may round to the neighbouring bf16
-  number: each within one bf16 step of its row's largest, and nearly all equal."""
-  rng = np.random.default_rng(rows * splits + width)
-  parts = jnp.asarray(rng.standard_normal((splits, width, max(rows, 8))), jnp.float32)
-  x = jnp.asarray(rng.standard_normal((rows, width)), jnp.bfloat16)
-  scale = jnp.asarray(1 + 0.2 * rng.standard_normal(width), jnp.bfloat16)
-  got = add_partials_rms_norm(x, parts, scale, dtype=jnp.bfloat16, eps=EPS)
-  want = rms_norm(x, scale, summed_partials(parts, rows, None, jnp.bfloat16), eps=EPS)
-  for g, w in zip(got, want):
-    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-    top = np.abs(w).max(axis=1, keepdims=True)
-    assert np.all(np.abs(g - w) <= top * 2.0 ** -7) and np.mean(g == w) > 0.98

@@ -18,7 +18,7 @@ from jspec.models.rope import rope
 from jspec.models.caches import KVCache, write_slots
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
 from jspec.models.linear import (QKV_NAMES, fp8_operands, fp8_rows_fit, linear,
-                                 project_many_named, project_named, project_to_norm)
+                                 project_many_named, project_named)
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.models.params import param
 from jspec.models.row_kernels import takes_rows
@@ -103,10 +103,9 @@ class Attention(nnx.Module):
     self.prefill_attention = None
     # Optional products for the projections of steps with few rows (jspec.models.projections),
     # set by the LLM: (x [B, T, K], w [K, N]) -> [B, T, N], and its FP8 form with the block
-    # scale as a third argument (fp8_add_norm: o_proj's with the norm after it, summing its K
-    # slices: row_kernels.sharded_fp8_add_rms_norm). None: XLA's dot.
+    # scale as a third argument. None: XLA's dot.
     self.projection = None
-    self.fp8_projection = self.fp8_add_norm = None
+    self.fp8_projection = None
     # Set inside a traced program before a loop of steps: each FP8 scale repeated over the
     # kernel's lanes (jspec.models.projections.with_loop_constants), by weight name.
     self.fp8_lanes = None
@@ -188,8 +187,8 @@ class Attention(nnx.Module):
     if self.tp_products is not None and self.o_proj_scale is None:
       # The all-reduce may be left to the norm after the residual add (PartialSum).
       out_BTD = self.tp_products.row(out_BTNH, self.o_proj[...], in_axes=2, defer=True)
-    else:  # an FP8 product's K slices may be left to the norm after the residual add
-      out_BTD = project_to_norm(self, out_BTNH, "o_proj", "btnh,nhd->btd", 2, self.projection)
+    else:
+      out_BTD = self._dense(out_BTNH, "o_proj", "btnh,nhd->btd", in_axes=2)
     if self.has_o_bias:
       out_BTD = out_BTD + self.o_bias[...]
     return out_BTD, cache
@@ -327,8 +326,8 @@ class MLP(nnx.Module):
         rngs, (hidden, 2, intermediate), dtype, ("embed", None, "mlp"), 1, gate_up_block)
     self.down_proj, self.down_proj_scale = linear(rngs, (intermediate, hidden), dtype,
                                                   ("mlp", "embed"), 1, down_block)
-    # FP8 weights only: set as Attention's fp8_projection, fp8_add_norm and fp8_lanes are.
-    self.fp8_projection = self.fp8_add_norm = None
+    # FP8 weights only: set as Attention.fp8_projection and Attention.fp8_lanes are.
+    self.fp8_projection = None
     self.fp8_lanes = None
     self.fp8_block = gate_up_block or down_block
     # Optional products for weights split over tp, as Attention.tp_products.
@@ -347,4 +346,4 @@ class MLP(nnx.Module):
     act_BTF = jax.nn.silu(gate_up_BTCF[:, :, 0]) * gate_up_BTCF[:, :, 1]
     if tp is not None and self.down_proj_scale is None:
       return tp.row(act_BTF, self.down_proj[...], defer=True)  # as Attention's o_proj
-    return project_to_norm(self, act_BTF, "down_proj", "btf,fd->btd")  # as o_proj
+    return self._dense(act_BTF, "down_proj", "btf,fd->btd")

@@ -52,7 +52,7 @@ from jspec.config import ModelConfig
 from jspec.models import rope as rope_lib
 from jspec.models.caches import MLACache, write_slots
 from jspec.models import quantization
-from jspec.models.linear import linear, project_named, project_to_norm
+from jspec.models.linear import linear, project_named
 from jspec.models.norms import RMSNorm
 from jspec.models.params import param
 from jspec.models.tree_attention import active_layout
@@ -154,9 +154,8 @@ class MLAttention(nnx.Module):
     # by the LLM; None: XLA's two products.
     self.prefill_attention = None
     # FP8 weights only: (x [.., K], w8 [N, K], scale) -> [.., N], set by the LLM on Hopper
-    # (jspec.models.projections.sharded_fp8_projection); None: scaled, then XLA's dot. And
-    # o_proj's with the norm after it, as Attention.fp8_add_norm.
-    self.fp8_projection = self.fp8_add_norm = None
+    # (jspec.models.projections.sharded_fp8_projection); None: scaled, then XLA's dot.
+    self.fp8_projection = None
     self.fp8_lanes = None  # as Attention.fp8_lanes
 
   def _rope(self, x, positions_BT):
@@ -202,7 +201,7 @@ class MLAttention(nnx.Module):
                                       self.scale, tree.visible_BTS(positions_BT, kv_window))
       out_BTNV = jnp.einsum("btnc,nvc->btnv", context_BTNL[..., :self.latent_dim],
                             self._head_weight("w_uv", context_BTNL.dtype))
-      return project_to_norm(self, out_BTNV, "o_proj", "btnv,nvd->btd", 2), cache
+      return self._dense(out_BTNV, "o_proj", "btnv,nvd->btd", in_axes=2), cache
     cache = MLACache(write_slots(cache.latent, rows_BTL, positions_BT, slot_axis=1))
     if absorbed is None:
       absorbed = x_BTD.shape[1] <= ABSORBED_MAX_TOKENS
@@ -212,7 +211,7 @@ class MLAttention(nnx.Module):
     else:
       out_BTNV = self.attend_expanded(q_nope_BTNP, q_rope_BTNR, cache.latent[:, :kv_window],
                                       positions_BT)
-    return project_to_norm(self, out_BTNV, "o_proj", "btnv,nvd->btd", 2), cache
+    return self._dense(out_BTNV, "o_proj", "btnv,nvd->btd", in_axes=2), cache
 
   def absorbed_query(self, q_nope_BTNP, q_rope_BTNR):
     """[q_nope W_UK | q_rope] [B,T,N,L]: the query in the cache's row space."""

@@ -10,9 +10,11 @@ MLA decode on an H200 against their targets; ..."). Here each group is one kerne
   qk_norm_rope   the q and k RMSNorms over head_dim (optional) and their rotary embedding;
   qkv_norm_rope  the same read from a fused q / k / v product, its v copied out beside them;
   qkv_partials_norm_rope  the same read from an FP8 q / k / v call's K-slice partials, each
-                 value summed as it is read (so that the sum is no kernel of its own);
-  add_partials_rms_norm  rms_norm's residual add with the delta read the same way: an FP8
-                 o_proj's or down_proj's partials.
+                 value summed as it is read (so that the sum is no kernel of its own).
+
+(o_proj's and down_proj's FP8 partials read the same way by the residual add and RMSNorm was
+built and measured slower, a Qwen3-8B FP8 step 2.095 against 1.873 ms on an H200: one program
+a row reads every slice, where XLA's sum spreads the reading over the GPU. It was removed.)
 
 Both round where the modules of jspec.models.norms and jspec.models.layers round (the sum in
 bfloat16, normalising in float32, the cast, the scale), so they stand in for them; only the
@@ -46,39 +48,21 @@ def fits_kernel(width: int) -> bool:
   return width > 0 and row_chunk(width) >= MIN_CHUNK
 
 
-def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool,
-                 delta_dtype=None, row_scaled: bool = False):
+def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool):
   """Program m: row m, read once and held in registers (7168 bfloat16 values are 28 a thread
-  at 8 warps) between the sum of its squares and its scaling.
-
-  delta_dtype set: the delta is K-slice partials [S, D, R] float32 (rows last), each value
-  their sum over S (times row m's scale where row_scaled) cast to delta_dtype, as
-  fp8_gemm.fp8_matmul gives the product."""
-  row_scale_ref = None
+  at 8 warps) between the sum of its squares and its scaling."""
   if has_residual:
-    x_ref, delta_ref, *refs = refs
-    if row_scaled:
-      row_scale_ref, *refs = refs
-    scale_ref, h_ref, out_ref = refs
+    x_ref, delta_ref, scale_ref, h_ref, out_ref = refs
   else:
     x_ref, scale_ref, out_ref = refs
   m = pl.program_id(0)
   width = x_ref.shape[1]
   pieces = [pl.ds(c * chunk, chunk) for c in range(width // chunk)]
-
-  def delta(cols):
-    if delta_dtype is None:
-      return delta_ref[m, cols]
-    summed = jnp.sum(delta_ref[:, cols, m], axis=0)
-    if row_scaled:
-      summed = summed * row_scale_ref[m]
-    return summed.astype(delta_dtype)
-
   rows, squares = [], jnp.float32(0.0)
   for cols in pieces:
     x = x_ref[m, cols]
     if has_residual:  # x + delta rounded to the stream's dtype, as XLA's add does
-      x = (x.astype(jnp.float32) + delta(cols).astype(jnp.float32)).astype(x.dtype)
+      x = (x.astype(jnp.float32) + delta_ref[m, cols].astype(jnp.float32)).astype(x.dtype)
       h_ref[m, cols] = x
     x32 = x.astype(jnp.float32)
     squares += jnp.sum(x32 * x32)
@@ -130,32 +114,6 @@ def _norm_call(name: str, inputs, dtype, interpret, chunk: int, **form):
                                               num_stages=1),
       interpret=interpret, name=name,
   )(*inputs)
-
-
-@functools.partial(jax.jit, static_argnames=("dtype", "eps", "zero_centered", "interpret"))
-def add_partials_rms_norm(x_MD: jax.Array, parts_SDR: jax.Array, scale_D: jax.Array,
-                          row_scale_M: jax.Array | None = None, *, dtype, eps: float,
-                          zero_centered: bool = False, interpret: bool | None = None):
-  """rms_norm(x, scale, residual) with the residual given as one FP8 call's K-slice partials
-  (fp8_gemm.fp8_partials_many: [S, D, R] float32, S a power of two, rows last, R >= M): each
-  value the sum of its S partials times its row's scale (where given) cast to `dtype`, as
-  fp8_matmul gives o_proj's or down_proj's output: (h, norm(h)) for h = x + that product."""
-  rows, width = x_MD.shape
-  splits, parts_width, padded = parts_SDR.shape
-  if (parts_SDR.dtype != jnp.float32 or parts_width != width or padded < rows
-      or splits & (splits - 1) or scale_D.shape != (width,)
-      or (row_scale_M is not None and row_scale_M.shape != (rows,))):
-    raise ValueError(f"add_partials_rms_norm takes x [M, D], float32 partials [S (a power of "
-                     f"two), D, R >= M], scale [D] and row scales [M] or None, got "
-                     f"{x_MD.shape}, {parts_SDR.shape} {parts_SDR.dtype}, {scale_D.shape}, "
-                     f"{None if row_scale_M is None else row_scale_M.shape}")
-  # A piece holds all S partials of its columns: at most MAX_CHUNK values in registers.
-  chunk = max(MIN_CHUNK, min(row_chunk(width), MAX_CHUNK // splits))
-  row_scales = () if row_scale_M is None else (row_scale_M.astype(jnp.float32),)
-  return _norm_call("add_partials_rms_norm", (x_MD, parts_SDR, *row_scales, scale_D),
-                    x_MD.dtype, interpret, chunk, eps=eps, zero_centered=zero_centered,
-                    has_residual=True, delta_dtype=jnp.dtype(dtype),
-                    row_scaled=row_scale_M is not None)
 
 
 def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int,

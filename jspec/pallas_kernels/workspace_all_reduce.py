@@ -181,7 +181,9 @@ class PeerWorkspace:
     words = np.zeros(workspace_bytes(self.axis_size) // 4, np.int32)
     for region in self._lamport_regions():  # empty data slots: all-ones bytes
       words[region.data_offset // 4:region.end(size) // 4] = -1
-    self._buffers = {d.id: jax.device_put(words, d) for d in self.mesh.devices.flat}
+    # A copy per device: on the CPU a device_put may alias the host array itself, which
+    # would hand every device one buffer (and one address).
+    self._buffers = {d.id: jax.device_put(words.copy(), d) for d in self.mesh.devices.flat}
     for buffer in self._buffers.values():
       buffer.block_until_ready()
     addresses = {d: int(b.unsafe_buffer_pointer()) for d, b in self._buffers.items()}
