@@ -273,6 +273,9 @@ def test_the_workspace_hands_each_device_its_own_row_inside_a_shard_map():
     assert seen[i, j, -1] == j          # its rank along tp
     assert np.array_equal(seen[i, j, :-1], seen[i, 0, :-1])   # one table per dp group
   assert not np.array_equal(seen[0, 0, :-1], seen[1, 0, :-1])
+  # Every device its own buffer: 8 distinct addresses (each two int32 words).
+  addresses = {tuple(seen[i, 0, 2 * j:2 * j + 2]) for i, j in np.ndindex(2, 4)}
+  assert len(addresses) == 8, addresses
   assert all(not f.any() for f in workspace.flags().values())
   with pytest.raises(ValueError, match="2 to 8 devices"):
     wsar.PeerWorkspace(Mesh(np.asarray(jax.devices()[:1]), ("tp",)), "tp")
