@@ -76,9 +76,10 @@ def test_lamport_idle_checks_the_next_two_phases_of_every_slot(monkeypatch):
     assert all(workspace.lamport_idle().values()) == idle, phase
 
 
-def test_int32_messages_keep_the_flags_unless_named_and_bad_protocols_are_refused():
+def test_int32_messages_keep_the_flags_and_bad_protocols_are_refused():
   assert wsar.protocol_for(jnp.int32, None) == "flags"
-  assert wsar.protocol_for(jnp.int32, "lamport") == "lamport"  # the caller's promise
+  with pytest.raises(ValueError, match="int32 messages take the flags"):
+    wsar.protocol_for(jnp.int32, "lamport")  # an int32 word may be the all-ones sentinel
   assert wsar.protocol_for(jnp.bfloat16, None) == wsar.DEFAULT_PROTOCOL
   assert wsar.protocol_for(jnp.float32, "flags") == "flags"
   with pytest.raises(ValueError, match="protocol must be one of"):
@@ -100,12 +101,6 @@ def test_both_kernels_build_for_hopper_in_both_protocols_without_a_gpu(monkeypat
       for prefetch in (False, True):
         assert callable(workspace_norm._build(rows, width, jnp.dtype(dtype), size, 1e-6, False,
                                               protocol, prefetch))
-
-
-def test_int32_words_build_in_the_lamport_form(monkeypatch):
-  from jax.experimental.mosaic.gpu import utils as mosaic_utils
-  monkeypatch.setattr(mosaic_utils, "_infer_arch", lambda: (9, 0))
-  assert callable(wsar._build(4096, jnp.dtype(jnp.int32), 2, 4, 1, "lamport"))
 
 
 def _gpu_pair():

@@ -11,8 +11,7 @@ no element holds the sentinel, which is one crossing of NVLink instead of three.
 That needs three things:
 - No part may hold the sentinel's bit pattern. All ones is a NaN (of any float width), so the
   sender turns such an element into the positive quiet NaN of its width (sums are NaN either
-  way). int32 parts go this way only where their caller rules out all-ones words
-  (jspec.sharding.moe's gather, with a stand-in); elsewhere they keep the flags.
+  way). int32 parts, whose words may be all ones, keep the flags.
 - A slot must hold the sentinel again before its next use: three phases a slot, a call uses
   phase (its call count mod 3), and a block re-fills the phase its slot used one call before,
   which every reader finished in the previous kernel. A peer is never more than one call ahead
@@ -79,9 +78,8 @@ def first_row_slot(rows: int, chunks: int, row):
 def exchange(row_ref, axis_size: int, region: LamportRegion, slot, part, *, first_slot=None,
              chunks: int = 1):
   """peer_exchange.exchange's contract without flags: hands `part` (a FragmentedArray of one
-  vector of 16 bytes a thread or more, at most `region.slot_bytes`; floats, or int32 words of
-  which the caller knows none is all ones) to every device of the
-  group as block `slot` of `region`; with `chunks` > 1 the block is one of the row's blocks
+  vector of 16 bytes a thread or more, at most `region.slot_bytes`; floats) to every device
+  of the group as block `slot` of `region`; with `chunks` > 1 the block is one of the row's blocks
   that own slots first_slot .. first_slot + chunks - 1. Returns (parts, done): `parts(c)` is
   chunk c of every rank in rank order (None: this block's own), polled from this device's
   workspace, and `done()` re-fills the phase before this one and counts the call."""
@@ -100,9 +98,8 @@ def exchange(row_ref, axis_size: int, region: LamportRegion, slot, part, *, firs
   dtype = part.mlir_dtype
   width = mu.bitwidth(dtype)
   vec = part.layout.vec_size
-  floats = isinstance(dtype, ir.FloatType)
-  if vec * width != 128 or not (floats or str(dtype) == "i32"):
-    raise ValueError(f"a Lamport part is 16-byte float or int32 vectors; got {vec} x {dtype}")
+  if vec * width != 128 or not isinstance(dtype, ir.FloatType):
+    raise ValueError(f"a Lamport part is 16-byte float vectors; got {vec} x {dtype}")
   n_vectors = part.registers.size  # a thread's 16-byte vectors of the part
   first_slot = slot if first_slot is None else first_slot
   base, rank, me = workspace_pointers(row_ref, axis_size)
@@ -128,18 +125,15 @@ def exchange(row_ref, axis_size: int, region: LamportRegion, slot, part, *, firs
     return at(owner, arith.addi(const64(region.data_offset),
                                 arith.muli(n, const64(region.slot_bytes))))
 
-  # 1. No element may look empty: all ones becomes the positive quiet NaN of its width (int32
-  #    words come so from the caller).
-  sent = part
-  if floats:
-    uint = ir.IntegerType.get_signless(width)
-    bits = part.bitcast(uint, output_is_signed=False)
-    ones = (1 << width) - 1
-    quiet_nan = {16: 0x7E00 if str(dtype) == "f16" else 0x7FC0, 32: 0x7FC00000}[width]
-    splat = lambda v: mgpu.FragmentedArray.splat(arith.constant(uint, v), part.shape,
-                                                 part.layout, is_signed=False)
-    bits = (bits == splat(ones)).select(splat(quiet_nan), bits)
-    sent = bits.bitcast(dtype)
+  # 1. No element may look empty: all ones becomes the positive quiet NaN of its width.
+  uint = ir.IntegerType.get_signless(width)
+  bits = part.bitcast(uint, output_is_signed=False)
+  ones = (1 << width) - 1
+  quiet_nan = {16: 0x7E00 if str(dtype) == "f16" else 0x7FC0, 32: 0x7FC00000}[width]
+  splat = lambda v: mgpu.FragmentedArray.splat(arith.constant(uint, v), part.shape,
+                                               part.layout, is_signed=False)
+  bits = (bits == splat(ones)).select(splat(quiet_nan), bits)
+  sent = bits.bitcast(dtype)
   # 2. The part into [phase][rank][slot] of every workspace (ours too, for the row's other
   #    blocks on this device).
   part_ty = ir.MemRefType.get(part.shape, dtype)

@@ -98,9 +98,10 @@ def workspace_bytes(axis_size: int) -> int:
 
 
 # How a message is handed over: "lamport" (the data polled, one NVLink crossing) or "flags" (a
-# flag raised after the data). int32 messages take the flags unless the caller names
-# "lamport", which promises that no word is all ones (every bit pattern is a valid int32, so
-# only the caller can rule out the one that marks an empty slot).
+# flag raised after the data). int32 messages take the flags: every bit pattern is a valid
+# int32, so a word may be the all-ones pattern that marks an empty Lamport slot (the MoE
+# gather's words in the Lamport form, with a stand-in for that word, measured no faster on
+# H200s and was removed).
 PROTOCOLS = ("lamport", "flags")
 DEFAULT_PROTOCOL = "lamport"
 
@@ -109,7 +110,10 @@ def protocol_for(dtype, protocol: str | None) -> str:
   if protocol is not None and protocol not in PROTOCOLS:
     raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
   if jnp.dtype(dtype) == jnp.dtype(jnp.int32):
-    return protocol or "flags"
+    if protocol == "lamport":  # an int32 word may be all ones: the Lamport form's sentinel
+      raise ValueError("int32 messages take the flags protocol; the Lamport form reserves the "
+                       "all-ones word, which an int32 part may hold")
+    return "flags"
   return protocol or DEFAULT_PROTOCOL
 
 
@@ -249,8 +253,8 @@ def workspace_all_reduce(x, row, axis_size: int, *, max_blocks: int = 32,
   its own `row` of a PeerWorkspace's table (any shape of 2 A + 1 int32 words). Every device's
   result holds the same bits: the parts are summed in rank order in float32 and rounded once
   (under "lamport" an all-ones NaN element is sent as the quiet NaN). `protocol`: see
-  PROTOCOLS; an int32 message takes "lamport" only where named, and then no word of it may be
-  all ones. Hopper GPUs only (the kernel is Mosaic GPU's, with no interpreter)."""
+  PROTOCOLS; int32 messages take "flags". Hopper GPUs only (the kernel is Mosaic GPU's, with
+  no interpreter)."""
   protocol = protocol_for(x.dtype, protocol)
   if not fits(x.shape, x.dtype, max_blocks):
     raise ValueError(f"workspace_all_reduce takes float16 / bfloat16 / float32 / int32 messages "
