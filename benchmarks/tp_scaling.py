@@ -10,7 +10,6 @@ warm-up call.
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant unfused  # kernel, norms apart
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant norm-late  # workspace_norm.PREFETCH off
     python benchmarks/tp_scaling.py --mesh 1,2,1 --one-row kernel  # one-row products: kernel
-    python benchmarks/tp_scaling.py --mesh 1,2,1 --ahead-mb 0  # no weight brought into L2
 
 Variants (LLM(all_reduce_backend), jspec.sharding.tensor_parallel): `default` ("auto":
 `kernel` on Hopper GPUs of one process), `partitioner` (XLA's partitioner places the tp layers'
@@ -19,9 +18,7 @@ products and all-reduces), `xla` (jspec's shard-by-shard products, XLA's all-red
 jspec.pallas_kernels.workspace_norm; also the MoE layers' tp sum and ep all-gather /
 reduce-scatter: jspec.sharding.moe), `unfused` (`kernel` with the all-reduce and the norm
 apart: TensorParallelProducts.defer_sums off). `--one-row` sets how one-row products run
-(jspec.pallas_kernels.skinny_gemm.ONE_ROW; the library's default unless given), `--ahead-mb`
-how much of the next product's weight the fused all-reduce + norm brings into L2
-(jspec.pallas_kernels.workspace_norm.AHEAD_BYTES; 0: none).
+(jspec.pallas_kernels.skinny_gemm.ONE_ROW; the library's default unless given).
 
 One JSON line per (mesh, batch): tokens/s (prefill included), TPOT, TTFT, and a digest of the
 generated tokens (equal digests: equal tokens), then a table.
@@ -59,8 +56,6 @@ def main():
   parser.add_argument("--method", default="none", choices=["none", "mtp"])
   parser.add_argument("--one-row", choices=["kernel", "two_rows", "two_rows_all"],
                       help="skinny_gemm.ONE_ROW (default: the library's)")
-  parser.add_argument("--ahead-mb", type=float,
-                      help="workspace_norm.AHEAD_BYTES in MiB (default: the library's)")
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
@@ -75,8 +70,6 @@ def main():
   args = parser.parse_args()
   config = PRESETS[args.model]
   workspace_norm.PREFETCH = args.variant != "norm-late" and workspace_norm.PREFETCH
-  if args.ahead_mb is not None:
-    workspace_norm.AHEAD_BYTES = int(args.ahead_mb * (1 << 20))
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.
@@ -115,7 +108,7 @@ def main():
       tokens = [o.outputs[0].token_ids for o in first]
       digest = hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:10]
       row = dict(model=args.model, layers=config.num_layers, device=device, mesh=mesh_text,
-                 variant=args.variant, ahead_mb=workspace_norm.AHEAD_BYTES / (1 << 20), method=args.method + ("-tree" if args.tree else ""),
+                 variant=args.variant, method=args.method + ("-tree" if args.tree else ""),
                  batch=batch,
                  tokens_per_second=round(mid.tokens_per_second, 1),
                  tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),

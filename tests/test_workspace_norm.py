@@ -61,11 +61,6 @@ def test_the_norm_kernel_builds_for_hopper_without_a_gpu(monkeypatch):
                                                   (8, 7168, jnp.float16, 8, False)]:
     assert callable(workspace_norm._build(rows, width, jnp.dtype(dtype), size, 1e-6,
                                           zero_centered))
-  # With extra blocks that prefetch a weight into L2 (bytes of no tile's multiple, too).
-  for ahead in [((3 << 20,), jnp.dtype(jnp.bfloat16), 16 << 20), ((1000,), jnp.dtype(jnp.int8),
-                                                                  992)]:
-    assert callable(workspace_norm._build(1, 4096, jnp.dtype(jnp.bfloat16), 2, 1e-6, False,
-                                          ahead=ahead))
 
 
 def test_the_norm_region_lies_past_the_all_reduces_and_inside_the_workspace():
@@ -77,9 +72,9 @@ def test_the_norm_region_lies_past_the_all_reduces_and_inside_the_workspace():
     assert norm.end(size) == wsar.lamport_sum_region(size).offset  # the Lamport regions next
 
 
-def _reference_add_norm(partial, residual, scale, row, size, *, eps, zero_centered, ahead=None):
+def _reference_add_norm(partial, residual, scale, row, size, *, eps, zero_centered):
   """What the kernel must equal: psum, then the row kernel's residual add + RMSNorm."""
-  del row, size, ahead
+  del row, size
   delta = jax.lax.psum(partial, "tp")
   return row_norms.rms_norm(residual, scale, delta, eps=eps, zero_centered=zero_centered,
                             interpret=True)
@@ -89,8 +84,7 @@ def _stand_ins(monkeypatch, calls):
   """psum for the all-reduce kernel, the reference for the norm kernel (counting its calls),
   and `fits` for every shape of few rows: the plumbing, not the kernels, is under test."""
   def add_norm(*args, **kwargs):
-    ahead = kwargs.get("ahead")
-    calls.append(args[0].shape if ahead is None else (args[0].shape, ahead.shape))
+    calls.append(args[0].shape)
     return _reference_add_norm(*args, **kwargs)
   monkeypatch.setattr(wsar, "workspace_all_reduce", lambda x, row, size: jax.lax.psum(x, "tp"))
   monkeypatch.setattr(workspace_norm, "workspace_add_norm", add_norm)
@@ -166,14 +160,6 @@ def test_a_tp2_model_through_the_fused_path_keeps_one_devices_tokens(monkeypatch
   # Each layer: the attention's sum into the post-attention norm, the MLP's into the next
   # layer's input norm (the last layer's into the final norm); once per traced program.
   assert len(calls) >= 2 * len(llm.target.layers)
-  # Each of those norms is handed the shard of the weight read next: after an attention its
-  # MLP's gate / up, after an MLP the next layer's q / k / v; the final norm none.
-  layer = llm.target.layers[1]
-  attn_weight = layer.attn.qkv_proj if layer.attn.fused_qkv else layer.attn.q_proj
-  split = lambda w, axis: tuple(n // 2 if i == axis else n for i, n in enumerate(w.shape))
-  handed = {c[1] for c in calls if len(c) == 2 and isinstance(c[1], tuple)}
-  assert handed == {split(layer.mlp.gate_up_proj, 2), split(attn_weight, 1)}
-  assert sum(1 for c in calls if isinstance(c[0], tuple)) >= 2 * len(llm.target.layers) - 1
 
 
 def test_with_the_kernel_a_norm_after_a_row_product_lowers_to_the_fused_kernel(monkeypatch):
@@ -225,39 +211,33 @@ def _numpy_add_norm(partials, residual, scale, eps, zero_centered, dtype):
   return h, cast(out)
 
 
-def _run_add_norm(mesh, partials, residual, scale, eps, zero_centered, ahead=None):
+def _run_add_norm(mesh, partials, residual, scale, eps, zero_centered):
   workspace = wsar.workspace_for(mesh, "tp")
-  ahead = jnp.zeros((16,), jnp.int8) if ahead is None else ahead
   fn = jax.jit(jax.shard_map(
-      lambda p, r, s, row, a: tuple(o[None] for o in workspace_norm.workspace_add_norm(
-          p[0], r, s, row, 2, eps=eps, zero_centered=zero_centered,
-          ahead=None if a.size == 16 else a)),
-      mesh=mesh, in_specs=(P("tp"), P(), P(), workspace.row_spec, P()),
-      out_specs=(P("tp"), P("tp")), check_vma=False))
-  h, normed = fn(partials, residual, scale, workspace.rows, ahead)
+      lambda p, r, s, row: tuple(o[None] for o in workspace_norm.workspace_add_norm(
+          p[0], r, s, row, 2, eps=eps, zero_centered=zero_centered)),
+      mesh=mesh, in_specs=(P("tp"), P(), P(), workspace.row_spec), out_specs=(P("tp"), P("tp")),
+      check_vma=False))
+  h, normed = fn(partials, residual, scale, workspace.rows)
   return np.asarray(h.astype(jnp.float32)), np.asarray(normed.astype(jnp.float32)), workspace
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, width, dtype, zero_centered, ahead_bytes", [
-    (1, 4096, jnp.bfloat16, False, 0), (8, 4096, jnp.bfloat16, False, 0),
-    (32, 2048, jnp.bfloat16, True, 0), (3, 7168, jnp.bfloat16, False, 0),
-    (2, 1024, jnp.float32, True, 0), (4, 4096, jnp.float16, False, 0),
-    (1, 4096, jnp.bfloat16, False, 48 << 20), (8, 4096, jnp.bfloat16, False, 4000)])
-def test_gpu_norm_kernel_equals_the_sum_the_add_and_the_norm(rows, width, dtype, zero_centered,
-                                                              ahead_bytes):
+@pytest.mark.parametrize("rows, width, dtype, zero_centered", [
+    (1, 4096, jnp.bfloat16, False), (8, 4096, jnp.bfloat16, False), (32, 2048, jnp.bfloat16, True),
+    (3, 7168, jnp.bfloat16, False), (2, 1024, jnp.float32, True), (4, 4096, jnp.float16, False)])
+def test_gpu_norm_kernel_equals_the_sum_the_add_and_the_norm(rows, width, dtype, zero_centered):
   """h bit for bit as the unfused steps round it, the norm within one rounding of the NumPy
   reference (the float32 sum of squares is ordered differently), both devices alike, and the
-  flags at zero afterwards; the same with a weight to bring into L2 (`ahead`) of any size."""
+  flags at zero afterwards."""
   mesh = _gpu_pair()
   rng = np.random.default_rng(rows * width)
   partials = jnp.asarray(rng.standard_normal((2, rows, width)), dtype)
   residual = jnp.asarray(rng.standard_normal((rows, width)) * 4, dtype)
   scale = jnp.asarray(rng.standard_normal(width), dtype)
-  ahead = jnp.ones((ahead_bytes // 2,), jnp.bfloat16) if ahead_bytes else None
   h, normed, workspace = _run_add_norm(
       mesh, jax.device_put(partials, NamedSharding(mesh, P("tp"))), residual, scale, 1e-6,
-      zero_centered, ahead)
+      zero_centered)
   want_h, want_normed = _numpy_add_norm(np.asarray(partials.astype(jnp.float32)),
                                         np.asarray(residual.astype(jnp.float32)),
                                         np.asarray(scale.astype(jnp.float32)), 1e-6,

@@ -24,7 +24,6 @@ from jspec.models.layers import MLP, Attention
 from jspec.models.moe import MoE
 from jspec.models.norms import RMSNorm
 from jspec.models.params import mask_padded_vocab, param
-from jspec.sharding.tensor_parallel import PartialSum
 
 # (cfg, layer prefix, checkpoint names) -> the rules of one MoE block, relative to the layer's
 # `mlp` (jspec.models.weights.expert_rules for Qwen3-MoE's layout).
@@ -65,27 +64,11 @@ class DecoderLayer(nnx.Module):
     to the next norm. Why: with row kernels the add and the norm after it are one kernel,
     where an add ending the layer would be one more (jspec.models.row_kernels)."""
     del valid_BT  # A KV / latent cache needs no padding mask: padded slots are never attended.
-    x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, reading_next(pending_BTD, self.attn))
+    x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD)
     attn_out_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
-    h_BTD, normed_BTD = self.post_attn_norm.add_and_norm(
-        x_BTD, reading_next(attn_out_BTD, self.mlp))
+    h_BTD, normed_BTD = self.post_attn_norm.add_and_norm(x_BTD, attn_out_BTD)
     mlp_out_BTD = self.mlp(normed_BTD, experts_fn) if self.is_moe else self.mlp(normed_BTD)
     return h_BTD, mlp_out_BTD, cache
-
-
-def reading_next(delta_BTD, module):
-  """A tp sum still to be reduced (PartialSum) told which weight `module` reads first (its q / k
-  / v or gate / up, split over tp), so that the kernel summing it brings that weight into L2
-  while it waits for its peers (jspec.pallas_kernels.workspace_norm); anything else as it is."""
-  if not isinstance(delta_BTD, PartialSum) or getattr(module, "tp_products", None) is None:
-    return delta_BTD
-  if isinstance(module, MLP) and module.gate_up_proj_scale is None:
-    return delta_BTD.reading_next(module.gate_up_proj[...], split=2)
-  if isinstance(module, Attention) and module.fused_qkv:
-    return delta_BTD.reading_next(module.qkv_proj[...], split=1)
-  if isinstance(module, Attention) and module.q_proj_scale is None:
-    return delta_BTD.reading_next(module.q_proj[...], split=1)
-  return delta_BTD
 
 
 def layer_input(norm, x_BTD, pending_BTD):

@@ -17,12 +17,6 @@ to every peer through the PeerWorkspace (jspec.pallas_kernels.peer_exchange, in 
 own), waits for every chunk of its row from every peer, sums the whole row (the norm needs its
 sum of squares), and writes its own chunk of h and of norm(h).
 
-With `ahead` (the weight the step reads next, e.g. the next layer's q / k / v), extra blocks of
-the launch ask the L2 cache for its first AHEAD_BYTES while the parts travel
-(`cp.async.bulk.prefetch.L2`): HBM is idle for the microseconds the exchange waits on NVLink,
-and the product after the norm then finds that much of its weight in L2. Only a hint: no
-result depends on it.
-
 Shape letters: M rows (tokens of the step), D the hidden size, A the devices on the axis.
 """
 
@@ -43,12 +37,6 @@ from jspec.pallas_kernels import workspace_all_reduce as wsar
 # 3.267 ms a step at batch 1, 3.398 -> 3.350 at batch 8 (BENCHMARKS.md, 2026-11-29).
 PREFETCH = True
 
-# How much of `ahead` the launch asks the L2 cache for (0: none), and over how many extra blocks
-# (each SM's copy engine issues its own share). The exchange waits about 4 µs on NVLink, in
-# which HBM delivers some 16 MB; the H200's L2 holds 50 MB.
-AHEAD_BYTES = 16 << 20
-AHEAD_BLOCKS = 32
-
 
 def fits(shape, dtype) -> bool:
   """Rows [M, D] the kernel takes: float16 / bfloat16 / float32, at most wsar.NORM_ROWS rows
@@ -62,12 +50,11 @@ def fits(shape, dtype) -> bool:
 
 
 def workspace_add_norm(partial_MD, residual_MD, scale_D, row, axis_size: int, *, eps: float,
-                       zero_centered: bool = False, protocol: str | None = None, ahead=None):
+                       zero_centered: bool = False, protocol: str | None = None):
   """(h, norm(h)) for h = residual + the sum of `partial` over the group (see the module
   docstring), inside a shard_map that hands each device its own `row` of a PeerWorkspace's
   table. Every device's results hold the same bits. `protocol`: the handover
-  (wsar.PROTOCOLS; None: wsar.DEFAULT_PROTOCOL). `ahead`: an array the step reads next, whose
-  first AHEAD_BYTES the launch brings into L2 meanwhile (None: none). Hopper GPUs only."""
+  (wsar.PROTOCOLS; None: wsar.DEFAULT_PROTOCOL). Hopper GPUs only."""
   protocol = wsar.protocol_for(partial_MD.dtype, protocol)
   if not fits(partial_MD.shape, partial_MD.dtype):
     raise ValueError(f"workspace_add_norm takes float16 / bfloat16 / float32 rows [M, D], M <= "
@@ -83,61 +70,18 @@ def workspace_add_norm(partial_MD, residual_MD, scale_D, row, axis_size: int, *,
   if row.shape != (2 * axis_size + 1,) or row.dtype != jnp.int32:
     raise ValueError(f"row: expected {2 * axis_size + 1} int32 words, got {row.shape} {row.dtype}")
   rows, width = partial_MD.shape
-  operands = [partial_MD.reshape(-1), residual_MD.reshape(-1), scale_D, row]
-  ahead_bytes = 0
-  if ahead is not None and AHEAD_BYTES > 0:
-    ahead = ahead.reshape(-1)
-    ahead_bytes = min(AHEAD_BYTES, ahead.size * ahead.dtype.itemsize)
-    ahead_bytes -= ahead_bytes % _AHEAD_ALIGN
-  if ahead_bytes:
-    operands.append(ahead)
   kernel = _build(rows, width, jnp.dtype(partial_MD.dtype), axis_size, float(eps),
-                  bool(zero_centered), protocol, PREFETCH,
-                  (ahead.shape, jnp.dtype(ahead.dtype), ahead_bytes) if ahead_bytes else None)
-  h, normed = kernel(*operands)
+                  bool(zero_centered), protocol, PREFETCH)
+  h, normed = kernel(partial_MD.reshape(-1), residual_MD.reshape(-1), scale_D, row)
   return h.reshape(rows, width), normed.reshape(rows, width)
-
-
-# The bulk prefetch takes 16-byte aligned addresses and sizes.
-_AHEAD_ALIGN = 16
-
-
-def _issue_ahead(ahead_ref, ahead_block, total_bytes: int, blocks: int):
-  """Inside the launch's extra blocks: block `ahead_block` of `blocks`, thread t asks L2 for its
-  piece of the first `total_bytes` of `ahead_ref` (one bulk prefetch each, in address order
-  over the blocks, so that the first rows of the weight come first)."""
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith
-  from jax.experimental.mosaic.gpu import utils as mu
-  i8 = ir.IntegerType.get_signless(8)
-  i32 = ir.IntegerType.get_signless(32)
-  i64 = ir.IntegerType.get_signless(64)
-  index = ir.IndexType.get()
-  pieces = blocks * 128
-  per_thread = -(-total_bytes // pieces)
-  piece = -(-per_thread // _AHEAD_ALIGN) * _AHEAD_ALIGN
-  thread = mu.thread_idx()
-  thread = arith.index_cast(i64, thread) if thread.type == index else arith.extui(i64, thread)
-  n = arith.addi(arith.muli(arith.index_cast(i64, ahead_block), arith.constant(i64, 128)),
-                 arith.remui(thread, arith.constant(i64, 128)))
-  start = arith.muli(n, arith.constant(i64, piece))
-  # The last pieces stop at total_bytes (sizes stay multiples of 16).
-  end = arith.minui(arith.addi(start, arith.constant(i64, piece)),
-                    arith.constant(i64, total_bytes))
-  size = arith.trunci(i32, arith.subi(arith.maxui(end, start), start))
-  pointer = mu.getelementptr(mu.memref_ptr(ahead_ref), [start], i8)
-  mu.inline_ptx("cp.async.bulk.prefetch.L2.global [$0], $1;", pointer, size,
-                predicate=arith.cmpi(arith.CmpIPredicate.ult, start,
-                                     arith.constant(i64, total_bytes)),
-                has_side_effects=True)
 
 
 @functools.cache
 def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_centered: bool,
-           protocol: str = "flags", prefetch: bool = False, ahead=None):
+           protocol: str = "flags", prefetch: bool = False):
   # Mosaic GPU's own modules: imported here, so that jspec imports without a GPU build.
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, gpu, scf
+  from jax._src.lib.mlir.dialects import arith, gpu
   import jax.experimental.mosaic.gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mu
 
@@ -148,25 +92,7 @@ def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_center
   chunks = width * dtype.itemsize // wsar.TILE_BYTES
   chunk = width // chunks
 
-  exchange_blocks = rows * chunks
-
-  def body(ctx, *refs):
-    if ahead is None:
-      return exchange_body(ctx, *refs)
-    x_ref, residual_ref, scale_ref, row_ref, ahead_ref, h_ref, out_ref, scratch = refs
-    index = ir.IndexType.get()
-    block = gpu.block_id(gpu.Dimension.x)
-    first_ahead = arith.constant(index, exchange_blocks)
-    is_ahead = arith.cmpi(arith.CmpIPredicate.uge, block, first_ahead)
-    branch = scf.IfOp(is_ahead, has_else=True)
-    with ir.InsertionPoint(branch.then_block):
-      _issue_ahead(ahead_ref, arith.subi(block, first_ahead), ahead[2], AHEAD_BLOCKS)
-      scf.YieldOp([])
-    with ir.InsertionPoint(branch.else_block):
-      exchange_body(ctx, x_ref, residual_ref, scale_ref, row_ref, h_ref, out_ref, scratch)
-      scf.YieldOp([])
-
-  def exchange_body(ctx, x_ref, residual_ref, scale_ref, row_ref, h_ref, out_ref, scratch):
+  def body(ctx, x_ref, residual_ref, scale_ref, row_ref, h_ref, out_ref, scratch):
     del ctx
     f32 = ir.F32Type.get()
     index = ir.IndexType.get()
@@ -227,10 +153,8 @@ def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_center
 
   n = rows * width
   flat = jax.ShapeDtypeStruct((n,), dtype)
-  inputs = [flat, flat, jax.ShapeDtypeStruct((width,), dtype),
-            jax.ShapeDtypeStruct((2 * axis_size + 1,), jnp.int32)]
-  if ahead is not None:
-    inputs.append(jax.ShapeDtypeStruct(*ahead[:2]))
   return peer_exchange.as_kernel(
-      body, "workspace_add_norm", exchange_blocks + (AHEAD_BLOCKS if ahead else 0),
-      tuple(inputs), (flat, flat), scratch=jax.ShapeDtypeStruct((4 * 128,), jnp.float32))
+      body, "workspace_add_norm", rows * chunks,
+      (flat, flat, jax.ShapeDtypeStruct((width,), dtype),
+       jax.ShapeDtypeStruct((2 * axis_size + 1,), jnp.int32)),
+      (flat, flat), scratch=jax.ShapeDtypeStruct((4 * 128,), jnp.float32))

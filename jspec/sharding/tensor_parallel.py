@@ -163,11 +163,9 @@ class TensorParallelProducts:
                          check_vma=False)(partials_ABTD, rows)
 
   def add_and_norm(self, partials_ABTD, residual_BTD, scale_D, eps: float,
-                   zero_centered: bool, ahead=None):
+                   zero_centered: bool):
     """(h, norm(h)) for h = residual + the sum of the partials, in one kernel
-    (jspec.pallas_kernels.workspace_norm), or None where it does not take a shard's rows.
-    `ahead`: (w, split), a column product's weight that the step reads next (split over its
-    axis `split`), whose shard the kernel brings into L2 while it waits for its peers."""
+    (jspec.pallas_kernels.workspace_norm), or None where it does not take a shard's rows."""
     from jspec.pallas_kernels import workspace_norm
     lead = PartitionSpec(*self._lead, None)
     b, t, d = NamedSharding(self.mesh, lead).shard_shape(residual_BTD.shape)
@@ -176,37 +174,27 @@ class TensorParallelProducts:
         or not workspace_norm.fits((b * t, d), residual_BTD.dtype)):
       return None
     size = self.mesh.shape[self.axis]
-    operands = [partials_ABTD, residual_BTD, scale_D, self._workspace.rows]
-    in_specs = [PartitionSpec(self.axis, *lead), lead, PartitionSpec(),
-                self._workspace.row_spec]
-    if ahead is not None:
-      weight, split = ahead
-      operands.append(weight)
-      in_specs.append(self._split(weight.ndim, split))
 
-    def per_shard(p, residual, scale, row, weight=None):
+    def per_shard(p, residual, scale, row):
       h, normed = workspace_norm.workspace_add_norm(
           p.reshape(b * t, d), residual.reshape(b * t, d), scale, row, size, eps=eps,
-          zero_centered=zero_centered, ahead=weight)
+          zero_centered=zero_centered)
       return h.reshape(b, t, d), normed.reshape(b, t, d)
-    return jax.shard_map(per_shard, mesh=self.mesh, in_specs=tuple(in_specs),
-                         out_specs=(lead, lead), check_vma=False)(*operands)
+    return jax.shard_map(per_shard, mesh=self.mesh,
+                         in_specs=(PartitionSpec(self.axis, *lead), lead, PartitionSpec(),
+                                   self._workspace.row_spec),
+                         out_specs=(lead, lead), check_vma=False)(
+        partials_ABTD, residual_BTD, scale_D, self._workspace.rows)
 
 
 class PartialSum:
   """A row product's output before its all-reduce: each shard's partial sums, [A, B, T, D]
   split over the products' axis. `reduced()` is the output; `+` sums first; a norm after a
-  residual add takes it whole (`add_and_norm`, one kernel with the sum). `ahead`: (w, split),
-  the column weight the step reads after that norm (`reading_next`), or None."""
+  residual add takes it whole (`add_and_norm`, one kernel with the sum)."""
 
-  def __init__(self, partials_ABTD, products: TensorParallelProducts, ahead=None):
-    self.partials_ABTD, self.products, self.ahead = partials_ABTD, products, ahead
+  def __init__(self, partials_ABTD, products: TensorParallelProducts):
+    self.partials_ABTD, self.products = partials_ABTD, products
     self.shape, self.dtype = partials_ABTD.shape[1:], partials_ABTD.dtype
-
-  def reading_next(self, weight, split: int) -> "PartialSum":
-    """The same sum, its norm told that the next product reads `weight` (a column product's,
-    split over its axis `split` as `TensorParallelProducts.column` takes it)."""
-    return PartialSum(self.partials_ABTD, self.products, (weight, split))
 
   def reduced(self):
     return self.products.sum_partials(self.partials_ABTD)
@@ -214,7 +202,7 @@ class PartialSum:
   def add_and_norm(self, residual_BTD, scale_D, eps: float, zero_centered: bool):
     """(residual + the sum, its RMSNorm) in one kernel, or None where it does not fit."""
     return self.products.add_and_norm(self.partials_ABTD, residual_BTD, scale_D, eps,
-                                      zero_centered, self.ahead)
+                                      zero_centered)
 
   def __add__(self, other):
     return self.reduced() + other
