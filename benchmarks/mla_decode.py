@@ -11,8 +11,11 @@ window of T tokens (1: decode; 4: a verify window of k = 3) ending at each conte
   wgmma   its Mosaic GPU form (jspec.pallas_kernels.mla_decode_wgmma), 64-row tiles
 First each is checked against a float32 evaluation (ragged positions, an idle sequence).
 Each timed program runs the attention over `--copies` different caches, so that the caches
-together overflow L2 as a model's layers do; µs are per attention call, medians of batches
-of programs after warm-up. Columns: µs, latent GB/s (each sequence's valid rows, read once,
+together overflow L2 as a model's layers do, `--chain` times in turn, each call's query
+waiting for the previous call's output as a step's layers wait; µs are per attention call,
+medians of batches of programs after warm-up. (Until 2026-11-29 a program ran each cache
+once, its calls independent: its launch and glue weighed on 2-3 calls, and the kernel's call
+at 128 heads, batch 16 / 4k read 56.3 µs where the profiler saw 49.7 µs of its kernels.) Columns: µs, latent GB/s (each sequence's valid rows, read once,
 over the time), that as % of the copy probe (a large device copy, bytes read + written),
 the time over its floor (the larger of that read and the FLOPs at a bf16 matmul probe's
 rate), and verify(4) / decode of the same batch and context. `--sweep` also times the
@@ -64,23 +67,39 @@ def _positions(batch, context, width):
 PATHS = ("xla", "kernel", "wgmma")
 
 
-def _programs(latent_dim, scale, kv_window, tiling):
-  """(xla, kernel, wgmma): each maps (q, caches, positions) to the outputs over every cache."""
+def _chained(attend, repeats: int):
+  """A program of `repeats` rounds over the caches, each call's query waiting for the previous
+  call's output (an optimization barrier ties them, no kernel of its own), as a step's layers
+  wait for each other: the program's own launch and its per-call glue hoisted out of the loop
+  (the positions, shared by a step's layers) weigh on its many calls as on a step's, not on
+  a few calls each."""
   @jax.jit
-  def xla(q_BTNL, caches, positions_BT):
-    return tuple(latent_attention(q_BTNL, c[:, :kv_window], positions_BT, scale)[..., :latent_dim]
-                 for c in caches)
+  def program(q_BTNL, caches, positions_BT):
+    def body(_, carry):
+      q_BTNL, out = carry
+      for cache in caches:
+        out = attend(q_BTNL, cache, positions_BT)
+        q_BTNL, out = jax.lax.optimization_barrier((q_BTNL, out))
+      return q_BTNL, out
+    first = attend(q_BTNL, caches[0], positions_BT)
+    return jax.lax.fori_loop(0, repeats, body, (q_BTNL, first))[1]
+  return program
 
-  @jax.jit
-  def kernel(q_BTNL, caches, positions_BT):
-    return tuple(mla_decode(q_BTNL, c, positions_BT, latent_dim=latent_dim, scale=scale,
-                            tiling=tiling, form="triton") for c in caches)
 
-  @jax.jit
-  def wgmma(q_BTNL, caches, positions_BT):
-    return tuple(mla_decode(q_BTNL, c, positions_BT, latent_dim=latent_dim, scale=scale,
-                            form="wgmma") for c in caches)
-  return xla, kernel, wgmma
+def _programs(latent_dim, scale, kv_window, tiling, repeats: int):
+  """(xla, kernel, wgmma): each runs the attention over every cache `repeats` times in turn
+  (`_chained`; 1 + repeats x caches calls a program)."""
+  def xla(q_BTNL, cache, positions_BT):
+    return latent_attention(q_BTNL, cache[:, :kv_window], positions_BT, scale)[..., :latent_dim]
+
+  def kernel(q_BTNL, cache, positions_BT):
+    return mla_decode(q_BTNL, cache, positions_BT, latent_dim=latent_dim, scale=scale,
+                      tiling=tiling, form="triton")
+
+  def wgmma(q_BTNL, cache, positions_BT):
+    return mla_decode(q_BTNL, cache, positions_BT, latent_dim=latent_dim, scale=scale,
+                      form="wgmma")
+  return tuple(_chained(fn, repeats) for fn in (xla, kernel, wgmma))
 
 
 def check(args, dtype) -> dict:
@@ -162,6 +181,8 @@ def main(argv=None) -> int:
   parser.add_argument("--rope-dim", type=int, default=64)
   parser.add_argument("--slack", type=int, default=128,
                       help="cache slots past the context (a capped bucket, as serving has)")
+  parser.add_argument("--chain", type=int, default=4,
+                      help="rounds over the caches a timed program runs (see above)")
   parser.add_argument("--copies", type=int, default=0,
                       help="caches per timed program (0: enough to overflow L2 three times)")
   parser.add_argument("--tiling", default=None,
@@ -233,9 +254,11 @@ def main(argv=None) -> int:
                      latent_bytes=latent, flops=flops,
                      splits=triton_splits(batch, rows, slots, tiling, args.latent_dim,
                                           width_l * itemsize))
-          for name, fn in zip(PATHS, _programs(args.latent_dim, scale, slots, tiling)):
+          repeats = 1 if args.smoke else args.chain
+          calls = 1 + repeats * copies
+          for name, fn in zip(PATHS, _programs(args.latent_dim, scale, slots, tiling, repeats)):
             try:
-              seconds = timer(fn, [(q, caches, positions)]) / copies
+              seconds = timer(fn, [(q, caches, positions)]) / calls
             except Exception as err:  # one program failing must not hide the others
               row[name] = dict(error=repr(err)[:500])
               print(f"{name} FAILED at H={heads} B={batch} ctx={context} T={width}: "
@@ -250,10 +273,10 @@ def main(argv=None) -> int:
               result["sweep_cut_at_budget"] = True
               break
             _, program, _ = _programs(args.latent_dim, scale, slots,
-                                   MLATiling(*map(int, text.split(","))))
+                                      MLATiling(*map(int, text.split(","))), repeats)
             entry = dict(heads=heads, batch=batch, context=context, width=width, tiling=text)
             try:
-              seconds = timer(program, [(q, caches, positions)]) / copies
+              seconds = timer(program, [(q, caches, positions)]) / calls
               entry.update(_timing(seconds, latent, flops, probe))
               print(f"  tiling {text}: {1e6 * seconds:9.1f} us", flush=True)
             except Exception as err:  # a tiling Triton refuses must not hide the others
