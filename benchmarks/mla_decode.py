@@ -14,8 +14,9 @@ Each timed program runs the attention over `--copies` different caches, so that 
 together overflow L2 as a model's layers do, `--chain` times in turn, each call's query
 waiting for the previous call's output as a step's layers wait; µs are per attention call,
 medians of batches of programs after warm-up. (Until 2026-11-29 a program ran each cache
-once, its calls independent: its launch and glue weighed on 2-3 calls, and the kernel's call
-at 128 heads, batch 16 / 4k read 56.3 µs where the profiler saw 49.7 µs of its kernels.) Columns: µs, latent GB/s (each sequence's valid rows, read once,
+once, its 2-3 calls independent; at 128 heads, batch 16 / 4k both ways read 56-57 µs a call
+where the profiler sees 50 µs of the call's two kernels: the rest is the gaps between
+kernels, BENCHMARKS.md.) Columns: µs, latent GB/s (each sequence's valid rows, read once,
 over the time), that as % of the copy probe (a large device copy, bytes read + written),
 the time over its floor (the larger of that read and the FLOPs at a bf16 matmul probe's
 rate), and verify(4) / decode of the same batch and context. `--sweep` also times the
@@ -69,17 +70,19 @@ PATHS = ("xla", "kernel", "wgmma")
 
 def _chained(attend, repeats: int):
   """A program of `repeats` rounds over the caches, each call's query waiting for the previous
-  call's output (an optimization barrier ties them, no kernel of its own), as a step's layers
-  wait for each other: the program's own launch and its per-call glue hoisted out of the loop
-  (the positions, shared by a step's layers) weigh on its many calls as on a step's, not on
-  a few calls each."""
+  call's output, as a step's layers wait for each other: the program's launch and the glue
+  it hoists out of the loop (the positions, shared by a step's layers) weigh on its many calls
+  as on a step's, not on a few calls each. The wait is one element of the query replaced in
+  place by itself plus 0 x one element of the output: a one-thread kernel a call (about a
+  microsecond, counted in the call's time). An optimization barrier alone did not hold: XLA
+  dropped the calls whose outputs only it read."""
   @jax.jit
   def program(q_BTNL, caches, positions_BT):
     def body(_, carry):
       q_BTNL, out = carry
       for cache in caches:
         out = attend(q_BTNL, cache, positions_BT)
-        q_BTNL, out = jax.lax.optimization_barrier((q_BTNL, out))
+        q_BTNL = q_BTNL.at[0, 0, 0, 0].add(0 * out[0, 0, 0, 0].astype(q_BTNL.dtype))
       return q_BTNL, out
     first = attend(q_BTNL, caches[0], positions_BT)
     return jax.lax.fori_loop(0, repeats, body, (q_BTNL, first))[1]
