@@ -36,6 +36,9 @@ def main():
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
+  parser.add_argument("--draft-vocab-size", type=int, default=0,
+                      help="with --method mtp: the head drafts from the first N token ids only "
+                           "(speculative_config's draft_vocab)")
   parser.add_argument("--fp8", action="store_true",
                       help="the preset as an FP8 checkpoint (e4m3, 128 x 128 block scales)")
   parser.add_argument("--idle", action="store_true",
@@ -56,6 +59,8 @@ def main():
     if args.tree:
       speculative.update(num_speculative_tokens=args.tree.count("("),
                          speculative_token_tree=args.tree)
+    if args.draft_vocab_size:
+      speculative["draft_vocab"] = list(range(args.draft_vocab_size))
   for mesh_text in args.mesh:
     dp, tp, ep = (int(x) for x in mesh_text.split(","))
     # Room for the prompt and its new tokens (at least the 1024 slots the script always had).

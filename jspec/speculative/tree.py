@@ -105,9 +105,34 @@ def greedy_children(tree: TokenTree, parents: tuple[int, ...], logits_BWV) -> di
   the child of rank r takes the parent's r-th most likely token (ties to the lower token id,
   as argmax)."""
   width = 1 + max(tree.rank(c) for p in parents for c in tree.children(p))
-  _, top_BWR = jax.lax.top_k(logits_BWV.astype(jnp.float32), width)
-  return {c: top_BWR[:, w, tree.rank(c)].astype(jnp.int32)
+  top_BWR = top_ids(logits_BWV.astype(jnp.float32), width)
+  return {c: top_BWR[:, w, tree.rank(c)]
           for w, p in enumerate(parents) for c in tree.children(p)}
+
+
+def top_ids(x_XV, k: int):
+  """The ids of the k largest values along the last axis, in `jax.lax.top_k`'s order (larger
+  first, ties to the lower id; a NaN above every number, as argmax places it), as int32
+  [..., k]: k rounds of the largest value not yet taken and the lowest id holding it, row
+  reductions that XLA fuses with the masking of the ids already taken. Why: XLA's GPU top-k
+  kernel took 25-69 µs for k = 1..4 over a 32k-token draft vocabulary at batch 1 (one row a
+  block), five calls in a 16-node tree's step (BENCHMARKS.md); a reduction takes a few."""
+  if k == 1:  # argmax's own order: the first of the largest, a NaN first
+    return jnp.argmax(x_XV, axis=-1).astype(jnp.int32)[..., None]
+  v = x_XV.shape[-1]
+  id_XV = jax.lax.broadcasted_iota(jnp.int32, x_XV.shape, x_XV.ndim - 1)
+  nan_XV = jnp.isnan(x_XV)
+  picks = []
+  for _ in range(k):
+    taken_XV = jnp.zeros(x_XV.shape, bool)
+    for pick_X in picks:
+      taken_XV = taken_XV | (id_XV == pick_X[..., None])
+    # NaN ranks above +inf (top_k's order): the round's largest is NaN while one is left.
+    any_nan_X1 = jnp.any(nan_XV & ~taken_XV, axis=-1, keepdims=True)
+    top_X1 = jnp.max(jnp.where(taken_XV | nan_XV, -jnp.inf, x_XV), axis=-1, keepdims=True)
+    holds_XV = ~taken_XV & jnp.where(any_nan_X1, nan_XV, x_XV == top_X1)
+    picks.append(jnp.min(jnp.where(holds_XV, id_XV, v), axis=-1))
+  return jnp.stack(picks, axis=-1)
 
 
 def sampled_children(tree: TokenTree, parents: tuple[int, ...], probs_BWV, keys_fn) -> dict:
