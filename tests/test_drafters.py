@@ -313,7 +313,10 @@ def test_sampled_speculation_keeps_the_target_distribution(drafter_dirs, drafter
   # Four tokens: the first step's whole window (k + 1 = 3) is emitted, so its acceptances count.
   params = jspec.SamplingParams(temperature=1.0, top_k=top_k, max_tokens=4, seed=0, n=1500,
                                 ignore_eos=True)
-  outs = _spec_llm(drafter_dirs, drafter, 2).generate([CHI_PROMPT], params)
+  # Each sample its own random stream: the same samples on any number of slots; two draw
+  # them fastest on the CPU (a step's cost grows with its rows).
+  llm = cached_llm(TARGET, METHOD[drafter], 2, model=drafter_dirs[drafter], max_num_seqs=2)
+  outs = llm.generate([CHI_PROMPT], params)
   samples = outs[0].outputs
   rng = np.random.default_rng(top_k)
   for i, probs_V in enumerate(_target_marginals(CHI_PROMPT, top_k, n)):
