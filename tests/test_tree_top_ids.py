@@ -44,3 +44,23 @@ def _numpy_top_ids(x, k):
   ids = np.arange(x.shape[-1])
   order = [np.lexsort((ids, -np.where(np.isnan(r), 0, r), ~np.isnan(r)))[:k] for r in rows]
   return np.asarray(order, np.int32).reshape(x.shape[:-1] + (k,))
+
+
+@pytest.mark.parametrize("paths", [
+    [(0,), (1,), (2,), (0, 0), (0, 1)],                      # ranks by reductions (<= 4)
+    [(0,), (1,), (2,), (3,), (4,), (5,), (0, 0), (1, 0)]])   # 6 at the root: XLA's top-k
+def test_greedy_children_take_their_parents_ranked_tokens(paths):
+  """Child of rank r gets its parent's r-th most likely token (ties to the lower id), whichever
+  way the ranks are computed."""
+  from jspec.speculative.tree import greedy_children
+  from jspec.token_tree import TokenTree
+  tree = TokenTree.from_paths(paths)
+  rng = np.random.default_rng(len(paths))
+  parents = tuple(i for i in range(tree.num_nodes) if tree.children(i))
+  logits = rng.integers(-4, 4, (3, len(parents), 50)).astype(np.float32)  # many ties
+  children = greedy_children(tree, parents, jnp.asarray(logits))
+  ranked = _numpy_top_ids(logits, 8)
+  assert set(children) == {c for p in parents for c in tree.children(p)}
+  for w, p in enumerate(parents):
+    for c in tree.children(p):
+      np.testing.assert_array_equal(np.asarray(children[c]), ranked[:, w, tree.rank(c)])

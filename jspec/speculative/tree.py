@@ -105,9 +105,16 @@ def greedy_children(tree: TokenTree, parents: tuple[int, ...], logits_BWV) -> di
   the child of rank r takes the parent's r-th most likely token (ties to the lower token id,
   as argmax)."""
   width = 1 + max(tree.rank(c) for p in parents for c in tree.children(p))
-  top_BWR = top_ids(logits_BWV.astype(jnp.float32), width)
+  logits_BWV = logits_BWV.astype(jnp.float32)
+  top_BWR = (top_ids(logits_BWV, width) if width <= MAX_REDUCED_RANKS
+             else jax.lax.top_k(logits_BWV, width)[1].astype(jnp.int32))
   return {c: top_BWR[:, w, tree.rank(c)]
           for w, p in enumerate(parents) for c in tree.children(p)}
+
+
+# The widest rank `greedy_children` takes by reductions (`top_ids`, whose rounds grow with k):
+# timed up to 4 (BENCHMARKS.md); wider ranks keep XLA's top-k.
+MAX_REDUCED_RANKS = 4
 
 
 def top_ids(x_XV, k: int):
