@@ -25,7 +25,6 @@ zeros); the reduce-scatter as an all-reduce of which each shard keeps its own ro
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax

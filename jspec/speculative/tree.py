@@ -129,16 +129,14 @@ def top_ids(x_XV, k: int):
   v = x_XV.shape[-1]
   id_XV = jax.lax.broadcasted_iota(jnp.int32, x_XV.shape, x_XV.ndim - 1)
   nan_XV = jnp.isnan(x_XV)
-  picks = []
+  picks, taken_XV = [], jnp.zeros(x_XV.shape, bool)
   for _ in range(k):
-    taken_XV = jnp.zeros(x_XV.shape, bool)
-    for pick_X in picks:
-      taken_XV = taken_XV | (id_XV == pick_X[..., None])
     # NaN ranks above +inf (top_k's order): the round's largest is NaN while one is left.
     any_nan_X1 = jnp.any(nan_XV & ~taken_XV, axis=-1, keepdims=True)
     top_X1 = jnp.max(jnp.where(taken_XV | nan_XV, -jnp.inf, x_XV), axis=-1, keepdims=True)
     holds_XV = ~taken_XV & jnp.where(any_nan_X1, nan_XV, x_XV == top_X1)
     picks.append(jnp.min(jnp.where(holds_XV, id_XV, v), axis=-1))
+    taken_XV = taken_XV | (id_XV == picks[-1][..., None])
   return jnp.stack(picks, axis=-1)
 
 
