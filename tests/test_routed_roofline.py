@@ -12,7 +12,7 @@ import jspec
 from jspec.bench.presets import PRESETS
 from jspec.bench.roofline import (distinct_experts, expected_experts_used, routed_expert_bytes,
                                   step_bytes)
-from jspec.bench.steps import StepTimer
+from jspec.bench.steps import STEPS_PER_CALL, StepTimer
 
 # Three layers, the first dense: two MoE layers of 8 experts in 4 groups, top-2 of 2 groups.
 CFG = dataclasses.replace(PRESETS["tiny-mla"], num_layers=3)
@@ -24,6 +24,16 @@ def test_distinct_experts_counts_each_routed_expert_once(seed):
   tokens, top_k = rng.integers(1, 40), rng.integers(1, 9)
   ids = np.stack([rng.choice(64, top_k, replace=False) for _ in range(tokens)])
   assert distinct_experts(ids) == len(set(ids.ravel().tolist()))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_distinct_experts_of_several_steps_is_the_mean_of_each_steps_count(seed):
+  rng = np.random.default_rng(seed)
+  steps, tokens, top_k = rng.integers(2, 9), rng.integers(1, 40), rng.integers(1, 9)
+  ids = np.stack([np.stack([rng.choice(rng.integers(top_k, 65), top_k, replace=False)
+                            for _ in range(tokens)]) for _ in range(steps)])
+  counts = [len(set(step.ravel().tolist())) for step in ids]
+  assert distinct_experts(ids) == pytest.approx(np.mean(counts))
 
 
 def test_step_bytes_count_the_experts_each_layer_routed():
@@ -47,9 +57,23 @@ def test_step_timer_records_the_experts_a_biased_router_sends_every_token_to():
     bias[list(winners)] = 10.0
     llm.target.layers[layer].mlp.correction_bias.set_value(jnp.asarray(bias))
   routed = StepTimer(llm).routed_experts(batch=3, context=20, width=2)
-  assert [ids.shape for ids in routed] == [(6, 2), (6, 2)]
-  assert [set(np.unique(ids).tolist()) for ids in routed] == [{1, 5}, {2, 6}]
+  assert [ids.shape for ids in routed] == [(STEPS_PER_CALL, 6, 2)] * 2
+  for ids, winners in zip(routed, ({1, 5}, {2, 6})):
+    assert all(set(np.unique(step).tolist()) == winners for step in ids)
   used = [distinct_experts(ids) for ids in routed]
   assert used == [2, 2]
   assert expected_experts_used(CFG.moe.num_experts, 2, 6) > 5.8
   assert step_bytes(CFG, 3, 2, 20, experts_used=used) < step_bytes(CFG, 3, 2, 20)
+
+
+def test_step_timer_records_every_step_it_times_each_fed_the_last_ones_tokens():
+  """The timed loop starts every row at token 1 and feeds each step the previous step's
+  argmax: an unbiased router's picks move with the tokens, so the later steps route other
+  experts than the first, and the recorded ids are those of all STEPS_PER_CALL steps."""
+  llm = jspec.LLM.from_random(CFG, dtype="float32", max_model_len=64, seed=3)
+  routed = StepTimer(llm).routed_experts(batch=4, context=20)
+  assert [ids.shape for ids in routed] == [(STEPS_PER_CALL, 4, 2)] * 2
+  num_experts = CFG.moe.num_experts
+  assert all(((ids >= 0) & (ids < num_experts)).all() for ids in routed)
+  assert any(not np.array_equal(ids[step], ids[0]) for ids in routed
+             for step in range(1, STEPS_PER_CALL))

@@ -79,14 +79,19 @@ def expected_experts_used(num_experts: int, top_k: int, num_tokens: int) -> floa
   return num_experts * (1 - miss)
 
 
-def distinct_experts(ids_TK) -> int:
+def distinct_experts(ids) -> float:
   """Experts that at least one of a step's tokens was routed to in one MoE layer (ids
-  [tokens, top_k]): each is read once, however many tokens it takes.
+  [tokens, top_k]): each is read once, however many tokens it takes. For the ids of several
+  steps ([steps, tokens, top_k], as StepTimer.routed_experts records them) the mean over the
+  steps of each step's count.
 
   Uniform routing is what `expected_experts_used` assumes; real routers are not uniform, and
   random ones with a correction bias (benchmark models) send most tokens to a few experts, so
   a step's MoE bytes are counted from the experts it routed (StepTimer.routed_experts)."""
-  return int(np.unique(np.asarray(ids_TK)).size)
+  ids = np.asarray(ids)
+  if ids.ndim == 3:
+    return float(np.mean([np.unique(step).size for step in ids]))
+  return int(np.unique(ids).size)
 
 
 def routed_expert_bytes(cfg: ModelConfig, experts_used, itemsize: int = 2) -> int:

@@ -84,16 +84,18 @@ class StepTimer:
 
   # --- programs ------------------------------------------------------------------------------
 
-  def _target_steps(self, cache_len: int):
+  def _target_steps(self, cache_len: int, experts_of_step=None):
+    """experts_of_step(i) -> the experts_fn of loop step i (default: the LLM's, every step)."""
     llm, tgd = self.llm, self.target_graphdef
+    experts_of_step = experts_of_step or (lambda i: llm.experts_fn)
 
     def steps(state, caches, tokens_BT, positions_BT):
       # The FP8 kernels' scale lanes made before the loop, as the schedulers' programs do.
       target = with_loop_constants(nnx.merge(tgd, state))
 
-      def body(_, carry):
+      def body(i, carry):
         caches, tokens_BT = carry
-        hidden, window = target(tokens_BT, positions_BT, caches, cache_len, llm.experts_fn)
+        hidden, window = target(tokens_BT, positions_BT, caches, cache_len, experts_of_step(i))
         next_BT = vocab_argmax(target.logits(hidden)).astype(jnp.int32)
         # As the loop does: commit the window (all of it; recurrent layers pay their commit).
         num_emit_B = jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)
@@ -189,32 +191,37 @@ class StepTimer:
     return seconds
 
   def routed_experts(self, batch: int, context: int, width: int = 1) -> list[np.ndarray]:
-    """The expert ids [B*T, top_k] each MoE layer of the target routes in one forward of a
-    step's inputs as `measure` feeds them (token 1 at the context's positions, the same random
-    caches), in layer order: what the step's MoE layers must read, however far from uniform
-    the router is."""
-    llm, tgd = self.llm, self.target_graphdef
+    """The expert ids [steps, B*T, top_k] each MoE layer of the target routes in the loop that
+    `measure` times (STEPS_PER_CALL steps from token 1 at the context's positions, the same
+    random caches, each step fed the previous step's argmax), in layer order: what the timed
+    steps' MoE layers must read, however far from uniform the router is. The first step alone
+    is not enough: its batch rows all hold token 1, and a router sends such rows to few
+    experts, while the argmax tokens of the later steps differ from row to row."""
+    llm = self.llm
     cache_len = buckets.cache_bucket(context + width, 0, llm.max_model_len)
     shapes = jax.eval_shape(lambda: llm.target.init_caches(batch, cache_len, llm.dtype))
     caches = _random_caches(shapes, self.cache_shardings, 1)
     recorded = {}
 
-    def forward(state, caches, tokens_BT, positions_BT):
-      target = nnx.merge(tgd, state)
+    def record(layer, step, ids_TK):
+      recorded[int(step), layer] = np.asarray(ids_TK)
+
+    def recording_experts(step):
       order = itertools.count()  # MoE layers call the experts in layer order while tracing
 
-      def recording_experts(x_TD, ids_TK, *weights):
-        jax.debug.callback(functools.partial(recorded.__setitem__, next(order)), ids_TK)
+      def experts(x_TD, ids_TK, *weights):
+        jax.debug.callback(functools.partial(record, next(order)), step, ids_TK)
         return llm.experts_fn(x_TD, ids_TK, *weights)
 
-      hidden, _ = target(tokens_BT, positions_BT, caches, cache_len, recording_experts)
-      return hidden
+      return experts
 
-    jax.block_until_ready(jax.jit(forward)(self.target_state, caches,
-                                           jnp.ones((batch, width), jnp.int32),
-                                           _positions(batch, context, width)))
+    program = jax.jit(self._target_steps(cache_len, recording_experts))
+    jax.block_until_ready(program(self.target_state, caches, jnp.ones((batch, width), jnp.int32),
+                                  _positions(batch, context, width)))
     jax.effects_barrier()
-    return [np.asarray(recorded[i]) for i in sorted(recorded)]
+    layers = sorted({layer for _, layer in recorded})
+    return [np.stack([recorded[step, layer] for step in range(STEPS_PER_CALL)])
+            for layer in layers]
 
   def prefill(self, batch: int, prompt_len: int) -> float:
     """Seconds to run the target over a prompt bucket from position 0 (no sampling)."""
