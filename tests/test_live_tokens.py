@@ -105,3 +105,37 @@ def test_in_the_loop_a_finished_row_routes_nothing_and_tokens_stay_vanillas(batc
   assert got == want
   # Decode calls route one token per live row: two rows, then one once the first has ended.
   assert 2 in live_counts and 1 in live_counts, live_counts
+
+
+@pytest.mark.parametrize("batching", ["continuous", "waves"])
+def test_an_mtp_heads_moe_routes_the_emitted_positions_of_running_rows_only(batching):
+  """DeepSeek-V3's MTP layers are MoE layers: the head's pass over a verify window (and over
+  a prompt) routes only the positions whose outputs are read, the emitted ones of running
+  rows (the prompt's own), so some of its calls route fewer tokens than they hold; the tokens
+  stay those of plain greedy decoding, each prompt alone."""
+  def mtp_llm(**kwargs):
+    return jspec.LLM(model=fixture_dir("deepseek_v3"), dtype="float32", max_model_len=64,
+                     speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                     **kwargs)
+
+  llm = mtp_llm(max_num_seqs=2, batching=batching)
+  calls = []
+  base = llm.device.ctx.draft_experts_fn
+
+  def spy(x_TD, ids_TK, *rest):
+    total = ids_TK.shape[0]
+    jax.debug.callback(lambda n: calls.append((int(n), total)), jnp.sum(jnp.any(ids_TK >= 0, 1)))
+    return base(x_TD, ids_TK, *rest)
+
+  llm.device.ctx = dataclasses.replace(llm.device.ctx, draft_experts_fn=spy)
+  prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
+  params = [greedy(2, ignore_eos=True), greedy(12, ignore_eos=True)]
+  got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+  plain = jspec.LLM(model=fixture_dir("deepseek_v3"), dtype="float32", max_model_len=64,
+                    max_num_seqs=1)
+  want = [plain.generate([p], s, use_tqdm=False)[0].outputs[0].token_ids
+          for p, s in zip(prompts, params)]
+  assert got == want
+  assert calls, "the MTP head's MoE layer was never called"
+  assert all(live <= total for live, total in calls)
+  assert any(live < total for live, total in calls), calls

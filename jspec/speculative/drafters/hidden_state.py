@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jspec.models import caches as cache_lib
+from jspec.models.moe_backends import live_tokens_only
 from jspec.models.tree_attention import tree_layout
 from jspec.speculative import tree as tree_lib
 from jspec.shapes.chunks import in_chunks
@@ -38,11 +39,19 @@ class HiddenStateDrafter(Drafter):
     self.aux_layers = tuple(head.aux_layers)
 
   def _first_layer(self, next_tokens_BT, target_out: TargetOut, positions_BT, cache,
-                   kv_window: int):
+                   kv_window: int, live_BT=None):
+    """The head's first layer over a window. Its MoE (an MoE MTP head's) routes the tokens of
+    live_BT [B, T] only (moe_backends.live_tokens_only): the window's other positions are a
+    prompt's padding, a verify's rejected tail or a finished row's, whose outputs are never
+    read, and a head is one layer, so a position's MoE output reaches nothing but that
+    position's outputs (its keys and values come from the layer's input)."""
     hidden_BTD = self.head.target_features(self.target, target_out.hidden_BTD,
                                            target_out.aux_BTD)
+    experts_fn = self.ctx.draft_experts_fn
+    if live_BT is not None:
+      experts_fn = live_tokens_only(experts_fn, live_BT)
     return self.head.layers[0](self.target, next_tokens_BT, hidden_BTD, positions_BT, cache,
-                               kv_window, self.ctx.draft_experts_fn)
+                               kv_window, experts_fn)
 
   def _last_emitted(self, draft: DraftState, normed_BTD, feedback_BTD, last_B) -> DraftState:
     logits_BV = self.head.layers[0].logits(self.target, take_rows(normed_BTD, last_B)[:, None])
@@ -62,7 +71,8 @@ class HiddenStateDrafter(Drafter):
     def extend(next_tokens, hidden, positions, *aux_and_cache):
       *aux, cache = aux_and_cache
       normed, feedback, cache = self._first_layer(next_tokens, TargetOut(hidden, tuple(aux)),
-                                                  positions, cache, prompt_bucket)
+                                                  positions, cache, prompt_bucket,
+                                                  positions < prompt_lens_B[:, None])
       return (normed, feedback), cache
 
     (normed_BPD, feedback_BPD), cache0 = in_chunks(
@@ -120,15 +130,19 @@ class HiddenStateDrafter(Drafter):
                     prompt_lens_B, last_B, target_out: TargetOut) -> DraftState:
     """The first layer over the chunk, as `prefill` runs it over a whole prompt; the outputs
     at the prompt's last position (in its last chunk) give the first draft."""
-    del tokens_BC, prompt_lens_B
+    del tokens_BC
     normed_BCD, feedback_BCD, cache0 = self._first_layer(
-        next_tokens_BC, target_out, positions_BC, draft.caches[0], self.plan.cache_len)
+        next_tokens_BC, target_out, positions_BC, draft.caches[0], self.plan.cache_len,
+        positions_BC < prompt_lens_B[:, None])
     draft = draft.replace(caches=(cache0,) + tuple(draft.caches[1:]))
     return self._last_emitted(draft, normed_BCD, feedback_BCD, last_B)
 
   def extend(self, draft: DraftState, out_tokens_BT, positions_BT, num_emit_B, running_B,
              target_out: TargetOut) -> DraftState:
-    normed_BTD, feedback_BTD, cache0 = self._first_layer(out_tokens_BT, target_out, positions_BT,
-                                                         draft.caches[0], self.plan.cache_len)
+    # Only the emitted positions of running rows are read (at num_emit_B - 1).
+    emitted_BT = jnp.arange(out_tokens_BT.shape[1])[None, :] < num_emit_B[:, None]
+    normed_BTD, feedback_BTD, cache0 = self._first_layer(
+        out_tokens_BT, target_out, positions_BT, draft.caches[0], self.plan.cache_len,
+        emitted_BT & running_B[:, None])
     draft = draft.replace(caches=(cache0,) + tuple(draft.caches[1:]))
     return self._last_emitted(draft, normed_BTD, feedback_BTD, num_emit_B - 1)
