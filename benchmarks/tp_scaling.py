@@ -9,6 +9,7 @@ warm-up call.
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant partitioner  # XLA places them all
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant unfused  # kernel, norms apart
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant norm-late  # workspace_norm.PREFETCH off
+    python benchmarks/tp_scaling.py --mesh 1,2,1 --variant unsliced  # o / down: XLA's K sums
     python benchmarks/tp_scaling.py --mesh 1,2,1 --one-row kernel  # one-row products: kernel
 
 Variants (LLM(all_reduce_backend), jspec.sharding.tensor_parallel): `default` ("auto":
@@ -17,7 +18,8 @@ products and all-reduces), `xla` (jspec's shard-by-shard products, XLA's all-red
 (the same products, the workspace one-shot kernel, each all-reduce before a norm fused with it:
 jspec.pallas_kernels.workspace_norm; also the MoE layers' tp sum and ep all-gather /
 reduce-scatter: jspec.sharding.moe), `unfused` (`kernel` with the all-reduce and the norm
-apart: TensorParallelProducts.defer_sums off). `--one-row` sets how one-row products run
+apart: TensorParallelProducts.defer_sums off), `unsliced` (o and down as one product each,
+their K-slice sums XLA's kernels: TensorParallelProducts.k_slices 0). `--one-row` sets how one-row products run
 (jspec.pallas_kernels.skinny_gemm.ONE_ROW; the library's default unless given).
 
 One JSON line per (mesh, batch): tokens/s (prefill included), TPOT, TTFT, and a digest of the
@@ -38,12 +40,15 @@ from flax import nnx
 import jspec
 from jspec.bench.presets import PRESETS
 from jspec.pallas_kernels import workspace_norm
+from jspec.sharding.tensor_parallel import TensorParallelProducts
 
 VARIANTS = {"default": {}, "partitioner": dict(all_reduce_backend="partitioner"),
             "xla": dict(all_reduce_backend="xla"), "kernel": dict(all_reduce_backend="kernel"),
             "unfused": dict(all_reduce_backend="kernel"),
             # the fused all-reduce + norm reading the residual and scale after the exchange
-            "norm-late": {}}
+            "norm-late": {},
+            # o / down as one product each, whose K-slice sum XLA adds (not the norm kernel)
+            "unsliced": {}}
 
 
 def main():
@@ -70,6 +75,8 @@ def main():
   args = parser.parse_args()
   config = PRESETS[args.model]
   workspace_norm.PREFETCH = args.variant != "norm-late" and workspace_norm.PREFETCH
+  if args.variant == "unsliced":
+    TensorParallelProducts.k_slices = 0
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.

@@ -49,6 +49,12 @@ def test_bad_inputs_are_refused():
     workspace_norm.workspace_add_norm(x, x, x[0, :512], row, 2, eps=1e-6)
   with pytest.raises(ValueError, match="row: expected 5"):
     workspace_norm.workspace_add_norm(x, x, x[0], row[:3], 2, eps=1e-6)
+  parts = jnp.zeros((4, 2, 1024), jnp.float32)
+  with pytest.raises(ValueError, match="R >= the residual's 3 rows"):
+    workspace_norm.workspace_add_norm(parts, jnp.zeros((3, 1024), jnp.bfloat16), x[0], row, 2,
+                                      eps=1e-6)
+  with pytest.raises(ValueError, match="must be float32"):
+    workspace_norm.workspace_add_norm(parts.astype(jnp.bfloat16), x, x[0], row, 2, eps=1e-6)
 
 
 def test_the_norm_kernel_builds_for_hopper_without_a_gpu(monkeypatch):
@@ -61,6 +67,9 @@ def test_the_norm_kernel_builds_for_hopper_without_a_gpu(monkeypatch):
                                                   (8, 7168, jnp.float16, 8, False)]:
     assert callable(workspace_norm._build(rows, width, jnp.dtype(dtype), size, 1e-6,
                                           zero_centered))
+  for rows, slicing in [(1, (4, 2)), (8, (4, 8)), (3, (2, 3))]:  # K-slice partials
+    assert callable(workspace_norm._build(rows, 4096, jnp.dtype(jnp.bfloat16), 2, 1e-6, False,
+                                          "lamport", True, slicing))
 
 
 def test_the_norm_region_lies_past_the_all_reduces_and_inside_the_workspace():
@@ -73,8 +82,15 @@ def test_the_norm_region_lies_past_the_all_reduces_and_inside_the_workspace():
 
 
 def _reference_add_norm(partial, residual, scale, row, size, *, eps, zero_centered):
-  """What the kernel must equal: psum, then the row kernel's residual add + RMSNorm."""
+  """What the kernel must equal: psum, then the row kernel's residual add + RMSNorm; K-slice
+  partials [S, R, D] summed over the slices in order in float32 first, their first M rows
+  rounded to the residual's dtype."""
   del row, size
+  if partial.ndim == 3:
+    total = partial[0]
+    for part in partial[1:]:
+      total = total + part
+    partial = total[:residual.shape[0]].astype(residual.dtype)
   delta = jax.lax.psum(partial, "tp")
   return row_norms.rms_norm(residual, scale, delta, eps=eps, zero_centered=zero_centered,
                             interpret=True)
@@ -103,17 +119,21 @@ def _kernel_products(monkeypatch, mesh):
 
 @pytest.mark.parametrize("norm_class", [RMSNorm, ZeroCenteredRMSNorm])
 @pytest.mark.parametrize("batch, seq", [(1, 1), (4, 3)])
-def test_a_deferred_row_product_meets_its_norm_in_one_call(monkeypatch, norm_class, batch, seq):
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_a_deferred_row_product_meets_its_norm_in_one_call(monkeypatch, norm_class, batch, seq,
+                                                           head_dim):
   """row(defer=True) hands the norm a PartialSum, which the norm takes whole (one fused call)
   to the bits of the row product's sum followed by the residual add and the norm; `+` on it
-  sums first."""
+  sums first. A shard's K of 256 (head_dim 128) goes as 4 K slices' float32 partials (a
+  batched product; one row twice), which the kernel sums in float32: then within float32
+  rounding of the unsliced sum, not its bits."""
   calls = []
   _stand_ins(monkeypatch, calls)
   mesh = MeshConfig(tp=2).make_mesh()
   products = _kernel_products(monkeypatch, mesh)
-  rng = np.random.default_rng(batch * 10 + seq)
-  x = jnp.asarray(rng.standard_normal((batch, seq, 4, 16)), jnp.float32)
-  w = jnp.asarray(rng.standard_normal((4, 16, 64)) / 8, jnp.float32)
+  rng = np.random.default_rng(batch * 10 + seq + head_dim)
+  x = jnp.asarray(rng.standard_normal((batch, seq, 4, head_dim)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((4, head_dim, 64)) / 8, jnp.float32)
   residual = jnp.asarray(rng.standard_normal((batch, seq, 64)), jnp.float32)
   norm = norm_class(64, 1e-6, jnp.float32)
   norm.scale[...] = jnp.asarray(rng.standard_normal(64), jnp.float32)
@@ -123,15 +143,38 @@ def test_a_deferred_row_product_meets_its_norm_in_one_call(monkeypatch, norm_cla
   deferred = products.row(x, w, in_axes=2, defer=True)
   assert isinstance(deferred, PartialSum) and deferred.shape == (batch, seq, 64)
   h, normed = norm.add_and_norm(residual, deferred)
-  assert calls == [(batch * seq, 64)]
+  sliced = head_dim == 128
+  rows = 2 if batch * seq == 1 else batch * seq
+  assert calls == [(4, rows, 64) if sliced else (batch * seq, 64)]
   summed = products.row(x, w, in_axes=2)
   want_h, want_normed = norm.add_and_norm(residual, summed)
-  np.testing.assert_array_equal(np.asarray(h), np.asarray(want_h))
-  np.testing.assert_array_equal(np.asarray(normed), np.asarray(want_normed))
-  np.testing.assert_array_equal(np.asarray(residual + deferred), np.asarray(residual + summed))
-  np.testing.assert_array_equal(np.asarray(deferred + residual), np.asarray(summed + residual))
+  same = (functools.partial(np.testing.assert_allclose, rtol=2e-6, atol=2e-6) if sliced
+          else np.testing.assert_array_equal)
+  same(np.asarray(h), np.asarray(want_h))
+  same(np.asarray(normed), np.asarray(want_normed))
+  same(np.asarray(residual + deferred), np.asarray(residual + summed))
+  same(np.asarray(deferred + residual), np.asarray(summed + residual))
   np.testing.assert_allclose(np.asarray(summed), np.einsum("btnh,nhd->btd", x, w), rtol=1e-5,
                              atol=1e-5)
+
+
+@pytest.mark.parametrize("batch, seq, sliced", [(1, 1, True), (4, 8, True), (5, 8, False)])
+def test_k_slices_only_for_rows_the_norm_kernel_takes(monkeypatch, batch, seq, sliced):
+  """A decode or verify step's few rows go as 4 K slices' partials (one row twice); a prefill
+  chunk's rows (more than wsar.NORM_ROWS a shard) as one product, their sum XLA's."""
+  _stand_ins(monkeypatch, [])
+  mesh = MeshConfig(tp=2).make_mesh()
+  products = _kernel_products(monkeypatch, mesh)
+  x = jnp.ones((batch, seq, 4, 128), jnp.float32)
+  deferred = products.row(x, jnp.ones((4, 128, 64), jnp.float32), in_axes=2, defer=True)
+  assert deferred.shape == (batch, seq, 64)
+  if sliced:
+    assert deferred.tokens == seq
+    assert deferred.partials_ABTD.shape == (2 * 4, batch, 2 if batch * seq == 1 else seq, 64)
+    assert deferred.partials_ABTD.dtype == jnp.float32
+  else:
+    assert deferred.tokens is None and deferred.partials_ABTD.shape == (2, batch, seq, 64)
+  np.testing.assert_array_equal(np.asarray(deferred.reduced()), np.full((batch, seq, 64), 512.0))
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [7, 8, 7, 8, 7, 8], [100, 3, 44, 9]]
@@ -298,20 +341,50 @@ def test_gpu_chains_of_sums_and_norms_keep_their_flags_in_step():
 
 @pytest.mark.gpu
 def test_gpu_model_tokens_with_and_without_the_fusion():
-  """A float32 model of 4096-wide rows at tp = 2: the kernel path (sums fused into the norms)
-  emits the tokens of the same path with the norms apart."""
+  """A float32 model of 4096-wide rows at tp = 2: the kernel path (sums fused into the norms,
+  o / down as K slices' partials or as one product each) emits the tokens of the same path
+  with the norms apart."""
   _gpu_pair()
   import dataclasses
   from jspec.bench.presets import PRESETS
   config = dataclasses.replace(PRESETS["qwen3-8b"], num_layers=2, vocab_size=4096)
   prompts = [[5, 6, 7, 8, 9], [1, 2]]
   outputs = []
-  for defer in (True, False):
+  for defer, slices in ((True, 4), (True, 0), (False, 4)):
     llm = jspec.LLM.from_random(config, mesh=MeshConfig(tp=2), dtype="float32",
                                 max_model_len=64, max_num_seqs=2, all_reduce_backend="kernel")
     layers = [n for _, n in nnx.iter_graph(llm.target) if getattr(n, "tp_products", None)]
     assert layers
     for node in layers:
       node.tp_products.defer_sums = defer
+      node.tp_products.k_slices = slices
     outputs.append([o.token_ids for o in llm.generate(prompts, greedy(12, ignore_eos=True))])
-  assert outputs[0] == outputs[1]
+  assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, part_rows, slices", [(1, 2, 4), (8, 8, 4), (3, 3, 2)])
+def test_gpu_norm_kernel_sums_k_slice_partials_before_the_exchange(rows, part_rows, slices):
+  """K slices' float32 partials [S, R, D]: each device's slices summed in order in float32 and
+  rounded to bf16 (the first M of R rows), then as bf16 partials: h bit for bit, the norm
+  within one rounding, both devices alike."""
+  mesh = _gpu_pair()
+  width, dtype = 4096, jnp.bfloat16
+  rng = np.random.default_rng(rows * 100 + slices)
+  parts = rng.standard_normal((2, slices, part_rows, width)).astype(np.float32)
+  residual = jnp.asarray(rng.standard_normal((rows, width)) * 4, dtype)
+  scale = jnp.asarray(rng.standard_normal(width), dtype)
+  h, normed, workspace = _run_add_norm(
+      mesh, jax.device_put(jnp.asarray(parts), NamedSharding(mesh, P("tp"))), residual, scale,
+      1e-6, False)
+  per_device = parts[:, 0]
+  for s in range(1, slices):
+    per_device = per_device + parts[:, s]  # float32, in the kernel's order
+  rounded = np.asarray(jnp.asarray(per_device[:, :rows]).astype(dtype).astype(jnp.float32))
+  want_h, want_normed = _numpy_add_norm(rounded, np.asarray(residual.astype(jnp.float32)),
+                                        np.asarray(scale.astype(jnp.float32)), 1e-6, False, dtype)
+  for device in range(2):
+    np.testing.assert_array_equal(h[device], want_h)
+    ulp = np.abs(want_normed) * float(jnp.finfo(dtype).eps) + 1e-6
+    assert np.all(np.abs(normed[device] - want_normed) <= 2 * ulp)
+  assert all(workspace.lamport_idle().values())

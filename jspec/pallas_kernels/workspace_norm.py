@@ -54,31 +54,44 @@ def workspace_add_norm(partial_MD, residual_MD, scale_D, row, axis_size: int, *,
   """(h, norm(h)) for h = residual + the sum of `partial` over the group (see the module
   docstring), inside a shard_map that hands each device its own `row` of a PeerWorkspace's
   table. Every device's results hold the same bits. `protocol`: the handover
-  (wsar.PROTOCOLS; None: wsar.DEFAULT_PROTOCOL). Hopper GPUs only."""
-  protocol = wsar.protocol_for(partial_MD.dtype, protocol)
-  if not fits(partial_MD.shape, partial_MD.dtype):
-    raise ValueError(f"workspace_add_norm takes float16 / bfloat16 / float32 rows [M, D], M <= "
-                     f"{wsar.NORM_ROWS}, D a multiple of {wsar.TILE_BYTES} bytes up to "
-                     f"{wsar.NORM_ROW_BYTES}; got {partial_MD.shape} {partial_MD.dtype}")
-  if residual_MD.shape != partial_MD.shape or residual_MD.dtype != partial_MD.dtype:
+  (wsar.PROTOCOLS; None: wsar.DEFAULT_PROTOCOL). Hopper GPUs only.
+
+  `partial` may also be a product's float32 K-slice partials [S, R, D] (R >= M rows, of which
+  the first M are the residual's): each device sums its S slices in float32 and rounds the sum
+  to the residual's dtype, as XLA's split-K sum after a product does, before the exchange."""
+  rows, width = residual_MD.shape
+  slices = None
+  if partial_MD.ndim == 3:
+    slices, part_rows, part_width = partial_MD.shape
+    if (partial_MD.dtype != jnp.float32 or part_rows < rows or part_width != width
+        or slices < 1):
+      raise ValueError(f"K-slice partials must be float32 [S, R, D] with R >= the residual's "
+                       f"{rows} rows and D = {width}; got {partial_MD.shape} {partial_MD.dtype}")
+  elif residual_MD.shape != partial_MD.shape or residual_MD.dtype != partial_MD.dtype:
     raise ValueError(f"the residual must match the partial sums {partial_MD.shape} "
                      f"{partial_MD.dtype}; got {residual_MD.shape} {residual_MD.dtype}")
-  if scale_D.shape != partial_MD.shape[1:] or scale_D.dtype != partial_MD.dtype:
-    raise ValueError(f"scale: expected [{partial_MD.shape[1]}] {partial_MD.dtype}, got "
+  protocol = wsar.protocol_for(residual_MD.dtype, protocol)
+  if not fits(residual_MD.shape, residual_MD.dtype):
+    raise ValueError(f"workspace_add_norm takes float16 / bfloat16 / float32 rows [M, D], M <= "
+                     f"{wsar.NORM_ROWS}, D a multiple of {wsar.TILE_BYTES} bytes up to "
+                     f"{wsar.NORM_ROW_BYTES}; got {residual_MD.shape} {residual_MD.dtype}")
+  if scale_D.shape != (width,) or scale_D.dtype != residual_MD.dtype:
+    raise ValueError(f"scale: expected [{width}] {residual_MD.dtype}, got "
                      f"{scale_D.shape} {scale_D.dtype}")
   row = row.reshape(-1)
   if row.shape != (2 * axis_size + 1,) or row.dtype != jnp.int32:
     raise ValueError(f"row: expected {2 * axis_size + 1} int32 words, got {row.shape} {row.dtype}")
-  rows, width = partial_MD.shape
-  kernel = _build(rows, width, jnp.dtype(partial_MD.dtype), axis_size, float(eps),
-                  bool(zero_centered), protocol, PREFETCH)
+  slicing = (slices, partial_MD.shape[1]) if slices else None
+  kernel = _build(rows, width, jnp.dtype(residual_MD.dtype), axis_size, float(eps),
+                  bool(zero_centered), protocol, PREFETCH, slicing)
   h, normed = kernel(partial_MD.reshape(-1), residual_MD.reshape(-1), scale_D, row)
   return h.reshape(rows, width), normed.reshape(rows, width)
 
 
 @functools.cache
 def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_centered: bool,
-           protocol: str = "flags", prefetch: bool = False):
+           protocol: str = "flags", prefetch: bool = False, slicing=None):
+  """slicing: (S, R) where the partial is float32 K-slice partials [S, R, D], else None."""
   # Mosaic GPU's own modules: imported here, so that jspec imports without a GPU build.
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, gpu
@@ -95,6 +108,7 @@ def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_center
   def body(ctx, x_ref, residual_ref, scale_ref, row_ref, h_ref, out_ref, scratch):
     del ctx
     f32 = ir.F32Type.get()
+    ir_dtype = mu.dtype_to_ir_type(dtype)
     index = ir.IndexType.get()
     block = gpu.block_id(gpu.Dimension.x)
     row = arith.divui(block, arith.constant(index, chunks))
@@ -103,7 +117,17 @@ def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_center
     own_start = arith.addi(row_start, arith.muli(mine_c, arith.constant(index, chunk)))
     load = lambda ref, start: mgpu.FragmentedArray.load_strided(
         mu.memref_slice(ref, mu.ds(start, chunk)), vec_size=vec)
-    mine = load(x_ref, own_start)
+    if slicing is None:
+      mine = load(x_ref, own_start)
+    else:  # the K slices' float32 partials, summed in float32 and rounded once
+      slices, part_rows = slicing
+      total = None
+      for s in range(slices):
+        start = arith.addi(own_start, arith.constant(index, s * part_rows * width))
+        part = mgpu.FragmentedArray.load_strided(
+            mu.memref_slice(x_ref, mu.ds(start, chunk)), vec_size=vec)
+        total = part if total is None else total + part
+      mine = total.astype(ir_dtype)
     chunk_start = lambda c: arith.addi(row_start, arith.constant(index, c * chunk))
     scale_at = lambda: load(scale_ref, arith.muli(mine_c, arith.constant(index, chunk)))
     if prefetch:  # read while the parts travel
@@ -153,8 +177,10 @@ def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_center
 
   n = rows * width
   flat = jax.ShapeDtypeStruct((n,), dtype)
+  parts = flat if slicing is None else jax.ShapeDtypeStruct(
+      (slicing[0] * slicing[1] * width,), jnp.float32)
   return peer_exchange.as_kernel(
       body, "workspace_add_norm", rows * chunks,
-      (flat, flat, jax.ShapeDtypeStruct((width,), dtype),
+      (parts, flat, jax.ShapeDtypeStruct((width,), dtype),
        jax.ShapeDtypeStruct((2 * axis_size + 1,), jnp.int32)),
       (flat, flat), scratch=jax.ShapeDtypeStruct((4 * 128,), jnp.float32))

@@ -105,6 +105,10 @@ class TensorParallelProducts:
   # Whether `row(..., defer=True)` may leave the sum to the norm after it (benchmarks turn
   # it off to time the fusion).
   defer_sums = True
+  # A deferred row product as this many K slices' float32 partials, one batched product that
+  # the norm kernel sums (0: one product, whose K-slice sum XLA adds as a kernel of its own
+  # when its GEMM splits K, as it does for few rows).
+  k_slices = 4
 
   def __init__(self, mesh: Mesh, rules: ShardingRules, axis: str, custom_all_reduce: bool,
                kernel_always: bool = False):
@@ -138,9 +142,12 @@ class TensorParallelProducts:
     workspace kernel is on and the output is one axis [B, T, D] (else the sum as without)."""
     in_shape, out_shape = w_IO.shape[:in_axes], w_IO.shape[in_axes:]
     defer = defer and self.defer_sums and self._workspace is not None and len(out_shape) == 1
+    slices = self._slices(x_BTI, math.prod(in_shape)) if defer else 0
 
     def product(x, w, row):
       k = math.prod(w.shape[:in_axes])
+      if slices:
+        return _k_slice_partials(x.reshape(*x.shape[:2], k), w.reshape(k, -1), slices)
       partial = self._local(x.reshape(*x.shape[:2], k), w.reshape(k, -1))
       if defer:
         return partial[None]
@@ -152,32 +159,55 @@ class TensorParallelProducts:
                            in_specs=(x_spec, self._split(w_IO.ndim, 0), row_spec),
                            out_specs=PartitionSpec(self.axis, *out_spec) if defer else out_spec,
                            check_vma=False)(x_BTI, w_IO, rows)
-    return PartialSum(result, self) if defer else result
+    if not defer:
+      return result
+    return PartialSum(result, self, x_BTI.dtype, x_BTI.shape[1] if slices else None)
 
-  def sum_partials(self, partials_ABTD):
-    """The all-reduce a deferred row product left out: [A, B, T, D] -> [B, T, D]."""
+  def _slices(self, x_BT, k: int) -> int:
+    """K slices for a deferred row product of x [B, T, ...] by a weight of K input rows: the
+    class's k_slices where the norm kernel takes a shard's rows (few: decode and verify
+    steps, not prefill chunks, whose partials would be large and summed apart) and a shard's
+    K cuts into slices of whole 64-row tiles; 0 (one product) otherwise."""
+    from jspec.pallas_kernels import workspace_all_reduce as wsar
+    b, t = NamedSharding(self.mesh, PartitionSpec(*self._lead)).shard_shape(x_BT.shape[:2])
+    local_k = k // self.mesh.shape[self.axis]
+    if (self.k_slices > 1 and b * t <= wsar.NORM_ROWS
+        and local_k % (self.k_slices * 64) == 0):
+      return self.k_slices
+    return 0
+
+  def sum_partials(self, partials_ABTD, dtype, tokens=None):
+    """The all-reduce a deferred row product left out: [A, B, T, D] -> [B, T, D]; K-slice
+    partials (`tokens`, the window's T) summed over their slices first."""
     rows, row_spec = table_operand(self._workspace)
-    return jax.shard_map(lambda p, row: self._reduce(p[0], row), mesh=self.mesh,
+
+    def reduce(p, row):
+      mine = p[0] if tokens is None else jnp.sum(p, axis=0)[:, :tokens].astype(dtype)
+      return self._reduce(mine, row)
+    return jax.shard_map(reduce, mesh=self.mesh,
                          in_specs=(PartitionSpec(self.axis, *self._lead, None), row_spec),
                          out_specs=PartitionSpec(*self._lead, None),
                          check_vma=False)(partials_ABTD, rows)
 
   def add_and_norm(self, partials_ABTD, residual_BTD, scale_D, eps: float,
-                   zero_centered: bool):
+                   zero_centered: bool, sliced: bool = False):
     """(h, norm(h)) for h = residual + the sum of the partials, in one kernel
-    (jspec.pallas_kernels.workspace_norm), or None where it does not take a shard's rows."""
+    (jspec.pallas_kernels.workspace_norm), or None where it does not take a shard's rows.
+    `sliced`: the partials are K slices' float32 partials, which the kernel sums first."""
     from jspec.pallas_kernels import workspace_norm
     lead = PartitionSpec(*self._lead, None)
     b, t, d = NamedSharding(self.mesh, lead).shard_shape(residual_BTD.shape)
-    if (self._workspace is None or residual_BTD.dtype != partials_ABTD.dtype
+    if (self._workspace is None
+        or partials_ABTD.dtype != (jnp.float32 if sliced else residual_BTD.dtype)
         or scale_D.dtype != residual_BTD.dtype
         or not workspace_norm.fits((b * t, d), residual_BTD.dtype)):
       return None
     size = self.mesh.shape[self.axis]
 
     def per_shard(p, residual, scale, row):
+      p = p.reshape(p.shape[0], -1, d) if sliced else p.reshape(b * t, d)
       h, normed = workspace_norm.workspace_add_norm(
-          p.reshape(b * t, d), residual.reshape(b * t, d), scale, row, size, eps=eps,
+          p, residual.reshape(b * t, d), scale, row, size, eps=eps,
           zero_centered=zero_centered)
       return h.reshape(b, t, d), normed.reshape(b, t, d)
     return jax.shard_map(per_shard, mesh=self.mesh,
@@ -192,23 +222,41 @@ class PartialSum:
   split over the products' axis. `reduced()` is the output; `+` sums first; a norm after a
   residual add takes it whole (`add_and_norm`, one kernel with the sum)."""
 
-  def __init__(self, partials_ABTD, products: TensorParallelProducts):
-    self.partials_ABTD, self.products = partials_ABTD, products
-    self.shape, self.dtype = partials_ABTD.shape[1:], partials_ABTD.dtype
+  def __init__(self, partials_ABTD, products: TensorParallelProducts, dtype, tokens=None):
+    """dtype: the product's; tokens: the window's T where the partials are the K slices'
+    float32 partials [A * S, B, T or 2 T, D] (_k_slice_partials), None for [A, B, T, D]."""
+    self.partials_ABTD, self.products, self.tokens = partials_ABTD, products, tokens
+    self.dtype = jnp.dtype(dtype)
+    b, t, d = partials_ABTD.shape[1:]
+    self.shape = (b, t if tokens is None else tokens, d)
 
   def reduced(self):
-    return self.products.sum_partials(self.partials_ABTD)
+    return self.products.sum_partials(self.partials_ABTD, self.dtype, self.tokens)
 
   def add_and_norm(self, residual_BTD, scale_D, eps: float, zero_centered: bool):
     """(residual + the sum, its RMSNorm) in one kernel, or None where it does not fit."""
     return self.products.add_and_norm(self.partials_ABTD, residual_BTD, scale_D, eps,
-                                      zero_centered)
+                                      zero_centered, sliced=self.tokens is not None)
 
   def __add__(self, other):
     return self.reduced() + other
 
   def __radd__(self, other):
     return other + self.reduced()
+
+
+def _k_slice_partials(x_BTK, w_KN, slices: int):
+  """[S, B, T', N] float32: x's and w's K axis cut into S slices, each slice's product, in one
+  batched product (XLA's GEMM per slice, no K-slice sum of its own). One row (B = T = 1) goes
+  twice, T' = 2 (as skinny_gemm's two-row products: XLA would rewrite a one-row dot of these
+  sizes into a reduction); T' = T otherwise."""
+  b, t, k = x_BTK.shape
+  x_MSK = x_BTK.reshape(b * t, slices, k // slices)
+  if b * t == 1:
+    x_MSK = jnp.concatenate([x_MSK, x_MSK])
+  parts_SMN = jnp.einsum("msk,skn->smn", x_MSK, w_KN.reshape(slices, k // slices, -1),
+                         preferred_element_type=jnp.float32)
+  return parts_SMN.reshape(slices, b, -1, parts_SMN.shape[-1])
 
 
 def tensor_parallel_products(mesh: Mesh, rules: ShardingRules, custom_all_reduce: bool,
