@@ -111,7 +111,8 @@ def test_in_the_loop_a_finished_row_routes_nothing_and_tokens_stay_vanillas(batc
 def test_an_mtp_heads_moe_routes_the_emitted_positions_of_running_rows_only(batching):
   """DeepSeek-V3's MTP layers are MoE layers: the head's pass over a verify window (and over
   a prompt) routes only the positions whose outputs are read, the emitted ones of running
-  rows (the prompt's own), so some of its calls route fewer tokens than they hold; the tokens
+  rows (the prompt's own), and its draft steps (k = 2: one a step, two rows) only the rows
+  still running, so once the first prompt has ended they route one token of two; the tokens
   stay those of plain greedy decoding, each prompt alone."""
   def mtp_llm(**kwargs):
     return jspec.LLM(model=fixture_dir("deepseek_v3"), dtype="float32", max_model_len=64,
@@ -139,3 +140,4 @@ def test_an_mtp_heads_moe_routes_the_emitted_positions_of_running_rows_only(batc
   assert calls, "the MTP head's MoE layer was never called"
   assert all(live <= total for live, total in calls)
   assert any(live < total for live, total in calls), calls
+  assert (1, 2) in calls and (2, 2) in calls, calls  # draft steps: one row ended, both running

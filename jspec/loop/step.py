@@ -234,6 +234,8 @@ def _finish_step(state, req, plan, drafter, accept_len_B, out_tokens_BT, target_
 
   if k > 0:
     draft = drafter.extend(draft, out_tokens_BT, positions_BT, num_emit_B, running_B, target_out)
+    if draft.live_B is not None:  # the rows the next step drafts for
+      draft = draft.replace(live_B=running_B & ~any_end_B)
 
   m = state.metrics
   run_i = running_B.astype(jnp.int32)

@@ -47,10 +47,13 @@ class DraftState:
   caches: the drafter's per-layer caches (sharded by the draft's own rules).
   logits_BV: the first draft's float32 logits, computed at the end of the previous step.
   feedback_BD: the hidden state a hidden-state head feeds to its second draft step.
+  live_B: which rows the next step drafts for (running after the last step), for a drafter
+    whose MoE layers route those rows only; None where the drafter keeps no such mask.
   """
   caches: tuple = ()
   logits_BV: jax.Array | None = None
   feedback_BD: jax.Array | None = None
+  live_B: jax.Array | None = None
 
 
 @struct.dataclass

@@ -78,11 +78,21 @@ class HiddenStateDrafter(Drafter):
     (normed_BPD, feedback_BPD), cache0 = in_chunks(
         extend, (next_BP, target_out.hidden_BTD, positions_BP, *target_out.aux_BTD), caches[0],
         chunk)
-    draft = DraftState(caches=(cache0,) + tuple(caches[1:]))
+    draft = DraftState(caches=(cache0,) + tuple(caches[1:]), live_B=jnp.ones((batch,), bool))
     return self._last_emitted(draft, normed_BPD, feedback_BPD, last_B)
+
+  def _step_experts(self, draft: DraftState, width: int):
+    """The draft steps' experts_fn: the MoE of an MoE head routes the rows that still run
+    (draft.live_B) only, where there are several rows (one runs until it ends)."""
+    live_B = draft.live_B
+    if live_B is None or live_B.shape[0] == 1:
+      return self.ctx.draft_experts_fn
+    return live_tokens_only(self.ctx.draft_experts_fn,
+                            jnp.broadcast_to(live_B[:, None], (live_B.shape[0], width)))
 
   def propose(self, draft: DraftState, tokens_BS, lengths_B, choose):
     plan, layers = self.plan, self.head.layers
+    experts_fn = self._step_experts(draft, 1)
     token_B, probs_BV = choose(draft.logits_BV, 0)
     drafts, probs = [token_B], [probs_BV]
     feedback_BD, caches = draft.feedback_BD, list(draft.caches)
@@ -92,7 +102,7 @@ class HiddenStateDrafter(Drafter):
       positions_B1 = (lengths_B + j - 3)[:, None]
       normed_B1D, feedback_B1D, caches[index] = layers[index](
           self.target, token_B[:, None], feedback_BD[:, None], positions_B1, caches[index],
-          plan.cache_len, self.ctx.draft_experts_fn)
+          plan.cache_len, experts_fn)
       token_B, probs_BV = choose(layers[index].logits(self.target, normed_B1D)[:, 0], j - 1)
       feedback_BD = feedback_B1D[:, 0]
       drafts.append(token_B)
@@ -118,7 +128,7 @@ class HiddenStateDrafter(Drafter):
       with tree_layout(layout):
         normed_BWD, feedback_BWD, caches[index] = layers[index](
             self.target, tokens_BW, hidden_BWD, positions_BW, caches[index], plan.cache_len,
-            self.ctx.draft_experts_fn)
+            self._step_experts(draft, len(nodes)))
       feedback.update({i: feedback_BWD[:, w] for w, i in enumerate(nodes)})
       more, more_probs = choose(nodes, layers[index].logits(self.target, normed_BWD))
       tokens.update(more)
@@ -134,7 +144,8 @@ class HiddenStateDrafter(Drafter):
     normed_BCD, feedback_BCD, cache0 = self._first_layer(
         next_tokens_BC, target_out, positions_BC, draft.caches[0], self.plan.cache_len,
         positions_BC < prompt_lens_B[:, None])
-    draft = draft.replace(caches=(cache0,) + tuple(draft.caches[1:]))
+    draft = draft.replace(caches=(cache0,) + tuple(draft.caches[1:]),
+                          live_B=jnp.ones(prompt_lens_B.shape, bool))
     return self._last_emitted(draft, normed_BCD, feedback_BCD, last_B)
 
   def extend(self, draft: DraftState, out_tokens_BT, positions_BT, num_emit_B, running_B,
