@@ -19,8 +19,9 @@ products and all-reduces), `xla` (jspec's shard-by-shard products, XLA's all-red
 jspec.pallas_kernels.workspace_norm; also the MoE layers' tp sum and ep all-gather /
 reduce-scatter: jspec.sharding.moe), `unfused` (`kernel` with the all-reduce and the norm
 apart: TensorParallelProducts.defer_sums off), `unsliced` (o and down as one product each,
-their K-slice sums XLA's kernels: TensorParallelProducts.k_slices 0). `--one-row` sets how one-row products run
-(jspec.pallas_kernels.skinny_gemm.ONE_ROW; the library's default unless given).
+their K-slice sums XLA's kernels: TensorParallelProducts.k_slices 0). `--one-row` sets how
+one-row products run (jspec.pallas_kernels.skinny_gemm.ONE_ROW; the library's default unless
+given).
 
 One JSON line per (mesh, batch): tokens/s (prefill included), TPOT, TTFT, and a digest of the
 generated tokens (equal digests: equal tokens), then a table.
