@@ -189,7 +189,7 @@ def _chain_window(target, drafter, state, req, plan, ctx, last_token_B):
   if k > 0:
     drafts_BK, draft_len_B, draft_probs_BKV, draft = drafter.propose(
         draft, state.tokens_BS, lengths_B,
-        draft_chooser(req, lengths_B, plan, ctx.draft_vocab_argmax))
+        draft_chooser(req, lengths_B, plan, ctx.draft_vocab_argmax), live_B=~state.done_B)
   else:
     drafts_BK, draft_len_B = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32)
 
@@ -234,8 +234,6 @@ def _finish_step(state, req, plan, drafter, accept_len_B, out_tokens_BT, target_
 
   if k > 0:
     draft = drafter.extend(draft, out_tokens_BT, positions_BT, num_emit_B, running_B, target_out)
-    if draft.live_B is not None:  # the rows the next step drafts for
-      draft = draft.replace(live_B=running_B & ~any_end_B)
 
   m = state.metrics
   run_i = running_B.astype(jnp.int32)

@@ -54,7 +54,8 @@ def tree_window(target, drafter, state, req, last_token_B, plan, ctx, forward, s
   nodes = tree.num_nodes
   choose = children_chooser(tree, req, lengths_B, plan, streams[1])
   drafts_BK, draft_probs_BPV, draft = drafter.propose_tree(state.draft, state.tokens_BS,
-                                                           lengths_B, tree, choose)
+                                                           lengths_B, tree, choose,
+                                                           live_B=~state.done_B)
   tokens_BN = jnp.concatenate([last_token_B[:, None], drafts_BK], axis=1)
   positions_BN = lengths_B[:, None] - 1 + jnp.asarray(tree.depths, jnp.int32)
   with tree_layout(tree_lib.verify_layout(tree)):

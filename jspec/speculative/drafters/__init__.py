@@ -40,7 +40,7 @@ class _NoDrafter(Drafter):
   def __init__(self, *args):
     del args
 
-  def propose(self, draft, tokens_BS, lengths_B, choose):
+  def propose(self, draft, tokens_BS, lengths_B, choose, live_B=None):
     raise AssertionError("no drafter: the loop does not propose with k = 0")
 
 

@@ -47,13 +47,10 @@ class DraftState:
   caches: the drafter's per-layer caches (sharded by the draft's own rules).
   logits_BV: the first draft's float32 logits, computed at the end of the previous step.
   feedback_BD: the hidden state a hidden-state head feeds to its second draft step.
-  live_B: which rows the next step drafts for (running after the last step), for a drafter
-    whose MoE layers route those rows only; None where the drafter keeps no such mask.
   """
   caches: tuple = ()
   logits_BV: jax.Array | None = None
   feedback_BD: jax.Array | None = None
-  live_B: jax.Array | None = None
 
 
 @struct.dataclass
@@ -77,18 +74,21 @@ class Drafter:
              target_out: TargetOut) -> DraftState:
     return draft
 
-  def propose(self, draft: DraftState, tokens_BS, lengths_B, choose):
+  def propose(self, draft: DraftState, tokens_BS, lengths_B, choose, live_B=None):
+    """(drafts_BK, draft_len_B, probs_BKV or None, draft). live_B: the rows still running
+    (None: all), which a drafter may skip work for (an MoE head's routing)."""
     raise NotImplementedError
 
   def prefill_chunk(self, draft: DraftState, tokens_BC, positions_BC, next_tokens_BC,
                     prompt_lens_B, last_B, target_out: TargetOut) -> DraftState:
     return draft
 
-  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree, choose):
+  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree, choose, live_B=None):
     """(node_tokens_BK, probs_BPV, draft): drafts for a token tree's nodes 1..N-1
     (jspec.speculative.tree), K = N - 1. `choose(parents, logits_BWV)` -> ({child: tokens_B},
     probs_BWV or None when greedy) picks the children of `parents` from their logits; probs_BPV
-    stacks the draft distributions at `tree.branch_nodes` (None when greedy)."""
+    stacks the draft distributions at `tree.branch_nodes` (None when greedy). live_B: as
+    `propose`'s."""
     raise ValueError(f"{type(self).__name__} drafts no token trees")
 
   def accept_tree(self, draft: DraftState, path_BD1, lengths_B) -> DraftState:

@@ -62,7 +62,8 @@ class DraftModelDrafter(Drafter):
                                     self.ctx.draft_experts_fn)
     return self._logits(hidden_B2D[:, 1:]), caches
 
-  def propose(self, draft: DraftState, tokens_BS, lengths_B, choose):
+  def propose(self, draft: DraftState, tokens_BS, lengths_B, choose, live_B=None):
+    del live_B  # a draft model's layers feed each other: it routes every row
     plan, model, fn = self.plan, self.model, self.ctx.draft_experts_fn
     batch = lengths_B.shape[0]
     logits_B1V, caches = self._refresh(draft, tokens_BS, lengths_B)
@@ -78,10 +79,11 @@ class DraftModelDrafter(Drafter):
     draft_len_B = jnp.full((batch,), plan.k, jnp.int32)
     return jnp.stack(drafts, axis=1), draft_len_B, probs_BKV, draft.replace(caches=caches)
 
-  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree, choose):
+  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree, choose, live_B=None):
     """The two-token refresh as `propose`, the root's children from its last logits; then,
     depth by depth, one pass over the nodes with children (node i's keys at slot L + i - 1,
     jspec.speculative.tree.draft_layout)."""
+    del live_B
     plan, model, fn = self.plan, self.model, self.ctx.draft_experts_fn
     logits_B1V, caches = self._refresh(draft, tokens_BS, lengths_B)
     tokens, probs = choose((0,), logits_B1V)

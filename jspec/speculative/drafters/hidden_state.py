@@ -78,21 +78,20 @@ class HiddenStateDrafter(Drafter):
     (normed_BPD, feedback_BPD), cache0 = in_chunks(
         extend, (next_BP, target_out.hidden_BTD, positions_BP, *target_out.aux_BTD), caches[0],
         chunk)
-    draft = DraftState(caches=(cache0,) + tuple(caches[1:]), live_B=jnp.ones((batch,), bool))
+    draft = DraftState(caches=(cache0,) + tuple(caches[1:]))
     return self._last_emitted(draft, normed_BPD, feedback_BPD, last_B)
 
-  def _step_experts(self, draft: DraftState, width: int):
-    """The draft steps' experts_fn: the MoE of an MoE head routes the rows that still run
-    (draft.live_B) only, where there are several rows (one runs until it ends)."""
-    live_B = draft.live_B
+  def _step_experts(self, live_B, width: int):
+    """The draft steps' experts_fn: the MoE of an MoE head routes the rows of live_B only,
+    where there are several rows (one runs until it ends)."""
     if live_B is None or live_B.shape[0] == 1:
       return self.ctx.draft_experts_fn
     return live_tokens_only(self.ctx.draft_experts_fn,
                             jnp.broadcast_to(live_B[:, None], (live_B.shape[0], width)))
 
-  def propose(self, draft: DraftState, tokens_BS, lengths_B, choose):
+  def propose(self, draft: DraftState, tokens_BS, lengths_B, choose, live_B=None):
     plan, layers = self.plan, self.head.layers
-    experts_fn = self._step_experts(draft, 1)
+    experts_fn = self._step_experts(live_B, 1)
     token_B, probs_BV = choose(draft.logits_BV, 0)
     drafts, probs = [token_B], [probs_BV]
     feedback_BD, caches = draft.feedback_BD, list(draft.caches)
@@ -111,7 +110,7 @@ class HiddenStateDrafter(Drafter):
     draft_len_B = jnp.full(lengths_B.shape, plan.k, jnp.int32)
     return jnp.stack(drafts, axis=1), draft_len_B, probs_BKV, draft.replace(caches=tuple(caches))
 
-  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree, choose):
+  def propose_tree(self, draft: DraftState, tokens_BS, lengths_B, tree, choose, live_B=None):
     """The root's children from the extend's logits; then, depth by depth, one head pass over
     the nodes with children (a node pairs its token with its parent's feedback, as draft step
     j pairs draft j - 1 with step j - 1's), laid out by jspec.speculative.tree.draft_layout."""
@@ -128,7 +127,7 @@ class HiddenStateDrafter(Drafter):
       with tree_layout(layout):
         normed_BWD, feedback_BWD, caches[index] = layers[index](
             self.target, tokens_BW, hidden_BWD, positions_BW, caches[index], plan.cache_len,
-            self._step_experts(draft, len(nodes)))
+            self._step_experts(live_B, len(nodes)))
       feedback.update({i: feedback_BWD[:, w] for w, i in enumerate(nodes)})
       more, more_probs = choose(nodes, layers[index].logits(self.target, normed_BWD))
       tokens.update(more)
@@ -144,8 +143,7 @@ class HiddenStateDrafter(Drafter):
     normed_BCD, feedback_BCD, cache0 = self._first_layer(
         next_tokens_BC, target_out, positions_BC, draft.caches[0], self.plan.cache_len,
         positions_BC < prompt_lens_B[:, None])
-    draft = draft.replace(caches=(cache0,) + tuple(draft.caches[1:]),
-                          live_B=jnp.ones(prompt_lens_B.shape, bool))
+    draft = draft.replace(caches=(cache0,) + tuple(draft.caches[1:]))
     return self._last_emitted(draft, normed_BCD, feedback_BCD, last_B)
 
   def extend(self, draft: DraftState, out_tokens_BT, positions_BT, num_emit_B, running_B,

@@ -12,9 +12,9 @@ class NgramDrafter(Drafter):
     del target, module, ctx
     self.plan = plan
 
-  def propose(self, draft: DraftState, tokens_BS, lengths_B, choose):
+  def propose(self, draft: DraftState, tokens_BS, lengths_B, choose, live_B=None):
     """Deterministic drafts: their distribution is a point mass, given as None."""
-    del choose
+    del choose, live_B
     plan = self.plan
     drafts_BK, draft_len_B = ngram_propose(tokens_BS, lengths_B, plan.k, plan.ngram_min,
                                            plan.ngram_max)
