@@ -62,6 +62,9 @@ def main():
   parser.add_argument("--method", default="none", choices=["none", "mtp"])
   parser.add_argument("--one-row", choices=["kernel", "two_rows", "two_rows_all"],
                       help="skinny_gemm.ONE_ROW (default: the library's)")
+  parser.add_argument("--k-slices", type=int,
+                      help="TensorParallelProducts.k_slices: a deferred row product's K slices "
+                           "(default: the library's; 0 as --variant unsliced)")
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
@@ -78,6 +81,8 @@ def main():
   workspace_norm.PREFETCH = args.variant != "norm-late" and workspace_norm.PREFETCH
   if args.variant == "unsliced":
     TensorParallelProducts.k_slices = 0
+  if args.k_slices is not None:
+    TensorParallelProducts.k_slices = args.k_slices
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.
@@ -116,8 +121,8 @@ def main():
       tokens = [o.outputs[0].token_ids for o in first]
       digest = hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:10]
       row = dict(model=args.model, layers=config.num_layers, device=device, mesh=mesh_text,
-                 variant=args.variant, method=args.method + ("-tree" if args.tree else ""),
-                 batch=batch,
+                 variant=args.variant, k_slices=TensorParallelProducts.k_slices,
+                 method=args.method + ("-tree" if args.tree else ""), batch=batch,
                  tokens_per_second=round(mid.tokens_per_second, 1),
                  tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),
                  mean_acceptance_length=mid.mean_acceptance_length, tokens_digest=digest)
