@@ -43,6 +43,7 @@ import numpy as np
 
 from jspec.bench.roofline import hbm_bandwidth, seconds_per_call
 from jspec.models.mla import latent_attention
+from jspec.pallas_kernels import mla_decode as mla_decode_lib
 from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.mla_decode import (MLATiling, choose_splits, min_split_slots,
                                              mla_decode, rows_block)
@@ -197,11 +198,16 @@ def main(argv=None) -> int:
                       help="skip the remaining sweep past this many seconds")
   parser.add_argument("--bandwidth-bytes", type=int, default=2 << 30)
   parser.add_argument("--matmul-size", type=int, default=8192)
+  parser.add_argument("--wgmma-parts", choices=["cache", "float32"], default=None,
+                      help="the wgmma form's chunks in the cache's dtype or float32 "
+                           "(mla_decode.WGMMA_CACHE_DTYPE_PARTS; default: the library's)")
   parser.add_argument("--smoke", action="store_true",
                       help="tiny shapes for a CPU check (the kernel interpreted)")
   parser.add_argument("--out", default=None, help="write the results as JSON here")
   args = parser.parse_args(argv)
   sweep = SWEEP if args.sweep else []
+  if args.wgmma_parts:
+    mla_decode_lib.WGMMA_CACHE_DTYPE_PARTS = args.wgmma_parts == "cache"
   if args.smoke:
     # The smallest rows the wgmma form takes (C/2 and R whole 64-column tiles, 64-slot blocks).
     args.context, args.batch, args.heads = [72], [2], [8]
@@ -216,9 +222,12 @@ def main(argv=None) -> int:
   device = jax.devices()[0]
   started = time.perf_counter()
   print(f"device: {device.device_kind}; kernel "
-        f"{'compiled' if platform.on_gpu() else 'interpreted'}; {tiling}", flush=True)
+        f"{'compiled' if platform.on_gpu() else 'interpreted'}; {tiling}; wgmma partials in "
+        f"{'the cache dtype' if mla_decode_lib.WGMMA_CACHE_DTYPE_PARTS else 'float32'}",
+        flush=True)
   result = dict(device=device.device_kind, heads=args.heads, latent_dim=args.latent_dim,
-                rope_dim=args.rope_dim, dtype="bfloat16", tiling=str(tiling), rows=[], sweep=[])
+                rope_dim=args.rope_dim, dtype="bfloat16", tiling=str(tiling), rows=[], sweep=[],
+                wgmma_parts="cache" if mla_decode_lib.WGMMA_CACHE_DTYPE_PARTS else "float32")
 
   def save():
     if args.out:

@@ -55,7 +55,14 @@ from jspec.pallas_kernels import mla_merge
 from jspec.pallas_kernels import platform
 
 MIN_ROWS = 16          # Triton's dot needs 16 rows
-PARTIAL_BYTES = 4      # a chunk's partial output is float32
+PARTIAL_BYTES = 4      # a chunk's partial output is float32 (the Triton form's)
+# The wgmma form's chunks written in the cache's dtype rather than float32 (False: float32).
+# At 128 heads its calls are bound by the tensor cores and every chunk's partial output
+# [64, C] is written at the program's end and read back by the merge: 16.8 MB in float32 at
+# batch 16, half that in bf16. A bf16 partial adds at most one rounding of the output's size
+# (each chunk's output is normalised, and the merge weighs them in float32 with weights that
+# sum to 1); a float32 cache keeps float32 partials, so the CPU's exact checks are unchanged.
+WGMMA_CACHE_DTYPE_PARTS = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +350,8 @@ def _wgmma_form(q_BTNL, cache_BSL, positions_BT, *, latent_dim: int, scale: floa
   if splits is None:
     splits = choose_splits(b, row_tiles, slots, platform.num_sms(), min_slots=min_split_slots(
         wgmma.ROWS, latent_dim, width * cache_BSL.dtype.itemsize))
-  out_dtype = _parts_dtype(splits, cache_BSL.dtype)
+  out_dtype = cache_BSL.dtype if WGMMA_CACHE_DTYPE_PARTS else _parts_dtype(splits,
+                                                                           cache_BSL.dtype)
   parts_BKRC, lse_BKR = wgmma.latent_attention_parts(
       q_BRL, cache_BSL, pos_BR, positions_BT.astype(jnp.int32), latent_dim=latent_dim,
       scale=scale, splits=splits, out_dtype=out_dtype, heads=n, tiling=tiling, live_rows=t * n)
