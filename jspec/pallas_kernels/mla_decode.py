@@ -32,12 +32,9 @@ an H100's ~220 and an H200's ~165; verify(4) four times that).
 
 On Hopper, wide windows and large batches (`choose_form`) go to jspec.pallas_kernels.
 mla_decode_wgmma, FlashMLA's warp-specialized design: on an H200 1.3-3.1x XLA's path at 128
-heads (up to 74% of the FLOP floor), at 16 heads, batch 8-32, 32k, 67-87% of the read probe.
-At batch 1 a call (kernel and merge) is 12-42 us at 8k-32k on an H100.
-
+heads (up to 76% of the FLOP floor), at 16 heads, batch 8-32, 32k, 67-87% of the read probe.
 On a GPU the kernel needs C and R powers of two >= 16 (Triton's block shapes and the tensor
-cores' smallest dot): DeepSeek-V3 / R1, GLM-4.7-Flash and Kimi K2 have C = 512, R = 64.
-`fits_kernel` says whether a shape does; interpret mode (off GPU) takes any.
+cores' smallest dot; DeepSeek-V3 / R1, GLM-4.7-Flash and Kimi K2: C = 512, R = 64).
 """
 
 from __future__ import annotations
@@ -51,17 +48,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import mla_decode_wgmma as wgmma
-from jspec.pallas_kernels import mla_merge
-from jspec.pallas_kernels import platform
+from jspec.pallas_kernels import mla_merge, platform
 
 MIN_ROWS = 16          # Triton's dot needs 16 rows
 PARTIAL_BYTES = 4      # a chunk's partial output is float32 (the Triton form's)
-# The wgmma form's chunks written in the cache's dtype rather than float32 (False: float32).
-# At 128 heads its calls are bound by the tensor cores and every chunk's partial output
-# [64, C] is written at the program's end and read back by the merge: 16.8 MB in float32 at
-# batch 16, half that in bf16. A bf16 partial adds at most one rounding of the output's size
-# (each chunk's output is normalised, and the merge weighs them in float32 with weights that
-# sum to 1); a float32 cache keeps float32 partials, so the CPU's exact checks are unchanged.
+# The wgmma form's chunks in the cache's dtype (False: float32): bf16 halves the partials a
+# 128-head call writes at its end and the merge reads (BENCHMARKS.md, "MLA's wgmma chunks in
+# bf16"); each is normalised, so bf16 adds at most one rounding of the output's size.
 WGMMA_CACHE_DTYPE_PARTS = True
 
 
@@ -350,8 +343,7 @@ def _wgmma_form(q_BTNL, cache_BSL, positions_BT, *, latent_dim: int, scale: floa
   if splits is None:
     splits = choose_splits(b, row_tiles, slots, platform.num_sms(), min_slots=min_split_slots(
         wgmma.ROWS, latent_dim, width * cache_BSL.dtype.itemsize))
-  out_dtype = cache_BSL.dtype if WGMMA_CACHE_DTYPE_PARTS else _parts_dtype(splits,
-                                                                           cache_BSL.dtype)
+  out_dtype = _parts_dtype(1 if WGMMA_CACHE_DTYPE_PARTS else splits, cache_BSL.dtype)
   parts_BKRC, lse_BKR = wgmma.latent_attention_parts(
       q_BRL, cache_BSL, pos_BR, positions_BT.astype(jnp.int32), latent_dim=latent_dim,
       scale=scale, splits=splits, out_dtype=out_dtype, heads=n, tiling=tiling, live_rows=t * n)
