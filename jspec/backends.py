@@ -24,6 +24,7 @@ from jspec.models.moe import MoE
 from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
                                       weights_replicated)
+from jspec.models import row_kernels
 from jspec.models.row_kernels import (resolve_norm_backend, sharded_fp8_qkv_norm_rope,
                                       sharded_kv_write, sharded_router, sharded_qk_norm_rope,
                                       sharded_qkv_norm_rope, sharded_rms_norm)
@@ -279,5 +280,8 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         node.qk_kernel = sharded_qk_norm_rope(mesh, rules, kv_axis, eps, node.rope_theta,
                                               interpret)
         if node.fused_qkv and not node.has_bias:  # the product's slices into the kernel
-          node.qkv_kernel = sharded_qkv_norm_rope(mesh, rules, eps, node.rope_theta, interpret)
+          slices = (row_kernels.qkv_k_slices() if axis_size(mesh, rules.embed) == 1
+                    and axis_size(mesh, rules.head_dim) == 1 else 0)
+          node.qkv_kernel = sharded_qkv_norm_rope(mesh, rules, eps, node.rope_theta, interpret,
+                                                  k_slices=slices)
   return backend

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import jspec
+from jspec.models import row_kernels
 from jspec.models.layers import rope
 from jspec.models.moe import MoE
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
@@ -174,6 +175,31 @@ def test_qkv_partials_norm_rope_is_qk_norm_rope_of_the_summed_products(seed):
                                   np.asarray(summed[:, q_heads + kv_heads:], np.float32))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_qkv_partials_in_the_fused_layout_are_qkv_norm_rope_of_the_summed_product(seed):
+  """K-slice partials of a fused q / k / v product [S, K x (G + 2) x H, R] (each KV head's G
+  query heads, its key, its value): bit for bit what qkv_norm_rope gives on their sum, cast."""
+  rng = np.random.default_rng(400 + seed)
+  rows, kv_heads, group = (int(rng.integers(1, n)) for n in (6, 4, 5))
+  head_dim, splits = int(rng.choice([32, 64, 128])), int(rng.choice([1, 2, 4]))
+  padded = rows + int(rng.integers(0, 4))
+  parts = jnp.asarray(rng.standard_normal((splits, kv_heads * (group + 2) * head_dim,
+                                           padded)) * 2, jnp.float32)
+  positions = jnp.asarray(rng.integers(0, 32768, rows))
+  dtype = [jnp.float32, jnp.bfloat16][seed % 2]
+  summed = summed_partials(parts, rows, None, dtype).reshape(rows, kv_heads, group + 2,
+                                                             head_dim)
+  scales = [jnp.asarray(1 + 0.2 * rng.standard_normal(head_dim), dtype) for _ in "qk"]
+  for norm_scales in (scales, (None, None)):
+    got = qkv_partials_norm_rope(parts, positions, None, *norm_scales,
+                                 q_heads=kv_heads * group, kv_heads=kv_heads, group=group,
+                                 dtype=dtype, eps=EPS, theta=1e6)
+    want = qkv_norm_rope(summed, positions, *norm_scales, eps=EPS, theta=1e6)
+    for g, w in zip(got, want):
+      assert g.dtype == dtype
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 def test_qkv_partials_norm_rope_refuses_partials_it_cannot_read():
   parts, positions = partials_case(np.random.default_rng(0), 2, 4, 2, 64, 2, 2)
   call = functools.partial(qkv_partials_norm_rope, theta=1e6, dtype=jnp.float32)
@@ -185,6 +211,8 @@ def test_qkv_partials_norm_rope_refuses_partials_it_cannot_read():
     call(jnp.concatenate([parts, parts[:1]]), positions, q_heads=4, kv_heads=2)
   with pytest.raises(ValueError, match="row scales"):
     call(parts, positions, jnp.ones(3), q_heads=4, kv_heads=2)
+  with pytest.raises(ValueError, match="G=3"):  # 2 KV heads of 3 query heads are not 4
+    call(parts, positions, q_heads=4, kv_heads=2, group=3)
 
 
 def assert_rotated_close(got, want, positions):
@@ -297,6 +325,30 @@ def test_greedy_tokens_through_the_kernels_on_a_mesh_equal_one_device(tp):
   assert greedy_token_ids(meshed, PROMPTS, 5) == want
 
 
+@pytest.mark.parametrize("mesh", [None, jspec.MeshConfig(dp=2, tp=2)])
+def test_fused_product_as_k_slices_partials_gives_xla_tokens(monkeypatch, mesh):
+  """With K slices on (as on a GPU; the fixture's 64-wide hidden size cut into 4 slices of
+  16), a decode or verify step's fused q / k / v product is 4 slices' float32 partials that
+  the q / k kernel sums; a step of more rows a shard keeps one product. Vanilla and MTP
+  tokens equal XLA's path's (float32: only the order of the sums differs), on one device and
+  at dp = 2 x tp = 2 (one KV head's product a shard)."""
+  monkeypatch.setattr(row_kernels, "qkv_k_slices", lambda: 4)
+  monkeypatch.setattr(row_kernels, "QKV_SLICE_K", 16)
+  want = greedy_token_ids(_llm("qwen3_dense", "xla"), PROMPTS, 6)
+  llm = _llm("qwen3_dense", "pallas", mesh=mesh)
+  attn = llm.target.layers[0].attn
+  x = jnp.ones((2, 3, llm.config.hidden_size), jnp.float32)
+  trace = lambda x: str(jax.make_jaxpr(attn._project_rotated)(x, jnp.zeros(x.shape[:2],
+                                                                           jnp.int32)))
+  assert "qkv_partials_norm_rope" in trace(x)
+  many = jnp.ones((4, row_kernels.QKV_SLICE_ROWS, x.shape[-1]), jnp.float32)
+  assert "qkv_partials_norm_rope" not in trace(many) and "qkv_norm_rope" in trace(many)
+  assert greedy_token_ids(llm, PROMPTS, 6) == want
+  spec = _llm("qwen3_dense", "pallas", mesh=mesh,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+  assert greedy_token_ids(spec, PROMPTS, 6) == want
+
+
 def test_router_kernels_on_a_mesh_route_each_shards_tokens():
   """dp = 2 x ep = 2 x tp = 2: each batch shard routes its own tokens through the router
   kernels, the router whole on every shard; the tokens are one device's."""
@@ -395,3 +447,26 @@ def test_gpu_qkv_partials_norm_rope_at_model_shapes(rows, q_heads, kv_heads, spl
     assert np.all(np.abs(g - w) <= top * 2.0 ** -7) and np.mean(g == w) > 0.98
 
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, kv_heads, group", [(1, 8, 4), (8, 8, 4), (32, 4, 4)])
+def test_gpu_qkv_partials_in_the_fused_layout_at_model_shapes(rows, kv_heads, group):
+  """Compiled: a fused product's 4 K slices' partials (Qwen3-8B's and a tp = 2 shard's KV
+  heads) against qkv_norm_rope of XLA's sum in bf16: each value within one bf16 step of its
+  row's largest (the two sum in their own orders), nearly all equal."""
+  rng = np.random.default_rng(rows + kv_heads)
+  parts = jnp.asarray(rng.standard_normal((4, kv_heads * (group + 2) * 128, max(rows, 2))),
+                      jnp.float32)
+  positions = jnp.asarray(rng.integers(0, 32768, rows))
+  scale = jnp.asarray(1 + 0.2 * rng.standard_normal(128), jnp.bfloat16)
+  got = qkv_partials_norm_rope(parts, positions, None, scale, scale, q_heads=kv_heads * group,
+                               kv_heads=kv_heads, group=group, dtype=jnp.bfloat16, eps=EPS,
+                               theta=1e6)
+  summed = summed_partials(parts, rows, None, jnp.bfloat16).reshape(rows, kv_heads, group + 2,
+                                                                    128)
+  want = qkv_norm_rope(summed, positions, scale, scale, eps=EPS, theta=1e6)
+  for g, w in zip(got, want):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    top = np.abs(w).max(axis=(1, 2), keepdims=True)
+    assert np.all(np.abs(g - w) <= top * 2.0 ** -7) and np.mean(g == w) > 0.98

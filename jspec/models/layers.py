@@ -197,7 +197,7 @@ class Attention(nnx.Module):
     """(q, k normed and rotated, v, gate): where `qkv_kernel` (or `fp8_qkv_kernel`) is set and
     the step has few rows, q and k rotated and v taken out in one kernel."""
     if self.qkv_kernel is not None and takes_rows(x_BTD, ndim=3):
-      return (*self.qkv_kernel(self._fused_product(x_BTD), positions_BT,
+      return (*self.qkv_kernel(x_BTD, self.qkv_proj[...], self._fused_product, positions_BT,
                                *self._norm_scales()), None)
     if self.fp8_qkv_kernel is not None and fp8_rows_fit(self, x_BTD, QKV_NAMES):
       return (*self.fp8_qkv_kernel(x_BTD, *fp8_operands(self, QKV_NAMES, x_BTD.shape[-1]),

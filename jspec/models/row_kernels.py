@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jspec.sharding.rules import ShardingRules
 
@@ -28,6 +28,13 @@ NORM_BACKENDS = ("auto", "xla", "pallas")
 # The most rows (tokens of a step) that go to the kernels: decode, verify and draft steps.
 # Prefill chunks keep XLA's fusions, which read their many rows at full bandwidth.
 MAX_ROWS = 256
+# A fused q / k / v product of at most QKV_SLICE_ROWS rows a shard (decode and verify steps)
+# as QKV_K_SLICES K slices' float32 partials, which the q / k kernel sums as it reads them, on
+# GPUs (qkv_k_slices): XLA's GEMM splits K at few rows there and adds the slices in a kernel
+# of its own, a launch and a gap a layer.
+QKV_K_SLICES = 4
+QKV_SLICE_ROWS = 32
+QKV_SLICE_K = 64  # each slice whole 64-row tiles of the weight
 
 
 def resolve_norm_backend(backend: str) -> str:
@@ -91,29 +98,63 @@ def sharded_qk_norm_rope(mesh: Mesh, rules: ShardingRules, kv_axis: str | None, 
                        out_specs=(q, k), check_vma=False)
 
 
+def qkv_k_slices() -> int:
+  """QKV_K_SLICES on a GPU, where XLA's GEMM splits K for few rows and sums the slices in a
+  kernel of its own; 0 (one product) elsewhere."""
+  from jspec.pallas_kernels import platform
+  return QKV_K_SLICES if platform.on_gpu() else 0
+
+
 def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: float,
-                          interpret: bool):
-  """(qkv [B, T, K, G + 2, H], positions [B, T], q and k norm scales [H] or None) -> (q
-  [B, T, N, H], k, v [B, T, K, H]): a fused q / k / v product's q and k normed and rotated
-  and its v taken out, in one kernel (jspec.pallas_kernels.row_norms.qkv_norm_rope); KV heads
-  split over the mesh as the fused product leaves them."""
-  from jspec.pallas_kernels.row_norms import qkv_norm_rope
+                          interpret: bool, k_slices: int = 0):
+  """(x [B, T, D], qkv_proj [D, K, G + 2, H], product, positions [B, T], q and k norm scales
+  [H] or None) -> (q [B, T, N, H], k, v [B, T, K, H]): the fused q / k / v product's q and k
+  normed and rotated and its v taken out, in one kernel (jspec.pallas_kernels.row_norms),
+  KV heads split over the mesh as the product leaves them. The kernel reads `product(x)`
+  ([B, T, K, G + 2, H]), or with `k_slices` and few rows a shard (QKV_SLICE_ROWS) x and the
+  weight's product as that many K slices' float32 partials, which it sums as it reads them."""
+  from jspec.pallas_kernels.row_norms import qkv_norm_rope, qkv_partials_norm_rope
+  from jspec.sharding.tensor_parallel import k_slice_partials
   qkv = rules.spec(("batch", "seq", "kv_heads", None, None))
   q = rules.spec(("batch", "seq", "q_heads", None))
   kv = rules.spec(("batch", "seq", "kv_heads", None))
+  x = rules.spec(("batch", "seq", None))
+  weight = rules.spec((None, "kv_heads", None, None))
   positions = rules.spec(("batch", "seq"))
+
+  def outputs(q_out, k_out, v_out, b, t):
+    return (q_out.reshape(b, t, -1, q_out.shape[-1]), k_out.reshape(b, t, *k_out.shape[1:]),
+            v_out.reshape(b, t, *v_out.shape[1:]))
 
   def per_shard(qkv_BTKCH, positions_BT, q_scale, k_scale):
     b, t, k, c, h = qkv_BTKCH.shape
-    q_out, k_out, v_out = qkv_norm_rope(qkv_BTKCH.reshape(b * t, k, c, h),
-                                        positions_BT.reshape(b * t), q_scale, k_scale,
-                                        eps=eps, theta=theta, interpret=interpret)
-    return (q_out.reshape(b, t, k * (c - 2), h), k_out.reshape(b, t, k, h),
-            v_out.reshape(b, t, k, h))
+    return outputs(*qkv_norm_rope(qkv_BTKCH.reshape(b * t, k, c, h),
+                                  positions_BT.reshape(b * t), q_scale, k_scale, eps=eps,
+                                  theta=theta, interpret=interpret), b, t)
+
+  def sliced_shard(x_BTD, w_DKCH, positions_BT, q_scale, k_scale):
+    (b, t, d), (_, k, c, h) = x_BTD.shape, w_DKCH.shape
+    parts_SNR = k_slice_partials(x_BTD.reshape(b * t, d), w_DKCH.reshape(d, -1), k_slices,
+                                 rows_last=True)
+    return outputs(*qkv_partials_norm_rope(
+        parts_SNR, positions_BT.reshape(b * t), None, q_scale, k_scale, q_heads=k * (c - 2),
+        kv_heads=k, group=c - 2, dtype=x_BTD.dtype, eps=eps, theta=theta,
+        interpret=interpret), b, t)
 
   whole = PartitionSpec()
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv, positions, whole, whole),
-                       out_specs=(q, kv, kv), check_vma=False)
+  plain = jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv, positions, whole, whole),
+                        out_specs=(q, kv, kv), check_vma=False)
+  sliced = jax.shard_map(sliced_shard, mesh=mesh,
+                         in_specs=(x, weight, positions, whole, whole),
+                         out_specs=(q, kv, kv), check_vma=False)
+
+  def call(x_BTD, w_DKCH, product, positions_BT, q_scale, k_scale):
+    b, t = NamedSharding(mesh, x).shard_shape(x_BTD.shape)[:2]
+    if (k_slices > 1 and b * t <= QKV_SLICE_ROWS
+        and x_BTD.shape[-1] % (k_slices * QKV_SLICE_K) == 0):
+      return sliced(x_BTD, w_DKCH, positions_BT, q_scale, k_scale)
+    return plain(product(x_BTD), positions_BT, q_scale, k_scale)
+  return call
 
 
 def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: float,

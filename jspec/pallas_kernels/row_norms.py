@@ -9,8 +9,9 @@ MLA decode on an H200 against their targets; ..."). Here each group is one kerne
   rms_norm       the residual add (optional) and the RMSNorm after it: (h, norm(h));
   qk_norm_rope   the q and k RMSNorms over head_dim (optional) and their rotary embedding;
   qkv_norm_rope  the same read from a fused q / k / v product, its v copied out beside them;
-  qkv_partials_norm_rope  the same read from an FP8 q / k / v call's K-slice partials, each
-                 value summed as it is read (so that the sum is no kernel of its own).
+  qkv_partials_norm_rope  the same read from a q / k / v product's K-slice partials (an FP8
+                 call's, or a fused bf16 product's), each value summed as it is read (so that
+                 the sum is no kernel of its own).
 
 (o_proj's and down_proj's FP8 partials read the same way by the residual add and RMSNorm was
 built and measured slower, a Qwen3-8B FP8 step 2.095 against 1.873 ms on an H200: one program
@@ -125,9 +126,10 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int
   layer's fused q / k / v product (jspec.models.qkv_fusion): for each KV head its G query
   heads, its key, its value; the value heads go out as they are, so that no slice of the
   product runs as a kernel of its own.
-  partials: one float32 array [S, (N + 2K) x H, R], the K-slice partials of an FP8 q / k / v
-  product (fp8_gemm.fp8_partials_many: q's heads, k's, v's, rows last), each value their sum
-  over S (times the row's scale where row_scaled) cast to the outputs' type."""
+  partials: one float32 array [S, (N + 2K) x H, R], the K-slice partials of a q / k / v
+  product, rows last, its heads in the fused layout's order where `group` is given, else q's,
+  k's, v's (fp8_gemm.fp8_partials_many); each value their sum over S (times the row's scale
+  where row_scaled) cast to the outputs' type."""
   if partials:
     parts_ref, *refs = refs
     srcs = (parts_ref, parts_ref)
@@ -168,9 +170,9 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int
     dst_ref[m, head, first] = (a * cos - b * sin).astype(dst_ref.dtype)
     dst_ref[m, head, second] = (b * cos + a * sin).astype(dst_ref.dtype)
 
-  # Each output head's head in its source: q's and k's arrays apart; the partials' q, k, v
-  # heads one after another; the fused product's groups of G query heads, key, value.
-  if partials:
+  # Each output head's head in its source: q's and k's arrays apart; the FP8 partials' q, k,
+  # v heads one after another; the fused layout's groups of G query heads, key, value.
+  if partials and group is None:
     q_head, k_head = (lambda n: n), (lambda i: q_heads + i)
     v_head = lambda i: q_heads + kv_heads + i
   elif group is None:
@@ -272,34 +274,36 @@ def qkv_norm_rope(qkv_MKCH: jax.Array, positions_M: jax.Array,
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("q_heads", "kv_heads", "dtype", "eps", "theta", "interpret"))
+                   static_argnames=("q_heads", "kv_heads", "group", "dtype", "eps", "theta",
+                                    "interpret"))
 def qkv_partials_norm_rope(parts_SNR: jax.Array, positions_M: jax.Array,
                            row_scale_M: jax.Array | None = None,
                            q_scale_H: jax.Array | None = None,
                            k_scale_H: jax.Array | None = None, *, q_heads: int, kv_heads: int,
-                           dtype, eps: float = 1e-6, theta: float,
+                           dtype, eps: float = 1e-6, theta: float, group: int | None = None,
                            interpret: bool | None = None):
-  """qk_norm_rope on the K-slice partials of one FP8 call for q, k and v
-  (fp8_gemm.fp8_partials_many: [S, (N + 2K) x H, R] float32, q's N heads, k's K, v's K, R >=
-  M rows): each value the sum of its S partials times its row's scale (where given), cast to
-  `dtype`, as fp8_matmul_many gives q, k and v; then (q [M, N, H], k [M, K, H], v [M, K, H])
-  as qk_norm_rope gives q and k, v as it is. The sums are read where they are used: no
-  kernel of their own, no pass of XLA's over q, k and v."""
+  """qk_norm_rope on the K-slice partials of one call for q, k and v ([S, (N + 2K) x H, R]
+  float32, R >= M rows): q's N heads, k's K, v's K (fp8_gemm.fp8_partials_many), or with
+  `group` G = N / K the fused layout's K groups of G query heads, key, value
+  (jspec.models.qkv_fusion). Each value is the sum of its S partials times its row's scale
+  (where given), cast to `dtype`, as one product gives q, k and v; then (q [M, N, H], k
+  [M, K, H], v [M, K, H]) as qk_norm_rope gives q and k, v as it is. The sums are read where
+  they are used: no kernel of their own, no pass of XLA's over q, k and v."""
   splits, width, padded = parts_SNR.shape
   rows = positions_M.shape[0]
   head_dim = width // (q_heads + 2 * kv_heads)
   if (parts_SNR.dtype != jnp.float32 or head_dim * (q_heads + 2 * kv_heads) != width
-      or padded < rows or splits & (splits - 1)
+      or padded < rows or splits & (splits - 1) or (group and group * kv_heads != q_heads)
       or (row_scale_M is not None and row_scale_M.shape != (rows,))):
     raise ValueError(f"qkv_partials_norm_rope takes float32 partials [S (a power of two), "
                      f"(N + 2K) x H, R >= M], positions [M] and row scales [M] or None, got "
                      f"{parts_SNR.shape} {parts_SNR.dtype}, {positions_M.shape}, "
                      f"{None if row_scale_M is None else row_scale_M.shape} for N={q_heads}, "
-                     f"K={kv_heads}")
+                     f"K={kv_heads}, G={group}")
   row_heads = lambda n: jax.ShapeDtypeStruct((rows, n, head_dim), dtype)
   heads = (parts_SNR,) + (() if row_scale_M is None else (row_scale_M.astype(jnp.float32),))
   return _qk_call("qkv_partials_norm_rope", heads,
                   (row_heads(q_heads), row_heads(kv_heads), row_heads(kv_heads)),
                   positions_M, (q_scale_H, k_scale_H), q_heads=q_heads, kv_heads=kv_heads,
-                  group=None, head_dim=head_dim, eps=eps, theta=theta, interpret=interpret,
+                  group=group, head_dim=head_dim, eps=eps, theta=theta, interpret=interpret,
                   partials=True, row_scaled=row_scale_M is not None)

@@ -246,17 +246,23 @@ class PartialSum:
 
 
 def _k_slice_partials(x_BTK, w_KN, slices: int):
-  """[S, B, T', N] float32: x's and w's K axis cut into S slices, each slice's product, in one
-  batched product (XLA's GEMM per slice, no K-slice sum of its own). One row (B = T = 1) goes
-  twice, T' = 2 (as skinny_gemm's two-row products: XLA would rewrite a one-row dot of these
-  sizes into a reduction); T' = T otherwise."""
+  """[S, B, T', N] float32: k_slice_partials of x's B x T rows (T' = 2 for one row, else T)."""
   b, t, k = x_BTK.shape
-  x_MSK = x_BTK.reshape(b * t, slices, k // slices)
-  if b * t == 1:
-    x_MSK = jnp.concatenate([x_MSK, x_MSK])
-  parts_SMN = jnp.einsum("msk,skn->smn", x_MSK, w_KN.reshape(slices, k // slices, -1),
-                         preferred_element_type=jnp.float32)
+  parts_SMN = k_slice_partials(x_BTK.reshape(b * t, k), w_KN, slices)
   return parts_SMN.reshape(slices, b, -1, parts_SMN.shape[-1])
+
+
+def k_slice_partials(x_MK, w_KN, slices: int, rows_last: bool = False):
+  """[S, M', N] float32 (rows_last: [S, N, M']): x's and w's K axis cut into S slices, each
+  slice's product, in one batched product (XLA's GEMM per slice, no K-slice sum of its own).
+  One row (M = 1) goes twice, M' = 2 (as skinny_gemm's two-row products: XLA would rewrite a
+  one-row dot of these sizes into a reduction); M' = M otherwise."""
+  m, k = x_MK.shape
+  x_MSK = x_MK.reshape(m, slices, k // slices)
+  if m == 1:
+    x_MSK = jnp.concatenate([x_MSK, x_MSK])
+  return jnp.einsum("msk,skn->snm" if rows_last else "msk,skn->smn", x_MSK,
+                    w_KN.reshape(slices, k // slices, -1), preferred_element_type=jnp.float32)
 
 
 def tensor_parallel_products(mesh: Mesh, rules: ShardingRules, custom_all_reduce: bool,
