@@ -11,6 +11,7 @@ warm-up call.
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant norm-late  # workspace_norm.PREFETCH off
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant unsliced  # o / down: XLA's K sums
     python benchmarks/tp_scaling.py --mesh 1,2,1 --one-row kernel  # one-row products: kernel
+    python benchmarks/tp_scaling.py --mesh 1,1,1 1,2,1 --qkv-k-slices 4  # q / k / v: K slices
 
 Variants (LLM(all_reduce_backend), jspec.sharding.tensor_parallel): `default` ("auto":
 `kernel` on Hopper GPUs of one process), `partitioner` (XLA's partitioner places the tp layers'
@@ -40,6 +41,7 @@ from flax import nnx
 
 import jspec
 from jspec.bench.presets import PRESETS
+from jspec.models import row_kernels
 from jspec.pallas_kernels import workspace_norm
 from jspec.sharding.tensor_parallel import TensorParallelProducts
 
@@ -65,6 +67,10 @@ def main():
   parser.add_argument("--k-slices", type=int,
                       help="TensorParallelProducts.k_slices: a deferred row product's K slices "
                            "(default: the library's; 0 as --variant unsliced)")
+  parser.add_argument("--qkv-k-slices", type=int,
+                      help="row_kernels.QKV_K_SLICES: the fused q / k / v product of decode "
+                           "and verify steps as this many K slices' partials (default: the "
+                           "library's)")
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
@@ -83,6 +89,8 @@ def main():
     TensorParallelProducts.k_slices = 0
   if args.k_slices is not None:
     TensorParallelProducts.k_slices = args.k_slices
+  if args.qkv_k_slices is not None:
+    row_kernels.QKV_K_SLICES = args.qkv_k_slices
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.
@@ -122,6 +130,7 @@ def main():
       digest = hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:10]
       row = dict(model=args.model, layers=config.num_layers, device=device, mesh=mesh_text,
                  variant=args.variant, k_slices=TensorParallelProducts.k_slices,
+                 qkv_k_slices=row_kernels.QKV_K_SLICES,
                  method=args.method + ("-tree" if args.tree else ""), batch=batch,
                  tokens_per_second=round(mid.tokens_per_second, 1),
                  tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),

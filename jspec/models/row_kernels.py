@@ -31,8 +31,9 @@ MAX_ROWS = 256
 # A fused q / k / v product of at most QKV_SLICE_ROWS rows a shard (decode and verify steps)
 # as QKV_K_SLICES K slices' float32 partials, which the q / k kernel sums as it reads them, on
 # GPUs (qkv_k_slices): XLA's GEMM splits K at few rows there and adds the slices in a kernel
-# of its own, a launch and a gap a layer.
-QKV_K_SLICES = 4
+# of its own, a launch and a gap a layer. Off (0) by default: not yet timed on a GPU against
+# XLA's own split (`benchmarks/tp_scaling.py --qkv-k-slices 4` times it).
+QKV_K_SLICES = 0
 QKV_SLICE_ROWS = 32
 QKV_SLICE_K = 64  # each slice whole 64-row tiles of the weight
 
