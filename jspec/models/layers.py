@@ -111,9 +111,9 @@ class Attention(nnx.Module):
     self.fp8_lanes = None
     # Optional kernels for the q / k norms and RoPE of steps with few rows, set by the LLM
     # (jspec.models.row_kernels): qk_kernel (q, k, positions, q and k norm scales or None) ->
-    # (q, k); qkv_kernel the same on a fused q / k / v product, v taken out too (fused layers
-    # without biases); fp8_qkv_kernel on one FP8 call's K-slice partials of q, k and v, summed
-    # as it reads them (FP8 layers whose products take it).
+    # (q, k); qkv_kernel (x, qkv_proj, its product's function, ...) the same on the fused
+    # product or its K slices' partials, v taken out too (fused layers without biases);
+    # fp8_qkv_kernel on one FP8 call's K-slice partials of q, k and v (FP8 layers).
     self.qk_kernel = self.qkv_kernel = self.fp8_qkv_kernel = None
     # Optional kernel writing a step's keys and values into the cache, set by the LLM
     # (jspec.models.row_kernels.sharded_kv_write): (keys, values, k, v, positions) -> (keys,
