@@ -227,6 +227,9 @@ def test_wgmma_chunks_are_written_in_the_cache_dtype_or_float32(monkeypatch, cac
   (WGMMA_CACHE_DTYPE_PARTS, the default) or float32: either way the merged context is the
   float32 reference within bfloat16's rounding; a float32 cache keeps float32 chunks."""
   monkeypatch.setattr(kernel_lib, "WGMMA_CACHE_DTYPE_PARTS", cache_dtype_parts)
+  # mla_decode is jitted and the setting is read when it traces: a scale of each setting's
+  # own (a static argument) gives each its own trace.
+  scale = 0.11 if cache_dtype_parts else 0.13
   written = []
   parts = kernel_lib.wgmma.latent_attention_parts
   monkeypatch.setattr(kernel_lib.wgmma, "latent_attention_parts",
@@ -234,12 +237,12 @@ def test_wgmma_chunks_are_written_in_the_cache_dtype_or_float32(monkeypatch, cac
   q, cache, positions, _ = _wgmma_inputs(2, 2, 16, 128, 64, 256, 17, 230)
   q16, cache16 = jnp.asarray(q, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16)
   want = _reference(np.asarray(q16, np.float32), np.asarray(cache16, np.float32), positions,
-                    128, 0.11)
+                    128, scale)
   got = mla_decode(q16, cache16, jnp.asarray(positions, jnp.int32), latent_dim=128,
-                   scale=0.11, splits=3, form="wgmma")
+                   scale=scale, splits=3, form="wgmma")
   np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
   mla_decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(positions, jnp.int32),
-             latent_dim=128, scale=0.11, splits=3, form="wgmma")
+             latent_dim=128, scale=scale, splits=3, form="wgmma")
   assert written == [jnp.bfloat16 if cache_dtype_parts else jnp.float32, jnp.float32]
 
 
