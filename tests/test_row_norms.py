@@ -447,8 +447,6 @@ def test_gpu_qkv_partials_norm_rope_at_model_shapes(rows, q_heads, kv_heads, spl
     assert np.all(np.abs(g - w) <= top * 2.0 ** -7) and np.mean(g == w) > 0.98
 
 
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, kv_heads, group", [(1, 8, 4), (8, 8, 4), (32, 4, 4)])
 def test_gpu_qkv_partials_in_the_fused_layout_at_model_shapes(rows, kv_heads, group):

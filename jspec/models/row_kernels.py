@@ -120,6 +120,8 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
   q = rules.spec(("batch", "seq", "q_heads", None))
   kv = rules.spec(("batch", "seq", "kv_heads", None))
   x = rules.spec(("batch", "seq", None))
+  # qkv_fusion.QKV_AXES with D and H whole, as they are where slices run (that module imports
+  # this one's callers, so its name is not imported here)
   weight = rules.spec((None, "kv_heads", None, None))
   positions = rules.spec(("batch", "seq"))
 

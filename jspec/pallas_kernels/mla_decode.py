@@ -308,9 +308,9 @@ def _rows_and_positions(q_BTNL, positions_BT, dtype, block_rows: int):
   return q_BRL, pos_BR
 
 
-def _parts_dtype(splits: int, dtype):
-  """One chunk is the result, written in the cache's dtype; several are merged in float32."""
-  return dtype if splits == 1 else jnp.float32
+def _parts_dtype(splits: int, dtype, narrow: bool = False):
+  """One chunk is the result, in the cache's dtype; several to merge, float32 unless narrow."""
+  return dtype if splits == 1 or narrow else jnp.float32
 
 
 def _context(parts_BKRC, lse_BKR, q_shape, latent_dim: int, dtype, interpret: bool | None):
@@ -343,7 +343,7 @@ def _wgmma_form(q_BTNL, cache_BSL, positions_BT, *, latent_dim: int, scale: floa
   if splits is None:
     splits = choose_splits(b, row_tiles, slots, platform.num_sms(), min_slots=min_split_slots(
         wgmma.ROWS, latent_dim, width * cache_BSL.dtype.itemsize))
-  out_dtype = _parts_dtype(1 if WGMMA_CACHE_DTYPE_PARTS else splits, cache_BSL.dtype)
+  out_dtype = _parts_dtype(splits, cache_BSL.dtype, narrow=WGMMA_CACHE_DTYPE_PARTS)
   parts_BKRC, lse_BKR = wgmma.latent_attention_parts(
       q_BRL, cache_BSL, pos_BR, positions_BT.astype(jnp.int32), latent_dim=latent_dim,
       scale=scale, splits=splits, out_dtype=out_dtype, heads=n, tiling=tiling, live_rows=t * n)
