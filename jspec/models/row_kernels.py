@@ -28,12 +28,14 @@ NORM_BACKENDS = ("auto", "xla", "pallas")
 # The most rows (tokens of a step) that go to the kernels: decode, verify and draft steps.
 # Prefill chunks keep XLA's fusions, which read their many rows at full bandwidth.
 MAX_ROWS = 256
-# A fused q / k / v product of at most QKV_SLICE_ROWS rows a shard (decode and verify steps)
-# as QKV_K_SLICES K slices' float32 partials, which the q / k kernel sums as it reads them, on
-# GPUs (qkv_k_slices): XLA's GEMM splits K at few rows there and adds the slices in a kernel
-# of its own, a launch and a gap a layer. Off (0) by default: not yet timed on a GPU against
-# XLA's own split (`benchmarks/tp_scaling.py --qkv-k-slices 4` times it).
-QKV_K_SLICES = 0
+# A fused q / k / v product of QKV_SLICE_MIN_ROWS to QKV_SLICE_ROWS rows a shard (decode and
+# verify steps) as QKV_K_SLICES K slices' float32 partials, which the q / k kernel sums as it
+# reads them, on GPUs (qkv_k_slices): XLA's GEMM splits K at few rows there and adds the
+# slices in a kernel of its own, a launch and a gap a layer. Measured on 2 H200 (Qwen3-8B,
+# BENCHMARKS.md, 2026-11-30): batch 8 1.0-2.4% faster at tp = 2 and 0.5-1.0% on one GPU; one
+# row 0.5% slower at tp = 2 (its product is the one-row kernel's), so one row keeps it.
+QKV_K_SLICES = 4
+QKV_SLICE_MIN_ROWS = 2
 QKV_SLICE_ROWS = 32
 QKV_SLICE_K = 64  # each slice whole 64-row tiles of the weight
 
@@ -113,7 +115,8 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
   normed and rotated and its v taken out, in one kernel (jspec.pallas_kernels.row_norms),
   KV heads split over the mesh as the product leaves them. The kernel reads `product(x)`
   ([B, T, K, G + 2, H]), or with `k_slices` and few rows a shard (QKV_SLICE_ROWS) x and the
-  weight's product as that many K slices' float32 partials, which it sums as it reads them."""
+  weight's product as that many K slices' float32 partials, which it sums as it reads them
+  (a one-row step keeps its one-row product)."""
   from jspec.pallas_kernels.row_norms import qkv_norm_rope, qkv_partials_norm_rope
   from jspec.sharding.tensor_parallel import k_slice_partials
   qkv = rules.spec(("batch", "seq", "kv_heads", None, None))
@@ -153,7 +156,7 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
 
   def call(x_BTD, w_DKCH, product, positions_BT, q_scale, k_scale):
     b, t = NamedSharding(mesh, x).shard_shape(x_BTD.shape)[:2]
-    if (k_slices > 1 and b * t <= QKV_SLICE_ROWS
+    if (k_slices > 1 and QKV_SLICE_MIN_ROWS <= b * t <= QKV_SLICE_ROWS
         and x_BTD.shape[-1] % (k_slices * QKV_SLICE_K) == 0):
       return sliced(x_BTD, w_DKCH, positions_BT, q_scale, k_scale)
     return plain(product(x_BTD), positions_BT, q_scale, k_scale)
