@@ -31,12 +31,13 @@ MAX_ROWS = 256
 # A fused q / k / v product of QKV_SLICE_MIN_ROWS to QKV_SLICE_ROWS rows a shard (decode and
 # verify steps) as QKV_K_SLICES K slices' float32 partials, which the q / k kernel sums as it
 # reads them, on GPUs (qkv_k_slices): XLA's GEMM splits K at few rows there and adds the
-# slices in a kernel of its own, a launch and a gap a layer. Measured on 2 H200 (Qwen3-8B,
-# BENCHMARKS.md, 2026-11-30): batch 8 1.0-2.4% faster at tp = 2 and 0.5-1.0% on one GPU; one
-# row 0.5% slower at tp = 2 (its product is the one-row kernel's), so one row keeps it.
+# slices in a kernel of its own, a launch and a gap a layer. Measured on H200s (BENCHMARKS.md,
+# 2026-11-30): Qwen3-8B at 8 rows 1.0-2.4% faster at tp = 2 and 0.5-1.0% on one GPU, at 4 rows
+# (MTP k = 3, batch 1) equal; one row 0.5% slower at tp = 2 (its product is the one-row
+# kernel's) and 32 rows 1.5% slower (Qwen3-30B-A3B, batch 32), so both keep one product.
 QKV_K_SLICES = 4
 QKV_SLICE_MIN_ROWS = 2
-QKV_SLICE_ROWS = 32
+QKV_SLICE_ROWS = 16
 QKV_SLICE_K = 64  # each slice whole 64-row tiles of the weight
 
 
