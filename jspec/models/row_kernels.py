@@ -115,9 +115,9 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
   [H] or None) -> (q [B, T, N, H], k, v [B, T, K, H]): the fused q / k / v product's q and k
   normed and rotated and its v taken out, in one kernel (jspec.pallas_kernels.row_norms),
   KV heads split over the mesh as the product leaves them. The kernel reads `product(x)`
-  ([B, T, K, G + 2, H]), or with `k_slices` and few rows a shard (QKV_SLICE_ROWS) x and the
-  weight's product as that many K slices' float32 partials, which it sums as it reads them
-  (a one-row step keeps its one-row product)."""
+  ([B, T, K, G + 2, H]), or with `k_slices` and QKV_SLICE_MIN_ROWS to QKV_SLICE_ROWS rows a
+  shard, x and the weight's product as that many K slices' float32 partials, which it sums as
+  it reads them (a one-row step keeps its one-row product)."""
   from jspec.pallas_kernels.row_norms import qkv_norm_rope, qkv_partials_norm_rope
   from jspec.sharding.tensor_parallel import k_slice_partials
   qkv = rules.spec(("batch", "seq", "kv_heads", None, None))
