@@ -11,7 +11,7 @@ warm-up call.
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant norm-late  # workspace_norm.PREFETCH off
     python benchmarks/tp_scaling.py --mesh 1,2,1 --variant unsliced  # o / down: XLA's K sums
     python benchmarks/tp_scaling.py --mesh 1,2,1 --one-row kernel  # one-row products: kernel
-    python benchmarks/tp_scaling.py --mesh 1,1,1 1,2,1 --qkv-k-slices 4  # q / k / v: K slices
+    python benchmarks/tp_scaling.py --mesh 1,1,1 1,2,1 --qkv-k-slices 0  # q / k / v: one product
 
 Variants (LLM(all_reduce_backend), jspec.sharding.tensor_parallel): `default` ("auto":
 `kernel` on Hopper GPUs of one process), `partitioner` (XLA's partitioner places the tp layers'
@@ -70,7 +70,7 @@ def main():
   parser.add_argument("--qkv-k-slices", type=int,
                       help="row_kernels.QKV_K_SLICES: the fused q / k / v product of decode "
                            "and verify steps as this many K slices' partials (default: the "
-                           "library's)")
+                           "library's, 4; 0: one product, XLA's split-K sum)")
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
