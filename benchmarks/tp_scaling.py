@@ -71,12 +71,6 @@ def main():
                       help="row_kernels.QKV_K_SLICES: the fused q / k / v product of decode "
                            "and verify steps as this many K slices' partials (default: the "
                            "library's, 4; 0: one product, XLA's split-K sum)")
-  parser.add_argument("--l2-prefetch-mb", type=float,
-                      help="workspace_norm.L2_PREFETCH_BYTES in MiB: the next product's weight "
-                           "the fused all-reduce + norm pulls into L2 (default: the library's; "
-                           "0: none)")
-  parser.add_argument("--l2-prefetch-blocks", type=int,
-                      help="workspace_norm.L2_PREFETCH_BLOCKS: blocks that issue the prefetches")
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
@@ -97,10 +91,6 @@ def main():
     TensorParallelProducts.k_slices = args.k_slices
   if args.qkv_k_slices is not None:
     row_kernels.QKV_K_SLICES = args.qkv_k_slices
-  if args.l2_prefetch_mb is not None:
-    workspace_norm.L2_PREFETCH_BYTES = int(args.l2_prefetch_mb * (1 << 20))
-  if args.l2_prefetch_blocks is not None:
-    workspace_norm.L2_PREFETCH_BLOCKS = args.l2_prefetch_blocks
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.
@@ -141,8 +131,6 @@ def main():
       row = dict(model=args.model, layers=config.num_layers, device=device, mesh=mesh_text,
                  variant=args.variant, k_slices=TensorParallelProducts.k_slices,
                  qkv_k_slices=row_kernels.QKV_K_SLICES,
-                 l2_prefetch_mb=workspace_norm.L2_PREFETCH_BYTES / (1 << 20),
-                 l2_prefetch_blocks=workspace_norm.L2_PREFETCH_BLOCKS,
                  method=args.method + ("-tree" if args.tree else ""), batch=batch,
                  tokens_per_second=round(mid.tokens_per_second, 1),
                  tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),

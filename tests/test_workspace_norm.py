@@ -70,36 +70,6 @@ def test_the_norm_kernel_builds_for_hopper_without_a_gpu(monkeypatch):
   for rows, slicing in [(1, (4, 2)), (8, (4, 8)), (3, (2, 3))]:  # K-slice partials
     assert callable(workspace_norm._build(rows, 4096, jnp.dtype(jnp.bfloat16), 2, 1e-6, False,
                                           "lamport", True, slicing))
-  for mb, segments in [(100, 1), (25, 4), (3, 4)]:  # a weight's first bytes into L2
-    ahead = workspace_norm.l2_plan(jax.ShapeDtypeStruct((mb << 19,), jnp.bfloat16), segments)
-    assert callable(workspace_norm._build(8, 4096, jnp.dtype(jnp.bfloat16), 2, 1e-6, False,
-                                          "lamport", True, (4, 8), ahead))
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_the_l2_plan_prefetches_each_segments_first_bytes_within_the_weight(monkeypatch, seed):
-  """Random weights, budgets and segment counts: the pieces are whole 16-byte multiples at
-  16-byte offsets, lie inside the weight, do not overlap, start every segment at its first
-  byte and cover the budget (or the weight) to within a piece a segment."""
-  rng = np.random.default_rng(seed)
-  budget = int(rng.integers(1, 64)) << 18
-  monkeypatch.setattr(workspace_norm, "L2_PREFETCH_BYTES", budget)
-  segments = int(rng.choice([1, 2, 4, 8]))
-  dtype = jnp.dtype(rng.choice(["bfloat16", "float32", "float8_e4m3fn"]))
-  elements = int(rng.integers(1, 1 << 14)) * 64 * segments
-  plan = workspace_norm.l2_plan(jax.ShapeDtypeStruct((elements,), dtype), segments)
-  nbytes = elements * dtype.itemsize
-  if plan is None:  # too small for a piece a segment
-    assert min(budget, nbytes) // segments < workspace_norm.L2_PREFETCH_PIECE
-    return
-  assert plan.piece % 16 == 0 and plan.piece >= workspace_norm.L2_PREFETCH_PIECE
-  starts = sorted(plan.piece_offset(k) for k in range(segments * plan.per_segment))
-  assert all(s % 16 == 0 for s in starts) and starts[-1] + plan.piece <= nbytes
-  assert all(b - a >= plan.piece for a, b in zip(starts, starts[1:]))
-  stride = nbytes // segments
-  assert {s for s in starts if s % stride == 0} == {i * stride for i in range(segments)}
-  covered = segments * plan.per_segment * plan.piece
-  assert min(budget, nbytes) - segments * plan.piece < covered <= min(budget, nbytes)
 
 
 def test_the_norm_region_lies_past_the_all_reduces_and_inside_the_workspace():
@@ -111,12 +81,11 @@ def test_the_norm_region_lies_past_the_all_reduces_and_inside_the_workspace():
     assert norm.end(size) == wsar.lamport_sum_region(size).offset  # the Lamport regions next
 
 
-def _reference_add_norm(partial, residual, scale, row, size, *, eps, zero_centered,
-                        prefetch=None, prefetch_segments=1):
+def _reference_add_norm(partial, residual, scale, row, size, *, eps, zero_centered):
   """What the kernel must equal: psum, then the row kernel's residual add + RMSNorm; K-slice
   partials [S, R, D] summed over the slices in order in float32 first, their first M rows
-  rounded to the residual's dtype. (A weight to prefetch changes nothing.)"""
-  del row, size, prefetch, prefetch_segments
+  rounded to the residual's dtype."""
+  del row, size
   if partial.ndim == 3:
     total = partial[0]
     for part in partial[1:]:
@@ -127,17 +96,11 @@ def _reference_add_norm(partial, residual, scale, row, size, *, eps, zero_center
                             interpret=True)
 
 
-def _stand_ins(monkeypatch, calls, prefetched=None):
-  """psum for the all-reduce kernel, the reference for the norm kernel (counting its calls,
-  and into `prefetched` the shape and segments of each call's weight to prefetch, None for
-  none), and `fits` for every shape of few rows: the plumbing, not the kernels, is under
-  test."""
+def _stand_ins(monkeypatch, calls):
+  """psum for the all-reduce kernel, the reference for the norm kernel (counting its calls),
+  and `fits` for every shape of few rows: the plumbing, not the kernels, is under test."""
   def add_norm(*args, **kwargs):
     calls.append(args[0].shape)
-    if prefetched is not None:
-      weight = kwargs.get("prefetch")
-      prefetched.append(None if weight is None else
-                        (weight.shape, kwargs.get("prefetch_segments", 1)))
     return _reference_add_norm(*args, **kwargs)
   monkeypatch.setattr(wsar, "workspace_all_reduce", lambda x, row, size: jax.lax.psum(x, "tp"))
   monkeypatch.setattr(workspace_norm, "workspace_add_norm", add_norm)
@@ -222,12 +185,12 @@ def test_a_tp2_model_through_the_fused_path_keeps_one_devices_tokens(monkeypatch
   """Every attention and MLP output of a tp = 2 model reaches its norm as a PartialSum and is
   summed there (the stand-ins count the calls); greedy tokens (with MTP: drafts and verify
   windows too) are one device's."""
-  calls, prefetched = [], []
+  calls = []
   kwargs = dict(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=64,
                 max_num_seqs=4, norm_backend="pallas", speculative_config=spec)
   one = jspec.LLM(**kwargs).generate(PROMPTS, greedy(8, ignore_eos=True))
   llm = jspec.LLM(mesh=MeshConfig(tp=2), all_reduce_backend="xla", **kwargs)
-  _stand_ins(monkeypatch, calls, prefetched)
+  _stand_ins(monkeypatch, calls)
   workspace = wsar.PeerWorkspace(llm.mesh, "tp")
   modules = [m for m in (llm.target, llm.mtp) if m is not None]
   products = {id(n.tp_products): n.tp_products for _, n in nnx.iter_graph(modules)
@@ -240,16 +203,6 @@ def test_a_tp2_model_through_the_fused_path_keeps_one_devices_tokens(monkeypatch
   # Each layer: the attention's sum into the post-attention norm, the MLP's into the next
   # layer's input norm (the last layer's into the final norm); once per traced program.
   assert len(calls) >= 2 * len(llm.target.layers)
-  # The post-attention norms prefetch a shard of the MLP's gate / up, the next layer's input
-  # norm one of its q / k / v where they are fused, the final norm nothing.
-  layer = llm.target.layers[0]
-  gate_up = layer.mlp.gate_up_proj.shape
-  want = {((gate_up[0], 2, gate_up[2] // 2), 1), None}
-  if layer.attn.fused_qkv:
-    d, k, c, h = layer.attn.qkv_proj.shape
-    want |= {((d, k // 2, c, h), 1)}
-  assert set(prefetched) == want
-  assert prefetched.count(None) < len(prefetched) // 2
 
 
 def test_with_the_kernel_a_norm_after_a_row_product_lowers_to_the_fused_kernel(monkeypatch):
@@ -301,19 +254,14 @@ def _numpy_add_norm(partials, residual, scale, eps, zero_centered, dtype):
   return h, cast(out)
 
 
-def _run_add_norm(mesh, partials, residual, scale, eps, zero_centered, weight=None,
-                  segments=1):
-  """The kernel on both devices; `weight` (split over tp) the weight it prefetches."""
+def _run_add_norm(mesh, partials, residual, scale, eps, zero_centered):
   workspace = wsar.workspace_for(mesh, "tp")
-  weight = jnp.zeros((2,), jnp.int32) if weight is None else weight
-  prefetch = weight.dtype != jnp.int32
   fn = jax.jit(jax.shard_map(
-      lambda p, r, s, row, w: tuple(o[None] for o in workspace_norm.workspace_add_norm(
-          p[0], r, s, row, 2, eps=eps, zero_centered=zero_centered,
-          prefetch=w if prefetch else None, prefetch_segments=segments)),
-      mesh=mesh, in_specs=(P("tp"), P(), P(), workspace.row_spec, P("tp")),
-      out_specs=(P("tp"), P("tp")), check_vma=False))
-  h, normed = fn(partials, residual, scale, workspace.rows, weight)
+      lambda p, r, s, row: tuple(o[None] for o in workspace_norm.workspace_add_norm(
+          p[0], r, s, row, 2, eps=eps, zero_centered=zero_centered)),
+      mesh=mesh, in_specs=(P("tp"), P(), P(), workspace.row_spec), out_specs=(P("tp"), P("tp")),
+      check_vma=False))
+  h, normed = fn(partials, residual, scale, workspace.rows)
   return np.asarray(h.astype(jnp.float32)), np.asarray(normed.astype(jnp.float32)), workspace
 
 
@@ -344,30 +292,6 @@ def test_gpu_norm_kernel_equals_the_sum_the_add_and_the_norm(rows, width, dtype,
   np.testing.assert_array_equal(normed[0], normed[1])
   assert all(not f.any() for f in workspace.flags().values())
   assert all(workspace.lamport_idle().values())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows, mb, segments", [(1, 48, 1), (8, 24, 4), (3, 2, 2)])
-def test_gpu_prefetching_a_weight_leaves_the_results_and_the_weight_as_they_were(rows, mb,
-                                                                                   segments):
-  """With a weight to pull into L2 (extra blocks beside the norm's), h and norm(h) hold the
-  bits they hold without one, and the weight is untouched; chained calls stay in step."""
-  mesh = _gpu_pair()
-  rng = np.random.default_rng(rows * mb)
-  partials = jax.device_put(jnp.asarray(rng.standard_normal((2, rows, 4096)), jnp.bfloat16),
-                            NamedSharding(mesh, P("tp")))
-  residual = jnp.asarray(rng.standard_normal((rows, 4096)) * 4, jnp.bfloat16)
-  scale = jnp.asarray(rng.standard_normal(4096), jnp.bfloat16)
-  weight_np = rng.standard_normal((2, mb << 18)).astype(np.float32)
-  weight = jax.device_put(jnp.asarray(weight_np, jnp.bfloat16), NamedSharding(mesh, P("tp")))
-  plain = _run_add_norm(mesh, partials, residual, scale, 1e-6, False)
-  for _ in range(3):
-    got = _run_add_norm(mesh, partials, residual, scale, 1e-6, False, weight, segments)
-    np.testing.assert_array_equal(got[0], plain[0])
-    np.testing.assert_array_equal(got[1], plain[1])
-  np.testing.assert_array_equal(np.asarray(weight), np.asarray(jnp.asarray(weight_np,
-                                                                          jnp.bfloat16)))
-  assert all(got[2].lamport_idle().values())
 
 
 @pytest.mark.gpu

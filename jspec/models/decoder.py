@@ -22,7 +22,6 @@ from jspec.models import weights as W
 from jspec.models.caches import KVCache
 from jspec.models.layers import MLP, Attention
 from jspec.models.moe import MoE
-from jspec.models.next_weights import next_weight
 from jspec.models.norms import RMSNorm
 from jspec.models.params import mask_padded_vocab, param
 
@@ -65,22 +64,18 @@ class DecoderLayer(nnx.Module):
     to the next norm. Why: with row kernels the add and the norm after it are one kernel,
     where an add ending the layer would be one more (jspec.models.row_kernels)."""
     del valid_BT  # A KV / latent cache needs no padding mask: padded slots are never attended.
-    rows = x_BTD.shape[0] * x_BTD.shape[1]
-    x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD,
-                                    next_weight(self.attn, rows))
+    x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD)
     attn_out_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
-    h_BTD, normed_BTD = self.post_attn_norm.add_and_norm(x_BTD, attn_out_BTD,
-                                                         next_weight(self.mlp, rows))
+    h_BTD, normed_BTD = self.post_attn_norm.add_and_norm(x_BTD, attn_out_BTD)
     mlp_out_BTD = self.mlp(normed_BTD, experts_fn) if self.is_moe else self.mlp(normed_BTD)
     return h_BTD, mlp_out_BTD, cache
 
 
-def layer_input(norm, x_BTD, pending_BTD, next_weight_=None):
-  """(x + pending, its norm): the layer input and what its token mixer reads (whose first
-  weight is `next_weight_`, a NextWeight or None: RMSNorm.add_and_norm)."""
+def layer_input(norm, x_BTD, pending_BTD):
+  """(x + pending, its norm): the layer input and what its token mixer reads."""
   if pending_BTD is None:
     return x_BTD, norm(x_BTD)
-  return norm.add_and_norm(x_BTD, pending_BTD, next_weight_)
+  return norm.add_and_norm(x_BTD, pending_BTD)
 
 
 class CausalLM(nnx.Module):

@@ -49,14 +49,12 @@ class RMSNorm(nnx.Module):
       return self.row_kernel(x, self.scale[...])
     return self._xla(x)
 
-  def add_and_norm(self, x, delta, next_weight=None):
+  def add_and_norm(self, x, delta):
     """(h, norm(h)) for h = x + delta: the residual stream and its normalised form. A `delta`
-    still to be summed over tp (a PartialSum) is summed in the same kernel where it fits,
-    which also pulls the first bytes of `next_weight` (a NextWeight: the weight of the
-    product that reads norm(h); None for none) into L2 while it waits for its peers."""
+    still to be summed over tp (a PartialSum) is summed in the same kernel where it fits."""
     if isinstance(delta, PartialSum):
-      fused = (delta.add_and_norm(x, self.scale[...], self.eps, self.zero_centered,
-                                  next_weight) if self._on_kernel(x) else None)
+      fused = (delta.add_and_norm(x, self.scale[...], self.eps, self.zero_centered)
+               if self._on_kernel(x) else None)
       if fused is not None:
         return fused
       delta = delta.reduced()

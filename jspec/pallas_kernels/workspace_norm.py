@@ -23,7 +23,6 @@ Shape letters: M rows (tokens of the step), D the hidden size, A the devices on 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,15 +37,6 @@ from jspec.pallas_kernels import workspace_all_reduce as wsar
 # 3.267 ms a step at batch 1, 3.398 -> 3.350 at batch 8 (BENCHMARKS.md, 2026-11-29).
 PREFETCH = True
 
-# The next product's weight pulled into L2 while the exchange waits: the kernel's HBM traffic
-# is a few hundred KB, so the memory is otherwise idle for its 5-6 µs, and the product that
-# follows finds its first bytes on chip. `L2_PREFETCH_BYTES` of it (0: none), issued as bulk
-# L2 prefetches (fire and forget: the kernel does not wait for them) by L2_PREFETCH_BLOCKS
-# blocks of their own beside the norm's, in pieces of at least L2_PREFETCH_PIECE bytes.
-L2_PREFETCH_BYTES = 16 << 20
-L2_PREFETCH_BLOCKS = 16
-L2_PREFETCH_PIECE = 4096
-
 
 def fits(shape, dtype) -> bool:
   """Rows [M, D] the kernel takes: float16 / bfloat16 / float32, at most wsar.NORM_ROWS rows
@@ -60,8 +50,7 @@ def fits(shape, dtype) -> bool:
 
 
 def workspace_add_norm(partial_MD, residual_MD, scale_D, row, axis_size: int, *, eps: float,
-                       zero_centered: bool = False, protocol: str | None = None,
-                       prefetch=None, prefetch_segments: int = 1):
+                       zero_centered: bool = False, protocol: str | None = None):
   """(h, norm(h)) for h = residual + the sum of `partial` over the group (see the module
   docstring), inside a shard_map that hands each device its own `row` of a PeerWorkspace's
   table. Every device's results hold the same bits. `protocol`: the handover
@@ -69,12 +58,7 @@ def workspace_add_norm(partial_MD, residual_MD, scale_D, row, axis_size: int, *,
 
   `partial` may also be a product's float32 K-slice partials [S, R, D] (R >= M rows, of which
   the first M are the residual's): each device sums its S slices in float32 and rounds the sum
-  to the residual's dtype, as XLA's split-K sum after a product does, before the exchange.
-
-  `prefetch`: the weight of the product that reads norm(h) (this device's shard), whose first
-  bytes the kernel pulls into L2 (L2_PREFETCH_BYTES; see there): the leading bytes of each of
-  `prefetch_segments` equal parts of it, for a product that splits its K into that many slices
-  and starts each slice at once. Only where it is to be read next; the results do not change."""
+  to the residual's dtype, as XLA's split-K sum after a product does, before the exchange."""
   rows, width = residual_MD.shape
   slices = None
   if partial_MD.ndim == 3:
@@ -98,56 +82,19 @@ def workspace_add_norm(partial_MD, residual_MD, scale_D, row, axis_size: int, *,
   if row.shape != (2 * axis_size + 1,) or row.dtype != jnp.int32:
     raise ValueError(f"row: expected {2 * axis_size + 1} int32 words, got {row.shape} {row.dtype}")
   slicing = (slices, partial_MD.shape[1]) if slices else None
-  ahead = l2_plan(prefetch, prefetch_segments)
   kernel = _build(rows, width, jnp.dtype(residual_MD.dtype), axis_size, float(eps),
-                  bool(zero_centered), protocol, PREFETCH, slicing, ahead)
-  operands = (partial_MD.reshape(-1), residual_MD.reshape(-1), scale_D, row)
-  if ahead is not None:
-    operands += (prefetch.reshape(-1),)
-  h, normed = kernel(*operands)
+                  bool(zero_centered), protocol, PREFETCH, slicing)
+  h, normed = kernel(partial_MD.reshape(-1), residual_MD.reshape(-1), scale_D, row)
   return h.reshape(rows, width), normed.reshape(rows, width)
-
-
-class L2Plan(NamedTuple):
-  """What the kernel prefetches of a weight of `nbytes` bytes: `per_segment` pieces of `piece`
-  bytes from the start of each of `segments` equal parts of it, piece k at piece_offset(k)."""
-  nbytes: int
-  dtype: Any
-  segments: int
-  piece: int
-  per_segment: int
-
-  def piece_offset(self, k: int) -> int:
-    return (k // self.per_segment) * (self.nbytes // self.segments) + (
-        k % self.per_segment) * self.piece
-
-
-def l2_plan(weight, segments: int = 1) -> L2Plan | None:
-  """The L2Plan for `weight` (an array or its shape and dtype), None for nothing: no weight,
-  L2_PREFETCH_BYTES 0, or a weight too small to cut."""
-  if weight is None or L2_PREFETCH_BYTES <= 0:
-    return None
-  if segments < 1:
-    raise ValueError(f"prefetch_segments must be >= 1, got {segments}")
-  nbytes = weight.size * jnp.dtype(weight.dtype).itemsize
-  threads = L2_PREFETCH_BLOCKS * 128
-  # Whole 16-byte multiples (the instruction's granule), about one piece a thread.
-  piece = max(L2_PREFETCH_PIECE, -(-min(L2_PREFETCH_BYTES, nbytes) // threads))
-  piece = -(-piece // 16) * 16
-  per_segment = min(L2_PREFETCH_BYTES, nbytes) // segments // piece
-  if per_segment == 0 or (nbytes // segments) % 16:
-    return None
-  return L2Plan(nbytes, jnp.dtype(weight.dtype), segments, piece, per_segment)
 
 
 @functools.cache
 def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_centered: bool,
-           protocol: str = "flags", prefetch: bool = False, slicing=None, ahead=None):
-  """slicing: (S, R) where the partial is float32 K-slice partials [S, R, D], else None;
-  ahead: the L2Plan where the kernel prefetches a weight, else None."""
+           protocol: str = "flags", prefetch: bool = False, slicing=None):
+  """slicing: (S, R) where the partial is float32 K-slice partials [S, R, D], else None."""
   # Mosaic GPU's own modules: imported here, so that jspec imports without a GPU build.
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, gpu, scf
+  from jax._src.lib.mlir.dialects import arith, gpu
   import jax.experimental.mosaic.gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mu
 
@@ -158,24 +105,8 @@ def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_center
   chunks = width * dtype.itemsize // wsar.TILE_BYTES
   chunk = width // chunks
 
-  def body(ctx, x_ref, residual_ref, scale_ref, row_ref, *refs):
+  def body(ctx, x_ref, residual_ref, scale_ref, row_ref, h_ref, out_ref, scratch):
     del ctx
-    if ahead is None:
-      norm_body(x_ref, residual_ref, scale_ref, row_ref, *refs)
-      return
-    weight_ref, *refs = refs
-    block = gpu.block_id(gpu.Dimension.x)
-    norm_blocks = arith.constant(ir.IndexType.get(), rows * chunks)
-    is_norm = arith.cmpi(arith.CmpIPredicate.ult, block, norm_blocks)
-    branch = scf.IfOp(is_norm, has_else=True)
-    with ir.InsertionPoint(branch.then_block):
-      norm_body(x_ref, residual_ref, scale_ref, row_ref, *refs)
-      scf.YieldOp([])
-    with ir.InsertionPoint(branch.else_block):
-      _prefetch_pieces(weight_ref, arith.subi(block, norm_blocks), ahead)
-      scf.YieldOp([])
-
-  def norm_body(x_ref, residual_ref, scale_ref, row_ref, h_ref, out_ref, scratch):
     f32 = ir.F32Type.get()
     ir_dtype = mu.dtype_to_ir_type(dtype)
     index = ir.IndexType.get()
@@ -248,43 +179,8 @@ def _build(rows: int, width: int, dtype, axis_size: int, eps: float, zero_center
   flat = jax.ShapeDtypeStruct((n,), dtype)
   parts = flat if slicing is None else jax.ShapeDtypeStruct(
       (slicing[0] * slicing[1] * width,), jnp.float32)
-  inputs = (parts, flat, jax.ShapeDtypeStruct((width,), dtype),
-            jax.ShapeDtypeStruct((2 * axis_size + 1,), jnp.int32))
-  grid = rows * chunks
-  if ahead is not None:
-    inputs += (jax.ShapeDtypeStruct((ahead.nbytes // ahead.dtype.itemsize,), ahead.dtype),)
-    grid += L2_PREFETCH_BLOCKS
   return peer_exchange.as_kernel(
-      body, "workspace_add_norm", grid, inputs, (flat, flat),
-      scratch=jax.ShapeDtypeStruct((4 * 128,), jnp.float32))
-
-
-def _prefetch_pieces(weight_ref, block, ahead):
-  """In prefetch block `block` (an index from 0): thread n's bulk L2 prefetches of pieces
-  n, n + threads, ... of the L2Plan `ahead` (at ahead.piece_offset(k)); none past its last."""
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith
-  from jax.experimental.mosaic.gpu import utils as mu
-  nbytes, segments, piece, per_segment = ahead.nbytes, ahead.segments, ahead.piece, \
-      ahead.per_segment
-  i8 = ir.IntegerType.get_signless(8)
-  i32 = ir.IntegerType.get_signless(32)
-  i64 = ir.IntegerType.get_signless(64)
-  index = ir.IndexType.get()
-  thread = mu.thread_idx()
-  thread = arith.index_cast(index, thread) if thread.type != index else thread
-  lane = arith.remui(thread, arith.constant(index, 128))
-  n = arith.addi(arith.muli(block, arith.constant(index, 128)), lane)  # this thread's piece
-  base = mu.memref_ptr(weight_ref)
-  size = arith.constant(i32, piece)
-  for first in range(0, segments * per_segment, L2_PREFETCH_BLOCKS * 128):
-    k = arith.addi(n, arith.constant(index, first))  # as L2Plan.piece_offset
-    segment = arith.divui(k, arith.constant(index, per_segment))
-    within = arith.remui(k, arith.constant(index, per_segment))
-    offset = arith.addi(arith.muli(segment, arith.constant(index, nbytes // segments)),
-                        arith.muli(within, arith.constant(index, piece)))
-    address = mu.getelementptr(base, [arith.index_cast(i64, offset)], i8)
-    mine = arith.cmpi(arith.CmpIPredicate.ult, k,
-                      arith.constant(index, segments * per_segment))
-    mu.inline_ptx("cp.async.bulk.prefetch.L2.global [$0], $1;", address, size,
-                  predicate=mine, has_side_effects=True)
+      body, "workspace_add_norm", rows * chunks,
+      (parts, flat, jax.ShapeDtypeStruct((width,), dtype),
+       jax.ShapeDtypeStruct((2 * axis_size + 1,), jnp.int32)),
+      (flat, flat), scratch=jax.ShapeDtypeStruct((4 * 128,), jnp.float32))

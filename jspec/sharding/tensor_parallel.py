@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -191,12 +190,10 @@ class TensorParallelProducts:
                          check_vma=False)(partials_ABTD, rows)
 
   def add_and_norm(self, partials_ABTD, residual_BTD, scale_D, eps: float,
-                   zero_centered: bool, sliced: bool = False, next_weight=None):
+                   zero_centered: bool, sliced: bool = False):
     """(h, norm(h)) for h = residual + the sum of the partials, in one kernel
     (jspec.pallas_kernels.workspace_norm), or None where it does not take a shard's rows.
-    `sliced`: the partials are K slices' float32 partials, which the kernel sums first.
-    `next_weight`: the NextWeight of the product that reads norm(h), whose first bytes the
-    kernel pulls into L2 while it waits for its peers (None: nothing)."""
+    `sliced`: the partials are K slices' float32 partials, which the kernel sums first."""
     from jspec.pallas_kernels import workspace_norm
     lead = PartitionSpec(*self._lead, None)
     b, t, d = NamedSharding(self.mesh, lead).shard_shape(residual_BTD.shape)
@@ -206,32 +203,18 @@ class TensorParallelProducts:
         or not workspace_norm.fits((b * t, d), residual_BTD.dtype)):
       return None
     size = self.mesh.shape[self.axis]
-    ahead = next_weight is not None and next_weight.split is not None
-    weight = next_weight.weight if ahead else jnp.zeros((), jnp.int32)
-    weight_spec = self._split(weight.ndim, next_weight.split) if ahead else PartitionSpec()
 
-    def per_shard(p, residual, scale, row, w):
+    def per_shard(p, residual, scale, row):
       p = p.reshape(p.shape[0], -1, d) if sliced else p.reshape(b * t, d)
       h, normed = workspace_norm.workspace_add_norm(
           p, residual.reshape(b * t, d), scale, row, size, eps=eps,
-          zero_centered=zero_centered, prefetch=w if ahead else None,
-          prefetch_segments=next_weight.segments if ahead else 1)
+          zero_centered=zero_centered)
       return h.reshape(b, t, d), normed.reshape(b, t, d)
     return jax.shard_map(per_shard, mesh=self.mesh,
                          in_specs=(PartitionSpec(self.axis, *lead), lead, PartitionSpec(),
-                                   self._workspace.row_spec, weight_spec),
+                                   self._workspace.row_spec),
                          out_specs=(lead, lead), check_vma=False)(
-        partials_ABTD, residual_BTD, scale_D, self._workspace.rows, weight)
-
-
-class NextWeight(NamedTuple):
-  """The weight of the product that reads a norm's output: `weight` split over the products'
-  axis at its axis `split` (None: whole on every shard, nothing to prefetch), read by a
-  product that starts `segments` K slices at once (jspec.pallas_kernels.workspace_norm's
-  prefetch)."""
-  weight: jax.Array
-  split: int | None
-  segments: int = 1
+        partials_ABTD, residual_BTD, scale_D, self._workspace.rows)
 
 
 class PartialSum:
@@ -250,13 +233,10 @@ class PartialSum:
   def reduced(self):
     return self.products.sum_partials(self.partials_ABTD, self.dtype, self.tokens)
 
-  def add_and_norm(self, residual_BTD, scale_D, eps: float, zero_centered: bool,
-                   next_weight=None):
-    """(residual + the sum, its RMSNorm) in one kernel, or None where it does not fit;
-    `next_weight` as TensorParallelProducts.add_and_norm's."""
+  def add_and_norm(self, residual_BTD, scale_D, eps: float, zero_centered: bool):
+    """(residual + the sum, its RMSNorm) in one kernel, or None where it does not fit."""
     return self.products.add_and_norm(self.partials_ABTD, residual_BTD, scale_D, eps,
-                                      zero_centered, sliced=self.tokens is not None,
-                                      next_weight=next_weight)
+                                      zero_centered, sliced=self.tokens is not None)
 
   def __add__(self, other):
     return self.reduced() + other
