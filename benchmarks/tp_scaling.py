@@ -41,7 +41,7 @@ from flax import nnx
 
 import jspec
 from jspec.bench.presets import PRESETS
-from jspec.models import row_kernels
+from jspec.models import moe, row_kernels
 from jspec.pallas_kernels import workspace_norm
 from jspec.sharding.tensor_parallel import TensorParallelProducts
 
@@ -71,6 +71,9 @@ def main():
                       help="row_kernels.QKV_K_SLICES: the fused q / k / v product of decode "
                            "and verify steps as this many K slices' partials (default: the "
                            "library's, 4; 0: one product, XLA's split-K sum)")
+  parser.add_argument("--no-router-plan", action="store_true",
+                      help="moe.ROUTER_PLAN off: batch-1 MoE layers build their decode plan "
+                           "in XLA instead of the router's top-k kernel")
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
@@ -91,6 +94,8 @@ def main():
     TensorParallelProducts.k_slices = args.k_slices
   if args.qkv_k_slices is not None:
     row_kernels.QKV_K_SLICES = args.qkv_k_slices
+  if args.no_router_plan:
+    moe.ROUTER_PLAN = False
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.

@@ -33,8 +33,12 @@ from jspec.models.layers import MLP
 from jspec.models.linear import linear
 from jspec.models.params import param
 from jspec.pallas_kernels import fp8_experts, router_topk
+from jspec.pallas_kernels.experts import takes_decode_plan
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
+# Whether the router's top-k kernel writes the batch-1 decode plan (MoE._route_with_plan);
+# benchmarks turn it off to time it.
+ROUTER_PLAN = True
 # What DeepSeek-style configs may say, and what jspec implements exactly of it.
 SCORING_FUNCS = ("sigmoid",)
 TOPK_METHODS = ("noaux_tc",)
@@ -175,6 +179,17 @@ class MoE(nnx.Module):
         logits, bias, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
         self.routed_scaling_factor, dtype))(router_logits_TE, bias_E)
 
+  def _route_with_plan(self, x_TD, experts_fn: Callable):
+    """(ids [1, K], weights [1, K], decode plan) of batch-1 decode, the plan written by the
+    router's top-k kernel (router_topk.route_softmax_plan): no XLA kernel between it and the
+    expert kernels. Where the router kernel routes one token for the Pallas experts, as the
+    model stores them (FP8 experts gathered into copies get other ids); None elsewhere."""
+    if (not ROUTER_PLAN or self.scoring != "softmax" or self.router_kernel is None
+        or x_TD.shape[0] != 1 or not takes_decode_plan(experts_fn)
+        or (self.fp8_block is not None and not self.fp8_to_backend)):
+      return None
+    return self.router_kernel(x_TD, self.router[...], plan=True)
+
   def _experts_for(self, ids_TK, dtype):
     """(ids, w_gate [E', D, F], w_up, w_down [E', F, D]) as the expert backends take them.
 
@@ -206,7 +221,8 @@ class MoE(nnx.Module):
   def __call__(self, x_BTD, experts_fn: Callable):
     b, t, d = x_BTD.shape
     x_TD = x_BTD.reshape(b * t, d)
-    ids_TK, weights_TK = self._route(x_TD)
+    planned = self._route_with_plan(x_TD, experts_fn)
+    ids_TK, weights_TK, plan = planned or (*self._route(x_TD), None)
     # Activations follow the weights' padded hidden size in, and drop it on the way out.
     x_in_TD = jnp.pad(x_TD, ((0, 0), (0, self.hidden_padding))) if self.hidden_padding else x_TD
     if self.fp8_to_backend:
@@ -217,7 +233,8 @@ class MoE(nnx.Module):
               (self.w_down, self.w_down_scale)), lanes)]
     else:
       expert_ids_TK, *expert_weights = self._experts_for(ids_TK, x_TD.dtype)
-    y_TD = experts_fn(x_in_TD, expert_ids_TK, weights_TK, *expert_weights)
+    given = {} if plan is None else {"plan": plan}
+    y_TD = experts_fn(x_in_TD, expert_ids_TK, weights_TK, *expert_weights, **given)
     y_BTD = y_TD[:, :d].reshape(b, t, d)
     if self.has_shared_expert:
       gate_BT1 = jax.nn.sigmoid(jnp.einsum("btd,do->bto", x_BTD, self.shared_expert_gate[...]))

@@ -219,10 +219,16 @@ def sharded_kv_write(mesh: Mesh, rules: ShardingRules, interpret: bool):
 def sharded_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool, interpret: bool):
   """(x [T, D], router [D, E]) -> (expert ids [T, K], weights [T, K]): softmax routing
   (jspec.pallas_kernels.router_topk) on each shard's own tokens, the router whole on every
-  shard (the tokens split as jspec.sharding.moe.per_token_shard splits them)."""
-  from jspec.pallas_kernels.router_topk import route_softmax
+  shard (the tokens split as jspec.sharding.moe.per_token_shard splits them). With plan=True
+  (one token: batch-1 decode) also its decode plan, written by the top-k kernel
+  (route_softmax_plan), the same on every shard."""
+  from jspec.pallas_kernels.router_topk import route_softmax, route_softmax_plan
   tokens = rules.spec(("batch", None))
-  return jax.shard_map(
-      functools.partial(route_softmax, top_k=top_k, norm=norm, interpret=interpret),
-      mesh=mesh, in_specs=(tokens, PartitionSpec()), out_specs=(tokens, tokens),
-      check_vma=False)
+  whole = PartitionSpec()
+  kernels = dict(top_k=top_k, norm=norm, interpret=interpret)
+  plain = jax.shard_map(functools.partial(route_softmax, **kernels), mesh=mesh,
+                        in_specs=(tokens, whole), out_specs=(tokens, tokens), check_vma=False)
+  planned = jax.shard_map(functools.partial(route_softmax_plan, **kernels), mesh=mesh,
+                          in_specs=(tokens, whole), out_specs=(tokens, tokens, whole),
+                          check_vma=False)
+  return lambda x_TD, router_DE, plan=False: (planned if plan else plain)(x_TD, router_DE)

@@ -12,7 +12,10 @@ Slots are the selected experts in increasing order, found by a compare-and-count
 [copies, E] and a prefix count over E. One token (batch-1 decode) needs neither: a router's
 top-k picks K distinct experts, so each pick is its own slot (a repeated pick would only be
 read twice, and still summed right), and an id outside [0, E) becomes expert E, which the
-kernels' TMA reads as zeros without touching memory.
+kernels' TMA reads as zeros without touching memory. The softmax router's top-k kernel writes
+that plan itself at batch-1 decode (jspec.pallas_kernels.router_topk.route_softmax_plan): a
+change to the one-token branch of plan_decode must be made there too (tests/test_router_plan.py
+compares the two bit for bit).
 
 Shape letters: T tokens, K experts per token, E experts, S slots (at most min(E, T*K)),
 N padded tokens (wgmma's N: T rounded up to a power of two, at least 8), R = max(N, 32) (the
@@ -101,6 +104,21 @@ def plan_decode(topk_ids_TK: jax.Array, topk_weights_TK: jax.Array,
                       axis=2)
   return DecodePlan(slot_expert_S=slot_expert_S, num_slots_1=num_slots.reshape(1),
                     weight_SR=weight_SR, slot_TK=jnp.where(repeat_TK, -1, slot_of_TK))
+
+
+def plan_unless_given(plan: DecodePlan | None, topk_ids_TK: jax.Array,
+                      topk_weights_TK: jax.Array, num_experts: int) -> DecodePlan:
+  """`plan`, made beforehand from these ids and weights (by the router's top-k kernel at
+  batch-1 decode), or plan_decode's of them where None."""
+  if plan is None:
+    return plan_decode(topk_ids_TK, topk_weights_TK, num_experts)
+  num_tokens, top_k = topk_ids_TK.shape
+  slots = max_slots(num_tokens, top_k, num_experts)
+  if plan.slot_TK.shape != (num_tokens, top_k) or plan.slot_expert_S.shape != (slots,):
+    raise ValueError(f"a decode plan of slot_TK {plan.slot_TK.shape} and slot_expert_S "
+                     f"{plan.slot_expert_S.shape} does not plan ids {topk_ids_TK.shape} over "
+                     f"{num_experts} experts (slot_TK {(num_tokens, top_k)}, {slots} slots)")
+  return plan
 
 
 def combine_slots(out_SND: jax.Array, plan: DecodePlan, dtype) -> jax.Array:

@@ -76,12 +76,15 @@ def decode_tilings(dim: int, ffn: int) -> tuple[DecodeTiling, DecodeTiling]:
 
 
 def experts_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
-                   tilings: tuple[DecodeTiling, DecodeTiling] | None = None):
-  """The decode path: every selected expert's weights read once, all tokens multiplied."""
+                   tilings: tuple[DecodeTiling, DecodeTiling] | None = None,
+                   plan: decode_routing.DecodePlan | None = None):
+  """The decode path: every selected expert's weights read once, all tokens multiplied.
+  `plan`: plan_decode's of these ids and weights, made beforehand (by the router's kernel at
+  batch-1 decode); None: made here."""
   num_tokens, _ = topk_ids_TK.shape
   num_experts, dim, ffn = w_gate_EDF.shape
   gate_up_tiling, down_tiling = tilings or decode_tilings(dim, ffn)
-  plan = decode_routing.plan_decode(topk_ids_TK, topk_weights_TK, num_experts)
+  plan = decode_routing.plan_unless_given(plan, topk_ids_TK, topk_weights_TK, num_experts)
   tokens_pad = decode_routing.padded_tokens(num_tokens)
   act_SNF = decode_gemm.gate_up_decode(x_TD, w_gate_EDF, w_up_EDF, plan.slot_expert_S,
                                        plan.num_slots_1, tokens_pad, gate_up_tiling)
@@ -90,14 +93,24 @@ def experts_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
   return decode_routing.combine_slots(out_SND, plan, x_TD.dtype)
 
 
+def takes_decode_plan(experts_fn) -> bool:
+  """Whether a MoE layer may hand `experts_fn` the decode plan its router kernel made (plan=):
+  the Pallas backend called as it is. The wrappers around it (the expert shard_map,
+  moe_backends.live_tokens_only) change the ids the plan was made from."""
+  return experts_fn is experts_pallas
+
+
 # Jitted so that a model's identical MoE layers trace and lower once: the program then calls one
 # lowered function per layer instead of holding (and building) a copy of the kernels per layer.
 @jax.jit
-def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
+                   plan: decode_routing.DecodePlan | None = None):
   """y[t] = sum_k w[t,k] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)); ids outside [0,E) skip.
 
   The weights are [E, D, F] / [E, F, D] arrays, or `fp8_experts.Fp8Experts` as FP8
-  checkpoints store them."""
+  checkpoints store them. `plan`: decode_routing.plan_decode of the ids and weights, made
+  beforehand (router_topk.route_softmax_plan at batch-1 decode), which the decode paths take
+  in place of their own; the other paths do not need one."""
   num_tokens, top_k = topk_ids_TK.shape
   num_experts, dim, ffn = w_gate_EDF.shape
   dtype = x_TD.dtype
@@ -108,7 +121,8 @@ def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
     fp8_weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
     if fp8_experts.fits_kernel(*fp8_weights):
       if num_tokens <= fp8_experts.DECODE_PATH_MAX_TOKENS:
-        return fp8_experts.experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, *fp8_weights)
+        return fp8_experts.experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, *fp8_weights,
+                                       plan=plan)
       return fp8_experts_grouped.experts_fp8_grouped(x_TD, topk_ids_TK, topk_weights_TK,
                                                      *fp8_weights)
     w_gate_EDF, w_up_EDF, w_down_EFD = (w.dequantized(dtype) for w in fp8_weights)
@@ -121,7 +135,8 @@ def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
                               w_down_EFD)
   if use_decode_path(num_tokens, top_k):
     choose_tilings(num_tokens * top_k, num_experts, dim, ffn)  # Refuses sizes off the tile.
-    return experts_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return experts_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
+                          plan=plan)
   return experts_grouped(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 

@@ -228,13 +228,16 @@ DECODE_PATH_MAX_TOKENS = CHUNK_TOKENS
 
 
 def experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts, w_up: Fp8Experts,
-                w_down: Fp8Experts) -> jax.Array:
-  """experts_fp8_decode over chunks of at most CHUNK_TOKENS tokens, at DECODE_TILING."""
+                w_down: Fp8Experts, plan: decode_routing.DecodePlan | None = None) -> jax.Array:
+  """experts_fp8_decode over chunks of at most CHUNK_TOKENS tokens, at DECODE_TILING; `plan`
+  (made beforehand) that of one chunk's tokens."""
   num_tokens = x_TD.shape[0]
+  if plan is not None and num_tokens > CHUNK_TOKENS:
+    raise ValueError(f"a decode plan covers one chunk of {CHUNK_TOKENS} tokens, not {num_tokens}")
   parts = [experts_fp8_decode(x_TD[start:start + CHUNK_TOKENS],
                               topk_ids_TK[start:start + CHUNK_TOKENS],
                               topk_weights_TK[start:start + CHUNK_TOKENS], w_gate, w_up, w_down,
-                              DECODE_TILING)
+                              DECODE_TILING, plan)
            for start in range(0, num_tokens, CHUNK_TOKENS)]
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
@@ -263,13 +266,14 @@ def _splits(chosen: int | None, k: int, num_slots_max: int, out: int) -> int:
 
 def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
                        w_up: Fp8Experts, w_down: Fp8Experts,
-                       tiling: Fp8ExpertsTiling = Fp8ExpertsTiling()) -> jax.Array:
+                       tiling: Fp8ExpertsTiling = Fp8ExpertsTiling(),
+                       plan: decode_routing.DecodePlan | None = None) -> jax.Array:
   """y[t] = sum_k w[t,k] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)), the experts in FP8;
   ids outside [0, E) add nothing. Same semantics as moe_backends.experts_reference on the
-  dequantized weights."""
+  dequantized weights. `plan`: as experts.experts_decode's."""
   num_tokens, _ = topk_ids_TK.shape
   num_experts = w_gate.w8.shape[0]
-  plan = decode_routing.plan_decode(topk_ids_TK, topk_weights_TK, num_experts)
+  plan = decode_routing.plan_unless_given(plan, topk_ids_TK, topk_weights_TK, num_experts)
   rows = decode_routing.padded_tokens(num_tokens)
   num_slots_max = plan.slot_expert_S.shape[0]
   _, ffn, dim = w_gate.w8.shape  # [E, F, D]; w_down's [E, D, F]

@@ -18,6 +18,11 @@ and three small fusions: 14.6 µs a layer, 0.70 ms of a 3.8 ms step on an H200 (
 
 It computes what jspec.models.moe.route computes on XLA's logits, up to the order of the
 float32 sums (the router product's, the softmax's).
+
+One token (batch-1 decode): route_softmax_plan's select kernel also writes that token's decode
+plan (jspec.pallas_kernels.decode_routing.plan_decode of its ids and weights, bit for bit), so
+that no XLA kernel runs between the top-k and the expert kernels: plan_decode's select and pad
+were two small kernels a MoE layer (~1.9 µs at Qwen3-30B-A3B's shapes on an H200).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jspec.pallas_kernels import platform
+from jspec.pallas_kernels import decode_routing, platform
+from jspec.pallas_kernels.decode_routing import DecodePlan
 
 MAX_TOKENS = 64      # decode, verify and draft steps; prefill chunks keep XLA's
 MAX_EXPERTS = 1024   # one Triton block of logits a program
@@ -78,15 +84,15 @@ def _partials_kernel(x_ref, w_ref, out_ref, *, rows: int):
   out_ref[t, s, :] = jnp.sum(acc_CE, axis=0)
 
 
-def _select_kernel(parts_ref, ids_ref, weights_ref, *, top_k: int, norm: bool, logits_dtype):
-  t = pl.program_id(0)
+def _top_k(parts_ref, t, width: int, *, top_k: int, norm: bool, logits_dtype):
+  """(ids [W] int32, float32 weights [W]) of token t, lanes past top_k 0: the partials summed,
+  rounded to the logits' dtype, softmax, the top-k and its renormalisation."""
   experts = parts_ref.shape[2]
   logits_E = jnp.sum(parts_ref[t, :, :], axis=0).astype(logits_dtype).astype(jnp.float32)
   top_E = jnp.max(logits_E)
   exp_E = jnp.exp(logits_E - top_E)
   probs_E = exp_E / jnp.sum(exp_E)
   expert_E = lax.broadcasted_iota(jnp.int32, (experts,), 0)
-  width = ids_ref.shape[1]  # top_k rounded up to a power of two (a Triton block)
   k_K = lax.broadcasted_iota(jnp.int32, (width,), 0)
   ids_K = jnp.zeros((width,), jnp.int32)
   weights_K = jnp.zeros((width,), jnp.float32)
@@ -99,15 +105,36 @@ def _select_kernel(parts_ref, ids_ref, weights_ref, *, top_k: int, norm: bool, l
     left_E = jnp.where(expert_E == pick, -1.0, left_E)  # probabilities are >= 0
   if norm:
     weights_K = weights_K / jnp.sum(weights_K)
+  return ids_K, weights_K
+
+
+def _select_kernel(parts_ref, ids_ref, weights_ref, **pick):
+  t = pl.program_id(0)
+  # ids_ref's width: top_k rounded up to a power of two (a Triton block)
+  ids_K, weights_K = _top_k(parts_ref, t, ids_ref.shape[1], **pick)
   ids_ref[t, :] = ids_K
   weights_ref[t, :] = weights_K.astype(weights_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "norm", "slices", "interpret"))
-def route_softmax(x_TD: jax.Array, router_DE: jax.Array, *, top_k: int, norm: bool,
-                  slices: int | None = None, interpret: bool | None = None):
-  """(expert ids [T, K] int32, weights [T, K] in x's dtype): jspec.models.moe.route of the
-  logits x @ router, for a step's few tokens."""
+def _select_plan_kernel(parts_ref, ids_ref, weights_ref, slot_expert_ref, weight_ref, **pick):
+  """_select_kernel of the one token, and plan_decode's slot_expert_S and weight_SR of it."""
+  ids_K, weights_K = _top_k(parts_ref, 0, ids_ref.shape[1], **pick)
+  weights_K = weights_K.astype(weights_ref.dtype)
+  ids_ref[0, :] = ids_K
+  weights_ref[0, :] = weights_K
+  # A pick is an expert in [0, E), or E itself where the logits are not finite (no maximum
+  # compares equal): E is plan_decode's slot expert for an invalid id already, with weight 0.
+  slot_expert_ref[...] = ids_K
+  # As plan_decode reads them: rounded to x's dtype (route_softmax's output), then float32.
+  valid_K = ids_K < parts_ref.shape[2]
+  weight_K = jnp.where(valid_K, weights_K.astype(jnp.float32), 0.0)
+  column_KR = lax.broadcasted_iota(jnp.int32, weight_ref.shape, 1)
+  weight_ref[...] = jnp.where(column_KR == 0, weight_K[:, None], 0.0)
+
+
+def _router_partials(x_TD: jax.Array, router_DE: jax.Array, top_k: int, slices: int | None,
+                     interpret: bool):
+  """The shapes checked, then the partials kernel: float32 partial logits [T, S, E]."""
   num_tokens, hidden = x_TD.shape
   experts = router_DE.shape[1]
   if router_DE.shape[0] != hidden or not fits_kernel(num_tokens, hidden, experts, top_k):
@@ -119,26 +146,69 @@ def route_softmax(x_TD: jax.Array, router_DE: jax.Array, *, top_k: int, norm: bo
   if hidden % (slices * ROW_CHUNK) or slices & (slices - 1):
     raise ValueError(f"slices must be a power of two that cuts the router's {hidden} rows "
                      f"into whole loop steps of {ROW_CHUNK}, got {slices}")
-  if interpret is None:
-    interpret = not platform.on_gpu()
   params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
-  parts_TSE = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_partials_kernel, rows=hidden // slices),
       out_shape=jax.ShapeDtypeStruct((num_tokens, slices, experts), jnp.float32),
       grid=(num_tokens, slices), compiler_params=params, interpret=interpret,
       name="router_partials",
   )(x_TD, router_DE)
+
+
+def _select_call(kernel, parts_TSE, x_TD, router_DE, out_shape, name: str, *, top_k: int,
+                 norm: bool, interpret: bool):
   # The logits in the dtype XLA's einsum of x and the router would give them.
   logits_dtype = jnp.result_type(x_TD.dtype, router_DE.dtype)
-  width = _pow2(top_k)
-  ids_TW, weights_TW = pl.pallas_call(
-      functools.partial(_select_kernel, top_k=top_k, norm=norm, logits_dtype=logits_dtype),
-      out_shape=(jax.ShapeDtypeStruct((num_tokens, width), jnp.int32),
-                 jax.ShapeDtypeStruct((num_tokens, width), x_TD.dtype)),
-      grid=(num_tokens,), compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS,
-                                                                  num_stages=1),
-      interpret=interpret, name="router_select",
+  return pl.pallas_call(
+      functools.partial(kernel, top_k=top_k, norm=norm, logits_dtype=logits_dtype),
+      out_shape=out_shape, grid=(parts_TSE.shape[0],),
+      compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      interpret=interpret, name=name,
   )(parts_TSE)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "norm", "slices", "interpret"))
+def route_softmax(x_TD: jax.Array, router_DE: jax.Array, *, top_k: int, norm: bool,
+                  slices: int | None = None, interpret: bool | None = None):
+  """(expert ids [T, K] int32, weights [T, K] in x's dtype): jspec.models.moe.route of the
+  logits x @ router, for a step's few tokens."""
+  interpret = not platform.on_gpu() if interpret is None else interpret
+  parts_TSE = _router_partials(x_TD, router_DE, top_k, slices, interpret)
+  num_tokens, width = x_TD.shape[0], _pow2(top_k)
+  ids_TW, weights_TW = _select_call(
+      _select_kernel, parts_TSE, x_TD, router_DE,
+      (jax.ShapeDtypeStruct((num_tokens, width), jnp.int32),
+       jax.ShapeDtypeStruct((num_tokens, width), x_TD.dtype)),
+      "router_select", top_k=top_k, norm=norm, interpret=interpret)
   if width == top_k:
     return ids_TW, weights_TW
   return ids_TW[:, :top_k], weights_TW[:, :top_k]
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "norm", "slices", "interpret"))
+def route_softmax_plan(x_1D: jax.Array, router_DE: jax.Array, *, top_k: int, norm: bool,
+                       slices: int | None = None, interpret: bool | None = None):
+  """route_softmax of one token and its decode plan: (ids [1, K], weights [1, K], DecodePlan
+  equal to decode_routing.plan_decode(ids, weights, E) bit for bit). The select kernel writes
+  the plan's slot experts and weight columns; the slot count and each pick's slot are
+  constants (each of the K picks its own slot), which no kernel computes."""
+  if x_1D.shape[0] != 1:
+    raise ValueError(f"route_softmax_plan routes one token, got x of shape {x_1D.shape}")
+  interpret = not platform.on_gpu() if interpret is None else interpret
+  parts_1SE = _router_partials(x_1D, router_DE, top_k, slices, interpret)
+  width, columns = _pow2(top_k), decode_routing.weight_columns(1)
+  ids_1W, weights_1W, slot_expert_W, weight_WR = _select_call(
+      _select_plan_kernel, parts_1SE, x_1D, router_DE,
+      (jax.ShapeDtypeStruct((1, width), jnp.int32),
+       jax.ShapeDtypeStruct((1, width), x_1D.dtype),
+       jax.ShapeDtypeStruct((width,), jnp.int32),
+       jax.ShapeDtypeStruct((width, columns), jnp.float32)),
+      "router_select_plan", top_k=top_k, norm=norm, interpret=interpret)
+  if width != top_k:  # the lanes past top_k
+    ids_1W, weights_1W = ids_1W[:, :top_k], weights_1W[:, :top_k]
+    slot_expert_W, weight_WR = slot_expert_W[:top_k], weight_WR[:top_k]
+  # plan_decode's slot_TK is -1 for an invalid pick only: finite logits give none (a pick of
+  # non-finite ones is expert E with weight 0 above, whose slot adds zeros).
+  plan = DecodePlan(slot_expert_S=slot_expert_W, num_slots_1=jnp.full((1,), top_k, jnp.int32),
+                    weight_SR=weight_WR, slot_TK=jnp.arange(top_k, dtype=jnp.int32)[None])
+  return ids_1W, weights_1W, plan
