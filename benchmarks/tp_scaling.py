@@ -74,6 +74,9 @@ def main():
   parser.add_argument("--no-router-plan", action="store_true",
                       help="moe.ROUTER_PLAN off: batch-1 MoE layers build their decode plan "
                            "in XLA instead of the router's top-k kernel")
+  parser.add_argument("--no-norm-router", action="store_true",
+                      help="moe.NORM_ROUTER off: a MoE layer's norm and router product as two "
+                           "kernels instead of one")
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
@@ -96,6 +99,8 @@ def main():
     row_kernels.QKV_K_SLICES = args.qkv_k_slices
   if args.no_router_plan:
     moe.ROUTER_PLAN = False
+  if args.no_norm_router:
+    moe.NORM_ROUTER = False
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.
@@ -135,7 +140,8 @@ def main():
       digest = hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:10]
       row = dict(model=args.model, layers=config.num_layers, device=device, mesh=mesh_text,
                  variant=args.variant, k_slices=TensorParallelProducts.k_slices,
-                 qkv_k_slices=row_kernels.QKV_K_SLICES,
+                 qkv_k_slices=row_kernels.QKV_K_SLICES, router_plan=moe.ROUTER_PLAN,
+                 norm_router=moe.NORM_ROUTER,
                  method=args.method + ("-tree" if args.tree else ""), batch=batch,
                  tokens_per_second=round(mid.tokens_per_second, 1),
                  tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),

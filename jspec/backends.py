@@ -26,8 +26,9 @@ from jspec.models.projections import (sharded_fp8_projection, sharded_projection
                                       weights_replicated)
 from jspec.models import row_kernels
 from jspec.models.row_kernels import (resolve_norm_backend, sharded_fp8_qkv_norm_rope,
-                                      sharded_kv_write, sharded_router, sharded_qk_norm_rope,
-                                      sharded_qkv_norm_rope, sharded_rms_norm)
+                                      sharded_kv_write, sharded_norm_router, sharded_router,
+                                      sharded_qk_norm_rope, sharded_qkv_norm_rope,
+                                      sharded_rms_norm)
 from jspec.pallas_kernels import platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
 from jspec.sharding.rules import axis_size
@@ -270,6 +271,8 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
           and router_fits(1, *node.router.get_value().shape, node.top_k)):
         node.router_kernel = sharded_router(mesh, rules, node.top_k, node.norm_topk_prob,
                                             interpret)
+        node.norm_router_kernel = sharded_norm_router(mesh, rules, node.top_k,
+                                                      node.norm_topk_prob, interpret)
       if (isinstance(node, Attention) and node.takes_qk_kernel()
           and node.fp8_projection is None):
         # FP8 q and k stay with XLA: with their K-slice sum fused into the norms and RoPE

@@ -66,6 +66,11 @@ class DecoderLayer(nnx.Module):
     del valid_BT  # A KV / latent cache needs no padding mask: padded slots are never attended.
     x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD)
     attn_out_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
+    fused = (self.mlp.norm_and_route(self.post_attn_norm, x_BTD, attn_out_BTD, experts_fn)
+             if self.is_moe else None)
+    if fused is not None:  # the norm and the router product in one kernel
+      h_BTD, normed_BTD, routing = fused
+      return h_BTD, self.mlp(normed_BTD, experts_fn, routing), cache
     h_BTD, normed_BTD = self.post_attn_norm.add_and_norm(x_BTD, attn_out_BTD)
     mlp_out_BTD = self.mlp(normed_BTD, experts_fn) if self.is_moe else self.mlp(normed_BTD)
     return h_BTD, mlp_out_BTD, cache

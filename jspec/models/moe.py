@@ -34,11 +34,15 @@ from jspec.models.linear import linear
 from jspec.models.params import param
 from jspec.pallas_kernels import fp8_experts, router_topk
 from jspec.pallas_kernels.experts import takes_decode_plan
+from jspec.sharding.tensor_parallel import PartialSum
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 # Whether the router's top-k kernel writes the batch-1 decode plan (MoE._route_with_plan);
 # benchmarks turn it off to time it.
 ROUTER_PLAN = True
+# Whether a layer's residual add and RMSNorm and its router product run as one kernel
+# (MoE.norm_and_route); benchmarks turn it off to time it.
+NORM_ROUTER = True
 # What DeepSeek-style configs may say, and what jspec implements exactly of it.
 SCORING_FUNCS = ("sigmoid",)
 TOPK_METHODS = ("noaux_tc",)
@@ -140,6 +144,9 @@ class MoE(nnx.Module):
     # Softmax routing of a step's few tokens in the router kernels (set by the LLM where
     # norm_backend is "pallas": jspec.models.row_kernels.sharded_router); XLA's otherwise.
     self.router_kernel = None
+    # The same with the residual add and RMSNorm before the layer, the norm and the router
+    # product in one kernel (row_kernels.sharded_norm_router; `norm_and_route`).
+    self.norm_router_kernel = None
     self.top_k = cfg.moe.num_experts_per_tok
     self.norm_topk_prob = cfg.moe.norm_topk_prob
     self.scoring = cfg.moe.router_scoring
@@ -179,16 +186,34 @@ class MoE(nnx.Module):
         logits, bias, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
         self.routed_scaling_factor, dtype))(router_logits_TE, bias_E)
 
+  def _plans(self, num_tokens: int, experts_fn: Callable) -> bool:
+    """Whether the router kernel writes the decode plan (router_topk.route_softmax_plan): one
+    token of batch-1 decode for the Pallas experts, as the model stores them (FP8 experts
+    gathered into copies get other ids), so that no XLA kernel runs between the top-k and
+    the expert kernels."""
+    return (ROUTER_PLAN and self.scoring == "softmax" and num_tokens == 1
+            and takes_decode_plan(experts_fn)
+            and (self.fp8_block is None or self.fp8_to_backend))
+
   def _route_with_plan(self, x_TD, experts_fn: Callable):
-    """(ids [1, K], weights [1, K], decode plan) of batch-1 decode, the plan written by the
-    router's top-k kernel (router_topk.route_softmax_plan): no XLA kernel between it and the
-    expert kernels. Where the router kernel routes one token for the Pallas experts, as the
-    model stores them (FP8 experts gathered into copies get other ids); None elsewhere."""
-    if (not ROUTER_PLAN or self.scoring != "softmax" or self.router_kernel is None
-        or x_TD.shape[0] != 1 or not takes_decode_plan(experts_fn)
-        or (self.fp8_block is not None and not self.fp8_to_backend)):
+    """(ids [1, K], weights [1, K], decode plan) where `_plans` (the plan written by the
+    router's top-k kernel), else None."""
+    if self.router_kernel is None or not self._plans(x_TD.shape[0], experts_fn):
       return None
     return self.router_kernel(x_TD, self.router[...], plan=True)
+
+  def norm_and_route(self, norm, x_BTD, delta_BTD, experts_fn: Callable):
+    """(h, norm(h), routing) for h = x + delta before this layer, `norm` its RMSNorm: the norm
+    and the router product in one kernel where the norm and the routing run as kernels
+    (norm_router_kernel) and delta is summed already; None elsewhere. `routing` goes to
+    __call__ with norm(h)."""
+    b, t, _ = x_BTD.shape
+    if (self.norm_router_kernel is None or not NORM_ROUTER or isinstance(delta_BTD, PartialSum)
+        or not norm.on_kernel(x_BTD) or b * t > router_topk.MAX_TOKENS):
+      return None
+    return self.norm_router_kernel(x_BTD, delta_BTD, norm.scale[...], self.router[...],
+                                   eps=norm.eps, zero_centered=norm.zero_centered,
+                                   plan=self._plans(b * t, experts_fn))
 
   def _experts_for(self, ids_TK, dtype):
     """(ids, w_gate [E', D, F], w_up, w_down [E', F, D]) as the expert backends take them.
@@ -218,11 +243,13 @@ class MoE(nnx.Module):
                                                            jnp), 1, 2)
                       for w, sc in zip(weights, scales)))
 
-  def __call__(self, x_BTD, experts_fn: Callable):
+  def __call__(self, x_BTD, experts_fn: Callable, routing=None):
+    """`routing`: norm_and_route's for this x, None: routed here."""
     b, t, d = x_BTD.shape
     x_TD = x_BTD.reshape(b * t, d)
-    planned = self._route_with_plan(x_TD, experts_fn)
-    ids_TK, weights_TK, plan = planned or (*self._route(x_TD), None)
+    routing = routing or self._route_with_plan(x_TD, experts_fn) or self._route(x_TD)
+    ids_TK, weights_TK, *planned = routing  # (ids, weights) or (ids, weights, decode plan)
+    plan = planned[0] if planned else None
     # Activations follow the weights' padded hidden size in, and drop it on the way out.
     x_in_TD = jnp.pad(x_TD, ((0, 0), (0, self.hidden_padding))) if self.hidden_padding else x_TD
     if self.fp8_to_backend:

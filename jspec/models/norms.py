@@ -40,12 +40,12 @@ class RMSNorm(nnx.Module):
   def _xla(self, x):
     return self.scale[...] * _normalized_f32(x, self.eps).astype(x.dtype)
 
-  def _on_kernel(self, x) -> bool:
+  def on_kernel(self, x) -> bool:
     """The kernel takes hidden states [B, T, D] of few rows (q / k norms over heads do not)."""
     return self.row_kernel is not None and takes_rows(x, ndim=3)
 
   def __call__(self, x):
-    if self._on_kernel(x):
+    if self.on_kernel(x):
       return self.row_kernel(x, self.scale[...])
     return self._xla(x)
 
@@ -54,11 +54,11 @@ class RMSNorm(nnx.Module):
     still to be summed over tp (a PartialSum) is summed in the same kernel where it fits."""
     if isinstance(delta, PartialSum):
       fused = (delta.add_and_norm(x, self.scale[...], self.eps, self.zero_centered)
-               if self._on_kernel(x) else None)
+               if self.on_kernel(x) else None)
       if fused is not None:
         return fused
       delta = delta.reduced()
-    if self._on_kernel(x):
+    if self.on_kernel(x):
       return self.row_kernel(x, self.scale[...], delta)
     h = x + delta
     return h, self._xla(h)

@@ -232,3 +232,30 @@ def sharded_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool, int
                           in_specs=(tokens, whole), out_specs=(tokens, tokens, whole),
                           check_vma=False)
   return lambda x_TD, router_DE, plan=False: (planned if plan else plain)(x_TD, router_DE)
+
+
+def sharded_norm_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool,
+                        interpret: bool):
+  """(x [B, T, D], delta [B, T, D], scale [D], router [D, E]; eps, zero_centered, plan) ->
+  (h, norm(h), routing): the residual add and RMSNorm before a MoE layer and its softmax
+  routing, the norm and the router product in one kernel
+  (jspec.pallas_kernels.norm_router), on each shard's own rows; routing as sharded_router's
+  (ids and weights [B x T, K], and with `plan` the one token's decode plan)."""
+  from jspec.pallas_kernels.norm_router import add_norm_route_softmax
+  rows = rules.spec(("batch", "seq", None))
+  tokens = rules.spec(("batch", None))
+  whole = PartitionSpec()
+
+  def call(x_BTD, delta_BTD, scale_D, router_DE, *, eps: float, zero_centered: bool,
+           plan: bool = False):
+    def per_shard(x, delta, scale, router):
+      b, t, d = x.shape
+      h, normed, routing = add_norm_route_softmax(
+          x.reshape(b * t, d), delta.reshape(b * t, d), scale, router, eps=eps,
+          zero_centered=zero_centered, top_k=top_k, norm=norm, plan=plan, interpret=interpret)
+      return h.reshape(b, t, d), normed.reshape(b, t, d), routing
+    routing_spec = (tokens, tokens, whole) if plan else (tokens, tokens)
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows, rows, whole, whole),
+                         out_specs=(rows, rows, routing_spec), check_vma=False)(
+        x_BTD, delta_BTD, scale_D, router_DE)
+  return call

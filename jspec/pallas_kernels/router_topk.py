@@ -155,16 +155,51 @@ def _router_partials(x_TD: jax.Array, router_DE: jax.Array, top_k: int, slices: 
   )(x_TD, router_DE)
 
 
-def _select_call(kernel, parts_TSE, x_TD, router_DE, out_shape, name: str, *, top_k: int,
+def _select_call(kernel, parts_TSE, logits_dtype, out_shape, name: str, *, top_k: int,
                  norm: bool, interpret: bool):
-  # The logits in the dtype XLA's einsum of x and the router would give them.
-  logits_dtype = jnp.result_type(x_TD.dtype, router_DE.dtype)
   return pl.pallas_call(
       functools.partial(kernel, top_k=top_k, norm=norm, logits_dtype=logits_dtype),
       out_shape=out_shape, grid=(parts_TSE.shape[0],),
       compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
       interpret=interpret, name=name,
   )(parts_TSE)
+
+
+def select(parts_TSE: jax.Array, x_dtype, router_dtype, *, top_k: int, norm: bool,
+           plan: bool = False, interpret: bool):
+  """The select kernel on the router product's float32 partials [T, S, E] of x (x_dtype) and
+  the router (router_dtype): (ids [T, K] int32, weights [T, K] in x's dtype), and with `plan`
+  (one token) its DecodePlan as route_softmax_plan's."""
+  num_tokens, _, experts = parts_TSE.shape
+  # The logits in the dtype XLA's einsum of x and the router would give them.
+  logits_dtype = jnp.result_type(x_dtype, router_dtype)
+  width = _pow2(top_k)
+  pick = dict(top_k=top_k, norm=norm, interpret=interpret)
+  if not plan:
+    ids_TW, weights_TW = _select_call(
+        _select_kernel, parts_TSE, logits_dtype,
+        (jax.ShapeDtypeStruct((num_tokens, width), jnp.int32),
+         jax.ShapeDtypeStruct((num_tokens, width), x_dtype)), "router_select", **pick)
+    if width == top_k:
+      return ids_TW, weights_TW
+    return ids_TW[:, :top_k], weights_TW[:, :top_k]
+  if num_tokens != 1:
+    raise ValueError(f"a decode plan is written for one token, got {num_tokens}")
+  columns = decode_routing.weight_columns(1)
+  ids_1W, weights_1W, slot_expert_W, weight_WR = _select_call(
+      _select_plan_kernel, parts_TSE, logits_dtype,
+      (jax.ShapeDtypeStruct((1, width), jnp.int32), jax.ShapeDtypeStruct((1, width), x_dtype),
+       jax.ShapeDtypeStruct((width,), jnp.int32),
+       jax.ShapeDtypeStruct((width, columns), jnp.float32)), "router_select_plan", **pick)
+  if width != top_k:  # the lanes past top_k
+    ids_1W, weights_1W = ids_1W[:, :top_k], weights_1W[:, :top_k]
+    slot_expert_W, weight_WR = slot_expert_W[:top_k], weight_WR[:top_k]
+  # plan_decode's slot_TK is -1 for an invalid pick only: finite logits give none (a pick of
+  # non-finite ones is expert E with weight 0 above, whose slot adds zeros).
+  decode_plan = DecodePlan(
+      slot_expert_S=slot_expert_W, num_slots_1=jnp.full((1,), top_k, jnp.int32),
+      weight_SR=weight_WR, slot_TK=jnp.arange(top_k, dtype=jnp.int32)[None])
+  return ids_1W, weights_1W, decode_plan
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "norm", "slices", "interpret"))
@@ -174,15 +209,8 @@ def route_softmax(x_TD: jax.Array, router_DE: jax.Array, *, top_k: int, norm: bo
   logits x @ router, for a step's few tokens."""
   interpret = not platform.on_gpu() if interpret is None else interpret
   parts_TSE = _router_partials(x_TD, router_DE, top_k, slices, interpret)
-  num_tokens, width = x_TD.shape[0], _pow2(top_k)
-  ids_TW, weights_TW = _select_call(
-      _select_kernel, parts_TSE, x_TD, router_DE,
-      (jax.ShapeDtypeStruct((num_tokens, width), jnp.int32),
-       jax.ShapeDtypeStruct((num_tokens, width), x_TD.dtype)),
-      "router_select", top_k=top_k, norm=norm, interpret=interpret)
-  if width == top_k:
-    return ids_TW, weights_TW
-  return ids_TW[:, :top_k], weights_TW[:, :top_k]
+  return select(parts_TSE, x_TD.dtype, router_DE.dtype, top_k=top_k, norm=norm,
+                interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "norm", "slices", "interpret"))
@@ -196,19 +224,5 @@ def route_softmax_plan(x_1D: jax.Array, router_DE: jax.Array, *, top_k: int, nor
     raise ValueError(f"route_softmax_plan routes one token, got x of shape {x_1D.shape}")
   interpret = not platform.on_gpu() if interpret is None else interpret
   parts_1SE = _router_partials(x_1D, router_DE, top_k, slices, interpret)
-  width, columns = _pow2(top_k), decode_routing.weight_columns(1)
-  ids_1W, weights_1W, slot_expert_W, weight_WR = _select_call(
-      _select_plan_kernel, parts_1SE, x_1D, router_DE,
-      (jax.ShapeDtypeStruct((1, width), jnp.int32),
-       jax.ShapeDtypeStruct((1, width), x_1D.dtype),
-       jax.ShapeDtypeStruct((width,), jnp.int32),
-       jax.ShapeDtypeStruct((width, columns), jnp.float32)),
-      "router_select_plan", top_k=top_k, norm=norm, interpret=interpret)
-  if width != top_k:  # the lanes past top_k
-    ids_1W, weights_1W = ids_1W[:, :top_k], weights_1W[:, :top_k]
-    slot_expert_W, weight_WR = slot_expert_W[:top_k], weight_WR[:top_k]
-  # plan_decode's slot_TK is -1 for an invalid pick only: finite logits give none (a pick of
-  # non-finite ones is expert E with weight 0 above, whose slot adds zeros).
-  plan = DecodePlan(slot_expert_S=slot_expert_W, num_slots_1=jnp.full((1,), top_k, jnp.int32),
-                    weight_SR=weight_WR, slot_TK=jnp.arange(top_k, dtype=jnp.int32)[None])
-  return ids_1W, weights_1W, plan
+  return select(parts_1SE, x_1D.dtype, router_DE.dtype, top_k=top_k, norm=norm, plan=True,
+                interpret=interpret)

@@ -1,0 +1,117 @@
+"""The residual add and RMSNorm before a softmax-routed MoE layer, and its router's product, in
+one Pallas (Triton) kernel.
+
+Why: at batch 1 a MoE layer's input norm (jspec.pallas_kernels.row_norms' `add_rms_norm`) and
+its router product (jspec.pallas_kernels.router_topk's `router_partials`) are two kernels
+whose cost is their launch and the latency of their first reads: about 2.0 and 4.1 µs a layer
+for Qwen3-30B-A3B on an H200, for 8 KB of rows and 0.5 MB of router (BENCHMARKS.md, "Softmax
+routing in two kernels ..."). Here the router's slices are the grid: program (m, s) reads row
+m of x and of the delta whole (the norm needs the row's sum of squares), writes h = x + delta
+and norm(h) for the columns of slice s, and multiplies that slice of norm(h) with router rows
+of slice s, as router_partials does:
+
+  add_norm_router_partials(x [M, D], delta [M, D], scale [D], router [D, E])
+      -> (h [M, D], norm(h) [M, D], float32 partial logits [M, S, E])
+
+h and norm(h) are computed as `rms_norm` computes them, the partials as `router_partials`
+computes them from norm(h); router_topk.select turns the partials into the routing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jspec.pallas_kernels import platform, router_topk
+from jspec.pallas_kernels.row_norms import fits_kernel as norm_fits, row_chunk
+
+
+def fits(num_tokens: int, hidden: int, num_experts: int, top_k: int) -> bool:
+  """Rows the norm kernel takes, and a router the routing kernels take."""
+  return norm_fits(hidden) and router_topk.fits_kernel(num_tokens, hidden, num_experts, top_k)
+
+
+def _kernel(x_ref, delta_ref, scale_ref, router_ref, h_ref, out_ref, parts_ref, *, eps: float,
+            zero_centered: bool, slice_rows: int):
+  m, s = pl.program_id(0), pl.program_id(1)
+  width = x_ref.shape[1]
+  chunk = row_chunk(width)
+
+  def added(cols):  # x + delta rounded to the stream's dtype, as rms_norm's add
+    x = x_ref[m, cols]
+    return (x.astype(jnp.float32) + delta_ref[m, cols].astype(jnp.float32)).astype(x.dtype)
+
+  squares = jnp.float32(0.0)
+  for c in range(width // chunk):  # the whole row, in rms_norm's pieces and order
+    h32 = added(pl.ds(c * chunk, chunk)).astype(jnp.float32)
+    squares += jnp.sum(h32 * h32)
+  inv_rms = jax.lax.rsqrt(squares / width + eps)
+  experts = router_ref.shape[1]
+  acc_CE = jnp.zeros((router_topk.ROW_CHUNK, experts), jnp.float32)
+  for i in range(slice_rows // router_topk.ROW_CHUNK):  # router_partials' loop steps
+    cols = pl.ds(s * slice_rows + i * router_topk.ROW_CHUNK, router_topk.ROW_CHUNK)
+    h = added(cols)
+    h_ref[m, cols] = h
+    normed = h.astype(jnp.float32) * inv_rms
+    scale = scale_ref[cols].astype(jnp.float32)
+    if zero_centered:  # (1 + w) in float32, one cast (ZeroCenteredRMSNorm)
+      out = (normed * (1.0 + scale)).astype(h.dtype)
+    else:  # cast, then the scale in the parameter's dtype (RMSNorm)
+      out = (scale * normed.astype(h.dtype).astype(jnp.float32)).astype(h.dtype)
+    out_ref[m, cols] = out
+    acc_CE = acc_CE + out.astype(jnp.float32)[:, None] * router_ref[cols, :].astype(jnp.float32)
+  parts_ref[m, s, :] = jnp.sum(acc_CE, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "slices", "interpret"))
+def add_norm_router_partials(x_MD: jax.Array, delta_MD: jax.Array, scale_D: jax.Array,
+                             router_DE: jax.Array, *, eps: float, zero_centered: bool = False,
+                             slices: int | None = None, interpret: bool | None = None):
+  """(h, norm(h), float32 partial router logits [M, S, E]) for h = x + delta (see the module
+  docstring); S = router_topk.num_slices(D) unless given. `interpret` None: off GPU."""
+  rows, width = x_MD.shape
+  experts = router_DE.shape[1]
+  if (delta_MD.shape != x_MD.shape or delta_MD.dtype != x_MD.dtype or scale_D.shape != (width,)
+      or router_DE.shape[0] != width or not fits(rows, width, experts, 1)):
+    raise ValueError(f"add_norm_router_partials takes x and delta [M <= "
+                     f"{router_topk.MAX_TOKENS}, D] of one dtype, scale [D] and a router [D, E] "
+                     f"(E a power of two in [8, {router_topk.MAX_EXPERTS}], D a multiple of "
+                     f"{router_topk.ROW_CHUNK}); got {x_MD.shape} {x_MD.dtype}, "
+                     f"{delta_MD.shape} {delta_MD.dtype}, {scale_D.shape}, {router_DE.shape}")
+  slices = slices or router_topk.num_slices(width)
+  if width % (slices * router_topk.ROW_CHUNK) or slices & (slices - 1):
+    raise ValueError(f"slices must be a power of two that cuts the router's {width} rows "
+                     f"into whole loop steps of {router_topk.ROW_CHUNK}, got {slices}")
+  if interpret is None:
+    interpret = not platform.on_gpu()
+  row = jax.ShapeDtypeStruct((rows, width), x_MD.dtype)
+  return pl.pallas_call(
+      functools.partial(_kernel, eps=eps, zero_centered=zero_centered,
+                        slice_rows=width // slices),
+      out_shape=(row, row, jax.ShapeDtypeStruct((rows, slices, experts), jnp.float32)),
+      grid=(rows, slices),
+      compiler_params=pltriton.CompilerParams(num_warps=router_topk.NUM_WARPS, num_stages=2),
+      interpret=interpret, name="add_norm_router",
+  )(x_MD, delta_MD, scale_D, router_DE)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "top_k", "norm", "plan",
+                                             "interpret"))
+def add_norm_route_softmax(x_MD, delta_MD, scale_D, router_DE, *, eps: float,
+                           zero_centered: bool, top_k: int, norm: bool, plan: bool = False,
+                           interpret: bool | None = None):
+  """(h, norm(h), routing): routing as router_topk.route_softmax (plan: route_softmax_plan)
+  of norm(h), the norm and the router product in one kernel."""
+  interpret = not platform.on_gpu() if interpret is None else interpret
+  if not 1 <= top_k <= router_DE.shape[1]:
+    raise ValueError(f"top_k must be in [1, {router_DE.shape[1]}], got {top_k}")
+  h_MD, normed_MD, parts_MSE = add_norm_router_partials(
+      x_MD, delta_MD, scale_D, router_DE, eps=eps, zero_centered=zero_centered,
+      interpret=interpret)
+  routing = router_topk.select(parts_MSE, x_MD.dtype, router_DE.dtype, top_k=top_k, norm=norm,
+                               plan=plan, interpret=interpret)
+  return h_MD, normed_MD, routing
