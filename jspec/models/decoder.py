@@ -66,14 +66,20 @@ class DecoderLayer(nnx.Module):
     del valid_BT  # A KV / latent cache needs no padding mask: padded slots are never attended.
     x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD)
     attn_out_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
-    fused = (self.mlp.norm_and_route(self.post_attn_norm, x_BTD, attn_out_BTD, experts_fn)
-             if self.is_moe else None)
-    if fused is not None:  # the norm and the router product in one kernel
+    return (*mlp_block(self, x_BTD, attn_out_BTD, experts_fn), cache)
+
+
+def mlp_block(layer, x_BTD, mixed_BTD, experts_fn: Callable):
+  """(h, mlp(norm(h))) for h = x + the token mixer's output, through the layer's
+  `post_attn_norm` and `mlp` (a MoE where `layer.is_moe`). A MoE layer's norm and router
+  product run as one kernel where they can (MoE.norm_and_route)."""
+  if layer.is_moe:
+    fused = layer.mlp.norm_and_route(layer.post_attn_norm, x_BTD, mixed_BTD, experts_fn)
+    if fused is not None:
       h_BTD, normed_BTD, routing = fused
-      return h_BTD, self.mlp(normed_BTD, experts_fn, routing), cache
-    h_BTD, normed_BTD = self.post_attn_norm.add_and_norm(x_BTD, attn_out_BTD)
-    mlp_out_BTD = self.mlp(normed_BTD, experts_fn) if self.is_moe else self.mlp(normed_BTD)
-    return h_BTD, mlp_out_BTD, cache
+      return h_BTD, layer.mlp(normed_BTD, experts_fn, routing)
+  h_BTD, normed_BTD = layer.post_attn_norm.add_and_norm(x_BTD, mixed_BTD)
+  return h_BTD, (layer.mlp(normed_BTD, experts_fn) if layer.is_moe else layer.mlp(normed_BTD))
 
 
 def layer_input(norm, x_BTD, pending_BTD):

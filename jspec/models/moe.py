@@ -209,7 +209,8 @@ class MoE(nnx.Module):
     __call__ with norm(h)."""
     b, t, _ = x_BTD.shape
     if (self.norm_router_kernel is None or not NORM_ROUTER or isinstance(delta_BTD, PartialSum)
-        or not norm.on_kernel(x_BTD) or b * t > router_topk.MAX_TOKENS):
+        or delta_BTD.dtype != x_BTD.dtype or not norm.on_kernel(x_BTD)
+        or b * t > router_topk.MAX_TOKENS):
       return None
     return self.norm_router_kernel(x_BTD, delta_BTD, norm.scale[...], self.router[...],
                                    eps=norm.eps, zero_centered=norm.zero_centered,

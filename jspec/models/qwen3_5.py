@@ -26,7 +26,7 @@ from jspec.config import LinearAttentionConfig, ModelConfig, MoEConfig
 from jspec.models import quantization
 from jspec.models import weights as W
 from jspec.models.caches import KVCache
-from jspec.models.decoder import CausalLM, common_fields, layer_input
+from jspec.models.decoder import CausalLM, common_fields, layer_input, mlp_block
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import MLP, GatedAttention
 from jspec.models.moe import MoE
@@ -67,9 +67,7 @@ class DecoderLayer(nnx.Module):
       mixed_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
     else:
       mixed_BTD, cache = self.linear_attn(normed_BTD, cache, valid_BT)
-    h_BTD, normed_BTD = self.post_attn_norm.add_and_norm(x_BTD, mixed_BTD)
-    mlp_out_BTD = self.mlp(normed_BTD, experts_fn) if self.is_moe else self.mlp(normed_BTD)
-    return h_BTD, mlp_out_BTD, cache
+    return (*mlp_block(self, x_BTD, mixed_BTD, experts_fn), cache)
 
 
 class Qwen35CausalLM(CausalLM):
