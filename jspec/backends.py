@@ -14,7 +14,8 @@ from flax import nnx
 from jspec.models.decode_attention import (sharded_mla_decode, sharded_short_attention,
                                            sharded_window_attention)
 from jspec.models.gated_deltanet import GatedDeltaNet
-from jspec.models.layers import MLP, Attention
+from jspec.models.layers import Attention
+from jspec.models.mlp import MLP
 from jspec.models.linear import QKV_NAMES, fp8_rows_fit, fp8_whole_blocks
 from jspec.models.mla import MLAttention
 from jspec.models.norms import RMSNorm

@@ -15,7 +15,8 @@ from jspec.bench.presets import PRESETS
 from jspec.bench.steps import StepTimer
 from jspec.models import gated_deltanet, layers, linear
 from jspec.models.gated_deltanet import GatedDeltaNet
-from jspec.models.layers import MLP, Attention
+from jspec.models.layers import Attention
+from jspec.models.mlp import MLP
 from jspec.models.mla import MLAttention
 from jspec.pallas_kernels import fp8_experts, fp8_gemm, platform
 

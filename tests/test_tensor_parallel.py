@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jspec
 from conftest import has_gpu
 from helpers import fixture_dir, greedy
-from jspec.models.layers import MLP, Attention
+from jspec.models.layers import Attention
+from jspec.models.mlp import MLP
 from jspec.pallas_kernels import all_reduce, workspace_all_reduce as wsar
 from jspec.sharding.rules import MeshConfig, ShardingRules
 from jspec.sharding.tensor_parallel import TensorParallelProducts, tensor_parallel_products

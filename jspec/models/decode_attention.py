@@ -117,25 +117,29 @@ def sharded_window_attention(mesh: Mesh, rules: ShardingRules, interpret: bool =
 
 def sharded_short_attention(mesh: Mesh, rules: ShardingRules, interpret: bool = False):
   """jspec.pallas_kernels.short_attention per shard of `mesh`: (q [B, T, N, H], the cache's
-  keys and values [B, K, S, H] with the step's rows written, first positions [B]) -> [B, T,
-  N, H]. A decode step's q goes in as it is; a verify window's rows are regrouped by KV head
-  (and back) around the kernel."""
+  keys and values [B, K, S, H] with the step's rows written, first positions [B], copies=1)
+  -> [B, copies x T, N, H], tokens c x T .. the c-th copy of the T outputs (the kernel's
+  `copies`). A decode step's q goes in as it is; a verify window's rows are regrouped by KV
+  head (and back) around the kernel."""
   from jspec.pallas_kernels.short_attention import short_attention
   q = rules.spec(("batch", "seq", "q_heads", "head_dim"))
   cache = rules.spec(("batch", "kv_heads", "cache_seq", "head_dim"))
 
-  def per_shard(q_BTNH, keys_BKSH, values_BKSH, start_B):
+  def per_shard(q_BTNH, keys_BKSH, values_BKSH, start_B, copies: int):
     b, t, n, h = q_BTNH.shape
     k = keys_BKSH.shape[1]
     g = n // k
     q_BRH = q_BTNH.reshape(b, t, k, g, h).transpose(0, 2, 1, 3, 4).reshape(b, k * t * g, h)
-    out_BRH = short_attention(q_BRH, keys_BKSH, values_BKSH, start_B, group=g,
-                              scale=h ** -0.5, interpret=interpret)
-    return out_BRH.reshape(b, k, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+    out_CBRH = short_attention(q_BRH, keys_BKSH, values_BKSH, start_B, group=g,
+                               scale=h ** -0.5, copies=copies, interpret=interpret)
+    return out_CBRH.reshape(copies, b, k, t, g, h).transpose(1, 0, 3, 2, 4, 5).reshape(
+        b, copies * t, n, h)
 
-  return jax.shard_map(per_shard, mesh=mesh,
-                       in_specs=(q, cache, cache, rules.spec(("batch",))), out_specs=q,
-                       check_vma=False)
+  def call(q_BTNH, keys_BKSH, values_BKSH, start_B, copies: int = 1):
+    return jax.shard_map(functools.partial(per_shard, copies=copies), mesh=mesh,
+                         in_specs=(q, cache, cache, rules.spec(("batch",))), out_specs=q,
+                         check_vma=False)(q_BTNH, keys_BKSH, values_BKSH, start_B)
+  return call
 
 
 def resolve_attention_backend(backend: str) -> str:

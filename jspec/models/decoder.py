@@ -20,7 +20,8 @@ from jspec.config import ModelConfig, MTPConfig
 from jspec.models import quantization
 from jspec.models import weights as W
 from jspec.models.caches import KVCache
-from jspec.models.layers import MLP, Attention
+from jspec.models.layers import Attention
+from jspec.models.mlp import MLP
 from jspec.models.moe import MoE
 from jspec.models.norms import RMSNorm
 from jspec.models.params import mask_padded_vocab, param

@@ -35,7 +35,8 @@ from flax import nnx
 from jspec.config import ModelConfig
 from jspec.models import weights as W
 from jspec.models.caches import KVCache
-from jspec.models.layers import MLP, Attention
+from jspec.models.layers import Attention
+from jspec.models.mlp import MLP
 from jspec.models.norms import RMSNorm
 from jspec.models.params import param
 from jspec.sharding.rules import global_array

@@ -1,9 +1,10 @@
-"""Building blocks shared by every model family: RoPE, attention over a KV cache, the MLP.
+"""Building blocks shared by every model family: RoPE and attention over a KV cache (the MLP is
+jspec.models.mlp's).
 Their parameters come from jspec.models.params, their projections (FP8 or not) from
 jspec.models.linear, their norms from jspec.models.norms.
 
 Shape letters: B batch, T query tokens, S cache slots, D hidden, N query heads, K kv heads,
-G query heads per kv head, H head dim, F MLP intermediate, V vocabulary.
+G query heads per kv head, H head dim, V vocabulary.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from jspec.models import rope as rope_lib
 from jspec.models.rope import rope
 from jspec.models.caches import KVCache, write_slots
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
+from jspec.models.doubled_row import DoubledRow
 from jspec.models.linear import (QKV_NAMES, fp8_operands, fp8_rows_fit, linear,
                                  project_many_named, project_named)
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.models.params import param
 from jspec.models.row_kernels import takes_rows
 from jspec.models.tree_attention import active_layout
-from jspec.pallas_kernels import short_attention as short_kernel
+from jspec.pallas_kernels import short_attention as short_kernel, skinny_gemm
 
 
 def write_cache(cache_BKSH, new_BTKH, positions_BT):
@@ -181,17 +183,37 @@ class Attention(nnx.Module):
     `kv_window` slots are read (static): prefill from position 0 needs no more than its bucket.
     """
     q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project_rotated(x_BTD, positions_BT)
-    out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window)
+    tokens = q_BTNH.shape[1]
+    out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window,
+                                   copies=2 if self._doubles_row(q_BTNH) else 1)
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
     if self.tp_products is not None and self.o_proj_scale is None:
       # The all-reduce may be left to the norm after the residual add (PartialSum).
-      out_BTD = self.tp_products.row(out_BTNH, self.o_proj[...], in_axes=2, defer=True)
+      out_BTD = self.tp_products.row(out_BTNH, self.o_proj[...], in_axes=2, defer=True,
+                                     tokens=tokens)
     else:
       out_BTD = self._dense(out_BTNH, "o_proj", "btnh,nhd->btd", in_axes=2)
+      if out_BTNH.shape[1] != tokens:
+        out_BTD = DoubledRow(out_BTD)
     if self.has_o_bias:
       out_BTD = out_BTD + self.o_bias[...]
     return out_BTD, cache
+
+  def _doubles_row(self, q_BTNH) -> bool:
+    """Whether a batch-1 step's one row goes to o_proj as two equal rows, written twice by the
+    short-context attention kernel (jspec.models.doubled_row): where o_proj, unquantized and
+    without a bias, takes one row as two (skinny_gemm.takes_two_rows, or tp's K-slice
+    partials)."""
+    b, t, n, h = q_BTNH.shape
+    if (b * t != 1 or self.short_attention is None or self.has_o_bias
+        or self.o_proj_scale is not None):
+      return False
+    k = self.o_proj.shape[0] * self.o_proj.shape[1]
+    if self.tp_products is not None:
+      return self.tp_products.takes_doubled_row(k)
+    return self.projection is not None and skinny_gemm.takes_two_rows(
+        1, k, self.o_proj.shape[2], q_BTNH.dtype)
 
   def _project_rotated(self, x_BTD, positions_BT):
     """(q, k normed and rotated, v, gate): where `qkv_kernel` (or `fp8_qkv_kernel`) is set and
@@ -238,7 +260,11 @@ class Attention(nnx.Module):
       return rotated
     return jnp.concatenate([rotated, x_BTNH[..., dim:]], axis=-1)
 
-  def _attend(self, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache: KVCache, kv_window: int):
+  def _attend(self, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache: KVCache, kv_window: int,
+              copies: int = 1):
+    """(the attention output, the cache with the step's keys and values): [B, T, N, H], or
+    [B, copies x T, N, H] where the short-context kernel takes the step (`copies` of its
+    output one after another)."""
     if self.kv_replicas > 1:  # copy r of head j at r*j .. r*j+r-1: query group order is kept
       k_BTKH = jnp.repeat(k_BTKH, self.kv_replicas, axis=2)
       v_BTKH = jnp.repeat(v_BTKH, self.kv_replicas, axis=2)
@@ -262,7 +288,8 @@ class Attention(nnx.Module):
         and short_kernel.fits_kernel(cache_k.shape[2], h, group * t)):
       # The whole cache goes in (a slice would be copied); the kernel reads only the slots
       # below each row's position, all below kv_window.
-      return self.short_attention(q_BTNH, cache_k, cache_v, positions_BT[:, 0]), cache
+      return self.short_attention(q_BTNH, cache_k, cache_v, positions_BT[:, 0],
+                                  copies=copies), cache
     keys_BKSH = cache_k[:, :, :kv_window]
     values_BKSH = cache_v[:, :, :kv_window]
     if self.prefill_attention is not None and group * t > MAX_ROWS_PER_KV_HEAD:
@@ -307,43 +334,3 @@ class GatedAttention(Attention):
   def _project(self, x_BTD):
     qg_BTNCH, k_BTKH, v_BTKH = self._dense_qkv(x_BTD, "btd,dnch->btnch")
     return qg_BTNCH[:, :, :, 0], k_BTKH, v_BTKH, qg_BTNCH[:, :, :, 1]
-
-
-class MLP(nnx.Module):
-  """SwiGLU: down(silu(x @ gate) * (x @ up)), gate and up stored as one [D, 2, F] matrix.
-
-  Why fused: at batch 1 a projection is a matrix-vector product, and one product over both
-  matrices reads them faster than two (Qwen3-8B on an H200: 46.9 us per layer for the pair,
-  against 2 x 27.5 us; BENCHMARKS.md). The middle axis is not sharded, so a tp shard holds
-  the gate and up columns of its own slice of F and needs no communication.
-  """
-
-  def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs,
-               fp8_blocks: tuple = (None, None)):
-    """fp8_blocks: the FP8 blocks of (gate_up_proj, down_proj), None where unquantized."""
-    gate_up_block, down_block = fp8_blocks
-    self.gate_up_proj, self.gate_up_proj_scale = linear(
-        rngs, (hidden, 2, intermediate), dtype, ("embed", None, "mlp"), 1, gate_up_block)
-    self.down_proj, self.down_proj_scale = linear(rngs, (intermediate, hidden), dtype,
-                                                  ("mlp", "embed"), 1, down_block)
-    # FP8 weights only: set as Attention.fp8_projection and Attention.fp8_lanes are.
-    self.fp8_projection = None
-    self.fp8_lanes = None
-    self.fp8_block = gate_up_block or down_block
-    # Optional products for weights split over tp, as Attention.tp_products.
-    self.tp_products = None
-
-  def _dense(self, x, name: str, spec: str, fp8_sum_apart: bool = True):
-    return project_named(self, x, name, spec, fp8_sum_apart=fp8_sum_apart)
-
-  def __call__(self, x_BTD):
-    tp = self.tp_products if self.gate_up_proj_scale is None else None
-    # SwiGLU is elementwise: XLA fuses an FP8 product's K-slice sum into it.
-    if tp is not None:
-      gate_up_BTCF = tp.column(x_BTD, self.gate_up_proj[...], split=2)
-    else:
-      gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf", fp8_sum_apart=False)
-    act_BTF = jax.nn.silu(gate_up_BTCF[:, :, 0]) * gate_up_BTCF[:, :, 1]
-    if tp is not None and self.down_proj_scale is None:
-      return tp.row(act_BTF, self.down_proj[...], defer=True)  # as Attention's o_proj
-    return self._dense(act_BTF, "down_proj", "btf,fd->btd")

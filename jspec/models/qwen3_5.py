@@ -28,7 +28,8 @@ from jspec.models import weights as W
 from jspec.models.caches import KVCache
 from jspec.models.decoder import CausalLM, common_fields, layer_input, mlp_block
 from jspec.models.gated_deltanet import GatedDeltaNet
-from jspec.models.layers import MLP, GatedAttention
+from jspec.models.layers import GatedAttention
+from jspec.models.mlp import MLP
 from jspec.models.moe import MoE
 from jspec.models.norms import ZeroCenteredRMSNorm
 

@@ -113,7 +113,7 @@ def attention_rules(cfg: ModelConfig, p: str, gated: bool = False) -> dict:
 
 def dense_mlp_rules(p: str, d: int, f: int) -> dict:
   """`{p}{gate,up,down}_proj.weight` -> an MLP, gate and up as one [D, 2, F] matrix
-  (jspec.models.layers.MLP says why)."""
+  (jspec.models.mlp.MLP says why)."""
   return {
       ("gate_up_proj",): TensorRule(
           (p + "gate_proj.weight", p + "up_proj.weight"), ((f, d), (f, d)),

@@ -72,7 +72,7 @@ def choose_block_slots(slots: int, head_dim: int, itemsize: int) -> int:
 
 
 def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, rows: int, block_rows: int, group: int,
-            block_slots: int, slots: int, scale: float):
+            block_slots: int, slots: int, scale: float, copies: int):
   b, head = pl.program_id(0), pl.program_id(1)
   row_ids = jnp.arange(block_rows)
   row_mask = row_ids < rows
@@ -103,16 +103,23 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, rows: int, block_rows: int
           jnp.full((block_rows,), MASKED, jnp.float32), jnp.zeros((block_rows,), jnp.float32))
   acc, _, total = lax.fori_loop(0, blocks, body, init)
   out = (acc / jnp.maximum(total, 1e-30)[:, None]).astype(o_ref.dtype)  # no slot seen: 0
-  pltriton.store(o_ref.at[b, q_rows, :], out, mask=row_mask[:, None])
+  batch = o_ref.shape[0] // copies
+  for c in range(copies):
+    pltriton.store(o_ref.at[c * batch + b, q_rows, :], out, mask=row_mask[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("group", "scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("group", "scale", "copies", "interpret"))
 def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Array,
-                    start_B: jax.Array, *, group: int, scale: float,
+                    start_B: jax.Array, *, group: int, scale: float, copies: int = 1,
                     interpret: bool | None = None) -> jax.Array:
   """[B, K x T x G, H]: each query row's softmax(q k^T * scale) v over the slots it sees
   (0 .. start + t for token t), in q's dtype. q_BRH as the module docstring lays it out;
-  caches [B, K, S, H]; start_B: each sequence's first position in the step."""
+  caches [B, K, S, H]; start_B: each sequence's first position in the step.
+
+  `copies` > 1: [copies x B, K x T x G, H], the output written that many times over (copy c
+  at rows c x B ..). Why: a batch-1 decode step's one row goes to o_proj as two equal rows
+  (XLA would rewrite a one-row product of its size into a reduction: skinny_gemm.ONE_ROW), and
+  a second store here costs less than the kernel that would copy it."""
   b, q_rows, head_dim = q_BRH.shape
   _, kv_heads, slots, _ = keys_BKSH.shape
   rows = q_rows // kv_heads
@@ -121,6 +128,8 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
     raise ValueError(f"short_attention takes q [B, K*T*G, H], caches [B, K, S, H] and starts "
                      f"[B], got {q_BRH.shape}, {keys_BKSH.shape}, {values_BKSH.shape}, "
                      f"{start_B.shape} with G={group}")
+  if copies < 1:
+    raise ValueError(f"copies must be at least 1, got {copies}")
   if not fits_kernel(slots, head_dim, rows):
     raise ValueError(f"short_attention takes caches of a multiple of {MIN_ROWS} slots, "
                      f"head_dim a power of two >= 16 and at most {MAX_ROWS} rows per KV "
@@ -130,9 +139,9 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
   kernel = functools.partial(
       _kernel, rows=rows, block_rows=max(MIN_ROWS, 1 << (rows - 1).bit_length()),
       group=group, block_slots=choose_block_slots(slots, head_dim, keys_BKSH.dtype.itemsize),
-      slots=slots, scale=scale)
+      slots=slots, scale=scale, copies=copies)
   return pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct(q_BRH.shape, q_BRH.dtype),
+      kernel, out_shape=jax.ShapeDtypeStruct((copies * b, q_rows, head_dim), q_BRH.dtype),
       grid=(b, kv_heads),
       compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
       interpret=interpret, name="short_attention",

@@ -135,14 +135,23 @@ class TensorParallelProducts:
                          in_specs=(PartitionSpec(*self._lead, None), self._split(w_KO.ndim, split)),
                          out_specs=out_spec, check_vma=False)(x_BTK, w_KO)
 
-  def row(self, x_BTI, w_IO, in_axes: int = 1, defer: bool = False):
+  def row(self, x_BTI, w_IO, in_axes: int = 1, defer: bool = False, tokens: int | None = None):
     """x [B, T, *in] times w [*in, *out] over the `in_axes` input axes, the first of them split
     over the mesh axis in both: each shard's partial product, summed over the shards by one
     all-reduce; [B, T, *out] whole on every shard. `defer`: a PartialSum instead, where the
-    workspace kernel is on and the output is one axis [B, T, D] (else the sum as without)."""
+    workspace kernel is on and the output is one axis [B, T, D] (else the sum as without).
+    `tokens` 1 with x [1, 2, ...]: a batch-1 step's row and its copy (the attention kernel
+    wrote it twice, see jspec.models.doubled_row), taken as the two rows that K-slice partials
+    of one row need; where this product makes none (`takes_doubled_row`), the first row."""
     in_shape, out_shape = w_IO.shape[:in_axes], w_IO.shape[in_axes:]
     defer = defer and self.defer_sums and self._workspace is not None and len(out_shape) == 1
-    slices = self._slices(x_BTI, math.prod(in_shape)) if defer else 0
+    slices = self._slices(x_BTI.shape[:2], math.prod(in_shape)) if defer else 0
+    if tokens is not None and tokens != x_BTI.shape[1]:
+      if (tokens, x_BTI.shape[:2]) != (1, (1, 2)):
+        raise ValueError(f"a doubled row is x [1, 2, ...] of 1 token, got {x_BTI.shape} "
+                         f"for {tokens}")
+      if not slices:
+        x_BTI = x_BTI[:, :1]
 
     def product(x, w, row):
       k = math.prod(w.shape[:in_axes])
@@ -161,15 +170,21 @@ class TensorParallelProducts:
                            check_vma=False)(x_BTI, w_IO, rows)
     if not defer:
       return result
-    return PartialSum(result, self, x_BTI.dtype, x_BTI.shape[1] if slices else None)
+    return PartialSum(result, self, x_BTI.dtype, (tokens or x_BTI.shape[1]) if slices else None)
 
-  def _slices(self, x_BT, k: int) -> int:
+  def takes_doubled_row(self, k: int) -> bool:
+    """Whether `row(..., defer=True)` of a batch-1 step's one row by a weight of K input rows
+    makes K-slice partials, which take that row twice."""
+    return (self.defer_sums and self._workspace is not None
+            and self._slices((1, 1), k) > 0)
+
+  def _slices(self, lead_BT, k: int) -> int:
     """K slices for a deferred row product of x [B, T, ...] by a weight of K input rows: the
     class's k_slices where the norm kernel takes a shard's rows (few: decode and verify
     steps, not prefill chunks, whose partials would be large and summed apart) and a shard's
     K cuts into slices of whole 64-row tiles; 0 (one product) otherwise."""
     from jspec.pallas_kernels import workspace_all_reduce as wsar
-    b, t = NamedSharding(self.mesh, PartitionSpec(*self._lead)).shard_shape(x_BT.shape[:2])
+    b, t = NamedSharding(self.mesh, PartitionSpec(*self._lead)).shard_shape(tuple(lead_BT))
     local_k = k // self.mesh.shape[self.axis]
     if (self.k_slices > 1 and b * t <= wsar.NORM_ROWS
         and local_k % (self.k_slices * 64) == 0):
