@@ -41,7 +41,7 @@ from flax import nnx
 
 import jspec
 from jspec.bench.presets import PRESETS
-from jspec.models import moe, row_kernels
+from jspec.models import layers, moe, row_kernels
 from jspec.pallas_kernels import workspace_norm
 from jspec.sharding.tensor_parallel import TensorParallelProducts
 
@@ -77,6 +77,10 @@ def main():
   parser.add_argument("--no-norm-router", action="store_true",
                       help="moe.NORM_ROUTER off: a MoE layer's norm and router product as two "
                            "kernels instead of one")
+  parser.add_argument("--no-doubled-row", action="store_true",
+                      help="layers.DOUBLED_ROW off: a batch-1 step's row concatenated with "
+                           "itself for o_proj's two-row product, instead of written twice by "
+                           "the attention kernel")
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
@@ -101,6 +105,8 @@ def main():
     moe.ROUTER_PLAN = False
   if args.no_norm_router:
     moe.NORM_ROUTER = False
+  if args.no_doubled_row:
+    layers.DOUBLED_ROW = False
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.
@@ -141,7 +147,7 @@ def main():
       row = dict(model=args.model, layers=config.num_layers, device=device, mesh=mesh_text,
                  variant=args.variant, k_slices=TensorParallelProducts.k_slices,
                  qkv_k_slices=row_kernels.QKV_K_SLICES, router_plan=moe.ROUTER_PLAN,
-                 norm_router=moe.NORM_ROUTER,
+                 norm_router=moe.NORM_ROUTER, doubled_row=layers.DOUBLED_ROW,
                  method=args.method + ("-tree" if args.tree else ""), batch=batch,
                  tokens_per_second=round(mid.tokens_per_second, 1),
                  tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),

@@ -27,6 +27,10 @@ from jspec.models.row_kernels import takes_rows
 from jspec.models.tree_attention import active_layout
 from jspec.pallas_kernels import short_attention as short_kernel, skinny_gemm
 
+# Whether a batch-1 step's row goes to a two-row o_proj product written twice by the attention
+# kernel (jspec.models.doubled_row); off: concatenated with itself (benchmarks time both).
+DOUBLED_ROW = True
+
 
 def write_cache(cache_BKSH, new_BTKH, positions_BT):
   """Scatters the new keys (or values) into each sequence's slots at their absolute positions.
@@ -206,7 +210,7 @@ class Attention(nnx.Module):
     without a bias, takes one row as two (skinny_gemm.takes_two_rows, or tp's K-slice
     partials)."""
     b, t, n, h = q_BTNH.shape
-    if (b * t != 1 or self.short_attention is None or self.has_o_bias
+    if (not DOUBLED_ROW or b * t != 1 or self.short_attention is None or self.has_o_bias
         or self.o_proj_scale is not None):
       return False
     k = self.o_proj.shape[0] * self.o_proj.shape[1]
