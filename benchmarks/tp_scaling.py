@@ -78,8 +78,8 @@ def main():
                       help="moe.NORM_ROUTER off: a MoE layer's norm and router product as two "
                            "kernels instead of one")
   parser.add_argument("--no-doubled-row", action="store_true",
-                      help="layers.DOUBLED_ROW off: a batch-1 step's row concatenated with "
-                           "itself for o_proj's two-row product, instead of written twice by "
+                      help="layers.DOUBLED_ROW off: a batch-1 tp step's row concatenated with "
+                           "itself for o_proj's K-slice partials, instead of written twice by "
                            "the attention kernel")
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "

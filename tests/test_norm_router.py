@@ -80,11 +80,11 @@ def test_its_routing_is_route_softmax_of_the_normed_rows(seed):
 def test_bad_inputs_are_refused():
   x, delta, scale, router = _inputs(np.random.default_rng(0), 2, 256, 16, jnp.bfloat16)
   call = lambda *a, **k: norm_router.add_norm_router_partials(*a, eps=1e-6, interpret=True, **k)
-  with pytest.raises(ValueError, match="and delta"):
+  with pytest.raises(ValueError, match="x and delta"):
     call(x, delta.astype(jnp.float32), scale, router)
-  with pytest.raises(ValueError, match="and delta"):
+  with pytest.raises(ValueError, match="x and delta"):
     call(x, delta, scale, router[:128])
-  with pytest.raises(ValueError, match="and delta"):  # experts not a power of two
+  with pytest.raises(ValueError, match="x and delta"):  # experts not a power of two
     call(x, delta, scale, router[:, :12])
   with pytest.raises(ValueError, match="slices"):
     call(x, delta, scale, router, slices=3)

@@ -18,17 +18,16 @@ from jspec.models import rope as rope_lib
 from jspec.models.rope import rope
 from jspec.models.caches import KVCache, write_slots
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
-from jspec.models.doubled_row import DoubledRow
 from jspec.models.linear import (QKV_NAMES, fp8_operands, fp8_rows_fit, linear,
                                  project_many_named, project_named)
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.models.params import param
 from jspec.models.row_kernels import takes_rows
 from jspec.models.tree_attention import active_layout
-from jspec.pallas_kernels import short_attention as short_kernel, skinny_gemm
+from jspec.pallas_kernels import short_attention as short_kernel
 
-# Whether a batch-1 step's row goes to a two-row o_proj product written twice by the attention
-# kernel (jspec.models.doubled_row); off: concatenated with itself (benchmarks time both).
+# Whether a batch-1 tp step's row goes to o_proj's K-slice partials written twice by the
+# attention kernel (Attention._doubles_row); off: concatenated with itself (benchmarks time both).
 DOUBLED_ROW = True
 
 
@@ -198,26 +197,22 @@ class Attention(nnx.Module):
                                      tokens=tokens)
     else:
       out_BTD = self._dense(out_BTNH, "o_proj", "btnh,nhd->btd", in_axes=2)
-      if out_BTNH.shape[1] != tokens:
-        out_BTD = DoubledRow(out_BTD)
     if self.has_o_bias:
       out_BTD = out_BTD + self.o_bias[...]
     return out_BTD, cache
 
   def _doubles_row(self, q_BTNH) -> bool:
-    """Whether a batch-1 step's one row goes to o_proj as two equal rows, written twice by the
-    short-context attention kernel (jspec.models.doubled_row): where o_proj, unquantized and
-    without a bias, takes one row as two (skinny_gemm.takes_two_rows, or tp's K-slice
-    partials)."""
-    b, t, n, h = q_BTNH.shape
-    if (not DOUBLED_ROW or b * t != 1 or self.short_attention is None or self.has_o_bias
-        or self.o_proj_scale is not None):
-      return False
-    k = self.o_proj.shape[0] * self.o_proj.shape[1]
-    if self.tp_products is not None:
-      return self.tp_products.takes_doubled_row(k)
-    return self.projection is not None and skinny_gemm.takes_two_rows(
-        1, k, self.o_proj.shape[2], q_BTNH.dtype)
+    """Whether a batch-1 step's one row goes to o_proj's tp product as the two equal rows its
+    K-slice partials take (tensor_parallel.k_slice_partials), written twice by the
+    short-context attention kernel instead of concatenated after it: one kernel fewer a
+    layer (BENCHMARKS.md, 2026-11-30). On one GPU, where o_proj's one-row product is a
+    two-row GEMM (skinny_gemm.ONE_ROW), the same rows were measured no faster: XLA then splits
+    the GEMM's K and adds a sum kernel of its own in place of the concatenate and the slice."""
+    b, t = q_BTNH.shape[:2]
+    return (DOUBLED_ROW and b * t == 1 and self.short_attention is not None
+            and self.tp_products is not None and self.o_proj_scale is None
+            and not self.has_o_bias
+            and self.tp_products.takes_doubled_row(self.o_proj.shape[0] * self.o_proj.shape[1]))
 
   def _project_rotated(self, x_BTD, positions_BT):
     """(q, k normed and rotated, v, gate): where `qkv_kernel` (or `fp8_qkv_kernel`) is set and

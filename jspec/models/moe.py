@@ -29,7 +29,6 @@ from flax import nnx
 
 from jspec.config import MoEConfig
 from jspec.models import quantization
-from jspec.models.doubled_row import DoubledRow
 from jspec.models.linear import linear
 from jspec.models.mlp import MLP
 from jspec.models.params import param
@@ -213,8 +212,6 @@ class MoE(nnx.Module):
         or delta_BTD.dtype != x_BTD.dtype or not norm.on_kernel(x_BTD)
         or b * t > router_topk.MAX_TOKENS):
       return None
-    if isinstance(delta_BTD, DoubledRow):  # the kernel reads the first of its two rows
-      delta_BTD = delta_BTD.rows_B2D
     return self.norm_router_kernel(x_BTD, delta_BTD, norm.scale[...], self.router[...],
                                    eps=norm.eps, zero_centered=norm.zero_centered,
                                    plan=self._plans(b * t, experts_fn))

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jspec.models.doubled_row import DoubledRow
 from jspec.models.params import ones_param, zeros_param
 from jspec.models.row_kernels import takes_rows
 from jspec.sharding.tensor_parallel import PartialSum
@@ -52,18 +51,13 @@ class RMSNorm(nnx.Module):
 
   def add_and_norm(self, x, delta):
     """(h, norm(h)) for h = x + delta: the residual stream and its normalised form. A `delta`
-    still to be summed over tp (a PartialSum) is summed in the same kernel where it fits; a
-    DoubledRow's first row is read there as it lies."""
+    still to be summed over tp (a PartialSum) is summed in the same kernel where it fits."""
     if isinstance(delta, PartialSum):
       fused = (delta.add_and_norm(x, self.scale[...], self.eps, self.zero_centered)
                if self.on_kernel(x) else None)
       if fused is not None:
         return fused
       delta = delta.reduced()
-    if isinstance(delta, DoubledRow):  # the kernel reads the first of its two rows
-      if self.on_kernel(x):
-        return self.row_kernel(x, self.scale[...], delta.rows_B2D)
-      delta = delta.array()
     if self.on_kernel(x):
       return self.row_kernel(x, self.scale[...], delta)
     h = x + delta

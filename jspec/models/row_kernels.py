@@ -59,14 +59,13 @@ def takes_rows(x, ndim: int) -> bool:
 def sharded_rms_norm(mesh: Mesh, rules: ShardingRules, eps: float, zero_centered: bool,
                      interpret: bool):
   """(x [B, T, D], scale [D], residual [B, T, D] or None) -> norm(x), or (x + residual,
-  norm(x + residual)) with a residual; D whole on every shard. A batch-1 residual may hold
-  more rows than x ([1, R, D]: a jspec.models.doubled_row's), of which the first T count."""
+  norm(x + residual)) with a residual; D whole on every shard."""
   from jspec.pallas_kernels.row_norms import rms_norm
   rows = rules.spec(("batch", "seq", None))
 
   def per_shard(x_BTD, scale_D, residual_BTD):
     b, t, d = x_BTD.shape
-    flat = lambda a: None if a is None else a.reshape(-1, d)
+    flat = lambda a: None if a is None else a.reshape(b * t, d)
     out = rms_norm(flat(x_BTD), scale_D, flat(residual_BTD), eps=eps,
                    zero_centered=zero_centered, interpret=interpret)
     if residual_BTD is None:
@@ -241,8 +240,7 @@ def sharded_norm_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool
   (h, norm(h), routing): the residual add and RMSNorm before a MoE layer and its softmax
   routing, the norm and the router product in one kernel
   (jspec.pallas_kernels.norm_router), on each shard's own rows; routing as sharded_router's
-  (ids and weights [B x T, K], and with `plan` the one token's decode plan). A batch-1 delta
-  may hold more rows than x, as sharded_rms_norm's residual."""
+  (ids and weights [B x T, K], and with `plan` the one token's decode plan)."""
   from jspec.pallas_kernels.norm_router import add_norm_route_softmax
   rows = rules.spec(("batch", "seq", None))
   tokens = rules.spec(("batch", None))
@@ -253,7 +251,7 @@ def sharded_norm_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool
     def per_shard(x, delta, scale, router):
       b, t, d = x.shape
       h, normed, routing = add_norm_route_softmax(
-          x.reshape(b * t, d), delta.reshape(-1, d), scale, router, eps=eps,
+          x.reshape(b * t, d), delta.reshape(b * t, d), scale, router, eps=eps,
           zero_centered=zero_centered, top_k=top_k, norm=norm, plan=plan, interpret=interpret)
       return h.reshape(b, t, d), normed.reshape(b, t, d), routing
     routing_spec = (tokens, tokens, whole) if plan else (tokens, tokens)

@@ -72,15 +72,13 @@ def add_norm_router_partials(x_MD: jax.Array, delta_MD: jax.Array, scale_D: jax.
                              router_DE: jax.Array, *, eps: float, zero_centered: bool = False,
                              slices: int | None = None, interpret: bool | None = None):
   """(h, norm(h), float32 partial router logits [M, S, E]) for h = x + delta (see the module
-  docstring); S = router_topk.num_slices(D) unless given. delta may hold more rows than x,
-  of which the first M count (as rms_norm's residual). `interpret` None: off GPU."""
+  docstring); S = router_topk.num_slices(D) unless given. `interpret` None: off GPU."""
   rows, width = x_MD.shape
   experts = router_DE.shape[1]
-  if (delta_MD.ndim != 2 or delta_MD.shape[0] < rows or delta_MD.shape[1] != width
-      or delta_MD.dtype != x_MD.dtype or scale_D.shape != (width,)
+  if (delta_MD.shape != x_MD.shape or delta_MD.dtype != x_MD.dtype or scale_D.shape != (width,)
       or router_DE.shape[0] != width or not fits(rows, width, experts, 1)):
-    raise ValueError(f"add_norm_router_partials takes x [M <= {router_topk.MAX_TOKENS}, D] and "
-                     f"delta [R >= M, D] of one dtype, scale [D] and a router [D, E] "
+    raise ValueError(f"add_norm_router_partials takes x and delta [M <= "
+                     f"{router_topk.MAX_TOKENS}, D] of one dtype, scale [D] and a router [D, E] "
                      f"(E a power of two in [8, {router_topk.MAX_EXPERTS}], D a multiple of "
                      f"{router_topk.ROW_CHUNK}); got {x_MD.shape} {x_MD.dtype}, "
                      f"{delta_MD.shape} {delta_MD.dtype}, {scale_D.shape}, {router_DE.shape}")

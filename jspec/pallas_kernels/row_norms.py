@@ -84,13 +84,11 @@ def rms_norm(x_MD: jax.Array, scale_D: jax.Array, residual_MD: jax.Array | None 
              eps: float, zero_centered: bool = False, interpret: bool | None = None):
   """RMSNorm of the rows of x [M, D] by scale [D] (jspec.models.norms.RMSNorm, or
   ZeroCenteredRMSNorm's (1 + w) with `zero_centered`), in x's dtype. With `residual_MD`, the
-  rows normalised are h = x + residual: returns (h, norm(h)); the residual may hold more rows
-  than x ([R >= M, D], its first M added: a product's rows beside copies of them, as
-  jspec.models.doubled_row's). `interpret` None: interpret off GPU."""
+  rows normalised are h = x + residual: returns (h, norm(h)). `interpret` None: interpret off
+  GPU."""
   rows, width = x_MD.shape
-  if scale_D.shape != (width,) or (residual_MD is not None and (
-      residual_MD.ndim != 2 or residual_MD.shape[0] < rows or residual_MD.shape[1] != width)):
-    raise ValueError(f"rms_norm takes x [M, D], scale [D] and a residual [R >= M, D], got "
+  if scale_D.shape != (width,) or (residual_MD is not None and residual_MD.shape != x_MD.shape):
+    raise ValueError(f"rms_norm takes x [M, D], scale [D] and a residual like x, got "
                      f"{x_MD.shape}, {scale_D.shape}, "
                      f"{None if residual_MD is None else residual_MD.shape}")
   has_residual = residual_MD is not None

@@ -117,9 +117,9 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
   caches [B, K, S, H]; start_B: each sequence's first position in the step.
 
   `copies` > 1: [copies x B, K x T x G, H], the output written that many times over (copy c
-  at rows c x B ..). Why: a batch-1 decode step's one row goes to o_proj as two equal rows
-  (XLA would rewrite a one-row product of its size into a reduction: skinny_gemm.ONE_ROW), and
-  a second store here costs less than the kernel that would copy it."""
+  at rows c x B ..). Why: a batch-1 tp step's one row goes to o_proj's K-slice partials as two
+  equal rows (tensor_parallel.k_slice_partials), and a second store here costs less than the
+  kernel that would copy it."""
   b, q_rows, head_dim = q_BRH.shape
   _, kv_heads, slots, _ = keys_BKSH.shape
   rows = q_rows // kv_heads

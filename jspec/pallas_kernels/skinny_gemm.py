@@ -115,14 +115,6 @@ def _two_rows(x_K, w_KN):
   return jnp.dot(jnp.stack([x_K, x_K]), w_KN)[0]
 
 
-def takes_two_rows(rows: int, k: int, n: int, dtype) -> bool:
-  """Whether `project` (not `always`) multiplies x[rows, k] @ w[k, n] as a GEMM of two equal
-  rows (ONE_ROW): one row, of a product XLA would rewrite."""
-  return rows == 1 and (
-      ONE_ROW == "two_rows_all" and k + k * n < XLA_DOT_REDUCE_ELEMENTS
-      or ONE_ROW == "two_rows" and use_skinny(rows, k, n, dtype))
-
-
 def project(x_BTK: jax.Array, w_KN: jax.Array, always: bool = False) -> jax.Array:
   """x @ w over the last axis: the kernel where `use_skinny` says so (`always`: wherever the
   kernel takes the shapes), XLA's dot otherwise (see ONE_ROW for one-row products)."""
@@ -131,7 +123,9 @@ def project(x_BTK: jax.Array, w_KN: jax.Array, always: bool = False) -> jax.Arra
   for size in lead:
     rows *= size
   n = w_KN.shape[1]
-  if not always and takes_two_rows(rows, k, n, x_BTK.dtype):
+  if not always and rows == 1 and (
+      ONE_ROW == "two_rows_all" and k + k * n < XLA_DOT_REDUCE_ELEMENTS
+      or ONE_ROW == "two_rows" and use_skinny(rows, k, n, x_BTK.dtype)):
     return _two_rows(x_BTK.reshape(k), w_KN).reshape(*lead, n)
   choose = fits_kernel if always else use_skinny
   if not choose(rows, k, n, x_BTK.dtype):

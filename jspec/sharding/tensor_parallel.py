@@ -141,8 +141,8 @@ class TensorParallelProducts:
     all-reduce; [B, T, *out] whole on every shard. `defer`: a PartialSum instead, where the
     workspace kernel is on and the output is one axis [B, T, D] (else the sum as without).
     `tokens` 1 with x [1, 2, ...]: a batch-1 step's row and its copy (the attention kernel
-    wrote it twice, see jspec.models.doubled_row), taken as the two rows that K-slice partials
-    of one row need; where this product makes none (`takes_doubled_row`), the first row."""
+    wrote it twice: Attention._doubles_row), taken as the two rows that K-slice partials of one
+    row need; where this product makes none (`takes_doubled_row`), the first row."""
     in_shape, out_shape = w_IO.shape[:in_axes], w_IO.shape[in_axes:]
     defer = defer and self.defer_sums and self._workspace is not None and len(out_shape) == 1
     slices = self._slices(x_BTI.shape[:2], math.prod(in_shape)) if defer else 0
