@@ -29,7 +29,7 @@ from flax import nnx
 import jspec
 from jspec.bench.presets import PRESETS
 from jspec.models.row_kernels import NORM_BACKENDS
-from jspec.pallas_kernels import fp8_experts
+from jspec.pallas_kernels import fp8_experts, fp8_gemm
 
 BLOCK = (128, 128)
 
@@ -74,7 +74,12 @@ def main():
                            "fp8_gemm.fp8_matmul_many), for a before / after comparison")
   parser.add_argument("--norm-backend", default="auto", choices=NORM_BACKENDS,
                       help="LLM(norm_backend): 'xla' for the path before the row kernels")
+  parser.add_argument("--fp8-stages", type=int,
+                      help="fp8_gemm.TWO_BLOCK_STAGES: the few-row FP8 product's pipeline "
+                           "stages up to 16 rows (default: the library's)")
   args = parser.parse_args()
+  if args.fp8_stages:
+    fp8_gemm.TWO_BLOCK_STAGES = args.fp8_stages
   base = PRESETS[args.model]
   if args.layers:
     base = dataclasses.replace(base, num_layers=args.layers)

@@ -37,10 +37,18 @@ ACTIVATIONS = ("bfloat16", "float16", "e4m3")
 SCALE_LANES = 32
 
 
+# Pipeline stages of two-block steps (up to 16 rows). Timed kernel by kernel under the profiler
+# on an H200 at Qwen3-8B's four shapes, 1 and 8 rows (BENCHMARKS.md, "The FP8 product kernel's
+# own time ..."): 3 stages 1.5-5.4% faster than 4 at every shape, 5 and 2 slower than 4.
+TWO_BLOCK_STAGES = 3
+
+
 def default_tiling(rows: int) -> Fp8Tiling:
   """Measured on an H200 (BENCHMARKS.md, "FP8 block-scaled products"): two blocks a step up to
   16 rows; from there the widened tiles of two blocks crowd the registers, one is faster."""
-  return Fp8Tiling(blocks_per_step=2 if rows <= 16 else 1, num_stages=4)
+  if rows <= 16:
+    return Fp8Tiling(blocks_per_step=2, num_stages=TWO_BLOCK_STAGES)
+  return Fp8Tiling(blocks_per_step=1, num_stages=4)
 
 
 def fits_kernel(rows: int, k: int, n: int, block: tuple[int, int]) -> bool:
