@@ -29,6 +29,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
+from jspec import interrupt  # noqa: E402
 from jspec.bench.presets import PRESETS  # noqa: E402
 from jspec.bench.profile import trace_data  # noqa: E402
 
@@ -69,7 +70,11 @@ def main():
   parser.add_argument("--host-events", action="store_true",
                       help="trace the warm-up and print host events by name instead")
   parser.add_argument("--top", type=int, default=40)
+  parser.add_argument("--one-by-one", action="store_true",
+                      help="interrupt.SIDE_BY_SIDE off: a shape's programs compile one after "
+                           "the other, as before they compiled side by side")
   args = parser.parse_args()
+  interrupt.SIDE_BY_SIDE = not args.one_by_one
   base = PRESETS[args.model]
   if args.layers:
     base = dataclasses.replace(base, num_layers=args.layers)

@@ -28,6 +28,9 @@ import threading
 import weakref
 
 POLL_SECONDS = 0.05  # the longest a pending Ctrl-C waits to be raised
+# Whether `call_all` runs its functions side by side (else one after the other, on one thread;
+# benchmarks time both).
+SIDE_BY_SIDE = True
 
 _threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 _exit_registered = False
@@ -111,19 +114,31 @@ def start_thread(target, *args, name: str) -> threading.Thread:
 
 def call(fn, *args, name: str = "jspec-device"):
   """fn(*args) on a daemon thread, its result (or exception) returned on the caller's."""
-  result = queues.Queue(maxsize=1)
+  (value,) = call_all([lambda: fn(*args)], name=name)
+  return value
 
-  def run():
+
+def call_all(fns, name: str = "jspec-device") -> list:
+  """Each fn() on a daemon thread of its own, all at once: their results in order, or the
+  first exception (in order) once every one has ended. Why: XLA compiles in C++ without the
+  GIL, so the programs of one shape (prefill and the loop of steps) compile side by side."""
+  if not SIDE_BY_SIDE and len(fns) > 1:
+    return call(lambda: [fn() for fn in fns], name=name)
+  results = [queues.Queue(maxsize=1) for _ in fns]
+
+  def run(fn, result):
     try:
-      result.put((True, fn(*args)))
+      result.put((True, fn()))
     except BaseException as err:  # re-raised on the caller's thread
       result.put((False, err))
 
-  start_thread(run, name=name)
-  ok, value = get(result)
-  if not ok:
-    raise value
-  return value
+  for i, (fn, result) in enumerate(zip(fns, results)):
+    start_thread(run, fn, result, name=name if len(fns) == 1 else f"{name}-{i}")
+  outcomes = [get(result) for result in results]
+  for ok, value in outcomes:
+    if not ok:
+      raise value
+  return [value for _, value in outcomes]
 
 
 def exit_now(code: int = 130):

@@ -193,15 +193,18 @@ class ContinuousScheduler:
       state_shape = jax.eval_shape(self._start_fn(plan, queue.layout, None),
                                    *device.weights, queue.spec, None)[0]
       shardings = self._shardings(state_shape, lp.batch)
+      # Each missing program's lowering, run one after the other (tracing sets attributes on
+      # the shared modules); then the programs compile side by side.
+      lowerings = {}
       if start_key not in self.start_programs:
 
-        def compile_start():
+        def lower_start():
           lowered = jax.jit(start_fn, out_shardings=(shardings, replicated)).lower(*args)
           if tree_shapes(lowered.out_info[0]) != tree_shapes(state_shape):
             raise AssertionError("start's state is not the planned one")
-          return lowered.compile()
+          return lowered
 
-        self.start_programs[start_key] = interrupt.call(compile_start)
+        lowerings["start"] = lower_start
       if key not in self.dispatch_programs:
 
         def run(target_state, draft_state, state, queue_buffer, budget):
@@ -227,10 +230,16 @@ class ContinuousScheduler:
                                  f"planned {finished}")
           return state, finished.pack(rows)
 
-        self.dispatch_programs[key] = interrupt.call(jax.jit(
+        lowerings["dispatch"] = lambda: jax.jit(
             dispatch_fn, out_shardings=(shardings, device.sharding((None,))),
-            donate_argnums=(2,)).lower(*device.weights, state_in, queue.spec, budget).compile)
+            donate_argnums=(2,)).lower(*device.weights, state_in, queue.spec, budget)
         self.finished_layouts[key] = finished
+      lowered = interrupt.call(lambda: [lower() for lower in lowerings.values()])
+      compiled = dict(zip(lowerings, interrupt.call_all([p.compile for p in lowered])))
+      if "start" in compiled:
+        self.start_programs[start_key] = compiled["start"]
+      if "dispatch" in compiled:
+        self.dispatch_programs[key] = compiled["dispatch"]
     return (self.start_programs[start_key], self.dispatch_programs[key],
             self.finished_layouts[key])
 

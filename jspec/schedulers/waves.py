@@ -69,13 +69,15 @@ class WavesScheduler:
         state_shape = jax.eval_shape(prefill_fn, *args)[0]
         shardings = self._state_shardings(state_shape)
         replicated = self.device.sharding(())
-        prefill_c = interrupt.call(jax.jit(
-            prefill_fn, out_shardings=(shardings, replicated)).lower(*args).compile)
         state_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                 state_shape, shardings)
         loop_jit = jax.jit(loop_fn, out_shardings=shardings, donate_argnums=(2,))
-        loop_c = interrupt.call(
-            loop_jit.lower(*self.device.weights, state_in, req).compile)
+        # Traced and lowered one after the other (tracing sets attributes on the shared
+        # modules), then compiled side by side.
+        lowered = interrupt.call(lambda: (
+            jax.jit(prefill_fn, out_shardings=(shardings, replicated)).lower(*args),
+            loop_jit.lower(*self.device.weights, state_in, req)))
+        prefill_c, loop_c = interrupt.call_all([program.compile for program in lowered])
       self.programs[key] = (prefill_c, loop_c)
     return self.programs[key]
 
