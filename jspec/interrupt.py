@@ -141,6 +141,14 @@ def call_all(fns, name: str = "jspec-device") -> list:
   return [value for _, value in outcomes]
 
 
+def compile_programs(lowerings) -> list:
+  """The compiled programs of `lowerings` (functions that each lower one program): lowered
+  one after the other on one thread (tracing sets attributes on modules the programs share),
+  then compiled side by side (call_all)."""
+  lowered = call(lambda: [lower() for lower in lowerings])
+  return call_all([program.compile for program in lowered])
+
+
 def exit_now(code: int = 130):
   """Ends the process without waiting for device work under way (stdout, stderr flushed)."""
   for stream in (sys.stdout, sys.stderr):

@@ -193,9 +193,7 @@ class ContinuousScheduler:
       state_shape = jax.eval_shape(self._start_fn(plan, queue.layout, None),
                                    *device.weights, queue.spec, None)[0]
       shardings = self._shardings(state_shape, lp.batch)
-      # Each missing program's lowering, run one after the other (tracing sets attributes on
-      # the shared modules); then the programs compile side by side.
-      lowerings = {}
+      lowerings = []  # (where the program goes, its key, its lowering) of each missing one
       if start_key not in self.start_programs:
 
         def lower_start():
@@ -204,42 +202,35 @@ class ContinuousScheduler:
             raise AssertionError("start's state is not the planned one")
           return lowered
 
-        lowerings["start"] = lower_start
+        lowerings.append((self.start_programs, start_key, lower_start))
       if key not in self.dispatch_programs:
 
-        def run(target_state, draft_state, state, queue_buffer, budget):
-          target, drafter = program_models(device, target_state, draft_state, plan.loop,
-                                           in_loop=True)
-          return dispatch.dispatch(target, drafter, state,
-                                   Queue(**queue.layout.unpack(queue_buffer)), budget, plan, ctx,
-                                   admits=admits)
-
-        state_in = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state_shape,
-            shardings)
+        state_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                state_shape, shardings)
         budget = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
         # The loop's carry keeps Finished.empty's layout (checked at dispatch_fn's trace): no
         # trace of the whole dispatch for it.
         finished = TreeLayout.of(jax.eval_shape(lambda: Finished.empty(plan)))
 
-        def dispatch_fn(*args):
+        def dispatch_fn(target_state, draft_state, state, queue_buffer, budget):
+          target, drafter = program_models(device, target_state, draft_state, plan.loop,
+                                           in_loop=True)
+          state, rows = dispatch.dispatch(target, drafter, state,
+                                          Queue(**queue.layout.unpack(queue_buffer)), budget,
+                                          plan, ctx, admits=admits)
           # The Finished rows leave as one buffer: one device-to-host copy a dispatch.
-          state, rows = run(*args)
           if TreeLayout.of(rows) != finished:
             raise AssertionError(f"dispatch's Finished rows {TreeLayout.of(rows)} are not the "
                                  f"planned {finished}")
           return state, finished.pack(rows)
 
-        lowerings["dispatch"] = lambda: jax.jit(
+        lowerings.append((self.dispatch_programs, key, lambda: jax.jit(
             dispatch_fn, out_shardings=(shardings, device.sharding((None,))),
-            donate_argnums=(2,)).lower(*device.weights, state_in, queue.spec, budget)
+            donate_argnums=(2,)).lower(*device.weights, state_in, queue.spec, budget)))
         self.finished_layouts[key] = finished
-      lowered = interrupt.call(lambda: [lower() for lower in lowerings.values()])
-      compiled = dict(zip(lowerings, interrupt.call_all([p.compile for p in lowered])))
-      if "start" in compiled:
-        self.start_programs[start_key] = compiled["start"]
-      if "dispatch" in compiled:
-        self.dispatch_programs[key] = compiled["dispatch"]
+      compiled = interrupt.compile_programs([lower for *_, lower in lowerings])
+      for (programs, program_key, _), program in zip(lowerings, compiled):
+        programs[program_key] = program
     return (self.start_programs[start_key], self.dispatch_programs[key],
             self.finished_layouts[key])
 

@@ -72,12 +72,9 @@ class WavesScheduler:
         state_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                 state_shape, shardings)
         loop_jit = jax.jit(loop_fn, out_shardings=shardings, donate_argnums=(2,))
-        # Traced and lowered one after the other (tracing sets attributes on the shared
-        # modules), then compiled side by side.
-        lowered = interrupt.call(lambda: (
-            jax.jit(prefill_fn, out_shardings=(shardings, replicated)).lower(*args),
-            loop_jit.lower(*self.device.weights, state_in, req)))
-        prefill_c, loop_c = interrupt.call_all([program.compile for program in lowered])
+        prefill_c, loop_c = interrupt.compile_programs([
+            lambda: jax.jit(prefill_fn, out_shardings=(shardings, replicated)).lower(*args),
+            lambda: loop_jit.lower(*self.device.weights, state_in, req)])
       self.programs[key] = (prefill_c, loop_c)
     return self.programs[key]
 
