@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.bench.profile import kernel_events
+from jspec.bench.profile import call_kernel_events
 from jspec.pallas_kernels.fp8_block_kernel import Fp8Tiling
 from jspec.pallas_kernels.fp8_gemm import fp8_matmul
 
@@ -62,14 +61,8 @@ def parse_tiling(text: str):
 
 def profiled_kernels(fn, *args) -> dict:
   """{kernel name: (count, total ns)} of one call of the compiled `fn`."""
-  jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as trace_dir:
-    jax.profiler.start_trace(trace_dir)
-    jax.block_until_ready(fn(*args))
-    jax.profiler.stop_trace()
-    events = kernel_events(trace_dir)
   totals = collections.defaultdict(lambda: [0, 0])
-  for start, end, name in events:
+  for start, end, name in call_kernel_events(fn, *args):
     totals[name][0] += 1
     totals[name][1] += end - start
   return totals

@@ -253,20 +253,8 @@ def hlo_kernel_count(hlo_text: str) -> int:
 
 def profiled_kernels(fn, args):
   """(kernel launches, their summed µs, [(name, µs)]) of one call, from a profile."""
-  import tempfile
-  from jspec.bench.profile import trace_data
-  jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as trace_dir:
-    jax.profiler.start_trace(trace_dir)
-    jax.block_until_ready(fn(*args))
-    jax.profiler.stop_trace()
-    data = trace_data(trace_dir)
-  events = []
-  for plane in data.planes:
-    if plane.name == "/device:GPU:0":
-      for line in plane.lines:
-        if line.name.startswith("Stream"):
-          events += [(e.name, e.duration_ns / 1e3) for e in line.events]
+  from jspec.bench.profile import call_kernel_events
+  events = [(name, (end - start) / 1e3) for start, end, name in call_kernel_events(fn, *args)]
   return len(events), sum(us for _, us in events), events
 
 

@@ -88,6 +88,17 @@ def kernel_events(trace_dir: str, device_index: int = 0) -> list:
                 if line.name.startswith("Stream") for e in line.events)
 
 
+def call_kernel_events(fn: Callable, *args, device_index: int = 0) -> list:
+  """`kernel_events` of one call fn(*args), profiled after an unprofiled call (which compiles
+  and warms it)."""
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir)
+    jax.block_until_ready(fn(*args))
+    jax.profiler.stop_trace()
+    return kernel_events(trace_dir, device_index)
+
+
 def idle_time(trace_dir: str, device_index: int = 0) -> Idle:
   """Where a GPU waited: every stream's kernels merged in time, each gap between them charged
   to the kernel that followed it (after an all-reduce, the kernel that waited on it)."""

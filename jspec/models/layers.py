@@ -205,9 +205,10 @@ class Attention(nnx.Module):
     """Whether a batch-1 step's one row goes to o_proj's tp product as the two equal rows its
     K-slice partials take (tensor_parallel.k_slice_partials), written twice by the
     short-context attention kernel instead of concatenated after it: one kernel fewer a
-    layer (BENCHMARKS.md, 2026-11-30). On one GPU, where o_proj's one-row product is a
-    two-row GEMM (skinny_gemm.ONE_ROW), the same rows were measured no faster: XLA then splits
-    the GEMM's K and adds a sum kernel of its own in place of the concatenate and the slice."""
+    layer (BENCHMARKS.md, "A batch-1 tp step's row written twice …"). On one GPU, where
+    o_proj's one-row product is a two-row GEMM (skinny_gemm.ONE_ROW), the same rows were
+    measured no faster: XLA then split the GEMM's K and added a sum kernel of its own in
+    place of the concatenate and the slice."""
     b, t = q_BTNH.shape[:2]
     return (DOUBLED_ROW and b * t == 1 and self.short_attention is not None
             and self.tp_products is not None and self.o_proj_scale is None
