@@ -13,7 +13,7 @@ from flax import nnx
 import jspec
 from jspec.bench.presets import PRESETS
 from jspec.bench.steps import StepTimer
-from jspec.models import gated_deltanet, layers, linear
+from jspec.models import gated_deltanet, layers, linear, mlp
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import Attention
 from jspec.models.mlp import MLP
@@ -158,7 +158,7 @@ def test_k_slice_sums_left_to_elementwise_readers(monkeypatch):
     for name in names:
       assert apart.setdefault(name, flag) == flag
 
-  for module in (layers, gated_deltanet, linear):  # linear: o_proj's, down_proj's (to_norm)
+  for module in (layers, mlp, gated_deltanet, linear):  # linear: o_proj's, down_proj's (to_norm)
     one = module.project_named
     monkeypatch.setattr(module, "project_named", lambda layer, x, name, *a, _one=one, **kw: (
         record([name], kw.get("fp8_sum_apart", True)) or _one(layer, x, name, *a, **kw)))
