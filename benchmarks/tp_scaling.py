@@ -42,7 +42,7 @@ from flax import nnx
 import jspec
 from jspec.bench.presets import PRESETS
 from jspec.models import layers, moe, row_kernels
-from jspec.pallas_kernels import workspace_norm
+from jspec.pallas_kernels import short_attention, workspace_norm
 from jspec.sharding.tensor_parallel import TensorParallelProducts
 
 VARIANTS = {"default": {}, "partitioner": dict(all_reduce_backend="partitioner"),
@@ -81,6 +81,9 @@ def main():
                       help="layers.DOUBLED_ROW off: a batch-1 tp step's row concatenated with "
                            "itself for o_proj's K-slice partials, instead of written twice by "
                            "the attention kernel")
+  parser.add_argument("--no-attention-splits", action="store_true",
+                      help="short_attention.SPLITS off: one attention program per (sequence, "
+                           "KV head), its slots not split over programs and merged")
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
@@ -107,6 +110,8 @@ def main():
     moe.NORM_ROUTER = False
   if args.no_doubled_row:
     layers.DOUBLED_ROW = False
+  if args.no_attention_splits:
+    short_attention.SPLITS = False
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.
@@ -148,6 +153,7 @@ def main():
                  variant=args.variant, k_slices=TensorParallelProducts.k_slices,
                  qkv_k_slices=row_kernels.QKV_K_SLICES, router_plan=moe.ROUTER_PLAN,
                  norm_router=moe.NORM_ROUTER, doubled_row=layers.DOUBLED_ROW,
+                 attention_splits=short_attention.SPLITS,
                  method=args.method + ("-tree" if args.tree else ""), batch=batch,
                  tokens_per_second=round(mid.tokens_per_second, 1),
                  tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),

@@ -81,6 +81,97 @@ def test_a_sequence_that_sees_no_slot_gives_zeros_and_reads_nothing_outside():
                              rtol=2e-5, atol=2e-5)
 
 
+def _attend(q, keys, values, start, group, **kw):
+  b, t, n, h = q.shape
+  kv_heads = keys.shape[1]
+  got = short_attention(jnp.asarray(_by_kv_head(q, kv_heads)), jnp.asarray(keys),
+                        jnp.asarray(values), jnp.asarray(start), group=group,
+                        scale=h ** -0.5, **kw)
+  return np.asarray(got).reshape(-1, kv_heads, t, group, h).transpose(0, 2, 1, 3, 4).reshape(
+      -1, t, n, h)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_slots_split_over_programs_match_the_reference_in_float32(seed):
+  """Each (sequence, KV head)'s slots split over 2 to all of the cache's blocks, the splits'
+  partial outputs merged by their log-sum-exps: the same attention, for decode and verify
+  windows, starts anywhere (splits past a sequence's last block, or past a row's last slot,
+  see nothing)."""
+  rng = np.random.default_rng(RUN_SEED + 100 + seed)
+  b, t = int(rng.integers(1, 4)), int(rng.integers(1, 6))
+  kv_heads, group = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2, 4]))
+  block = int(rng.choice([16, 32]))
+  slots = block * int(rng.integers(2, 7))
+  splits = int(rng.integers(2, slots // block + 1))
+  q, keys, values, start = _case(rng, b, t, kv_heads, group, slots, 32)
+  got = _attend(q, keys, values, start, group, splits=splits, block_slots=block)
+  want = _reference(q, keys, values, start, 32 ** -0.5)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_split_past_a_rows_last_slot_adds_nothing_to_that_row():
+  """A verify window's first row sees slots 0..47; the last of 4 splits of 16-slot blocks
+  holds slots 48..63, which only the later rows see: the first row's output is its own."""
+  rng = np.random.default_rng(RUN_SEED + 7)
+  q, keys, values, _ = _case(rng, 1, 4, 2, 2, 64, 32)
+  start = np.array([47])
+  got = _attend(q, keys, values, start, 2, splits=4, block_slots=16)
+  np.testing.assert_allclose(got, _reference(q, keys, values, start, 32 ** -0.5),
+                             rtol=2e-5, atol=2e-5)
+
+
+def test_split_slots_of_an_idle_sequence_and_copies():
+  """Split, a sequence before the cache gives zeros and one past its end the whole cache;
+  `copies` writes the merged output that many times."""
+  rng = np.random.default_rng(RUN_SEED + 8)
+  q, keys, values, _ = _case(rng, 2, 1, 2, 4, 64, 16)
+  start = np.array([-5, 1000])
+  got = _attend(q, keys, values, start, 4, splits=3, block_slots=16, copies=2)
+  assert got.shape == (4, 1, 8, 16)
+  np.testing.assert_array_equal(got[:2], got[2:])
+  np.testing.assert_array_equal(got[0], 0.0)
+  whole = _reference(q[1:], keys[1:], values[1:], np.array([63]), 0.25)
+  np.testing.assert_allclose(got[1], whole[0], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("batch, kv_heads, slots, chosen", [
+    (1, 8, 640, (10, 64)),    # Qwen3-8B at batch 1: one split per 64-slot block
+    (1, 4, 1024, (16, 64)),   # a tp = 2 shard at batch 1: at most MAX_SPLITS
+    (8, 4, 640, (8, 64)),     # a tp = 2 shard at batch 8: 32 pairs x 8 = 2 programs an SM
+    (33, 1, 640, (8, 64)),    # pairs a quarter of the SMs
+    (34, 1, 640, (1, None)),  # past a quarter: not split
+    (8, 8, 640, (1, None)),   # one GPU at batch 8: 64 pairs, measured no faster split
+    (1, 8, 384, (1, None)),   # a window under SPLIT_MIN_SLOTS
+])
+def test_splits_bring_the_programs_to_twice_the_sms(batch, kv_heads, slots, chosen):
+  assert short_lib.choose_splits(batch, kv_heads, slots, 132) == chosen
+
+
+def test_splits_off(monkeypatch):
+  monkeypatch.setattr(short_lib, "SPLITS", False)
+  assert short_lib.choose_splits(1, 8, 640, 132) == (1, None)
+
+
+def test_the_chosen_split_keeps_the_blocks_in_the_shared_memory(monkeypatch):
+  """256-wide float32 heads fit 32-slot blocks only: the split of a 384-slot window (6, one
+  per 64 slots) takes those, and gives the reference's output."""
+  monkeypatch.setattr(short_lib, "SPLIT_MIN_SLOTS", 128)
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  seen = []
+  call = short_lib.pl.pallas_call
+
+  def spy(kernel, **kw):
+    seen.append(kernel.keywords)
+    return call(kernel, **kw)
+  monkeypatch.setattr(short_lib.pl, "pallas_call", spy)
+  rng = np.random.default_rng(RUN_SEED + 9)
+  q, keys, values, start = _case(rng, 1, 1, 1, 2, 384, 256)
+  got = _attend(q, keys, values, start, 2, interpret=True)
+  assert seen[0]["block_slots"] == 32 and seen[0]["splits"] == 6
+  np.testing.assert_allclose(got, _reference(q, keys, values, start, 256 ** -0.5),
+                             rtol=2e-5, atol=2e-5)
+
+
 def test_short_attention_refuses_what_it_cannot_take():
   assert fits_heads(128) and not fits_heads(96) and not fits_heads(8)
   assert fits_kernel(640, 128, 64) and not fits_kernel(648, 128, 4)
@@ -88,6 +179,12 @@ def test_short_attention_refuses_what_it_cannot_take():
   with pytest.raises(ValueError, match="short_attention takes caches"):
     short_attention(jnp.zeros((1, 8, 96)), jnp.zeros((1, 2, 32, 96)), jnp.zeros((1, 2, 32, 96)),
                     jnp.zeros(1, jnp.int32), group=4, scale=1.0)
+  with pytest.raises(ValueError, match="splits must be 1 to the cache's 2 blocks"):
+    short_attention(jnp.zeros((1, 4, 32)), jnp.zeros((1, 1, 32, 32)), jnp.zeros((1, 1, 32, 32)),
+                    jnp.zeros(1, jnp.int32), group=4, scale=1.0, splits=3, block_slots=16)
+  with pytest.raises(ValueError, match="block_slots 24"):
+    short_attention(jnp.zeros((1, 4, 32)), jnp.zeros((1, 1, 48, 32)), jnp.zeros((1, 1, 48, 32)),
+                    jnp.zeros(1, jnp.int32), group=4, scale=1.0, block_slots=24)
   with pytest.raises(ValueError, match="short_attention takes q"):
     short_attention(jnp.zeros((1, 6, 32)), jnp.zeros((1, 4, 32, 32)), jnp.zeros((1, 4, 32, 32)),
                     jnp.zeros(1, jnp.int32), group=4, scale=1.0)

@@ -50,7 +50,7 @@ def merge_columns(splits: int, programs_per_column: int, latent_dim: int, num_sm
   return cols
 
 
-def _kernel(parts_ref, lse_ref, out_ref, *, splits: int, block_cols: int):
+def _kernel(parts_ref, lse_ref, out_ref, *, splits: int, block_cols: int, copies: int):
   col, row, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(pl.multiple_of(col * block_cols, block_cols), block_cols)
   padded = _pow2_at_least(splits)
@@ -64,18 +64,22 @@ def _kernel(parts_ref, lse_ref, out_ref, *, splits: int, block_cols: int):
   total = jnp.sum(weight_K)
   out_C = jnp.sum(weight_K[:, None] * parts_KC.astype(jnp.float32), axis=0)
   out_C = jnp.where(total > 0, out_C / jnp.where(total > 0, total, 1.0), 0.0)
-  out_ref[b, row, cols] = out_C.astype(out_ref.dtype)
+  batch = out_ref.shape[0] // copies
+  for c in range(copies):
+    out_ref[c * batch + b, row, cols] = out_C.astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_cols", "rows"))
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_cols", "rows",
+                                             "copies"))
 def merge_chunks(parts_BKRC: jax.Array, lse_BKR: jax.Array, *, dtype,
                  interpret: bool | None = None, block_cols: int | None = None,
-                 rows: int | None = None) -> jax.Array:
+                 rows: int | None = None, copies: int = 1) -> jax.Array:
   """[B, rows, C] in `dtype`: sum_k softmax_k(lse[b, k, r]) x parts[b, k, r, :] (float32
   sums) for the first `rows` rows (None: all R); rows no chunk saw (every lse -inf) give
   zeros. The rows past `rows` (a tile's padding, which the kernels need not write) are not
   read. C a multiple of 16. `interpret` None: interpret mode off a GPU; `block_cols` None:
-  `merge_columns`' choice."""
+  `merge_columns`' choice. `copies` > 1: [copies x B, rows, C], the output written that many
+  times over (copy c at rows c x B ..; short_attention's `copies`)."""
   b, splits, padded, latent_dim = parts_BKRC.shape
   if lse_BKR.shape != (b, splits, padded) or latent_dim % MIN_COLUMNS:
     raise ValueError(f"merge_chunks takes parts [B, K, R, C] and lse [B, K, R] with C a "
@@ -91,8 +95,8 @@ def merge_chunks(parts_BKRC: jax.Array, lse_BKR: jax.Array, *, dtype,
     raise ValueError(f"merge_chunks' column block {block_cols} does not divide C={latent_dim}")
   values = _pow2_at_least(splits) * block_cols
   return pl.pallas_call(
-      functools.partial(_kernel, splits=splits, block_cols=block_cols),
-      out_shape=jax.ShapeDtypeStruct((b, rows, latent_dim), dtype),
+      functools.partial(_kernel, splits=splits, block_cols=block_cols, copies=copies),
+      out_shape=jax.ShapeDtypeStruct((copies * b, rows, latent_dim), dtype),
       grid=(latent_dim // block_cols, rows, b),
       compiler_params=pltriton.CompilerParams(num_warps=max(1, min(4, values // 1024)),
                                               num_stages=1),

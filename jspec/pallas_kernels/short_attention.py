@@ -10,6 +10,14 @@ pays off at long contexts but adds kernels at short ones. Here one program per (
 head) reads that head's valid slots once, in blocks, with an online softmax, for all its query
 rows (the group's heads x the step's tokens): one kernel, nothing to merge.
 
+Where those programs are too few to fill the GPU (a batch of 1 to 8 over 4 to 8 KV heads a
+shard: 4 to 64 programs on 132 SMs), each one's slots are split over `splits` programs, which
+write their normalised partial outputs and log-sum-exps, merged by
+jspec.pallas_kernels.mla_merge's one-launch kernel. Why: a program's loop over its blocks is
+latency-bound (a block's loads, two dots and the softmax in sequence), so 5 blocks of 128
+slots took about as long over 8 programs as over 64 (7.1 against 9.6 us, an H100), and a
+tp = 2 shard, with half the programs, gained nothing from its half of the work.
+
 Query rows of one KV head are contiguous in `q_BRH` ([B, K x T x G, H], row t x G + g is head
 g of the group at token t): a decode step's q [B, 1, N, H] is that layout as it is. A row at
 token t sees slots 0 .. start + t (the step's own keys are in the cache already).
@@ -25,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jspec.pallas_kernels import platform
+from jspec.pallas_kernels import mla_merge, platform
 
 # The most slots a step may attend (its kv_window) for the layers to take the kernel: one
 # program reads a (sequence, KV head)'s slots alone, so a longer window would leave most SMs
@@ -39,6 +47,31 @@ MASKED = -1e30  # a score no slot keeps (finite: a row with no visible slot stay
 def fits_heads(head_dim: int) -> bool:
   """Whether a head is one Triton block."""
   return platform.triton_block(head_dim)
+
+
+# The split, from the kernel alone on an H200 (Qwen3-8B's heads, 576 of 640 slots seen;
+# BENCHMARKS.md, "Short-context attention split over programs"): 4 and 8 (sequence, KV head)
+# pairs took 7.6-8.1 us unsplit and 4.5-5.1 split 5 ways (the merge's 1.3-1.5 us included);
+# 32 pairs 8.6 against 7.4 split 8 ways in 64-slot blocks; 64 pairs gained nothing (10.7-14.3
+# against 9.2 us), nor did 2 blocks split in 2 (4.4-4.5 against 4.2-4.3 us). So: 64-slot
+# blocks, about two programs per SM, where pairs are at most a quarter of the SMs and the
+# window holds at least SPLIT_MIN_SLOTS; at most MAX_SPLITS (SPLITS False: never).
+SPLITS = True
+SPLIT_BLOCK_SLOTS = 64
+SPLIT_MIN_SLOTS = 512
+MAX_SPLITS = 16
+
+
+def choose_splits(batch: int, kv_heads: int, slots: int, num_sms: int) -> tuple[int, int | None]:
+  """(splits, block_slots) for a cache of `slots` read by batch x kv_heads pairs: (1, None)
+  where not split (one program per pair, `choose_block_slots`' blocks), else SPLIT_BLOCK_SLOTS
+  and as many splits as bring the programs to twice `num_sms`, at most one per block."""
+  pairs = batch * kv_heads
+  if (not SPLITS or pairs * 4 > num_sms or slots < SPLIT_MIN_SLOTS
+      or slots % SPLIT_BLOCK_SLOTS):
+    return 1, None
+  splits = min(2 * num_sms // pairs, slots // SPLIT_BLOCK_SLOTS, MAX_SPLITS)
+  return (splits, SPLIT_BLOCK_SLOTS) if splits > 1 else (1, None)
 
 
 def fits_kernel(slots: int, head_dim: int, rows_per_kv_head: int) -> bool:
@@ -71,8 +104,8 @@ def choose_block_slots(slots: int, head_dim: int, itemsize: int) -> int:
               MIN_ROWS)
 
 
-def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, rows: int, block_rows: int, group: int,
-            block_slots: int, slots: int, scale: float, copies: int):
+def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: int,
+            group: int, block_slots: int, slots: int, scale: float, copies: int, splits: int):
   b, head = pl.program_id(0), pl.program_id(1)
   row_ids = jnp.arange(block_rows)
   row_mask = row_ids < rows
@@ -83,6 +116,11 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, rows: int, block_rows: int
   # Blocks up to the last row's slot, within the cache (an idle sequence's position may lie
   # anywhere: its rows are dropped by the caller, but no read may leave the cache).
   blocks = jnp.clip((start + (rows - 1) // group) // block_slots + 1, 0, slots // block_slots)
+  first, last = 0, blocks
+  if splits > 1:  # this program's share of the blocks, the shares as even as they divide
+    per = (blocks + splits - 1) // splits
+    first = pl.program_id(2) * per
+    last = jnp.minimum(blocks, first + per)
   head_dim = q.shape[-1]
 
   def body(j, carry):
@@ -93,6 +131,9 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, rows: int, block_rows: int
     slot_ids = j * block_slots + jnp.arange(block_slots)
     scores = jnp.where(slot_ids[None, :] <= position[:, None], scores, MASKED)
     new_top = jnp.maximum(top, scores.max(axis=-1))
+    # A row that sees none of a split's slots (a verify window's earlier rows, in a split past
+    # their last slot) sums junk weights of 1 over MASKED scores here; its log-sum-exp is then
+    # MASKED + log(count), which the merge weighs exp(-1e30) = 0.
     probs = jnp.exp(scores - new_top[:, None])
     correction = jnp.exp(top - new_top)
     values = v_ref[b, head, slots, :]
@@ -101,16 +142,27 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, rows: int, block_rows: int
 
   init = (jnp.zeros((block_rows, head_dim), jnp.float32),
           jnp.full((block_rows,), MASKED, jnp.float32), jnp.zeros((block_rows,), jnp.float32))
-  acc, _, total = lax.fori_loop(0, blocks, body, init)
-  out = (acc / jnp.maximum(total, 1e-30)[:, None]).astype(o_ref.dtype)  # no slot seen: 0
+  acc, top, total = lax.fori_loop(first, last, body, init)
+  out = acc / jnp.maximum(total, 1e-30)[:, None]  # no slot seen: 0
+  if splits > 1:
+    parts_ref, lse_ref = out_refs
+    split = pl.program_id(2)
+    pltriton.store(parts_ref.at[b, split, q_rows, :], out, mask=row_mask[:, None])
+    lse = jnp.where(total > 0, top + jnp.log(jnp.maximum(total, 1e-30)), -jnp.inf)
+    pltriton.store(lse_ref.at[b, split, q_rows], lse, mask=row_mask)
+    return
+  o_ref, = out_refs
   batch = o_ref.shape[0] // copies
   for c in range(copies):
-    pltriton.store(o_ref.at[c * batch + b, q_rows, :], out, mask=row_mask[:, None])
+    pltriton.store(o_ref.at[c * batch + b, q_rows, :], out.astype(o_ref.dtype),
+                   mask=row_mask[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("group", "scale", "copies", "interpret"))
+@functools.partial(jax.jit, static_argnames=("group", "scale", "copies", "splits", "block_slots",
+                                             "interpret"))
 def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Array,
                     start_B: jax.Array, *, group: int, scale: float, copies: int = 1,
+                    splits: int | None = None, block_slots: int | None = None,
                     interpret: bool | None = None) -> jax.Array:
   """[B, K x T x G, H]: each query row's softmax(q k^T * scale) v over the slots it sees
   (0 .. start + t for token t), in q's dtype. q_BRH as the module docstring lays it out;
@@ -119,7 +171,11 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
   `copies` > 1: [copies x B, K x T x G, H], the output written that many times over (copy c
   at rows c x B ..). Why: a batch-1 tp step's one row goes to o_proj's K-slice partials as two
   equal rows (tensor_parallel.k_slice_partials), and a second store here costs less than the
-  kernel that would copy it."""
+  kernel that would copy it.
+
+  `splits`: programs each (sequence, KV head)'s slots are split over, merged after;
+  `block_slots`: slots per loop step. Both None: `choose_splits` for this GPU (never split off
+  a GPU); splits None alone: 1; block_slots None alone: `choose_block_slots`."""
   b, q_rows, head_dim = q_BRH.shape
   _, kv_heads, slots, _ = keys_BKSH.shape
   rows = q_rows // kv_heads
@@ -136,13 +192,34 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
                      f"head, got S={slots}, H={head_dim}, {rows} rows")
   if interpret is None:
     interpret = not platform.on_gpu()
+  fitting = choose_block_slots(slots, head_dim, keys_BKSH.dtype.itemsize)
+  if splits is None and block_slots is None:
+    splits, block_slots = choose_splits(b, kv_heads, slots, platform.num_sms())
+    block_slots = block_slots and min(block_slots, fitting)  # within the shared memory
+  if block_slots is None:
+    block_slots = fitting
+  elif slots % block_slots or block_slots % MIN_ROWS:
+    raise ValueError(f"block_slots {block_slots} must be a multiple of {MIN_ROWS} dividing "
+                     f"the cache's {slots} slots")
+  splits = splits or 1
+  if not 1 <= splits <= slots // block_slots:
+    raise ValueError(f"splits must be 1 to the cache's {slots // block_slots} blocks, got "
+                     f"{splits}")
   kernel = functools.partial(
       _kernel, rows=rows, block_rows=max(MIN_ROWS, 1 << (rows - 1).bit_length()),
-      group=group, block_slots=choose_block_slots(slots, head_dim, keys_BKSH.dtype.itemsize),
-      slots=slots, scale=scale, copies=copies)
-  return pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((copies * b, q_rows, head_dim), q_BRH.dtype),
-      grid=(b, kv_heads),
-      compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
-      interpret=interpret, name="short_attention",
-  )(start_B.astype(jnp.int32), q_BRH, keys_BKSH, values_BKSH)
+      group=group, block_slots=block_slots, slots=slots, scale=scale, copies=copies,
+      splits=splits)
+  params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+  start_B = start_B.astype(jnp.int32)
+  if splits == 1:
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((copies * b, q_rows, head_dim), q_BRH.dtype),
+        grid=(b, kv_heads), compiler_params=params, interpret=interpret,
+        name="short_attention")(start_B, q_BRH, keys_BKSH, values_BKSH)
+  parts_BKRH, lse_BKR = pl.pallas_call(
+      kernel, out_shape=(jax.ShapeDtypeStruct((b, splits, q_rows, head_dim), jnp.float32),
+                         jax.ShapeDtypeStruct((b, splits, q_rows), jnp.float32)),
+      grid=(b, kv_heads, splits), compiler_params=params, interpret=interpret,
+      name="short_attention_split")(start_B, q_BRH, keys_BKSH, values_BKSH)
+  return mla_merge.merge_chunks(parts_BKRH, lse_BKR, dtype=q_BRH.dtype, copies=copies,
+                                interpret=interpret)
