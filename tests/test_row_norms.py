@@ -17,6 +17,7 @@ from jspec.models.layers import rope
 from jspec.models.moe import MoE
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.pallas_kernels import platform
+from jspec.pallas_kernels.kv_write import write_kv
 from jspec.pallas_kernels.row_norms import (fits_heads, fits_kernel, inv_frequencies,
                                             qk_norm_rope, qkv_norm_rope,
                                             qkv_partials_norm_rope, rms_norm, row_chunk)
@@ -198,6 +199,47 @@ def test_qkv_partials_in_the_fused_layout_are_qkv_norm_rope_of_the_summed_produc
     for g, w in zip(got, want):
       assert g.dtype == dtype
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_keys_and_values_written_into_the_caches_are_kv_writes(seed):
+  """With `caches`, qkv_norm_rope (and its K-slice partials form) writes k and v into the KV
+  caches at the rows' positions instead of returning them: bit for bit the caches kv_write
+  gives with the arrays, positions outside the cache dropped, for decode (T = 1) and verify
+  windows (T = 3), a bfloat16 cache of float32 rows included; q as without."""
+  rng = np.random.default_rng(500 + seed)
+  b, t = int(rng.integers(1, 4)), [1, 3][seed % 2]
+  kv_heads, group, head_dim, slots = int(rng.integers(1, 4)), 2, 32, 24
+  rows = b * t
+  positions = rng.integers(0, slots, rows)
+  positions[int(rng.integers(rows))] = [slots + 3, -1][seed % 2]  # an idle row: dropped
+  positions = jnp.asarray(positions)
+  cache_dtype = [jnp.float32, jnp.bfloat16][seed // 3]
+  keys, values = (jnp.asarray(rng.standard_normal((b, kv_heads, slots, head_dim)), cache_dtype)
+                  for _ in "kv")
+  scales = [jnp.asarray(1 + 0.2 * rng.standard_normal(head_dim), jnp.float32) for _ in "qk"]
+  splits = 2
+  parts = jnp.asarray(rng.standard_normal((splits, kv_heads * (group + 2) * head_dim, rows)),
+                      jnp.float32)
+  summed = summed_partials(parts, rows, None, jnp.float32).reshape(rows, kv_heads, group + 2,
+                                                                   head_dim)
+  forms = [
+      lambda **kw: qkv_norm_rope(summed, positions, *scales, eps=EPS, theta=1e6, **kw),
+      lambda **kw: qkv_partials_norm_rope(parts, positions, None, *scales,
+                                          q_heads=kv_heads * group, kv_heads=kv_heads,
+                                          group=group, dtype=jnp.float32, eps=EPS, theta=1e6,
+                                          **kw)]
+  for form in forms:
+    q, k, v = form()
+    want = write_kv(keys, values, k.reshape(b, t, kv_heads, head_dim),
+                    v.reshape(b, t, kv_heads, head_dim), positions.reshape(b, t))
+    got_q, *got = form(caches=(keys, values))
+    np.testing.assert_array_equal(np.asarray(got_q), np.asarray(q))
+    for g, w in zip(got, want):
+      assert g.dtype == cache_dtype
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  with pytest.raises(ValueError, match="writes keys and values into caches"):
+    forms[0](caches=(keys[:, :, :, :16], values[:, :, :, :16]))
 
 
 def test_qkv_partials_norm_rope_refuses_partials_it_cannot_read():

@@ -118,7 +118,8 @@ def _norm_call(name: str, inputs, dtype, interpret, chunk: int, **form):
 
 
 def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int,
-               normed: bool, group: int | None, partials: bool = False, row_scaled: bool = False):
+               normed: bool, group: int | None, partials: bool = False, row_scaled: bool = False,
+               tokens: int | None = None):
   """Program (m, j): head j of row m, a query head for j < N, else key head j - N, else (the
   fused layout) value head j - N - K, copied as it is.
 
@@ -129,7 +130,10 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int
   partials: one float32 array [S, (N + 2K) x H, R], the K-slice partials of a q / k / v
   product, rows last, its heads in the fused layout's order where `group` is given, else q's,
   k's, v's (fp8_gemm.fp8_partials_many); each value their sum over S (times the row's scale
-  where row_scaled) cast to the outputs' type."""
+  where row_scaled) cast to the outputs' type.
+  tokens: the keys and values go into the KV caches [B, K, S, H] (aliased in and out) at row
+  m's position, as jspec.pallas_kernels.kv_write writes them (rows m = b x tokens + t, a
+  position outside the cache dropped), instead of out as arrays."""
   if partials:
     parts_ref, *refs = refs
     srcs = (parts_ref, parts_ref)
@@ -140,8 +144,20 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int
   q_scale_ref = k_scale_ref = None
   if normed:
     q_scale_ref, k_scale_ref, *refs = refs
+  if tokens is not None:
+    refs = refs[:-5] + refs[-3:]  # the caches' inputs are their outputs' buffers
   q_out_ref, k_out_ref, *v_out = refs
   m, j = pl.program_id(0), pl.program_id(1)
+  slot, b = pos_ref[m], m // (tokens or 1)
+
+  def store(ref, head, part, x):  # q's rows, and k's and v's where they go to no cache
+    if tokens is None or ref is q_out_ref:
+      ref[m, head, part] = x.astype(ref.dtype)
+      return
+
+    @pl.when((slot >= 0) & (slot < ref.shape[2]))
+    def _():
+      ref[b, head, slot, part] = x.astype(ref.dtype)
   half = freq_ref.shape[0]
   angle = pos_ref[m].astype(jnp.float32) * freq_ref[pl.ds(0, half)]
   cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -167,8 +183,8 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int
             * (b * inv_rms).astype(dtype).astype(jnp.float32)).astype(dtype)
     a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
     # rotate-half: [a, b] -> [a cos - b sin, b cos + a sin] (transformers' apply_rotary_pos_emb)
-    dst_ref[m, head, first] = (a * cos - b * sin).astype(dst_ref.dtype)
-    dst_ref[m, head, second] = (b * cos + a * sin).astype(dst_ref.dtype)
+    store(dst_ref, head, first, a * cos - b * sin)
+    store(dst_ref, head, second, b * cos + a * sin)
 
   # Each output head's head in its source: q's and k's arrays apart; the FP8 partials' q, k,
   # v heads one after another; the fused layout's groups of G query heads, key, value.
@@ -194,7 +210,7 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int
     @pl.when(j >= q_heads + kv_heads)
     def _():
       i = j - q_heads - kv_heads
-      v_out[0][m, i, :] = read(q_src, v_head(i), 0, 2 * half)
+      store(v_out[0], i, pl.ds(0, 2 * half), read(q_src, v_head(i), 0, 2 * half))
 
 
 def inv_frequencies(head_dim: int, theta: float) -> jax.Array:
@@ -210,9 +226,11 @@ def fits_heads(head_dim: int) -> bool:
 
 def _qk_call(name: str, heads, out_shape, positions_M, scales, *, q_heads: int, kv_heads: int,
              group: int | None, head_dim: int, eps: float, theta: float, interpret,
-             partials: bool = False, row_scaled: bool = False):
+             partials: bool = False, row_scaled: bool = False, caches=None):
   """The pallas_call of _qk_kernel over `heads` (its head inputs) after the checks both forms
-  share: both norm scales or neither, heads the kernel takes."""
+  share: both norm scales or neither, heads the kernel takes. `caches`: (keys, values) [B, K,
+  S, H] that the rows' keys and values go into (rows b x T + t), in place of out_shape's
+  last two: (q, keys, values)."""
   if (scales[0] is None) != (scales[1] is None):
     raise ValueError(f"{name} takes both norm scales or neither")
   if not fits_heads(head_dim):
@@ -220,17 +238,31 @@ def _qk_call(name: str, heads, out_shape, positions_M, scales, *, q_heads: int, 
   if interpret is None:
     interpret = not platform.on_gpu()
   normed = scales[0] is not None
+  rows = positions_M.shape[0]
+  tokens, aliases, cache_inputs = None, {}, ()
+  if caches is not None:
+    keys, values = caches
+    b, k, _, h = keys.shape
+    if (values.shape != keys.shape or (k, h) != (kv_heads, head_dim) or rows % b
+        or len(out_shape) != 3):
+      raise ValueError(f"{name} writes keys and values into caches [B, K, S, H] of its "
+                       f"{kv_heads} KV heads of {head_dim} for rows B x T, got "
+                       f"{keys.shape}, {values.shape} for {rows} rows")
+    tokens, cache_inputs = rows // b, (keys, values)
+    first = 2 + len(heads) + (2 if normed else 0)
+    aliases = {first: 1, first + 1: 2}
+    out_shape = (out_shape[0], jax.ShapeDtypeStruct(keys.shape, keys.dtype),
+                 jax.ShapeDtypeStruct(values.shape, values.dtype))
   kernel = functools.partial(_qk_kernel, eps=eps, q_heads=q_heads, kv_heads=kv_heads,
                              normed=normed, group=group, partials=partials,
-                             row_scaled=row_scaled)
-  rows = positions_M.shape[0]
+                             row_scaled=row_scaled, tokens=tokens)
   return pl.pallas_call(
       kernel, out_shape=out_shape,
       grid=(rows, q_heads + kv_heads * (len(out_shape) - 1)),  # a program per output head
       compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
-      interpret=interpret, name=name,
+      input_output_aliases=aliases, interpret=interpret, name=name,
   )(positions_M.astype(jnp.int32), inv_frequencies(head_dim, theta), *heads,
-    *(scales if normed else ()))
+    *(scales if normed else ()), *cache_inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "theta", "interpret"))
@@ -255,11 +287,14 @@ def qk_norm_rope(q_MNH: jax.Array, k_MKH: jax.Array, positions_M: jax.Array,
 @functools.partial(jax.jit, static_argnames=("eps", "theta", "interpret"))
 def qkv_norm_rope(qkv_MKCH: jax.Array, positions_M: jax.Array,
                   q_scale_H: jax.Array | None = None, k_scale_H: jax.Array | None = None, *,
-                  eps: float = 1e-6, theta: float, interpret: bool | None = None):
+                  eps: float = 1e-6, theta: float, interpret: bool | None = None,
+                  caches: tuple | None = None):
   """qk_norm_rope on a fused q / k / v product [M, K, G + 2, H] (for each KV head its G query
   heads, its key, its value: jspec.models.qkv_fusion): (q [M, K x G, H], k [M, K, H], v
   [M, K, H]), q and k normed and rotated, v as it is. One kernel where slicing q, k and v
-  out of the product would take three more."""
+  out of the product would take three more. `caches` (keys, values) [B, K, S, H]: k and v
+  written into them at the rows' positions instead (rows b x T + t; kv_write's writes, in
+  the same kernel): (q, keys, values)."""
   rows, kv_heads, width, head_dim = qkv_MKCH.shape
   group = width - 2
   if positions_M.shape != (rows,) or group < 1:
@@ -270,7 +305,8 @@ def qkv_norm_rope(qkv_MKCH: jax.Array, positions_M: jax.Array,
   return _qk_call("qkv_norm_rope", (qkv_MKCH.reshape(rows, kv_heads * width, head_dim),),
                   (row_heads(q_heads), row_heads(kv_heads), row_heads(kv_heads)),
                   positions_M, (q_scale_H, k_scale_H), q_heads=q_heads, kv_heads=kv_heads,
-                  group=group, head_dim=head_dim, eps=eps, theta=theta, interpret=interpret)
+                  group=group, head_dim=head_dim, eps=eps, theta=theta, interpret=interpret,
+                  caches=caches)
 
 
 @functools.partial(jax.jit,
@@ -281,14 +317,15 @@ def qkv_partials_norm_rope(parts_SNR: jax.Array, positions_M: jax.Array,
                            q_scale_H: jax.Array | None = None,
                            k_scale_H: jax.Array | None = None, *, q_heads: int, kv_heads: int,
                            dtype, eps: float = 1e-6, theta: float, group: int | None = None,
-                           interpret: bool | None = None):
+                           interpret: bool | None = None, caches: tuple | None = None):
   """qk_norm_rope on the K-slice partials of one call for q, k and v ([S, (N + 2K) x H, R]
   float32, R >= M rows): q's N heads, k's K, v's K (fp8_gemm.fp8_partials_many), or with
   `group` G = N / K the fused layout's K groups of G query heads, key, value
   (jspec.models.qkv_fusion). Each value is the sum of its S partials times its row's scale
   (where given), cast to `dtype`, as one product gives q, k and v; then (q [M, N, H], k
   [M, K, H], v [M, K, H]) as qk_norm_rope gives q and k, v as it is. The sums are read where
-  they are used: no kernel of their own, no pass of XLA's over q, k and v."""
+  they are used: no kernel of their own, no pass of XLA's over q, k and v. `caches`: as
+  qkv_norm_rope's."""
   splits, width, padded = parts_SNR.shape
   rows = positions_M.shape[0]
   head_dim = width // (q_heads + 2 * kv_heads)
@@ -306,4 +343,4 @@ def qkv_partials_norm_rope(parts_SNR: jax.Array, positions_M: jax.Array,
                   (row_heads(q_heads), row_heads(kv_heads), row_heads(kv_heads)),
                   positions_M, (q_scale_H, k_scale_H), q_heads=q_heads, kv_heads=kv_heads,
                   group=group, head_dim=head_dim, eps=eps, theta=theta, interpret=interpret,
-                  partials=True, row_scaled=row_scale_M is not None)
+                  partials=True, row_scaled=row_scale_M is not None, caches=caches)
