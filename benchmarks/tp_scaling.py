@@ -81,6 +81,9 @@ def main():
                       help="layers.DOUBLED_ROW off: a batch-1 tp step's row concatenated with "
                            "itself for o_proj's K-slice partials, instead of written twice by "
                            "the attention kernel")
+  parser.add_argument("--no-fused-kv-write", action="store_true",
+                      help="layers.FUSED_KV_WRITE off: a step's keys and values written by the "
+                           "KV write kernel instead of the q / k / v kernel")
   parser.add_argument("--no-attention-splits", action="store_true",
                       help="short_attention.SPLITS off: one attention program per (sequence, "
                            "KV head), its slots not split over programs and merged")
@@ -112,6 +115,8 @@ def main():
     layers.DOUBLED_ROW = False
   if args.no_attention_splits:
     short_attention.SPLITS = False
+  if args.no_fused_kv_write:
+    layers.FUSED_KV_WRITE = False
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.
@@ -153,7 +158,7 @@ def main():
                  variant=args.variant, k_slices=TensorParallelProducts.k_slices,
                  qkv_k_slices=row_kernels.QKV_K_SLICES, router_plan=moe.ROUTER_PLAN,
                  norm_router=moe.NORM_ROUTER, doubled_row=layers.DOUBLED_ROW,
-                 attention_splits=short_attention.SPLITS,
+                 attention_splits=short_attention.SPLITS, fused_kv_write=layers.FUSED_KV_WRITE,
                  method=args.method + ("-tree" if args.tree else ""), batch=batch,
                  tokens_per_second=round(mid.tokens_per_second, 1),
                  tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),

@@ -13,12 +13,14 @@ from flax import nnx
 import jspec
 from jspec.bench.presets import PRESETS
 from jspec.bench.steps import StepTimer
-from jspec.models import gated_deltanet, layers, linear, mlp
+from jspec.models.caches import KVCache
+from jspec.models import gated_deltanet, layers, linear, mlp, row_kernels
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import Attention
 from jspec.models.mlp import MLP
 from jspec.models.mla import MLAttention
 from jspec.pallas_kernels import fp8_experts, fp8_gemm, platform
+from jspec.sharding.rules import ShardingRules
 
 
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
@@ -210,8 +212,8 @@ def test_fp8_q_k_v_partials_summed_in_the_norm_kernel_equal_the_scaled_xla_produ
     monkeypatch):
   """With the row kernels on, a plain attention layer's q, k and v are one FP8 kernel call
   whose K-slice partials the q / k norm and RoPE kernel sums as it reads them
-  (row_norms.qkv_partials_norm_rope: no sum of XLA's), and its keys and values go into the
-  cache through the write kernel; decode and the n-gram verify windows give the CPU
+  (row_norms.qkv_partials_norm_rope: no sum of XLA's), which also writes its keys and values
+  into the cache (no KV write kernel); decode and the n-gram verify windows give the CPU
   configuration's logits and tokens."""
   cpu = _qwen3_llm()
   with monkeypatch.context() as patch:
@@ -228,7 +230,46 @@ def test_fp8_q_k_v_partials_summed_in_the_norm_kernel_equal_the_scaled_xla_produ
     patch.setattr(fp8_gemm, "_products", summed_products)
     project = str(jax.make_jaxpr(attn._project_rotated)(x, jnp.zeros((2, 3), jnp.int32)))
   assert "qkv_partials_norm_rope" in project
+  zeros = jnp.zeros((2, attn.num_kv_heads, 32, attn.head_dim), jnp.float32)
+  step = str(jax.make_jaxpr(lambda x, c: attn(x, jnp.zeros((2, 3), jnp.int32), c, 32))(
+      x, KVCache(zeros, zeros)))
+  assert "qkv_partials_norm_rope" in step and "write_kv" not in step
   _assert_same_outputs(cpu, gpu, max_tokens=4)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_q_k_v_kernel_writes_the_caches_as_the_kv_write_kernel(monkeypatch, tp):
+  """sharded_fp8_qkv_norm_rope(caches=): q as without, the caches those kv_write gives with
+  its k and v, bit for bit: from the same kernel where the cache's KV heads are whole (tp = 1),
+  by kv_write where tp splits them (the FP8 call's heads are whole on every shard). At tp = 2
+  the FP8 call's partials are XLA's product of the scaled weights (one slice): the Mosaic GPU
+  interpreter runs on one device."""
+  if tp > 1:
+    def one_slice(x_MK, w8s, scales, lanes):
+      w = jnp.concatenate([w.astype(jnp.float32) * jnp.repeat(s, 128, 0)[:, :1]
+                           for w, s in zip(w8s, scales)])
+      return (x_MK @ w.T).T[None], None
+    monkeypatch.setattr(fp8_gemm, "fp8_partials_many", one_slice)
+  mesh, rules = jspec.MeshConfig(tp=tp).make_mesh(), ShardingRules()
+  call = row_kernels.sharded_fp8_qkv_norm_rope(mesh, rules, 1e-6, 1e6, interpret=True)
+  rng = np.random.default_rng(7)
+  b, t, d, h, kv_heads, q_heads, slots = 2, 3, 128, 128, 2, 4, 16
+  w8s = tuple(jnp.asarray(rng.standard_normal((n * h, d)) * 0.3, jnp.float8_e4m3fn)
+              for n in (q_heads, kv_heads, kv_heads))
+  scales = tuple(jnp.asarray(rng.uniform(0.5, 2, (n, 1)), jnp.float32)
+                 for n in (q_heads, kv_heads, kv_heads))
+  x = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+  positions = jnp.asarray([[3, 4, 5], [slots + 2, 0, 1]])  # one out of the cache: dropped
+  norms = [jnp.asarray(1 + 0.1 * rng.standard_normal(h), jnp.float32) for _ in "qk"]
+  caches = tuple(jnp.asarray(rng.standard_normal((b, kv_heads, slots, h)), jnp.float32)
+                 for _ in "kv")
+  args = (x, w8s, scales, None, positions, *norms)
+  q, k, v = call(*args, q_heads=q_heads, kv_heads=kv_heads)
+  want = row_kernels.sharded_kv_write(mesh, rules, True)(*caches, k, v, positions)
+  got_q, *got = call(*args, q_heads=q_heads, kv_heads=kv_heads, caches=caches)
+  np.testing.assert_array_equal(np.asarray(got_q), np.asarray(q))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 @pytest.mark.gpu

@@ -12,7 +12,9 @@ import pytest
 from flax import nnx
 
 import jspec
-from jspec.models import row_kernels
+from jspec.models import layers, row_kernels
+from jspec.models.caches import KVCache
+from jspec.models.tree_attention import TreeLayout, tree_layout
 from jspec.models.layers import rope
 from jspec.models.moe import MoE
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
@@ -336,6 +338,28 @@ def test_the_steps_run_the_kernels_where_the_backend_sets_them():
   positions = jnp.zeros((2, 3), jnp.int32)
   project = str(jax.make_jaxpr(layer.attn._project_rotated)(x, positions))
   assert "qkv_norm_rope" in project and "qk_norm_rope" not in project.replace("qkv_norm", "")
+
+
+def test_the_q_k_v_kernel_writes_the_cache_where_nothing_reads_k_and_v_apart(monkeypatch):
+  """A decode or verify step's keys and values go into the cache from the q / k / v kernel
+  (no KV write kernel); with layers.FUSED_KV_WRITE off, and in a token tree's step (its own
+  slots), the KV write kernel writes them. The tokens of these steps are checked against XLA's
+  path by the tests below (vanilla, MTP, meshes, K slices)."""
+  attn = _llm("qwen3_dense", "pallas").target.layers[0].attn
+  b, t = 2, 3
+  x = jnp.ones((b, t, attn.qkv_proj.shape[0]), jnp.float32)
+  zeros = jnp.zeros((b, attn.num_kv_heads, 64, attn.head_dim), jnp.float32)
+  cache = KVCache(zeros, zeros)
+  # a new function each time: make_jaxpr keeps a function's trace
+  trace = lambda: str(jax.make_jaxpr(lambda x, c: attn(x, jnp.zeros((b, t), jnp.int32), c,
+                                                       64))(x, cache))
+  fused = trace()
+  assert "qkv_norm_rope" in fused and "write_kv" not in fused
+  chain = TreeLayout((0, 1, 2), ((True, False, False), (True, True, False), (True,) * 3))
+  with tree_layout(chain):  # a tree's window of t tokens
+    assert "write_kv" in trace()
+  monkeypatch.setattr(layers, "FUSED_KV_WRITE", False)
+  assert "write_kv" in trace()
 
 
 @pytest.mark.parametrize("name", ["qwen3_dense", "qwen3_5_text", "qwen3_moe"])

@@ -9,6 +9,8 @@ G query heads per kv head, H head dim, V vocabulary.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -29,14 +31,14 @@ from jspec.pallas_kernels import short_attention as short_kernel
 # Whether a batch-1 tp step's row goes to o_proj's K-slice partials written twice by the
 # attention kernel (Attention._doubles_row); off: concatenated with itself (benchmarks time both).
 DOUBLED_ROW = True
+# Whether the q / k / v kernel writes a step's keys and values into the cache itself, one
+# kernel fewer a layer (Attention._writes_kv); off: the KV write kernel's (benchmarks time both).
+FUSED_KV_WRITE = True
 
 
 def write_cache(cache_BKSH, new_BTKH, positions_BT):
-  """Scatters the new keys (or values) into each sequence's slots at their absolute positions.
-
-  The caller guarantees positions < S (the loop stops a sequence before its verify window
-  could pass the cache bucket), so no write is ever clamped or dropped.
-  """
+  """Scatters the new keys (or values) into each sequence's slots at their absolute positions,
+  all < S (the loop stops a sequence before its verify window could pass the cache bucket)."""
   return write_slots(cache_BKSH, new_BTKH, positions_BT, slot_axis=2)
 
 
@@ -185,7 +187,9 @@ class Attention(nnx.Module):
     and stale slots past p (rejected drafts, padding) are never read. Only the first
     `kv_window` slots are read (static): prefill from position 0 needs no more than its bucket.
     """
-    q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project_rotated(x_BTD, positions_BT)
+    q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project_rotated(x_BTD, positions_BT, cache)
+    if isinstance(k_BTKH, KVCache):  # k and v went into the cache with q (_writes_kv)
+      cache, k_BTKH, v_BTKH = k_BTKH, None, None
     tokens = q_BTNH.shape[1]
     out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window,
                                    copies=2 if self._doubles_row(q_BTNH) else 1)
@@ -203,35 +207,42 @@ class Attention(nnx.Module):
 
   def _doubles_row(self, q_BTNH) -> bool:
     """Whether a batch-1 step's one row goes to o_proj's tp product as the two equal rows its
-    K-slice partials take (tensor_parallel.k_slice_partials), written twice by the
-    short-context attention kernel instead of concatenated after it: one kernel fewer a
-    layer (BENCHMARKS.md, "A batch-1 tp step's row written twice …"). On one GPU, where
-    o_proj's one-row product is a two-row GEMM (skinny_gemm.ONE_ROW), the same rows were
-    measured no faster: XLA then split the GEMM's K and added a sum kernel of its own in
-    place of the concatenate and the slice."""
+    K-slice partials take, written twice by the short-context attention kernel instead of
+    concatenated after it: one kernel fewer a layer (BENCHMARKS.md, "A batch-1 tp step's row
+    written twice …"; on one GPU the same was measured no faster)."""
     b, t = q_BTNH.shape[:2]
     return (DOUBLED_ROW and b * t == 1 and self.short_attention is not None
             and self.tp_products is not None and self.o_proj_scale is None
             and not self.has_o_bias
             and self.tp_products.takes_doubled_row(self.o_proj.shape[0] * self.o_proj.shape[1]))
 
-  def _project_rotated(self, x_BTD, positions_BT):
-    """(q, k normed and rotated, v, gate): where `qkv_kernel` (or `fp8_qkv_kernel`) is set and
-    the step has few rows, q and k rotated and v taken out in one kernel."""
+  def _writes_kv(self, x_BTD) -> bool:
+    """Whether the q / k / v kernel writes the step's keys and values into the cache: where the
+    KV write kernel would and nothing reads them apart (trees, window kernels, KV replicas)."""
+    return (FUSED_KV_WRITE and self.kv_write is not None and self.kv_replicas == 1
+            and self.window_attention is None and active_layout(x_BTD.shape[1]) is None)
+
+  def _project_rotated(self, x_BTD, positions_BT, cache: KVCache | None = None):
+    """(q, k normed and rotated, v, gate): one kernel where `qkv_kernel` (or `fp8_qkv_kernel`)
+    takes the step; given the `cache` where _writes_kv, (q, the cache written, None, None)."""
+    kernel = None
     if self.qkv_kernel is not None and takes_rows(x_BTD, ndim=3):
-      return (*self.qkv_kernel(x_BTD, self.qkv_proj[...], self._fused_product, positions_BT,
-                               *self._norm_scales()), None)
-    if self.fp8_qkv_kernel is not None and fp8_rows_fit(self, x_BTD, QKV_NAMES):
-      return (*self.fp8_qkv_kernel(x_BTD, *fp8_operands(self, QKV_NAMES, x_BTD.shape[-1]),
-                                   positions_BT, *self._norm_scales(),
-                                   q_heads=self.q_proj.shape[0],
-                                   kv_heads=self.k_proj.shape[0]), None)
+      kernel = functools.partial(self.qkv_kernel, x_BTD, self.qkv_proj[...],
+                                 self._fused_product, positions_BT, *self._norm_scales())
+    elif self.fp8_qkv_kernel is not None and fp8_rows_fit(self, x_BTD, QKV_NAMES):
+      kernel = functools.partial(
+          self.fp8_qkv_kernel, x_BTD, *fp8_operands(self, QKV_NAMES, x_BTD.shape[-1]),
+          positions_BT, *self._norm_scales(), q_heads=self.q_proj.shape[0],
+          kv_heads=self.k_proj.shape[0])
+    if kernel is not None:
+      written = cache is not None and self._writes_kv(x_BTD)
+      q_BTNH, *kv = kernel(caches=(cache.keys, cache.values) if written else None)
+      return (q_BTNH, KVCache(*kv), None, None) if written else (q_BTNH, *kv, None)
     q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project(x_BTD)
     return (*self._norm_and_rope(q_BTNH, k_BTKH, positions_BT), v_BTKH, gate_BTNH)
 
   def _norm_scales(self):
-    return ((self.q_norm.scale[...], self.k_norm.scale[...]) if self.use_qk_norm
-            else (None, None))
+    return (self.q_norm.scale[...], self.k_norm.scale[...]) if self.use_qk_norm else (None,) * 2
 
   def _norm_and_rope(self, q_BTNH, k_BTKH, positions_BT):
     """q and k normed over head_dim (where the family does) and rotated: one kernel where
@@ -298,7 +309,10 @@ class Attention(nnx.Module):
     return self._xla_attention(q_BTNH, cache_k, cache_v, visible_BTS, kv_window), cache
 
   def _write_kv(self, cache: KVCache, k_BTKH, v_BTKH, slots_BT) -> KVCache:
-    """The cache with the step's keys and values at `slots_BT` [B, T]."""
+    """The cache with the step's keys and values at `slots_BT` [B, T] (None: written with q,
+    _writes_kv)."""
+    if k_BTKH is None:
+      return cache
     if self.kv_write is not None and takes_rows(k_BTKH, ndim=4):
       return KVCache(*self.kv_write(cache.keys, cache.values, k_BTKH, v_BTKH, slots_BT))
     return KVCache(write_cache(cache.keys, k_BTKH, slots_BT),

@@ -22,7 +22,7 @@ import functools
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jspec.sharding.rules import ShardingRules
+from jspec.sharding.rules import ShardingRules, mesh_axes
 
 NORM_BACKENDS = ("auto", "xla", "pallas")
 # The most rows (tokens of a step) that go to the kernels: decode, verify and draft steps.
@@ -112,55 +112,68 @@ def qkv_k_slices() -> int:
 def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: float,
                           interpret: bool, k_slices: int = 0):
   """(x [B, T, D], qkv_proj [D, K, G + 2, H], product, positions [B, T], q and k norm scales
-  [H] or None) -> (q [B, T, N, H], k, v [B, T, K, H]): the fused q / k / v product's q and k
-  normed and rotated and its v taken out, in one kernel (jspec.pallas_kernels.row_norms),
-  KV heads split over the mesh as the product leaves them. The kernel reads `product(x)`
-  ([B, T, K, G + 2, H]), or with `k_slices` and QKV_SLICE_MIN_ROWS to QKV_SLICE_ROWS rows a
-  shard, x and the weight's product as that many K slices' float32 partials, which it sums as
-  it reads them (a one-row step keeps its one-row product)."""
+  [H] or None, caches=None) -> (q [B, T, N, H], k, v [B, T, K, H]): the fused q / k / v
+  product's q and k normed and rotated and its v taken out, in one kernel
+  (jspec.pallas_kernels.row_norms), KV heads split over the mesh as the product leaves them.
+  The kernel reads `product(x)` ([B, T, K, G + 2, H]), or with `k_slices` and
+  QKV_SLICE_MIN_ROWS to QKV_SLICE_ROWS rows a shard, x and the weight's product as that many
+  K slices' float32 partials, which it sums as it reads them (a one-row step keeps its
+  one-row product). With `caches` (keys, values [B, K, S, H], laid out as the KV cache): k
+  and v written into them at the positions instead, (q, keys, values)."""
   from jspec.pallas_kernels.row_norms import qkv_norm_rope, qkv_partials_norm_rope
   from jspec.sharding.tensor_parallel import k_slice_partials
   qkv = rules.spec(("batch", "seq", "kv_heads", None, None))
   q = rules.spec(("batch", "seq", "q_heads", None))
   kv = rules.spec(("batch", "seq", "kv_heads", None))
   x = rules.spec(("batch", "seq", None))
+  cache = rules.spec(("batch", "kv_heads", "cache_seq", "head_dim"))
   # qkv_fusion.QKV_AXES with D and H whole, as they are where slices run (that module imports
   # this one's callers, so its name is not imported here)
   weight = rules.spec((None, "kv_heads", None, None))
   positions = rules.spec(("batch", "seq"))
 
-  def outputs(q_out, k_out, v_out, b, t):
-    return (q_out.reshape(b, t, -1, q_out.shape[-1]), k_out.reshape(b, t, *k_out.shape[1:]),
-            v_out.reshape(b, t, *v_out.shape[1:]))
+  def outputs(outs, b, t, caches):
+    q_out, *kv_out = outs
+    q_out = q_out.reshape(b, t, -1, q_out.shape[-1])
+    if caches is not None:
+      return q_out, *kv_out
+    return q_out, *(out.reshape(b, t, *out.shape[1:]) for out in kv_out)
 
-  def per_shard(qkv_BTKCH, positions_BT, q_scale, k_scale):
+  def per_shard(qkv_BTKCH, positions_BT, q_scale, k_scale, caches=None):
     b, t, k, c, h = qkv_BTKCH.shape
-    return outputs(*qkv_norm_rope(qkv_BTKCH.reshape(b * t, k, c, h),
-                                  positions_BT.reshape(b * t), q_scale, k_scale, eps=eps,
-                                  theta=theta, interpret=interpret), b, t)
+    return outputs(qkv_norm_rope(qkv_BTKCH.reshape(b * t, k, c, h),
+                                 positions_BT.reshape(b * t), q_scale, k_scale, eps=eps,
+                                 theta=theta, interpret=interpret, caches=caches), b, t, caches)
 
-  def sliced_shard(x_BTD, w_DKCH, positions_BT, q_scale, k_scale):
+  def sliced_shard(x_BTD, w_DKCH, positions_BT, q_scale, k_scale, caches=None):
     (b, t, d), (_, k, c, h) = x_BTD.shape, w_DKCH.shape
     parts_SNR = k_slice_partials(x_BTD.reshape(b * t, d), w_DKCH.reshape(d, -1), k_slices,
                                  rows_last=True)
-    return outputs(*qkv_partials_norm_rope(
+    return outputs(qkv_partials_norm_rope(
         parts_SNR, positions_BT.reshape(b * t), None, q_scale, k_scale, q_heads=k * (c - 2),
         kv_heads=k, group=c - 2, dtype=x_BTD.dtype, eps=eps, theta=theta,
-        interpret=interpret), b, t)
+        interpret=interpret, caches=caches), b, t, caches)
 
   whole = PartitionSpec()
-  plain = jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv, positions, whole, whole),
-                        out_specs=(q, kv, kv), check_vma=False)
-  sliced = jax.shard_map(sliced_shard, mesh=mesh,
-                         in_specs=(x, weight, positions, whole, whole),
-                         out_specs=(q, kv, kv), check_vma=False)
 
-  def call(x_BTD, w_DKCH, product, positions_BT, q_scale, k_scale):
+  @functools.cache
+  def sharded(sliced: bool, cached: bool):
+    inputs = (x, weight) if sliced else (qkv,)
+    return jax.shard_map(sliced_shard if sliced else per_shard, mesh=mesh,
+                         in_specs=(*inputs, positions, whole, whole) + (((cache, cache),)
+                                                                        if cached else ()),
+                         out_specs=(q, cache, cache) if cached else (q, kv, kv),
+                         check_vma=False)
+
+  def call(x_BTD, w_DKCH, product, positions_BT, q_scale, k_scale, caches=None):
     b, t = NamedSharding(mesh, x).shard_shape(x_BTD.shape)[:2]
+    extra = () if caches is None else (tuple(caches),)
     if (k_slices > 1 and QKV_SLICE_MIN_ROWS <= b * t <= QKV_SLICE_ROWS
         and x_BTD.shape[-1] % (k_slices * QKV_SLICE_K) == 0):
-      return sliced(x_BTD, w_DKCH, positions_BT, q_scale, k_scale)
-    return plain(product(x_BTD), positions_BT, q_scale, k_scale)
+      return sharded(True, caches is not None)(x_BTD, w_DKCH, positions_BT, q_scale, k_scale,
+                                               *extra)
+    return sharded(False, caches is not None)(product(x_BTD), positions_BT, q_scale, k_scale,
+                                              *extra)
   return call
 
 
@@ -171,34 +184,48 @@ def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, thet
   (q [B, T, N, H], k, v [B, T, K, H]): one FP8 kernel call for q, k and v
   (fp8_gemm.fp8_partials_many) whose K-slice partials go straight into the q / k norm and
   RoPE kernel, which sums them as it reads them (row_norms.qkv_partials_norm_rope). Per batch
-  shard, the weights whole on every shard (as the FP8 products run)."""
+  shard, the weights whole on every shard (as the FP8 products run). With `caches` (keys,
+  values [B, K, S, H]): k and v written into them instead, (q, keys, values), by the same
+  kernel where the cache's KV heads are whole on every shard (else by kv_write's)."""
   from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
   from jspec.pallas_kernels.row_norms import qkv_partials_norm_rope
   x = rules.spec(("batch", "seq", None))
   heads = rules.spec(("batch", "seq", None, None))
   positions = rules.spec(("batch", "seq"))
+  cache = rules.spec(("batch", "kv_heads", "cache_seq", "head_dim"))
   whole = PartitionSpec()
+  kv_split = any(mesh.shape[a] > 1 for a in mesh_axes(rules.kv_heads))
+  write = sharded_kv_write(mesh, rules, interpret)
 
-  def per_shard(x_BTD, w8s, scales, lanes, positions_BT, q_scale, k_scale, *, q_heads,
-                kv_heads):
+  def per_shard(x_BTD, w8s, scales, lanes, positions_BT, q_scale, k_scale, caches=None, *,
+                q_heads, kv_heads):
     b, t, d = x_BTD.shape
     parts_SNR, row_scale_M = fp8_partials_many(x_BTD.reshape(b * t, d), w8s, scales, lanes)
-    outs = qkv_partials_norm_rope(parts_SNR, positions_BT.reshape(b * t), row_scale_M,
-                                  q_scale, k_scale, q_heads=q_heads, kv_heads=kv_heads,
-                                  dtype=x_BTD.dtype, eps=eps, theta=theta, interpret=interpret)
-    return tuple(out.reshape(b, t, *out.shape[1:]) for out in outs)
+    q_out, *kv_out = qkv_partials_norm_rope(
+        parts_SNR, positions_BT.reshape(b * t), row_scale_M, q_scale, k_scale,
+        q_heads=q_heads, kv_heads=kv_heads, dtype=x_BTD.dtype, eps=eps, theta=theta,
+        interpret=interpret, caches=caches)
+    rows = lambda out: out.reshape(b, t, *out.shape[1:])
+    return rows(q_out), *(kv_out if caches is not None else map(rows, kv_out))
 
   @functools.cache
-  def for_heads(q_heads, kv_heads):
+  def for_heads(q_heads, kv_heads, cached: bool):
     return jax.shard_map(
         functools.partial(per_shard, q_heads=q_heads, kv_heads=kv_heads), mesh=mesh,
-        in_specs=(x, whole, whole, whole, positions, whole, whole),
-        out_specs=(heads, heads, heads), check_vma=False)
+        in_specs=(x, whole, whole, whole, positions, whole, whole) + (((cache, cache),)
+                                                                      if cached else ()),
+        out_specs=(heads, cache, cache) if cached else (heads, heads, heads), check_vma=False)
 
-  def call(x_BTD, w8s, scales, lanes, positions_BT, q_scale, k_scale, *, q_heads, kv_heads):
-    return for_heads(q_heads, kv_heads)(x_BTD, tuple(w8s), tuple(scales),
-                                        None if lanes is None else tuple(lanes),
-                                        positions_BT, q_scale, k_scale)
+  def call(x_BTD, w8s, scales, lanes, positions_BT, q_scale, k_scale, *, q_heads, kv_heads,
+           caches=None):
+    fused = caches is not None and not kv_split
+    outs = for_heads(q_heads, kv_heads, fused)(
+        x_BTD, tuple(w8s), tuple(scales), None if lanes is None else tuple(lanes),
+        positions_BT, q_scale, k_scale, *((tuple(caches),) if fused else ()))
+    if caches is None or fused:
+      return outs
+    q_BTNH, k_BTKH, v_BTKH = outs  # whole KV heads a shard, the cache's split: kv_write's
+    return q_BTNH, *write(*caches, k_BTKH, v_BTKH, positions_BT)
 
   return call
 
