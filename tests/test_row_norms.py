@@ -537,3 +537,29 @@ def test_gpu_qkv_partials_in_the_fused_layout_at_model_shapes(rows, kv_heads, gr
     g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
     top = np.abs(w).max(axis=(1, 2), keepdims=True)
     assert np.all(np.abs(g - w) <= top * 2.0 ** -7) and np.mean(g == w) > 0.98
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, t, kv_heads", [(1, 1, 8), (8, 1, 4), (2, 4, 8)])
+def test_gpu_keys_and_values_written_into_bfloat16_caches_are_kv_writes(b, t, kv_heads):
+  """Compiled: the K-slice partials form at Qwen3-8B's heads (a tp = 2 shard's at batch 8)
+  writing k and v into 640-slot bf16 caches gives, bit for bit, the caches kv_write gives
+  with its k and v, and the same q."""
+  rng = np.random.default_rng(b * 10 + t)
+  rows, group = b * t, 4
+  parts = jnp.asarray(rng.standard_normal((4, kv_heads * (group + 2) * 128, max(rows, 2))),
+                      jnp.float32)
+  positions = jnp.asarray(rng.integers(0, 640, rows))
+  scale = jnp.asarray(1 + 0.2 * rng.standard_normal(128), jnp.bfloat16)
+  caches = tuple(jnp.asarray(rng.standard_normal((b, kv_heads, 640, 128)), jnp.bfloat16)
+                 for _ in "kv")
+  call = functools.partial(qkv_partials_norm_rope, parts, positions, None, scale, scale,
+                           q_heads=kv_heads * group, kv_heads=kv_heads, group=group,
+                           dtype=jnp.bfloat16, eps=EPS, theta=1e6)
+  q, k, v = call()
+  want = write_kv(*caches, k.reshape(b, t, kv_heads, 128), v.reshape(b, t, kv_heads, 128),
+                  positions.reshape(b, t))
+  got_q, *got = call(caches=caches)
+  np.testing.assert_array_equal(np.asarray(got_q, np.float32), np.asarray(q, np.float32))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
