@@ -148,18 +148,18 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int
     refs = refs[:-5] + refs[-3:]  # the caches' inputs are their outputs' buffers
   q_out_ref, k_out_ref, *v_out = refs
   m, j = pl.program_id(0), pl.program_id(1)
-  slot, b = pos_ref[m], m // (tokens or 1)
+  position = pos_ref[m]  # the row's RoPE position, and its cache slot where `tokens`
 
   def store(ref, head, part, x):  # q's rows, and k's and v's where they go to no cache
     if tokens is None or ref is q_out_ref:
       ref[m, head, part] = x.astype(ref.dtype)
       return
 
-    @pl.when((slot >= 0) & (slot < ref.shape[2]))
+    @pl.when((position >= 0) & (position < ref.shape[2]))
     def _():
-      ref[b, head, slot, part] = x.astype(ref.dtype)
+      ref[m // tokens, head, position, part] = x.astype(ref.dtype)
   half = freq_ref.shape[0]
-  angle = pos_ref[m].astype(jnp.float32) * freq_ref[pl.ds(0, half)]
+  angle = position.astype(jnp.float32) * freq_ref[pl.ds(0, half)]
   cos, sin = jnp.cos(angle), jnp.sin(angle)
   first, second = pl.ds(0, half), pl.ds(half, half)
 

@@ -51,9 +51,10 @@ def fits_heads(head_dim: int) -> bool:
 
 # The split, from the kernel alone on an H200 (Qwen3-8B's heads, 576 of 640 slots seen;
 # BENCHMARKS.md, "Short-context attention split over programs"): 4 and 8 (sequence, KV head)
-# pairs took 7.6-8.1 us unsplit and 4.5-5.1 split 5 ways (the merge's 1.3-1.5 us included);
-# 32 pairs 8.6 against 7.4 split 8 ways in 64-slot blocks; 64 pairs gained nothing (10.7-14.3
-# against 9.2 us), nor did 2 blocks split in 2 (4.4-4.5 against 4.2-4.3 us). So: 64-slot
+# pairs took 7.7-8.0 us unsplit and 3.9-4.7 split 10 ways in 64-slot blocks (4.6-5.1 split 5
+# ways in 128; the merge's 1.3-1.6 us included); 32 pairs 8.7 against 7.4 split 8 ways; 64
+# pairs gained nothing (10.6-14.3 against 9.3 us), nor did 2 blocks split in 2 (4.4-4.5
+# against 4.2-4.3 us). So: 64-slot
 # blocks, about two programs per SM, where pairs are at most a quarter of the SMs and the
 # window holds at least SPLIT_MIN_SLOTS; at most MAX_SPLITS (SPLITS False: never).
 SPLITS = True
@@ -70,8 +71,8 @@ def choose_splits(batch: int, kv_heads: int, slots: int, num_sms: int) -> tuple[
   if (not SPLITS or pairs * 4 > num_sms or slots < SPLIT_MIN_SLOTS
       or slots % SPLIT_BLOCK_SLOTS):
     return 1, None
-  splits = min(2 * num_sms // pairs, slots // SPLIT_BLOCK_SLOTS, MAX_SPLITS)
-  return (splits, SPLIT_BLOCK_SLOTS) if splits > 1 else (1, None)
+  # at least 8: pairs <= num_sms / 4 and slots >= 512 = 8 blocks
+  return min(2 * num_sms // pairs, slots // SPLIT_BLOCK_SLOTS, MAX_SPLITS), SPLIT_BLOCK_SLOTS
 
 
 def fits_kernel(slots: int, head_dim: int, rows_per_kv_head: int) -> bool:
