@@ -7,12 +7,20 @@ jspec.pallas_kernels.fp8_gemm.fp8_matmul (`activations`): "bfloat16" (x as it is
 tile widened to bfloat16 through float16 and float32: four conversions per two values),
 "float16" (x scaled per row into float16, the tile widened in one conversion per two values),
 "e4m3" (x quantized per row and 128-K group, e4m3 x e4m3 wgmma: no widening). And XLA's bf16
-product of the same shapes as the baseline. Columns: µs per weight of the product kernel alone
-(`fp8_block_gemm_*`; XLA's GEMM for bf16), its weight bytes over that time, and µs per weight
-of every kernel the route runs (x's passes, the K-slice sums).
+product of the same shapes as the baseline, and XLA's own product of the e4m3 weight times its
+scales (what XLA fuses into its GEMM, with or without
+`--xla_gpu_experimental_enable_subchannel_dequantisation_fusion`): "xla_f32" (the library's
+fallback: the weight times the repeated scale in float32, cast to bfloat16), "xla_bf16" (the
+weight widened to bfloat16 times the repeated scale in bfloat16), "xla_rows" (the scale
+repeated over the weight's N rows beforehand, [N, K/128] bfloat16, times each 128-K group).
+Columns: µs per weight of the product kernel alone (`fp8_block_gemm_*`; XLA's longest kernel
+for its routes), its weight bytes over that time, and µs per weight of every kernel the route
+runs (x's passes, the K-slice sums, XLA's separate dequantization where it does not fuse it).
 
     python benchmarks/fp8_kernel_routes.py --rows 1 8
-    python benchmarks/fp8_kernel_routes.py --routes bfloat16 --tilings 0,0,0 2,6,0 1,4,0 2,4,1
+    python benchmarks/fp8_kernel_routes.py --routes bfloat16 --tilings 0,0,0 2,6,0 1,4,0
+    XLA_FLAGS=--xla_gpu_experimental_enable_subchannel_dequantisation_fusion=true \
+      python benchmarks/fp8_kernel_routes.py --routes bf16 bfloat16 xla_f32 xla_bf16 xla_rows
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ import numpy as np
 from jspec.bench.profile import call_kernel_events
 from jspec.pallas_kernels.fp8_block_kernel import Fp8Tiling
 from jspec.pallas_kernels.fp8_gemm import fp8_matmul
+from jspec.pallas_kernels.shared import dequantize
 
-ROUTES = ("bf16", "bfloat16", "float16", "e4m3")
+ROUTES = ("bf16", "bfloat16", "float16", "e4m3", "xla_f32", "xla_bf16", "xla_rows")
+XLA_ROUTES = ("bf16", "xla_f32", "xla_bf16", "xla_rows")
 SHAPES = ("4096x24576", "12288x4096", "4096x6144", "4096x4096")  # K x N, Qwen3-8B's
 
 
@@ -40,12 +50,29 @@ def weights(k: int, n: int, layers: int, rng):
   return w8, scales
 
 
+def xla_product(route: str, x, w8, scale):
+  """x [M, K] times the e4m3 weight [N, K] with its scales, as XLA's einsum of the scaled weight;
+  xla_rows' scale is [N, K/128] (repeated over rows beforehand)."""
+  if route == "xla_f32":
+    scaled = dequantize(w8, scale, 1, (128, 128), jnp.bfloat16, jnp)
+  elif route == "xla_bf16":
+    full = jnp.repeat(jnp.repeat(scale.astype(jnp.bfloat16), 128, 0), 128, 1)
+    scaled = w8.astype(jnp.bfloat16) * full
+  else:
+    n, k = w8.shape
+    grouped = w8.astype(jnp.bfloat16).reshape(n, k // 128, 128) * scale[:, :, None]
+    scaled = grouped.reshape(n, k)
+  return jnp.einsum("mk,nk->mn", x, scaled)
+
+
 def program(route: str, tiling: Fp8Tiling | None = None, splits: int | None = None):
   def run(x, ws, scales):
     outs = []
     for w, s in zip(ws, scales):
       if route == "bf16":
         outs.append(jnp.dot(x, w))
+      elif route in XLA_ROUTES:
+        outs.append(xla_product(route, x, w, s))
       else:
         outs.append(fp8_matmul(x, w, s, activations=route, tiling=tiling, splits=splits))
     return outs
@@ -87,13 +114,15 @@ def main():
     k, n = (int(v) for v in shape.split("x"))
     w8, scales = weights(k, n, args.layers, rng)
     w16 = [w.astype(jnp.bfloat16).T for w in w8]
+    rows_scales = [jnp.repeat(s, 128, 0).astype(jnp.bfloat16) for s in scales]
     for rows in args.rows:
       x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
       for route, tiling_text in [(r, t) for r in args.routes
-                                 for t in (args.tilings if r != "bf16" else ["0,0,0"])]:
+                                 for t in (args.tilings if r not in XLA_ROUTES else ["0,0,0"])]:
         ws = w16 if route == "bf16" else w8
-        totals = profiled_kernels(program(route, *parse_tiling(tiling_text)), x, ws, scales)
-        main_name = "fp8_block_gemm" if route != "bf16" else None
+        ss = rows_scales if route == "xla_rows" else scales
+        totals = profiled_kernels(program(route, *parse_tiling(tiling_text)), x, ws, ss)
+        main_name = "fp8_block_gemm" if route not in XLA_ROUTES else None
         if main_name is None:  # XLA's product: its longest kernel
           main_name = max(totals, key=lambda name: totals[name][1])
         main_ns = sum(ns for name, (_, ns) in totals.items() if name.startswith(main_name))

@@ -4,7 +4,8 @@ per layer from the profiler (jspec.pallas_kernels.short_attention, with mla_merg
 Qwen3-8B's heads (4 query heads per KV head of 128, bf16), `--layers` different caches in one
 program (as a step's layers: no cache read twice), every sequence seeing `seen` slots of a
 `slots`-slot cache. Settings: "1" (one program per (sequence, KV head)), "auto" (the
-library's choice for this GPU), or "splits,block_slots".
+library's choice for this GPU), "splits,block_slots", or "splits,block_slots,stages,warps"
+(Triton's pipeline depth and warps; 3 and 4 otherwise).
 
     python benchmarks/short_attention_splits.py --pairs 1x8 1x4 8x8 8x4 --context 576/640
 """
@@ -26,13 +27,16 @@ GROUP, HEAD_DIM = 4, 128
 
 
 def parse_setting(text: str):
-  """"1" / "auto" / "splits,block_slots" -> short_attention's (splits, block_slots)."""
+  """"1" / "auto" / "splits,block_slots[,stages,warps]" -> short_attention's (splits,
+  block_slots, num_stages, num_warps); None: the library's choice."""
   if text == "auto":
-    return None, None
+    return None, None, None, None
   if text == "1":
-    return 1, None
-  splits, block = (int(v) for v in text.split(","))
-  return splits, block
+    return 1, None, None, None
+  values = [int(v) for v in text.split(",")]
+  if len(values) not in (2, 4):
+    raise ValueError(f"a setting is 1, auto, splits,block or splits,block,stages,warps: {text}")
+  return tuple(values) + (None, None) * (len(values) == 2)
 
 
 def caches(batch: int, kv_heads: int, slots: int, layers: int, rng):
@@ -41,10 +45,11 @@ def caches(batch: int, kv_heads: int, slots: int, layers: int, rng):
           for _ in range(layers)]
 
 
-def program(splits, block_slots):
+def program(splits, block_slots, stages=None, warps=None):
   def run(q, kvs, start):
     return [short_lib.short_attention(q, k, v, start, group=GROUP, scale=HEAD_DIM ** -0.5,
-                                      splits=splits, block_slots=block_slots)
+                                      splits=splits, block_slots=block_slots,
+                                      num_stages=stages, num_warps=warps)
             for k, v in kvs]
   return jax.jit(run)
 
@@ -73,13 +78,13 @@ def main():
       start = jnp.full((batch,), seen - 1, jnp.int32)
       want = None
       for setting in args.settings:
-        splits, block = parse_setting(setting)
+        splits, block, stages, warps = parse_setting(setting)
         chosen, auto_block = (short_lib.choose_splits(batch, kv_heads, slots, platform.num_sms())
                               if splits is None else (splits, None))
         block_slots = block or auto_block or short_lib.choose_block_slots(slots, HEAD_DIM, 2)
         if slots % block_slots or chosen > slots // block_slots:
           continue
-        fn = program(splits, block)
+        fn = program(splits, block, stages, warps)
         out = np.asarray(fn(q, kvs, start)[0], np.float32)
         want = out if want is None else want
         error = float(np.abs(out - want).max())

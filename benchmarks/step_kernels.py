@@ -28,6 +28,7 @@ def main():
   parser.add_argument("--mesh", default="1,1,1", help="dp,tp,ep")
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--max-tokens", type=int, default=32)
+  parser.add_argument("--prompt-len", type=int, default=128)
   parser.add_argument("--top", type=int, default=24)
   parser.add_argument("--from", dest="start", type=int, default=0)
   parser.add_argument("--show", type=int, default=40)
@@ -43,7 +44,8 @@ def main():
   llm = jspec.LLM.from_random(config, None, max_model_len=1024, max_num_seqs=args.batch,
                               mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep))
   rng = np.random.default_rng(0)
-  prompts = [rng.integers(0, config.vocab_size, 128).tolist() for _ in range(args.batch)]
+  prompts = [rng.integers(0, config.vocab_size, args.prompt_len).tolist()
+             for _ in range(args.batch)]
   params = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
   llm.generate(prompts, params)  # compiles
   start = time.perf_counter()

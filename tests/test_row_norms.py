@@ -342,11 +342,12 @@ def test_the_steps_run_the_kernels_where_the_backend_sets_them():
 
 def test_the_q_k_v_kernel_writes_the_cache_where_nothing_reads_k_and_v_apart(monkeypatch):
   """A decode or verify step's keys and values go into the cache from the q / k / v kernel
-  (no KV write kernel); with layers.FUSED_KV_WRITE off, in a token tree's step (its own
-  slots) and in a one-row step on one device (measured slower fused on one GPU), the KV write
-  kernel writes them. The tokens of these steps are checked against XLA's path by the tests
-  below (vanilla, MTP, meshes, K slices)."""
-  attn = _llm("qwen3_dense", "pallas").target.layers[0].attn
+  (no KV write kernel), a one-row step on one device too; with layers.FUSED_KV_WRITE off,
+  and in a token tree's step (its own slots), the KV write kernel writes them. A single
+  sequence's greedy tokens (one-row steps) equal XLA's path's; the tests below check the
+  others (vanilla, MTP, meshes, K slices)."""
+  llm = _llm("qwen3_dense", "pallas")
+  attn = llm.target.layers[0].attn
   b, t = 2, 3
   x = jnp.ones((b, t, attn.qkv_proj.shape[0]), jnp.float32)
   zeros = jnp.zeros((b, attn.num_kv_heads, 64, attn.head_dim), jnp.float32)
@@ -361,8 +362,11 @@ def test_the_q_k_v_kernel_writes_the_cache_where_nothing_reads_k_and_v_apart(mon
     assert "write_kv" in trace()
   one_row = jnp.ones((1, 1, x.shape[-1]), jnp.float32)
   ones = KVCache(zeros[:1], zeros[:1])
-  assert "write_kv" in str(jax.make_jaxpr(
+  one_step = str(jax.make_jaxpr(
       lambda x, c: attn(x, jnp.zeros((1, 1), jnp.int32), c, 64))(one_row, ones))
+  assert "qkv_norm_rope" in one_step and "write_kv" not in one_step
+  assert (greedy_token_ids(llm, PROMPTS[:1], 6)
+          == greedy_token_ids(_llm("qwen3_dense", "xla"), PROMPTS[:1], 6))
   monkeypatch.setattr(layers, "FUSED_KV_WRITE", False)
   assert "write_kv" in trace()
 

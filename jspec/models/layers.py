@@ -32,7 +32,7 @@ from jspec.pallas_kernels import short_attention as short_kernel
 # attention kernel (Attention._doubles_row); off: concatenated with itself (benchmarks time both).
 DOUBLED_ROW = True
 # Whether the q / k / v kernel writes a step's keys and values into the cache itself, one kernel
-# fewer a layer (Attention._writes_kv; not one-row steps on one GPU, measured 0.9% slower there).
+# fewer a layer (Attention._writes_kv).
 FUSED_KV_WRITE = True
 
 
@@ -219,7 +219,6 @@ class Attention(nnx.Module):
     """Whether the q / k / v kernel writes the step's keys and values into the cache: where the
     KV write kernel would and nothing reads them apart (trees, window kernels, KV replicas)."""
     return (FUSED_KV_WRITE and self.kv_write is not None and self.kv_replicas == 1
-            and (x_BTD.shape[0] * x_BTD.shape[1] > 1 or self.tp_products is not None)
             and self.window_attention is None and active_layout(x_BTD.shape[1]) is None)
 
   def _project_rotated(self, x_BTD, positions_BT, cache: KVCache | None = None):

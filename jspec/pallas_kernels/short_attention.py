@@ -160,10 +160,11 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: in
 
 
 @functools.partial(jax.jit, static_argnames=("group", "scale", "copies", "splits", "block_slots",
-                                             "interpret"))
+                                             "num_warps", "num_stages", "interpret"))
 def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Array,
                     start_B: jax.Array, *, group: int, scale: float, copies: int = 1,
                     splits: int | None = None, block_slots: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None,
                     interpret: bool | None = None) -> jax.Array:
   """[B, K x T x G, H]: each query row's softmax(q k^T * scale) v over the slots it sees
   (0 .. start + t for token t), in q's dtype. q_BRH as the module docstring lays it out;
@@ -176,7 +177,8 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
 
   `splits`: programs each (sequence, KV head)'s slots are split over, merged after;
   `block_slots`: slots per loop step. Both None: `choose_splits` for this GPU (never split off
-  a GPU); splits None alone: 1; block_slots None alone: `choose_block_slots`."""
+  a GPU); splits None alone: 1; block_slots None alone: `choose_block_slots`. `num_warps`,
+  `num_stages`: Triton's, NUM_WARPS and NUM_STAGES where None."""
   b, q_rows, head_dim = q_BRH.shape
   _, kv_heads, slots, _ = keys_BKSH.shape
   rows = q_rows // kv_heads
@@ -210,7 +212,8 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
       _kernel, rows=rows, block_rows=max(MIN_ROWS, 1 << (rows - 1).bit_length()),
       group=group, block_slots=block_slots, slots=slots, scale=scale, copies=copies,
       splits=splits)
-  params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+  params = pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
+                                   num_stages=num_stages or NUM_STAGES)
   start_B = start_B.astype(jnp.int32)
   if splits == 1:
     return pl.pallas_call(
