@@ -178,7 +178,8 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
   `splits`: programs each (sequence, KV head)'s slots are split over, merged after;
   `block_slots`: slots per loop step. Both None: `choose_splits` for this GPU (never split off
   a GPU); splits None alone: 1; block_slots None alone: `choose_block_slots`. `num_warps`,
-  `num_stages`: Triton's, NUM_WARPS and NUM_STAGES where None."""
+  `num_stages`: Triton's, NUM_WARPS and NUM_STAGES where None (the blocks' shared-memory
+  budget assumes NUM_STAGES: deeper pipelines are for benchmarks' given blocks)."""
   b, q_rows, head_dim = q_BRH.shape
   _, kv_heads, slots, _ = keys_BKSH.shape
   rows = q_rows // kv_heads
