@@ -41,7 +41,7 @@ from flax import nnx
 
 import jspec
 from jspec.bench.presets import PRESETS
-from jspec.models import layers, moe, row_kernels
+from jspec.models import layers, mlp, moe, row_kernels
 from jspec.pallas_kernels import short_attention, workspace_norm
 from jspec.sharding.tensor_parallel import TensorParallelProducts
 
@@ -84,6 +84,9 @@ def main():
   parser.add_argument("--no-fused-kv-write", action="store_true",
                       help="layers.FUSED_KV_WRITE off: a step's keys and values written by the "
                            "KV write kernel instead of the q / k / v kernel")
+  parser.add_argument("--swiglu-kernel", action="store_true",
+                      help="mlp.SWIGLU_KERNEL on: a step's gate / up product and SiLU x up in "
+                           "one kernel (swiglu_gemm)")
   parser.add_argument("--no-attention-splits", action="store_true",
                       help="short_attention.SPLITS off: one attention program per (sequence, "
                            "KV head), its slots not split over programs and merged")
@@ -117,6 +120,7 @@ def main():
     short_attention.SPLITS = False
   if args.no_fused_kv_write:
     layers.FUSED_KV_WRITE = False
+  mlp.SWIGLU_KERNEL = args.swiglu_kernel or mlp.SWIGLU_KERNEL
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.
@@ -159,6 +163,7 @@ def main():
                  qkv_k_slices=row_kernels.QKV_K_SLICES, router_plan=moe.ROUTER_PLAN,
                  norm_router=moe.NORM_ROUTER, doubled_row=layers.DOUBLED_ROW,
                  attention_splits=short_attention.SPLITS, fused_kv_write=layers.FUSED_KV_WRITE,
+                 swiglu_kernel=mlp.SWIGLU_KERNEL,
                  method=args.method + ("-tree" if args.tree else ""), batch=batch,
                  tokens_per_second=round(mid.tokens_per_second, 1),
                  tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),

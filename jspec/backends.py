@@ -15,6 +15,7 @@ from jspec.models.decode_attention import (sharded_mla_decode, sharded_short_att
                                            sharded_window_attention)
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import Attention
+from jspec.models import mlp
 from jspec.models.mlp import MLP
 from jspec.models.linear import QKV_NAMES, fp8_rows_fit, fp8_whole_blocks
 from jspec.models.mla import MLAttention
@@ -29,7 +30,7 @@ from jspec.models import row_kernels
 from jspec.models.row_kernels import (resolve_norm_backend, sharded_fp8_qkv_norm_rope,
                                       sharded_kv_write, sharded_norm_router, sharded_router,
                                       sharded_qk_norm_rope, sharded_qkv_norm_rope,
-                                      sharded_rms_norm)
+                                      sharded_rms_norm, sharded_swiglu)
 from jspec.pallas_kernels import platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
 from jspec.sharding.rules import axis_size
@@ -232,9 +233,9 @@ def _takes_fp8_qkv_kernel(node) -> bool:
 
 def use_row_kernels(backend: str, mesh, pairs) -> str:
   """Sets the norms' `row_kernel`, the attention layers' `qk_kernel` and `kv_write`, the
-  softmax MoE layers' `router_kernel` (jspec.models.row_kernels) where the backend is "pallas"
-  and the shapes fit (the router whole on every shard); returns the
-  backend in effect ("auto" resolved)."""
+  softmax MoE layers' `router_kernel` and, where mlp.SWIGLU_KERNEL is on, the dense MLPs'
+  `swiglu_kernel` (jspec.models.row_kernels) where the backend is "pallas" and the shapes fit
+  (the router whole on every shard); returns the backend in effect ("auto" resolved)."""
   from jspec.pallas_kernels.kv_write import fits_kernel as kv_fits
   from jspec.pallas_kernels.router_topk import fits_kernel as router_fits
   from jspec.pallas_kernels.row_norms import fits_kernel
@@ -244,7 +245,7 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
   interpret = not platform.on_gpu()
   for module, rules in _modules(pairs):
     norms = {}  # one shard_map per (eps, form): the layers share them
-    kv_write = None  # the cache's slots and head_dim whole on every shard
+    kv_write = swiglu = None  # the cache's slots and head_dim whole on every shard
     if axis_size(mesh, rules.cache_seq) == 1 and axis_size(mesh, rules.head_dim) == 1:
       kv_write = sharded_kv_write(mesh, rules, interpret)
     for _, node in nnx.iter_graph(module):
@@ -267,6 +268,10 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         # with the kernel that sum is a kernel of its own, and the FP8 step measured no faster
         # (one H100, BENCHMARKS.md, "KV cache writes in one kernel").
         node.kv_write = kv_write
+      if (isinstance(node, MLP) and mlp.SWIGLU_KERNEL and node.gate_up_proj_scale is None
+          and axis_size(mesh, rules.embed) == 1):
+        swiglu = swiglu or sharded_swiglu(mesh, rules, interpret)
+        node.swiglu_kernel = swiglu
       if (isinstance(node, MoE) and node.scoring == "softmax"
           and axis_size(mesh, rules.embed) == 1 and axis_size(mesh, rules.experts_router) == 1
           and router_fits(1, *node.router.get_value().shape, node.top_k)):

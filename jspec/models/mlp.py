@@ -10,6 +10,12 @@ import jax
 from flax import nnx
 
 from jspec.models.linear import linear, project_named
+from jspec.models.row_kernels import takes_rows
+
+# Whether a decode or verify step's gate / up product and SiLU x up run as one kernel
+# (MLP.swiglu_kernel, jspec.pallas_kernels.swiglu_gemm) where the norm backend runs the row
+# kernels: off until timed against XLA's GEMM and activation on a GPU.
+SWIGLU_KERNEL = False
 
 
 class MLP(nnx.Module):
@@ -35,18 +41,29 @@ class MLP(nnx.Module):
     self.fp8_block = gate_up_block or down_block
     # Optional products for weights split over tp, as Attention.tp_products.
     self.tp_products = None
+    # Optional (x [B, T, D], gate_up [D, 2, F]) -> the activation [B, T, F], for a step's few
+    # rows (jspec.models.row_kernels.sharded_swiglu), set by the LLM where SWIGLU_KERNEL is on.
+    self.swiglu_kernel = None
 
   def _dense(self, x, name: str, spec: str, fp8_sum_apart: bool = True):
     return project_named(self, x, name, spec, fp8_sum_apart=fp8_sum_apart)
 
   def __call__(self, x_BTD):
     tp = self.tp_products if self.gate_up_proj_scale is None else None
-    # SwiGLU is elementwise: XLA fuses an FP8 product's K-slice sum into it.
+    act_BTF = self._activation(x_BTD, tp)
+    if tp is not None and self.down_proj_scale is None:
+      return tp.row(act_BTF, self.down_proj[...], defer=True)  # as Attention's o_proj
+    return self._dense(act_BTF, "down_proj", "btf,fd->btd")
+
+  def _activation(self, x_BTD, tp):
+    """silu(x @ gate) * (x @ up): one kernel where `swiglu_kernel` takes the step, else the
+    product, then the activation in XLA (elementwise: XLA fuses an FP8 product's K-slice sum
+    into it)."""
+    if (self.swiglu_kernel is not None and self.gate_up_proj_scale is None
+        and takes_rows(x_BTD, ndim=3)):
+      return self.swiglu_kernel(x_BTD, self.gate_up_proj[...])
     if tp is not None:
       gate_up_BTCF = tp.column(x_BTD, self.gate_up_proj[...], split=2)
     else:
       gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf", fp8_sum_apart=False)
-    act_BTF = jax.nn.silu(gate_up_BTCF[:, :, 0]) * gate_up_BTCF[:, :, 1]
-    if tp is not None and self.down_proj_scale is None:
-      return tp.row(act_BTF, self.down_proj[...], defer=True)  # as Attention's o_proj
-    return self._dense(act_BTF, "down_proj", "btf,fd->btd")
+    return jax.nn.silu(gate_up_BTCF[:, :, 0]) * gate_up_BTCF[:, :, 1]

@@ -8,7 +8,9 @@ jspec.pallas_kernels.row_norms' residual add + RMSNorm and q / k norms + RoPE, p
 
 A step's new keys and values go into the KV cache through one kernel too
 (jspec.pallas_kernels.kv_write), in place of XLA's two scatters, and a softmax MoE layer's
-routing through two (jspec.pallas_kernels.router_topk) in place of XLA's eight.
+routing through two (jspec.pallas_kernels.router_topk) in place of XLA's eight. Where
+jspec.models.mlp.SWIGLU_KERNEL is on, a dense MLP's gate / up product and SiLU x up are one
+kernel (jspec.pallas_kernels.swiglu_gemm).
 
 The kernels work on whole rows, so they run under `shard_map` with the rows split over the
 batch axes as the activations are, and heads over tp for q and k; a norm whose width the mesh
@@ -20,6 +22,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jspec.sharding.rules import ShardingRules, mesh_axes
@@ -286,3 +289,23 @@ def sharded_norm_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool
                          out_specs=(rows, rows, routing_spec), check_vma=False)(
         x_BTD, delta_BTD, scale_D, router_DE)
   return call
+
+
+def sharded_swiglu(mesh: Mesh, rules: ShardingRules, interpret: bool):
+  """(x [B, T, D], w [D, 2, F]) -> silu(x @ w[:, 0]) * (x @ w[:, 1]) [B, T, F] through
+  jspec.pallas_kernels.swiglu_gemm per shard: rows split as the activations are, F over the
+  mesh's "mlp" axes as the weight is (D whole on every shard). A shard with more rows than
+  the kernel takes gets XLA's product and activation."""
+  from jspec.pallas_kernels.swiglu_gemm import fits, swiglu_gemm
+
+  def per_shard(x_BTD, w_DCF):
+    b, t, d = x_BTD.shape
+    if not fits(b * t, d, w_DCF.shape[2]):
+      gate_up = jnp.einsum("btd,dcf->btcf", x_BTD, w_DCF)
+      return jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+    return swiglu_gemm(x_BTD.reshape(b * t, d), w_DCF, interpret=interpret).reshape(b, t, -1)
+
+  return jax.shard_map(per_shard, mesh=mesh,
+                       in_specs=(rules.spec(("batch", "seq", None)),
+                                 rules.spec((None, None, "mlp"))),
+                       out_specs=rules.spec(("batch", "seq", "mlp")), check_vma=False)

@@ -1,0 +1,110 @@
+"""SwiGLU's gate / up product and activation in one kernel (jspec.pallas_kernels.swiglu_gemm):
+against a float64 NumPy reference of silu(x @ gate) * (x @ up), and whole models' tokens with
+the kernel on (jspec.models.mlp.SWIGLU_KERNEL) against XLA's product and activation, on one
+device and on a mesh that splits the MLP over tp. Interpret mode here; the compiled kernel at
+Qwen3-8B's shapes on a GPU (marked gpu)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jspec
+from jspec.models import mlp
+from jspec.models.mlp import MLP
+from jspec.pallas_kernels.swiglu_gemm import blocks, fits, swiglu_gemm
+from tests.helpers import fixture_dir, greedy_token_ids
+
+RUN_SEED = 20261130
+PROMPTS = [[5, 9, 2, 7, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 9, 1, 0]]
+
+
+def _reference(x_MK, w_KCF):
+  """float64 silu(x @ w[:, 0]) * (x @ w[:, 1])."""
+  gate = x_MK.astype(np.float64) @ w_KCF[:, 0].astype(np.float64)
+  up = x_MK.astype(np.float64) @ w_KCF[:, 1].astype(np.float64)
+  return gate / (1.0 + np.exp(-gate)) * up
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_kernel_equals_the_float64_reference(case):
+  """Seeded shapes: 1 to 64 rows (Triton's 16 reached by masked rows, and past it), K and F
+  in the default blocks and in blocks `blocks` shrinks to divide them, given blocks too."""
+  rng = np.random.default_rng(RUN_SEED + case)
+  rows = int(rng.choice([1, 3, 8, 16, 17, 64]))
+  k = int(rng.choice([64, 128, 384]))
+  f = int(rng.choice([32, 64, 192]))
+  given = {} if case % 2 else {"block_k": 32, "block_n": 16}
+  x = rng.standard_normal((rows, k)).astype(np.float32)
+  w = (rng.standard_normal((k, 2, f)) / np.sqrt(k)).astype(np.float32)
+  got = np.asarray(swiglu_gemm(jnp.asarray(x), jnp.asarray(w), **given))
+  assert got.shape == (rows, f) and got.dtype == np.float32
+  np.testing.assert_allclose(got, _reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_rounds_once_from_float32_sums():
+  """In bf16 the activation is the float32 result rounded once: within a bf16 ulp of it."""
+  rng = np.random.default_rng(RUN_SEED)
+  x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((128, 2, 64)) / 11.0, jnp.bfloat16)
+  got = np.asarray(swiglu_gemm(x, w), np.float32)
+  want = _reference(np.asarray(x, np.float32), np.asarray(w, np.float32))
+  np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-4)
+
+
+def test_blocks_fit_and_refusals():
+  assert blocks(4096, 12288) == (128, 64) and blocks(64, 128) == (64, 64)
+  assert fits(64, 4096, 6144) and not fits(65, 4096, 6144) and not fits(1, 4096, 8)
+  x = jnp.ones((2, 64), jnp.float32)
+  with pytest.raises(ValueError, match="one dtype"):
+    swiglu_gemm(x, jnp.ones((64, 2, 32), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"\[K, 2, F\]"):
+    swiglu_gemm(x, jnp.ones((64, 3, 32), jnp.float32))
+  with pytest.raises(ValueError, match="1 to 64 rows"):
+    swiglu_gemm(jnp.ones((65, 64), jnp.float32), jnp.ones((64, 2, 32), jnp.float32))
+  with pytest.raises(ValueError, match="must divide"):
+    swiglu_gemm(x, jnp.ones((64, 2, 32), jnp.float32), block_n=24)
+
+
+def _llm(**kwargs):
+  return jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=128,
+                   max_num_seqs=4, norm_backend="pallas", **kwargs)
+
+
+@pytest.mark.parametrize("mesh", [None, jspec.MeshConfig(dp=2, tp=2)])
+def test_models_take_the_kernel_with_xla_tokens(monkeypatch, mesh):
+  """With SWIGLU_KERNEL on, every dense MLP of a decode step runs the kernel (one shard of F
+  each at tp = 2), and vanilla and MTP greedy tokens equal XLA's path's (float32: the two
+  differ in the order of the float32 sums and the activation's one rounding)."""
+  want = greedy_token_ids(_llm(), PROMPTS, 6)
+  monkeypatch.setattr(mlp, "SWIGLU_KERNEL", True)
+  llm = _llm(mesh=mesh)
+  mlps = [n for _, n in nnx.iter_graph(llm.target) if isinstance(n, MLP)]
+  assert mlps and all(n.swiglu_kernel is not None for n in mlps)
+  step = jnp.ones((2, 3, llm.config.hidden_size), jnp.float32)
+  assert "swiglu_gemm" in str(jax.make_jaxpr(mlps[0])(step))
+  assert greedy_token_ids(llm, PROMPTS, 6) == want
+  spec = _llm(mesh=mesh, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+  assert greedy_token_ids(spec, PROMPTS, 6) == want
+
+
+def test_off_by_default_and_under_xla_norms():
+  """Off by default (not yet timed on a GPU), and never where the norm backend is XLA's."""
+  assert not mlp.SWIGLU_KERNEL
+  assert all(n.swiglu_kernel is None for _, n in nnx.iter_graph(_llm().target)
+             if isinstance(n, MLP))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, f", [(1, 12288), (8, 12288), (8, 6144), (32, 6144)])
+def test_gpu_kernel_at_qwen3_8b_shapes(rows, f):
+  """Qwen3-8B's gate / up (4096 x 2 x 12288, a tp = 2 shard's 6144), compiled, bf16, against
+  float64 NumPy on the same values."""
+  assert jax.devices()[0].platform == "gpu"
+  rng = np.random.default_rng(RUN_SEED + rows)
+  x = jnp.asarray(rng.standard_normal((rows, 4096)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((4096, 2, f)) / 64.0, jnp.bfloat16)
+  got = np.asarray(swiglu_gemm(x, w), np.float32)
+  want = _reference(np.asarray(x, np.float32), np.asarray(w, np.float32))
+  np.testing.assert_allclose(got, want, rtol=0.02, atol=0.02)
