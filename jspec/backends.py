@@ -233,8 +233,8 @@ def _takes_fp8_qkv_kernel(node) -> bool:
 
 def use_row_kernels(backend: str, mesh, pairs) -> str:
   """Sets the norms' `row_kernel`, the attention layers' `qk_kernel` and `kv_write`, the
-  softmax MoE layers' `router_kernel` and, where mlp.SWIGLU_KERNEL is on, the dense MLPs'
-  `swiglu_kernel` (jspec.models.row_kernels) where the backend is "pallas" and the shapes fit
+  softmax MoE layers' `router_kernel` and, where mlp.SWIGLU_KERNEL is on, the bf16 MLPs'
+  (shared experts too) `swiglu_kernel` (jspec.models.row_kernels) where the backend is "pallas" and the shapes fit
   (the router whole on every shard); returns the backend in effect ("auto" resolved)."""
   from jspec.pallas_kernels.kv_write import fits_kernel as kv_fits
   from jspec.pallas_kernels.router_topk import fits_kernel as router_fits
@@ -245,7 +245,8 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
   interpret = not platform.on_gpu()
   for module, rules in _modules(pairs):
     norms = {}  # one shard_map per (eps, form): the layers share them
-    kv_write = swiglu = None  # the cache's slots and head_dim whole on every shard
+    swiglu = None  # one shard_map for the MLPs (mlp.SWIGLU_KERNEL)
+    kv_write = None  # the cache's slots and head_dim whole on every shard
     if axis_size(mesh, rules.cache_seq) == 1 and axis_size(mesh, rules.head_dim) == 1:
       kv_write = sharded_kv_write(mesh, rules, interpret)
     for _, node in nnx.iter_graph(module):
