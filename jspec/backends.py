@@ -233,9 +233,10 @@ def _takes_fp8_qkv_kernel(node) -> bool:
 
 def use_row_kernels(backend: str, mesh, pairs) -> str:
   """Sets the norms' `row_kernel`, the attention layers' `qk_kernel` and `kv_write`, the
-  softmax MoE layers' `router_kernel` and, where mlp.SWIGLU_KERNEL is on, the unquantized MLPs'
-  (shared experts too) `swiglu_kernel` (jspec.models.row_kernels) where the backend is "pallas" and the shapes fit
-  (the router whole on every shard); returns the backend in effect ("auto" resolved)."""
+  softmax MoE layers' `router_kernel` and, where mlp.SWIGLU_KERNEL is on, the unquantized
+  MLPs' (shared experts too) `swiglu_kernel` (jspec.models.row_kernels) where the backend is
+  "pallas" and the shapes fit (the router whole on every shard); returns the backend in
+  effect ("auto" resolved)."""
   from jspec.pallas_kernels.kv_write import fits_kernel as kv_fits
   from jspec.pallas_kernels.router_topk import fits_kernel as router_fits
   from jspec.pallas_kernels.row_norms import fits_kernel
