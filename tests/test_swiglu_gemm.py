@@ -13,7 +13,9 @@ from flax import nnx
 import jspec
 from jspec.models import mlp
 from jspec.models.mlp import MLP
-from jspec.pallas_kernels.swiglu_gemm import blocks, fits, swiglu_gemm
+from jspec.models.row_kernels import sharded_swiglu
+from jspec.pallas_kernels.swiglu_gemm import MAX_ROWS, blocks, fits, swiglu_gemm
+from jspec.sharding.rules import ShardingRules
 from tests.helpers import fixture_dir, greedy_token_ids
 
 RUN_SEED = 20261130
@@ -89,11 +91,30 @@ def test_models_take_the_kernel_with_xla_tokens(monkeypatch, mesh):
   assert greedy_token_ids(spec, PROMPTS, 6) == want
 
 
-def test_off_by_default_and_under_xla_norms():
+def test_off_by_default_and_under_xla_norms(monkeypatch):
   """Off by default (not yet timed on a GPU), and never where the norm backend is XLA's."""
   assert not mlp.SWIGLU_KERNEL
-  assert all(n.swiglu_kernel is None for _, n in nnx.iter_graph(_llm().target)
-             if isinstance(n, MLP))
+  mlps = lambda llm: [n for _, n in nnx.iter_graph(llm.target) if isinstance(n, MLP)]
+  assert all(n.swiglu_kernel is None for n in mlps(_llm()))
+  monkeypatch.setattr(mlp, "SWIGLU_KERNEL", True)
+  xla = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=128,
+                  max_num_seqs=4, norm_backend="xla")
+  assert mlps(xla) and all(n.swiglu_kernel is None for n in mlps(xla))
+
+
+def test_a_shard_past_the_kernels_rows_gets_the_xla_activation():
+  """sharded_swiglu hands a shard of more than MAX_ROWS rows (a prefill chunk) to XLA's
+  product and activation: the same values, within float32 rounding."""
+  mesh = jspec.MeshConfig().make_mesh()
+  swiglu = sharded_swiglu(mesh, ShardingRules(), interpret=True)
+  rng = np.random.default_rng(RUN_SEED)
+  for rows in (MAX_ROWS, MAX_ROWS + 1):
+    x = rng.standard_normal((1, rows, 64)).astype(np.float32)
+    w = (rng.standard_normal((64, 2, 32)) / 8.0).astype(np.float32)
+    traced = str(jax.make_jaxpr(swiglu)(x, w))
+    assert ("swiglu_gemm" in traced) == (rows <= MAX_ROWS)
+    np.testing.assert_allclose(np.asarray(swiglu(x, w))[0], _reference(x[0], w), rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import platform
+from jspec.pallas_kernels.shared import silu_mul
 
 MIN_ROWS = 16  # Triton's dot takes at least 16 rows
 MAX_ROWS = 64
@@ -66,8 +67,7 @@ def _kernel(x_ref, w_ref, out_ref, *, rows: int, block_rows: int, block_k: int,
 
   zeros = jnp.zeros((block_rows, block_n), jnp.float32)
   gate, up = lax.fori_loop(0, x_ref.shape[1] // block_k, body, (zeros, zeros))
-  act = gate * jax.nn.sigmoid(gate) * up
-  pltriton.store(out_ref.at[pl.ds(0, block_rows), cols], act.astype(out_ref.dtype),
+  pltriton.store(out_ref.at[pl.ds(0, block_rows), cols], silu_mul(gate, up).astype(out_ref.dtype),
                  mask=row_mask[:, None])
 
 
