@@ -42,7 +42,7 @@ from flax import nnx
 import jspec
 from jspec.bench.presets import PRESETS
 from jspec.models import layers, mlp, moe, row_kernels
-from jspec.pallas_kernels import short_attention, workspace_norm
+from jspec.pallas_kernels import short_attention, swiglu_gemm, workspace_norm
 from jspec.sharding.tensor_parallel import TensorParallelProducts
 
 VARIANTS = {"default": {}, "partitioner": dict(all_reduce_backend="partitioner"),
@@ -84,9 +84,10 @@ def main():
   parser.add_argument("--no-fused-kv-write", action="store_true",
                       help="layers.FUSED_KV_WRITE off: a step's keys and values written by the "
                            "KV write kernel instead of the q / k / v kernel")
-  parser.add_argument("--swiglu-kernel", action="store_true",
-                      help="mlp.SWIGLU_KERNEL on: a step's gate / up product and SiLU x up in "
-                           "one kernel (swiglu_gemm)")
+  parser.add_argument("--no-swiglu-kernel", action="store_true",
+                      help="mlp.SWIGLU_KERNEL off: a step's gate / up product and SiLU x up as "
+                           "XLA's GEMM and activation instead of one kernel (swiglu_gemm)")
+  parser.add_argument("--swiglu-tiling", help="swiglu_gemm's 'block_k,block_n,stages,warps'")
   parser.add_argument("--no-attention-splits", action="store_true",
                       help="short_attention.SPLITS off: one attention program per (sequence, "
                            "KV head), its slots not split over programs and merged")
@@ -120,7 +121,11 @@ def main():
     short_attention.SPLITS = False
   if args.no_fused_kv_write:
     layers.FUSED_KV_WRITE = False
-  mlp.SWIGLU_KERNEL = args.swiglu_kernel or mlp.SWIGLU_KERNEL
+  if args.no_swiglu_kernel:
+    mlp.SWIGLU_KERNEL = False
+  if args.swiglu_tiling:
+    (swiglu_gemm.BLOCK_K, swiglu_gemm.BLOCK_N, swiglu_gemm.NUM_STAGES,
+     swiglu_gemm.NUM_WARPS) = (int(v) for v in args.swiglu_tiling.split(","))
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.

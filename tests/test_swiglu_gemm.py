@@ -14,7 +14,9 @@ import jspec
 from jspec.models import mlp
 from jspec.models.mlp import MLP
 from jspec.models.row_kernels import sharded_swiglu
-from jspec.pallas_kernels.swiglu_gemm import MAX_ROWS, blocks, fits, swiglu_gemm
+from jspec.pallas_kernels import swiglu_gemm as kernel_lib
+from jspec.pallas_kernels.swiglu_gemm import (MAX_F, MAX_ROWS, MIN_F, blocks, fits, shared_memory,
+                                              stages_that_fit, swiglu_gemm)
 from jspec.sharding.rules import ShardingRules
 from tests.helpers import fixture_dir, greedy_token_ids
 
@@ -58,7 +60,18 @@ def test_bfloat16_rounds_once_from_float32_sums():
 def test_blocks_fit_and_refusals():
   assert blocks(4096, 12288) == (128, 64) and blocks(64, 128) == (64, 64)
   assert fits(64, 4096, 6144) and not fits(65, 4096, 6144) and not fits(1, 4096, 8)
+  # The shard widths it was measured faster at, not wider or narrower ones
+  assert fits(1, 4096, MIN_F) and fits(1, 4096, MAX_F) and not fits(1, 4096, 12288)
+  assert not fits(1, 4096, MIN_F - 64) and not fits(1, 4096, MAX_F + 64)
+  # Shared memory: what an H200 asked for a float32 x of 64 rows at 4 and 3 stages (and
+  # refused), and the stages each dtype gets; a tiling that fits at no stage count is refused
+  assert shared_memory(64, 128, 64, 4, 4) == 360448 and shared_memory(64, 128, 64, 4, 3) == 262144
+  assert stages_that_fit(64, 128, 64, 4, 4) == 2 and stages_that_fit(64, 128, 64, 2, 4) == 4
+  assert stages_that_fit(1, 512, 256, 2, 4) == 0 and not fits(64, 4096, 6144, itemsize=8)
   x = jnp.ones((2, 64), jnp.float32)
+  with pytest.raises(ValueError, match="shared memory"):
+    swiglu_gemm(jnp.ones((2, 512), jnp.float32), jnp.ones((512, 2, 256), jnp.float32),
+                block_k=512, block_n=256)
   with pytest.raises(ValueError, match="one dtype"):
     swiglu_gemm(x, jnp.ones((64, 2, 32), jnp.bfloat16))
   with pytest.raises(ValueError, match=r"\[K, 2, F\]"):
@@ -76,11 +89,14 @@ def _llm(**kwargs):
 
 @pytest.mark.parametrize("mesh", [None, jspec.MeshConfig(dp=2, tp=2)])
 def test_models_take_the_kernel_with_xla_tokens(monkeypatch, mesh):
-  """With SWIGLU_KERNEL on, every dense MLP of a decode step runs the kernel (one shard of F
-  each at tp = 2), and vanilla and MTP greedy tokens equal XLA's path's (float32: the two
-  differ in the order of the float32 sums and the activation's one rounding)."""
+  """With the kernel taking the fixture's narrow F, every dense MLP of a decode step runs it
+  (one shard of F each at tp = 2), and vanilla and MTP greedy tokens equal XLA's path's
+  (float32: the two differ in the order of the float32 sums and the activation's one
+  rounding)."""
+  monkeypatch.setattr(mlp, "SWIGLU_KERNEL", False)
   want = greedy_token_ids(_llm(), PROMPTS, 6)
   monkeypatch.setattr(mlp, "SWIGLU_KERNEL", True)
+  monkeypatch.setattr(kernel_lib, "MIN_F", 16)
   llm = _llm(mesh=mesh)
   mlps = [n for _, n in nnx.iter_graph(llm.target) if isinstance(n, MLP)]
   assert mlps and all(n.swiglu_kernel is not None for n in mlps)
@@ -91,10 +107,16 @@ def test_models_take_the_kernel_with_xla_tokens(monkeypatch, mesh):
   assert greedy_token_ids(spec, PROMPTS, 6) == want
 
 
-def test_off_by_default_and_under_xla_norms(monkeypatch):
-  """Off by default (not yet timed on a GPU), and never where the norm backend is XLA's."""
-  assert not mlp.SWIGLU_KERNEL
+def test_on_by_default_and_never_under_xla_norms(monkeypatch):
+  """On by default where the row kernels run (the fixture's F below MIN_F takes XLA's product
+  inside it), off with SWIGLU_KERNEL off, and never where the norm backend is XLA's."""
+  assert mlp.SWIGLU_KERNEL
   mlps = lambda llm: [n for _, n in nnx.iter_graph(llm.target) if isinstance(n, MLP)]
+  llm = _llm()
+  assert mlps(llm) and all(n.swiglu_kernel is not None for n in mlps(llm))
+  step = jnp.ones((2, 3, llm.config.hidden_size), jnp.float32)
+  assert "swiglu_gemm" not in str(jax.make_jaxpr(mlps(llm)[0])(step))
+  monkeypatch.setattr(mlp, "SWIGLU_KERNEL", False)
   assert all(n.swiglu_kernel is None for n in mlps(_llm()))
   monkeypatch.setattr(mlp, "SWIGLU_KERNEL", True)
   xla = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=128,
@@ -102,9 +124,10 @@ def test_off_by_default_and_under_xla_norms(monkeypatch):
   assert mlps(xla) and all(n.swiglu_kernel is None for n in mlps(xla))
 
 
-def test_a_shard_past_the_kernels_rows_gets_the_xla_activation():
+def test_a_shard_past_the_kernels_rows_gets_the_xla_activation(monkeypatch):
   """sharded_swiglu hands a shard of more than MAX_ROWS rows (a prefill chunk) to XLA's
   product and activation: the same values, within float32 rounding."""
+  monkeypatch.setattr(kernel_lib, "MIN_F", 16)
   mesh = jspec.MeshConfig().make_mesh()
   swiglu = sharded_swiglu(mesh, ShardingRules(), interpret=True)
   rng = np.random.default_rng(RUN_SEED)

@@ -300,7 +300,7 @@ def sharded_swiglu(mesh: Mesh, rules: ShardingRules, interpret: bool):
 
   def per_shard(x_BTD, w_DCF):
     b, t, d = x_BTD.shape
-    if not fits(b * t, d, w_DCF.shape[2]):
+    if not fits(b * t, d, w_DCF.shape[2], x_BTD.dtype.itemsize):
       gate_up = jnp.einsum("btd,dcf->btcf", x_BTD, w_DCF)
       return jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
     return swiglu_gemm(x_BTD.reshape(b * t, d), w_DCF, interpret=interpret).reshape(b, t, -1)

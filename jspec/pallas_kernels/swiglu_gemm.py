@@ -16,8 +16,9 @@ the activation needs no second pass), and applies silu(g) x u to its float32 sum
 rounding to x's dtype (XLA's path rounds the product first, then the activation). The step's
 rows (at most MAX_ROWS) are padded to Triton's 16 by masked loads.
 
-Not on by default: `jspec.models.mlp.SWIGLU_KERNEL` (`tp_scaling.py --swiglu-kernel`) turns it
-on; its speed against XLA's GEMM has not been measured on a GPU yet.
+On by default (`jspec.models.mlp.SWIGLU_KERNEL`; `tp_scaling.py --no-swiglu-kernel` turns it
+off) for shards of MIN_F to MAX_F columns: Qwen3-8B at tp = 2 on 2 H200, TPOT -3.5% at batch 1,
+-1.3% at batch 8 (BENCHMARKS.md, "SwiGLU's gate / up product and activation in one kernel").
 """
 
 from __future__ import annotations
@@ -38,8 +39,37 @@ MIN_ROWS = 16  # Triton's dot takes at least 16 rows
 MAX_ROWS = 64
 BLOCK_N = 64   # columns of gate (and of up) a program holds
 BLOCK_K = 128  # K rows a loop step reads
+# The columns (a shard's F) the models' MLPs hand the kernel. On an H200 it beats XLA's GEMM +
+# activation at a tp = 2 shard of Qwen3-8B (6144: 25.4 against 27.2-30.1 µs a layer) and not in
+# the step at the whole 12288 (TPOT equal within 0.3% at its best tiling), nor at 4096 or less
+# (19.5 against 18.8 µs at 4096): with no K split, a narrow F is few programs (F / BLOCK_N).
+MIN_F = 6144
+MAX_F = 8192
 NUM_WARPS = 4
 NUM_STAGES = 4
+# A block's shared memory on an H100 / H200 (227 KiB opt-in): Triton asks for the pipeline's
+# stages less one, each an x tile and two weight tiles, and for the float32 sums' epilogue
+# (bounded by four [rows, BN] float32 tiles: 65536 bytes measured at 64 rows).
+SHARED_MEMORY = 232448
+
+
+def shared_memory(rows: int, block_k: int, block_n: int, itemsize: int, stages: int) -> int:
+  """The bytes of shared memory a tiling asks for, bounded from above."""
+  block_rows = _block_rows(rows)
+  tiles = (block_rows * block_k + 2 * block_k * block_n) * itemsize
+  return (stages - 1) * tiles + 4 * block_rows * block_n * 4
+
+
+def stages_that_fit(rows: int, block_k: int, block_n: int, itemsize: int, stages: int) -> int:
+  """The most pipeline stages, at most `stages` and at least 2, whose shared memory fits; 0
+  where not even 2 do (a float32 x at 64 rows runs 2, bf16 the module's 4)."""
+  fitting = [s for s in range(2, stages + 1)
+             if shared_memory(rows, block_k, block_n, itemsize, s) <= SHARED_MEMORY]
+  return max(fitting, default=0)
+
+
+def _block_rows(rows: int) -> int:
+  return max(MIN_ROWS, 1 << (rows - 1).bit_length())
 
 
 def blocks(k: int, f: int) -> tuple[int, int]:
@@ -47,10 +77,12 @@ def blocks(k: int, f: int) -> tuple[int, int]:
   return math.gcd(k, BLOCK_K), math.gcd(f, BLOCK_N)
 
 
-def fits(rows: int, k: int, f: int) -> bool:
-  """Whether the kernel takes x [rows, k] and a weight [k, 2, f] in `blocks`' tiling: blocks
-  of at least 16 (Triton's dot)."""
-  return 0 < rows <= MAX_ROWS and min(blocks(k, f)) >= MIN_ROWS
+def fits(rows: int, k: int, f: int, itemsize: int = 2) -> bool:
+  """Whether the models' MLPs hand x [rows, k] and a weight [k, 2, f] to the kernel: at most
+  MAX_ROWS rows, MIN_F to MAX_F columns, and `blocks`' tiling of at least 16 (Triton's dot)
+  in the shared memory at 2 stages or more."""
+  return (0 < rows <= MAX_ROWS and MIN_F <= f <= MAX_F and min(blocks(k, f)) >= MIN_ROWS
+          and stages_that_fit(rows, *blocks(k, f), itemsize, NUM_STAGES) > 0)
 
 
 def _kernel(x_ref, w_ref, out_ref, *, rows: int, block_rows: int, block_k: int,
@@ -74,12 +106,12 @@ def _kernel(x_ref, w_ref, out_ref, *, rows: int, block_rows: int, block_k: int,
 @functools.partial(jax.jit, static_argnames=("block_k", "block_n", "num_warps", "num_stages",
                                              "interpret"))
 def swiglu_gemm(x_MK: jax.Array, w_KCF: jax.Array, *, block_k: int | None = None,
-                block_n: int | None = None, num_warps: int = NUM_WARPS,
-                num_stages: int = NUM_STAGES, interpret: bool | None = None) -> jax.Array:
+                block_n: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None, interpret: bool | None = None) -> jax.Array:
   """silu(x @ w[:, 0]) * (x @ w[:, 1]) for x [M, K] and w [K, 2, F] of x's dtype: [M, F], the
   sums in float32 and the activation rounded once. `block_k`, `block_n` (multiples of 16
-  dividing K and F; None: `blocks`), `num_warps`, `num_stages`: the tiling; `interpret` None:
-  off a GPU."""
+  dividing K and F; None: `blocks`), `num_warps`, `num_stages` (None: the
+  module's; fewer where the shared memory holds fewer): the tiling; `interpret` None: off a GPU."""
   rows, k = x_MK.shape
   if w_KCF.ndim != 3 or w_KCF.shape[:2] != (k, 2) or w_KCF.dtype != x_MK.dtype:
     raise ValueError(f"swiglu_gemm takes x [M, K] and w [K, 2, F] of one dtype, got "
@@ -92,12 +124,17 @@ def swiglu_gemm(x_MK: jax.Array, w_KCF: jax.Array, *, block_k: int | None = None
   if k % block_k or f % block_n or block_k % MIN_ROWS or block_n % MIN_ROWS:
     raise ValueError(f"blocks of {block_k} x {block_n} (multiples of {MIN_ROWS}) must divide "
                      f"K={k} and F={f}")
+  stages = stages_that_fit(rows, block_k, block_n, x_MK.dtype.itemsize,
+                           num_stages or NUM_STAGES)
+  if not stages:
+    raise ValueError(f"blocks of {block_k} x {block_n} at {rows} rows of {x_MK.dtype} need more "
+                     f"than {SHARED_MEMORY} bytes of shared memory at 2 stages")
   if interpret is None:
     interpret = not platform.on_gpu()
-  kernel = functools.partial(_kernel, rows=rows,
-                             block_rows=max(MIN_ROWS, 1 << (rows - 1).bit_length()),
-                             block_k=block_k, block_n=block_n)
+  kernel = functools.partial(_kernel, rows=rows, block_rows=_block_rows(rows), block_k=block_k,
+                             block_n=block_n)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((rows, f), x_MK.dtype), grid=(f // block_n,),
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
+                                              num_stages=stages),
       interpret=interpret, name="swiglu_gemm")(x_MK, w_KCF)
