@@ -270,8 +270,9 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         # with the kernel that sum is a kernel of its own, and the FP8 step measured no faster
         # (one H100, BENCHMARKS.md, "KV cache writes in one kernel").
         node.kv_write = kv_write
+      # The SwiGLU kernel's tiling and shared-memory bound are Hopper's (timed on an H200)
       if (isinstance(node, MLP) and mlp.SWIGLU_KERNEL and node.gate_up_proj_scale is None
-          and axis_size(mesh, rules.embed) == 1):
+          and axis_size(mesh, rules.embed) == 1 and (interpret or platform.on_hopper())):
         swiglu = swiglu or sharded_swiglu(mesh, rules, interpret)
         node.swiglu_kernel = swiglu
       if (isinstance(node, MoE) and node.scoring == "softmax"

@@ -14,7 +14,8 @@ from jspec.models.row_kernels import takes_rows
 
 # Whether a decode or verify step's gate / up product and SiLU x up run as one kernel
 # (MLP.swiglu_kernel, jspec.pallas_kernels.swiglu_gemm) where the norm backend runs the row
-# kernels, for shards of at most swiglu_gemm.MAX_F columns (measured faster there on an H200).
+# kernels on Hopper GPUs, for shards of swiglu_gemm.MIN_F to MAX_F columns (measured faster
+# there on an H200).
 SWIGLU_KERNEL = True
 
 
