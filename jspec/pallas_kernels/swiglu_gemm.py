@@ -16,8 +16,8 @@ the activation needs no second pass), and applies silu(g) x u to its float32 sum
 rounding to x's dtype (XLA's path rounds the product first, then the activation). The step's
 rows (at most MAX_ROWS) are padded to Triton's 16 by masked loads.
 
-On by default (`jspec.models.mlp.SWIGLU_KERNEL`; `tp_scaling.py --no-swiglu-kernel` turns it
-off) for shards of MIN_F to MAX_F columns: Qwen3-8B at tp = 2 on 2 H200, TPOT -3.5% at batch 1,
+On by default on Hopper GPUs (`jspec.models.mlp.SWIGLU_KERNEL`; `tp_scaling.py
+--no-swiglu-kernel` turns it off) for shards of MIN_F to MAX_F columns: Qwen3-8B at tp = 2 on 2 H200, TPOT -3.5% at batch 1,
 -1.3% at batch 8 (BENCHMARKS.md, "SwiGLU's gate / up product and activation in one kernel").
 """
 
