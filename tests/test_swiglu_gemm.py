@@ -14,6 +14,7 @@ import jspec
 from jspec.models import mlp
 from jspec.models.mlp import MLP
 from jspec.models.row_kernels import sharded_swiglu
+from jspec.pallas_kernels import platform
 from jspec.pallas_kernels import swiglu_gemm as kernel_lib
 from jspec.pallas_kernels.swiglu_gemm import (MAX_F, MAX_ROWS, MIN_F, blocks, fits, shared_memory,
                                               stages_that_fit, swiglu_gemm)
@@ -122,6 +123,16 @@ def test_on_by_default_and_never_under_xla_norms(monkeypatch):
   xla = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=128,
                   max_num_seqs=4, norm_backend="xla")
   assert mlps(xla) and all(n.swiglu_kernel is None for n in mlps(xla))
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+def test_on_gpus_only_hoppers_take_it(monkeypatch, hopper):
+  """On a GPU (as the LLM's build sees it) the MLPs take the kernel only on Hopper: its tiling
+  and its shared-memory bound are Hopper's."""
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "on_hopper", lambda: hopper)
+  mlps = [n for _, n in nnx.iter_graph(_llm().target) if isinstance(n, MLP)]
+  assert mlps and all((n.swiglu_kernel is not None) == hopper for n in mlps)
 
 
 def test_a_shard_past_the_kernels_rows_gets_the_xla_activation(monkeypatch):
