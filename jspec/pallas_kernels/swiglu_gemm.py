@@ -17,8 +17,9 @@ rounding to x's dtype (XLA's path rounds the product first, then the activation)
 rows (at most MAX_ROWS) are padded to Triton's 16 by masked loads.
 
 On by default on Hopper GPUs (`jspec.models.mlp.SWIGLU_KERNEL`; `tp_scaling.py
---no-swiglu-kernel` turns it off) for shards of MIN_F to MAX_F columns: Qwen3-8B at tp = 2 on 2 H200, TPOT -3.5% at batch 1,
--1.3% at batch 8 (BENCHMARKS.md, "SwiGLU's gate / up product and activation in one kernel").
+--no-swiglu-kernel` turns it off) for shards of MIN_F to MAX_F columns: Qwen3-8B at tp = 2 on
+2 H200, TPOT -3.5% at batch 1, -1.3% at batch 8 (BENCHMARKS.md, "SwiGLU's gate / up product
+and activation in one kernel").
 """
 
 from __future__ import annotations
