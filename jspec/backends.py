@@ -240,6 +240,7 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
   from jspec.pallas_kernels.kv_write import fits_kernel as kv_fits
   from jspec.pallas_kernels.router_topk import fits_kernel as router_fits
   from jspec.pallas_kernels.row_norms import fits_kernel
+  from jspec.pallas_kernels.swiglu_gemm import takes_width as swiglu_takes_width
   backend = resolve_norm_backend(backend)
   if backend == "xla":
     return backend
@@ -270,9 +271,12 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         # with the kernel that sum is a kernel of its own, and the FP8 step measured no faster
         # (one H100, BENCHMARKS.md, "KV cache writes in one kernel").
         node.kv_write = kv_write
-      # The SwiGLU kernel's tiling and shared-memory bound are Hopper's (timed on an H200)
+      # The SwiGLU kernel's tiling and shared-memory bound are Hopper's (timed on an H200);
+      # MLPs of other shard widths keep their own products
       if (isinstance(node, MLP) and mlp.SWIGLU_KERNEL and node.gate_up_proj_scale is None
-          and axis_size(mesh, rules.embed) == 1 and (interpret or platform.on_hopper())):
+          and axis_size(mesh, rules.embed) == 1 and (interpret or platform.on_hopper())
+          and swiglu_takes_width(node.gate_up_proj.shape[0],
+                                 node.gate_up_proj.shape[2] // axis_size(mesh, rules.mlp))):
         swiglu = swiglu or sharded_swiglu(mesh, rules, interpret)
         node.swiglu_kernel = swiglu
       if (isinstance(node, MoE) and node.scoring == "softmax"

@@ -109,14 +109,17 @@ def test_models_take_the_kernel_with_xla_tokens(monkeypatch, mesh):
 
 
 def test_on_by_default_and_never_under_xla_norms(monkeypatch):
-  """On by default where the row kernels run (the fixture's F below MIN_F takes XLA's product
-  inside it), off with SWIGLU_KERNEL off, and never where the norm backend is XLA's."""
+  """On by default where the row kernels run and a shard's F lies in MIN_F .. MAX_F (the
+  fixture's narrower F keeps the MLP's own product: no kernel set, none in its step), off with
+  SWIGLU_KERNEL off, and never where the norm backend is XLA's."""
   assert mlp.SWIGLU_KERNEL
   mlps = lambda llm: [n for _, n in nnx.iter_graph(llm.target) if isinstance(n, MLP)]
   llm = _llm()
-  assert mlps(llm) and all(n.swiglu_kernel is not None for n in mlps(llm))
+  assert mlps(llm) and all(n.swiglu_kernel is None for n in mlps(llm))
   step = jnp.ones((2, 3, llm.config.hidden_size), jnp.float32)
   assert "swiglu_gemm" not in str(jax.make_jaxpr(mlps(llm)[0])(step))
+  monkeypatch.setattr(kernel_lib, "MIN_F", 16)
+  assert all(n.swiglu_kernel is not None for n in mlps(_llm()))
   monkeypatch.setattr(mlp, "SWIGLU_KERNEL", False)
   assert all(n.swiglu_kernel is None for n in mlps(_llm()))
   monkeypatch.setattr(mlp, "SWIGLU_KERNEL", True)
@@ -125,12 +128,24 @@ def test_on_by_default_and_never_under_xla_norms(monkeypatch):
   assert mlps(xla) and all(n.swiglu_kernel is None for n in mlps(xla))
 
 
+def test_the_window_is_a_shards_width(monkeypatch):
+  """MIN_F at the fixture's whole F: one device's MLPs take the kernel, a tp = 2 mesh's (half
+  of F a shard) keep their own product."""
+  monkeypatch.setattr(kernel_lib, "MIN_F", 128)
+  mlps = lambda llm: [n for _, n in nnx.iter_graph(llm.target) if isinstance(n, MLP)]
+  whole, halves = mlps(_llm()), mlps(_llm(mesh=jspec.MeshConfig(tp=2)))
+  assert whole[0].gate_up_proj.shape[2] == 128
+  assert all(n.swiglu_kernel is not None for n in whole)
+  assert halves and all(n.swiglu_kernel is None for n in halves)
+
+
 @pytest.mark.parametrize("hopper", [False, True])
 def test_on_gpus_only_hoppers_take_it(monkeypatch, hopper):
   """On a GPU (as the LLM's build sees it) the MLPs take the kernel only on Hopper: its tiling
   and its shared-memory bound are Hopper's."""
   monkeypatch.setattr(platform, "on_gpu", lambda: True)
   monkeypatch.setattr(platform, "on_hopper", lambda: hopper)
+  monkeypatch.setattr(kernel_lib, "MIN_F", 16)
   mlps = [n for _, n in nnx.iter_graph(_llm().target) if isinstance(n, MLP)]
   assert mlps and all((n.swiglu_kernel is not None) == hopper for n in mlps)
 

@@ -296,13 +296,14 @@ def sharded_swiglu(mesh: Mesh, rules: ShardingRules, interpret: bool):
   jspec.pallas_kernels.swiglu_gemm per shard: rows split as the activations are, F over the
   mesh's "mlp" axes as the weight is (D whole on every shard). A shard with more rows than
   the kernel takes gets XLA's product and activation."""
+  from jspec.pallas_kernels.shared import silu_mul
   from jspec.pallas_kernels.swiglu_gemm import fits, swiglu_gemm
 
   def per_shard(x_BTD, w_DCF):
     b, t, d = x_BTD.shape
     if not fits(b * t, d, w_DCF.shape[2], x_BTD.dtype.itemsize):
       gate_up = jnp.einsum("btd,dcf->btcf", x_BTD, w_DCF)
-      return jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+      return silu_mul(gate_up[:, :, 0], gate_up[:, :, 1])
     return swiglu_gemm(x_BTD.reshape(b * t, d), w_DCF, interpret=interpret).reshape(b, t, -1)
 
   return jax.shard_map(per_shard, mesh=mesh,

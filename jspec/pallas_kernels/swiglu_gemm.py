@@ -78,11 +78,16 @@ def blocks(k: int, f: int) -> tuple[int, int]:
   return math.gcd(k, BLOCK_K), math.gcd(f, BLOCK_N)
 
 
+def takes_width(k: int, f: int) -> bool:
+  """Whether the models' MLPs with a shard's weight [k, 2, f] take the kernel: MIN_F to MAX_F
+  columns and `blocks`' tiling of at least 16 (Triton's dot)."""
+  return MIN_F <= f <= MAX_F and min(blocks(k, f)) >= MIN_ROWS
+
+
 def fits(rows: int, k: int, f: int, itemsize: int = 2) -> bool:
-  """Whether the models' MLPs hand x [rows, k] and a weight [k, 2, f] to the kernel: at most
-  MAX_ROWS rows, MIN_F to MAX_F columns, and `blocks`' tiling of at least 16 (Triton's dot)
-  in the shared memory at 2 stages or more."""
-  return (0 < rows <= MAX_ROWS and MIN_F <= f <= MAX_F and min(blocks(k, f)) >= MIN_ROWS
+  """Whether the models' MLPs hand x [rows, k] and a weight [k, 2, f] to the kernel: a width
+  it takes, at most MAX_ROWS rows, in the shared memory at 2 stages or more."""
+  return (0 < rows <= MAX_ROWS and takes_width(k, f)
           and stages_that_fit(rows, *blocks(k, f), itemsize, NUM_STAGES) > 0)
 
 
