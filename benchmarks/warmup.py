@@ -32,6 +32,7 @@ import jspec  # noqa: E402
 from jspec import interrupt  # noqa: E402
 from jspec.bench.presets import PRESETS  # noqa: E402
 from jspec.bench.profile import trace_data  # noqa: E402
+from jspec.pallas_kernels import precompile  # noqa: E402
 
 
 def host_event_totals(trace_dir: str, width: int = 90) -> dict:
@@ -44,6 +45,30 @@ def host_event_totals(trace_dir: str, width: int = 90) -> dict:
           totals[event.name[:width]][0] += 1
           totals[event.name[:width]][1] += event.duration_ns
   return totals
+
+
+# Event names, "*" ending a prefix. "Compile" alone is a Mosaic GPU kernel's compile.
+TIMELINE = ("lower_sharding_computation", "PjRtCApiClient::CompileAndLoad*", "Compile",
+            "backend_compile_and_load", "PjitFunction(jit(start_fn))",
+            "PjitFunction(jit(dispatch_fn))", "[0] GpuExecutable::ExecuteThunks")
+
+
+def _named(name: str, names) -> bool:
+  return any(name == n or n.endswith("*") and name.startswith(n[:-1]) for n in names)
+
+
+def host_timeline(trace_dir: str, names=TIMELINE) -> list:
+  """(start s from the trace's first host event, seconds, thread, name) of the host events whose
+  name starts with one of `names`, in start order: which phases overlap."""
+  rows, first = [], None
+  for plane in trace_data(trace_dir).planes:
+    if plane.name.startswith("/host"):
+      for line in plane.lines:
+        for event in line.events:
+          first = event.start_ns if first is None else min(first, event.start_ns)
+          if _named(event.name, names):
+            rows.append((event.start_ns, event.duration_ns, line.name, event.name[:60]))
+  return [((start - first) / 1e9, ns / 1e9, line, name) for start, ns, line, name in sorted(rows)]
 
 
 def compile_events():
@@ -70,11 +95,21 @@ def main():
   parser.add_argument("--host-events", action="store_true",
                       help="trace the warm-up and print host events by name instead")
   parser.add_argument("--top", type=int, default=40)
+  parser.add_argument("--timeline", action="store_true",
+                      help="with --host-events: the compile phases' host events in time order")
   parser.add_argument("--one-by-one", action="store_true",
                       help="interrupt.SIDE_BY_SIDE off: a shape's programs compile one after "
                            "the other, as before they compiled side by side")
+  parser.add_argument("--lower-first", action="store_true",
+                      help="interrupt.COMPILE_WHILE_LOWERING off: a shape's programs all lowered "
+                           "before any compiles")
+  parser.add_argument("--no-precompile", action="store_true",
+                      help="precompile.ENABLED off: Mosaic GPU kernels compile when their "
+                           "programs load")
   args = parser.parse_args()
   interrupt.SIDE_BY_SIDE = not args.one_by_one
+  interrupt.COMPILE_WHILE_LOWERING = not args.lower_first
+  precompile.ENABLED = not args.no_precompile
   base = PRESETS[args.model]
   if args.layers:
     base = dataclasses.replace(base, num_layers=args.layers)
@@ -102,6 +137,10 @@ def main():
     print(f"\n== {precision}: built in {built:.1f} s, warm-up {warm:.1f} s", flush=True)
     if args.host_events:
       traces[precision] = host_event_totals(trace_dir)
+    if args.host_events and args.timeline:
+      for start_s, seconds, line, name in host_timeline(trace_dir):
+        if seconds >= 0.05:
+          print(f"  {start_s:7.2f} s  {seconds:6.2f} s  {line[:28]:28s} {name}")
     else:
       by_phase = collections.defaultdict(float)
       for (phase, _), (_, seconds) in events.items():
