@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import platform, precompile
+from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.shared import silu_mul, smem_transforms
 
 # The TMA writes shared memory at 128-byte aligned addresses: every pipelined block must be a
@@ -196,14 +196,14 @@ def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dt
 
 def _kernel_call(body, out_shape, dtype, name, programs: int | None = None):
   """A persistent kernel of `programs` programs (default: one per SM; the interpreter runs one)."""
-  return precompile.ahead(plgpu.kernel(
+  return plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct(out_shape, dtype),
       grid=(programs or platform.num_sms(),),
       grid_names=("sm",),
       interpret=platform.interpret_params(),
       kernel_name=name,
-  ), name)
+  )
 
 
 def gate_up_decode(x_TD, w_gate_EDF, w_up_EDF, slot_expert_S, num_slots_1, tokens_pad: int,

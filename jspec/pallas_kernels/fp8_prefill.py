@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import decode_gemm, platform, precompile
+from jspec.pallas_kernels import decode_gemm, platform
 from jspec.pallas_kernels.fp8_gemm import (BLOCK, E4M3, check_operands, quantize_activations,
                                            scale_lanes)
 from jspec.pallas_kernels.shared import smem_transforms
@@ -289,14 +289,14 @@ def _products_warp_specialized(x8_MK, w8_NK, w_scale_NbKb, act_scale_KbM, out_dt
     plgpu.wait_smem_to_gmem(0)
 
   o_shape = (2, ROW_TILE, wgmma_rows) if transposed else (2, wgmma_rows, ROW_TILE)
-  return precompile.ahead(plgpu.kernel(
+  return plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((splits, m, n) if transposed else (splits, n, m), dtype),
       grid=(platform.num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
       scratch_types=dict(o_smem=plgpu.SMEM(o_shape, dtype,
                                            transforms=smem_transforms(o_shape[-1], dtype))),
       interpret=platform.interpret_params(), kernel_name="fp8_prefill_gemm_ws",
-  ), f"fp8_prefill_gemm_ws_{'t' if transposed else 'n'}")(x8_MK, w8_NK, w_scale_NbKb.astype(jnp.float32), act_scale_KbM)
+  )(x8_MK, w8_NK, w_scale_NbKb.astype(jnp.float32), act_scale_KbM)
 
 
 def _programs(tiling: PrefillTiling) -> int:

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import platform, precompile
+from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.shared import silu_mul, smem_transforms
 
 
@@ -96,14 +96,14 @@ def _store_tile(value, out_gmem_slice, dtype, transpose: bool):
 
 
 def _kernel_call(body, out_shape, dtype, tiling_name):
-  return precompile.ahead(plgpu.kernel(
+  return plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct(out_shape, dtype),
       grid=(platform.num_sms(),),
       grid_names=("sm",),
       interpret=platform.interpret_params(),
       kernel_name=tiling_name,
-  ), tiling_name)
+  )
 
 
 def gate_up_swiglu(x_PD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array,

@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import platform, precompile
+from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.shared import smem_transforms
 
 ROWS = 64          # query rows per program: wgmma's M
@@ -333,7 +333,7 @@ def latent_attention_parts(q_BRL, cache_BSL, pos_BR, positions_BT, *, latent_dim
   scratch = _scratch(cache_BSL.dtype, out_dtype, latent_dim, width - latent_dim, tiling)
   kernel = functools.partial(_kernel, scale=scale, latent_dim=latent_dim, splits=splits,
                              heads=heads, tiling=tiling, live_rows=live_rows)
-  return precompile.ahead(plgpu.kernel(
+  return plgpu.kernel(
       lambda *refs: kernel(*refs[:6], scratch=refs[6:]),
       out_type=(jax.ShapeDtypeStruct((b, splits, padded, latent_dim), out_dtype),
                 jax.ShapeDtypeStruct((b, splits, padded), jnp.float32)),
@@ -344,4 +344,4 @@ def latent_attention_parts(q_BRL, cache_BSL, pos_BR, positions_BT, *, latent_dim
       # no SMEM for cross-warp reductions: the 2 KiB it reserves by default do not fit.
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=platform.interpret_params(), kernel_name="mla_flash_decode_wgmma",
-  ), f"mla_flash_decode_wgmma_{splits}_{live_rows}")(q_BRL, cache_BSL, pos_BR, positions_BT)
+  )(q_BRL, cache_BSL, pos_BR, positions_BT)
