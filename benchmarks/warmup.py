@@ -32,7 +32,6 @@ import jspec  # noqa: E402
 from jspec import interrupt  # noqa: E402
 from jspec.bench.presets import PRESETS  # noqa: E402
 from jspec.bench.profile import trace_data  # noqa: E402
-from jspec.pallas_kernels import precompile  # noqa: E402
 
 
 def host_event_totals(trace_dir: str, width: int = 90) -> dict:
@@ -103,11 +102,7 @@ def main():
   parser.add_argument("--lower-first", action="store_true",
                       help="interrupt.COMPILE_WHILE_LOWERING off: a shape's programs all lowered "
                            "before any compiles")
-  parser.add_argument("--no-precompile", action="store_true",
-                      help="precompile.ENABLED off: Mosaic GPU kernels compile when their "
-                           "programs load")
   args = parser.parse_args()
-  precompile.ENABLED = not args.no_precompile
   interrupt.SIDE_BY_SIDE = not args.one_by_one
   interrupt.COMPILE_WHILE_LOWERING = not args.lower_first
   base = PRESETS[args.model]
