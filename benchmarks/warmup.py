@@ -132,8 +132,7 @@ def main():
     print(f"\n== {precision}: built in {built:.1f} s, warm-up {warm:.1f} s", flush=True)
     if args.host_events:
       traces[precision] = host_event_totals(trace_dir)
-    if args.host_events and args.timeline:
-      for start_s, seconds, line, name in host_timeline(trace_dir):
+      for start_s, seconds, line, name in host_timeline(trace_dir) if args.timeline else ():
         if seconds >= 0.05:
           print(f"  {start_s:7.2f} s  {seconds:6.2f} s  {line[:28]:28s} {name}")
     else:
