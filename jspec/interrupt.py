@@ -128,16 +128,21 @@ def call_all(fns, name: str = "jspec-device") -> list:
   if not SIDE_BY_SIDE and len(fns) > 1:
     return call(lambda: [fn() for fn in fns], name=name)
   results = [queues.Queue(maxsize=1) for _ in fns]
-
-  def run(fn, result):
-    try:
-      result.put((True, fn()))
-    except BaseException as err:  # re-raised on the caller's thread
-      result.put((False, err))
-
   for i, (fn, result) in enumerate(zip(fns, results)):
-    start_thread(run, fn, result, name=name if len(fns) == 1 else f"{name}-{i}")
-  outcomes = [get(result) for result in results]
+    start_thread(_run_into, fn, result, name=name if len(fns) == 1 else f"{name}-{i}")
+  return _values([get(result) for result in results])
+
+
+def _run_into(fn, result: queues.Queue):
+  """fn()'s (True, result) or (False, exception) into `result`, for the caller's thread."""
+  try:
+    result.put((True, fn()))
+  except BaseException as err:  # re-raised on the caller's thread
+    result.put((False, err))
+
+
+def _values(outcomes) -> list:
+  """The values of (ok, value) outcomes, or the first failure's exception raised."""
   for ok, value in outcomes:
     if not ok:
       raise value
@@ -158,12 +163,6 @@ def compile_programs(lowerings) -> list:
     return call_all([program.compile for program in lowered])
   results = [queues.Queue(maxsize=1) for _ in lowerings]
 
-  def compile_into(program, result):
-    try:
-      result.put((True, program.compile()))
-    except BaseException as err:  # re-raised on the caller's thread
-      result.put((False, err))
-
   def lower_all():
     for i, (lower, result) in enumerate(zip(lowerings, results)):
       try:
@@ -172,16 +171,13 @@ def compile_programs(lowerings) -> list:
         for rest in results[i:]:
           rest.put((False, err))
         raise
-      start_thread(compile_into, program, result, name=f"jspec-compile-{i}")
+      start_thread(_run_into, program.compile, result, name=f"jspec-compile-{i}")
 
   try:
     call(lower_all, name="jspec-lower")
   finally:
     outcomes = [get(result) for result in results]
-  for ok, value in outcomes:
-    if not ok:
-      raise value
-  return [value for _, value in outcomes]
+  return _values(outcomes)
 
 
 def exit_now(code: int = 130):
