@@ -32,6 +32,7 @@ import jspec  # noqa: E402
 from jspec import interrupt  # noqa: E402
 from jspec.bench.presets import PRESETS  # noqa: E402
 from jspec.bench.profile import trace_data  # noqa: E402
+from jspec.pallas_kernels import precompile  # noqa: E402
 
 
 def host_event_totals(trace_dir: str, width: int = 90) -> dict:
@@ -102,7 +103,11 @@ def main():
   parser.add_argument("--lower-first", action="store_true",
                       help="interrupt.COMPILE_WHILE_LOWERING off: a shape's programs all lowered "
                            "before any compiles")
+  parser.add_argument("--no-precompile", action="store_true",
+                      help="precompile.ENABLED off: Mosaic GPU kernels compile when their "
+                           "programs load")
   args = parser.parse_args()
+  precompile.ENABLED = not args.no_precompile
   interrupt.SIDE_BY_SIDE = not args.one_by_one
   interrupt.COMPILE_WHILE_LOWERING = not args.lower_first
   base = PRESETS[args.model]
@@ -166,6 +171,10 @@ def main():
         f"{'calls 3-5':>10s}")
   for precision, built, warm, first, settled in rows:
     print(f"{precision:9s} {built:8.1f} {warm:9.1f} {first:19.3f} {settled:10.3f}")
+  if precompile.ENABLED:
+    failed = precompile.stats["failed"]
+    print(f"Mosaic GPU kernels compiled ahead: {precompile.stats['compiled']}, failed: "
+          f"{len(failed)}{f' (first: {failed[0][:200]})' if failed else ''}")
   if len(rows) == 2:
     ratio = lambda i: rows[1][i] / rows[0][i]
     print(f"fp8 / bf16: warm-up {ratio(2):.2f}x, TPOT {ratio(3):.3f}x (calls 1-2), "

@@ -155,11 +155,16 @@ def compile_programs(lowerings) -> list:
   each compiled on a thread of its own from the moment it is lowered, so that a program's
   compile runs while the next one is lowered (XLA compiles without the GIL: on an H200 the
   FP8 loop's 2.1 s of lowering came after its prefill's lowering and before either compile
-  started, BENCHMARKS.md, "Warm-up: …"). Without SIDE_BY_SIDE, one after the other."""
+  started, BENCHMARKS.md, "Warm-up: …"); and each program's Mosaic GPU kernels compiled on a
+  thread of their own meanwhile (jspec.pallas_kernels.precompile). Without SIDE_BY_SIDE, one
+  after the other."""
   if not SIDE_BY_SIDE:
     return call(lambda: [lower().compile() for lower in lowerings])
+  from jspec.pallas_kernels import precompile
   if not COMPILE_WHILE_LOWERING:
     lowered = call(lambda: [lower() for lower in lowerings])
+    for program in lowered:
+      precompile.start(program)
     return call_all([program.compile for program in lowered])
   results = [queues.Queue(maxsize=1) for _ in lowerings]
 
@@ -171,6 +176,7 @@ def compile_programs(lowerings) -> list:
         for rest in results[i:]:
           rest.put((False, err))
         raise
+      precompile.start(program)  # its Mosaic GPU kernels, while XLA compiles the rest
       start_thread(_run_into, program.compile, result, name=f"jspec-compile-{i}")
 
   try:
