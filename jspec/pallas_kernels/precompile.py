@@ -12,8 +12,8 @@ the custom calls from the program's own lowered module.
 How: `start(lowered)` walks the lowered module for Mosaic GPU custom calls and, for each kernel
 hash not yet seen in this process, builds a one-op program (the call, its operands as
 parameters, every attribute kept but the partitioner's shardings) and compiles and loads it on
-a background thread, on the first device (jaxlib's cache is the process's). Kernels that
-exchange data with other devices (their backend config names replica ids or collective
+a background thread, on the process's first device (jaxlib's cache is the process's). Kernels
+that exchange data with other devices (their backend config names replica ids or collective
 metadata) are left to their programs. A failure only costs the head start: the program
 compiles the kernel itself.
 """
@@ -143,15 +143,17 @@ def compile_text(text: str, device):
 
 
 def compile_all(texts):
-  """Each of `texts` compiled on the first device, one after the other (jaxlib compiles Mosaic
-  GPU kernels one at a time anyway); a failure is counted and logged, and the program then
-  compiles that kernel itself."""
+  """Each of `texts` compiled on this process's first device, one after the other (jaxlib
+  compiles Mosaic GPU kernels one at a time anyway); a failure is counted and logged, and the
+  program then compiles that kernel itself."""
   import jax
-  device = jax.devices()[0]
+  device = jax.local_devices()[0]
   for text in texts:
     try:
       compile_text(text, device)
-      stats["compiled"] += 1
+      with _lock:
+        stats["compiled"] += 1
     except Exception as err:
-      stats["failed"].append(str(err).splitlines()[0] if str(err) else repr(err))
+      with _lock:
+        stats["failed"].append(str(err).splitlines()[0] if str(err) else repr(err))
       _log.warning("a Mosaic GPU kernel's compile ahead failed: %s", err)
