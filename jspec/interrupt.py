@@ -164,7 +164,7 @@ def compile_programs(lowerings) -> list:
   if not COMPILE_WHILE_LOWERING:
     lowered = call(lambda: [lower() for lower in lowerings])
     for program in lowered:
-      precompile.start(program)
+      precompile.start(program, start_thread)
     return call_all([program.compile for program in lowered])
   results = [queues.Queue(maxsize=1) for _ in lowerings]
 
@@ -176,7 +176,7 @@ def compile_programs(lowerings) -> list:
         for rest in results[i:]:
           rest.put((False, err))
         raise
-      precompile.start(program)  # its Mosaic GPU kernels, while XLA compiles the rest
+      precompile.start(program, start_thread)  # its Mosaic GPU kernels, meanwhile
       start_thread(_run_into, program.compile, result, name=f"jspec-compile-{i}")
 
   try:

@@ -10,6 +10,7 @@ from jax.extend.core import Primitive
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
 
+from jspec import interrupt
 from jspec.pallas_kernels import platform, precompile
 
 # Custom calls lowered as JAX lowers a Mosaic GPU kernel (jax.experimental.mosaic.gpu.core:
@@ -111,14 +112,6 @@ def test_a_one_op_program_compiles_and_computes_what_the_call_did_in_its_program
     np.testing.assert_allclose(a @ v, v * np.asarray(values), rtol=1e-4, atol=1e-4)
 
 
-class LoweredStandIn:
-  def __init__(self, lowered):
-    self.lowered = lowered
-
-  def compiler_ir(self, dialect):
-    return self.lowered.compiler_ir(dialect)
-
-
 @pytest.fixture
 def recorded(monkeypatch):
   compiled = []
@@ -130,18 +123,19 @@ def recorded(monkeypatch):
 def test_start_compiles_new_kernels_once_per_process(monkeypatch, recorded):
   monkeypatch.setattr(platform, "on_gpu", lambda: True)
   lowered = _lowered()
-  first = precompile.start(lowered)
+  first = precompile.start(lowered, interrupt.start_thread)
   first.join()
   assert len(recorded) == 1 and len(recorded[0]) == 2
-  assert precompile.start(lowered) is None  # every kernel already handed over
+  # every kernel already handed over
+  assert precompile.start(lowered, interrupt.start_thread) is None
   assert len(recorded) == 1
 
 
 def test_start_does_nothing_off_a_gpu_or_when_disabled(monkeypatch, recorded):
-  assert precompile.start(_lowered()) is None
+  assert precompile.start(_lowered(), interrupt.start_thread) is None
   monkeypatch.setattr(platform, "on_gpu", lambda: True)
   monkeypatch.setattr(precompile, "ENABLED", False)
-  assert precompile.start(_lowered()) is None
+  assert precompile.start(_lowered(), interrupt.start_thread) is None
   assert not recorded
 
 
@@ -152,7 +146,7 @@ def test_a_module_it_cannot_read_leaves_the_program_alone(monkeypatch, recorded)
     def compiler_ir(self, dialect):
       raise RuntimeError("no module")
   failed = len(precompile.stats["failed"])
-  assert precompile.start(Broken()) is None and not recorded
+  assert precompile.start(Broken(), interrupt.start_thread) is None and not recorded
   assert "no module" in precompile.stats["failed"][failed]
 
 
@@ -179,7 +173,7 @@ def test_gpu_a_programs_kernel_compiles_alone_and_the_program_runs():
   lowered = jax.jit(lambda a, b: skinny_matmul(a, b) * 2).lower(x, w)
   assert precompile.kernel_programs(lowered.compiler_ir("stablehlo"))
   before = dict(precompile.stats, failed=list(precompile.stats["failed"]))
-  thread = precompile.start(lowered)
+  thread = precompile.start(lowered, interrupt.start_thread)
   assert thread is not None, precompile.stats
   thread.join()
   assert precompile.stats["failed"] == before["failed"]

@@ -107,18 +107,19 @@ def kernel_programs(module) -> list[tuple[bytes, str]]:
     return [(key, one_op_program(op)) for key, op in calls.items()]
 
 
-def start(lowered) -> threading.Thread | None:
-  """Compiles `lowered`'s (a jax.stages.Lowered) new Mosaic GPU kernels on a background thread
-  (see the module docstring); the thread, or None where there is none to compile (off a GPU,
+def start(lowered, start_thread) -> threading.Thread | None:
+  """Compiles `lowered`'s (a jax.stages.Lowered) new Mosaic GPU kernels on a thread started by
+  `start_thread(target, *args, name=)` (jspec.interrupt's, which is waited for at exit; see
+  the module docstring); the thread, or None where there is none to compile (off a GPU,
   ENABLED off, no new kernel). Call it before the program's own compile starts."""
-  from jspec import interrupt
   from jspec.pallas_kernels import platform
   if not (ENABLED and platform.on_gpu()):
     return None
   try:
     found = kernel_programs(lowered.compiler_ir("stablehlo"))
   except Exception as err:  # a module this cannot read: the program compiles its kernels
-    stats["failed"].append(f"reading the module: {err}")
+    with _lock:
+      stats["failed"].append(f"reading the module: {err}")
     _log.warning("no Mosaic GPU kernels compiled ahead: %s", err)
     return None
   with _lock:
@@ -126,7 +127,7 @@ def start(lowered) -> threading.Thread | None:
     _started.update(key for key, _ in found)
   if not new:
     return None
-  return interrupt.start_thread(compile_all, new, name="jspec-precompile")
+  return start_thread(compile_all, new, name="jspec-precompile")
 
 
 def compile_text(text: str, device):
