@@ -9,13 +9,13 @@ compiled again when the program's thunks are built. Compiling a kernel alone fro
 does not give the same module (tried: the programs compiled their kernels again), so this takes
 the custom calls from the program's own lowered module.
 
-How: `start(lowered)` walks the lowered module for Mosaic GPU custom calls and, for each kernel
-hash not yet seen in this process, builds a one-op program (the call, its operands as
-parameters, every attribute kept but the partitioner's shardings) and compiles and loads it on
-a background thread, on the process's first device (jaxlib's cache is the process's). Kernels
-that exchange data with other devices (their backend config names replica ids or collective
-metadata) are left to their programs. A failure only costs the head start: the program
-compiles the kernel itself.
+How: `start(lowered, start_thread)` walks the lowered module for Mosaic GPU custom calls and,
+for each kernel hash not yet seen in this process, builds a one-op program (the call, its
+operands as parameters, every attribute kept but the partitioner's shardings) and compiles and
+loads it on a background thread, on the process's first device (jaxlib's cache is the
+process's). Kernels that exchange data with other devices (their backend config names replica
+ids or collective metadata) are left to their programs. A failure only costs the head start: the
+program compiles the kernel itself.
 """
 
 from __future__ import annotations
