@@ -74,3 +74,20 @@ def test_lower_first_lowers_every_program_before_any_compiles(monkeypatch):
   assert result == ["compiled a", "compiled b"]
   kinds = [kind for kind, *_ in log]
   assert kinds[:2] == ["lower", "lower"] and sorted(kinds[2:]) == ["compile", "compile"]
+
+
+@pytest.mark.parametrize("while_lowering", [True, False])
+def test_each_program_goes_to_the_kernel_precompile_before_its_compile(monkeypatch,
+                                                                      while_lowering):
+  from jspec.pallas_kernels import precompile
+  monkeypatch.setattr(interrupt, "COMPILE_WHILE_LOWERING", while_lowering)
+  log = []
+  monkeypatch.setattr(precompile, "start", lambda program, start_thread: log.append(
+      ("precompile", program.name, start_thread is interrupt.start_thread)))
+  result = interrupt.compile_programs([_lowering("a", log), _lowering("b", log)])
+  assert result == ["compiled a", "compiled b"]
+  handed = [(name, ours) for kind, name, ours in log if kind == "precompile"]
+  assert handed == [("a", True), ("b", True)]
+  for name in ("a", "b"):
+    kinds = [kind for kind, entry, _ in log if entry == name]
+    assert kinds == ["lower", "precompile", "compile"]
