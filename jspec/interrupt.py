@@ -161,6 +161,7 @@ def compile_programs(lowerings) -> list:
   if not SIDE_BY_SIDE:
     return call(lambda: [lower().compile() for lower in lowerings])
   from jspec.pallas_kernels import precompile
+  precompile.before_lowering(start_thread)
   if not COMPILE_WHILE_LOWERING:
     lowered = call(lambda: [lower() for lower in lowerings])
     for program in lowered:

@@ -164,6 +164,77 @@ def test_a_failed_compile_is_counted_and_the_rest_still_compile(monkeypatch):
   assert precompile.stats == {"compiled": 2, "failed": ["cannot compile"]}
 
 
+def _fake_mosaic_rule(events):
+  """A stand-in for Mosaic GPU's lowering rule: the custom call it emits (as the real one,
+  through mlir.custom_call with a dict config), each emission logged."""
+  def rule(ctx, x, s, *, module, out_types, inout_types, **_):
+    config = dict(module)
+    events.append(("emit", config["kernel_hash"]))
+    return _fake_kernel_lowering(ctx, x, s, config=tuple(config.items()),
+                                 target="mosaic_gpu_v2")
+  return rule
+
+
+pallas_like_p = Primitive("jspec_fake_pallas_kernel")
+pallas_like_p.def_abstract_eval(lambda x, s, *, config: x)
+
+
+def _pallas_like_lowering(ctx, x, s, *, config):
+  # As Pallas: the rule looked up on its module at every lowering.
+  from jax.experimental.mosaic.gpu import core
+  return core._mosaic_gpu_lowering_rule(ctx, x, s, module=config, out_types=(),
+                                        inout_types=())
+
+
+mlir.register_lowering(pallas_like_p, _pallas_like_lowering)
+
+
+@pytest.mark.parametrize("at_lowering", [True, False])
+def test_kernels_handed_over_as_their_calls_are_emitted(monkeypatch, at_lowering):
+  from jax.experimental.mosaic.gpu import core
+  events = []
+  monkeypatch.setattr(core, "_mosaic_gpu_lowering_rule", _fake_mosaic_rule(events))
+  monkeypatch.setattr(precompile, "_started", set())
+  monkeypatch.setattr(precompile, "AT_LOWERING", at_lowering)
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
+
+  def start_thread(target, texts, name):
+    assert target is precompile.compile_all and name == "jspec-precompile"
+    for text in texts:
+      events.append(("handed", text))
+    return "a thread"
+
+  precompile.before_lowering(start_thread)
+  precompile.before_lowering(start_thread)  # wrapped once however often it is called
+
+  def program(x, s):
+    for config, _ in KERNELS[:5]:
+      x = pallas_like_p.bind(x, s, config=config) * 2
+    return x
+  lowered = jax.jit(program).lower(jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8,), jnp.float32))
+  emitted = [key for kind, key in events if kind == "emit"]
+  assert emitted == [b"\x01", b"\x02", b"\x03", b"\x04"]  # JAX lowers a repeat once
+  if not at_lowering:
+    assert all(kind == "emit" for kind, _ in events)
+    assert precompile.start(lowered, start_thread) == "a thread"  # after lowering, as before
+    assert [text for kind, text in events if kind == "handed"] == [
+        text for _, text in precompile.kernel_programs(lowered.compiler_ir("stablehlo"))]
+    return
+  # Each new single-device kernel right after its emission, before the next is lowered.
+  order = [(kind, key if kind == "emit" else _hash_of(key)) for kind, key in events]
+  assert order == [("emit", b"\x01"), ("handed", b"\x01"), ("emit", b"\x02"),
+                   ("handed", b"\x02"), ("emit", b"\x03"), ("emit", b"\x04")]
+  assert [text for kind, text in events if kind == "handed"] == [
+      text for _, text in precompile.kernel_programs(lowered.compiler_ir("stablehlo"))]
+  assert precompile.start(lowered, start_thread) is None  # nothing left to hand over
+
+
+def _hash_of(text: str) -> bytes:
+  with mlir.make_ir_context():
+    (call,) = precompile.custom_calls(ir.Module.parse(text), "mosaic_gpu_v2")
+    return precompile._kernel_key(call)
+
+
 @pytest.mark.gpu
 def test_gpu_a_programs_kernel_compiles_alone_and_the_program_runs():
   from jspec.pallas_kernels.skinny_gemm import skinny_matmul

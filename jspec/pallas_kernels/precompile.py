@@ -26,6 +26,12 @@ import threading
 TARGET = "mosaic_gpu_v2"
 # Benchmarks turn it off to time the warm-up without it.
 ENABLED = True
+# Whether each kernel is handed over as its custom call is emitted, during the program's
+# lowering (watch_lowerings), rather than once the program is lowered. Off until timed on a GPU:
+# on an H200 the FP8 loop program of Qwen3-30B-A3B (12 layers) lowered for 1.9 s, and its
+# kernels' compiles, 4.2 s one after the other, began only after that (BENCHMARKS.md,
+# "Warm-up: a program's Mosaic GPU kernels …").
+AT_LOWERING = False
 
 _started: set = set()  # kernel hashes handed to a compile in this process
 _lock = threading.Lock()
@@ -94,17 +100,72 @@ def custom_calls(module, target: str) -> list:
   return found
 
 
+def _kernel_key(op) -> bytes | None:
+  """The kernel hash of `op` (a Mosaic GPU custom call) where it runs on one device, else
+  None."""
+  from jax._src.lib.mlir import ir
+  config = _config(op)
+  if config is None or "kernel_hash" not in config or not _single_device(config):
+    return None
+  return ir.StringAttr(config["kernel_hash"]).value_bytes
+
+
 def kernel_programs(module) -> list[tuple[bytes, str]]:
   """(kernel hash, one_op_program text) for each distinct single-device Mosaic GPU kernel of
   `module` (an ir.Module), in order of appearance."""
-  from jax._src.lib.mlir import ir
   calls = {}
   with module.context:
     for op in custom_calls(module, TARGET):
-      config = _config(op)
-      if config is not None and "kernel_hash" in config and _single_device(config):
-        calls.setdefault(ir.StringAttr(config["kernel_hash"]).value_bytes, op)
+      key = _kernel_key(op)
+      if key is not None:
+        calls.setdefault(key, op)
     return [(key, one_op_program(op)) for key, op in calls.items()]
+
+
+def _new(found) -> list[str]:
+  """The texts of `found` ((hash, text) pairs) whose hash no compile was handed yet, marked
+  handed."""
+  with _lock:
+    new = [text for key, text in found if key not in _started]
+    _started.update(key for key, _ in found)
+  return new
+
+
+def before_lowering(start_thread):
+  """Call before a program is lowered: where AT_LOWERING is on (on a GPU, ENABLED),
+  watch_lowerings."""
+  from jspec.pallas_kernels import platform
+  if ENABLED and AT_LOWERING and platform.on_gpu():
+    watch_lowerings(start_thread)
+
+
+def watch_lowerings(start_thread):
+  """Wraps Mosaic GPU's lowering rule (once per process; Pallas calls it through its module)
+  so that, while AT_LOWERING and ENABLED are on, each new single-device kernel is compiled
+  (`compile_all` on a thread of `start_thread`) from the moment its custom call is emitted."""
+  from jax.experimental.mosaic.gpu import core
+  rule = core._mosaic_gpu_lowering_rule
+  if getattr(rule, "jspec_watched", False):
+    return
+
+  def watched(ctx, *args, **kwargs):
+    outs = rule(ctx, *args, **kwargs)
+    if ENABLED and AT_LOWERING and len(outs):
+      try:
+        op = outs[0].owner
+        op = getattr(op, "operation", op)
+        key = _kernel_key(op) if op.name == "stablehlo.custom_call" else None
+        new = [] if key is None else _new([(key, one_op_program(op))])
+        if new:
+          start_thread(compile_all, new, name="jspec-precompile")
+      except Exception as err:  # the program compiles the kernel itself
+        with _lock:
+          stats["failed"].append(f"at lowering: {err}")
+        _log.warning("a Mosaic GPU kernel was not handed over at its lowering: %s", err)
+    return outs
+
+  watched.jspec_watched = True
+  core._mosaic_gpu_lowering_rule = watched
 
 
 def start(lowered, start_thread) -> threading.Thread | None:
@@ -122,9 +183,7 @@ def start(lowered, start_thread) -> threading.Thread | None:
       stats["failed"].append(f"reading the module: {err}")
     _log.warning("no Mosaic GPU kernels compiled ahead: %s", err)
     return None
-  with _lock:
-    new = [text for key, text in found if key not in _started]
-    _started.update(key for key, _ in found)
+  new = _new(found)
   if not new:
     return None
   return start_thread(compile_all, new, name="jspec-precompile")
