@@ -40,6 +40,15 @@ stats: dict = {"compiled": 0, "failed": []}
 _log = logging.getLogger(__name__)
 
 
+def _failed(where: str, err: Exception, message: str):
+  """A failure counted in `stats` (`where` and the error's first line) and logged as a warning:
+  the program compiles the kernel itself."""
+  first = str(err).splitlines()[0] if str(err) else repr(err)
+  with _lock:
+    stats["failed"].append(where + first)
+  _log.warning("%s: %s", message, err)
+
+
 def _config(op):
   """The custom call's backend config as a DictAttr: JAX keeps a dict config in
   `mhlo.backend_config` and leaves `backend_config` an empty string."""
@@ -159,9 +168,7 @@ def watch_lowerings(start_thread):
         if new:
           start_thread(compile_all, new, name="jspec-precompile")
       except Exception as err:  # the program compiles the kernel itself
-        with _lock:
-          stats["failed"].append(f"at lowering: {err}")
-        _log.warning("a Mosaic GPU kernel was not handed over at its lowering: %s", err)
+        _failed("at lowering: ", err, "a Mosaic GPU kernel was not handed over at its lowering")
     return outs
 
   watched.jspec_watched = True
@@ -179,9 +186,7 @@ def start(lowered, start_thread) -> threading.Thread | None:
   try:
     found = kernel_programs(lowered.compiler_ir("stablehlo"))
   except Exception as err:  # a module this cannot read: the program compiles its kernels
-    with _lock:
-      stats["failed"].append(f"reading the module: {err}")
-    _log.warning("no Mosaic GPU kernels compiled ahead: %s", err)
+    _failed("reading the module: ", err, "no Mosaic GPU kernels compiled ahead")
     return None
   new = _new(found)
   if not new:
@@ -214,6 +219,4 @@ def compile_all(texts):
       with _lock:
         stats["compiled"] += 1
     except Exception as err:
-      with _lock:
-        stats["failed"].append(str(err).splitlines()[0] if str(err) else repr(err))
-      _log.warning("a Mosaic GPU kernel's compile ahead failed: %s", err)
+      _failed("", err, "a Mosaic GPU kernel's compile ahead failed")
