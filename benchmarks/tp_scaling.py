@@ -42,7 +42,7 @@ from flax import nnx
 import jspec
 from jspec.bench.presets import PRESETS
 from jspec.models import layers, mlp, moe, row_kernels
-from jspec.pallas_kernels import k_slice_gemm, short_attention, swiglu_gemm, workspace_norm
+from jspec.pallas_kernels import short_attention, swiglu_gemm, workspace_norm
 from jspec.sharding.tensor_parallel import TensorParallelProducts
 
 VARIANTS = {"default": {}, "partitioner": dict(all_reduce_backend="partitioner"),
@@ -87,9 +87,6 @@ def main():
   parser.add_argument("--no-swiglu-kernel", action="store_true",
                       help="mlp.SWIGLU_KERNEL off: a step's gate / up product and SiLU x up as "
                            "XLA's GEMM and activation instead of one kernel (swiglu_gemm)")
-  parser.add_argument("--no-k-slice-kernel", action="store_true",
-                      help="k_slice_gemm.ENABLED off: a step's K-slice partials (o, down and "
-                           "q / k / v) as XLA's batched GEMM instead of one kernel")
   parser.add_argument("--swiglu-tiling", help="swiglu_gemm's 'block_k,block_n,stages,warps'")
   parser.add_argument("--no-attention-splits", action="store_true",
                       help="short_attention.SPLITS off: one attention program per (sequence, "
@@ -126,8 +123,6 @@ def main():
     layers.FUSED_KV_WRITE = False
   if args.no_swiglu_kernel:
     mlp.SWIGLU_KERNEL = False
-  if args.no_k_slice_kernel:
-    k_slice_gemm.ENABLED = False
   if args.swiglu_tiling:
     (swiglu_gemm.BLOCK_K, swiglu_gemm.BLOCK_N, swiglu_gemm.NUM_STAGES,
      swiglu_gemm.NUM_WARPS) = (int(v) for v in args.swiglu_tiling.split(","))
@@ -173,8 +168,7 @@ def main():
                  qkv_k_slices=row_kernels.QKV_K_SLICES, router_plan=moe.ROUTER_PLAN,
                  norm_router=moe.NORM_ROUTER, doubled_row=layers.DOUBLED_ROW,
                  attention_splits=short_attention.SPLITS, fused_kv_write=layers.FUSED_KV_WRITE,
-                 swiglu_kernel=mlp.SWIGLU_KERNEL, k_slice_kernel=k_slice_gemm.ENABLED,
-                 swiglu_tiling=args.swiglu_tiling or "auto",
+                 swiglu_kernel=mlp.SWIGLU_KERNEL, swiglu_tiling=args.swiglu_tiling or "auto",
                  method=args.method + ("-tree" if args.tree else ""), batch=batch,
                  tokens_per_second=round(mid.tokens_per_second, 1),
                  tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),

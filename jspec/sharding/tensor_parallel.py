@@ -271,14 +271,8 @@ def k_slice_partials(x_MK, w_KN, slices: int, rows_last: bool = False):
   """[S, M', N] float32 (rows_last: [S, N, M']): x's and w's K axis cut into S slices, each
   slice's product, in one batched product (XLA's GEMM per slice, no K-slice sum of its own).
   One row (M = 1) goes twice, M' = 2 (as skinny_gemm's two-row products: XLA would rewrite a
-  one-row dot of these sizes into a reduction); M' = M otherwise. On Hopper GPUs the products
-  are jspec.pallas_kernels.k_slice_gemm's one kernel where it takes them."""
-  from jspec.pallas_kernels import k_slice_gemm
+  one-row dot of these sizes into a reduction); M' = M otherwise."""
   m, k = x_MK.shape
-  if w_KN.dtype == x_MK.dtype and k_slice_gemm.use_kernel(max(m, 2), k, w_KN.shape[1], slices,
-                                                          x_MK.dtype):
-    x_MK = jnp.concatenate([x_MK, x_MK]) if m == 1 else x_MK
-    return k_slice_gemm.k_slice_gemm(x_MK, w_KN, slices=slices, rows_last=rows_last)
   x_MSK = x_MK.reshape(m, slices, k // slices)
   if m == 1:
     x_MSK = jnp.concatenate([x_MSK, x_MSK])
