@@ -106,12 +106,12 @@ def main():
   parser.add_argument("--no-precompile", action="store_true",
                       help="precompile.ENABLED off: Mosaic GPU kernels compile when their "
                            "programs load")
-  parser.add_argument("--precompile-at-lowering", action="store_true",
-                      help="precompile.AT_LOWERING on: each kernel handed over as its custom "
-                           "call is emitted, during the program's lowering")
+  parser.add_argument("--no-precompile-at-lowering", action="store_true",
+                      help="precompile.AT_LOWERING off: each program's kernels handed over "
+                           "once it is lowered, instead of as each custom call is emitted")
   args = parser.parse_args()
   precompile.ENABLED = not args.no_precompile
-  precompile.AT_LOWERING = args.precompile_at_lowering
+  precompile.AT_LOWERING = not args.no_precompile_at_lowering
   interrupt.SIDE_BY_SIDE = not args.one_by_one
   interrupt.COMPILE_WHILE_LOWERING = not args.lower_first
   base = PRESETS[args.model]
