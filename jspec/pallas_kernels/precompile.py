@@ -29,9 +29,9 @@ ENABLED = True
 # Whether each kernel is handed over as its custom call is emitted, during the program's
 # lowering (watch_lowerings), rather than once the program is lowered: its compile then
 # overlaps the rest of the lowering. Measured on an H200, Qwen3-30B-A3B, runs alternating
-# (BENCHMARKS.md, "Warm-up: …handed over as it is lowered"): 12 layers FP8 10.32 -> 8.65 s
-# (-16%), bf16 7.12 -> 6.5 s; all 48 layers equal (FP8 25.15 / 25.0 s), where the prefill
-# program's XLA compile is the long pole.
+# (BENCHMARKS.md, "Warm-up: each Mosaic GPU kernel compiled from the moment it is lowered …"):
+# 12 layers FP8 10.32 -> 8.65 s (-16%), bf16 7.12 -> 6.5 s; all 48 layers equal (FP8 25.15 /
+# 25.0 s), where the prefill program's XLA compile is the long pole.
 AT_LOWERING = True
 
 _started: set = set()  # kernel hashes handed to a compile in this process
