@@ -7,8 +7,12 @@ shapes with random weights: the median time of calls of --short and of --long ne
 
 and jspec's own TPOT (`metrics.tpot_s` of the long call: its time after the first token,
 per token), which carries the dispatch program's launch. XLA_FLAGS apply to both precisions.
+`--mesh` (dp,tp,ep triples) runs each precision on each mesh: where TPOT exceeds the step,
+the excess is the call's own cost spread over its tokens.
 
     python benchmarks/call_and_step.py --model qwen3-30b-a3b --batch 1
+    python benchmarks/call_and_step.py --model qwen3-8b --precisions bf16 --batch 8 \
+        --prompt-len 512 --long 130 --mesh 1,1,1 1,2,1
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import os
 import statistics
 import time
@@ -49,6 +54,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8"],
                       choices=["bf16", "fp8"])
+  parser.add_argument("--mesh", nargs="+", default=["1,1,1"], help="dp,tp,ep triples")
   args = parser.parse_args()
   if args.long <= args.short:
     parser.error(f"--long ({args.long}) must exceed --short ({args.short})")
@@ -59,31 +65,37 @@ def main():
   prompts = [rng.integers(0, config.vocab_size, args.prompt_len).tolist()
              for _ in range(args.batch)]
   rows = []
-  for precision in args.precisions:
+  for mesh_text, precision in itertools.product(args.mesh, args.precisions):
+    dp, tp, ep = (int(v) for v in mesh_text.split(","))
     shaped = (dataclasses.replace(config, fp8_block=(128, 128)) if precision == "fp8"
               else config)
-    llm = jspec.LLM.from_random(shaped, None, max_model_len=args.prompt_len + args.long + 16,
+    llm = jspec.LLM.from_random(shaped, None, mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep),
+                                max_model_len=args.prompt_len + args.long + 16,
                                 max_num_seqs=args.batch)
     for n in (args.short, args.long):  # compiles: both lengths run the same programs
       timed_calls(llm, prompts, n, 1)
     short, _ = timed_calls(llm, prompts, args.short, args.repeats)
     long, tpot = timed_calls(llm, prompts, args.long, args.repeats)
     step = (long - short) / (args.long - args.short)
-    rows.append((precision, 1e3 * short, 1e3 * long, 1e3 * step,
+    rows.append((mesh_text, precision, 1e3 * short, 1e3 * long, 1e3 * step,
                  1e3 * (short - (args.short - 1) * step), 1e3 * tpot))
-    print(f"{precision}: calls of {args.short} / {args.long} tokens {rows[-1][1]:.2f} / "
-          f"{rows[-1][2]:.2f} ms", flush=True)
+    print(f"{mesh_text} {precision}: calls of {args.short} / {args.long} tokens "
+          f"{rows[-1][2]:.2f} / {rows[-1][3]:.2f} ms", flush=True)
     del llm
     gc.collect()
   print(f"\n{args.model} ({config.num_layers} layers), batch {args.batch}, prompt "
         f"{args.prompt_len}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-  print(f"{'precision':9s} {'short ms':>9s} {'long ms':>9s} {'step ms':>8s} {'fixed ms':>9s} "
-        f"{'TPOT ms':>8s}")
-  for precision, short, long, step, fixed, tpot in rows:
-    print(f"{precision:9s} {short:9.2f} {long:9.2f} {step:8.3f} {fixed:9.2f} {tpot:8.3f}")
-  if len(rows) == 2:
-    print(f"fp8 / bf16: step {rows[1][3] / rows[0][3]:.3f}x, fixed {rows[1][4] / rows[0][4]:.3f}x, "
-          f"TPOT {rows[1][5] / rows[0][5]:.3f}x")
+  print(f"{'mesh':7s} {'precision':9s} {'short ms':>9s} {'long ms':>9s} {'step ms':>8s} "
+        f"{'fixed ms':>9s} {'TPOT ms':>8s}")
+  for mesh_text, precision, short, long, step, fixed, tpot in rows:
+    print(f"{mesh_text:7s} {precision:9s} {short:9.2f} {long:9.2f} {step:8.3f} {fixed:9.2f} "
+          f"{tpot:8.3f}")
+  for mesh_text in args.mesh:
+    mine = [row for row in rows if row[0] == mesh_text]
+    if len(mine) == 2:
+      (*_, step0, fixed0, tpot0), (*_, step1, fixed1, tpot1) = mine
+      print(f"{mesh_text} fp8 / bf16: step {step1 / step0:.3f}x, fixed {fixed1 / fixed0:.3f}x, "
+            f"TPOT {tpot1 / tpot0:.3f}x")
 
 
 if __name__ == "__main__":
