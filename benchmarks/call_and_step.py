@@ -90,12 +90,13 @@ def main():
   for mesh_text, precision, short, long, step, fixed, tpot in rows:
     print(f"{mesh_text:7s} {precision:9s} {short:9.2f} {long:9.2f} {step:8.3f} {fixed:9.2f} "
           f"{tpot:8.3f}")
+  by_run = {(mesh_text, precision): (step, fixed, tpot)
+            for mesh_text, precision, _, _, step, fixed, tpot in rows}
   for mesh_text in args.mesh:
-    mine = [row for row in rows if row[0] == mesh_text]
-    if len(mine) == 2:
-      (*_, step0, fixed0, tpot0), (*_, step1, fixed1, tpot1) = mine
-      print(f"{mesh_text} fp8 / bf16: step {step1 / step0:.3f}x, fixed {fixed1 / fixed0:.3f}x, "
-            f"TPOT {tpot1 / tpot0:.3f}x")
+    if (mesh_text, "bf16") in by_run and (mesh_text, "fp8") in by_run:
+      ratios = [f / b for f, b in zip(by_run[mesh_text, "fp8"], by_run[mesh_text, "bf16"])]
+      print(f"{mesh_text} fp8 / bf16: step {ratios[0]:.3f}x, fixed {ratios[1]:.3f}x, "
+            f"TPOT {ratios[2]:.3f}x")
 
 
 if __name__ == "__main__":
