@@ -35,6 +35,7 @@ import numpy as np
 from jspec.bench.profile import call_kernel_events
 from jspec.pallas_kernels.fp8_block_kernel import Fp8Tiling
 from jspec.pallas_kernels.fp8_gemm import fp8_matmul
+from jspec.pallas_kernels.row_norms import rms_norm
 from jspec.pallas_kernels.shared import dequantize
 
 ROUTES = ("bf16", "bfloat16", "float16", "e4m3", "xla_f32", "xla_bf16", "xla_rows")
@@ -65,10 +66,22 @@ def xla_product(route: str, x, w8, scale):
   return jnp.einsum("mk,nk->mn", x, scaled)
 
 
-def program(route: str, tiling: Fp8Tiling | None = None, splits: int | None = None):
+def chained_x(x_MK, y_MN):
+  """The next product's x from this one's output, through the residual add and RMSNorm kernel
+  a step runs between its products (x's width: y sliced or zero-padded to it)."""
+  k, n = x_MK.shape[1], y_MN.shape[1]
+  delta = y_MN[:, :k] if n >= k else jnp.pad(y_MN, ((0, 0), (0, k - n)))
+  _, normed = rms_norm(delta.astype(x_MK.dtype), jnp.ones((k,), x_MK.dtype), x_MK, eps=1e-6)
+  return normed
+
+
+def program(route: str, tiling: Fp8Tiling | None = None, splits: int | None = None,
+            chain: bool = False):
   def run(x, ws, scales):
     outs = []
     for w, s in zip(ws, scales):
+      if chain and outs:
+        x = chained_x(x, outs[-1])
       if route == "bf16":
         outs.append(jnp.dot(x, w))
       elif route in XLA_ROUTES:
@@ -105,6 +118,9 @@ def main():
   parser.add_argument("--tilings", nargs="+", default=["0,0,0"],
                       help="FP8 routes under each blocks_per_step,num_stages,splits (0: the "
                            "library's choice)")
+  parser.add_argument("--chain", action="store_true",
+                      help="each product's x made from the one before's output by the residual "
+                           "add and RMSNorm kernel, as in a step (the products then wait on it)")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   print(f"device: {jax.devices()[0].device_kind}")
@@ -121,7 +137,8 @@ def main():
                                  for t in (args.tilings if r not in XLA_ROUTES else ["0,0,0"])]:
         ws = w16 if route == "bf16" else w8
         ss = rows_scales if route == "xla_rows" else scales
-        totals = profiled_kernels(program(route, *parse_tiling(tiling_text)), x, ws, ss)
+        totals = profiled_kernels(program(route, *parse_tiling(tiling_text), args.chain),
+                                  x, ws, ss)
         main_name = "fp8_block_gemm" if route not in XLA_ROUTES else None
         if main_name is None:  # XLA's product: its longest kernel
           main_name = max(totals, key=lambda name: totals[name][1])

@@ -1,7 +1,7 @@
 """The Mosaic GPU kernel of jspec.pallas_kernels.fp8_gemm: the float32 partial products of a
 few rows of x against block-scaled FP8 weights, per K slice, on Hopper.
 
-How: the decode expert kernels' persistent pipeline (jspec.pallas_kernels.decode_gemm), on the
+How: a persistent pipeline (one program per SM, work items round-robin) on the
 transposed product out^T[N, M] = W[N, K] @ x^T, so the weight's output rows are wgmma's M
 dimension and the few rows of x its N. The TMA streams each [128-column, 128-K] e4m3 tile of
 the weight as it is stored (K contiguous); the warpgroup widens it in registers to x's 16-bit
@@ -22,8 +22,10 @@ the interpreter's wgmma takes no operand in registers; the GPU tests run the reg
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -104,11 +106,15 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
   K/128 x lanes]), so that a step's scales arrive with its tiles as one TMA block each (a
   scalar read from global memory in every step would sit in the step's critical path).
 
-  Several weights run as several pipelines in one kernel, each starting on the program after
-  the one that took the previous pipeline's last item. Why: at decode sizes each kernel call
-  costs a launch, its pipeline's first loads and a sum of its partials, several microseconds
-  that weigh as much as a small weight's bytes (Qwen3-8B's k and v, 4 MB each in e4m3);
-  products of one x (q, k, v) share one call instead."""
+  Several weights share one call and one pipeline: their work items (weight, K slice,
+  128-column block) are one list, round-robin over the programs, and each step loads its tiles
+  from its item's weight. Why one call: at decode sizes each call costs a launch, its first
+  loads and a sum of its partials, several microseconds that weigh as much as a small weight's
+  bytes (Qwen3-8B's k and v, 4 MB each in e4m3). Why one pipeline: a pipeline per weight (the
+  form before, emit_pipeline's) refilled from empty at each weight, 1.1-1.5 µs a call more for
+  q / k / v and gate / up than one pipeline over the weights joined (one H200, BENCHMARKS.md).
+  The pipeline is written out here because emit_pipeline loads every operand's tile at every
+  step, and an item reads one weight of several."""
   # wgmma's N: x may have fewer rows (the TMA fills the rest of each tile with zeros).
   rows, k = decode_routing.padded_tokens(x_RK.shape[0]), x_RK.shape[1]
   ns = [w.shape[0] for w in w8s_NK]
@@ -125,63 +131,97 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
   decode_gemm._check_aligned(((rows, step_k), x_dtype), ((BLOCK, step_k), E4M3),
                              ((per_step * lanes,), jnp.float32))
   num_sms = platform.num_sms()
-  # Each weight's first column block in the output, and the program its first item goes to.
-  col_offsets = [sum(ns[:j]) // BLOCK for j in range(len(ns))]
-  first_sms = [splits * offset % num_sms for offset in col_offsets]
+  col_blocks = [n // BLOCK for n in ns]
+  # The work items, weight after weight: (weight j, K slice, column block), slices outer.
+  item_starts = np.cumsum([0] + [splits * c for c in col_blocks]).tolist()
+  col_offsets = np.cumsum([0] + col_blocks).tolist()
+
+  def locate(sm, step):
+    """(weight, K slice, output column block, K step in the slice) of this program's step."""
+    item = sm + lax.div(step, jnp.int32(k_steps)) * num_sms
+    weight, start, blocks, offset = (jnp.int32(0), jnp.int32(0), jnp.int32(col_blocks[0]),
+                                     jnp.int32(0))
+    for j in range(1, len(ns)):
+      later = item >= item_starts[j]
+      weight = jnp.where(later, j, weight)
+      start = jnp.where(later, item_starts[j], start)
+      blocks = jnp.where(later, col_blocks[j], blocks)
+      offset = jnp.where(later, col_offsets[j], offset)
+    local = item - start
+    return (weight, lax.div(local, blocks), offset + lax.rem(local, blocks),
+            lax.rem(step, jnp.int32(k_steps)))
 
   def body(*refs):
     x_ref, *weight_refs, out_ref = refs
-    act_ref = [weight_refs.pop()] if fp8_x else []
+    act_ref = weight_refs.pop() if fp8_x else None
+    w_refs, s_refs = weight_refs[0::2], weight_refs[1::2]
 
-    def pipeline(w_ref, s_ref, col_offset, first_sm, n):
-      def in_specs_for(item, delay_release):
-        def k_step(i, k):
-          return item(i)[0] * k_steps + k
+    def scoped(x_smem, w_smem, s_smem, o_smem, loaded, a_smem=None):
+      sm = lax.axis_index("sm")
+      steps = lax.div(item_starts[-1] - sm + (num_sms - 1), jnp.int32(num_sms)) * k_steps
 
-        x_spec = plgpu.BlockSpec((rows, step_k), lambda i, k: (0, k_step(i, k)),
-                                 transforms=smem_transforms(step_k, x_dtype),
-                                 delay_release=delay_release)
-        w_spec = plgpu.BlockSpec((BLOCK, step_k), lambda i, k: (item(i)[1], k_step(i, k)),
-                                 transforms=smem_transforms(BLOCK, E4M3),
-                                 delay_release=delay_release)
-        s_spec = plgpu.BlockSpec((None, per_step * lanes),
-                                 lambda i, k: (item(i)[1], k_step(i, k)),
-                                 delay_release=delay_release)
-        a_spec = plgpu.BlockSpec((per_step * lanes,), lambda i, k: (k_step(i, k),),
-                                 delay_release=delay_release)
-        return [x_spec, w_spec, s_spec] + ([a_spec] if fp8_x else [])
+      def fetch(step, slot):
+        weight, split, col, k_step = locate(sm, step)
+        k_block = split * k_steps + k_step  # in steps of step_k
+        barrier = loaded.at[slot]
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, rows), pl.ds(k_block * step_k, step_k)],
+                                x_smem.at[slot], barrier)
+        lanes_k = pl.ds(k_block * (per_step * lanes), per_step * lanes)
+        for j, (w_ref, s_ref) in enumerate(zip(w_refs, s_refs)):
+          @pl.when(weight == j)
+          def _(w_ref=w_ref, s_ref=s_ref):
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds((col - col_offsets[j]) * BLOCK, BLOCK),
+                                             pl.ds(k_block * step_k, step_k)],
+                                    w_smem.at[slot], barrier)
+            plgpu.copy_gmem_to_smem(s_ref.at[col - col_offsets[j], lanes_k], s_smem.at[slot],
+                                    barrier)
+        if fp8_x:
+          plgpu.copy_gmem_to_smem(act_ref.at[lanes_k], a_smem.at[slot], barrier)
 
-      def accumulate(slot, col, k, sums, smem_refs):
-        x_smem, w_smem, s_smem, *a_smem = smem_refs
-        (total,) = sums
-        for j, part in enumerate(block_products(w_smem, x_smem, per_step, rows, fp8_x)):
+      for step in range(stages):  # the prologue: the first `stages` steps' loads
+        pl.when(step < steps)(functools.partial(fetch, jnp.int32(step), step))
+
+      def run_step(step, total):
+        slot = lax.rem(step, jnp.int32(stages))
+        plgpu.barrier_wait(loaded.at[slot])
+        _, split, col, k_step = locate(sm, step)
+        for j, part in enumerate(block_products(w_smem.at[slot], x_smem.at[slot], per_step,
+                                                rows, fp8_x)):
           lanes_j = pl.ds(j * lanes, rows)
-          scale_R = plgpu.load(s_smem.at[lanes_j], layout=plgpu.Layout.WGMMA.reduce(0))
+          scale_R = plgpu.load(s_smem.at[slot, lanes_j], layout=plgpu.Layout.WGMMA.reduce(0))
           if fp8_x:
-            scale_R = scale_R * plgpu.load(a_smem[0].at[lanes_j],
+            scale_R = scale_R * plgpu.load(a_smem.at[slot, lanes_j],
                                            layout=plgpu.Layout.WGMMA.reduce(0))
           total = total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
-        return (total,)
+        last = k_step == k_steps - 1
 
-      def epilogue(slot, col, sums, smem_refs, o_smem):
-        (total,) = sums
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_smem[...] = total
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[slot, pl.ds((col_offset + col) * BLOCK,
-                                                               BLOCK)])
+        @pl.when(last)
+        def _():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store read it
+          o_smem[...] = total
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem, out_ref.at[split, pl.ds(col * BLOCK, BLOCK)])
 
-      decode_gemm._slot_pipeline(
-          num_slots=splits, col_blocks=n // BLOCK, k_steps=k_steps, block_cols=BLOCK,
-          tokens_pad=rows, dtype=jnp.float32, in_specs_for=in_specs_for, num_sums=1,
-          stages=stages, epilogue=epilogue, operands_of=None, async_mma=False,
-          accumulate=accumulate, first_sm=first_sm,
-          out_smem=plgpu.SMEM((BLOCK, rows), jnp.float32,
-                              transforms=smem_transforms(rows, jnp.float32)),
-      )(x_ref, w_ref, s_ref, *act_ref)
+        # The slot's products are done (block_products waits for them): refill it.
+        pl.when(step + stages < steps)(functools.partial(fetch, step + stages, slot))
+        restart = lax.broadcast_in_dim(last, total.shape, ())
+        return lax.select(restart, jnp.zeros_like(total), total)
 
-    for j, n in enumerate(ns):
-      pipeline(weight_refs[2 * j], weight_refs[2 * j + 1], col_offsets[j], first_sms[j], n)
+      lax.fori_loop(jnp.int32(0), steps, run_step,
+                    plgpu.layout_cast(jnp.zeros((BLOCK, rows), jnp.float32),
+                                      plgpu.Layout.WGMMA))
+      plgpu.wait_smem_to_gmem(0)
+
+    lanes_smem = plgpu.SMEM((stages, per_step * lanes), jnp.float32)
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((stages, rows, step_k), x_dtype, transforms=smem_transforms(step_k, x_dtype)),
+        plgpu.SMEM((stages, BLOCK, step_k), E4M3, transforms=smem_transforms(BLOCK, E4M3)),
+        lanes_smem,
+        plgpu.SMEM((BLOCK, rows), jnp.float32, transforms=smem_transforms(rows, jnp.float32)),
+        plgpu.Barrier(num_arrivals=4 if fp8_x else 3, num_barriers=stages),
+        *([lanes_smem] if fp8_x else []),
+    )
 
   inputs = (x_RK, *[a for pair in zip(w8s_NK, scale_rows_NbX) for a in pair])
   inputs += (act_scale_X,) if fp8_x else ()
