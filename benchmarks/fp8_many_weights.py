@@ -23,7 +23,8 @@ import numpy as np
 from jspec.bench.profile import call_kernel_events
 from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
 
-# K:N_1,N_2,...: Qwen3-30B-A3B's q / k / v, Qwen3-8B's q / k / v and gate / up
+# K:N_1,N_2,...: Qwen3-30B-A3B's q / k / v, Qwen3-8B's q / k / v, and two weights of Qwen3-8B's
+# gate / up size (the MLP holds gate and up as one weight: a bound on what two weights cost)
 GROUPS = ("2048:4096,512,512", "4096:4096,1024,1024", "4096:12288,12288")
 
 

@@ -111,8 +111,8 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
   from its item's weight. Why one call: at decode sizes each call costs a launch, its first
   loads and a sum of its partials, several microseconds that weigh as much as a small weight's
   bytes (Qwen3-8B's k and v, 4 MB each in e4m3). Why one pipeline: a pipeline per weight (the
-  form before, emit_pipeline's) refilled from empty at each weight, 1.1-1.5 µs a call more for
-  q / k / v and gate / up than one pipeline over the weights joined (one H200, BENCHMARKS.md).
+  form before, emit_pipeline's) refilled from empty at each weight: q / k / v took 1.2-1.5 µs
+  a call more than one pipeline over the weights joined (one H200, BENCHMARKS.md).
   The pipeline is written out here because emit_pipeline loads every operand's tile at every
   step, and an item reads one weight of several."""
   # wgmma's N: x may have fewer rows (the TMA fills the rest of each tile with zeros).
