@@ -14,32 +14,23 @@ kernel's µs per call (`fp8_block_gemm_*`), each way.
 from __future__ import annotations
 
 import argparse
-import collections
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.bench.profile import call_kernel_events
 from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
+from fp8_kernel_routes import profiled_kernels, weights
 
 # K:N_1,N_2,...: Qwen3-30B-A3B's q / k / v, Qwen3-8B's q / k / v, and two weights of Qwen3-8B's
 # gate / up size (the MLP holds gate and up as one weight: a bound on what two weights cost)
 GROUPS = ("2048:4096,512,512", "4096:4096,1024,1024", "4096:12288,12288")
 
 
-def fp8_weight(rng, n: int, k: int):
-  w8 = jnp.asarray(rng.standard_normal((n, k)) * 0.5, jnp.float8_e4m3fn)
-  scale = jnp.asarray(rng.uniform(0.5, 2.0, (n // 128, k // 128)) * 1e-2, jnp.float32)
-  return w8, scale
-
-
 def kernel_us(fn, *args, calls: int) -> float:
   """µs per call of the FP8 product kernel in one run of `fn`."""
-  totals = collections.defaultdict(int)
-  for start, end, name in call_kernel_events(fn, *args):
-    totals[name] += end - start
-  return sum(ns for name, ns in totals.items() if name.startswith("fp8_block")) / calls / 1e3
+  totals = profiled_kernels(fn, *args)
+  return sum(ns for name, (_, ns) in totals.items() if name.startswith("fp8_block")) / calls / 1e3
 
 
 def main():
@@ -56,7 +47,8 @@ def main():
   for group in args.groups:
     k_text, ns_text = group.split(":")
     k, ns = int(k_text), [int(n) for n in ns_text.split(",")]
-    layers = [[fp8_weight(rng, n, k) for n in ns] for _ in range(args.layers)]
+    per_weight = [weights(k, n, args.layers, rng) for n in ns]  # (w8s, scales) per weight
+    layers = [[(w8s[i], scales[i]) for w8s, scales in per_weight] for i in range(args.layers)]
     joined = [(jnp.concatenate([w for w, _ in ws]), jnp.concatenate([s for _, s in ws]))
               for ws in layers]
 

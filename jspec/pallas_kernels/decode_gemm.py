@@ -118,8 +118,7 @@ def _store_transposed(value_CN, o_smem, out_gmem):
 
 def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dtype,
                    in_specs_for, num_sums, stages, epilogue, operands_of, async_mma,
-                   accumulate=None, out_smem=None, programs: int | None = None,
-                   first_sm: int = 0):
+                   accumulate=None, out_smem=None, programs: int | None = None):
   """Runs this program's work items (slot, column block) x k_steps as one pipeline.
 
   in_specs_for(item, delay_release) -> BlockSpecs, given item(i) -> (slot, col) for the
@@ -129,14 +128,9 @@ def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dt
   products (a kernel whose operands need work in registers, or whose steps are scaled);
   out_smem: the epilogue's SMEM tile, if not the transposed [tokens_pad, block_cols] one.
   programs: the persistent grid's size (_kernel_call's; default one program per SM).
-  first_sm: the program that takes item 0 (the items go round-robin from there): a kernel
-  that runs several pipelines one after another starts each where the last one's rounds
-  stopped, so that no program gets an item more than another over the whole kernel.
   """
   num_sms = programs or platform.num_sms()
   sm = lax.axis_index("sm")  # this program's rank in the round-robin
-  if first_sm % num_sms:
-    sm = lax.rem(sm + (num_sms - first_sm % num_sms), jnp.int32(num_sms))
   num_items = num_slots * col_blocks
   my_items = lax.div(num_items - sm + (num_sms - 1), jnp.int32(num_sms))
   acc_shape = (block_cols, tokens_pad)

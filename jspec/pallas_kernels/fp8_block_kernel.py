@@ -207,9 +207,7 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
         restart = lax.broadcast_in_dim(last, total.shape, ())
         return lax.select(restart, jnp.zeros_like(total), total)
 
-      lax.fori_loop(jnp.int32(0), steps, run_step,
-                    plgpu.layout_cast(jnp.zeros((BLOCK, rows), jnp.float32),
-                                      plgpu.Layout.WGMMA))
+      lax.fori_loop(jnp.int32(0), steps, run_step, decode_gemm._zeros(1, (BLOCK, rows))[0])
       plgpu.wait_smem_to_gmem(0)
 
     lanes_smem = plgpu.SMEM((stages, per_step * lanes), jnp.float32)
