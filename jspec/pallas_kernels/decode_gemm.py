@@ -188,7 +188,8 @@ def _slot_pipeline(*, num_slots, col_blocks, k_steps, block_cols, tokens_pad, dt
   return lambda *gmem_refs: pl.run_scoped(lambda o: run(o, *gmem_refs), o_smem)
 
 
-def _kernel_call(body, out_shape, dtype, name, programs: int | None = None):
+def _kernel_call(body, out_shape, dtype, name, programs: int | None = None,
+                 compiler_params=None):
   """A persistent kernel of `programs` programs (default: one per SM; the interpreter runs one)."""
   return plgpu.kernel(
       body,
@@ -197,6 +198,7 @@ def _kernel_call(body, out_shape, dtype, name, programs: int | None = None):
       grid_names=("sm",),
       interpret=platform.interpret_params(),
       kernel_name=name,
+      **({"compiler_params": compiler_params} if compiler_params else {}),
   )
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -35,6 +37,10 @@ from jspec.pallas_kernels.shared import smem_transforms
 
 BLOCK = 128        # the published weight_block_size, both axes
 E4M3 = jnp.float8_e4m3fn
+# Set (by benchmarks/fp8_kernel_inside.py) to a plgpu.CompilerParams with profile_space and
+# profile_dir: each new build of the kernel then writes its first call's timeline of the named
+# scopes below (per program: the prologue, each step's wait and products, the final store).
+PROFILE = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +67,14 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
       return tuple(acc[...] for acc in acc_refs)
 
     return pl.run_scoped(mma_fp8, *accs)
-  if x_smem.dtype == jnp.bfloat16:
-    # Hopper converts e4m3 to float16 only; float16 -> float32 -> bfloat16 is exact for
-    # e4m3's values, subnormals included (2^-9 and up: normal in bfloat16).
-    w16 = [w_smem[:, c].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
-           for c in columns]
-  else:
-    w16 = [w_smem[:, c].astype(jnp.float16) for c in columns]
+  with jax.named_scope("widen"):
+    if x_smem.dtype == jnp.bfloat16:
+      # Hopper converts e4m3 to float16 only; float16 -> float32 -> bfloat16 is exact for
+      # e4m3's values, subnormals included (2^-9 and up: normal in bfloat16).
+      w16 = [w_smem[:, c].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
+             for c in columns]
+    else:
+      w16 = [w_smem[:, c].astype(jnp.float16) for c in columns]
 
   def mma(*acc_refs):
     for acc, a, c in zip(acc_refs, w16, columns):
@@ -87,7 +94,8 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
     return pl.run_scoped(mma, *accs)
 
   if platform.on_gpu():
-    return pl.run_scoped(mma, *accs)
+    with jax.named_scope("wgmma"):
+      return pl.run_scoped(mma, *accs)
   # The interpreter's wgmma reads both operands from shared memory only.
   return pl.run_scoped(mma_from_smem, *[
       plgpu.SMEM((BLOCK, BLOCK), x_smem.dtype,
@@ -178,21 +186,25 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
         if fp8_x:
           plgpu.copy_gmem_to_smem(act_ref.at[lanes_k], a_smem.at[slot], barrier)
 
-      for step in range(stages):  # the prologue: the first `stages` steps' loads
-        pl.when(step < steps)(functools.partial(fetch, jnp.int32(step), step))
+      with jax.named_scope("prologue"):  # the first `stages` steps' loads
+        for step in range(stages):
+          pl.when(step < steps)(functools.partial(fetch, jnp.int32(step), step))
 
       def run_step(step, total):
         slot = lax.rem(step, jnp.int32(stages))
-        plgpu.barrier_wait(loaded.at[slot])
+        with jax.named_scope("wait"):
+          plgpu.barrier_wait(loaded.at[slot])
         _, split, col, k_step = locate(sm, step)
-        for j, part in enumerate(block_products(w_smem.at[slot], x_smem.at[slot], per_step,
-                                                rows, fp8_x)):
-          lanes_j = pl.ds(j * lanes, rows)
-          scale_R = plgpu.load(s_smem.at[slot, lanes_j], layout=plgpu.Layout.WGMMA.reduce(0))
-          if fp8_x:
-            scale_R = scale_R * plgpu.load(a_smem.at[slot, lanes_j],
-                                           layout=plgpu.Layout.WGMMA.reduce(0))
-          total = total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
+        with jax.named_scope("products"):
+          for j, part in enumerate(block_products(w_smem.at[slot], x_smem.at[slot], per_step,
+                                                  rows, fp8_x)):
+            lanes_j = pl.ds(j * lanes, rows)
+            scale_R = plgpu.load(s_smem.at[slot, lanes_j],
+                                 layout=plgpu.Layout.WGMMA.reduce(0))
+            if fp8_x:
+              scale_R = scale_R * plgpu.load(a_smem.at[slot, lanes_j],
+                                             layout=plgpu.Layout.WGMMA.reduce(0))
+            total = total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
         last = k_step == k_steps - 1
 
         @pl.when(last)
@@ -208,7 +220,8 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
         return lax.select(restart, jnp.zeros_like(total), total)
 
       lax.fori_loop(jnp.int32(0), steps, run_step, decode_gemm._zeros(1, (BLOCK, rows))[0])
-      plgpu.wait_smem_to_gmem(0)
+      with jax.named_scope("final_store"):
+        plgpu.wait_smem_to_gmem(0)
 
     lanes_smem = plgpu.SMEM((stages, per_step * lanes), jnp.float32)
     pl.run_scoped(
@@ -225,4 +238,5 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
   inputs += (act_scale_X,) if fp8_x else ()
   # Named by shape, so that a profile tells a step's products apart.
   return decode_gemm._kernel_call(body, (splits, sum(ns), rows), jnp.float32,
-                                  f"fp8_block_gemm_{k}x{sum(ns)}")(*inputs)
+                                  f"fp8_block_gemm_{k}x{sum(ns)}",
+                                  compiler_params=PROFILE)(*inputs)

@@ -1,0 +1,119 @@
+"""Inside the few-row FP8 product kernel: where each program's time goes, from the Mosaic GPU
+profiler (fp8_block_kernel.PROFILE): the programs' start skew, the prologue's loads, the first
+tile's wait, each step's wait and products (the e4m3 tiles widened, wgmma), the final store,
+and each program's span. A call's time under CUPTI (fp8_kernel_routes.py) less the programs'
+span is what the call costs outside its programs.
+
+Each shape is K x N[,N2,...] (several weights of one K share a call, as q / k / v do). The
+profiled call is the first of a fresh build (the profiler writes one trace per build), after
+two builds' calls: the clocks are up, and weights that fit the L2 may be there.
+Times within a program are %clock cycles over --clock-ghz (nvidia-smi's SM clock under load);
+starts are each program's globaltimer.
+
+    python benchmarks/fp8_kernel_inside.py --shapes 4096x4096 4096x24576 --x-dtypes bfloat16 float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fp8_kernel_routes import weights
+from jspec.pallas_kernels import fp8_block_kernel, platform
+from jspec.pallas_kernels.fp8_gemm import choose_splits, default_tiling, scale_lanes
+
+PROFILE_RANGES = 256  # named ranges a program may record (each step records about four)
+
+
+def profiled_trace(k: int, ns: tuple, rows: int, x_dtype, trace_dir: str) -> tuple[int, str]:
+  """(K slices, the trace file) of one profiled call of the kernel over `ns`' weights."""
+  rng = np.random.default_rng(0)
+  ws, lanes = [], []
+  for n in ns:
+    w8, scales = weights(k, n, 1, rng)
+    ws.append(w8[0])
+    lanes.append(scale_lanes(scales[0]))
+  x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
+  splits = choose_splits(k, sum(ns), platform.num_sms())
+  fp8_block_kernel.PROFILE = plgpu.CompilerParams(profile_space=PROFILE_RANGES,
+                                                  profile_dir=trace_dir)
+  try:
+    for _ in range(3):
+      jax.clear_caches()  # a fresh build: its first call writes a trace
+      call = jax.jit(lambda x, ws, lanes: fp8_block_kernel.partials(
+          x, tuple(ws), tuple(lanes), None, splits, default_tiling(rows)))
+      jax.block_until_ready(call(x, ws, lanes))
+  finally:
+    fp8_block_kernel.PROFILE = None
+  return splits, sorted(glob.glob(os.path.join(trace_dir, "*.json")), key=os.path.getmtime)[-1]
+
+
+def program_times(path: str, clock_ghz: float) -> dict:
+  """{what: [µs per program or per step]} from a trace: "start" (after the first program's),
+  "span" (start to last event), and per named range its durations ("wait" split into the
+  first and the later ones)."""
+  by_program = {}
+  for event in json.load(open(path))["traceEvents"]:
+    by_program.setdefault(event["tid"], []).append(event)
+  times = {"start": [], "span": [], "first wait": [], "wait": []}
+  for events in by_program.values():
+    t0 = events[0]["ts"]
+    to_us = lambda ts, t0=t0: (ts - t0) * 1e3 / (clock_ghz * 1e3)  # noqa: E731
+    times["start"].append(t0)
+    opened, waits, last = {}, [], 0.0
+    for event in events:
+      if event["ph"] == "B":
+        opened[event["name"]] = event["ts"]
+        continue
+      duration = to_us(event["ts"]) - to_us(opened.pop(event["name"]))
+      last = max(last, to_us(event["ts"]))
+      if event["name"] == "wait":
+        waits.append(duration)
+      else:
+        times.setdefault(event["name"], []).append(duration)
+    if waits:
+      times["first wait"].append(waits[0])
+      times["wait"] += waits[1:]
+    times["span"].append(last)
+  first = min(times["start"])
+  times["start"] = [t - first for t in times["start"]]
+  return times
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shapes", nargs="+", default=["4096x4096", "4096x4096,1024,1024",
+                                                      "12288x4096", "4096x24576"])
+  parser.add_argument("--rows", type=int, default=1)
+  parser.add_argument("--x-dtypes", nargs="+", default=["bfloat16"],
+                      choices=["bfloat16", "float16"])
+  parser.add_argument("--clock-ghz", type=float, default=1.98)
+  args = parser.parse_args()
+  print(f"device: {jax.devices()[0].device_kind}; µs, min / median / max over programs")
+  for shape in args.shapes:
+    k_text, n_text = shape.split("x")
+    k, ns = int(k_text), tuple(int(n) for n in n_text.split(","))
+    for x_dtype in args.x_dtypes:
+      with tempfile.TemporaryDirectory() as trace_dir:
+        splits, path = profiled_trace(k, ns, args.rows, jnp.dtype(x_dtype), trace_dir)
+        times = program_times(path, args.clock_ghz)
+      print(f"K={k} N={ns} rows={args.rows} x {x_dtype}: {splits} K slices, "
+            f"{len(times['span'])} programs")
+      for name, values in times.items():
+        if values:
+          print(f"  {name:12s} {min(values):7.2f} {statistics.median(values):7.2f} "
+                f"{max(values):7.2f}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
