@@ -1,7 +1,8 @@
 """Inside the few-row FP8 product kernel: where each program's time goes, from the Mosaic GPU
 profiler (fp8_block_kernel.PROFILE): the programs' start skew, the prologue's loads, the first
-tile's wait, each step's wait and products (the e4m3 tiles widened, wgmma), the final store,
-and each program's span. A call's time under CUPTI (fp8_kernel_routes.py) less the programs'
+tile's wait, each step's wait and products ("widen": each e4m3 tile widened; "wgmma": the
+products, each block's widening included since it runs between them), the final store, and each
+program's span. A call's time under CUPTI (fp8_kernel_routes.py) less the programs'
 span is what the call costs outside its programs.
 
 Each shape is K x N[,N2,...] (several weights of one K share a call, as q / k / v do). The

@@ -67,19 +67,27 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
       return tuple(acc[...] for acc in acc_refs)
 
     return pl.run_scoped(mma_fp8, *accs)
-  with jax.named_scope("widen"):
-    if x_smem.dtype == jnp.bfloat16:
-      # Hopper converts e4m3 to float16 only; float16 -> float32 -> bfloat16 is exact for
-      # e4m3's values, subnormals included (2^-9 and up: normal in bfloat16).
-      w16 = [w_smem[:, c].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
-             for c in columns]
-    else:
-      w16 = [w_smem[:, c].astype(jnp.float16) for c in columns]
 
-  def mma(*acc_refs):
-    for acc, a, c in zip(acc_refs, w16, columns):
-      plgpu.wgmma(acc, a, x_smem.at[:, c].T)
-    return tuple(acc[...] for acc in acc_refs)
+  def widen(c):
+    with jax.named_scope("widen"):
+      if x_smem.dtype == jnp.bfloat16:
+        # Hopper converts e4m3 to float16 only; float16 -> float32 -> bfloat16 is exact for
+        # e4m3's values, subnormals included (2^-9 and up: normal in bfloat16).
+        return w_smem[:, c].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
+      return w_smem[:, c].astype(jnp.float16)
+
+  if platform.on_gpu():
+    # Each block's tile widened right before its own wgmma, which runs while the next block is
+    # widened (every block widened first was 2.1-2.8% slower a Qwen3-8B FP8 step on an H200,
+    # BENCHMARKS.md, "Inside the FP8 few-row kernel: ...").
+    def mma(*acc_refs):
+      for acc, c in zip(acc_refs, columns):
+        plgpu.wgmma(acc, widen(c), x_smem.at[:, c].T)
+      return tuple(acc[...] for acc in acc_refs)
+
+    with jax.named_scope("wgmma"):
+      return pl.run_scoped(mma, *accs)
+  w16 = [widen(c) for c in columns]
 
   def mma_from_smem(*a_smem):
     for ref, a in zip(a_smem, w16):
@@ -93,9 +101,6 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
 
     return pl.run_scoped(mma, *accs)
 
-  if platform.on_gpu():
-    with jax.named_scope("wgmma"):
-      return pl.run_scoped(mma, *accs)
   # The interpreter's wgmma reads both operands from shared memory only.
   return pl.run_scoped(mma_from_smem, *[
       plgpu.SMEM((BLOCK, BLOCK), x_smem.dtype,
