@@ -52,12 +52,15 @@ class Fp8Tiling:
   num_stages: int = 4
 
 
-def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
+def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
+                   interleaved: bool = False):
   """Each of a step's `per_step` 128-K blocks' W @ x^T in float32, in fresh accumulators.
 
   w_smem: [128 columns, per_step x 128] e4m3 as the TMA left it; x_smem: [rows, per_step x
   128], float16 or bfloat16 (the tile is widened to x's type in registers), or e4m3 (both as
-  they are)."""
+  they are). interleaved (on the GPU): each block's tile widened right before its own wgmma,
+  which runs while the next block's is widened; else every block's tile first. The few-row
+  product kernel below uses it (measured there); jspec.pallas_kernels.fp8_experts not yet."""
   columns = [pl.ds(j * BLOCK, BLOCK) for j in range(per_step)]
   accs = [plgpu.ACC((BLOCK, rows)) for _ in columns]
   if fp8_x:  # e4m3 x e4m3: both operands as the TMA left them
@@ -76,18 +79,20 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
         return w_smem[:, c].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
       return w_smem[:, c].astype(jnp.float16)
 
-  if platform.on_gpu():
-    # Each block's tile widened right before its own wgmma, which runs while the next block is
-    # widened (every block widened first was 2.1-2.8% slower a Qwen3-8B FP8 step on an H200,
-    # BENCHMARKS.md, "Inside the FP8 few-row kernel: ...").
-    def mma(*acc_refs):
+  if platform.on_gpu() and interleaved:
+    def mma_interleaved(*acc_refs):
       for acc, c in zip(acc_refs, columns):
         plgpu.wgmma(acc, widen(c), x_smem.at[:, c].T)
       return tuple(acc[...] for acc in acc_refs)
 
     with jax.named_scope("wgmma"):
-      return pl.run_scoped(mma, *accs)
+      return pl.run_scoped(mma_interleaved, *accs)
   w16 = [widen(c) for c in columns]
+
+  def mma(*acc_refs):
+    for acc, a, c in zip(acc_refs, w16, columns):
+      plgpu.wgmma(acc, a, x_smem.at[:, c].T)
+    return tuple(acc[...] for acc in acc_refs)
 
   def mma_from_smem(*a_smem):
     for ref, a in zip(a_smem, w16):
@@ -101,6 +106,9 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool):
 
     return pl.run_scoped(mma, *accs)
 
+  if platform.on_gpu():
+    with jax.named_scope("wgmma"):
+      return pl.run_scoped(mma, *accs)
   # The interpreter's wgmma reads both operands from shared memory only.
   return pl.run_scoped(mma_from_smem, *[
       plgpu.SMEM((BLOCK, BLOCK), x_smem.dtype,
@@ -201,8 +209,10 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
           plgpu.barrier_wait(loaded.at[slot])
         _, split, col, k_step = locate(sm, step)
         with jax.named_scope("products"):
+          # Each tile widened before its own product: every tile first made a Qwen3-8B FP8
+          # step 2.1-2.8% slower on an H200 (BENCHMARKS.md, "Inside the FP8 few-row kernel").
           for j, part in enumerate(block_products(w_smem.at[slot], x_smem.at[slot], per_step,
-                                                  rows, fp8_x)):
+                                                  rows, fp8_x, interleaved=True)):
             lanes_j = pl.ds(j * lanes, rows)
             scale_R = plgpu.load(s_smem.at[slot, lanes_j],
                                  layout=plgpu.Layout.WGMMA.reduce(0))
