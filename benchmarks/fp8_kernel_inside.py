@@ -2,14 +2,18 @@
 profiler (fp8_block_kernel.PROFILE): the programs' start skew, the prologue's loads, the first
 tile's wait, each step's wait and products ("widen": each e4m3 tile widened; "wgmma": the
 products, each block's widening included since it runs between them), the final store, and each
-program's span. A call's time under CUPTI (fp8_kernel_routes.py) less the programs'
-span is what the call costs outside its programs.
+program's span.
+
+Mind the clock: times within a program are cycles, and the profiled call follows its build,
+with the GPU idle before it; if the SM clock has dropped below --clock-ghz then, the times are
+longer than shown. So the spans cannot yet be set against a call's CUPTI time
+(fp8_kernel_routes.py) to find what a call costs outside its programs.
 
 Each shape is K x N[,N2,...] (several weights of one K share a call, as q / k / v do). The
 profiled call is the first of a fresh build (the profiler writes one trace per build), after
 two builds' calls: the clocks are up, and weights that fit the L2 may be there.
 Times within a program are %clock cycles over --clock-ghz (nvidia-smi's SM clock under load);
-starts are each program's globaltimer.
+starts are each program's globaltimer (ns).
 
     python benchmarks/fp8_kernel_inside.py --shapes 4096x4096 4096x24576 --x-dtypes bfloat16 float16
 """
