@@ -10,10 +10,9 @@ longer than shown. So the spans cannot yet be set against a call's CUPTI time
 (fp8_kernel_routes.py) to find what a call costs outside its programs.
 
 Each shape is K x N[,N2,...] (several weights of one K share a call, as q / k / v do). The
-profiled call is the first of a fresh build (the profiler writes one trace per build), after
-two builds' calls: the clocks are up, and weights that fit the L2 may be there.
-Times within a program are %clock cycles over --clock-ghz (nvidia-smi's SM clock under load);
-starts are each program's globaltimer (ns).
+profiled call is the first of a fresh build (the profiler writes one trace per build), the
+third: weights that fit the L2 may be there from the two before. Starts are each program's
+globaltimer (ns).
 
     python benchmarks/fp8_kernel_inside.py --shapes 4096x4096 4096x24576 --x-dtypes bfloat16 float16
 """
