@@ -56,11 +56,6 @@ def pytest_collection_modifyitems(config, items):
 # aborts the process inside XLA's CPU compiler ("Fatal Python error: Aborted", the worker
 # lost). So a worker whose mappings pass a share of the limit empties those caches: after a
 # test module (its module-scoped fixtures torn down), or after any test once it is close.
-# First only what no later test can ask for again: the caches of the test modules other than
-# the next test's (a worker runs a contiguous run of the suite) and the shared executables
-# that no live LLM holds any more. The shared helpers' LLMs (helpers.cached_llm, used across
-# files) and JAX's own caches are emptied only when that does not bring the mappings under the
-# share: rebuilding them in a later file compiled their programs a second time.
 
 def _map_limit() -> int:
   try:
@@ -79,36 +74,17 @@ def _mappings() -> int:
     return sum(1 for _ in f)
 
 
-def _clear_test_caches(keep=lambda module: False):
-  """Empties every lru_cache of the loaded modules of tests/ (the LLMs they hold own their
-  compiled programs) but those of the modules `keep` accepts."""
+def release_compiled_programs():
+  """Empties JAX's caches and every lru_cache of the loaded test modules (the LLMs they hold
+  own their compiled programs), then collects, so that the programs are unmapped."""
   tests_dir = os.path.dirname(os.path.abspath(__file__))
   for module in list(sys.modules.values()):
     path = getattr(module, "__file__", None) or ""
-    if os.path.dirname(os.path.abspath(path)) != tests_dir or keep(module):
+    if os.path.dirname(os.path.abspath(path)) != tests_dir:
       continue
     for value in list(vars(module).values()):
       if callable(getattr(value, "cache_clear", None)):  # functools.lru_cache / cache
         value.cache_clear()
-
-
-def release_finished_modules(next_module):
-  """Empties the lru_caches of the test files other than `next_module` (the shared helpers'
-  kept), then the shared executables that nothing else holds, so that their programs are
-  unmapped; what later tests may still ask for stays compiled."""
-  def keep(module):
-    return (module is next_module
-            or not os.path.basename(module.__file__).startswith("test_"))
-  _clear_test_caches(keep)
-  gc.collect()
-  shared_executables.release_unheld()
-  gc.collect()
-
-
-def release_compiled_programs():
-  """Empties JAX's caches and every lru_cache of the loaded test modules (the LLMs they hold
-  own their compiled programs), then collects, so that the programs are unmapped."""
-  _clear_test_caches()
   jax.clear_caches()
   gc.collect()
 
@@ -120,9 +96,6 @@ def pytest_runtest_teardown(item, nextitem):
     return
   module_ends = nextitem is None or nextitem.module is not item.module
   share = RELEASE_AFTER_MODULE if module_ends else RELEASE_NOW
-  if _mappings() <= share * MAP_LIMIT:
-    return
-  release_finished_modules(item.module if nextitem is None else nextitem.module)
   if _mappings() > share * MAP_LIMIT:
     release_compiled_programs()
 

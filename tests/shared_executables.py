@@ -10,12 +10,10 @@ LLM asked. This is the persistent compilation cache's key, kept in memory: writi
 large CPU executables to disk crashes jaxlib 0.11.2. Programs with host callbacks (interpret-mode Pallas kernels) hold pointers to
 their own Python objects and are always compiled.
 
-conftest.release_compiled_programs empties EXECUTABLES with the tests' other caches;
-conftest.release_finished_modules drops those that nothing else holds (release_unheld)."""
+conftest.release_compiled_programs empties EXECUTABLES with the tests' other caches."""
 
 import hashlib
 import io
-import sys
 
 from jax._src import compiler
 from jax._src.lib.mlir import passmanager
@@ -50,14 +48,6 @@ def _shared_compile(backend, module, executable_devices, options, host_callbacks
 
 # As for the tests' lru_caches, release_compiled_programs calls it.
 _shared_compile.cache_clear = EXECUTABLES.clear
-
-
-def release_unheld():
-  """Drops the executables that only EXECUTABLES holds (no live LLM or JAX cache uses them):
-  conftest.release_finished_modules, once the LLMs of the finished test files are gone."""
-  for key in list(EXECUTABLES):
-    if sys.getrefcount(EXECUTABLES[key]) <= 2:  # the dict's reference and the argument's
-      del EXECUTABLES[key]
 
 
 def install():
