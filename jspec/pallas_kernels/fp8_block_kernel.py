@@ -25,7 +25,6 @@ import dataclasses
 import functools
 
 import jax
-
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
