@@ -33,8 +33,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from fp8_kernel_routes import weights
-from jspec.bench.profile import call_kernel_events
+from fp8_kernel_routes import profiled_kernels, weights
 from jspec.pallas_kernels import fp8_block_kernel, platform
 from jspec.pallas_kernels.fp8_gemm import choose_splits, default_tiling, scale_lanes
 
@@ -89,9 +88,8 @@ def cupti_us(args: tuple, rows: int) -> float:
   """The unprofiled kernel's time under CUPTI, one call (after a warm one)."""
   *operands, splits = args
   jax.clear_caches()
-  events = call_kernel_events(kernel_call(splits, rows), *operands)
-  return sum(end - start for start, end, name in events
-             if name.startswith("fp8_block_gemm")) / 1e3
+  totals = profiled_kernels(kernel_call(splits, rows), *operands)
+  return sum(ns for name, (_, ns) in totals.items() if name.startswith("fp8_block_gemm")) / 1e3
 
 
 def program_times(path: str, clock_ghz: float) -> dict:

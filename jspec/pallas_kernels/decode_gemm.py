@@ -198,7 +198,7 @@ def _kernel_call(body, out_shape, dtype, name, programs: int | None = None,
       grid_names=("sm",),
       interpret=platform.interpret_params(),
       kernel_name=name,
-      **({"compiler_params": compiler_params} if compiler_params else {}),
+      compiler_params=compiler_params,
   )
 
 

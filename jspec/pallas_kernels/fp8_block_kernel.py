@@ -78,19 +78,12 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
         return w_smem[:, c].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
       return w_smem[:, c].astype(jnp.float16)
 
-  if platform.on_gpu() and interleaved:
-    def mma_interleaved(*acc_refs):
-      for acc, c in zip(acc_refs, columns):
-        plgpu.wgmma(acc, widen(c), x_smem.at[:, c].T)
-      return tuple(acc[...] for acc in acc_refs)
-
-    with jax.named_scope("wgmma"):
-      return pl.run_scoped(mma_interleaved, *accs)
-  w16 = [widen(c) for c in columns]
+  # Interleaved (on the GPU only), each tile is widened inside the products' loop.
+  w16 = None if interleaved and platform.on_gpu() else [widen(c) for c in columns]
 
   def mma(*acc_refs):
-    for acc, a, c in zip(acc_refs, w16, columns):
-      plgpu.wgmma(acc, a, x_smem.at[:, c].T)
+    for j, (acc, c) in enumerate(zip(acc_refs, columns)):
+      plgpu.wgmma(acc, widen(c) if w16 is None else w16[j], x_smem.at[:, c].T)
     return tuple(acc[...] for acc in acc_refs)
 
   def mma_from_smem(*a_smem):
