@@ -52,18 +52,25 @@ def _kernel(x_ref, delta_ref, scale_ref, router_ref, h_ref, out_ref, parts_ref, 
   inv_rms = jax.lax.rsqrt(squares / width + eps)
   experts = router_ref.shape[1]
   acc_CE = jnp.zeros((router_topk.ROW_CHUNK, experts), jnp.float32)
+  stores = []
   for i in range(slice_rows // router_topk.ROW_CHUNK):  # router_partials' loop steps
     cols = pl.ds(s * slice_rows + i * router_topk.ROW_CHUNK, router_topk.ROW_CHUNK)
     h = added(cols)
-    h_ref[m, cols] = h
     normed = h.astype(jnp.float32) * inv_rms
     scale = scale_ref[cols].astype(jnp.float32)
     if zero_centered:  # (1 + w) in float32, one cast (ZeroCenteredRMSNorm)
       out = (normed * (1.0 + scale)).astype(h.dtype)
     else:  # cast, then the scale in the parameter's dtype (RMSNorm)
       out = (scale * normed.astype(h.dtype).astype(jnp.float32)).astype(h.dtype)
-    out_ref[m, cols] = out
+    stores.append((cols, h, out))
     acc_CE = acc_CE + out.astype(jnp.float32)[:, None] * router_ref[cols, :].astype(jnp.float32)
+  # Stored after every load: a load placed after a store to h or norm(h) cannot be moved
+  # before it (they could alias), and the store waits for its values, so the steps' router
+  # rows were read one after another (BENCHMARKS.md, "Norm kernels' loads before their
+  # stores").
+  for cols, h, out in stores:
+    h_ref[m, cols] = h
+    out_ref[m, cols] = out
   parts_ref[m, s, :] = jnp.sum(acc_CE, axis=0)
 
 

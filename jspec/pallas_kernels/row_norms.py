@@ -51,7 +51,9 @@ def fits_kernel(width: int) -> bool:
 
 def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool):
   """Program m: row m, read once and held in registers (7168 bfloat16 values are 28 a thread
-  at 8 warps) between the sum of its squares and its scaling."""
+  at 8 warps) between the sum of its squares and its scaling. All loads come before any store,
+  which they could alias: a 7168-wide row's 7 pieces were read one after another (BENCHMARKS.md,
+  "Norm kernels' loads before their stores")."""
   if has_residual:
     x_ref, delta_ref, scale_ref, h_ref, out_ref = refs
   else:
@@ -59,19 +61,20 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
   m = pl.program_id(0)
   width = x_ref.shape[1]
   pieces = [pl.ds(c * chunk, chunk) for c in range(width // chunk)]
+  loaded = [(x_ref[m, cols], delta_ref[m, cols] if has_residual else None) for cols in pieces]
+  scales = [scale_ref[cols] for cols in pieces]
   rows, squares = [], jnp.float32(0.0)
-  for cols in pieces:
-    x = x_ref[m, cols]
+  for cols, (x, delta) in zip(pieces, loaded):
     if has_residual:  # x + delta rounded to the stream's dtype, as XLA's add does
-      x = (x.astype(jnp.float32) + delta_ref[m, cols].astype(jnp.float32)).astype(x.dtype)
+      x = (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
       h_ref[m, cols] = x
     x32 = x.astype(jnp.float32)
     squares += jnp.sum(x32 * x32)
     rows.append((cols, x))
   inv_rms = jax.lax.rsqrt(squares / width + eps)
-  for cols, x in rows:
+  for (cols, x), scale in zip(rows, scales):
     normed = x.astype(jnp.float32) * inv_rms
-    scale = scale_ref[cols].astype(jnp.float32)
+    scale = scale.astype(jnp.float32)
     if zero_centered:  # (1 + w) in float32, one cast (ZeroCenteredRMSNorm)
       out = normed * (1.0 + scale)
     else:  # cast, then the scale in the parameter's dtype (RMSNorm)
