@@ -13,7 +13,7 @@ the slots of the decode plan (jspec.pallas_kernels.decode_routing: one slot per 
 all T tokens multiplied, a token that did not pick the expert weighted 0):
 
   gate, up  [S, F, N] = W_gate[e_s] @ x^T, W_up[e_s] @ x^T      (one kernel, two sums)
-  act       [S, N, F] = silu(gate) * up                          (XLA, float32, a few KiB)
+  act       [S, N, F] = silu(gate) * up       (float32; bfloat16 x: jspec.pallas_kernels.expert_act)
   out       [S, D, N] = W_down[e_s] @ act_s^T                     (one kernel)
   y         [T, D]    = sum over each token's slots of weight x out   (XLA, float32)
 
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import decode_gemm, decode_routing, platform
+from jspec.pallas_kernels import decode_gemm, decode_routing, expert_act, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, block_products
 from jspec.pallas_kernels.fp8_gemm import MAX_ROWS, SCALE_LANES, bfloat16_rows, choose_splits
 from jspec.pallas_kernels.shared import dequantize, float16_rows, smem_transforms
@@ -77,8 +77,9 @@ def fits_kernel(*weights: Fp8Experts) -> bool:
 
 def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1,
                   blocks_per_step: int, num_stages: int, act_scale_SKbN=None,
-                  splits: int = 1):
-  """[W, S, out, N] float32: for weight j and each used slot s, W_j[e_s] @ x_s^T with each
+                  splits: int = 1, summed: bool = True):
+  """[W, S, out, N] float32 (summed False: the K slices' partials [W, P, S, out, N], the sum
+  left to the reader): for weight j and each used slot s, W_j[e_s] @ x_s^T with each
   128-K block's products times its scale. x: [N, in] float16 or bfloat16 shared by every slot
   (fp8_gemm.bfloat16_rows' rows: the TMA fills the padded N's missing rows), or [S, N, in] one
   per slot, float16, bfloat16 or e4m3; e4m3 x comes with act_scale_SKbN [S, in/128, N],
@@ -200,6 +201,8 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
   parts_WPSON = decode_gemm._kernel_call(
       body, (num_weights, splits, num_slots_max, out, rows), jnp.float32, "fp8_experts_decode")(
           slot_expert_S, num_slots_1, x, *[w.w8 for w in weights], *scale_rows)
+  if not summed:
+    return parts_WPSON
   return parts_WPSON[:, 0] if splits == 1 else jnp.sum(parts_WPSON, axis=1)
 
 
@@ -210,6 +213,9 @@ def _to_float16_slots(act_SNF):
   return act16.reshape(s, n, f), scale.reshape(s, n)
 
 
+# A bfloat16 step's activation from the gate / up partials in one kernel
+# (jspec.pallas_kernels.expert_act), where XLA runs two.
+ACT_KERNEL = True
 # Tokens (wgmma's N) up to which gate and up share one kernel: each adds a [128, N] float32 sum
 # and a step's products of the same size to a thread's registers.
 TWO_SUMS_MAX_ROWS = 32
@@ -286,22 +292,30 @@ def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
     x16_TD, x_scale_T = float16_rows(x_TD)
     x_ND = jnp.pad(x16_TD, ((0, rows - num_tokens), (0, 0)))
     x_scale_N = jnp.pad(x_scale_T, (0, rows - num_tokens), constant_values=1.0)
-  if rows <= TWO_SUMS_MAX_ROWS:
-    gate_up = slot_products(x_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
-                            tiling.gate_up_blocks, tiling.num_stages, splits=gate_up_splits)
-  else:  # one sum per kernel: two [128, N] float32 sums and their products overflow registers
-    gate_up = [slot_products(x_ND, (w,), plan.slot_expert_S, plan.num_slots_1,
-                             tiling.gate_up_blocks, tiling.num_stages, splits=gate_up_splits)[0]
-               for w in (w_gate, w_up)]
-  gate_SFN, up_SFN = gate_up[0] * x_scale_N, gate_up[1] * x_scale_N
-  act_SNF = jnp.swapaxes(jax.nn.silu(gate_SFN) * up_SFN, 1, 2)
-  # Slots past the used ones were not written: zeros keep their (unused) rows finite.
-  used_S = jnp.arange(act_SNF.shape[0]) < plan.num_slots_1[0]
-  act_SNF = jnp.where(used_S[:, None, None], act_SNF, 0.0)
-  if bfloat16:  # rounded as the model's own MLP rounds it
-    act_in_SNF, act_scale_SN = act_SNF.astype(jnp.bfloat16), 1.0
+  one_call = rows <= TWO_SUMS_MAX_ROWS
+  if one_call and bfloat16 and ACT_KERNEL and expert_act.fits(gate_up_splits, ffn, rows):
+    # The sums, the activation and its rounding in one kernel (expert_act says why).
+    parts_WPSFN = slot_products(x_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
+                                tiling.gate_up_blocks, tiling.num_stages,
+                                splits=gate_up_splits, summed=False)
+    act_in_SNF, act_scale_SN = expert_act.gate_up_act(parts_WPSFN, plan.num_slots_1), 1.0
   else:
-    act_in_SNF, act_scale_SN = _to_float16_slots(act_SNF)
+    if one_call:
+      gate_up = slot_products(x_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
+                              tiling.gate_up_blocks, tiling.num_stages, splits=gate_up_splits)
+    else:  # one sum per kernel: two [128, N] float32 sums and their products overflow registers
+      gate_up = [slot_products(x_ND, (w,), plan.slot_expert_S, plan.num_slots_1,
+                               tiling.gate_up_blocks, tiling.num_stages,
+                               splits=gate_up_splits)[0] for w in (w_gate, w_up)]
+    gate_SFN, up_SFN = gate_up[0] * x_scale_N, gate_up[1] * x_scale_N
+    act_SNF = jnp.swapaxes(jax.nn.silu(gate_SFN) * up_SFN, 1, 2)
+    # Slots past the used ones were not written: zeros keep their (unused) rows finite.
+    used_S = jnp.arange(act_SNF.shape[0]) < plan.num_slots_1[0]
+    act_SNF = jnp.where(used_S[:, None, None], act_SNF, 0.0)
+    if bfloat16:  # rounded as the model's own MLP rounds it
+      act_in_SNF, act_scale_SN = act_SNF.astype(jnp.bfloat16), 1.0
+    else:
+      act_in_SNF, act_scale_SN = _to_float16_slots(act_SNF)
   (down_SDN,) = slot_products(act_in_SNF, (w_down,), plan.slot_expert_S, plan.num_slots_1,
                               tiling.down_blocks, tiling.num_stages, splits=down_splits)
   token_scale_SN = act_scale_SN * plan.weight_SR[:, :rows]
