@@ -4,11 +4,11 @@ rounded to bfloat16:
 
   act [S, N, F] = bf16(silu(sum_p gate[p, s]) * sum_p up[p, s])^T,  parts [2, P, S, F, N]
 
-Why: XLA runs this as two kernels (the reduction over the P slices; the activation with the
-transpose, which does not fuse into a reduction's epilogue), 1.6 + 1.4 µs a Qwen3-30B-A3B layer
-at batch 1 on an H200 for a few hundred KiB (BENCHMARKS.md, "Norm kernels' loads before their
-stores ..."). Slots from num_slots on were not written by the gate / up kernel: their rows are
-zeros here, as the XLA form's `where` makes them.
+Why: XLA ran these few hundred KiB as two kernels between the expert kernels of a
+Qwen3-30B-A3B layer at batch 1 (1.6 + 1.4 µs on an H200); this one cut the FP8 TPOT by 2.5%
+(BENCHMARKS.md, "Norm kernels' loads before their stores ..."). Slots from num_slots on were
+not written by the gate / up kernel: their rows are zeros here, as the XLA form's `where`
+makes them.
 
 Each value is what the XLA form computes (float32 sums, the same SiLU, one rounding to
 bfloat16) but for the order of the P float32 additions.
