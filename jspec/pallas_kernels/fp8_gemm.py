@@ -58,7 +58,9 @@ def fits_kernel(rows: int, k: int, n: int, block: tuple[int, int]) -> bool:
 
 # The share of the persistent grid's rounds of work items (one item per SM a round) that a
 # K-slice count must keep busy before a larger count is tried, and the most rounds it may take
-# (each item pays its pipeline's fill and drain).
+# (each item pays its pipeline's fill and drain). 8 rounds were slower on both models timed
+# (Qwen3-30B-A3B's q / k / v at 16 slices, whose sums its norm kernel reads: +5% a step), 6
+# faster on DeepSeek-V3 in one run (-1.5%) (BENCHMARKS.md, "Norm kernels' loads before ...").
 MIN_ROUND_FILL = 0.9
 MAX_ROUNDS = 4
 
