@@ -31,28 +31,24 @@ VALUES_PER_PROGRAM = 2048
 MIN_COLUMNS = 16
 
 
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
 def columns_per_program(splits: int, ffn: int, rows: int) -> int:
   """The widest power-of-two block of F (at least MIN_COLUMNS, dividing F) whose partials fit
   VALUES_PER_PROGRAM, or MIN_COLUMNS."""
   cols = MIN_COLUMNS
   while (ffn % (2 * cols) == 0
-         and _pow2_at_least(splits) * 2 * cols * rows <= VALUES_PER_PROGRAM):
+         and pl.next_power_of_2(splits) * 2 * cols * rows <= VALUES_PER_PROGRAM):
     cols *= 2
   return cols
 
 
-def fits(splits: int, ffn: int, rows: int) -> bool:
+def fits(ffn: int, rows: int) -> bool:
   """Shapes the kernel takes: F in whole blocks of MIN_COLUMNS, N a power of two."""
   return ffn % MIN_COLUMNS == 0 and rows & (rows - 1) == 0
 
 
 def _kernel(num_slots_ref, parts_ref, act_ref, *, splits: int, cols: int):
   s, f = pl.program_id(0), pl.program_id(1)
-  padded = _pow2_at_least(splits)
+  padded = pl.next_power_of_2(splits)
   real_P = jnp.arange(padded) < splits
   block = pl.ds(pl.multiple_of(f * cols, cols), cols)
 
@@ -73,7 +69,7 @@ def gate_up_act(parts_WPSFN: jax.Array, num_slots_1: jax.Array,
   """act [S, N, F] bfloat16 from the gate / up kernel's float32 partials [2, P, S, F, N]
   (fp8_experts.slot_products(..., summed=False)) and the used slots' count [1]."""
   weights, splits, slots, ffn, rows = parts_WPSFN.shape
-  if weights != 2 or parts_WPSFN.dtype != jnp.float32 or not fits(splits, ffn, rows):
+  if weights != 2 or parts_WPSFN.dtype != jnp.float32 or not fits(ffn, rows):
     raise ValueError(f"gate_up_act takes float32 partials [2, P, S, F, N] with F a multiple "
                      f"of {MIN_COLUMNS} and N a power of two, got {parts_WPSFN.shape} "
                      f"{parts_WPSFN.dtype}")

@@ -59,7 +59,8 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
   128], float16 or bfloat16 (the tile is widened to x's type in registers), or e4m3 (both as
   they are). interleaved (on the GPU): each block's tile widened right before its own wgmma,
   which runs while the next block's is widened; else every block's tile first. The few-row
-  product kernel below uses it (measured there); jspec.pallas_kernels.fp8_experts not yet."""
+  product kernel below uses it; jspec.pallas_kernels.fp8_experts does not (1.5% slower there,
+  BENCHMARKS.md, "Norm kernels' loads before their stores ...")."""
   columns = [pl.ds(j * BLOCK, BLOCK) for j in range(per_step)]
   accs = [plgpu.ACC((BLOCK, rows)) for _ in columns]
   if fp8_x:  # e4m3 x e4m3: both operands as the TMA left them

@@ -297,7 +297,7 @@ def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
     x_ND = jnp.pad(x16_TD, ((0, rows - num_tokens), (0, 0)))
     x_scale_N = jnp.pad(x_scale_T, (0, rows - num_tokens), constant_values=1.0)
   one_call = rows <= TWO_SUMS_MAX_ROWS
-  if one_call and bfloat16 and ACT_KERNEL and expert_act.fits(gate_up_splits, ffn, rows):
+  if one_call and bfloat16 and ACT_KERNEL and expert_act.fits(ffn, rows):
     # The sums, the activation and its rounding in one kernel (expert_act says why).
     parts_WPSFN = slot_products(x_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
                                 tiling.gate_up_blocks, tiling.num_stages,
