@@ -6,6 +6,7 @@ References come from scripts/make_fixtures.py; fp32 on CPU, max abs logit error 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from helpers import FIXTURE_NAMES, cached_llm, greedy, reference
 from jspec.models.moe_backends import experts_reference
@@ -44,17 +45,22 @@ def test_mtp_head_matches_torch_reference(name):
   """The MTP layer on the target's post-norm hidden states, against the torch-built reference."""
   ref = reference(name)
   llm = cached_llm(name)
-  layer = llm.mtp.layers[0]
+
+  @nnx.jit  # one program per window length, not ~170 op-by-op compiles
+  def run(mtp, target, next_T, hidden_TD):
+    n = next_T.shape[1]
+    positions = jnp.arange(n, dtype=jnp.int32)[None]
+    layer = mtp.layers[0]
+    normed, feedback, _ = layer(target, next_T, hidden_TD, positions,
+                                mtp.init_caches(1, n, jnp.float32)[0], n, experts_reference)
+    return layer.logits(target, normed), feedback
+
   for i in (1, 2):
     seq = ref[f"seq_{i}"]
     hidden_TD = jnp.asarray(ref[f"hidden_{i}"][:-1])[None]  # h_0 .. h_{n-1}
     next_T = jnp.asarray(seq[1:], jnp.int32)[None]          # t_1 .. t_n
-    n = next_T.shape[1]
-    positions = jnp.arange(n, dtype=jnp.int32)[None]
-    cache = llm.mtp.init_caches(1, n, jnp.float32)[0]
-    normed, feedback, _ = layer(llm.target, next_T, hidden_TD, positions, cache, n,
-                                experts_reference)
-    logits = np.asarray(layer.logits(llm.target, normed))[0]
+    logits, feedback = run(llm.mtp, llm.target, next_T, hidden_TD)
+    logits = np.asarray(logits)[0]
     np.testing.assert_allclose(logits, ref[f"mtp_logits_{i}"], atol=TOL, rtol=0)
     np.testing.assert_allclose(np.asarray(feedback)[0], ref[f"mtp_hidden_{i}"], atol=TOL, rtol=0)
 
