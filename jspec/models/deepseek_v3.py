@@ -26,7 +26,7 @@ from jspec.config import MLAConfig, ModelConfig
 from jspec.models import quantization
 from jspec.models import weights as W
 from jspec.models.decoder import CausalLM, DecoderLayer, common_fields
-from jspec.models.mla import MLAttention, mla_cache
+from jspec.models.mla import MLAttention, kv_a_width, mla_cache
 from jspec.models.moe import read_sigmoid_moe
 from jspec.models.rope import rope_scaling_items
 
@@ -101,7 +101,8 @@ def mla_rules(cfg: ModelConfig, p: str) -> dict:
       np.swapaxes(w.reshape(n, nope + v, c)[:, part], 1, 2) if fp8
       else w.reshape(n, nope + v, c)[:, part]))
   rules = {
-      ("kv_a_proj",): rule("kv_a_proj_with_mqa.weight", (c + r, d), transpose((d, c + r))),
+      ("kv_a_proj",): rule("kv_a_proj_with_mqa.weight", (c + r, d), lambda w: np.pad(
+          w.T, ((0, 0), (0, kv_a_width(cfg) - c - r)))),  # FP8: zero rows to its block
       ("kv_a_norm", "scale"): W.norm_rule(a + "kv_a_layernorm.weight", c),
       ("w_uk",): rule("kv_b_proj.weight", (n * (nope + v), c), kv_b(slice(0, nope))),
       ("w_uv",): rule("kv_b_proj.weight", (n * (nope + v), c), kv_b(slice(nope, nope + v))),

@@ -35,8 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import (decode_gemm, decode_routing, expert_act, platform,
-                                  slot_combine)
+from jspec.pallas_kernels import decode_gemm, decode_routing, expert_act, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, block_products
 from jspec.pallas_kernels.fp8_gemm import MAX_ROWS, SCALE_LANES, bfloat16_rows, choose_splits
 from jspec.pallas_kernels.shared import dequantize, float16_rows, smem_transforms
@@ -217,9 +216,6 @@ def _to_float16_slots(act_SNF):
 # A bfloat16 step's activation from the gate / up partials in one kernel
 # (jspec.pallas_kernels.expert_act), where XLA runs two.
 ACT_KERNEL = True
-# The down kernel's partials summed, scaled and combined per token in one kernel
-# (jspec.pallas_kernels.slot_combine); off until it is timed on a GPU.
-COMBINE_KERNEL = False
 # Tokens (wgmma's N) up to which gate and up share one kernel: each adds a [128, N] float32 sum
 # and a step's products of the same size to a thread's registers.
 TWO_SUMS_MAX_ROWS = 32
@@ -321,12 +317,6 @@ def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
     else:
       act_in_SNF, act_scale_SN = _to_float16_slots(act_SNF)
   token_scale_SN = act_scale_SN * plan.weight_SR[:, :rows]
-  if COMBINE_KERNEL and slot_combine.fits(dim):
-    (down_PSDN,) = slot_products(act_in_SNF, (w_down,), plan.slot_expert_S, plan.num_slots_1,
-                                 tiling.down_blocks, tiling.num_stages, splits=down_splits,
-                                 summed=False)
-    return jax.lax.optimization_barrier(slot_combine.combine_down_partials(
-        down_PSDN, token_scale_SN, plan.slot_TK, x_TD.dtype))
   (down_SDN,) = slot_products(act_in_SNF, (w_down,), plan.slot_expert_S, plan.num_slots_1,
                               tiling.down_blocks, tiling.num_stages, splits=down_splits)
   out_SND = jnp.swapaxes(down_SDN * token_scale_SN[:, None, :], 1, 2)
