@@ -13,7 +13,7 @@ import jspec
 from jspec.config import MLAConfig, ModelConfig
 from jspec.models import mla, projections
 from jspec.models.mla import MLAttention, kv_a_width, mla_cache
-from jspec.pallas_kernels import fp8_gemm
+from jspec.pallas_kernels import fp8_gemm, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK
 from jspec.sharding.rules import ShardingRules
 
@@ -40,10 +40,18 @@ def test_kv_a_is_padded_to_its_block_in_fp8_only():
   assert kv_a_width(v3) == 640
 
 
-def _fp8_mla_layer(seed):
+def _deepseek_v3_shapes():
+  """DeepSeek-V3's latent projections (hidden 7168, q_a 1536 rows, kv_a 512 + 64 padded to
+  640: one call of 17 column blocks over K = 56 blocks, 7 K slices on an H200), 2 heads."""
+  return _config().replace(hidden_size=7168, mla=MLAConfig(
+      q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+      v_head_dim=128))
+
+
+def _fp8_mla_layer(seed, cfg):
   """The layer with random block scales (the padded rows' weights stay zero only as loaded
   from a checkpoint; random ones here must not reach the output either)."""
-  attn = MLAttention(_config(), jnp.float32, nnx.Rngs(seed))
+  attn = MLAttention(cfg, jnp.float32, nnx.Rngs(seed))
   rng = np.random.default_rng([RUN_SEED, seed])
   for _, node in nnx.iter_graph(attn):
     if isinstance(node, nnx.Param) and node.get_metadata().get("fp8_in_axes"):
@@ -56,9 +64,22 @@ def test_q_a_and_kv_a_go_through_one_kernel_call_and_equal_xla(monkeypatch, toke
   """A decode step (1 token) or verify window (3) after a 5-token prefill, with the model's
   FP8 product set as a Hopper GPU sets it: q_a and kv_a (256 rows as stored) are one call a
   window, and the output equals the scaled XLA products' (the fused call's off too)."""
-  cfg = _config()
-  attn = _fp8_mla_layer(tokens)
-  assert attn.kv_a_proj.shape == (256, 128) and attn.kv_a_proj_scale.shape == (2, 1)
+  _check_fused_layer(monkeypatch, _config(), tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not platform.on_hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_on_the_gpu_at_deepseek_v3_shapes(monkeypatch, tokens):
+  """The compiled kernel where the test above interprets it."""
+  _check_fused_layer(monkeypatch, _deepseek_v3_shapes(), tokens)
+
+
+def _check_fused_layer(monkeypatch, cfg, tokens):
+  attn = _fp8_mla_layer(tokens, cfg)
+  width = kv_a_width(cfg)
+  assert attn.kv_a_proj.shape == (width, cfg.hidden_size)
+  assert attn.kv_a_proj_scale.shape == (width // BLOCK, cfg.hidden_size // BLOCK)
   rng = np.random.default_rng([RUN_SEED, 11, tokens])
   x = jnp.asarray(rng.standard_normal((2, 5 + tokens, cfg.hidden_size)), jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(5 + tokens, dtype=jnp.int32), (2, 5 + tokens))
@@ -77,7 +98,8 @@ def test_q_a_and_kv_a_go_through_one_kernel_call_and_equal_xla(monkeypatch, toke
   attn.fp8_projection = projections.sharded_fp8_projection(mesh, ShardingRules(),
                                                            (BLOCK, BLOCK))
   got, got_cache = run()
-  assert fused == [[(128, 128), (256, 128)]] * 2  # q_a and kv_a, one call a window
+  # q_a and kv_a, one call a window
+  assert fused == [[(cfg.mla.q_lora_rank, cfg.hidden_size), (width, cfg.hidden_size)]] * 2
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
   np.testing.assert_allclose(got_cache, want_cache, rtol=0, atol=1e-3 * np.abs(want_cache).max())
   monkeypatch.setattr(mla, "FUSED_LATENT_PROJECTIONS", False)
