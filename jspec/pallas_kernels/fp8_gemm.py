@@ -63,21 +63,16 @@ def fits_kernel(rows: int, k: int, n: int, block: tuple[int, int]) -> bool:
 # faster on DeepSeek-V3 in one run (-1.5%) (BENCHMARKS.md, "Norm kernels' loads before ...").
 MIN_ROUND_FILL = 0.9
 MAX_ROUNDS = 4
-# K slice counts tried: every divisor of the K blocks (True), or its powers of two only.
-DIVISOR_SPLITS = True
 
 
 def choose_splits(k: int, n: int, num_sms: int) -> int:
-  """K slices (a divisor of K's blocks, whole blocks each, at most MAX_ROUNDS rounds of items;
-  powers of two only where DIVISOR_SPLITS is off): the fewest whose work items, one per
-  (slice, 128-column block), keep MIN_ROUND_FILL of the rounds' SM slots busy (else the
-  fullest, the fewest of equals).
+  """K slices (a power of two, whole blocks each, at most MAX_ROUNDS rounds of items): the
+  fewest whose work items, one per (slice, 128-column block), keep MIN_ROUND_FILL of the
+  rounds' SM slots busy (else the fullest, the fewest of equals).
 
   The items go round-robin over the SMs, so 192 column blocks on 132 SMs (Qwen3-8B's fused
   gate/up, no slices) leave 72 SMs idle in the second round: the product lasts two items'
-  time for 1.45 items' work; two slices give 384 half-length items, three rounds 97% full.
-  DeepSeek-V3's q_a and kv_a in one call (17 column blocks, K of 56 blocks) fill 51% of the
-  SMs with 4 or 8 slices, 90% with 7."""
+  time for 1.45 items' work; two slices give 384 half-length items, three rounds 97% full."""
   col_blocks = n // BLOCK
   k_blocks = k // BLOCK
 
@@ -85,10 +80,8 @@ def choose_splits(k: int, n: int, num_sms: int) -> int:
     items = splits * col_blocks
     return items / (-(-items // num_sms) * num_sms)
 
-  counts = (range(1, k_blocks + 1) if DIVISOR_SPLITS
-            else [1 << i for i in range(k_blocks.bit_length())])
-  candidates = [s for s in counts if k_blocks % s == 0
-                and (s == 1 or s * col_blocks <= MAX_ROUNDS * num_sms)]
+  candidates = [1 << i for i in range(k_blocks.bit_length()) if k_blocks % (1 << i) == 0
+                and (i == 0 or (1 << i) * col_blocks <= MAX_ROUNDS * num_sms)]
   good = [s for s in candidates if fill(s) >= MIN_ROUND_FILL]
   return min(good) if good else max(candidates, key=lambda s: (fill(s), -s))
 
