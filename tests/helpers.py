@@ -35,6 +35,33 @@ def cached_llm(name: str, method: str | None = None, k: int = 0, max_model_len: 
                    max_num_seqs=max_num_seqs, speculative_config=spec)
 
 
+def assert_mtp_layer_matches_reference(llm: jspec.LLM, ref, atol: float):
+  """The LLM's first MTP layer on the reference's post-norm hidden states h_0 .. h_{n-1} and
+  next tokens t_1 .. t_n (sequences 1 and 2): its logits and its feedback hidden states within
+  `atol` of the torch-built reference's. Jitted: one program per window length, where running
+  the layer op by op compiles ~170-180 programs."""
+  import jax.numpy as jnp
+  from flax import nnx
+  from jspec.models.moe_backends import experts_reference
+
+  @nnx.jit
+  def run(mtp, target, next_T, hidden_TD):
+    n = next_T.shape[1]
+    positions = jnp.arange(n, dtype=jnp.int32)[None]
+    layer = mtp.layers[0]
+    normed, feedback, _ = layer(target, next_T, hidden_TD, positions,
+                                mtp.init_caches(1, n, jnp.float32)[0], n, experts_reference)
+    return layer.logits(target, normed), feedback
+
+  for i in (1, 2):
+    hidden_TD = jnp.asarray(ref[f"hidden_{i}"][:-1])[None]
+    next_T = jnp.asarray(ref[f"seq_{i}"][1:], jnp.int32)[None]
+    logits, feedback = run(llm.mtp, llm.target, next_T, hidden_TD)
+    np.testing.assert_allclose(np.asarray(logits)[0], ref[f"mtp_logits_{i}"], atol=atol, rtol=0)
+    np.testing.assert_allclose(np.asarray(feedback)[0], ref[f"mtp_hidden_{i}"], atol=atol,
+                               rtol=0)
+
+
 def greedy(max_tokens: int, **kwargs) -> jspec.SamplingParams:
   return jspec.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
 

@@ -16,7 +16,8 @@ from safetensors.numpy import load_file, save_file
 
 import jspec
 from jspec.sharding.rules import ShardingRules
-from helpers import cached_llm, fixture_dir, greedy, reference, two_sample_chi2
+from helpers import (assert_mtp_layer_matches_reference, cached_llm, fixture_dir, greedy,
+                     reference, two_sample_chi2)
 from jspec.models import loading
 from jspec.models.moe_backends import experts_reference
 
@@ -69,24 +70,7 @@ def test_greedy_generate_matches_transformers():
 def test_mtp_head_matches_reference():
   """enorm(embed(t+1), zeroed at position 0) and hnorm(h) through eh_proj, a MoE decoder layer,
   shared_head.norm and the layer's own shared_head.head; the feedback is the pre-norm y."""
-  ref = reference(NAME)
-  llm = cached_llm(NAME)
-
-  @nnx.jit
-  def run(mtp, target, next_tokens, hidden):
-    n = next_tokens.shape[1]
-    positions = jnp.arange(n, dtype=jnp.int32)[None]
-    layer = mtp.layers[0]
-    normed, feedback, _ = layer(target, next_tokens, hidden, positions,
-                                mtp.init_caches(1, n, jnp.float32)[0], n, experts_reference)
-    return layer.logits(target, normed), feedback
-
-  for i in (1, 2):
-    seq = ref[f"seq_{i}"]
-    logits, feedback = run(llm.mtp, llm.target, jnp.asarray(seq[1:], jnp.int32)[None],
-                           jnp.asarray(ref[f"hidden_{i}"][:-1])[None])
-    np.testing.assert_allclose(np.asarray(logits)[0], ref[f"mtp_logits_{i}"], atol=TOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(feedback)[0], ref[f"mtp_hidden_{i}"], atol=TOL, rtol=0)
+  assert_mtp_layer_matches_reference(cached_llm(NAME), reference(NAME), TOL)
 
 
 def test_group_limit_and_correction_bias_change_the_fixtures_routing():

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import jspec
-from helpers import cached_llm, fixture_dir, greedy, reference, two_sample_chi2
+from helpers import (assert_mtp_layer_matches_reference, cached_llm, fixture_dir, greedy,
+                     reference, two_sample_chi2)
 from jspec.models import loading
 from jspec.models.hf_config import config_from_dir
 
@@ -83,28 +84,9 @@ def test_greedy_generate_matches_transformers(name):
 def test_mtp_head_matches_reference(name):
   """mtp.fc over [pre_fc_norm_embedding(embed(t+1)), pre_fc_norm_hidden(h)], one gated-
   attention layer (MoE where the model is), mtp.norm, the shared lm_head."""
-  import jax.numpy as jnp
-  from flax import nnx
-  from jspec.models.moe_backends import experts_reference
-  ref = reference(name)
   llm = cached_llm(name)
   assert llm.mtp_spec.layout == "qwen3_next" and len(llm.mtp.layers) == 1
-
-  @nnx.jit  # one program per window length, not ~180 op-by-op compiles
-  def run(mtp, target, next_tokens, hidden):
-    n = next_tokens.shape[1]
-    positions = jnp.arange(n, dtype=jnp.int32)[None]
-    layer = mtp.layers[0]
-    normed, feedback, _ = layer(target, next_tokens, hidden, positions,
-                                mtp.init_caches(1, n, jnp.float32)[0], n, experts_reference)
-    return layer.logits(target, normed), feedback
-
-  for i in (1, 2):
-    seq = ref[f"seq_{i}"]
-    logits, feedback = run(llm.mtp, llm.target, jnp.asarray(seq[1:], jnp.int32)[None],
-                           jnp.asarray(ref[f"hidden_{i}"][:-1])[None])
-    np.testing.assert_allclose(np.asarray(logits)[0], ref[f"mtp_logits_{i}"], atol=TOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(feedback)[0], ref[f"mtp_hidden_{i}"], atol=TOL, rtol=0)
+  assert_mtp_layer_matches_reference(llm, reference(name), TOL)
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_dense", "qwen3_5_moe"])

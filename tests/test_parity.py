@@ -3,13 +3,11 @@
 References come from scripts/make_fixtures.py; fp32 on CPU, max abs logit error <= 1e-4.
 """
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from helpers import FIXTURE_NAMES, cached_llm, greedy, reference
-from jspec.models.moe_backends import experts_reference
+from helpers import (FIXTURE_NAMES, assert_mtp_layer_matches_reference, cached_llm, greedy,
+                     reference)
 
 TOL = 1e-4
 
@@ -43,26 +41,7 @@ def test_greedy_generate_matches_transformers(name):
 @pytest.mark.parametrize("name", ["qwen3_dense", "qwen3_moe"])
 def test_mtp_head_matches_torch_reference(name):
   """The MTP layer on the target's post-norm hidden states, against the torch-built reference."""
-  ref = reference(name)
-  llm = cached_llm(name)
-
-  @nnx.jit  # one program per window length, not ~170 op-by-op compiles
-  def run(mtp, target, next_T, hidden_TD):
-    n = next_T.shape[1]
-    positions = jnp.arange(n, dtype=jnp.int32)[None]
-    layer = mtp.layers[0]
-    normed, feedback, _ = layer(target, next_T, hidden_TD, positions,
-                                mtp.init_caches(1, n, jnp.float32)[0], n, experts_reference)
-    return layer.logits(target, normed), feedback
-
-  for i in (1, 2):
-    seq = ref[f"seq_{i}"]
-    hidden_TD = jnp.asarray(ref[f"hidden_{i}"][:-1])[None]  # h_0 .. h_{n-1}
-    next_T = jnp.asarray(seq[1:], jnp.int32)[None]          # t_1 .. t_n
-    logits, feedback = run(llm.mtp, llm.target, next_T, hidden_TD)
-    logits = np.asarray(logits)[0]
-    np.testing.assert_allclose(logits, ref[f"mtp_logits_{i}"], atol=TOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(feedback)[0], ref[f"mtp_hidden_{i}"], atol=TOL, rtol=0)
+  assert_mtp_layer_matches_reference(cached_llm(name), reference(name), TOL)
 
 
 def test_compute_logits_in_prefill_chunks_equals_one_pass():
