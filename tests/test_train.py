@@ -1,5 +1,6 @@
 """Training: both objectives fall, the HF saver round-trips, and `train_mtp_head` learns."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -49,6 +50,16 @@ def test_split_is_by_document_and_seeded():
   assert [d.name for d in held] == [d.name for d in again_held]
   assert {d.name for d in train}.isdisjoint({d.name for d in held})
   assert sorted(d.source for d in held) == ["bible"] * 2 + ["python"] * 4
+
+
+def test_the_saver_refuses_other_architectures_before_writing(tmp_path):
+  """Another family's tensors would not map to Qwen3's names: refused up front, nothing written
+  (a DeepSeek-V3 model's per-head kv_b parts failed in a reshape before)."""
+  target, mtp = trainer.init_models(TINY, seed=1)
+  other = dataclasses.replace(TINY, architecture="DeepseekV3ForCausalLM")
+  with pytest.raises(ValueError, match="dense Qwen3 models .* DeepseekV3ForCausalLM"):
+    saver.save_pretrained(str(tmp_path / "out"), other, target, mtp, dtype="float32")
+  assert not (tmp_path / "out").exists()
 
 
 def test_saved_checkpoint_gives_identical_logits(tmp_path):

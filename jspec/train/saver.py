@@ -97,6 +97,9 @@ def save_pretrained(out_dir: str, cfg: ModelConfig, target, mtp=None, *, dtype: 
   """Writes config.json, generation_config.json, model.safetensors (+ tokenizer files)."""
   if dtype not in _NP_DTYPES:
     raise ValueError(f"dtype={dtype!r}; choose one of {sorted(_NP_DTYPES)}")
+  if cfg.architecture != "Qwen3ForCausalLM":  # before any tensor: another layout's would not map
+    raise ValueError(f"the saver writes dense Qwen3 models (Qwen3ForCausalLM) only; this one is "
+                     f"{cfg.architecture}")
   os.makedirs(out_dir, exist_ok=True)
   tensors = _hf_tensors(target, family_of(cfg).target_rules(cfg, set()))
   num_mtp = 0
