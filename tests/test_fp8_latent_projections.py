@@ -13,7 +13,7 @@ import jspec
 from jspec.config import MLAConfig, ModelConfig
 from jspec.models import mla, projections
 from jspec.models.mla import MLAttention, kv_a_width, mla_cache
-from jspec.pallas_kernels import fp8_gemm, platform
+from jspec.pallas_kernels import fp8_gemm
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK
 from jspec.sharding.rules import ShardingRules
 
@@ -68,10 +68,10 @@ def test_q_a_and_kv_a_go_through_one_kernel_call_and_equal_xla(monkeypatch, toke
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not platform.on_hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_on_the_gpu_at_deepseek_v3_shapes(monkeypatch, tokens):
-  """The compiled kernel where the test above interprets it."""
+  """The compiled kernel where the test above interprets it (Hopper: a GPU without wgmma fails
+  here rather than skipping)."""
   _check_fused_layer(monkeypatch, _deepseek_v3_shapes(), tokens)
 
 
