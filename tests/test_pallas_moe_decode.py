@@ -17,11 +17,9 @@ from conftest import large_gpu_memory_cases
 from moe_helpers import (ON_GPU, TOLERANCE, chunked_reference, expert_problem, gpu_only, poison,
                          rel_err)
 from jspec.models.moe_backends import experts_reference, get_experts_fn
-from jspec.pallas_kernels import (DecodeTiling, decode_gemm, decode_tilings, experts_decode,
-                                  experts_grouped, experts_pallas, plan_decode, platform,
+from jspec.pallas_kernels import (DecodeTiling, decode_tilings, experts_decode,
+                                  experts_grouped, experts_pallas, plan_decode,
                                   use_decode_path)
-from jspec.pallas_kernels import experts as experts_module
-from jspec.pallas_kernels.experts import gate_up_splits
 from jspec.pallas_kernels.decode_routing import max_slots, padded_tokens
 
 
@@ -125,68 +123,6 @@ def test_blocking_accumulation_matches_reference_over_many_items():
   args = expert_problem(3, 13, 8, 4, 128, 128, jnp.float32)
   tilings = (DecodeTiling(64, 64, 3, False), DecodeTiling(64, 64, 3, False))
   _check(args, jnp.float32, fn=lambda *a: experts_decode(*a, tilings=tilings))
-
-
-# The gate / up kernel in K slices: (num_tokens, num_experts, top_k, dim, ffn, splits,
-# async_mma, experts_used, invalid_fraction, distinct). Interpret mode runs one program, so
-# every item, slice and store is the one program's; the GPU cases below fill 132 SMs.
-SLICED_CASES = {
-    "one_token_top8_4_slices": (1, 16, 8, 512, 128, 4, False, None, 0.0, True),
-    "one_token_invalid_and_repeated_2_slices": (1, 8, 4, 256, 128, 2, False, [3, 5], 0.3,
-                                                False),
-    "two_tokens_async_8_slices": (2, 8, 2, 1024, 128, 8, True, None, 0.0, True),
-    "odd_tokens_3_slices": (13, 8, 2, 384, 128, 3, False, None, 0.2, True),
-}
-
-
-@pytest.mark.parametrize("case", sorted(SLICED_CASES))
-def test_gate_up_in_k_slices_matches_reference(case):
-  """Each slice's float32 partials summed by the activation kernel give the layer the
-  unsliced kernels give, against the jnp reference; unused slots stay unwritten (NaN in
-  interpret mode) and are zeroed by the activation kernel."""
-  tokens, experts, top_k, dim, ffn, splits, async_mma, used, invalid, distinct = (
-      SLICED_CASES[case])
-  args = expert_problem(sum(map(ord, case)), tokens, experts, top_k, dim, ffn, jnp.bfloat16,
-                        used, invalid, distinct)
-  tilings = (DecodeTiling(64, 128, 0, async_mma), DecodeTiling(128, 128))
-  _check(args, jnp.bfloat16,
-         fn=lambda *a: experts_decode(*a, tilings=tilings, splits=splits))
-
-
-def test_gate_up_partials_are_the_slices_products():
-  """gate_up_decode(splits=P): [2, P, S, F, N] float32, slice p of slot s equal to x's p-th
-  K slice times that slice of the slot's expert's gate and up weights (float64 NumPy)."""
-  x, ids, weights, w_gate, w_up, _ = expert_problem(11, 3, 8, 2, 512, 128, jnp.bfloat16)
-  plan = plan_decode(ids, weights, 8)
-  parts = jax.jit(lambda *a: decode_gemm.gate_up_decode(*a, 8, DecodeTiling(64, 128), 4))(
-      x, w_gate, w_up, plan.slot_expert_S, plan.num_slots_1)
-  used = int(plan.num_slots_1[0])
-  assert parts.shape == (2, 4, plan.slot_expert_S.shape[0], 128, 8)
-  assert parts.dtype == jnp.float32
-  x64 = np.zeros((8, 512))
-  x64[:3] = np.asarray(x, np.float64)
-  for j, w in enumerate((w_gate, w_up)):
-    w64 = np.asarray(w, np.float64)
-    for s, expert in enumerate(np.asarray(plan.slot_expert_S)[:used]):
-      for p in range(4):
-        k = slice(128 * p, 128 * (p + 1))
-        want_FN = (x64[:, k] @ w64[expert, k]).T
-        np.testing.assert_allclose(np.asarray(parts[j, p, s]), want_FN, rtol=1e-4, atol=1e-4)
-
-
-def test_gate_up_slices_fill_the_sms(monkeypatch):
-  """At Qwen3-30B-A3B's shapes on 132 SMs one token's 8 slots are 96 items: 4 slices make 384,
-  three rounds 97% full. Steps whose items already fill the rounds, another dtype, D off 128
-  rows, or the switch off take the unsliced kernel."""
-  monkeypatch.setattr(platform, "num_sms", lambda: 132)
-  tiling = DecodeTiling(64, 128)
-  assert gate_up_splits(8, 2048, 768, 8, tiling, jnp.bfloat16) == 4
-  assert gate_up_splits(16, 2048, 768, 8, tiling, jnp.bfloat16) == 2
-  assert gate_up_splits(32, 2048, 768, 8, tiling, jnp.bfloat16) == 1
-  assert gate_up_splits(8, 2048, 768, 8, tiling, jnp.float16) == 1
-  assert gate_up_splits(8, 2048, 768, 8, DecodeTiling(64, 64), jnp.bfloat16) == 1
-  monkeypatch.setattr(experts_module, "SLICED_GATE_UP", False)
-  assert gate_up_splits(8, 2048, 768, 8, tiling, jnp.bfloat16) == 1
 
 
 def test_pallas_backend_takes_the_decode_path_by_size():

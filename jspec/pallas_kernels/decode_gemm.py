@@ -203,74 +203,49 @@ def _kernel_call(body, out_shape, dtype, name, programs: int | None = None,
 
 
 def gate_up_decode(x_TD, w_gate_EDF, w_up_EDF, slot_expert_S, num_slots_1, tokens_pad: int,
-                   tiling: DecodeTiling, splits: int = 1) -> jax.Array:
-  """act_SNF[s] = silu(x @ w_gate[e_s]) * (x @ w_up[e_s]) for the used slots.
-
-  splits > 1: D cut into that many K slices, each (slot, column block, slice) a work item of
-  its own, and the two products' float32 partials returned instead, [2, P, S, F, N] in the
-  sums' own order (jspec.pallas_kernels.expert_act sums them and applies the activation).
-  Why: one token's 8 slots of 768-wide experts are 96 items of 64 columns, which leave 36 of
-  an H200's 132 SMs idle while the others stream."""
+                   tiling: DecodeTiling) -> jax.Array:
+  """act_SNF[s] = silu(x @ w_gate[e_s]) * (x @ w_up[e_s]) for the used slots."""
   _, dim = x_TD.shape
   _, _, ffn = w_gate_EDF.shape
   num_slots_max = slot_expert_S.shape[0]
   dtype = x_TD.dtype
   bc, bk, n = tiling.block_cols, tiling.block_k, tokens_pad
-  _check_divisible("D", dim, bk * splits)
+  _check_divisible("D", dim, bk)
   _check_divisible("F", ffn, bc)
   itemsize = jnp.dtype(dtype).itemsize
   stages = _num_stages(tiling, (n * bk + 2 * bk * bc) * itemsize)
   _check_aligned(((n, bk), dtype), ((bk, bc), dtype))
-  k_steps = dim // bk // splits
   num_tokens = x_TD.shape[0]
   if num_tokens > ROW_TILE and num_tokens % ROW_TILE:
     # The TMA reads x in tiles of 8 rows: a row count past 8 must be a multiple of 8 (below
     # 8, the rows past T arrive as zeros).
     x_TD = jnp.pad(x_TD, ((0, -num_tokens % ROW_TILE), (0, 0)))
 
-  def slot_and_slice(part):  # the pipeline's slot index: slot x splits + K slice
-    return lax.div(part, jnp.int32(splits)), lax.rem(part, jnp.int32(splits))
-
-  def body(slot_expert_ref, num_slots_ref, x_ref, w_gate_ref, w_up_ref, out_ref):
+  def body(slot_expert_ref, num_slots_ref, x_ref, w_gate_ref, w_up_ref, act_ref):
     def in_specs_for(item, delay_release):
       def w_index(i, k):
-        part, col = item(i)
-        slot, piece = slot_and_slice(part)
-        return slot_expert_ref[slot], piece * k_steps + k, col
+        slot, col = item(i)
+        return slot_expert_ref[slot], k, col
 
       w_spec = plgpu.BlockSpec((None, bk, bc), w_index, transforms=smem_transforms(bc, dtype),
                                delay_release=delay_release)
-      x_spec = plgpu.BlockSpec(
-          (n, bk), lambda i, k: (0, slot_and_slice(item(i)[0])[1] * k_steps + k),
-          transforms=smem_transforms(bk, dtype), delay_release=delay_release)
+      x_spec = plgpu.BlockSpec((n, bk), lambda i, k: (0, k),
+                               transforms=smem_transforms(bk, dtype),
+                               delay_release=delay_release)
       return [x_spec, w_spec, w_spec]
 
-    def epilogue(part, col, sums, smem_refs, o_smem):
-      if splits == 1:
-        gate, up = sums
-        _store_transposed(silu_mul(gate, up), o_smem, out_ref.at[part, :, pl.ds(col * bc, bc)])
-        return
-      slot, piece = slot_and_slice(part)
-      for j, total in enumerate(sums):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's previous store read it
-        o_smem[...] = total
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[j, piece, slot, pl.ds(col * bc, bc)])
+    def epilogue(slot, col, sums, smem_refs, o_smem):
+      gate, up = sums
+      _store_transposed(silu_mul(gate, up), o_smem, act_ref.at[slot, :, pl.ds(col * bc, bc)])
 
-    partial_tile = None if splits == 1 else plgpu.SMEM(
-        (bc, n), jnp.float32, transforms=smem_transforms(n, jnp.float32))
     _slot_pipeline(
-        num_slots=num_slots_ref[0] * splits, col_blocks=ffn // bc, k_steps=k_steps,
-        block_cols=bc, tokens_pad=n, dtype=dtype, in_specs_for=in_specs_for, num_sums=2,
-        stages=stages, epilogue=epilogue, operands_of=lambda x, g, u: [(g, x), (u, x)],
-        async_mma=tiling.async_mma, out_smem=partial_tile,
+        num_slots=num_slots_ref[0], col_blocks=ffn // bc, k_steps=dim // bk, block_cols=bc,
+        tokens_pad=n, dtype=dtype, in_specs_for=in_specs_for, num_sums=2, stages=stages,
+        epilogue=epilogue, operands_of=lambda x, g, u: [(g, x), (u, x)],
+        async_mma=tiling.async_mma,
     )(x_ref, w_gate_ref, w_up_ref)
 
-  if splits == 1:
-    out_shape, out_dtype = (num_slots_max, n, ffn), dtype
-  else:
-    out_shape, out_dtype = (2, splits, num_slots_max, ffn, n), jnp.float32
-  return _kernel_call(body, out_shape, out_dtype, "moe_decode_gate_up")(
+  return _kernel_call(body, (num_slots_max, n, ffn), dtype, "moe_decode_gate_up")(
       slot_expert_S, num_slots_1, x_TD, w_gate_EDF, w_up_EDF)
 
 

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from jspec.pallas_kernels.experts_ragged import experts_ragged_dot
-from jspec.pallas_kernels import (decode_gemm, decode_routing, expert_act, fp8_experts,
-                                  fp8_experts_grouped, fp8_gemm, grouped_gemm, permute,
-                                  platform, routing)
+from jspec.pallas_kernels import (decode_gemm, decode_routing, fp8_experts,
+                                  fp8_experts_grouped, grouped_gemm, permute, platform,
+                                  routing)
 from jspec.pallas_kernels.decode_gemm import DecodeTiling
 from jspec.pallas_kernels.grouped_gemm import Tiling
 
@@ -75,43 +75,19 @@ def decode_tilings(dim: int, ffn: int) -> tuple[DecodeTiling, DecodeTiling]:
   return DecodeTiling(64, _block(dim)), DecodeTiling(_block(dim), _block(ffn))
 
 
-# A bfloat16 step whose gate / up items leave SMs idle takes that kernel in K slices, their
-# partials summed by the activation kernel (decode_gemm.gate_up_decode says why). Benchmarks
-# switch it off to time the two.
-SLICED_GATE_UP = True
-
-
-def gate_up_splits(num_slots: int, dim: int, ffn: int, tokens_pad: int, tiling: DecodeTiling,
-                   dtype) -> int:
-  """K slices of the gate / up kernel for `num_slots` slots: fp8_gemm.choose_splits' count for
-  its (slot, column block) items, where the partials' reader takes the shapes (bfloat16, D in
-  whole 128-row steps); else 1."""
-  if not (SLICED_GATE_UP and dtype == jnp.bfloat16 and expert_act.fits(ffn, tokens_pad)
-          and tiling.block_k == fp8_gemm.BLOCK and dim % fp8_gemm.BLOCK == 0):
-    return 1
-  # choose_splits counts 128-column blocks: the kernel's items are block_cols wide.
-  columns = num_slots * ffn // tiling.block_cols * fp8_gemm.BLOCK
-  return fp8_gemm.choose_splits(dim, columns, platform.num_sms())
-
-
 def experts_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
                    tilings: tuple[DecodeTiling, DecodeTiling] | None = None,
-                   plan: decode_routing.DecodePlan | None = None, splits: int | None = None):
+                   plan: decode_routing.DecodePlan | None = None):
   """The decode path: every selected expert's weights read once, all tokens multiplied.
   `plan`: plan_decode's of these ids and weights, made beforehand (by the router's kernel at
-  batch-1 decode); None: made here. `splits`: the gate / up kernel's K slices (None:
-  gate_up_splits'; past 1 the activation comes from expert_act, bfloat16 only)."""
+  batch-1 decode); None: made here."""
   num_tokens, _ = topk_ids_TK.shape
   num_experts, dim, ffn = w_gate_EDF.shape
   gate_up_tiling, down_tiling = tilings or decode_tilings(dim, ffn)
   plan = decode_routing.plan_unless_given(plan, topk_ids_TK, topk_weights_TK, num_experts)
   tokens_pad = decode_routing.padded_tokens(num_tokens)
-  if splits is None:
-    splits = gate_up_splits(plan.slot_expert_S.shape[0], dim, ffn, tokens_pad, gate_up_tiling,
-                            x_TD.dtype)
-  gate_up = decode_gemm.gate_up_decode(x_TD, w_gate_EDF, w_up_EDF, plan.slot_expert_S,
-                                       plan.num_slots_1, tokens_pad, gate_up_tiling, splits)
-  act_SNF = gate_up if splits == 1 else expert_act.gate_up_act(gate_up, plan.num_slots_1)
+  act_SNF = decode_gemm.gate_up_decode(x_TD, w_gate_EDF, w_up_EDF, plan.slot_expert_S,
+                                       plan.num_slots_1, tokens_pad, gate_up_tiling)
   out_SND = decode_gemm.down_decode(act_SNF, w_down_EFD, plan.weight_SR, plan.slot_expert_S,
                                     plan.num_slots_1, down_tiling)
   return decode_routing.combine_slots(out_SND, plan, x_TD.dtype)
