@@ -404,7 +404,8 @@ def test_greedy_tokens_through_the_kernels_on_a_mesh_equal_one_device(tp):
 def test_fused_product_as_k_slices_partials_gives_xla_tokens(monkeypatch, mesh):
   """With K slices on (as on a GPU; the fixture's 64-wide hidden size cut into 4 slices of
   16), a decode or verify step's fused q / k / v product is 4 slices' float32 partials that
-  the q / k kernel sums; a step of one row, or of more rows a shard, keeps one product.
+  the q / k kernel sums (one row too on one device); more rows a shard, or one row a tp
+  shard, keep one product.
   Vanilla and MTP tokens equal XLA's path's (float32: only the order of the sums differs), on
   one device and at dp = 2 x tp = 2 (one KV head's product a shard)."""
   monkeypatch.setattr(row_kernels, "qkv_k_slices", lambda: 4)
@@ -418,9 +419,15 @@ def test_fused_product_as_k_slices_partials_gives_xla_tokens(monkeypatch, mesh):
   assert "qkv_partials_norm_rope" in trace(x)
   many = jnp.ones((4, row_kernels.QKV_SLICE_ROWS, x.shape[-1]), jnp.float32)
   assert "qkv_partials_norm_rope" not in trace(many) and "qkv_norm_rope" in trace(many)
-  # a step of one row a shard keeps its product
+  # One row a shard: slices on one device, whose heads are whole; at tp = 2 (KV heads split)
+  # the one-row product stays.
   one = jnp.ones((1 if mesh is None else 2, 1, x.shape[-1]), jnp.float32)
-  assert "qkv_partials_norm_rope" not in trace(one) and "qkv_norm_rope" in trace(one)
+  if mesh is None:
+    assert "qkv_partials_norm_rope" in trace(one)
+    assert greedy_token_ids(llm, PROMPTS[:1], 6) == greedy_token_ids(
+        _llm("qwen3_dense", "xla"), PROMPTS[:1], 6)
+  else:
+    assert "qkv_partials_norm_rope" not in trace(one) and "qkv_norm_rope" in trace(one)
   assert greedy_token_ids(llm, PROMPTS, 6) == want
   spec = _llm("qwen3_dense", "pallas", mesh=mesh,
               speculative_config={"method": "mtp", "num_speculative_tokens": 2})

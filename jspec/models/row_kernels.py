@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jspec.sharding.rules import ShardingRules, mesh_axes
+from jspec.sharding.rules import ShardingRules, axis_size, mesh_axes
 
 NORM_BACKENDS = ("auto", "xla", "pallas")
 # The most rows (tokens of a step) that go to the kernels: decode, verify and draft steps.
@@ -40,6 +40,12 @@ MAX_ROWS = 256
 # kernel's) and 32 rows 1.5% slower (Qwen3-30B-A3B, batch 32), so both keep one product.
 QKV_K_SLICES = 4
 QKV_SLICE_MIN_ROWS = 2
+# One row a shard takes the slices too where the mesh splits no KV heads (one GPU, dp): its
+# one-row product is then XLA's GEMM of one row padded to a tile, and the slices' batched
+# product of the row twice was faster in a Qwen3-30B-A3B step (BENCHMARKS.md, "One row's
+# q / k / v product as K slices on one GPU ..."). A tp shard's one-row product is the one-row
+# kernel's, with which slices were 0.5% slower.
+QKV_SLICE_ONE_ROW_WHOLE_HEADS = True
 QKV_SLICE_ROWS = 16
 QKV_SLICE_K = 64  # each slice whole 64-row tiles of the weight
 
@@ -120,9 +126,10 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
   (jspec.pallas_kernels.row_norms), KV heads split over the mesh as the product leaves them.
   The kernel reads `product(x)` ([B, T, K, G + 2, H]), or with `k_slices` and
   QKV_SLICE_MIN_ROWS to QKV_SLICE_ROWS rows a shard, x and the weight's product as that many
-  K slices' float32 partials, which it sums as it reads them (a one-row step keeps its
-  one-row product). With `caches` (keys, values [B, K, S, H], laid out as the KV cache): k
-  and v written into them at the positions instead, (q, keys, values)."""
+  K slices' float32 partials, which it sums as it reads them (one row a shard too where the
+  mesh splits no KV heads: QKV_SLICE_ONE_ROW_WHOLE_HEADS). With `caches` (keys, values
+  [B, K, S, H], laid out as the KV cache): k and v written into them at the positions
+  instead, (q, keys, values)."""
   from jspec.pallas_kernels.row_norms import qkv_norm_rope, qkv_partials_norm_rope
   from jspec.sharding.tensor_parallel import k_slice_partials
   qkv = rules.spec(("batch", "seq", "kv_heads", None, None))
@@ -158,6 +165,8 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
         interpret=interpret, caches=caches), b, t, caches)
 
   whole = PartitionSpec()
+  min_rows = (1 if QKV_SLICE_ONE_ROW_WHOLE_HEADS and axis_size(mesh, rules.kv_heads) == 1
+              else QKV_SLICE_MIN_ROWS)
 
   @functools.cache
   def sharded(sliced: bool, cached: bool):
@@ -171,7 +180,7 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
   def call(x_BTD, w_DKCH, product, positions_BT, q_scale, k_scale, caches=None):
     b, t = NamedSharding(mesh, x).shard_shape(x_BTD.shape)[:2]
     extra = () if caches is None else (tuple(caches),)
-    if (k_slices > 1 and QKV_SLICE_MIN_ROWS <= b * t <= QKV_SLICE_ROWS
+    if (k_slices > 1 and min_rows <= b * t <= QKV_SLICE_ROWS
         and x_BTD.shape[-1] % (k_slices * QKV_SLICE_K) == 0):
       return sharded(True, caches is not None)(x_BTD, w_DKCH, positions_BT, q_scale, k_scale,
                                                *extra)
