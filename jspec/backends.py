@@ -26,7 +26,7 @@ from jspec.models.moe import MoE
 from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
                                       weights_replicated)
-from jspec.models import row_kernels, slice_sum
+from jspec.models import row_kernels
 from jspec.models.row_kernels import (resolve_norm_backend, sharded_fp8_qkv_norm_rope,
                                       sharded_kv_write, sharded_norm_router, sharded_router,
                                       sharded_qk_norm_rope, sharded_qkv_norm_rope,
@@ -300,17 +300,4 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
                     and axis_size(mesh, rules.head_dim) == 1 else 0)
           node.qkv_kernel = sharded_qkv_norm_rope(mesh, rules, eps, node.rope_theta, interpret,
                                                   k_slices=slices)
-    if weights_replicated(mesh, rules):
-      _leave_o_sums_to_norm_router(module)
   return backend
-
-
-def _leave_o_sums_to_norm_router(module):
-  """Sets `o_slices` of each unquantized attention before a MoE layer whose norm and router
-  run as one kernel (it sums them: jspec.models.slice_sum); layers whose weights the mesh
-  replicates."""
-  for _, node in nnx.iter_graph(module):
-    attn, moe = getattr(node, "attn", None), getattr(node, "mlp", None)
-    if (isinstance(attn, Attention) and isinstance(moe, MoE)
-        and moe.norm_router_kernel is not None and attn.o_proj_scale is None):
-      attn.o_slices = slice_sum.o_slices()

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jspec.models import quantization, slice_sum
+from jspec.models import quantization
 from jspec.models import rope as rope_lib
 from jspec.models.rope import rope
 from jspec.models.caches import KVCache, write_slots
@@ -31,7 +31,15 @@ from jspec.pallas_kernels import short_attention as short_kernel
 # Whether a batch-1 tp step's row goes to o_proj's K-slice partials written twice by the
 # attention kernel (Attention._doubles_row); off: concatenated with itself (benchmarks time both).
 DOUBLED_ROW = True
-FUSED_KV_WRITE = True  # the q / k / v kernel writes the step's keys and values (_writes_kv)
+# Whether the q / k / v kernel writes a step's keys and values into the cache itself, one kernel
+# fewer a layer (Attention._writes_kv).
+FUSED_KV_WRITE = True
+
+
+def write_cache(cache_BKSH, new_BTKH, positions_BT):
+  """Scatters the new keys (or values) into each sequence's slots at their absolute positions,
+  all < S (the loop stops a sequence before its verify window could pass the cache bucket)."""
+  return write_slots(cache_BKSH, new_BTKH, positions_BT, slot_axis=2)
 
 
 class Attention(nnx.Module):
@@ -96,9 +104,6 @@ class Attention(nnx.Module):
     # slots (jspec.models.decode_attention.sharded_short_attention), set by the LLM: (q, the
     # written cache k, v, first position [B]) -> [B,T,N,H]. None: as above.
     self.short_attention = None
-    # K slices of a batch-1 o_proj on one GPU, summed by the MoE norm kernel after it, set by
-    # the LLM where that kernel reads them (jspec.models.slice_sum). 0: one product.
-    self.o_slices = 0
     # Optional fused attention for steps of more than MAX_ROWS_PER_KV_HEAD query rows per KV
     # head, the prefill chunks (jspec.models.prefill_attention), set by the LLM: (q [B,T,N,H],
     # cache k, v [B,K,S,H] of the first kv_window slots, positions [B,T]) -> [B,T,N,H], or None.
@@ -184,17 +189,15 @@ class Attention(nnx.Module):
     q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project_rotated(x_BTD, positions_BT, cache)
     if isinstance(k_BTKH, KVCache):  # k and v went into the cache with q (_writes_kv)
       cache, k_BTKH, v_BTKH = k_BTKH, None, None
-    tokens, doubled = q_BTNH.shape[1], self._doubles_row(q_BTNH)
+    tokens = q_BTNH.shape[1]
     out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window,
-                                   copies=2 if doubled else 1)
+                                   copies=2 if self._doubles_row(q_BTNH) else 1)
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
     if self.tp_products is not None and self.o_proj_scale is None:
       # The all-reduce may be left to the norm after the residual add (PartialSum).
       out_BTD = self.tp_products.row(out_BTNH, self.o_proj[...], in_axes=2, defer=True,
                                      tokens=tokens)
-    elif doubled:  # one GPU: the K-slice sum left to the MoE norm kernel (a SliceSum)
-      out_BTD = slice_sum.row_twice_product(out_BTNH, self.o_proj[...], 2, self.o_slices)
     else:
       out_BTD = self._dense(out_BTNH, "o_proj", "btnh,nhd->btd", in_axes=2)
     if self.has_o_bias:
@@ -202,18 +205,15 @@ class Attention(nnx.Module):
     return out_BTD, cache
 
   def _doubles_row(self, q_BTNH) -> bool:
-    """Whether a batch-1 step's one row goes to o_proj's K-slice partials (a tp product's, or
-    one GPU's where `o_slices` is set) as the two equal rows they take, written twice by the
-    short-context attention kernel instead of concatenated after it: one kernel fewer a layer
-    (BENCHMARKS.md, "A batch-1 tp step's row written twice …")."""
+    """Whether a batch-1 step's one row goes to o_proj's tp product as the two equal rows its
+    K-slice partials take, written twice by the short-context attention kernel instead of
+    concatenated after it: one kernel fewer a layer (BENCHMARKS.md, "A batch-1 tp step's row
+    written twice …"; on one GPU the same was measured no faster)."""
     b, t = q_BTNH.shape[:2]
-    if not (b * t == 1 and self.short_attention is not None and self.o_proj_scale is None
-            and not self.has_o_bias):
-      return False
-    k = self.o_proj.shape[0] * self.o_proj.shape[1]
-    if self.tp_products is None:
-      return slice_sum.takes(k, self.o_slices)
-    return DOUBLED_ROW and self.tp_products.takes_doubled_row(k)
+    return (DOUBLED_ROW and b * t == 1 and self.short_attention is not None
+            and self.tp_products is not None and self.o_proj_scale is None
+            and not self.has_o_bias
+            and self.tp_products.takes_doubled_row(self.o_proj.shape[0] * self.o_proj.shape[1]))
 
   def _writes_kv(self, x_BTD) -> bool:
     """Whether the q / k / v kernel writes the step's keys and values into the cache: where the
@@ -308,15 +308,14 @@ class Attention(nnx.Module):
     return self._xla_attention(q_BTNH, cache_k, cache_v, visible_BTS, kv_window), cache
 
   def _write_kv(self, cache: KVCache, k_BTKH, v_BTKH, slots_BT) -> KVCache:
-    """The cache with the step's keys and values at `slots_BT` [B, T], each sequence's
-    absolute positions, all < S (the loop stops a sequence before its verify window could pass
-    the cache bucket); None: written with q (_writes_kv)."""
+    """The cache with the step's keys and values at `slots_BT` [B, T] (None: written with q,
+    _writes_kv)."""
     if k_BTKH is None:
       return cache
     if self.kv_write is not None and takes_rows(k_BTKH, ndim=4):
       return KVCache(*self.kv_write(cache.keys, cache.values, k_BTKH, v_BTKH, slots_BT))
-    return KVCache(*(write_slots(c, new, slots_BT, slot_axis=2)
-                     for c, new in ((cache.keys, k_BTKH), (cache.values, v_BTKH))))
+    return KVCache(write_cache(cache.keys, k_BTKH, slots_BT),
+                   write_cache(cache.values, v_BTKH, slots_BT))
 
   def _xla_attention(self, q_BTNH, cache_k, cache_v, visible_BTS, kv_window: int):
     """Attention over the first `kv_window` slots where `visible_BTS` [B, T, S] allows."""

@@ -34,8 +34,7 @@ from jspec.models.mlp import MLP
 from jspec.models.params import param
 from jspec.pallas_kernels import fp8_experts, router_topk
 from jspec.pallas_kernels.experts import takes_decode_plan
-from jspec.models.slice_sum import SliceSum
-from jspec.sharding.tensor_parallel import DeferredSum
+from jspec.sharding.tensor_parallel import PartialSum
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 # Whether the router's top-k kernel writes the batch-1 decode plan (MoE._route_with_plan);
@@ -206,17 +205,14 @@ class MoE(nnx.Module):
   def norm_and_route(self, norm, x_BTD, delta_BTD, experts_fn: Callable):
     """(h, norm(h), routing) for h = x + delta before this layer, `norm` its RMSNorm: the norm
     and the router product in one kernel where the norm and the routing run as kernels
-    (norm_router_kernel) and delta is summed already, or is K slices' partials (a SliceSum,
-    which the kernel sums); None elsewhere. `routing` goes to __call__ with norm(h)."""
+    (norm_router_kernel) and delta is summed already; None elsewhere. `routing` goes to
+    __call__ with norm(h)."""
     b, t, _ = x_BTD.shape
-    sliced = isinstance(delta_BTD, SliceSum)
-    if (self.norm_router_kernel is None or not NORM_ROUTER
-        or (isinstance(delta_BTD, DeferredSum) and not sliced)
+    if (self.norm_router_kernel is None or not NORM_ROUTER or isinstance(delta_BTD, PartialSum)
         or delta_BTD.dtype != x_BTD.dtype or not norm.on_kernel(x_BTD)
         or b * t > router_topk.MAX_TOKENS):
       return None
-    delta = delta_BTD.partials_SBTD if sliced else delta_BTD
-    return self.norm_router_kernel(x_BTD, delta, norm.scale[...], self.router[...],
+    return self.norm_router_kernel(x_BTD, delta_BTD, norm.scale[...], self.router[...],
                                    eps=norm.eps, zero_centered=norm.zero_centered,
                                    plan=self._plans(b * t, experts_fn))
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jspec.models.params import ones_param, zeros_param
 from jspec.models.row_kernels import takes_rows
-from jspec.sharding.tensor_parallel import DeferredSum
+from jspec.sharding.tensor_parallel import PartialSum
 
 
 def _normalized_f32(x, eps):
@@ -51,9 +51,8 @@ class RMSNorm(nnx.Module):
 
   def add_and_norm(self, x, delta):
     """(h, norm(h)) for h = x + delta: the residual stream and its normalised form. A `delta`
-    still to be summed (a DeferredSum: over tp, or over K slices) is summed in the same kernel
-    where one takes it."""
-    if isinstance(delta, DeferredSum):
+    still to be summed over tp (a PartialSum) is summed in the same kernel where it fits."""
+    if isinstance(delta, PartialSum):
       fused = (delta.add_and_norm(x, self.scale[...], self.eps, self.zero_centered)
                if self.on_kernel(x) else None)
       if fused is not None:

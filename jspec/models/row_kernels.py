@@ -279,8 +279,7 @@ def sharded_norm_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool
   (h, norm(h), routing): the residual add and RMSNorm before a MoE layer and its softmax
   routing, the norm and the router product in one kernel
   (jspec.pallas_kernels.norm_router), on each shard's own rows; routing as sharded_router's
-  (ids and weights [B x T, K], and with `plan` the one token's decode plan). delta may be a
-  one-row product's K-slice partials [S, 1, 2, D] (jspec.models.slice_sum), summed there."""
+  (ids and weights [B x T, K], and with `plan` the one token's decode plan)."""
   from jspec.pallas_kernels.norm_router import add_norm_route_softmax
   rows = rules.spec(("batch", "seq", None))
   tokens = rules.spec(("batch", None))
@@ -290,15 +289,12 @@ def sharded_norm_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool
            plan: bool = False):
     def per_shard(x, delta, scale, router):
       b, t, d = x.shape
-      delta = (delta.reshape(delta.shape[0], -1, d) if delta.ndim == 4
-               else delta.reshape(b * t, d))
       h, normed, routing = add_norm_route_softmax(
-          x.reshape(b * t, d), delta, scale, router, eps=eps,
+          x.reshape(b * t, d), delta.reshape(b * t, d), scale, router, eps=eps,
           zero_centered=zero_centered, top_k=top_k, norm=norm, plan=plan, interpret=interpret)
       return h.reshape(b, t, d), normed.reshape(b, t, d), routing
     routing_spec = (tokens, tokens, whole) if plan else (tokens, tokens)
-    delta_spec = PartitionSpec(None, *rows) if delta_BTD.ndim == 4 else rows
-    return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows, delta_spec, whole, whole),
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows, rows, whole, whole),
                          out_specs=(rows, rows, routing_spec), check_vma=False)(
         x_BTD, delta_BTD, scale_D, router_DE)
   return call

@@ -43,11 +43,7 @@ def _kernel(x_ref, delta_ref, scale_ref, router_ref, h_ref, out_ref, parts_ref, 
 
   def added(cols):  # x + delta rounded to the stream's dtype, as rms_norm's add
     x = x_ref[m, cols]
-    if len(delta_ref.shape) == 3:  # K slices' float32 partials, rounded as their product
-      delta = jnp.sum(delta_ref[:, m, cols], axis=0).astype(x.dtype)
-    else:
-      delta = delta_ref[m, cols]
-    return (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
+    return (x.astype(jnp.float32) + delta_ref[m, cols].astype(jnp.float32)).astype(x.dtype)
 
   squares = jnp.float32(0.0)
   for c in range(width // chunk):  # the whole row, in rms_norm's pieces and order
@@ -83,22 +79,10 @@ def add_norm_router_partials(x_MD: jax.Array, delta_MD: jax.Array, scale_D: jax.
                              router_DE: jax.Array, *, eps: float, zero_centered: bool = False,
                              slices: int | None = None, interpret: bool | None = None):
   """(h, norm(h), float32 partial router logits [M, S, E]) for h = x + delta (see the module
-  docstring); S = router_topk.num_slices(D) unless given. `interpret` None: off GPU.
-
-  delta may also be a row product's K-slice float32 partials [P, M' >= M, D] (P a power of
-  two; a one-row product's row and its copy: jspec.models.slice_sum), summed here and rounded
-  to x's dtype as the product's output would be."""
+  docstring); S = router_topk.num_slices(D) unless given. `interpret` None: off GPU."""
   rows, width = x_MD.shape
   experts = router_DE.shape[1]
-  sliced = delta_MD.ndim == 3
-  parts = delta_MD.shape[0]
-  if sliced and (delta_MD.dtype != jnp.float32 or delta_MD.shape[1] < rows
-                 or delta_MD.shape[2] != width or parts & (parts - 1)):
-    raise ValueError(f"add_norm_router_partials takes K-slice partials [P, M' >= {rows}, "
-                     f"{width}] float32, P a power of two; got {delta_MD.shape} "
-                     f"{delta_MD.dtype}")
-  if ((not sliced and (delta_MD.shape != x_MD.shape or delta_MD.dtype != x_MD.dtype))
-      or scale_D.shape != (width,)
+  if (delta_MD.shape != x_MD.shape or delta_MD.dtype != x_MD.dtype or scale_D.shape != (width,)
       or router_DE.shape[0] != width or not fits(rows, width, experts, 1)):
     raise ValueError(f"add_norm_router_partials takes x and delta [M <= "
                      f"{router_topk.MAX_TOKENS}, D] of one dtype, scale [D] and a router [D, E] "

@@ -232,31 +232,10 @@ class TensorParallelProducts:
         partials_ABTD, residual_BTD, scale_D, self._workspace.rows)
 
 
-class DeferredSum:
-  """A product's output whose last sum is left to what reads it: `reduced()` is the output;
-  `+` sums first; a norm after a residual add may take it whole (`add_and_norm`: one kernel
-  with the sum, or None where none takes it)."""
-
-  shape: tuple
-  dtype: jnp.dtype
-
-  def reduced(self):
-    raise NotImplementedError
-
-  def add_and_norm(self, residual_BTD, scale_D, eps: float, zero_centered: bool):
-    del residual_BTD, scale_D, eps, zero_centered
-    return None
-
-  def __add__(self, other):
-    return self.reduced() + other
-
-  def __radd__(self, other):
-    return other + self.reduced()
-
-
-class PartialSum(DeferredSum):
+class PartialSum:
   """A row product's output before its all-reduce: each shard's partial sums, [A, B, T, D]
-  split over the products' axis (DeferredSum)."""
+  split over the products' axis. `reduced()` is the output; `+` sums first; a norm after a
+  residual add takes it whole (`add_and_norm`, one kernel with the sum)."""
 
   def __init__(self, partials_ABTD, products: TensorParallelProducts, dtype, tokens=None):
     """dtype: the product's; tokens: the window's T where the partials are the K slices'
@@ -273,6 +252,12 @@ class PartialSum(DeferredSum):
     """(residual + the sum, its RMSNorm) in one kernel, or None where it does not fit."""
     return self.products.add_and_norm(self.partials_ABTD, residual_BTD, scale_D, eps,
                                       zero_centered, sliced=self.tokens is not None)
+
+  def __add__(self, other):
+    return self.reduced() + other
+
+  def __radd__(self, other):
+    return other + self.reduced()
 
 
 def _k_slice_partials(x_BTK, w_KN, slices: int):
