@@ -41,10 +41,10 @@ MAX_ROWS = 256
 QKV_K_SLICES = 4
 QKV_SLICE_MIN_ROWS = 2
 # One row a shard takes the slices too where the mesh splits no KV heads (one GPU, dp): its
-# one-row product is then XLA's GEMM of one row padded to a tile, and the slices' batched
-# product of the row twice was faster in a Qwen3-30B-A3B step (BENCHMARKS.md, "One row's
-# q / k / v product as K slices on one GPU ..."). A tp shard's one-row product is the one-row
-# kernel's, with which slices were 0.5% slower.
+# one-row product is then cuBLAS's GEMM of the row padded to an 8-row tile, and the slices'
+# batched product of the row twice made a Qwen3-30B-A3B step 2.6-3.5% faster on an H200,
+# Qwen3-8B's equal (BENCHMARKS.md, "One row's q / k / v product as K slices on one GPU ...").
+# A tp shard's one-row product is the one-row kernel's, with which slices were 0.5% slower.
 QKV_SLICE_ONE_ROW_WHOLE_HEADS = True
 QKV_SLICE_ROWS = 16
 QKV_SLICE_K = 64  # each slice whole 64-row tiles of the weight
