@@ -37,14 +37,15 @@ MAX_ROWS = 256
 # slices in a kernel of its own, a launch and a gap a layer. Measured on H200s (BENCHMARKS.md,
 # 2026-11-30): Qwen3-8B at 8 rows 1.0-2.4% faster at tp = 2 and 0.5-1.0% on one GPU, at 4 rows
 # (MTP k = 3, batch 1) equal; one row 0.5% slower at tp = 2 (its product is the one-row
-# kernel's) and 32 rows 1.5% slower (Qwen3-30B-A3B, batch 32), so both keep one product.
+# kernel's) and 32 rows 1.5% slower (Qwen3-30B-A3B, batch 32), so both keep one product
+# there (one row on one GPU: below).
 QKV_K_SLICES = 4
 QKV_SLICE_MIN_ROWS = 2
 # One row a shard takes the slices too where the mesh splits no KV heads (one GPU, dp): its
-# one-row product is then cuBLAS's GEMM of the row padded to an 8-row tile, and the slices'
-# batched product of the row twice made a Qwen3-30B-A3B step 2.6-3.5% faster on an H200,
-# Qwen3-8B's equal (BENCHMARKS.md, "One row's q / k / v product as K slices on one GPU ...").
-# A tp shard's one-row product is the one-row kernel's, with which slices were 0.5% slower.
+# one-row product is then XLA's (at Qwen3-30B-A3B's shapes cuBLAS's GEMM of the row padded to
+# an 8-row tile), and the slices' batched product of the row twice made that model's step
+# 2.6-3.5% faster on an H200, Qwen3-8B's equal (BENCHMARKS.md, "One row's q / k / v product
+# as K slices on one GPU ..."). tp shards keep the 2-row minimum above.
 QKV_SLICE_ONE_ROW_WHOLE_HEADS = True
 QKV_SLICE_ROWS = 16
 QKV_SLICE_K = 64  # each slice whole 64-row tiles of the weight
