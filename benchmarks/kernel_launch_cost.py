@@ -1,6 +1,7 @@
 """What one small kernel costs inside a jitted loop of steps, by the kind that emits it: an XLA
 fusion, a Pallas Triton kernel, a Pallas Mosaic GPU kernel (one program; and 132 programs
-holding 192 KB of shared memory each, as jspec's persistent kernels do).
+holding 192 KB of shared memory each, as jspec's persistent kernels do; and one program with
+no TMA and no barrier, which tells the kernel's own setup from its launch).
 
 Each chain is `--per-step` kernels of an [8, 128] float32 update (x * 1.0001 + 1e-6), in a
 fori_loop of `--steps` steps, so that XLA runs it as the decode loops run: the loop body as a
@@ -67,9 +68,19 @@ def mosaic_kernel(x, programs: int = 1, smem_kb: int = 0):
                       kernel_name="tiny_mosaic")(x)
 
 
+def mosaic_direct_kernel(x):
+  """The same update with no TMA and no barrier: registers loaded from global memory."""
+  def body(x_gmem, o_gmem):
+    o_gmem[...] = _update(x_gmem[...])
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(1,),
+                      grid_names=("sm",), interpret=platform.interpret_params(),
+                      kernel_name="tiny_mosaic_direct")(x)
+
+
 KINDS = {
     "xla fusion": xla_fusion,
     "pallas triton": triton_kernel,
+    "mosaic gpu, direct loads": mosaic_direct_kernel,
     "mosaic gpu, 1 program": mosaic_kernel,
     "mosaic gpu, 132 x 192 KB": lambda x: mosaic_kernel(x, 132, 192),
 }
