@@ -410,7 +410,8 @@ def test_fused_product_as_k_slices_partials_gives_xla_tokens(monkeypatch, mesh):
   one device and at dp = 2 x tp = 2 (one KV head's product a shard)."""
   monkeypatch.setattr(row_kernels, "qkv_k_slices", lambda: 4)
   monkeypatch.setattr(row_kernels, "QKV_SLICE_K", 16)
-  want = greedy_token_ids(_llm("qwen3_dense", "xla"), PROMPTS, 6)
+  xla = _llm("qwen3_dense", "xla")
+  want = greedy_token_ids(xla, PROMPTS, 6)
   llm = _llm("qwen3_dense", "pallas", mesh=mesh)
   attn = llm.target.layers[0].attn
   x = jnp.ones((2, 3, llm.config.hidden_size), jnp.float32)
@@ -424,14 +425,28 @@ def test_fused_product_as_k_slices_partials_gives_xla_tokens(monkeypatch, mesh):
   one = jnp.ones((1 if mesh is None else 2, 1, x.shape[-1]), jnp.float32)
   if mesh is None:
     assert "qkv_partials_norm_rope" in trace(one)
-    assert greedy_token_ids(llm, PROMPTS[:1], 6) == greedy_token_ids(
-        _llm("qwen3_dense", "xla"), PROMPTS[:1], 6)
+    assert greedy_token_ids(llm, PROMPTS[:1], 6) == greedy_token_ids(xla, PROMPTS[:1], 6)
   else:
     assert "qkv_partials_norm_rope" not in trace(one) and "qkv_norm_rope" in trace(one)
   assert greedy_token_ids(llm, PROMPTS, 6) == want
   spec = _llm("qwen3_dense", "pallas", mesh=mesh,
               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
   assert greedy_token_ids(spec, PROMPTS, 6) == want
+
+
+def test_one_row_a_shard_takes_the_k_slices_where_the_mesh_splits_no_kv_heads(monkeypatch):
+  """dp = 2 (KV heads whole on every shard): a one-row-a-shard step's fused q / k / v product
+  is K slices' partials, as on one device (QKV_SLICE_ONE_ROW_WHOLE_HEADS); switched off, it
+  keeps its product."""
+  monkeypatch.setattr(row_kernels, "qkv_k_slices", lambda: 4)
+  monkeypatch.setattr(row_kernels, "QKV_SLICE_K", 16)
+  for whole_heads, kernel in [(True, "qkv_partials_norm_rope"), (False, "qkv_norm_rope")]:
+    monkeypatch.setattr(row_kernels, "QKV_SLICE_ONE_ROW_WHOLE_HEADS", whole_heads)
+    llm = _llm("qwen3_dense", "pallas", mesh=jspec.MeshConfig(dp=2))
+    attn = llm.target.layers[0].attn
+    one = jnp.ones((2, 1, llm.config.hidden_size), jnp.float32)
+    traced = str(jax.make_jaxpr(attn._project_rotated)(one, jnp.zeros((2, 1), jnp.int32)))
+    assert kernel in traced and (whole_heads or "qkv_partials_norm_rope" not in traced)
 
 
 def test_router_kernels_on_a_mesh_route_each_shards_tokens():
