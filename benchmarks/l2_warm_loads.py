@@ -29,11 +29,15 @@ PROGRAMS = 132
 BLOCK_ROWS = 8
 
 
+def blocks_read(rows: int, fraction: float) -> int:
+  """BLOCK_ROWS-row blocks each program reads of its share of `rows` (none below fraction 0)."""
+  return int(rows // PROGRAMS * max(fraction, 0)) // BLOCK_ROWS
+
+
 def read_ahead(words_RC, fraction: float):
   """A light kernel whose programs each read `fraction` of their share of words_RC's rows."""
-  rows, _ = words_RC.shape
-  share = rows // PROGRAMS
-  blocks = int(share * fraction) // BLOCK_ROWS
+  share = words_RC.shape[0] // PROGRAMS
+  blocks = blocks_read(words_RC.shape[0], fraction)
 
   def body(w_ref, o_ref):
     p = pl.program_id(0)
@@ -97,8 +101,8 @@ def main():
         part = ("read" if "read_ahead" in name else
                 "product" if "gemm" in name or "dot" in name else "rest")
         by_kind[part] += (end - start) / 1e3 / args.layers
-      blocks = int(ws[0].shape[0] // PROGRAMS * max(fraction, 0)) // BLOCK_ROWS
-      read_mb = PROGRAMS * blocks * BLOCK_ROWS * ws[0].nbytes / ws[0].shape[0] / 1e6
+      rows = ws[0].shape[0]
+      read_mb = PROGRAMS * blocks_read(rows, fraction) * BLOCK_ROWS * ws[0].nbytes / rows / 1e6
       span = (events[-1][1] - events[0][0]) / 1e3 / args.layers
       print(f"{kind:6s} {fraction:8.2f} {read_mb:13.1f} {by_kind['read']:8.2f} "
             f"{by_kind['product']:10.2f} {by_kind['rest']:8.2f} {span:8.2f}", flush=True)
