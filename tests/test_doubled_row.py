@@ -78,6 +78,30 @@ def test_k_slice_partials_of_the_two_rows_are_those_of_the_one_row():
   np.testing.assert_array_equal(np.asarray(two), np.asarray(one))
 
 
+@pytest.mark.parametrize("rows_last", [False, True])
+def test_one_row_goes_twice_as_a_broadcast_and_its_partials_are_its_own(rows_last):
+  """k_slice_partials of one row: each slice's partial, for both copies, is that slice's
+  product of the row alone (float32 NumPy, random shapes); the copy is a broadcast in the
+  lowered program (which XLA's GEMM fusion reads in place on GPUs), no concatenate (a
+  kernel of its own there)."""
+  rng = np.random.default_rng(RUN_SEED + 35 + rows_last)
+  for slices, k, n in ((4, 512, 96), (2, 256, 40), (8, 1024, 16)):
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    got = np.asarray(tensor_parallel.k_slice_partials(jnp.asarray(x), jnp.asarray(w), slices,
+                                                      rows_last=rows_last))
+    step = k // slices
+    want_SN = np.stack([x[0, s * step:(s + 1) * step] @ w[s * step:(s + 1) * step]
+                        for s in range(slices)])
+    assert got.shape == ((slices, n, 2) if rows_last else (slices, 2, n))
+    for copy in range(2):
+      np.testing.assert_allclose(got[..., copy] if rows_last else got[:, copy], want_SN,
+                                 rtol=1e-5, atol=1e-4)
+  text = jax.jit(tensor_parallel.k_slice_partials, static_argnums=(2, 3)).lower(
+      jnp.zeros((1, 512)), jnp.zeros((512, 96)), 4, rows_last).as_text()
+  assert "broadcast_in_dim" in text and "concatenate" not in text
+
+
 def test_a_row_product_of_a_doubled_row_is_the_one_rows():
   """tp = 2 without the workspace kernel (psum: no K-slice partials): row(..., tokens=1) of the
   two rows multiplies the first, as the one row; a doubled row of more than one token or

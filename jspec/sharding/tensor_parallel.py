@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jspec.pallas_kernels.skinny_gemm import twice
 from jspec.sharding.rules import ShardingRules, axis_size, mesh_axes
 
 # LLM(all_reduce_backend), for layers whose weights the mesh splits over tp:
@@ -275,7 +276,7 @@ def k_slice_partials(x_MK, w_KN, slices: int, rows_last: bool = False):
   m, k = x_MK.shape
   x_MSK = x_MK.reshape(m, slices, k // slices)
   if m == 1:
-    x_MSK = jnp.concatenate([x_MSK, x_MSK])
+    x_MSK = twice(x_MSK)
   return jnp.einsum("msk,skn->snm" if rows_last else "msk,skn->smn", x_MSK,
                     w_KN.reshape(slices, k // slices, -1), preferred_element_type=jnp.float32)
 
