@@ -29,7 +29,7 @@ from jspec.models.tree_attention import active_layout
 from jspec.pallas_kernels import short_attention as short_kernel
 
 # Whether a batch-1 tp step's row goes to o_proj's K-slice partials written twice by the
-# attention kernel (Attention._doubles_row); off: concatenated with itself (benchmarks time both).
+# attention kernel (Attention._doubles_row); off: doubled by k_slice_partials (timed both ways).
 DOUBLED_ROW = True
 # Whether the q / k / v kernel writes a step's keys and values into the cache itself, one kernel
 # fewer a layer (Attention._writes_kv).
@@ -208,7 +208,8 @@ class Attention(nnx.Module):
     """Whether a batch-1 step's one row goes to o_proj's tp product as the two equal rows its
     K-slice partials take, written twice by the short-context attention kernel instead of
     concatenated after it: one kernel fewer a layer (BENCHMARKS.md, "A batch-1 tp step's row
-    written twice …"; on one GPU the same was measured no faster)."""
+    written twice …"; on one GPU no faster). Since 2026-12-02 the product's own doubling is a
+    broadcast, no kernel (skinny_gemm.twice): the copies are untimed against that at tp = 2."""
     b, t = q_BTNH.shape[:2]
     return (DOUBLED_ROW and b * t == 1 and self.short_attention is not None
             and self.tp_products is not None and self.o_proj_scale is None
