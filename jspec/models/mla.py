@@ -56,7 +56,6 @@ from jspec.models.linear import linear, project_many_named, project_named
 from jspec.models.norms import RMSNorm
 from jspec.models.params import param
 from jspec.models.tree_attention import active_layout
-from jspec.pallas_kernels.skinny_gemm import twice
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not the
 # config's rms_norm_eps (DeepseekV3RMSNorm(q_lora_rank), Glm4MoeLiteRMSNorm(kv_lora_rank)).
@@ -71,18 +70,6 @@ ABSORBED_MAX_TOKENS = 64
 # "q_a and kv_a in one FP8 call ..."); before its rows were padded to whole blocks, kv_a took
 # XLA's scaled product (3.9 µs a layer).
 FUSED_LATENT_PROJECTIONS = True
-# One row's per-head latent products (q_nope W_UK, the context's W_UV) with the row twice,
-# batched GEMMs over the heads: with one row XLA rewrites each into a multiply and a reduction
-# over the weight (`head_product`). Benchmarks switch it off to time both.
-DOUBLED_HEAD_ROW = True
-
-
-def head_product(spec: str, x_BT__, w):
-  """jnp.einsum(spec, x, w) for a per-head product whose x leads with [B, T]; one row (B = T
-  = 1) goes in twice (skinny_gemm.twice) and the first output row is kept."""
-  if DOUBLED_HEAD_ROW and x_BT__.shape[0] * x_BT__.shape[1] == 1:
-    return jnp.einsum(spec, twice(x_BT__), w)[:1]
-  return jnp.einsum(spec, x_BT__, w)
 
 
 def kv_a_width(cfg: ModelConfig) -> int:
@@ -235,8 +222,8 @@ class MLAttention(nnx.Module):
       q_BTNL = self.absorbed_query(q_nope_BTNP, q_rope_BTNR)
       context_BTNL = latent_attention(q_BTNL, cache.latent[:, :kv_window], positions_BT,
                                       self.scale, tree.visible_BTS(positions_BT, kv_window))
-      out_BTNV = head_product("btnc,nvc->btnv", context_BTNL[..., :self.latent_dim],
-                              self._head_weight("w_uv", context_BTNL.dtype))
+      out_BTNV = jnp.einsum("btnc,nvc->btnv", context_BTNL[..., :self.latent_dim],
+                            self._head_weight("w_uv", context_BTNL.dtype))
       return self._dense(out_BTNV, "o_proj", "btnv,nvd->btd", in_axes=2), cache
     cache = MLACache(write_slots(cache.latent, rows_BTL, positions_BT, slot_axis=1))
     if absorbed is None:
@@ -251,8 +238,8 @@ class MLAttention(nnx.Module):
 
   def absorbed_query(self, q_nope_BTNP, q_rope_BTNR):
     """[q_nope W_UK | q_rope] [B,T,N,L]: the query in the cache's row space."""
-    q_latent_BTNC = head_product("btnp,npc->btnc", q_nope_BTNP,
-                                 self._head_weight("w_uk", q_nope_BTNP.dtype))
+    q_latent_BTNC = jnp.einsum("btnp,npc->btnc", q_nope_BTNP,
+                               self._head_weight("w_uk", q_nope_BTNP.dtype))
     return jnp.concatenate([q_latent_BTNC, q_rope_BTNR.astype(q_latent_BTNC.dtype)], axis=-1)
 
   def attend_absorbed(self, q_nope_BTNP, q_rope_BTNR, cache_BSL, positions_BT,
@@ -260,8 +247,8 @@ class MLAttention(nnx.Module):
     """Attention in latent space: the cached rows are read as they are, never per head."""
     context_BTNC = self.latent_context(self.absorbed_query(q_nope_BTNP, q_rope_BTNR), cache_BSL,
                                        positions_BT, kv_window)
-    return head_product("btnc,nvc->btnv", context_BTNC,
-                        self._head_weight("w_uv", context_BTNC.dtype))
+    return jnp.einsum("btnc,nvc->btnv", context_BTNC,
+                      self._head_weight("w_uv", context_BTNC.dtype))
 
   def latent_context(self, q_BTNL, cache_BSL, positions_BT, kv_window: int | None = None):
     """The probability-weighted latent rows [B, T, N, C]: through `latent_kernel` where set
