@@ -37,34 +37,26 @@ from jspec.pallas_kernels.shared import dequantize
 BLOCK = 128  # the FP8 checkpoints' block, both axes
 
 
-def _uk_kernel(q_ref, w_ref, *refs, block_cols: int, fp8: bool):
-  """Program (n, j): q_lat[n, columns j] = sum_p q[n, p] W[n, p, columns j], per 128-row
-  block of P times its scale."""
+def _kernel(x_ref, w_ref, *refs, block: int, fp8: bool, uk: bool):
+  """Program (n, j): output block j of head n, its weight read in 128 x 128 tiles (times
+  each tile's scale in FP8). uk: q_lat[n, columns j] = sum_p q[n, p] W[n, p, columns j]
+  (the weight's rows contracted); uv: out[n, rows j] = sum_c W[n, rows j, c] context[n, c]
+  (its columns)."""
   s_ref, o_ref = refs if fp8 else (None, refs[0])
   n, j = pl.program_id(0), pl.program_id(1)
-  cols = pl.ds(j * block_cols, block_cols)
-  acc = jnp.zeros((block_cols,), jnp.float32)
-  for b in range(w_ref.shape[1] // BLOCK):
-    rows = pl.ds(b * BLOCK, BLOCK)
-    part = jnp.sum(q_ref[n, rows].astype(jnp.float32)[:, None]
-                   * w_ref[n, rows, cols].astype(jnp.float32), axis=0)
-    acc += part * s_ref[n, b, j * block_cols // BLOCK] if fp8 else part
-  o_ref[n, cols] = acc.astype(o_ref.dtype)
-
-
-def _uv_kernel(c_ref, w_ref, *refs, block_rows: int, fp8: bool):
-  """Program (n, i): out[n, rows i] = sum_c W[n, rows i, c] context[n, c], per 128-column
-  block of C times its scale."""
-  s_ref, o_ref = refs if fp8 else (None, refs[0])
-  n, i = pl.program_id(0), pl.program_id(1)
-  rows = pl.ds(i * block_rows, block_rows)
-  acc = jnp.zeros((block_rows,), jnp.float32)
-  for b in range(w_ref.shape[2] // BLOCK):
-    cols = pl.ds(b * BLOCK, BLOCK)
-    part = jnp.sum(w_ref[n, rows, cols].astype(jnp.float32)
-                   * c_ref[n, cols].astype(jnp.float32)[None, :], axis=1)
-    acc += part * s_ref[n, i * block_rows // BLOCK, b] if fp8 else part
-  o_ref[n, rows] = acc.astype(o_ref.dtype)
+  mine = pl.ds(j * block, block)
+  acc = jnp.zeros((block,), jnp.float32)
+  for b in range(w_ref.shape[1 if uk else 2] // BLOCK):
+    theirs = pl.ds(b * BLOCK, BLOCK)
+    x = x_ref[n, theirs].astype(jnp.float32)
+    if uk:
+      part = jnp.sum(x[:, None] * w_ref[n, theirs, mine].astype(jnp.float32), axis=0)
+      scale = s_ref[n, b, j * block // BLOCK] if fp8 else None
+    else:
+      part = jnp.sum(w_ref[n, mine, theirs].astype(jnp.float32) * x[None, :], axis=1)
+      scale = s_ref[n, j * block // BLOCK, b] if fp8 else None
+    acc += part if scale is None else part * scale
+  o_ref[n, mine] = acc.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "block", "interpret"))
@@ -73,14 +65,10 @@ def kernel_product(x_NK, w, scale, *, kind: str, block: int, interpret: bool = F
   `scale` None for bf16 weights."""
   n, rows, cols = w.shape
   fp8 = scale is not None
-  if kind == "uk":
-    body = functools.partial(_uk_kernel, block_cols=block, fp8=fp8)
-    grid, width = (n, cols // block), cols
-  else:
-    body = functools.partial(_uv_kernel, block_rows=block, fp8=fp8)
-    grid, width = (n, rows // block), rows
+  width = cols if kind == "uk" else rows
   return pl.pallas_call(
-      body, out_shape=jax.ShapeDtypeStruct((n, width), x_NK.dtype), grid=grid,
+      functools.partial(_kernel, block=block, fp8=fp8, uk=kind == "uk"),
+      out_shape=jax.ShapeDtypeStruct((n, width), x_NK.dtype), grid=(n, width // block),
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret, name=f"mla_head_{kind}",
   )(x_NK, w, *((scale,) if fp8 else ()))
