@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import decode_gemm, decode_routing, early_launch, platform
+from jspec.pallas_kernels import decode_gemm, decode_routing, platform
 from jspec.pallas_kernels.shared import smem_transforms
 
 BLOCK = 128        # the published weight_block_size, both axes
@@ -40,10 +40,6 @@ E4M3 = jnp.float8_e4m3fn
 # profile_dir: each new build of the kernel then writes its first call's timeline of the named
 # scopes below (per program: the prologue, each step's wait and products, the final store).
 PROFILE = None
-# Programmatic dependent launch: the kernel starts while the kernel before it drains, issues
-# its weight tiles' loads (weights are never a step's own output), then waits for the kernels
-# before it (griddepcontrol.wait) and loads x and the scales.
-EARLY_LAUNCH = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,9 +145,6 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
   decode_gemm._check_aligned(((rows, step_k), x_dtype), ((BLOCK, step_k), E4M3),
                              ((per_step * lanes,), jnp.float32))
   num_sms = platform.num_sms()
-  early = EARLY_LAUNCH and platform.on_gpu()
-  if early:
-    early_launch.mark_uses_pdl()
   col_blocks = [n // BLOCK for n in ns]
   # The work items, weight after weight: (weight j, K slice, column block), slices outer.
   item_starts = np.cumsum([0] + [splits * c for c in col_blocks]).tolist()
@@ -181,43 +174,27 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
       sm = lax.axis_index("sm")
       steps = lax.div(item_starts[-1] - sm + (num_sms - 1), jnp.int32(num_sms)) * k_steps
 
-      def fetch(step, slot, weights=True, rest=True):
-        """The step's loads: its weight tile (`weights`), its x, scales and activation scales
-        (`rest`)."""
+      def fetch(step, slot):
         weight, split, col, k_step = locate(sm, step)
         k_block = split * k_steps + k_step  # in steps of step_k
         barrier = loaded.at[slot]
-        if rest:
-          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, rows), pl.ds(k_block * step_k, step_k)],
-                                  x_smem.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, rows), pl.ds(k_block * step_k, step_k)],
+                                x_smem.at[slot], barrier)
         lanes_k = pl.ds(k_block * (per_step * lanes), per_step * lanes)
         for j, (w_ref, s_ref) in enumerate(zip(w_refs, s_refs)):
           @pl.when(weight == j)
           def _(w_ref=w_ref, s_ref=s_ref):
-            if weights:
-              plgpu.copy_gmem_to_smem(w_ref.at[pl.ds((col - col_offsets[j]) * BLOCK, BLOCK),
-                                               pl.ds(k_block * step_k, step_k)],
-                                      w_smem.at[slot], barrier)
-            if rest:
-              plgpu.copy_gmem_to_smem(s_ref.at[col - col_offsets[j], lanes_k],
-                                      s_smem.at[slot], barrier)
-        if fp8_x and rest:
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds((col - col_offsets[j]) * BLOCK, BLOCK),
+                                             pl.ds(k_block * step_k, step_k)],
+                                    w_smem.at[slot], barrier)
+            plgpu.copy_gmem_to_smem(s_ref.at[col - col_offsets[j], lanes_k], s_smem.at[slot],
+                                    barrier)
+        if fp8_x:
           plgpu.copy_gmem_to_smem(act_ref.at[lanes_k], a_smem.at[slot], barrier)
 
       with jax.named_scope("prologue"):  # the first `stages` steps' loads
-        if early:
-          # The weight tiles first, then the wait for the kernels before this one (whose
-          # outputs x may be), then the rest: launched early, the weights' first loads run
-          # while the kernel before drains.
-          for step in range(stages):
-            pl.when(step < steps)(functools.partial(fetch, jnp.int32(step), step, rest=False))
-          plgpu.griddepcontrol_wait()
-          for step in range(stages):
-            pl.when(step < steps)(functools.partial(fetch, jnp.int32(step), step,
-                                                    weights=False))
-        else:
-          for step in range(stages):
-            pl.when(step < steps)(functools.partial(fetch, jnp.int32(step), step))
+        for step in range(stages):
+          pl.when(step < steps)(functools.partial(fetch, jnp.int32(step), step))
 
       def run_step(step, total):
         slot = lax.rem(step, jnp.int32(stages))

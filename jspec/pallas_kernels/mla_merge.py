@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jspec.pallas_kernels import early_launch, platform
+from jspec.pallas_kernels import platform
 
 MIN_COLUMNS = 16
 BLOCK_VALUES = 8192   # a program's [K, columns] block of partials, in float32 registers
@@ -51,8 +51,7 @@ def merge_columns(splits: int, programs_per_column: int, latent_dim: int, num_sm
 
 
 def _kernel(parts_ref, lse_ref, out_ref, *, splits: int, block_cols: int, copies: int):
-  col, row = pl.program_id(0), pl.program_id(1)
-  b = early_launch.launch_dependents_at(pl.program_id(2))  # the kernel after may start
+  col, row, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(pl.multiple_of(col * block_cols, block_cols), block_cols)
   padded = _pow2_at_least(splits)
   real_K = jnp.arange(padded) < splits

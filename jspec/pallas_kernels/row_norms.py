@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jspec.pallas_kernels import early_launch, platform
+from jspec.pallas_kernels import platform
 
 MAX_CHUNK = 4096  # the widest piece of a row one load takes (Triton blocks are powers of two)
 MIN_CHUNK = 64
@@ -58,7 +58,7 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
     x_ref, delta_ref, scale_ref, h_ref, out_ref = refs
   else:
     x_ref, scale_ref, out_ref = refs
-  m = early_launch.launch_dependents_at(pl.program_id(0))  # the kernel after may start
+  m = pl.program_id(0)
   width = x_ref.shape[1]
   pieces = [pl.ds(c * chunk, chunk) for c in range(width // chunk)]
   loaded = [(x_ref[m, cols], delta_ref[m, cols] if has_residual else None) for cols in pieces]
