@@ -35,7 +35,7 @@ import numpy as np
 from jspec.bench.profile import call_kernel_events
 from jspec.pallas_kernels.fp8_block_kernel import Fp8Tiling
 from jspec.pallas_kernels.fp8_gemm import fp8_matmul
-from jspec.pallas_kernels.row_norms import rms_norm
+from jspec.pallas_kernels.residual_norm import rms_norm
 from jspec.pallas_kernels.shared import dequantize
 
 ROUTES = ("bf16", "bfloat16", "float16", "e4m3", "xla_f32", "xla_bf16", "xla_rows")

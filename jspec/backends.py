@@ -239,7 +239,7 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
   effect ("auto" resolved)."""
   from jspec.pallas_kernels.kv_write import fits_kernel as kv_fits
   from jspec.pallas_kernels.router_topk import fits_kernel as router_fits
-  from jspec.pallas_kernels.row_norms import fits_kernel
+  from jspec.pallas_kernels.residual_norm import fits_kernel
   from jspec.pallas_kernels.swiglu_gemm import takes_width as swiglu_takes_width
   backend = resolve_norm_backend(backend)
   if backend == "xla":

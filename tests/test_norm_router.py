@@ -1,5 +1,5 @@
 """The residual add + RMSNorm before a MoE layer and its router product in one kernel
-(jspec.pallas_kernels.norm_router), against the two kernels it replaces (row_norms.rms_norm,
+(jspec.pallas_kernels.norm_router), against the two kernels it replaces (residual_norm.rms_norm,
 then router_topk's partials of its output), in interpret mode: h and norm(h) bit for bit, the
 partial logits within float32 rounding (the sums' order is the same; only where the compiler
 fuses a multiply and an add may differ), the routing equal. A Qwen3-MoE model takes it at
@@ -14,7 +14,7 @@ import pytest
 import jspec
 from helpers import fixture_dir, greedy_token_ids
 from jspec.models import moe as moe_module
-from jspec.pallas_kernels import norm_router, router_topk, row_norms
+from jspec.pallas_kernels import norm_router, residual_norm, router_topk
 
 # (rows, hidden, experts, top_k, dtype, zero_centered)
 CASES = [(1, 2048, 128, 8, jnp.bfloat16, False), (1, 512, 64, 4, jnp.float32, True),
@@ -31,7 +31,7 @@ def _inputs(rng, rows, hidden, experts, dtype):
 
 
 def _unfused(x, delta, scale, router, zero_centered):
-  h, normed = row_norms.rms_norm(x, scale, delta, eps=1e-6, zero_centered=zero_centered,
+  h, normed = residual_norm.rms_norm(x, scale, delta, eps=1e-6, zero_centered=zero_centered,
                                  interpret=True)
   parts = router_topk._router_partials(normed, router, 1, None, True)
   return h, normed, parts
@@ -129,7 +129,7 @@ def test_gpu_the_compiled_kernel_equals_the_compiled_pair():
                                       dtype)
     h, normed, parts = jax.block_until_ready(norm_router.add_norm_router_partials(
         x, delta, scale, router, eps=1e-6, zero_centered=zero_centered))
-    want_h, want_normed = row_norms.rms_norm(x, scale, delta, eps=1e-6,
+    want_h, want_normed = residual_norm.rms_norm(x, scale, delta, eps=1e-6,
                                              zero_centered=zero_centered)
     want_parts = router_topk._router_partials(want_normed, router, 1, None, False)
     np.testing.assert_array_equal(np.asarray(h), np.asarray(want_h))

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jspec
 from helpers import fixture_dir, greedy
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
-from jspec.pallas_kernels import platform, row_norms, workspace_all_reduce as wsar
+from jspec.pallas_kernels import platform, residual_norm, workspace_all_reduce as wsar
 from jspec.pallas_kernels import workspace_norm
 from jspec.sharding.rules import MeshConfig, ShardingRules
 from jspec.sharding.tensor_parallel import PartialSum, TensorParallelProducts
@@ -92,7 +92,7 @@ def _reference_add_norm(partial, residual, scale, row, size, *, eps, zero_center
       total = total + part
     partial = total[:residual.shape[0]].astype(residual.dtype)
   delta = jax.lax.psum(partial, "tp")
-  return row_norms.rms_norm(residual, scale, delta, eps=eps, zero_centered=zero_centered,
+  return residual_norm.rms_norm(residual, scale, delta, eps=eps, zero_centered=zero_centered,
                             interpret=True)
 
 
@@ -324,7 +324,7 @@ def test_gpu_chains_of_sums_and_norms_keep_their_flags_in_step():
   got = run(chain(lambda p, r, s, row: workspace_norm.workspace_add_norm(
                       p, r, s, row, 2, eps=1e-6, protocol="flags"),
                   lambda x, row: wsar.workspace_all_reduce(x, row, 2, protocol="flags")))
-  want = run(chain(lambda p, r, s, row: row_norms.rms_norm(r, s, jax.lax.psum(p, "tp"),
+  want = run(chain(lambda p, r, s, row: residual_norm.rms_norm(r, s, jax.lax.psum(p, "tp"),
                                                            eps=1e-6),
                    lambda x, row: jax.lax.psum(x, "tp")))
   np.testing.assert_array_equal(got[0], got[1])

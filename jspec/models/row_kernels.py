@@ -1,5 +1,6 @@
 """The row-wise steps of decode and verify steps in one kernel each (LLM(norm_backend)):
-jspec.pallas_kernels.row_norms' residual add + RMSNorm and q / k norms + RoPE, per shard.
+jspec.pallas_kernels.residual_norm's residual add + RMSNorm and jspec.pallas_kernels.row_norms'
+q / k norms + RoPE, per shard.
 
   "xla"     XLA's fusions everywhere.
   "pallas"  the kernels for steps of up to MAX_ROWS rows (interpreted off GPU); XLA for
@@ -70,7 +71,7 @@ def sharded_rms_norm(mesh: Mesh, rules: ShardingRules, eps: float, zero_centered
                      interpret: bool):
   """(x [B, T, D], scale [D], residual [B, T, D] or None) -> norm(x), or (x + residual,
   norm(x + residual)) with a residual; D whole on every shard."""
-  from jspec.pallas_kernels.row_norms import rms_norm
+  from jspec.pallas_kernels.residual_norm import rms_norm
   rows = rules.spec(("batch", "seq", None))
 
   def per_shard(x_BTD, scale_D, residual_BTD):

@@ -2,7 +2,7 @@
 kernel launch (TensorRT-LLM's "all-reduce + residual + RMSNorm" fusion).
 
 A tp decode step ends each attention and each MLP with a row product's all-reduce, and the
-next thing it does is the residual add and an RMSNorm (jspec.pallas_kernels.row_norms'
+next thing it does is the residual add and an RMSNorm (jspec.pallas_kernels.residual_norm's
 `rms_norm`), a kernel of its own: 72 all-reduces and 72 norm kernels a Qwen3-8B step. Here the
 norm runs in the all-reduce's blocks, after their sums:
 

@@ -1,0 +1,130 @@
+"""The residual add and the RMSNorm after it, for the few rows of a decode or verify step, in one
+Pallas (Triton) kernel.
+
+Why: in a batch-1 decode step a row is a few thousand elements, and XLA runs a norm as two
+kernels (the sum of squares, then the scaling) and the residual add before it as a third; a
+kernel on an H200 costs 1.1-2.3 µs however little it does (BENCHMARKS.md, "FP8 and MLA decode
+on an H200 against their targets; ..."). Here:
+
+  rms_norm   the residual add (optional) and the RMSNorm after it: (h, norm(h)).
+
+It rounds where jspec.models.norms' modules round (the sum in bfloat16, normalising in float32,
+the cast, the scale), so it stands in for them; only the order of the float32 sums differs.
+One program per row: the steps that call it have at most a few hundred rows.
+(o_proj's and down_proj's FP8 K-slice partials summed here as they are read were slower, one
+program a row reading every slice: BENCHMARKS.md, "Workspace kernels without flags (Lamport)
+...". Removed.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jspec.pallas_kernels import platform
+
+MAX_CHUNK = 4096  # the widest piece of a row one load takes (Triton blocks are powers of two)
+MIN_CHUNK = 64
+MAX_BLOCK = 8192  # the widest masked block the norm kernel reads a row in (row_block)
+ONE_BLOCK = True  # off: rows whose width is no power of two read in row_chunk's pieces
+
+
+def row_chunk(width: int) -> int:
+  """The largest power of two that divides `width`, at most MAX_CHUNK: rows are read in
+  pieces of this many (7168 = 7 x 1024; Triton cannot load a block of 7168)."""
+  return min(width & -width, MAX_CHUNK)
+
+
+def row_block(width: int) -> int:
+  """What the norm kernel reads a row in: the power of two at or above `width` where that is
+  at most MAX_BLOCK (one block, its lanes past `width` masked), else row_chunk's pieces. Why:
+  each piece is a reduction across the program's warps of its own (DeepSeek-V3's 7168-wide
+  add + RMSNorm took 2.7 µs a call in 7 pieces against 1.8-2.0 at 4096 on an H200)."""
+  whole = 1 << (width - 1).bit_length()
+  return whole if whole <= MAX_BLOCK and ONE_BLOCK else row_chunk(width)
+
+
+def fits_kernel(width: int) -> bool:
+  """Whether a row of `width` is read in pieces of at least MIN_CHUNK elements."""
+  return width > 0 and row_chunk(width) >= MIN_CHUNK
+
+
+def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool):
+  """Program m: row m, read once and held in registers (8192 bfloat16 lanes are 32 a thread at
+  8 warps) between the sum of its squares and its scaling, in `chunk`-wide pieces (row_block).
+  All loads come before any store, which they could alias: a 7168-wide row's pieces were read
+  one after another (BENCHMARKS.md, "Norm kernels' loads before their stores")."""
+  if has_residual:
+    x_ref, delta_ref, scale_ref, h_ref, out_ref = refs
+  else:
+    x_ref, scale_ref, out_ref = refs
+  m = pl.program_id(0)
+  width = x_ref.shape[1]
+  pieces = [pl.ds(c * chunk, chunk) for c in range(max(1, width // chunk))]
+  # One block wider than the row (row_block): its lanes past the row masked, read as zeros.
+  mask = jnp.arange(chunk) < width if chunk > width else None
+  masked = {} if mask is None else {"mask": mask, "other": 0.0}
+  load = lambda ref, *at: pltriton.load(ref.at[at], **masked)
+  store = lambda ref, cols, value: pltriton.store(ref.at[m, cols], value, mask=mask)
+  loaded = [(load(x_ref, m, cols), load(delta_ref, m, cols) if has_residual else None)
+            for cols in pieces]
+  scales = [load(scale_ref, cols) for cols in pieces]
+  rows, squares = [], jnp.float32(0.0)
+  for cols, (x, delta) in zip(pieces, loaded):
+    if has_residual:  # x + delta rounded to the stream's dtype, as XLA's add does
+      x = (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
+      store(h_ref, cols, x)
+    x32 = x.astype(jnp.float32)
+    squares += jnp.sum(x32 * x32)
+    rows.append((cols, x))
+  inv_rms = jax.lax.rsqrt(squares / width + eps)
+  for (cols, x), scale in zip(rows, scales):
+    normed = x.astype(jnp.float32) * inv_rms
+    scale = scale.astype(jnp.float32)
+    if zero_centered:  # (1 + w) in float32, one cast (ZeroCenteredRMSNorm)
+      out = normed * (1.0 + scale)
+    else:  # cast, then the scale in the parameter's dtype (RMSNorm)
+      out = scale * normed.astype(x.dtype).astype(jnp.float32)
+    store(out_ref, cols, out.astype(out_ref.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "interpret"))
+def rms_norm(x_MD: jax.Array, scale_D: jax.Array, residual_MD: jax.Array | None = None, *,
+             eps: float, zero_centered: bool = False, interpret: bool | None = None):
+  """RMSNorm of the rows of x [M, D] by scale [D] (jspec.models.norms.RMSNorm, or
+  ZeroCenteredRMSNorm's (1 + w) with `zero_centered`), in x's dtype. With `residual_MD`, the
+  rows normalised are h = x + residual: returns (h, norm(h)). `interpret` None: interpret off
+  GPU."""
+  rows, width = x_MD.shape
+  if scale_D.shape != (width,) or (residual_MD is not None and residual_MD.shape != x_MD.shape):
+    raise ValueError(f"rms_norm takes x [M, D], scale [D] and a residual like x, got "
+                     f"{x_MD.shape}, {scale_D.shape}, "
+                     f"{None if residual_MD is None else residual_MD.shape}")
+  has_residual = residual_MD is not None
+  inputs = (x_MD, residual_MD, scale_D) if has_residual else (x_MD, scale_D)
+  return _norm_call("add_rms_norm" if has_residual else "rms_norm", inputs, x_MD.dtype,
+                    interpret, row_block(width), eps=eps, zero_centered=zero_centered,
+                    has_residual=has_residual)
+
+
+def _norm_call(name: str, inputs, dtype, interpret, chunk: int, **form):
+  """The pallas_call of _norm_kernel (its `form`) over `inputs`, a program per row of x (the
+  first), after the width check both forms share."""
+  rows, width = inputs[0].shape
+  if not fits_kernel(width):
+    raise ValueError(f"{name} reads rows in power-of-two pieces of >= {MIN_CHUNK}; "
+                     f"D={width} has none")
+  if interpret is None:
+    interpret = not platform.on_gpu()
+  row = jax.ShapeDtypeStruct((rows, width), dtype)
+  return pl.pallas_call(
+      functools.partial(_norm_kernel, chunk=chunk, **form),
+      out_shape=(row, row) if form["has_residual"] else row, grid=(rows,),
+      compiler_params=pltriton.CompilerParams(num_warps=8 if width >= 4096 else 4,
+                                              num_stages=1),
+      interpret=interpret, name=name,
+  )(*inputs)
