@@ -18,9 +18,9 @@ from jspec.models.tree_attention import TreeLayout, tree_layout
 from jspec.models.layers import rope
 from jspec.models.moe import MoE
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
-from jspec.pallas_kernels import platform, residual_norm
+from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.kv_write import write_kv
-from jspec.pallas_kernels.residual_norm import fits_kernel, rms_norm, row_block, row_chunk
+from jspec.pallas_kernels.residual_norm import fits_kernel, rms_norm, row_chunk
 from jspec.pallas_kernels.row_norms import (fits_heads, inv_frequencies, qk_norm_rope,
                                             qkv_norm_rope, qkv_partials_norm_rope)
 from tests.helpers import fixture_dir, greedy_token_ids
@@ -39,7 +39,7 @@ def rms_norm_reference(x, scale, residual=None, zero_centered=False):
 def test_rms_norm_matches_the_formula_in_float32(seed):
   rng = np.random.default_rng(seed)
   rows = int(rng.integers(1, 6))
-  width = int(rng.choice([64, 256, 1536, 4096, 7168]))  # 1536, 7168: one masked block
+  width = int(rng.choice([64, 256, 1536, 4096, 7168]))  # 1536, 7168: rows read in pieces
   x = rng.standard_normal((rows, width)).astype(np.float32) * rng.uniform(0.1, 30)
   residual = rng.standard_normal((rows, width)).astype(np.float32)
   scale = (1 + 0.2 * rng.standard_normal(width)).astype(np.float32)
@@ -53,28 +53,6 @@ def test_rms_norm_matches_the_formula_in_float32(seed):
     got_plain = rms_norm(jnp.asarray(x), jnp.asarray(scale), eps=EPS,
                          zero_centered=zero_centered)
     np.testing.assert_allclose(np.asarray(got_plain), want_plain, rtol=2e-5, atol=2e-5)
-
-
-@pytest.mark.parametrize("width", [1536, 5120, 7168, 8192])
-def test_a_row_read_in_one_masked_block_or_in_pieces_is_the_formula(monkeypatch, width):
-  """A row whose width is no power of two is read in one block past it, its lanes masked
-  (row_block), or, with ONE_BLOCK off, in row_chunk's pieces; 8192 in one block or two pieces.
-  Both are the formula in float32, and the masked lanes write nothing past the row."""
-  rng = np.random.default_rng(width)
-  x = rng.standard_normal((3, width)).astype(np.float32) * rng.uniform(0.1, 30)
-  residual = rng.standard_normal((3, width)).astype(np.float32)
-  scale = (1 + 0.2 * rng.standard_normal(width)).astype(np.float32)
-  want_h, want = rms_norm_reference(x, scale, residual)
-  blocks = {}
-  for one_block in (True, False):
-    monkeypatch.setattr(residual_norm, "ONE_BLOCK", one_block)
-    blocks[one_block] = row_block(width)
-    jax.clear_caches()  # rms_norm's trace reads the flag
-    h, got = rms_norm(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(residual), eps=EPS)
-    assert h.shape == got.shape == (3, width)
-    np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
-  assert blocks == {True: 1 << (width - 1).bit_length(), False: row_chunk(width)}
 
 
 @pytest.mark.parametrize("norm_cls", [RMSNorm, ZeroCenteredRMSNorm])
@@ -310,8 +288,6 @@ def test_qk_norm_rope_equals_the_layers_rope_at_position_zero_and_stays_near_it(
 
 def test_kernels_refuse_shapes_they_do_not_take():
   assert row_chunk(7168) == 1024 and row_chunk(4096) == 4096 and row_chunk(8192) == 4096
-  assert [row_block(w) for w in (1536, 4096, 7168, 8192, 12288)] == [2048, 4096, 8192, 8192,
-                                                                     4096]
   assert fits_kernel(1536) and not fits_kernel(100) and not fits_kernel(0)
   assert fits_heads(128) and fits_heads(32) and not fits_heads(96) and not fits_heads(16)
   with pytest.raises(ValueError, match="D=100"):

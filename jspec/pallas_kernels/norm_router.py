@@ -5,10 +5,10 @@ Why: at batch 1 a MoE layer's input norm (jspec.pallas_kernels.residual_norm's
 `add_rms_norm`) and its router product (jspec.pallas_kernels.router_topk's `router_partials`)
 are two kernels whose cost is their launch and the latency of their first reads: about 2.0 and
 4.1 µs a layer for Qwen3-30B-A3B on an H200, for 8 KB of rows and 0.5 MB of router
-(BENCHMARKS.md, "Softmax routing in two kernels ..."). Here the router's slices are the grid: program (m, s) reads row
-m of x and of the delta whole (the norm needs the row's sum of squares), writes h = x + delta
-and norm(h) for the columns of slice s, and multiplies that slice of norm(h) with router rows
-of slice s, as router_partials does:
+(BENCHMARKS.md, "Softmax routing in two kernels ..."). Here the router's slices are the grid:
+program (m, s) reads row m of x and of the delta whole (the norm needs the row's sum of
+squares), writes h = x + delta and norm(h) for the columns of slice s, and multiplies that
+slice of norm(h) with router rows of slice s, as router_partials does:
 
   add_norm_router_partials(x [M, D], delta [M, D], scale [D], router [D, E])
       -> (h [M, D], norm(h) [M, D], float32 partial logits [M, S, E])

@@ -29,8 +29,6 @@ from jspec.pallas_kernels import platform
 
 MAX_CHUNK = 4096  # the widest piece of a row one load takes (Triton blocks are powers of two)
 MIN_CHUNK = 64
-MAX_BLOCK = 8192  # the widest masked block the norm kernel reads a row in (row_block)
-ONE_BLOCK = True  # off: rows whose width is no power of two read in row_chunk's pieces
 
 
 def row_chunk(width: int) -> int:
@@ -39,45 +37,30 @@ def row_chunk(width: int) -> int:
   return min(width & -width, MAX_CHUNK)
 
 
-def row_block(width: int) -> int:
-  """What the norm kernel reads a row in: the power of two at or above `width` where that is
-  at most MAX_BLOCK (one block, its lanes past `width` masked), else row_chunk's pieces. Why:
-  each piece is a reduction across the program's warps of its own (DeepSeek-V3's 7168-wide
-  add + RMSNorm took 2.7 µs a call in 7 pieces against 1.8-2.0 at 4096 on an H200)."""
-  whole = 1 << (width - 1).bit_length()
-  return whole if whole <= MAX_BLOCK and ONE_BLOCK else row_chunk(width)
-
-
 def fits_kernel(width: int) -> bool:
   """Whether a row of `width` is read in pieces of at least MIN_CHUNK elements."""
   return width > 0 and row_chunk(width) >= MIN_CHUNK
 
 
 def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool):
-  """Program m: row m, read once and held in registers (8192 bfloat16 lanes are 32 a thread at
-  8 warps) between the sum of its squares and its scaling, in `chunk`-wide pieces (row_block).
-  All loads come before any store, which they could alias: a 7168-wide row's pieces were read
-  one after another (BENCHMARKS.md, "Norm kernels' loads before their stores")."""
+  """Program m: row m, read once and held in registers (7168 bfloat16 values are 28 a thread
+  at 8 warps) between the sum of its squares and its scaling. All loads come before any store,
+  which they could alias: a 7168-wide row's 7 pieces were read one after another (BENCHMARKS.md,
+  "Norm kernels' loads before their stores")."""
   if has_residual:
     x_ref, delta_ref, scale_ref, h_ref, out_ref = refs
   else:
     x_ref, scale_ref, out_ref = refs
   m = pl.program_id(0)
   width = x_ref.shape[1]
-  pieces = [pl.ds(c * chunk, chunk) for c in range(max(1, width // chunk))]
-  # One block wider than the row (row_block): its lanes past the row masked, read as zeros.
-  mask = jnp.arange(chunk) < width if chunk > width else None
-  masked = {} if mask is None else {"mask": mask, "other": 0.0}
-  load = lambda ref, *at: pltriton.load(ref.at[at], **masked)
-  store = lambda ref, cols, value: pltriton.store(ref.at[m, cols], value, mask=mask)
-  loaded = [(load(x_ref, m, cols), load(delta_ref, m, cols) if has_residual else None)
-            for cols in pieces]
-  scales = [load(scale_ref, cols) for cols in pieces]
+  pieces = [pl.ds(c * chunk, chunk) for c in range(width // chunk)]
+  loaded = [(x_ref[m, cols], delta_ref[m, cols] if has_residual else None) for cols in pieces]
+  scales = [scale_ref[cols] for cols in pieces]
   rows, squares = [], jnp.float32(0.0)
   for cols, (x, delta) in zip(pieces, loaded):
     if has_residual:  # x + delta rounded to the stream's dtype, as XLA's add does
       x = (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
-      store(h_ref, cols, x)
+      h_ref[m, cols] = x
     x32 = x.astype(jnp.float32)
     squares += jnp.sum(x32 * x32)
     rows.append((cols, x))
@@ -89,7 +72,7 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
       out = normed * (1.0 + scale)
     else:  # cast, then the scale in the parameter's dtype (RMSNorm)
       out = scale * normed.astype(x.dtype).astype(jnp.float32)
-    store(out_ref, cols, out.astype(out_ref.dtype))
+    out_ref[m, cols] = out.astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "interpret"))
@@ -107,7 +90,7 @@ def rms_norm(x_MD: jax.Array, scale_D: jax.Array, residual_MD: jax.Array | None 
   has_residual = residual_MD is not None
   inputs = (x_MD, residual_MD, scale_D) if has_residual else (x_MD, scale_D)
   return _norm_call("add_rms_norm" if has_residual else "rms_norm", inputs, x_MD.dtype,
-                    interpret, row_block(width), eps=eps, zero_centered=zero_centered,
+                    interpret, row_chunk(width), eps=eps, zero_centered=zero_centered,
                     has_residual=has_residual)
 
 
