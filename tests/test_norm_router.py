@@ -32,7 +32,7 @@ def _inputs(rng, rows, hidden, experts, dtype):
 
 def _unfused(x, delta, scale, router, zero_centered):
   h, normed = residual_norm.rms_norm(x, scale, delta, eps=1e-6, zero_centered=zero_centered,
-                                 interpret=True)
+                                     interpret=True)
   parts = router_topk._router_partials(normed, router, 1, None, True)
   return h, normed, parts
 
@@ -130,7 +130,7 @@ def test_gpu_the_compiled_kernel_equals_the_compiled_pair():
     h, normed, parts = jax.block_until_ready(norm_router.add_norm_router_partials(
         x, delta, scale, router, eps=1e-6, zero_centered=zero_centered))
     want_h, want_normed = residual_norm.rms_norm(x, scale, delta, eps=1e-6,
-                                             zero_centered=zero_centered)
+                                                 zero_centered=zero_centered)
     want_parts = router_topk._router_partials(want_normed, router, 1, None, False)
     np.testing.assert_array_equal(np.asarray(h), np.asarray(want_h))
     # The sum of squares may be ordered otherwise by the compiler: one rounding at most.

@@ -93,7 +93,7 @@ def _reference_add_norm(partial, residual, scale, row, size, *, eps, zero_center
     partial = total[:residual.shape[0]].astype(residual.dtype)
   delta = jax.lax.psum(partial, "tp")
   return residual_norm.rms_norm(residual, scale, delta, eps=eps, zero_centered=zero_centered,
-                            interpret=True)
+                                interpret=True)
 
 
 def _stand_ins(monkeypatch, calls):
@@ -325,7 +325,7 @@ def test_gpu_chains_of_sums_and_norms_keep_their_flags_in_step():
                       p, r, s, row, 2, eps=1e-6, protocol="flags"),
                   lambda x, row: wsar.workspace_all_reduce(x, row, 2, protocol="flags")))
   want = run(chain(lambda p, r, s, row: residual_norm.rms_norm(r, s, jax.lax.psum(p, "tp"),
-                                                           eps=1e-6),
+                                                               eps=1e-6),
                    lambda x, row: jax.lax.psum(x, "tp")))
   np.testing.assert_array_equal(got[0], got[1])
   np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
