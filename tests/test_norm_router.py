@@ -77,31 +77,6 @@ def test_its_routing_is_route_softmax_of_the_normed_rows(seed):
                                  np.asarray(want_plan.weight_SR), rtol=tolerance, atol=1e-7)
 
 
-def _both_ways(monkeypatch, x, delta, scale, router, **kwargs):
-  """add_norm_route_softmax with the top-k in the kernel, then with its own select kernel
-  (jitted afresh: SELECT_IN_KERNEL is read at trace time)."""
-  results = []
-  for in_kernel in (True, False):
-    monkeypatch.setattr(norm_router, "SELECT_IN_KERNEL", in_kernel)
-    call = jax.jit(norm_router.add_norm_route_softmax.__wrapped__, static_argnames=tuple(kwargs))
-    results.append(call(x, delta, scale, router, **kwargs))
-  return results
-
-
-@pytest.mark.parametrize("seed", range(len(CASES)))
-def test_the_top_k_in_the_kernel_equals_the_select_kernel_after_it(monkeypatch, seed):
-  """The last program of each row selects its routing (SELECT_IN_KERNEL): every output bit
-  for bit the select kernel's, the decode plan's too."""
-  rows, hidden, experts, top_k, dtype, zero_centered = CASES[seed]
-  x, delta, scale, router = _inputs(np.random.default_rng(200 + seed), rows, hidden, experts,
-                                    dtype)
-  fused, apart = _both_ways(monkeypatch, x, delta, scale, router, eps=1e-6, zero_centered=zero_centered,
-                            top_k=top_k, norm=bool(seed % 2), plan=rows == 1, interpret=True)
-  assert len(jax.tree.leaves(fused)) == len(jax.tree.leaves(apart)) == (8 if rows == 1 else 4)
-  for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(apart)):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
 def test_bad_inputs_are_refused():
   x, delta, scale, router = _inputs(np.random.default_rng(0), 2, 256, 16, jnp.bfloat16)
   call = lambda *a, **k: norm_router.add_norm_router_partials(*a, eps=1e-6, interpret=True, **k)
@@ -164,38 +139,3 @@ def test_gpu_the_compiled_kernel_equals_the_compiled_pair():
                   <= ulp)
     np.testing.assert_allclose(np.asarray(parts), np.asarray(want_parts), rtol=2e-2,
                                atol=2e-3)
-
-
-@pytest.mark.gpu
-def test_gpu_the_top_k_in_the_kernel_over_many_calls(monkeypatch):
-  """Compiled, in a loop of 40 steps of four calls each (one row twice, sharing their count
-  buffer, and three rows twice), run twice: every routing equals the select kernel's. A count
-  left behind by a call would make a later call select too early or never."""
-  hidden, experts, top_k = 2048, 128, 8
-  x, delta, scale, router = _inputs(np.random.default_rng(7), 3, hidden, experts, jnp.bfloat16)
-
-  def routings(x, delta, in_kernel):
-    # read as each call is traced (not jitted here)
-    monkeypatch.setattr(norm_router, "SELECT_IN_KERNEL", in_kernel)
-    outs = []
-    for rows in (1, 3, 1, 3):
-      *_, routing = norm_router.add_norm_route_softmax.__wrapped__(
-          x[:rows], delta[:rows], scale, router, eps=1e-6, zero_centered=False, top_k=top_k,
-          norm=True, plan=rows == 1)
-      outs.append(routing)
-      x = x + delta  # the next call's rows differ
-    return outs
-
-  @jax.jit
-  def mismatches(x, delta):
-    def step(i, count):
-      shift = (i.astype(x.dtype) * 0.37).astype(x.dtype)
-      fused = routings(x + shift, delta, True)
-      apart = routings(x + shift, delta, False)
-      for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(apart)):
-        count += jnp.sum(got != want)
-      return count
-    return jax.lax.fori_loop(0, 40, step, jnp.int32(0))
-
-  assert int(mismatches(x, delta)) == 0
-  assert int(mismatches(x * 0.5, delta)) == 0

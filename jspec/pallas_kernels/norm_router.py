@@ -23,7 +23,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -75,7 +74,12 @@ def _kernel(x_ref, delta_ref, scale_ref, router_ref, h_ref, out_ref, parts_ref, 
   parts_ref[m, s, :] = jnp.sum(acc_CE, axis=0)
 
 
-def _check(x_MD, delta_MD, scale_D, router_DE):
+@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "slices", "interpret"))
+def add_norm_router_partials(x_MD: jax.Array, delta_MD: jax.Array, scale_D: jax.Array,
+                             router_DE: jax.Array, *, eps: float, zero_centered: bool = False,
+                             slices: int | None = None, interpret: bool | None = None):
+  """(h, norm(h), float32 partial router logits [M, S, E]) for h = x + delta (see the module
+  docstring); S = router_topk.num_slices(D) unless given. `interpret` None: off GPU."""
   rows, width = x_MD.shape
   experts = router_DE.shape[1]
   if (delta_MD.shape != x_MD.shape or delta_MD.dtype != x_MD.dtype or scale_D.shape != (width,)
@@ -85,17 +89,6 @@ def _check(x_MD, delta_MD, scale_D, router_DE):
                      f"(E a power of two in [8, {router_topk.MAX_EXPERTS}], D a multiple of "
                      f"{router_topk.ROW_CHUNK}); got {x_MD.shape} {x_MD.dtype}, "
                      f"{delta_MD.shape} {delta_MD.dtype}, {scale_D.shape}, {router_DE.shape}")
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "slices", "interpret"))
-def add_norm_router_partials(x_MD: jax.Array, delta_MD: jax.Array, scale_D: jax.Array,
-                             router_DE: jax.Array, *, eps: float, zero_centered: bool = False,
-                             slices: int | None = None, interpret: bool | None = None):
-  """(h, norm(h), float32 partial router logits [M, S, E]) for h = x + delta (see the module
-  docstring); S = router_topk.num_slices(D) unless given. `interpret` None: off GPU."""
-  rows, width = x_MD.shape
-  experts = router_DE.shape[1]
-  _check(x_MD, delta_MD, scale_D, router_DE)
   slices = slices or router_topk.num_slices(width)
   if width % (slices * router_topk.ROW_CHUNK) or slices & (slices - 1):
     raise ValueError(f"slices must be a power of two that cuts the router's {width} rows "
@@ -113,80 +106,19 @@ def add_norm_router_partials(x_MD: jax.Array, delta_MD: jax.Array, scale_D: jax.
   )(x_MD, delta_MD, scale_D, router_DE)
 
 
-def _routing_kernel(x_ref, delta_ref, scale_ref, router_ref, count_ref, h_ref, out_ref,
-                    parts_ref, *select_refs, eps: float, zero_centered: bool, slice_rows: int,
-                    barrier: bool, **pick):
-  """_kernel, then the last of row m's programs to finish selects row m's routing from all
-  of its partials (router_topk.write_selection). count_ref [M + 1] int32 counts each row's
-  programs done; it is 0 between calls (the last program takes its count back), so one
-  buffer serves every call in turn (see add_norm_route_softmax)."""
-  _kernel(x_ref, delta_ref, scale_ref, router_ref, h_ref, out_ref, parts_ref, eps=eps,
-          zero_centered=zero_centered, slice_rows=slice_rows)
-  m, slices = pl.program_id(0), pl.num_programs(1)
-  # Every thread's partials stored before the count: the count's release (one thread, at GPU
-  # scope) then publishes them, and the last program's acquire sees them all. (Interpret mode
-  # runs the programs one after another, and has no barrier.)
-  if barrier:
-    pltriton.debug_barrier()
-  done = pltriton.atomic_add(count_ref, m, jnp.int32(1))
-
-  @pl.when(done == slices - 1)
-  def _select():
-    pltriton.atomic_add(count_ref, m, jnp.asarray(-slices, jnp.int32))
-    # .cg: from L2, where the other programs' partials are, past this SM's L1.
-    parts_SE = pltriton.load(parts_ref.at[m], cache_modifier=".cg")
-    router_topk.write_selection(parts_SE, m, *select_refs, **pick)
-
-
-# The routing's top-k in the norm + router kernel's last program per row, instead of a
-# select kernel of its own after it: one launch and one round of first reads less a MoE layer.
-SELECT_IN_KERNEL = False
-
-
-def _count_buffer(rows: int) -> np.ndarray:
-  """The programs-done counts' initial contents: M zeros, then a 1 no kernel reads. A constant
-  of the program, so a buffer XLA allocates once with the executable; the 1 keeps it from
-  being an all-zeros splat, which XLA may rewrite as a broadcast kernel's fresh output."""
-  return np.concatenate([np.zeros(rows, np.int32), np.ones(1, np.int32)])
-
-
 @functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "top_k", "norm", "plan",
                                              "interpret"))
 def add_norm_route_softmax(x_MD, delta_MD, scale_D, router_DE, *, eps: float,
                            zero_centered: bool, top_k: int, norm: bool, plan: bool = False,
                            interpret: bool | None = None):
   """(h, norm(h), routing): routing as router_topk.route_softmax (plan: route_softmax_plan)
-  of norm(h), the norm and the router product in one kernel; with SELECT_IN_KERNEL the
-  top-k in it too.
-
-  The kernel's programs count themselves done in a buffer that outlives the call: a constant
-  of the program, which the kernel writes though XLA reads it as an input (XLA allocates a
-  constant once with its executable and never rewrites it). The last program of each row
-  restores its count to 0, so the buffer is all zeros between calls, and calls that share it
-  (XLA merges equal constants) run one after another on the device's stream."""
+  of norm(h), the norm and the router product in one kernel."""
   interpret = not platform.on_gpu() if interpret is None else interpret
   if not 1 <= top_k <= router_DE.shape[1]:
     raise ValueError(f"top_k must be in [1, {router_DE.shape[1]}], got {top_k}")
-  if not SELECT_IN_KERNEL:
-    h_MD, normed_MD, parts_MSE = add_norm_router_partials(
-        x_MD, delta_MD, scale_D, router_DE, eps=eps, zero_centered=zero_centered,
-        interpret=interpret)
-    routing = router_topk.select(parts_MSE, x_MD.dtype, router_DE.dtype, top_k=top_k,
-                                 norm=norm, plan=plan, interpret=interpret)
-    return h_MD, normed_MD, routing
-  rows, width = x_MD.shape
-  experts = router_DE.shape[1]
-  _check(x_MD, delta_MD, scale_D, router_DE)
-  slices = router_topk.num_slices(width)
-  row = jax.ShapeDtypeStruct((rows, width), x_MD.dtype)
-  parts = jax.ShapeDtypeStruct((rows, slices, experts), jnp.float32)
-  pick = dict(top_k=top_k, norm=norm, logits_dtype=jnp.result_type(x_MD.dtype, router_DE.dtype))
-  h_MD, normed_MD, _, *selected = pl.pallas_call(
-      functools.partial(_routing_kernel, eps=eps, zero_centered=zero_centered,
-                        slice_rows=width // slices, barrier=not interpret, **pick),
-      out_shape=(row, row, parts) + router_topk.selection_shapes(rows, x_MD.dtype, top_k, plan),
-      grid=(rows, slices),
-      compiler_params=pltriton.CompilerParams(num_warps=router_topk.NUM_WARPS, num_stages=2),
-      interpret=interpret, name="add_norm_route",
-  )(x_MD, delta_MD, scale_D, router_DE, jnp.asarray(_count_buffer(rows)))
-  return h_MD, normed_MD, router_topk.selection(selected, top_k)
+  h_MD, normed_MD, parts_MSE = add_norm_router_partials(
+      x_MD, delta_MD, scale_D, router_DE, eps=eps, zero_centered=zero_centered,
+      interpret=interpret)
+  routing = router_topk.select(parts_MSE, x_MD.dtype, router_DE.dtype, top_k=top_k, norm=norm,
+                               plan=plan, interpret=interpret)
+  return h_MD, normed_MD, routing

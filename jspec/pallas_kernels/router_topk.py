@@ -84,12 +84,11 @@ def _partials_kernel(x_ref, w_ref, out_ref, *, rows: int):
   out_ref[t, s, :] = jnp.sum(acc_CE, axis=0)
 
 
-def _top_k(parts_SE, width: int, *, top_k: int, norm: bool, logits_dtype):
-  """(ids [W] int32, float32 weights [W]) of one token from its partials [S, E], lanes past
-  top_k 0: the partials summed, rounded to the logits' dtype, softmax, the top-k and its
-  renormalisation."""
-  experts = parts_SE.shape[1]
-  logits_E = jnp.sum(parts_SE, axis=0).astype(logits_dtype).astype(jnp.float32)
+def _top_k(parts_ref, t, width: int, *, top_k: int, norm: bool, logits_dtype):
+  """(ids [W] int32, float32 weights [W]) of token t, lanes past top_k 0: the partials summed,
+  rounded to the logits' dtype, softmax, the top-k and its renormalisation."""
+  experts = parts_ref.shape[2]
+  logits_E = jnp.sum(parts_ref[t, :, :], axis=0).astype(logits_dtype).astype(jnp.float32)
   top_E = jnp.max(logits_E)
   exp_E = jnp.exp(logits_E - top_E)
   probs_E = exp_E / jnp.sum(exp_E)
@@ -109,30 +108,28 @@ def _top_k(parts_SE, width: int, *, top_k: int, norm: bool, logits_dtype):
   return ids_K, weights_K
 
 
-def write_selection(parts_SE, t, ids_ref, weights_ref, *plan_refs, **pick):
-  """Token t's routing from its partials [S, E] into ids_ref / weights_ref [T, W] (W: top_k
-  rounded up to a power of two, a Triton block); with plan_refs (slot_expert_ref [W],
-  weight_ref [W, R]: one token) also plan_decode's slot_expert_S and weight_SR of it."""
-  ids_K, weights_K = _top_k(parts_SE, ids_ref.shape[1], **pick)
-  weights_K = weights_K.astype(weights_ref.dtype)
+def _select_kernel(parts_ref, ids_ref, weights_ref, **pick):
+  t = pl.program_id(0)
+  # ids_ref's width: top_k rounded up to a power of two (a Triton block)
+  ids_K, weights_K = _top_k(parts_ref, t, ids_ref.shape[1], **pick)
   ids_ref[t, :] = ids_K
-  weights_ref[t, :] = weights_K
-  if not plan_refs:
-    return
-  slot_expert_ref, weight_ref = plan_refs
+  weights_ref[t, :] = weights_K.astype(weights_ref.dtype)
+
+
+def _select_plan_kernel(parts_ref, ids_ref, weights_ref, slot_expert_ref, weight_ref, **pick):
+  """_select_kernel of the one token, and plan_decode's slot_expert_S and weight_SR of it."""
+  ids_K, weights_K = _top_k(parts_ref, 0, ids_ref.shape[1], **pick)
+  weights_K = weights_K.astype(weights_ref.dtype)
+  ids_ref[0, :] = ids_K
+  weights_ref[0, :] = weights_K
   # A pick is an expert in [0, E), or E itself where the logits are not finite (no maximum
   # compares equal): E is plan_decode's slot expert for an invalid id already, with weight 0.
   slot_expert_ref[...] = ids_K
   # As plan_decode reads them: rounded to x's dtype (route_softmax's output), then float32.
-  valid_K = ids_K < parts_SE.shape[1]
+  valid_K = ids_K < parts_ref.shape[2]
   weight_K = jnp.where(valid_K, weights_K.astype(jnp.float32), 0.0)
   column_KR = lax.broadcasted_iota(jnp.int32, weight_ref.shape, 1)
   weight_ref[...] = jnp.where(column_KR == 0, weight_K[:, None], 0.0)
-
-
-def _select_kernel(parts_ref, *out_refs, **pick):
-  t = pl.program_id(0)
-  write_selection(parts_ref[t, :, :], t, *out_refs, **pick)
 
 
 def _router_partials(x_TD: jax.Array, router_DE: jax.Array, top_k: int, slices: int | None,
@@ -158,36 +155,14 @@ def _router_partials(x_TD: jax.Array, router_DE: jax.Array, top_k: int, slices: 
   )(x_TD, router_DE)
 
 
-def selection_shapes(num_tokens: int, x_dtype, top_k: int, plan: bool) -> tuple:
-  """The select kernel's outputs: ids [T, W] int32 and weights [T, W] in x's dtype (W: top_k
-  rounded up to a power of two), and with `plan` (one token) the plan's slot experts [W] and
-  weight columns [W, R]."""
-  width = _pow2(top_k)
-  shapes = (jax.ShapeDtypeStruct((num_tokens, width), jnp.int32),
-            jax.ShapeDtypeStruct((num_tokens, width), x_dtype))
-  if not plan:
-    return shapes
-  if num_tokens != 1:
-    raise ValueError(f"a decode plan is written for one token, got {num_tokens}")
-  return shapes + (jax.ShapeDtypeStruct((width,), jnp.int32),
-                   jax.ShapeDtypeStruct((width, decode_routing.weight_columns(1)), jnp.float32))
-
-
-def selection(outs, top_k: int):
-  """The routing from the select kernel's outputs (selection_shapes'): (ids [T, K], weights
-  [T, K]), and where it wrote a plan, the one token's DecodePlan as route_softmax_plan's."""
-  ids_TW, weights_TW, *plan_outs = outs
-  if ids_TW.shape[1] != top_k:  # the lanes past top_k
-    ids_TW, weights_TW = ids_TW[:, :top_k], weights_TW[:, :top_k]
-  if not plan_outs:
-    return ids_TW, weights_TW
-  slot_expert_W, weight_WR = plan_outs
-  # plan_decode's slot_TK is -1 for an invalid pick only: finite logits give none (a pick of
-  # non-finite ones is expert E with weight 0 above, whose slot adds zeros).
-  decode_plan = DecodePlan(
-      slot_expert_S=slot_expert_W[:top_k], num_slots_1=jnp.full((1,), top_k, jnp.int32),
-      weight_SR=weight_WR[:top_k], slot_TK=jnp.arange(top_k, dtype=jnp.int32)[None])
-  return ids_TW, weights_TW, decode_plan
+def _select_call(kernel, parts_TSE, logits_dtype, out_shape, name: str, *, top_k: int,
+                 norm: bool, interpret: bool):
+  return pl.pallas_call(
+      functools.partial(kernel, top_k=top_k, norm=norm, logits_dtype=logits_dtype),
+      out_shape=out_shape, grid=(parts_TSE.shape[0],),
+      compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      interpret=interpret, name=name,
+  )(parts_TSE)
 
 
 def select(parts_TSE: jax.Array, x_dtype, router_dtype, *, top_k: int, norm: bool,
@@ -195,16 +170,36 @@ def select(parts_TSE: jax.Array, x_dtype, router_dtype, *, top_k: int, norm: boo
   """The select kernel on the router product's float32 partials [T, S, E] of x (x_dtype) and
   the router (router_dtype): (ids [T, K] int32, weights [T, K] in x's dtype), and with `plan`
   (one token) its DecodePlan as route_softmax_plan's."""
+  num_tokens, _, experts = parts_TSE.shape
   # The logits in the dtype XLA's einsum of x and the router would give them.
   logits_dtype = jnp.result_type(x_dtype, router_dtype)
-  outs = pl.pallas_call(
-      functools.partial(_select_kernel, top_k=top_k, norm=norm, logits_dtype=logits_dtype),
-      out_shape=selection_shapes(parts_TSE.shape[0], x_dtype, top_k, plan),
-      grid=(parts_TSE.shape[0],),
-      compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-      interpret=interpret, name="router_select_plan" if plan else "router_select",
-  )(parts_TSE)
-  return selection(outs, top_k)
+  width = _pow2(top_k)
+  pick = dict(top_k=top_k, norm=norm, interpret=interpret)
+  if not plan:
+    ids_TW, weights_TW = _select_call(
+        _select_kernel, parts_TSE, logits_dtype,
+        (jax.ShapeDtypeStruct((num_tokens, width), jnp.int32),
+         jax.ShapeDtypeStruct((num_tokens, width), x_dtype)), "router_select", **pick)
+    if width == top_k:
+      return ids_TW, weights_TW
+    return ids_TW[:, :top_k], weights_TW[:, :top_k]
+  if num_tokens != 1:
+    raise ValueError(f"a decode plan is written for one token, got {num_tokens}")
+  columns = decode_routing.weight_columns(1)
+  ids_1W, weights_1W, slot_expert_W, weight_WR = _select_call(
+      _select_plan_kernel, parts_TSE, logits_dtype,
+      (jax.ShapeDtypeStruct((1, width), jnp.int32), jax.ShapeDtypeStruct((1, width), x_dtype),
+       jax.ShapeDtypeStruct((width,), jnp.int32),
+       jax.ShapeDtypeStruct((width, columns), jnp.float32)), "router_select_plan", **pick)
+  if width != top_k:  # the lanes past top_k
+    ids_1W, weights_1W = ids_1W[:, :top_k], weights_1W[:, :top_k]
+    slot_expert_W, weight_WR = slot_expert_W[:top_k], weight_WR[:top_k]
+  # plan_decode's slot_TK is -1 for an invalid pick only: finite logits give none (a pick of
+  # non-finite ones is expert E with weight 0 above, whose slot adds zeros).
+  decode_plan = DecodePlan(
+      slot_expert_S=slot_expert_W, num_slots_1=jnp.full((1,), top_k, jnp.int32),
+      weight_SR=weight_WR, slot_TK=jnp.arange(top_k, dtype=jnp.int32)[None])
+  return ids_1W, weights_1W, decode_plan
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "norm", "slices", "interpret"))
