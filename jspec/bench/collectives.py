@@ -61,11 +61,15 @@ def counts(found: list[Collective]) -> dict[str, int]:
 
 
 def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | None = None,
-                  kinds=("decode", "verify", "draft", "prefill")) -> dict[str, str]:
+                  kinds=("decode", "verify", "draft", "prefill"), traced: bool = False) -> dict:
   """{kind: optimized HLO text} of one step of each kind, compiled alone for `llm`'s mesh:
   "decode" (1 token per sequence at `context`, its argmax and the cache commit), "verify"
   (k+1 tokens), "draft" (one MTP head step and its argmax; only where the LLM has a head),
-  "prefill" (a chunk of `chunk` tokens from position 0, default the LLM's chunk size)."""
+  "prefill" (a chunk of `chunk` tokens from position 0, default the LLM's chunk size).
+  `traced`: {kind: jax.stages.Traced} instead, nothing lowered or compiled."""
+  def build(jitted, *args):
+    return jitted.trace(*args) if traced else jitted.lower(*args).compile().as_text()
+
   tgd, t_state = nnx.split(llm.target)
   cache_shardings = llm._runner.ctx.cache_shardings
   # The loop's own argmax over the target's and the draft's logits (LoopContext).
@@ -84,13 +88,13 @@ def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | N
       hidden, win = target(tokens_BT, positions_BT, caches, cache_len, llm.experts_fn)
       num_emit_B = jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)
       return argmax(target.logits(hidden)), cache_lib.commit(win, num_emit_B)
-    return jax.jit(step, donate_argnums=1).lower(
-        t_state, abstract_like(caches, cache_shardings), ints(width), ints(width)).compile()
+    return build(jax.jit(step, donate_argnums=1), t_state,
+                 abstract_like(caches, cache_shardings), ints(width), ints(width))
 
   if "decode" in kinds:
-    programs["decode"] = window(1).as_text()
+    programs["decode"] = window(1)
   if "verify" in kinds:
-    programs["verify"] = window(k + 1).as_text()
+    programs["verify"] = window(k + 1)
   if "draft" in kinds and llm.mtp is not None:
     mgd, m_state = nnx.split(llm.mtp)
     cache_len = buckets.cache_bucket(context + 1, 0, llm.max_model_len)
@@ -105,9 +109,8 @@ def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | N
       return draft_argmax(layer.logits(target, normed[:, -1:])), cache
     hidden = jax.ShapeDtypeStruct((batch, 1, llm.config.hidden_size), llm.dtype,
                                   sharding=hidden_spec)
-    programs["draft"] = jax.jit(draft, donate_argnums=2).lower(
-        t_state, m_state, abstract_like(cache, draft_shardings), ints(1), hidden,
-        ints(1)).compile().as_text()
+    programs["draft"] = build(jax.jit(draft, donate_argnums=2), t_state, m_state,
+                              abstract_like(cache, draft_shardings), ints(1), hidden, ints(1))
   if "prefill" in kinds:
     width = chunk or llm.prefill_chunk_size
 
@@ -117,6 +120,5 @@ def step_programs(llm, batch: int, k: int = 3, context: int = 64, chunk: int | N
       hidden, caches = target(tokens_BP, positions_BP, caches, width, llm.experts_fn,
                               seq_lens_B=jnp.full((batch,), width, jnp.int32))
       return argmax(target.logits(hidden[:, -1:])), caches
-    programs["prefill"] = jax.jit(prefill).lower(t_state, ints(width),
-                                                 ints(width)).compile().as_text()
+    programs["prefill"] = build(jax.jit(prefill), t_state, ints(width), ints(width))
   return programs
