@@ -3,8 +3,8 @@
 `step_programs` compiles (or only traces) one step of each kind the decoding loop runs (a decode
 step, a verify window of k+1 tokens, an MTP draft step, a prefill chunk) as its own program,
 exactly as the loop calls the modules; `collectives` lists every collective of an HLO text with
-its element type, shape and bytes. The two give, per mesh, what a step exchanges between devices: the
-table of benchmarks/collectives.py and the budgets of tests/test_collectives.py.
+its element type, shape and bytes. The two give, per mesh, what a step exchanges between
+devices: the table of benchmarks/collectives.py and the budgets of tests/test_collectives.py.
 """
 
 from __future__ import annotations
