@@ -67,8 +67,11 @@ def main():
   base = PRESETS[args.model]
   layer, rest = {}, {}
   for precision in ("bf16", "fp8"):
-    one, two = (counts(cut(base, n, precision == "fp8"), args.kinds, args.batch, args.chunk)
-                for n in (1, 2))
+    try:
+      one, two = (counts(cut(base, n, precision == "fp8"), args.kinds, args.batch, args.chunk)
+                  for n in (1, 2))
+    except ValueError as err:  # e.g. widths that FP8 blocks or its kernels do not take
+      parser.error(f"{args.model} in {precision}: {err}")
     for kind in args.kinds:
       layer[precision, kind] = two[kind] - one[kind]
       rest[precision, kind] = one[kind] - layer[precision, kind]
