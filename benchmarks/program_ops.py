@@ -26,7 +26,7 @@ os.environ.setdefault("JSPEC_PROGRESS", "0")
 import jspec  # noqa: E402
 from jspec.bench.collectives import step_programs  # noqa: E402
 from jspec.bench.presets import PRESETS  # noqa: E402
-from jspec.bench.program_ops import equation_counts  # noqa: E402
+from jspec.bench.program_ops import KERNEL_PRIMITIVES, equation_counts  # noqa: E402
 from jspec.pallas_kernels import platform  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def main():
   for kind in args.kinds:
     for precision in ("bf16", "fp8"):
       per_layer = layer[precision, kind]
-      calls = sum(per_layer[name] for name in ("pallas_call", "mpmd_map", "core_map"))
+      calls = sum(per_layer[name] for name in KERNEL_PRIMITIVES)
       print(f"{kind:8s} {precision:9s} {sum(per_layer.values()):8d} "
             f"{sum(rest[precision, kind].values()):9d} {calls:13d}")
   for kind in args.kinds:

@@ -4,7 +4,6 @@ equations each time they appear; step_programs traces every step kind without co
 
 import jax
 import jax.numpy as jnp
-import pytest
 from jax.experimental import pallas as pl
 
 import jspec
@@ -27,7 +26,8 @@ def test_kernel_bodies_are_left_out_and_nested_jaxprs_counted_where_they_appear(
     y = pl.pallas_call(_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                        interpret=True)(x)
     z = _inner(y) * _inner(y + 1.0)
-    return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1])), (0, z))[1]
+    loop = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1])), (0, z))
+    return loop[1]
 
   found = equation_counts(jax.make_jaxpr(program)(jnp.ones((8, 128), jnp.float32)))
   assert found["pallas_call"] == 1 and found["sin"] == 0  # the kernel's body is not counted
