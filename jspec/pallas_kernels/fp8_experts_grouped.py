@@ -9,11 +9,12 @@ in twice the bytes: both took FP8 MoE prefill to about twice the bf16 time on an
 one expert each (jspec.pallas_kernels.routing, as the bf16 grouped kernels take them), and
 each tile is a slot of the FP8 slot pipeline with its own rows of x:
 
-  x8, s_x   [P, D]   e4m3 and [P, D/128]: the permuted rows quantized per 128 channels
-                     (DeepSeek-V3's act_quant, the checkpoints' "dynamic" activation scheme)
+  x8, s_x   [P, D]   e4m3 and [S, D/128, N]: the permuted rows quantized per 128 channels
+                     (DeepSeek-V3's act_quant, the checkpoints' "dynamic" activation scheme;
+                     jspec.pallas_kernels.quantize_rows)                           (kernel)
   gate, up  [S, F, N] = W_gate[e_s] @ x8_s^T, W_up[e_s] @ x8_s^T   (e4m3 x e4m3 wgmma, each
                      128-K block's sums times the weight block's scale and the rows' scales)
-  act       [P, F]   = silu(gate) * up, quantized again per 128 channels           (XLA)
+  act       [P, F]   = silu(gate) * up (XLA), quantized again per 128 channels   (kernel)
   out       [S, D, N] = W_down[e_s] @ act8_s^T                                     (kernel)
   y         [T, D]   = sum over each token's copies of routing weight x out     (XLA, float32)
 
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 
 from jspec.pallas_kernels import permute, routing
 from jspec.pallas_kernels.fp8_experts import TWO_SUMS_MAX_ROWS, Fp8Experts, slot_products
-from jspec.pallas_kernels.fp8_gemm import BLOCK, quantize_activations
+from jspec.pallas_kernels.quantize_rows import quantize_rows
 
 # Rows per tile (wgmma's N): float32 sums of a 128-column item in registers bound it at 64.
 MAX_TILE_ROWS = 64
@@ -54,10 +55,8 @@ def tile_rows(num_copies: int, num_experts: int) -> int:
 
 def _quantized_tiles(x_PD, num_tiles_max: int, rows: int):
   """(x8 [S, N, D] e4m3, its scales [S, D/128, N])."""
-  x8_PD, scale_PDb = quantize_activations(x_PD)
-  dim = x_PD.shape[1]
-  return (x8_PD.reshape(num_tiles_max, rows, dim),
-          jnp.swapaxes(scale_PDb.reshape(num_tiles_max, rows, dim // BLOCK), 1, 2))
+  x8_PD, scale_SKbN = quantize_rows(x_PD, x_PD.shape[0], rows)
+  return x8_PD.reshape(num_tiles_max, rows, x_PD.shape[1]), scale_SKbN
 
 
 def experts_fp8_grouped(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,

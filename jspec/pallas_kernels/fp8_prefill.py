@@ -38,9 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import decode_gemm, platform
-from jspec.pallas_kernels.fp8_gemm import (BLOCK, E4M3, check_operands, quantize_activations,
-                                           scale_lanes)
+from jspec.pallas_kernels import decode_gemm, platform, quantize_rows
+from jspec.pallas_kernels.fp8_gemm import BLOCK, E4M3, check_operands, scale_lanes
 from jspec.pallas_kernels.shared import smem_transforms
 
 ROW_TILE = 128     # rows of x per work item: wgmma's N
@@ -316,8 +315,8 @@ def fp8_prefill_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
                        tiling: PrefillTiling = PrefillTiling(), splits: int | None = None,
                        warp_specialized: bool | None = None) -> jax.Array:
   """x @ (w8 * scale broadcast over its 128 x 128 blocks).T in x's dtype, x quantized per row
-  and 128 columns to e4m3 first (fp8_gemm.quantize_activations). Any number of rows; K and N
-  in whole blocks.
+  and 128 columns to e4m3 first (fp8_gemm.quantize_activations' values, by the kernel of
+  jspec.pallas_kernels.quantize_rows). Any number of rows; K and N in whole blocks.
 
   warp_specialized: the form of _products_warp_specialized (None: uses_warp_specialized's
   choice); else _products' with `tiling` and `splits` K slices (default: choose_splits)."""
@@ -326,10 +325,9 @@ def fp8_prefill_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
     raise ValueError(f"fp8_prefill_matmul takes K and N in multiples of {BLOCK}, got K={k}, "
                      f"N={n}")
   pad = -m % ROW_TILE
-  x8_MK, act_scale_MKb = quantize_activations(x_MK)
-  # Padded rows are zeros with zero scales: their products are zeros, sliced off below.
-  x8_MK = jnp.pad(x8_MK, ((0, pad), (0, 0)))
-  act_scale_KbM = jnp.pad(act_scale_MKb, ((0, pad), (0, 0))).T
+  # Padded rows are zeros: their products are zeros, sliced off below.
+  x8_MK, act_scale_1KbM = quantize_rows.quantize_rows(x_MK, m + pad)
+  act_scale_KbM = act_scale_1KbM[0]
   if warp_specialized is None:
     warp_specialized = uses_warp_specialized(x_MK.dtype)
   row_tiles = (m + pad) // ROW_TILE
