@@ -15,7 +15,9 @@ Why a kernel: in XLA these are about a dozen operations a product (a reduction w
 consumers read, the divisions, the casts, two pads, a transpose), and XLA's fusion passes over
 them made an FP8 prefill program's compile nearly twice the bf16 one's (BENCHMARKS.md, "Mosaic
 GPU modules emptied at their call sites: …"). As one custom call per product they are one
-operation, compiled once per shape.
+operation, compiled once per shape: on an H200 the FP8 prefill program of Qwen3-30B-A3B spent
+11.0 s in XLA's passes against 13.9, and Qwen3-8B's FP8 prefill took 2.8% less time
+(BENCHMARKS.md, "FP8 prefill: the activations' e4m3 quantisation in one kernel; …").
 """
 
 from __future__ import annotations
