@@ -5,6 +5,11 @@ compile events, then the TPOT of the next two calls and of the three after them.
     python benchmarks/warmup.py --model qwen3-30b-a3b --layers 12
     python benchmarks/warmup.py --model qwen3-30b-a3b --layers 12 --host-events
 
+Each precision runs in a process of its own (`--same-process`: one after the other in this one;
+a process's first compile also pays its one-time costs). `--pass-log` adds XLA's per-pass log
+to those processes and prints, per precision, the longest programs' passes
+(jspec.bench.xla_passes).
+
 `--host-events` traces the warm-up with `jax.profiler` instead (host events only: XLA's passes,
 PTX -> cubin, the Mosaic GPU kernels' compiles) and prints the largest totals by event name;
 events on parallel compile threads overlap, so their totals can exceed the wall time. The
@@ -17,8 +22,11 @@ import argparse
 import collections
 import dataclasses
 import gc
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -31,6 +39,7 @@ import numpy as np  # noqa: E402
 import jspec  # noqa: E402
 from jspec import interrupt  # noqa: E402
 from jspec.bench.presets import PRESETS  # noqa: E402
+from jspec.bench import xla_passes  # noqa: E402
 from jspec.bench.profile import trace_data  # noqa: E402
 from jspec.pallas_kernels import precompile  # noqa: E402
 
@@ -46,6 +55,10 @@ def host_event_totals(trace_dir: str, width: int = 90) -> dict:
           totals[event.name[:width]][1] += event.duration_ns
   return totals
 
+
+# Written to stderr as a precision's warm-up starts: its process's XLA log is read from here on
+# (the weights' random draws compile before it).
+WARM_UP_MARK = "== warm-up starts"
 
 # Event names, "*" ending a prefix. "Compile" alone is a Mosaic GPU kernel's compile.
 TIMELINE = ("lower_sharding_computation", "PjRtCApiClient::CompileAndLoad*", "Compile",
@@ -84,7 +97,7 @@ def compile_events():
   return events
 
 
-def main():
+def parse_args():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(PRESETS))
@@ -92,6 +105,13 @@ def main():
   parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8"],
                       choices=["bf16", "fp8"])
   parser.add_argument("--max-tokens", type=int, default=64)
+  parser.add_argument("--same-process", action="store_true",
+                      help="every precision in this process, one after the other (the first "
+                           "compile of a process also pays its one-time costs)")
+  parser.add_argument("--pass-log", action="store_true",
+                      help="XLA's per-pass log in each precision's process, and its longest "
+                           "programs' passes (jspec.bench.xla_passes)")
+  parser.add_argument("--rows-to", default=None, help=argparse.SUPPRESS)  # a child's rows
   parser.add_argument("--host-events", action="store_true",
                       help="trace the warm-up and print host events by name instead")
   parser.add_argument("--top", type=int, default=40)
@@ -109,7 +129,40 @@ def main():
   parser.add_argument("--no-precompile-at-lowering", action="store_true",
                       help="precompile.AT_LOWERING off: each program's kernels handed over "
                            "once it is lowered, instead of as each custom call is emitted")
-  args = parser.parse_args()
+  return parser.parse_args()
+
+
+def run_apart(args) -> tuple[list, str]:
+  """Each precision in a fresh process of this script (with XLA's pass log where asked): the
+  rows they measured and the device's kind. This process does not touch the GPU. Why apart:
+  the first warm-up of a process also pays the process's one-time costs; Qwen3-30B-A3B bf16
+  (48 layers) took 16.3 s first in a process with FP8 after it, 13.1-13.9 s in its own
+  (BENCHMARKS.md, "FP8 prefill: the activations' e4m3 quantisation in one kernel; …")."""
+  rows, device_kind = [], ""
+  for precision in args.precisions:
+    with tempfile.TemporaryDirectory() as scratch:
+      rows_path, log_path = os.path.join(scratch, "rows.json"), os.path.join(scratch, "log")
+      env = dict(os.environ, **(xla_passes.ENVIRONMENT if args.pass_log else {}))
+      with open(log_path, "w") as log:
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--precisions", precision,
+                        "--rows-to", rows_path], env=env, check=True,
+                       stderr=log if args.pass_log else None)
+      with open(rows_path) as f:
+        measured = json.load(f)
+      rows += [tuple(row) for row in measured["rows"]]
+      device_kind = measured["device_kind"]
+      if args.pass_log:
+        with open(log_path, errors="replace") as log:
+          lines = list(log)
+        warm = lines[next((i for i, line in enumerate(lines) if WARM_UP_MARK in line), 0):]
+        print(f"\n== {precision}: XLA's passes in the warm-up, longest programs first\n"
+              + xla_passes.report(xla_passes.module_passes(warm)), flush=True)
+  return rows, device_kind
+
+
+def measure(args) -> tuple[list, dict]:
+  """Rows (precision, build s, warm-up s, TPOT ms of calls 1-2 and 3-5) and host-event totals
+  by precision, each precision in this process."""
   precompile.ENABLED = not args.no_precompile
   precompile.AT_LOWERING = not args.no_precompile_at_lowering
   interrupt.SIDE_BY_SIDE = not args.one_by_one
@@ -128,6 +181,7 @@ def main():
     built = time.perf_counter() - start
     events.clear()
     trace_dir = tempfile.mkdtemp()
+    print(WARM_UP_MARK, file=sys.stderr, flush=True)
     start = time.perf_counter()
     if args.host_events:
       options = jax.profiler.ProfileOptions()
@@ -160,7 +214,10 @@ def main():
                  1e3 * statistics.median(tpots[2:])))
     del llm
     gc.collect()
+  return rows, traces
 
+
+def print_rows(args, rows, traces, device_kind: str, kernels_line: bool = True):
   if traces:
     names = set().union(*traces.values())
     largest = sorted(names, key=lambda n: -max(t.get(n, [0, 0])[1] for t in traces.values()))
@@ -168,14 +225,14 @@ def main():
     for name in largest[:args.top]:
       print(f"{name:90s} " + " ".join(f"{t.get(name, [0, 0])[1] / 1e9:9.2f} "
                                       f"{t.get(name, [0, 0])[0]:5d}" for t in traces.values()))
-  print(f"\n{jax.devices()[0].device_kind}, {args.model}"
+  print(f"\n{device_kind}, {args.model}"
         f"{f', {args.layers} layers' if args.layers else ''}, batch 1, 512-token prompt, "
         f"{args.max_tokens} new tokens{', traced' if traces else ''}")
   print(f"{'precision':9s} {'build s':>8s} {'warm-up s':>9s} {'TPOT ms, calls 1-2':>19s} "
         f"{'calls 3-5':>10s}")
   for precision, built, warm, first, settled in rows:
     print(f"{precision:9s} {built:8.1f} {warm:9.1f} {first:19.3f} {settled:10.3f}")
-  if precompile.ENABLED:
+  if kernels_line and precompile.ENABLED:
     failed = precompile.stats["failed"]
     print(f"Mosaic GPU kernels compiled ahead: {precompile.stats['compiled']}, failed: "
           f"{len(failed)}{f' (first: {failed[0][:200]})' if failed else ''}")
@@ -183,6 +240,21 @@ def main():
     ratio = lambda i: rows[1][i] / rows[0][i]
     print(f"fp8 / bf16: warm-up {ratio(2):.2f}x, TPOT {ratio(3):.3f}x (calls 1-2), "
           f"{ratio(4):.3f}x (calls 3-5)")
+
+
+def main():
+  args = parse_args()
+  if args.rows_to is None and (args.pass_log or len(args.precisions) > 1
+                               and not args.same_process):
+    rows, device_kind = run_apart(args)
+    print_rows(args, rows, {}, device_kind, kernels_line=False)
+    return
+  rows, traces = measure(args)
+  device_kind = jax.devices()[0].device_kind
+  if args.rows_to is not None:
+    with open(args.rows_to, "w") as f:
+      json.dump({"rows": rows, "device_kind": device_kind}, f)
+  print_rows(args, rows, traces, device_kind)
 
 
 if __name__ == "__main__":
