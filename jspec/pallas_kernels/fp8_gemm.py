@@ -108,7 +108,8 @@ def scale_lanes(scale, lanes: int = SCALE_LANES):
 def quantize_activations(x_MK):
   """(x8 [M, K] e4m3, scale [M, K/128] float32): each row's 128-wide groups scaled so that their
   largest |x| maps to e4m3's 448 (DeepSeek-V3's act_quant; the checkpoints' "dynamic"
-  activation scheme)."""
+  activation scheme). The prefill products take the same values, padded and laid out, from
+  one kernel (jspec.pallas_kernels.quantize_rows)."""
   m, k = x_MK.shape
   groups = x_MK.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
   scale = jnp.maximum(jnp.max(jnp.abs(groups), axis=-1), 1e-12) / E4M3_MAX
