@@ -38,8 +38,8 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec import interrupt  # noqa: E402
-from jspec.bench.presets import PRESETS  # noqa: E402
 from jspec.bench import xla_passes  # noqa: E402
+from jspec.bench.presets import PRESETS  # noqa: E402
 from jspec.bench.profile import trace_data  # noqa: E402
 from jspec.pallas_kernels import precompile  # noqa: E402
 
@@ -144,9 +144,13 @@ def run_apart(args) -> tuple[list, str]:
       rows_path, log_path = os.path.join(scratch, "rows.json"), os.path.join(scratch, "log")
       env = dict(os.environ, **(xla_passes.ENVIRONMENT if args.pass_log else {}))
       with open(log_path, "w") as log:
-        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--precisions", precision,
-                        "--rows-to", rows_path], env=env, check=True,
-                       stderr=log if args.pass_log else None)
+        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--precisions",
+                                precision, "--rows-to", rows_path], env=env,
+                               stderr=log if args.pass_log else None)
+      if child.returncode:
+        with open(log_path, errors="replace") as log:  # empty unless it held stderr
+          sys.exit(f"{precision}'s process failed ({child.returncode})"
+                   + "".join(["; the end of its stderr:\n", *log.readlines()[-30:]]))
       with open(rows_path) as f:
         measured = json.load(f)
       rows += [tuple(row) for row in measured["rows"]]
