@@ -166,6 +166,15 @@ class ModelConfig:
   moe_hidden_padding: int = 0
   moe_intermediate_padding: int = 0
 
+  def __post_init__(self):
+    # A width of 0 or a negative layer count would build an empty or broken model silently.
+    at_least = dict(vocab_size=1, hidden_size=1, num_heads=1, num_kv_heads=1, head_dim=1,
+                    num_layers=0, intermediate_size=0)  # 0: layers / dense MLPs it has none of
+    bad = [f"{name}={getattr(self, name)!r} (at least {least})" for name, least in at_least.items()
+           if type(getattr(self, name)) is not int or getattr(self, name) < least]
+    if bad:
+      raise ValueError(f"{self.architecture} config: {', '.join(bad)} must be integers")
+
   def replace(self, **changes) -> "ModelConfig":
     """dataclasses.replace, where a group's name may also take a dict: the changes to that
     group's fields (`config.replace(moe=dict(num_experts=16))`)."""

@@ -58,3 +58,19 @@ def test_replace_takes_a_groups_changes_as_a_dict():
     tiny.replace(mla=dict(kv_lora_rank=16))
   with pytest.raises(TypeError):
     tiny.replace(moe=dict(num_expert=4))  # a misspelt field is refused, never dropped
+
+
+@pytest.mark.parametrize("field, value", [("num_layers", -5), ("hidden_size", 0),
+                                          ("num_kv_heads", 0), ("head_dim", 64.0),
+                                          ("vocab_size", True), ("intermediate_size", -1)])
+def test_widths_and_counts_out_of_range_are_refused(field, value):
+  with pytest.raises(ValueError, match=f"{field}={value!r}"):
+    PRESETS["tiny-moe"].replace(**{field: value})
+
+
+def test_a_model_without_layers_or_dense_mlps_is_a_config():
+  """Zero layers (a roofline's non-layer bytes) and a zero dense intermediate size (MoE-only
+  families) stay valid."""
+  tiny = PRESETS["tiny-moe"]
+  assert tiny.replace(num_layers=0, layer_types=()).num_layers == 0
+  assert tiny.replace(intermediate_size=0).intermediate_size == 0
