@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import gc
 import json
@@ -143,14 +144,16 @@ def run_apart(args) -> tuple[list, str]:
     with tempfile.TemporaryDirectory() as scratch:
       rows_path, log_path = os.path.join(scratch, "rows.json"), os.path.join(scratch, "log")
       env = dict(os.environ, **(xla_passes.ENVIRONMENT if args.pass_log else {}))
-      with open(log_path, "w") as log:
+      # Its stderr goes to the log where XLA's passes are read from it, else to the terminal.
+      with open(log_path, "w") if args.pass_log else contextlib.nullcontext() as log:
         child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--precisions",
-                                precision, "--rows-to", rows_path], env=env,
-                               stderr=log if args.pass_log else None)
+                                precision, "--rows-to", rows_path], env=env, stderr=log)
       if child.returncode:
-        with open(log_path, errors="replace") as log:  # empty unless it held stderr
-          sys.exit(f"{precision}'s process failed ({child.returncode})"
-                   + "".join(["; the end of its stderr:\n", *log.readlines()[-30:]]))
+        tail = ""
+        if args.pass_log:
+          with open(log_path, errors="replace") as log:
+            tail = "; the end of its stderr:\n" + "".join(log.readlines()[-30:])
+        sys.exit(f"{precision}'s process failed ({child.returncode}){tail}")
       with open(rows_path) as f:
         measured = json.load(f)
       rows += [tuple(row) for row in measured["rows"]]
