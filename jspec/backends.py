@@ -31,7 +31,7 @@ from jspec.models.row_kernels import (resolve_norm_backend, sharded_fp8_qkv_norm
                                       sharded_kv_write, sharded_norm_router, sharded_router,
                                       sharded_qk_norm_rope, sharded_qkv_norm_rope,
                                       sharded_rms_norm, sharded_swiglu)
-from jspec.pallas_kernels import platform
+from jspec.pallas_kernels import fp8_gemm, platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
 from jspec.sharding.rules import axis_size
 from jspec.sharding.tensor_parallel import resolve_all_reduce_backend, tensor_parallel_products
@@ -286,16 +286,20 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
                                             interpret)
         node.norm_router_kernel = sharded_norm_router(mesh, rules, node.top_k,
                                                       node.norm_topk_prob, interpret)
-      if (isinstance(node, Attention) and node.takes_qk_kernel()
-          and node.fp8_projection is None):
-        # FP8 q and k stay with XLA: with their K-slice sum fused into the norms and RoPE
-        # that read them, the kernel plus the fusions it needs to write q, k and v cost
-        # what XLA's fusions cost (one H100, BENCHMARKS.md, "FP8 K-slice sums fused ...").
+      if isinstance(node, Attention) and node.takes_qk_kernel():
         kv_axis = "kv_heads" if node.kv_replicas == 1 else None
         eps = node.q_norm.eps if node.use_qk_norm else 1e-6
         node.qk_kernel = sharded_qk_norm_rope(mesh, rules, kv_axis, eps, node.rope_theta,
                                               interpret)
-        if node.fused_qkv and not node.has_bias:  # the product's slices into the kernel
+        if node.fp8_projection is not None:
+          # Few-row FP8 q and k stay with XLA: with their K-slice sum fused into the norms
+          # and RoPE that read them, the kernel plus the fusions it needs to write q, k and v
+          # cost what XLA's fusions cost (one H100, BENCHMARKS.md, "FP8 K-slice sums fused
+          # ..."). Past those rows (prefill chunks) XLA's q / k norms became two Triton
+          # fusions a layer, which XLA compiles one by one: about 4 s of a 48-layer FP8
+          # warm-up (BENCHMARKS.md, "FP8 prefill's q / k norms ...").
+          node.qk_kernel_above = fp8_gemm.MAX_ROWS
+        elif node.fused_qkv and not node.has_bias:  # the product's slices into the kernel
           slices = (row_kernels.qkv_k_slices() if axis_size(mesh, rules.embed) == 1
                     and axis_size(mesh, rules.head_dim) == 1 else 0)
           node.qkv_kernel = sharded_qkv_norm_rope(mesh, rules, eps, node.rope_theta, interpret,

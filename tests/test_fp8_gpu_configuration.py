@@ -221,7 +221,8 @@ def test_fp8_q_k_v_partials_summed_in_the_norm_kernel_equal_the_scaled_xla_produ
     gpu = _qwen3_llm(norm_backend="pallas")
   attn = gpu.target.layers[0].attn
   assert attn.fp8_qkv_kernel is not None and attn.kv_write is not None
-  assert attn.qk_kernel is None and cpu.target.layers[0].attn.fp8_qkv_kernel is None
+  assert attn.qk_kernel_above == fp8_gemm.MAX_ROWS  # the kernel for more rows only
+  assert cpu.target.layers[0].attn.fp8_qkv_kernel is None
   def summed_products(*args, **kwargs):
     raise AssertionError("q, k and v were summed before the kernel")
 

@@ -18,7 +18,7 @@ from jspec.models.tree_attention import TreeLayout, tree_layout
 from jspec.models.layers import rope
 from jspec.models.moe import MoE
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
-from jspec.pallas_kernels import platform
+from jspec.pallas_kernels import fp8_gemm, platform
 from jspec.pallas_kernels.kv_write import write_kv
 from jspec.pallas_kernels.residual_norm import fits_kernel, rms_norm, row_chunk
 from jspec.pallas_kernels.row_norms import (fits_heads, inv_frequencies, qk_norm_rope,
@@ -459,18 +459,41 @@ def test_router_kernels_on_a_mesh_route_each_shards_tokens():
   assert greedy_token_ids(meshed, PROMPTS, 5) == want
 
 
-def test_fp8_attention_keeps_xla_for_q_and_k(monkeypatch):
-  """Where q and k come from one FP8 kernel call (the Hopper configuration, interpreted here)
-  q / k and the cache writes keep XLA's fusions, into which that call's K-slice sum goes (the
-  kernels measured no faster there); the hidden-size norms take the kernel."""
+def test_fp8_attention_keeps_xla_for_few_rows_of_q_and_k(monkeypatch):
+  """Where q and k of few rows come from one FP8 kernel call (the Hopper configuration,
+  interpreted here) q / k and the cache writes keep XLA's fusions, into which that call's
+  K-slice sum goes (the kernels measured no faster there). Steps of more rows than that kernel
+  takes (prefill chunks, long verify windows) go to the q / k kernel as unquantized layers'
+  do, with XLA's values; the hidden-size norms take the kernel."""
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)
     llm = _llm("qwen3_dense_fp8", "pallas")
-  layer = llm.target.layers[0]
-  assert layer.attn.fp8_projection is not None and layer.attn.qk_kernel is None
-  assert layer.attn.kv_write is None and layer.post_attn_norm.row_kernel is not None
+  layer, cfg = llm.target.layers[0], llm.config
+  attn = layer.attn
+  assert attn.fp8_projection is not None and attn.qk_kernel_above == fp8_gemm.MAX_ROWS
+  assert attn.kv_write is None and layer.post_attn_norm.row_kernel is not None
+  rng = np.random.default_rng(7)
+
+  def norm_and_rope(rows: int):
+    q = jnp.asarray(rng.standard_normal((1, rows, cfg.num_heads, cfg.head_dim)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, rows, cfg.num_kv_heads, cfg.head_dim)),
+                    jnp.float32)
+    positions = jnp.asarray(rng.permutation(4 * rows)[:rows][None], jnp.int32)
+    traced = str(jax.make_jaxpr(attn._norm_and_rope)(q, k, positions))
+    return "qk_norm_rope" in traced, attn._norm_and_rope(q, k, positions), (q, k, positions)
+
+  for rows in (1, fp8_gemm.MAX_ROWS, fp8_gemm.MAX_ROWS + 1, row_kernels.MAX_ROWS,
+               row_kernels.MAX_ROWS + 1):
+    took_kernel, got, args = norm_and_rope(rows)
+    assert took_kernel == (fp8_gemm.MAX_ROWS < rows <= row_kernels.MAX_ROWS), rows
+    kernel, attn.qk_kernel = attn.qk_kernel, None
+    want = attn._norm_and_rope(*args)  # XLA's fusions
+    attn.qk_kernel = kernel
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
   off_hopper = _llm("qwen3_dense_fp8", "pallas").target.layers[0].attn
   assert off_hopper.qk_kernel is not None and off_hopper.kv_write is not None
+  assert off_hopper.qk_kernel_above == 0
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------

@@ -108,20 +108,20 @@ class Attention(nnx.Module):
     # head, the prefill chunks (jspec.models.prefill_attention), set by the LLM: (q [B,T,N,H],
     # cache k, v [B,K,S,H] of the first kv_window slots, positions [B,T]) -> [B,T,N,H], or None.
     self.prefill_attention = None
-    # Optional products for the projections of steps with few rows (jspec.models.projections),
-    # set by the LLM: (x [B, T, K], w [K, N]) -> [B, T, N], and its FP8 form with the block
-    # scale as a third argument. None: XLA's dot.
+    # Optional products for steps with few rows (jspec.models.projections), set by the LLM:
+    # (x [B, T, K], w [K, N]) -> [B, T, N], the FP8 form with the block scale third. None: XLA's.
     self.projection = None
     self.fp8_projection = None
-    # Set inside a traced program before a loop of steps: each FP8 scale repeated over the
-    # kernel's lanes (jspec.models.projections.with_loop_constants), by weight name.
+    # Each FP8 scale repeated over the kernel's lanes, by weight name, set in a program before
+    # a loop of steps (jspec.models.projections.with_loop_constants).
     self.fp8_lanes = None
     # Optional kernels for the q / k norms and RoPE of steps with few rows, set by the LLM
     # (jspec.models.row_kernels): qk_kernel (q, k, positions, q and k norm scales or None) ->
-    # (q, k); qkv_kernel (x, qkv_proj, its product's function, ...) the same on the fused
-    # product or its K slices' partials, v taken out too (fused layers without biases);
-    # fp8_qkv_kernel on one FP8 call's K-slice partials of q, k and v (FP8 layers).
+    # (q, k), for steps of more than qk_kernel_above rows; qkv_kernel (x, qkv_proj, its
+    # product's function, ...) the same on the fused product or its K slices' partials, v too
+    # (fused layers without biases); fp8_qkv_kernel on one FP8 call's K-slice partials.
     self.qk_kernel = self.qkv_kernel = self.fp8_qkv_kernel = None
+    self.qk_kernel_above = 0
     # Optional kernel writing a step's keys and values into the cache, set by the LLM
     # (jspec.models.row_kernels.sharded_kv_write): (keys, values, k, v, positions) -> (keys,
     # values), for steps of few rows. None: two XLA scatters.
@@ -246,8 +246,8 @@ class Attention(nnx.Module):
 
   def _norm_and_rope(self, q_BTNH, k_BTKH, positions_BT):
     """q and k normed over head_dim (where the family does) and rotated: one kernel where
-    `qk_kernel` is set and the step has few rows, else XLA's fusions."""
-    if self.qk_kernel is not None and takes_rows(q_BTNH, ndim=4):
+    `qk_kernel` is set and takes the step's rows, else XLA's fusions."""
+    if self.qk_kernel is not None and takes_rows(q_BTNH, ndim=4, above=self.qk_kernel_above):
       return self.qk_kernel(q_BTNH, k_BTKH, positions_BT, *self._norm_scales())
     if self.use_qk_norm:
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)

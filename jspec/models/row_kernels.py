@@ -61,10 +61,10 @@ def resolve_norm_backend(backend: str) -> str:
   return backend
 
 
-def takes_rows(x, ndim: int) -> bool:
+def takes_rows(x, ndim: int, above: int = 0) -> bool:
   """Whether x is a [B, T, ...] activation of `ndim` axes with few enough rows for the
-  kernels."""
-  return x.ndim == ndim and x.shape[0] * x.shape[1] <= MAX_ROWS
+  kernels (and more than `above`)."""
+  return x.ndim == ndim and above < x.shape[0] * x.shape[1] <= MAX_ROWS
 
 
 def sharded_rms_norm(mesh: Mesh, rules: ShardingRules, eps: float, zero_centered: bool,
