@@ -296,8 +296,8 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
           # and RoPE that read them, the kernel plus the fusions it needs to write q, k and v
           # cost what XLA's fusions cost (one H100, BENCHMARKS.md, "FP8 K-slice sums fused
           # ..."). Past those rows (prefill chunks) XLA's q / k norms became two Triton
-          # fusions a layer, which XLA compiles one by one: about 4 s of a 48-layer FP8
-          # warm-up (BENCHMARKS.md, "FP8 prefill's q / k norms ...").
+          # fusions a layer, which XLA compiles one by one: 2-3 s of a 48-layer FP8 warm-up
+          # (BENCHMARKS.md, "FP8 prefill's q / k norms through the row kernel ...").
           node.qk_kernel_above = fp8_gemm.MAX_ROWS
         elif node.fused_qkv and not node.has_bias:  # the product's slices into the kernel
           slices = (row_kernels.qkv_k_slices() if axis_size(mesh, rules.embed) == 1
