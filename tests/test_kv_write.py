@@ -2,7 +2,7 @@
 (jspec.pallas_kernels.kv_write), against a NumPy reference of the scatter it replaces (each row
 stored at its sequence's slot, rows outside the cache dropped) and against
 jspec.models.caches.write_slots itself. Interpret mode here; the compiled kernel on a GPU
-(marked gpu). Whole models through it: tests/test_row_norms.py (the row-kernel backend)."""
+(marked gpu). Whole models through it: tests/test_row_kernel_models.py (the row-kernel backend)."""
 
 import jax
 import jax.numpy as jnp
