@@ -10,10 +10,12 @@ while its gate / up steps finish, and the programs that have no gate / up item (
 96 such items on 132 SMs) load their down weights from the start.
 
 Down needs a slot's whole activation row: its down items wait for that slot's gate / up items.
-Each gate / up item stores its [N, 64] activations, waits until the store has landed, and raises
-its slot's counter (a semaphore in global memory, zeroed by XLA before every call); a down item
-waits, at its first step, until its slot's counter holds every gate / up item of the slot, then
-loads the slot's activations [N, F] into shared memory once. Only the activations wait: the
+Each down item has a counter (a semaphore in global memory, shared by the grid). Each gate / up
+item stores its [N, 64] activations, waits until the store has landed, and raises the counter
+of every down item of its slot; a down item waits, at its first step, until its counter holds
+every gate / up item of the slot, takes them off (so the counters are zero again after every
+call, whether or not the memory is cleared between calls), then loads the slot's activations
+[N, F] into shared memory once. Only the activations wait: the
 down weights' tiles are loaded ahead like any other. No program waits before its own gate / up
 items are done, and every program of the persistent grid is resident, so the waits end.
 
@@ -111,7 +113,12 @@ def experts_decode_fused(x_TD, w_gate_EDF, w_up_EDF, w_down_EFD,
   sync = platform.on_gpu()  # the counters (see the module docstring)
 
   def body(slot_expert_ref, num_slots_ref, weight_ref, x_ref, wg_ref, wu_ref, wd_ref,
-           act_ref, out_ref, *ready):
+           act_ref, out_ref):
+    # One counter per down item, shared by the grid (a kernel's scratch semaphores would be
+    # each program's own).
+    ready = pl.get_global(plgpu.SemaphoreType.REGULAR((num_slots_max * down_blocks,))) \
+        if sync else None
+
     def scoped(a_smem, b_smem, x_smem, r_smem, act_smem, o_lo, o_hi, loaded, act_loaded):
       sm = lax.axis_index("sm")
       num_slots = num_slots_ref[0]
@@ -185,14 +192,16 @@ def experts_decode_fused(x_TD, w_gate_EDF, w_up_EDF, w_down_EFD,
           if sync:
             plgpu.wait_smem_to_gmem(0)  # landed in global memory, then counted
             _async_proxy_fence()
-            plgpu.semaphore_signal(ready[0].at[slot], 1, memory_scope="gpu")
+            plgpu.semaphore_signal_parallel(*[
+                plgpu.SemaphoreSignal(ready.at[slot * down_blocks + j], device_id=None)
+                for j in range(down_blocks)])
         return sums
 
       def down_step(stage, slot, col, k, sums):
         @pl.when(k == 0)
         def _():
           if sync:
-            plgpu.semaphore_wait(ready[0].at[slot], gate_blocks, decrement=False,
+            plgpu.semaphore_wait(ready.at[slot * down_blocks + col], gate_blocks,
                                  memory_scope="gpu")
             _async_proxy_fence()
           for j in range(down_steps):
@@ -245,7 +254,6 @@ def experts_decode_fused(x_TD, w_gate_EDF, w_up_EDF, w_down_EFD,
                 jax.ShapeDtypeStruct((num_slots_max, n, dim), dtype)),
       grid=(num_programs,),
       grid_names=("sm",),
-      scratch_types=[plgpu.SemaphoreType.REGULAR((num_slots_max,))] if sync else [],
       interpret=platform.interpret_params(),
       kernel_name="moe_decode_fused",
   )
