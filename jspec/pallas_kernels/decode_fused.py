@@ -10,12 +10,13 @@ while its gate / up steps finish, and the programs that have no gate / up item (
 96 such items on 132 SMs) load their down weights from the start.
 
 Down needs a slot's whole activation row: its down items wait for that slot's gate / up items.
-Each down item has a counter (a semaphore in global memory, shared by the grid). Each gate / up
-item stores its [N, 64] activations, waits until the store has landed, and raises the counter
-of every down item of its slot; a down item waits, at its first step, until its counter holds
-every gate / up item of the slot, takes them off (so the counters are zero again after every
-call, whether or not the memory is cleared between calls), then loads the slot's activations
-[N, F] into shared memory once. Only the activations wait: the
+Each slot has a counter (a semaphore in global memory that the grid shares and that Pallas zeroes
+before every call). Each gate / up item stores its [N, 64] activations, waits until the store
+has landed, and adds one to its slot's counter (one release at the GPU's scope: Pallas's
+signal of several semaphores fences each at the system's scope, 16 such fences an item made
+the kernel slower than the two it replaces); a down item reads its slot's counter, at its first
+step, until it holds every gate / up item of the slot, then loads the slot's activations [N, F]
+into shared memory once. Only the activations wait: the
 down weights' tiles are loaded ahead like any other. No program waits before its own gate / up
 items are done, and every program of the persistent grid is resident, so the waits end.
 
@@ -50,9 +51,6 @@ SMEM_BYTES = 224 * 1024
 MAX_STAGES = 5
 # Take the fused kernel (on by default); False: the two kernels.
 FUSED = True
-# How a down item waits: "cas" (take the count off as it is seen), "poll" (plain loads until
-# it is there, then take it off), "none" (no waiting: wrong results, for timing only).
-WAIT = "cas"
 
 
 def _block_k(dim: int, ffn: int) -> int:
@@ -113,14 +111,13 @@ def experts_decode_fused(x_TD, w_gate_EDF, w_up_EDF, w_down_EFD,
   gate_steps, down_steps = dim // bk, ffn // bk
   num_programs = programs or platform.num_sms()
 
-  sync = platform.on_gpu() and WAIT != "none"  # the counters (see the module docstring)
+  sync = platform.on_gpu()  # the counters (see the module docstring)
 
   def body(slot_expert_ref, num_slots_ref, weight_ref, x_ref, wg_ref, wu_ref, wd_ref,
            act_ref, out_ref):
-    # One counter per down item, shared by the grid (a kernel's scratch semaphores would be
-    # each program's own).
-    ready = pl.get_global(plgpu.SemaphoreType.REGULAR((num_slots_max * down_blocks,))) \
-        if sync else None
+    # One counter per slot, shared by the grid (a kernel's scratch semaphores would be each
+    # program's own).
+    ready = pl.get_global(plgpu.SemaphoreType.REGULAR((num_slots_max,))) if sync else None
 
     def scoped(a_smem, b_smem, x_smem, r_smem, act_smem, o_lo, o_hi, loaded, act_loaded):
       sm = lax.axis_index("sm")
@@ -195,20 +192,15 @@ def experts_decode_fused(x_TD, w_gate_EDF, w_up_EDF, w_down_EFD,
           if sync:
             plgpu.wait_smem_to_gmem(0)  # landed in global memory, then counted
             _async_proxy_fence()
-            plgpu.semaphore_signal_parallel(*[
-                plgpu.SemaphoreSignal(ready.at[slot * down_blocks + j], device_id=None)
-                for j in range(down_blocks)])
+            plgpu.semaphore_signal(ready.at[slot], 1, memory_scope="gpu")
         return sums
 
       def down_step(stage, slot, col, k, sums):
         @pl.when(k == 0)
         def _():
           if sync:
-            counter = ready.at[slot * down_blocks + col]
-            plgpu.semaphore_wait(counter, gate_blocks, decrement=WAIT == "cas",
+            plgpu.semaphore_wait(ready.at[slot], gate_blocks, decrement=False,
                                  memory_scope="gpu")
-            if WAIT == "poll":
-              plgpu.semaphore_signal(counter, -gate_blocks, memory_scope="gpu")
             _async_proxy_fence()
           for j in range(down_steps):
             plgpu.copy_gmem_to_smem(act_ref.at[slot, :, pl.ds(j * bk, bk)], act_smem.at[j],
