@@ -20,7 +20,7 @@ import jspec
 from jspec.config import MoEConfig
 from jspec.models.moe import MoE
 from jspec.models.row_kernels import sharded_router
-from jspec.pallas_kernels import decode_fused, decode_routing
+from jspec.pallas_kernels import decode_routing
 from jspec.pallas_kernels.decode_routing import plan_decode
 from jspec.pallas_kernels.experts import experts_pallas
 from jspec.pallas_kernels.fp8_experts import BLOCK, Fp8Experts
@@ -190,20 +190,15 @@ def _computed_from_the_router(operands) -> list:
           if arg.kernel is None and any(k.startswith("router_") for k in arg.kernels)]
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["one_kernel", "two_kernels"])
-def test_no_xla_operation_between_the_top_k_kernel_and_the_expert_kernels(fused, monkeypatch):
-  monkeypatch.setattr(decode_fused, "FUSED", fused)
-  experts_pallas.clear_cache()  # its traces hold the other choice
+def test_no_xla_operation_between_the_top_k_kernel_and_the_expert_kernels():
   moe = _moe(16, 4, jnp.bfloat16)
   x = jnp.ones((1, 1, 128), jnp.bfloat16)
   operands = _expert_kernel_operands(moe, x, experts_pallas)
-  names = ["moe_decode_fused"] if fused else ["moe_decode_down", "moe_decode_gate_up"]
-  assert {name for name, _, _ in operands} == set(names)
+  assert {name for name, _, _ in operands} == {"moe_decode_gate_up", "moe_decode_down"}
   assert _computed_from_the_router(operands) == []
-  # The slot experts (each kernel) and the weight columns (down) come from the kernel as such.
+  # The slot experts (both kernels) and the weight columns (down) come from the kernel as such.
   from_select = [name for name, _, arg in operands if arg.kernel == "router_select_plan"]
-  assert sorted(from_select) == sorted(names + names[:1])
-  experts_pallas.clear_cache()
+  assert sorted(from_select) == ["moe_decode_down", "moe_decode_down", "moe_decode_gate_up"]
   # Through plan_decode (the layer not wired to the kernel's plan) the check sees its kernels.
   assert _computed_from_the_router(_expert_kernel_operands(moe, x, _through_plan_decode))
 

@@ -7,8 +7,7 @@ Two paths, chosen by the static problem size:
       -> down x routing weight (kernel) -> unpermute + combine in float32 (XLA gather)
   decode (T * K up to DECODE_MAX_COPIES, T up to DECODE_MAX_TOKENS):
     slot plan (XLA, no sort) -> gate/up + SwiGLU over all T tokens per selected expert (kernel)
-      -> down x routing weight (kernel) -> combine in float32 (XLA gather); the two kernels
-      as one (jspec.pallas_kernels.decode_fused) where its sizes fit
+      -> down x routing weight (kernel) -> combine in float32 (XLA gather)
 
 Same signature and semantics as `jspec.models.moe_backends.experts_reference`.
 """
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.pallas_kernels.experts_ragged import experts_ragged_dot
-from jspec.pallas_kernels import (decode_fused, decode_gemm, decode_routing, fp8_experts,
+from jspec.pallas_kernels import (decode_gemm, decode_routing, fp8_experts,
                                   fp8_experts_grouped, grouped_gemm, permute, platform,
                                   routing)
 from jspec.pallas_kernels.decode_gemm import DecodeTiling
@@ -87,11 +86,6 @@ def experts_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
   gate_up_tiling, down_tiling = tilings or decode_tilings(dim, ffn)
   plan = decode_routing.plan_unless_given(plan, topk_ids_TK, topk_weights_TK, num_experts)
   tokens_pad = decode_routing.padded_tokens(num_tokens)
-  if tilings is None and decode_fused.FUSED and decode_fused.fits(
-      tokens_pad, dim, ffn, x_TD.dtype, plan.weight_SR.shape[1]):
-    out_SND = decode_fused.experts_decode_fused(x_TD, w_gate_EDF, w_up_EDF, w_down_EFD, plan,
-                                                tokens_pad)
-    return decode_routing.combine_slots(out_SND, plan, x_TD.dtype)
   act_SNF = decode_gemm.gate_up_decode(x_TD, w_gate_EDF, w_up_EDF, plan.slot_expert_S,
                                        plan.num_slots_1, tokens_pad, gate_up_tiling)
   out_SND = decode_gemm.down_decode(act_SNF, w_down_EFD, plan.weight_SR, plan.slot_expert_S,
