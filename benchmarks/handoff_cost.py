@@ -57,26 +57,30 @@ def _proxy_fence():
                           has_side_effects=True)
 
 
-# Jitted: the "kernels" form's calls are one lowering and one Mosaic GPU compile.
-@functools.partial(jax.jit, static_argnames=("wait",))
-def phases_kernel(w, x0, wait: bool):
-  """w [phases, P, tiles, 128, 128] bfloat16, x0 [P, 8, 128]: every phase's results
-  [phases, P, 8, 128], phase p's program s multiplying its tiles with phase p - 1's result of
-  program (s + 1) % P (x0's for phase 0). wait: the counters between phases (GPU only)."""
-  phases, programs, tiles = w.shape[:3]
+# Jitted: the "kernels" form's calls are one lowering and one Mosaic GPU compile (the first
+# phase is an operand, so that no call slices the weights).
+@functools.partial(jax.jit, static_argnames=("phases", "wait"))
+def phases_kernel(w, x0, first_1, phases: int, wait: bool):
+  """w [all phases, P, tiles, 128, 128] bfloat16, x0 [P, 8, 128], first_1 int32 [1]: the
+  results [phases, P, 8, 128] of phases first .. first + phases - 1, program s of each
+  multiplying its tiles with the phase before's result of program (s + 1) % P (x0's for the
+  first). wait: the counters between phases (GPU only)."""
+  _, programs, tiles = w.shape[:3]
   sync = wait and platform.on_gpu()
   tile_t = smem_transforms(TILE, w.dtype)
 
-  def body(w_ref, x0_ref, out_ref):
+  def body(first_ref, w_ref, x0_ref, out_ref):
     counters = pl.get_global(plgpu.SemaphoreType.REGULAR((phases,))) if sync else None
 
     def scoped(w_smem, x_smem, o_smem, loaded, x_loaded):
       sm = lax.axis_index("sm")
       source = lax.rem(sm + 1, jnp.int32(programs))
+      first = first_ref[0]
 
       def fetch(step, slot):
         phase, t = lax.div(step, jnp.int32(tiles)), lax.rem(step, jnp.int32(tiles))
-        plgpu.copy_gmem_to_smem(w_ref.at[phase, sm, t], w_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(w_ref.at[first + phase, sm, t], w_smem.at[slot],
+                                loaded.at[slot])
 
       for step in range(min(STAGES, phases * tiles)):
         fetch(jnp.int32(step), step)
@@ -137,7 +141,7 @@ def phases_kernel(w, x0, wait: bool):
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((phases, programs, ROWS, TILE), x0.dtype),
       grid=(programs,), grid_names=("sm",), interpret=platform.interpret_params(),
-      kernel_name="handoff_phases")(w, x0)
+      kernel_name="handoff_phases")(first_1, w, x0)
 
 
 def one_pass(form: str):
@@ -145,9 +149,10 @@ def one_pass(form: str):
   def run(w, x):
     if form == "kernels":
       for phase in range(w.shape[0]):
-        x = phases_kernel(w[phase:phase + 1], x, wait=False)[0]
+        x = phases_kernel(w, x, jnp.full((1,), phase, jnp.int32), phases=1, wait=False)[0]
       return x
-    return phases_kernel(w, x, wait=form == "persistent")[-1]
+    return phases_kernel(w, x, jnp.zeros((1,), jnp.int32), phases=w.shape[0],
+                         wait=form == "persistent")[-1]
   return run
 
 
