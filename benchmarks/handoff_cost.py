@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import platform
+from jspec.pallas_kernels import decode_gemm, platform
 from jspec.pallas_kernels.shared import smem_transforms
 
 TILE = 128
@@ -114,12 +114,9 @@ def phases_kernel(w, x0, first_1, phases: int, wait: bool):
               functools.partial(fetch, step + STAGES, slot))
           return acc
 
-        zeros = plgpu.layout_cast(jnp.zeros((TILE, ROWS), jnp.float32), plgpu.Layout.WGMMA)
-        acc = lax.fori_loop(jnp.int32(0), jnp.int32(tiles), tile_body, zeros)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_smem.T[...] = acc.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[phase, sm])
+        acc = lax.fori_loop(jnp.int32(0), jnp.int32(tiles), tile_body,
+                            decode_gemm._zeros(1, (TILE, ROWS))[0])
+        decode_gemm._store_transposed(acc, o_smem, out_ref.at[phase, sm])
         if sync:
           plgpu.wait_smem_to_gmem(0)  # landed, then counted
           _proxy_fence()
