@@ -55,14 +55,15 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
                    interleaved: bool = False):
   """Each of a step's `per_step` 128-K blocks' W @ x^T in float32, in fresh accumulators.
 
-  w_smem: [128 columns, per_step x 128] e4m3 as the TMA left it; x_smem: [rows, per_step x
+  w_smem: [128 or 64 columns, per_step x 128] e4m3 as the TMA left it; x_smem: [rows, per_step x
   128], float16 or bfloat16 (the tile is widened to x's type in registers), or e4m3 (both as
   they are). interleaved (on the GPU): each block's tile widened right before its own wgmma,
   which runs while the next block's is widened; else every block's tile first. The few-row
   product kernel below uses it; jspec.pallas_kernels.fp8_experts does not (1.5% slower there,
   BENCHMARKS.md, "Norm kernels' loads before their stores ...")."""
   columns = [pl.ds(j * BLOCK, BLOCK) for j in range(per_step)]
-  accs = [plgpu.ACC((BLOCK, rows)) for _ in columns]
+  out_cols = w_smem.shape[0]  # wgmma's M
+  accs = [plgpu.ACC((out_cols, rows)) for _ in columns]
   if fp8_x:  # e4m3 x e4m3: both operands as the TMA left them
     def mma_fp8(*acc_refs):
       for acc, c in zip(acc_refs, columns):
@@ -104,7 +105,7 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
       return pl.run_scoped(mma, *accs)
   # The interpreter's wgmma reads both operands from shared memory only.
   return pl.run_scoped(mma_from_smem, *[
-      plgpu.SMEM((BLOCK, BLOCK), x_smem.dtype,
+      plgpu.SMEM((out_cols, BLOCK), x_smem.dtype,
                  transforms=smem_transforms(BLOCK, x_smem.dtype)) for _ in columns])
 
 
