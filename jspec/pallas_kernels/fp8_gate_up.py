@@ -49,23 +49,29 @@ class GateUpTiling:
   num_stages: int = 8
 
 
-def fits(w_gate, rows: int, tiling: GateUpTiling = GateUpTiling()) -> bool:
+# The tiling the decode path runs (read at trace time: a benchmark may set another).
+TILING = GateUpTiling()
+
+
+def fits(w_gate, rows: int, tiling: GateUpTiling | None = None) -> bool:
   """Shapes the kernel takes: whole 128-blocks of D, whole items of F, at most MAX_ROWS rows."""
+  tiling = tiling or TILING
   _, ffn, dim = w_gate.w8.shape
   return (rows <= MAX_ROWS and dim % (BLOCK * tiling.blocks_per_step) == 0
           and ffn % tiling.block_cols == 0 and BLOCK % tiling.block_cols == 0)
 
 
-def item_count(num_slots: int, ffn: int, tiling: GateUpTiling = GateUpTiling()) -> int:
+def item_count(num_slots: int, ffn: int, tiling: GateUpTiling | None = None) -> int:
   """Work items of a step of num_slots slots: (slot, column block) pairs."""
-  return num_slots * (ffn // tiling.block_cols)
+  return num_slots * (ffn // (tiling or TILING).block_cols)
 
 
 def gate_up_act(x_ND, w_gate, w_up, slot_expert_S, num_slots_1, rows: int,
-                tiling: GateUpTiling = GateUpTiling()) -> jax.Array:
+                tiling: GateUpTiling | None = None) -> jax.Array:
   """act [S, rows, F] bfloat16 for the used slots (fp8_experts.Fp8Experts w_gate / w_up,
   [E, F, D]); x_ND bfloat16, up to `rows` rows (fp8_gemm.bfloat16_rows': the TMA fills the
   missing rows of a tile with zeros, whose activations are dropped)."""
+  tiling = tiling or TILING
   if x_ND.dtype != jnp.bfloat16:
     raise ValueError(f"gate_up_act takes bfloat16 x, got {x_ND.dtype}")
   if not fits(w_gate, rows, tiling) or w_up.w8.shape != w_gate.w8.shape:
