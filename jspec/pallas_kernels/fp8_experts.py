@@ -17,6 +17,9 @@ all T tokens multiplied, a token that did not pick the expert weighted 0):
   out       [S, D, N] = W_down[e_s] @ act_s^T                     (one kernel)
   y         [T, D]    = sum over each token's slots of weight x out   (XLA, float32)
 
+A bfloat16 step whose (slot, 64-column) items fill the SMs runs gate, up and act as one
+kernel instead (jspec.pallas_kernels.fp8_gate_up: K whole, SwiGLU in its epilogue).
+
 A bfloat16 model's x and act go in as bfloat16, x as it is (no XLA pass over it before the
 kernel; act is rounded to bfloat16 as the model's own MLP would). Other x and act go in as
 float16 with a power-of-two scale per row (exact for bf16 values, float16's 11 bits for the
