@@ -4,6 +4,7 @@ bfloat16, against float64 NumPy on the dequantized weights (e4m3 value x its 128
 scale), within one bfloat16 rounding; the decode path through it against the whole layer. In
 interpret mode here; the GPU runs are marked `gpu`."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -101,6 +102,7 @@ def test_the_decode_path_takes_it_where_its_items_fill_the_sms(monkeypatch):
   qwen_a3b = _fp8(rng, 1, 768, 256, False)  # F = 768: 12 items a slot
   narrow = _fp8(rng, 1, 256, 256, False)    # F = 256 (DeepSeek-V3's at tp = 8): 4 a slot
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  monkeypatch.setattr(fp8_experts, "WHOLE_K_GATE_UP", True)
   assert fp8_experts._whole_k_gate_up(qwen_a3b, 8, 8)      # 96 items
   assert not fp8_experts._whole_k_gate_up(narrow, 8, 8)    # 32 items
   assert fp8_experts._whole_k_gate_up(narrow, 8, 24)       # 96 items: three tokens' slots
@@ -110,7 +112,8 @@ def test_the_decode_path_takes_it_where_its_items_fill_the_sms(monkeypatch):
 
 
 @pytest.mark.parametrize("num_tokens", [1, 4])
-def test_the_layer_through_the_whole_k_kernel_equals_the_k_sliced_path(num_tokens):
+def test_the_layer_through_the_whole_k_kernel_equals_the_k_sliced_path(num_tokens,
+                                                                       monkeypatch):
   """The decode path's output with gate / up through fp8_gate_up against the K-sliced path
   (K in 2 slices, the activation kernel): the same activation up to the order of float32
   additions, so equal within one bfloat16 rounding of act and of y."""
@@ -122,7 +125,10 @@ def test_the_layer_through_the_whole_k_kernel_equals_the_k_sliced_path(num_token
   ids = jnp.asarray(np.stack([rng.choice(experts, top_k, replace=False)
                               for _ in range(num_tokens)]), jnp.int32)
   weights = jnp.asarray(rng.uniform(0.1, 1.0, (num_tokens, top_k)), jnp.float32)
-  whole = fp8_experts.experts_fp8_decode(x, ids, weights, w_gate, w_up, w_down)
+  monkeypatch.setattr(fp8_experts, "WHOLE_K_GATE_UP", True)
+  args = (x, ids, weights, w_gate, w_up, w_down)
+  assert "fp8_experts_gate_up_act" in str(jax.make_jaxpr(fp8_experts.experts_fp8_decode)(*args))
+  whole = fp8_experts.experts_fp8_decode(*args)
   sliced = fp8_experts.experts_fp8_decode(
       x, ids, weights, w_gate, w_up, w_down,
       fp8_experts.Fp8ExpertsTiling(gate_up_splits=2, down_splits=1))

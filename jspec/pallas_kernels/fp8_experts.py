@@ -222,8 +222,9 @@ def _to_float16_slots(act_SNF):
 ACT_KERNEL = True
 # A bfloat16 step's gate / up with SwiGLU in the kernel (jspec.pallas_kernels.fp8_gate_up:
 # whole K per 64-column item, no partials, no activation kernel) where it has at least
-# WHOLE_K_MIN_ITEMS_PER_SM x the SMs' count in items.
-WHOLE_K_GATE_UP = True
+# WHOLE_K_MIN_ITEMS_PER_SM x the SMs' count in items. Off until timed on a GPU against the
+# K-sliced path (BENCHMARKS.md, "FP8 experts' gate / up with SwiGLU in the kernel ...").
+WHOLE_K_GATE_UP = False
 WHOLE_K_MIN_ITEMS_PER_SM = 0.5
 # Tokens (wgmma's N) up to which gate and up share one kernel: each adds a [128, N] float32 sum
 # and a step's products of the same size to a thread's registers.
