@@ -109,6 +109,21 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
                  transforms=smem_transforms(BLOCK, x_smem.dtype)) for _ in columns])
 
 
+def scaled_block_sums(sums, x_smem, w_smems, s_smems, per_step: int, rows: int, lanes: int,
+                      fp8_x: bool = False):
+  """Each sum plus its weight's step: sums[j] + sum over the step's 128-K blocks b of
+  (W_j block b @ x block b^T) x that block's scale, which s_smems[j] holds over `lanes` lanes
+  per block (the lanes' first `rows` read, one per row of x)."""
+  totals = []
+  for total, w_smem, s_smem in zip(sums, w_smems, s_smems):
+    for j, part in enumerate(block_products(w_smem, x_smem, per_step, rows, fp8_x)):
+      scale_N = plgpu.load(s_smem.at[pl.ds(j * lanes, rows)],
+                           layout=plgpu.Layout.WGMMA.reduce(0))
+      total = total + part * lax.broadcast_in_dim(scale_N, part.shape, [1])
+    totals.append(total)
+  return tuple(totals)
+
+
 def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8Tiling):
   """[S, sum of N, R] float32: slice s's sum over its K blocks of (W_block @ x_block^T) *
   scale, for each weight of `w8s_NK` (a tuple of weights with the same K; the output holds

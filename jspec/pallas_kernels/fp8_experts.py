@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.pallas_kernels import (decode_gemm, decode_routing, expert_act, fp8_gate_up,
                                   platform)
-from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, block_products
+from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, scaled_block_sums
 from jspec.pallas_kernels.fp8_gemm import MAX_ROWS, SCALE_LANES, bfloat16_rows, choose_splits
 from jspec.pallas_kernels.shared import dequantize, float16_rows, smem_transforms
 
@@ -175,15 +175,8 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
 
     def accumulate(slot, col, k, sums, smem_refs):
       x_smem, *rest = smem_refs
-      totals = []
-      for total, w_smem, s_smem in zip(sums, rest[:num_weights], rest[num_weights:]):
-        for j, part in enumerate(block_products(w_smem, x_smem, blocks_per_step, rows,
-                                                 fp8_x)):
-          scale_N = plgpu.load(s_smem.at[pl.ds(j * lanes, rows)],
-                               layout=plgpu.Layout.WGMMA.reduce(0))
-          total = total + part * jax.lax.broadcast_in_dim(scale_N, part.shape, [1])
-        totals.append(total)
-      return tuple(totals)
+      return scaled_block_sums(sums, x_smem, rest[:num_weights], rest[num_weights:],
+                               blocks_per_step, rows, lanes, fp8_x)
 
     def epilogue(part, col, sums, smem_refs, o_smem):
       slot, split = slot_and_split(part)

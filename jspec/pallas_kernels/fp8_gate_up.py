@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.pallas_kernels import decode_gemm
-from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, block_products
+from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, scaled_block_sums
 from jspec.pallas_kernels.fp8_gemm import SCALE_LANES
 from jspec.pallas_kernels.shared import silu_mul, smem_transforms
 
@@ -119,14 +119,7 @@ def gate_up_act(x_ND, w_gate, w_up, slot_expert_S, num_slots_1, rows: int,
 
     def accumulate(slot, col, k, sums, smem_refs):
       x_smem, *rest = smem_refs
-      totals = []
-      for total, w_smem, s_smem in zip(sums, rest[:2], rest[2:]):
-        for j, part in enumerate(block_products(w_smem, x_smem, per_step, rows, False)):
-          scale_N = plgpu.load(s_smem.at[pl.ds(j * lanes, rows)],
-                               layout=plgpu.Layout.WGMMA.reduce(0))
-          total = total + part * jax.lax.broadcast_in_dim(scale_N, part.shape, [1])
-        totals.append(total)
-      return tuple(totals)
+      return scaled_block_sums(sums, x_smem, rest[:2], rest[2:], per_step, rows, lanes)
 
     def epilogue(slot, col, sums, smem_refs, o_smem):
       gate, up = sums
