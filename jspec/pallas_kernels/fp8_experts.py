@@ -17,9 +17,6 @@ all T tokens multiplied, a token that did not pick the expert weighted 0):
   out       [S, D, N] = W_down[e_s] @ act_s^T                     (one kernel)
   y         [T, D]    = sum over each token's slots of weight x out   (XLA, float32)
 
-A bfloat16 step whose (slot, 64-column) items fill the SMs runs gate, up and act as one
-kernel instead (jspec.pallas_kernels.fp8_gate_up: K whole, SwiGLU in its epilogue).
-
 A bfloat16 model's x and act go in as bfloat16, x as it is (no XLA pass over it before the
 kernel; act is rounded to bfloat16 as the model's own MLP would). Other x and act go in as
 float16 with a power-of-two scale per row (exact for bf16 values, float16's 11 bits for the
@@ -38,8 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import (decode_gemm, decode_routing, expert_act, fp8_gate_up,
-                                  platform)
+from jspec.pallas_kernels import decode_gemm, decode_routing, expert_act, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, scaled_block_sums
 from jspec.pallas_kernels.fp8_gemm import MAX_ROWS, SCALE_LANES, bfloat16_rows, choose_splits
 from jspec.pallas_kernels.shared import dequantize, float16_rows, smem_transforms
@@ -213,12 +209,6 @@ def _to_float16_slots(act_SNF):
 # A bfloat16 step's activation from the gate / up partials in one kernel
 # (jspec.pallas_kernels.expert_act), where XLA runs two.
 ACT_KERNEL = True
-# A bfloat16 step's gate / up with SwiGLU in the kernel (jspec.pallas_kernels.fp8_gate_up:
-# whole K per 64-column item, no partials, no activation kernel) where it has at least
-# WHOLE_K_MIN_ITEMS_PER_SM x the SMs' count in items. Off until timed on a GPU against the
-# K-sliced path (BENCHMARKS.md, "FP8 experts' gate / up with SwiGLU in the kernel ...").
-WHOLE_K_GATE_UP = False
-WHOLE_K_MIN_ITEMS_PER_SM = 0.5
 # Tokens (wgmma's N) up to which gate and up share one kernel: each adds a [128, N] float32 sum
 # and a step's products of the same size to a thread's registers.
 TWO_SUMS_MAX_ROWS = 32
@@ -273,15 +263,6 @@ def _splits(chosen: int | None, k: int, num_slots_max: int, out: int) -> int:
   return chosen or choose_splits(k, num_slots_max * out, platform.num_sms())
 
 
-def _whole_k_gate_up(w_gate: Fp8Experts, rows: int, num_slots_max: int) -> bool:
-  """Whether gate / up go through fp8_gate_up (WHOLE_K_GATE_UP says why): its shapes, and
-  items enough to keep the SMs' share WHOLE_K_MIN_ITEMS_PER_SM busy without K slices."""
-  ffn = w_gate.w8.shape[1]
-  return (WHOLE_K_GATE_UP and fp8_gate_up.fits(w_gate, rows)
-          and fp8_gate_up.item_count(num_slots_max, ffn)
-          >= WHOLE_K_MIN_ITEMS_PER_SM * platform.num_sms())
-
-
 def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
                        w_up: Fp8Experts, w_down: Fp8Experts,
                        tiling: Fp8ExpertsTiling = Fp8ExpertsTiling(),
@@ -305,11 +286,7 @@ def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
     x_ND = jnp.pad(x16_TD, ((0, rows - num_tokens), (0, 0)))
     x_scale_N = jnp.pad(x_scale_T, (0, rows - num_tokens), constant_values=1.0)
   one_call = rows <= TWO_SUMS_MAX_ROWS
-  if bfloat16 and tiling.gate_up_splits is None and _whole_k_gate_up(w_gate, rows,
-                                                                    num_slots_max):
-    act_in_SNF, act_scale_SN = fp8_gate_up.gate_up_act(
-        x_ND, w_gate, w_up, plan.slot_expert_S, plan.num_slots_1, rows), 1.0
-  elif one_call and bfloat16 and ACT_KERNEL and expert_act.fits(ffn, rows):
+  if one_call and bfloat16 and ACT_KERNEL and expert_act.fits(ffn, rows):
     # The sums, the activation and its rounding in one kernel (expert_act says why).
     parts_WPSFN = slot_products(x_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
                                 tiling.gate_up_blocks, tiling.num_stages,
