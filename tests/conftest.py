@@ -1,6 +1,6 @@
 """Test-wide settings: float32 exactness on CPU, quiet progress, the `gpu` marker's skip,
-compiled programs released before a long-lived worker runs out of memory mappings, and less
-CPU spent outside the tests (the garbage collector's scans, OpenBLAS's idle threads)."""
+compiled programs released before a long-lived worker runs out of memory mappings, and one
+OpenBLAS thread."""
 
 import gc
 import os
@@ -19,14 +19,6 @@ import pytest  # noqa: E402
 import shared_executables  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-# Tracing and compiling allocate Python objects by the million, and the collector's default
-# thresholds (700 allocations a young collection) scanned them often enough to take 7% of a
-# test's CPU samples (perf, 2 cores). The modules imported so far are frozen out of every scan,
-# and young collections come 30x less often: 2.7%. Compiled programs are still collected
-# on time where it matters (release_compiled_programs below collects explicitly).
-gc.freeze()
-gc.set_threshold(20_000, 10, 10)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
