@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from jspec.pallas_kernels import fp8_gemm, platform
-from jspec.pallas_kernels.fp8_gemm import (BLOCK, Fp8Tiling, choose_splits, fits_kernel,
-                                           fp8_matmul, quantize_activations)
+from jspec.pallas_kernels.fp8_block_kernel import BalancedRuns
+from jspec.pallas_kernels.fp8_gemm import (BLOCK, Fp8Tiling, choose_layout, choose_splits,
+                                           fits_kernel, fp8_matmul, quantize_activations)
 
 RUN_SEED = 20261124
 
@@ -152,15 +153,93 @@ def test_products_of_one_x_in_one_call(monkeypatch, rows, k, ns, splits, program
   w8s = tuple(jnp.asarray(w) for w, _ in weights)
   scales = tuple(jnp.asarray(s) for _, s in weights)
   many = fp8_gemm.fp8_matmul_many.__wrapped__(x, w8s, scales, splits=splits)
-  used_splits = splits or choose_splits(k, sum(ns), programs)
+  used_splits, balanced = (splits, False) if splits else choose_layout(k, sum(ns), programs)
   x32 = np.asarray(x, np.float32)
   assert len(many) == len(ns)
   for y, (w8, scale), w8_j, scale_j in zip(many, weights, w8s, scales):
     y = np.asarray(y, np.float32)
     w32 = _dequantized(w8, scale)
     _assert_within_output_rounding(y, x32 @ w32.T, x32, w32)
-    alone = fp8_matmul.__wrapped__(x, w8_j, scale_j, splits=used_splits)
-    np.testing.assert_array_equal(y, np.asarray(alone, np.float32))
+    alone = np.asarray(fp8_matmul.__wrapped__(x, w8_j, scale_j, splits=used_splits), np.float32)
+    if balanced:  # the joined call's runs cut the items elsewhere: other float32 sums
+      _assert_within_output_rounding(y, alone, x32, w32, roundings=2)
+    else:
+      np.testing.assert_array_equal(y, alone)
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_balanced_runs_take_every_step_once_and_number_each_items_partials(case):
+  """BalancedRuns over random item counts, item lengths and programs (more programs than steps
+  too: the last ones idle): the runs tile the steps in order, lengths within one of each
+  other; the programs an
+  item's steps fall in number its partials 0, 1, ... in program order, below `segments`, the
+  least power of two that holds the longest such list."""
+  rng = np.random.default_rng([RUN_SEED, 30, case])
+  items, k_steps = int(rng.integers(1, 300)), int(rng.integers(1, 40))
+  programs = int(rng.integers(1, 2 * items * k_steps + 2)) if case % 4 == 0 else int(
+      rng.integers(1, 140))
+  runs = BalancedRuns(items, k_steps, programs)
+  total = items * k_steps
+  lengths = np.asarray(runs.run_length(jnp.arange(programs, dtype=jnp.int32)))
+  busy = min(programs, total)
+  assert lengths.sum() == total and (lengths[busy:] == 0).all()
+  assert lengths[:busy].min() >= 1 and lengths[:busy].max() - lengths[:busy].min() <= 1
+  program_P, step_P = np.repeat(np.arange(programs), lengths), np.concatenate(
+      [np.arange(n) for n in lengths])
+  item, k_step = (np.asarray(a) for a in runs.item_and_step(jnp.asarray(program_P, jnp.int32),
+                                                            jnp.asarray(step_P, jnp.int32)))
+  np.testing.assert_array_equal(item * k_steps + k_step, np.arange(total))  # each once, in order
+  segment = np.asarray(runs.segment(jnp.asarray(program_P, jnp.int32),
+                                    jnp.asarray(step_P, jnp.int32)))
+  longest = 0
+  for i in range(items):
+    holders = np.unique(program_P[item == i])  # in program order
+    np.testing.assert_array_equal(np.unique(segment[item == i]), np.arange(len(holders)))
+    for slot, holder in enumerate(holders):
+      assert (segment[(item == i) & (program_P == holder)] == slot).all()
+    longest = max(longest, len(holders))
+  assert runs.segments >= longest and runs.segments < 2 * longest
+  assert runs.segments & (runs.segments - 1) == 0
+
+
+def test_balanced_runs_where_slices_leave_rounds_idle():
+  """choose_layout: K slices where they keep 90% of their rounds busy, else balanced runs."""
+  # DeepSeek-V3's dense gate / up on 132 SMs: 288 column blocks, no slice count fills 90%.
+  assert choose_layout(7168, 36864, 132) == (1, True)
+  assert choose_layout(2048, 5120, 132)[1]  # Qwen3-30B-A3B's q / k / v: 81% at 8 slices
+  assert choose_layout(4096, 24576, 132) == (2, False)  # Qwen3-8B's gate / up: 97%
+  assert choose_layout(12288, 4096, 132) == (4, False)
+
+
+# (rows, K, the weights' N, programs): items within one program's run, cut in two, and cut
+# over many programs (more programs than items); one weight and several.
+BALANCED_CASES = [(1, 768, (640,), 3), (3, 1024, (256,), 7), (8, 512, (128, 256, 128), 5),
+                  (1, 2048, (128,), 16), (17, 384, (384,), 2), (2, 1536, (256, 128), 11)]
+
+
+@pytest.mark.parametrize("rows, k, ns, programs", BALANCED_CASES)
+def test_balanced_products_equal_the_dequantized_product(monkeypatch, rows, k, ns, programs):
+  """Balanced runs (fp8_block_kernel.partials(balanced=True)) over `programs` programs: every
+  partial slot written (interpret mode fills unwritten ones with NaN), unused slots zero, and
+  their sum the dequantized product within the bf16 output's rounding."""
+  monkeypatch.setattr(platform, "num_sms", lambda: programs)  # the interpreter runs them all
+  monkeypatch.setattr(fp8_gemm, "choose_layout", lambda k, n, num_sms: (1, True))
+  rng = np.random.default_rng([RUN_SEED, 31, rows, k, *ns])
+  x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+  weights = [_fp8_weight(rng, n, k) for n in ns]
+  w8s = tuple(jnp.asarray(w) for w, _ in weights)
+  scales = tuple(jnp.asarray(s) for _, s in weights)
+  parts_SNR, _ = fp8_gemm.fp8_partials_many.__wrapped__(x, w8s, scales)
+  parts = np.asarray(parts_SNR)
+  per_step = fp8_gemm.default_tiling(rows).blocks_per_step
+  runs = BalancedRuns(sum(ns) // BLOCK, k // BLOCK // per_step, programs)
+  assert parts.shape[0] == runs.segments and np.isfinite(parts).all()
+  x32 = np.asarray(x, np.float32)
+  w32 = np.concatenate([_dequantized(w8, scale) for w8, scale in weights])
+  y = parts.sum(axis=0)[:, :rows].T.astype(ml_dtypes.bfloat16).astype(np.float32)
+  _assert_within_output_rounding(y, x32 @ w32.T, x32, w32)
+  many = fp8_gemm.fp8_matmul_many.__wrapped__(x, w8s, scales)
+  np.testing.assert_array_equal(np.concatenate([np.asarray(m, np.float32) for m in many], 1), y)
 
 
 def test_products_of_one_x_refuse_mismatched_weights():
@@ -179,9 +258,12 @@ def test_products_of_one_x_refuse_mismatched_weights():
 @pytest.mark.gpu
 @pytest.mark.parametrize("activations", ["bfloat16", "float16"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
-@pytest.mark.parametrize("k, n", [(4096, 4096), (12288, 4096), (4096, 1024)])
+@pytest.mark.parametrize("k, n", [(4096, 4096), (12288, 4096), (4096, 1024), (7168, 2176),
+                                  (2048, 5120)])
 def test_gpu_fp8_matmul_at_model_shapes(rows, k, n, activations):
-  """The register form of the kernel (the GPU's), at Qwen3-8B's q/o, down and k/v shapes."""
+  """The register form of the kernel (the GPU's), at Qwen3-8B's q/o, down and k/v shapes, and
+  DeepSeek-V3's q_a + kv_a and Qwen3-30B-A3B's q / k / v (balanced runs on 132 SMs: 17 and 40
+  column blocks)."""
   rng = np.random.default_rng([RUN_SEED, rows, k, n])
   x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
   w8, scale = _fp8_weight(rng, n, k)

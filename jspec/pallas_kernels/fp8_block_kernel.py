@@ -124,10 +124,72 @@ def scaled_block_sums(sums, x_smem, w_smems, s_smems, per_step: int, rows: int, 
   return tuple(totals)
 
 
-def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8Tiling):
+@dataclasses.dataclass(frozen=True)
+class BalancedRuns:
+  """Equal runs of work items' K steps over the programs, in order (`partials(balanced=True)`):
+  program p takes steps [first_step(p), first_step(p + 1)) of the items' num_items x k_steps
+  steps; an item cut between programs leaves a partial in each, program p's in the item's
+  slot `segment(p, step)`. The methods take int32 scalars or arrays (the kernel's indices, or
+  every program at once in a test)."""
+  num_items: int
+  k_steps: int
+  num_programs: int
+
+  @property
+  def total_steps(self) -> int:
+    return self.num_items * self.k_steps
+
+  @property
+  def busy_programs(self) -> int:
+    """Programs with a run: every step its own program where there are fewer steps than
+    programs (the rest idle at the end, so that no idle program sits between an item's)."""
+    return min(self.num_programs, self.total_steps)
+
+  @property
+  def segments(self) -> int:
+    """The partial slots an item needs: the most programs one item's steps fall in, rounded up
+    to a power of two (the q / k norm kernel's readers take a power of two)."""
+    first = np.arange(self.num_items, dtype=np.int64) * self.k_steps
+    owner = lambda step: ((step + 1) * self.busy_programs - 1) // self.total_steps
+    spans = owner(first + self.k_steps - 1) - owner(first) + 1
+    return 1 << int(spans.max() - 1).bit_length()
+
+  def first_step(self, program):
+    busy = jnp.int32(self.busy_programs)
+    return lax.div(jnp.minimum(program, busy) * jnp.int32(self.total_steps), busy)
+
+  def run_length(self, program):
+    return self.first_step(program + 1) - self.first_step(program)
+
+  def item_and_step(self, program, step):
+    """(item, K step within it) of the program's step."""
+    whole = self.first_step(program) + step
+    return lax.div(whole, jnp.int32(self.k_steps)), lax.rem(whole, jnp.int32(self.k_steps))
+
+  def segment(self, program, step):
+    """The slot of the program's partial for its step's item: how many programs before it hold
+    steps of the item (the owner of step t is the last program whose run starts at or before
+    t, so programs with empty runs are skipped)."""
+    item, _ = self.item_and_step(program, step)
+    first = item * jnp.int32(self.k_steps)
+    owner = lax.div((first + 1) * jnp.int32(self.busy_programs) - 1,
+                    jnp.int32(self.total_steps))
+    return program - owner
+
+
+def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8Tiling,
+             balanced: bool = False):
   """[S, sum of N, R] float32: slice s's sum over its K blocks of (W_block @ x_block^T) *
   scale, for each weight of `w8s_NK` (a tuple of weights with the same K; the output holds
   their columns one after another).
+
+  balanced: the items are (weight, 128-column block) over all of K, and each program takes an
+  equal run of the items' K steps in order (`splits` is ignored). Round-robin items leave SMs
+  idle in a last round the items do not fill (DeepSeek-V3's dense gate / up: 288 items on 132
+  SMs, 73% of three rounds, so the product lasts 1.37x its bytes' time); equal runs keep every
+  SM busy to the end (BalancedRuns). An item cut between programs leaves one partial a
+  program in slots 0, 1, ... of its columns, the program that ends it zeroes the slots after
+  its own: S = BalancedRuns.segments, and the sum over S is the product as with K slices.
 
   x_RK: float16 or bfloat16 (up to 8 rows, or a multiple of 8: the TMA fills the rest of the
   padded R rows with zeros), or e4m3 with `act_scale_X` ([K/128 x lanes]: each row's scale per
@@ -152,6 +214,8 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
   fp8_x = act_scale_X is not None
   per_step = tiling.blocks_per_step
   step_k = per_step * BLOCK
+  if balanced:
+    splits = 1
   k_steps = k // splits // step_k
   lanes = scale_rows_NbX[0].shape[1] // (k // BLOCK)
   scale_bytes = per_step * lanes * 4 * (2 if fp8_x else 1)
@@ -165,10 +229,18 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
   # The work items, weight after weight: (weight j, K slice, column block), slices outer.
   item_starts = np.cumsum([0] + [splits * c for c in col_blocks]).tolist()
   col_offsets = np.cumsum([0] + col_blocks).tolist()
+  runs = BalancedRuns(item_starts[-1], k_steps, num_sms) if balanced else None
+  if balanced and runs.total_steps * (runs.busy_programs + 1) >= 2 ** 31:
+    raise ValueError(f"{runs.total_steps} K steps over {num_sms} programs overflow int32 "
+                     f"indices")
+  segments = runs.segments if balanced else splits
 
   def locate(sm, step):
     """(weight, K slice, output column block, K step in the slice) of this program's step."""
-    item = sm + lax.div(step, jnp.int32(k_steps)) * num_sms
+    if balanced:
+      item, step = runs.item_and_step(sm, step)
+    else:
+      item = sm + lax.div(step, jnp.int32(k_steps)) * num_sms
     weight, start, blocks, offset = (jnp.int32(0), jnp.int32(0), jnp.int32(col_blocks[0]),
                                      jnp.int32(0))
     for j in range(1, len(ns)):
@@ -186,9 +258,16 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
     act_ref = weight_refs.pop() if fp8_x else None
     w_refs, s_refs = weight_refs[0::2], weight_refs[1::2]
 
-    def scoped(x_smem, w_smem, s_smem, o_smem, loaded, a_smem=None):
+    def scoped(x_smem, w_smem, s_smem, o_smem, loaded, *extra):
+      a_smem = extra[0] if fp8_x else None
       sm = lax.axis_index("sm")
-      steps = lax.div(item_starts[-1] - sm + (num_sms - 1), jnp.int32(num_sms)) * k_steps
+      if balanced:
+        steps = runs.run_length(sm)
+        z_smem = extra[-1]  # zeros for the slots after an item's last partial
+        z_smem[...] = decode_gemm._zeros(1, z_smem.shape)[0]
+        plgpu.commit_smem()
+      else:
+        steps = lax.div(item_starts[-1] - sm + (num_sms - 1), jnp.int32(num_sms)) * k_steps
 
       def fetch(step, slot):
         weight, split, col, k_step = locate(sm, step)
@@ -230,13 +309,24 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
                                              layout=plgpu.Layout.WGMMA.reduce(0))
             total = total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
         last = k_step == k_steps - 1
+        if balanced:  # an item's end, or this program's run's end inside an item
+          slot_out = runs.segment(sm, step)
+          store = last | (step == steps - 1)
+        else:
+          slot_out, store = split, last
 
-        @pl.when(last)
+        @pl.when(store)
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store read it
           o_smem[...] = total
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem, out_ref.at[split, pl.ds(col * BLOCK, BLOCK)])
+          plgpu.copy_smem_to_gmem(o_smem, out_ref.at[slot_out, pl.ds(col * BLOCK, BLOCK)])
+
+        for later in range(1, segments if balanced else 1):
+          @pl.when(last & (slot_out + later < segments))
+          def _(later=later):
+            plgpu.copy_smem_to_gmem(z_smem, out_ref.at[slot_out + later,
+                                                       pl.ds(col * BLOCK, BLOCK)])
 
         # The slot's products are done (block_products waits for them): refill it.
         pl.when(step + stages < steps)(functools.partial(fetch, step + stages, slot))
@@ -256,11 +346,13 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
         plgpu.SMEM((BLOCK, rows), jnp.float32, transforms=smem_transforms(rows, jnp.float32)),
         plgpu.Barrier(num_arrivals=4 if fp8_x else 3, num_barriers=stages),
         *([lanes_smem] if fp8_x else []),
+        *([plgpu.SMEM((BLOCK, rows), jnp.float32, transforms=smem_transforms(rows, jnp.float32))]
+          if balanced else []),
     )
 
   inputs = (x_RK, *[a for pair in zip(w8s_NK, scale_rows_NbX) for a in pair])
   inputs += (act_scale_X,) if fp8_x else ()
   # Named by shape, so that a profile tells a step's products apart.
-  return decode_gemm._kernel_call(body, (splits, sum(ns), rows), jnp.float32,
+  return decode_gemm._kernel_call(body, (segments, sum(ns), rows), jnp.float32,
                                   f"fp8_block_gemm_{k}x{sum(ns)}",
                                   compiler_params=PROFILE)(*inputs)

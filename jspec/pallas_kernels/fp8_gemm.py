@@ -65,6 +65,24 @@ MIN_ROUND_FILL = 0.9
 MAX_ROUNDS = 4
 
 
+def round_fill(k: int, n: int, num_sms: int, splits: int) -> float:
+  """The share of the persistent grid's rounds that `splits` K slices' items keep busy."""
+  items = splits * (n // BLOCK)
+  return items / (-(-items // num_sms) * num_sms)
+
+
+# Where no K-slice count keeps MIN_ROUND_FILL of the rounds busy, the product's items run as
+# equal runs of K steps over the programs (fp8_block_kernel.BalancedRuns) instead.
+BALANCED = True
+
+
+def choose_layout(k: int, n: int, num_sms: int) -> tuple[int, bool]:
+  """(K slices, balanced): choose_splits' slices where they fill MIN_ROUND_FILL of their
+  rounds, else balanced runs (when BALANCED)."""
+  splits = choose_splits(k, n, num_sms)
+  return splits, BALANCED and round_fill(k, n, num_sms, splits) < MIN_ROUND_FILL
+
+
 def choose_splits(k: int, n: int, num_sms: int) -> int:
   """K slices (a power of two, whole blocks each, at most MAX_ROUNDS rounds of items): the
   fewest whose work items, one per (slice, 128-column block), keep MIN_ROUND_FILL of the
@@ -77,8 +95,7 @@ def choose_splits(k: int, n: int, num_sms: int) -> int:
   k_blocks = k // BLOCK
 
   def fill(splits):
-    items = splits * col_blocks
-    return items / (-(-items // num_sms) * num_sms)
+    return round_fill(k, n, num_sms, splits)
 
   candidates = [1 << i for i in range(k_blocks.bit_length()) if k_blocks % (1 << i) == 0
                 and (i == 0 or (1 << i) * col_blocks <= MAX_ROUNDS * num_sms)]
@@ -223,7 +240,10 @@ def _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
   if activations not in ACTIVATIONS:
     raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
   # The weights' items share the SMs' rounds: the slices are chosen for all their columns.
-  splits = splits or choose_splits(k, sum(ns), platform.num_sms())
+  balanced = False
+  if not splits:
+    splits, balanced = choose_layout(k, sum(ns), platform.num_sms())
+    splits = 1 if balanced else splits  # a balanced item is the whole of K
   if k % (splits * BLOCK):
     raise ValueError(f"K={k} does not split into {splits} slices of whole {BLOCK}-blocks")
   tiling = tiling or default_tiling(m)
@@ -252,4 +272,4 @@ def _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
   else:
     x16_MK, row_scale_M = float16_rows(x_MK)
     x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
-  return partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling), row_scale_M
+  return partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling, balanced), row_scale_M
