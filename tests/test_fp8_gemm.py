@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jspec.pallas_kernels import fp8_gemm, platform
-from jspec.pallas_kernels.fp8_block_kernel import BalancedRuns
+from jspec.pallas_kernels.balanced_runs import BalancedRuns
 from jspec.pallas_kernels.fp8_gemm import (BLOCK, Fp8Tiling, choose_layout, choose_splits,
                                            fits_kernel, fp8_matmul, quantize_activations)
 

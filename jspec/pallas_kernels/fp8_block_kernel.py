@@ -13,8 +13,10 @@ float16's range (exact for bf16 values), the output row by its inverse: that nee
 largest |x|, XLA passes before the kernel that at decode sizes cost about as much as a small
 weight's bytes. Each 128-K step's products land in fresh float32 accumulators and are
 multiplied by that block's scale, so the scale is applied where it is one number. The
-weight's K is cut into S slices so that S x N/128 work items fill the SMs; the S float32
-partials are summed outside (with the row scales of float16 x).
+weight's K is cut into S slices so that S x N/128 work items fill the SMs, or, where no
+slice count fills them, the items' K steps are cut into equal runs, one a program
+(jspec.pallas_kernels.balanced_runs); the S float32 partials are summed outside (with the
+row scales of float16 x).
 Off the GPU (interpret mode, the CPU tests) the widened tile goes through shared memory, as
 the interpreter's wgmma takes no operand in registers; the GPU tests run the register form.
 """
@@ -32,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.pallas_kernels import decode_gemm, decode_routing, platform
+from jspec.pallas_kernels.balanced_runs import BalancedRuns
 from jspec.pallas_kernels.shared import smem_transforms
 
 BLOCK = 128        # the published weight_block_size, both axes
@@ -122,59 +125,6 @@ def scaled_block_sums(sums, x_smem, w_smems, s_smems, per_step: int, rows: int, 
       total = total + part * lax.broadcast_in_dim(scale_N, part.shape, [1])
     totals.append(total)
   return tuple(totals)
-
-
-@dataclasses.dataclass(frozen=True)
-class BalancedRuns:
-  """Equal runs of work items' K steps over the programs, in order (`partials(balanced=True)`):
-  program p takes steps [first_step(p), first_step(p + 1)) of the items' num_items x k_steps
-  steps; an item cut between programs leaves a partial in each, program p's in the item's
-  slot `segment(p, step)`. The methods take int32 scalars or arrays (the kernel's indices, or
-  every program at once in a test)."""
-  num_items: int
-  k_steps: int
-  num_programs: int
-
-  @property
-  def total_steps(self) -> int:
-    return self.num_items * self.k_steps
-
-  @property
-  def busy_programs(self) -> int:
-    """Programs with a run: every step its own program where there are fewer steps than
-    programs (the rest idle at the end, so that no idle program sits between an item's)."""
-    return min(self.num_programs, self.total_steps)
-
-  @property
-  def segments(self) -> int:
-    """The partial slots an item needs: the most programs one item's steps fall in, rounded up
-    to a power of two (the q / k norm kernel's readers take a power of two)."""
-    first = np.arange(self.num_items, dtype=np.int64) * self.k_steps
-    owner = lambda step: ((step + 1) * self.busy_programs - 1) // self.total_steps
-    spans = owner(first + self.k_steps - 1) - owner(first) + 1
-    return 1 << int(spans.max() - 1).bit_length()
-
-  def first_step(self, program):
-    busy = jnp.int32(self.busy_programs)
-    return lax.div(jnp.minimum(program, busy) * jnp.int32(self.total_steps), busy)
-
-  def run_length(self, program):
-    return self.first_step(program + 1) - self.first_step(program)
-
-  def item_and_step(self, program, step):
-    """(item, K step within it) of the program's step."""
-    whole = self.first_step(program) + step
-    return lax.div(whole, jnp.int32(self.k_steps)), lax.rem(whole, jnp.int32(self.k_steps))
-
-  def segment(self, program, step):
-    """The slot of the program's partial for its step's item: how many programs before it hold
-    steps of the item (the owner of step t is the last program whose run starts at or before
-    t, so programs with empty runs are skipped)."""
-    item, _ = self.item_and_step(program, step)
-    first = item * jnp.int32(self.k_steps)
-    owner = lax.div((first + 1) * jnp.int32(self.busy_programs) - 1,
-                    jnp.int32(self.total_steps))
-    return program - owner
 
 
 def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8Tiling,
