@@ -72,7 +72,7 @@ def round_fill(k: int, n: int, num_sms: int, splits: int) -> float:
 
 
 # Where no K-slice count keeps MIN_ROUND_FILL of the rounds busy, the product's items run as
-# equal runs of K steps over the programs (fp8_block_kernel.BalancedRuns) instead.
+# equal runs of K steps over the programs (balanced_runs.BalancedRuns) instead.
 BALANCED = True
 
 
