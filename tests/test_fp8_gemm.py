@@ -242,6 +242,25 @@ def test_balanced_products_equal_the_dequantized_product(monkeypatch, rows, k, n
   np.testing.assert_array_equal(np.concatenate([np.asarray(m, np.float32) for m in many], 1), y)
 
 
+@pytest.mark.parametrize("activations", ["float16", "e4m3"])
+def test_balanced_runs_on_the_other_activation_routes(monkeypatch, activations):
+  """float16 x (row scales applied after the sum) and e4m3 x (the rows' scales in the kernel's
+  lanes) through balanced runs over 5 programs: the K-sliced call's result, within two
+  roundings of the bf16 output (the partials are summed in another grouping)."""
+  monkeypatch.setattr(platform, "num_sms", lambda: 5)
+  rng = np.random.default_rng([RUN_SEED, 32, len(activations)])
+  x = jnp.asarray(rng.standard_normal((3, 768)) * 10.0 ** rng.uniform(-2, 2, (3, 1)),
+                  jnp.bfloat16)
+  w8, scale = _fp8_weight(rng, 640, 768)
+  sliced = np.asarray(fp8_matmul.__wrapped__(x, jnp.asarray(w8), jnp.asarray(scale), splits=1,
+                                             activations=activations), np.float32)
+  monkeypatch.setattr(fp8_gemm, "choose_layout", lambda k, n, num_sms: (1, True))
+  balanced = np.asarray(fp8_matmul.__wrapped__(x, jnp.asarray(w8), jnp.asarray(scale),
+                                               activations=activations), np.float32)
+  x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
+  _assert_within_output_rounding(balanced, sliced, x32, w32, roundings=2)
+
+
 def test_products_of_one_x_refuse_mismatched_weights():
   x = jnp.ones((2, 256), jnp.bfloat16)
   w8 = jnp.ones((128, 256), jnp.float8_e4m3fn)
