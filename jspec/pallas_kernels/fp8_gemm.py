@@ -65,7 +65,7 @@ MIN_ROUND_FILL = 0.9
 MAX_ROUNDS = 4
 
 
-def round_fill(k: int, n: int, num_sms: int, splits: int) -> float:
+def round_fill(n: int, num_sms: int, splits: int) -> float:
   """The share of the persistent grid's rounds that `splits` K slices' items keep busy."""
   items = splits * (n // BLOCK)
   return items / (-(-items // num_sms) * num_sms)
@@ -80,7 +80,7 @@ def choose_layout(k: int, n: int, num_sms: int) -> tuple[int, bool]:
   """(K slices, balanced): choose_splits' slices where they fill MIN_ROUND_FILL of their
   rounds, else balanced runs (when BALANCED)."""
   splits = choose_splits(k, n, num_sms)
-  return splits, BALANCED and round_fill(k, n, num_sms, splits) < MIN_ROUND_FILL
+  return splits, BALANCED and round_fill(n, num_sms, splits) < MIN_ROUND_FILL
 
 
 def choose_splits(k: int, n: int, num_sms: int) -> int:
@@ -93,14 +93,10 @@ def choose_splits(k: int, n: int, num_sms: int) -> int:
   time for 1.45 items' work; two slices give 384 half-length items, three rounds 97% full."""
   col_blocks = n // BLOCK
   k_blocks = k // BLOCK
-
-  def fill(splits):
-    return round_fill(k, n, num_sms, splits)
-
   candidates = [1 << i for i in range(k_blocks.bit_length()) if k_blocks % (1 << i) == 0
                 and (i == 0 or (1 << i) * col_blocks <= MAX_ROUNDS * num_sms)]
-  good = [s for s in candidates if fill(s) >= MIN_ROUND_FILL]
-  return min(good) if good else max(candidates, key=lambda s: (fill(s), -s))
+  good = [s for s in candidates if round_fill(n, num_sms, s) >= MIN_ROUND_FILL]
+  return min(good) if good else max(candidates, key=lambda s: (round_fill(n, num_sms, s), -s))
 
 
 def bfloat16_rows(x_MK):
