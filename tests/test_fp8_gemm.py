@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jspec.pallas_kernels import fp8_block_kernel, fp8_gemm, platform
+from jspec.pallas_kernels import fp8_gemm, platform
 from jspec.pallas_kernels.balanced_runs import BalancedRuns
 from jspec.pallas_kernels.fp8_gemm import (BLOCK, Fp8Tiling, choose_layout, choose_splits,
                                            fits_kernel, fp8_matmul, quantize_activations)
@@ -261,39 +261,6 @@ def test_balanced_runs_on_the_other_activation_routes(monkeypatch, activations):
   _assert_within_output_rounding(balanced, sliced, x32, w32, roundings=2)
 
 
-# (rows, K, the weights' N, K slices or None: balanced, programs, activation route).
-BLOCK_WAIT_CASES = [(1, 1024, (384,), 2, 3, "bfloat16"), (3, 768, (640,), None, 5, "bfloat16"),
-                    (8, 512, (128, 256), 1, 4, "float16"), (2, 1024, (256,), 2, 3, "e4m3"),
-                    (16, 512, (256, 128), None, 3, "e4m3")]
-
-
-@pytest.mark.parametrize("rows, k, ns, splits, programs, activations", BLOCK_WAIT_CASES)
-def test_each_block_behind_its_own_barrier_gives_the_same_products(monkeypatch, rows, k, ns,
-                                                                    splits, programs,
-                                                                    activations):
-  """fp8_block_kernel.BLOCK_WAITS: a step's two 128-K blocks loaded into their own tiles, each
-  waited for on its own, multiply the same values in the same order: the partials equal the
-  one-barrier form's bit for bit (K slices and balanced runs, every route)."""
-  monkeypatch.setattr(platform, "num_sms", lambda: programs)  # the interpreter runs them all
-  if splits is None:
-    monkeypatch.setattr(fp8_gemm, "choose_layout", lambda k, n, num_sms: (1, True))
-  rng = np.random.default_rng([RUN_SEED, 41, rows, k, *ns])
-  x = jnp.asarray(rng.standard_normal((rows, k)) * 10.0 ** rng.uniform(-2, 2, (rows, 1)),
-                  jnp.bfloat16)
-  weights = [_fp8_weight(rng, n, k) for n in ns]
-  w8s = tuple(jnp.asarray(w) for w, _ in weights)
-  scales = tuple(jnp.asarray(s) for _, s in weights)
-  assert fp8_gemm.default_tiling(rows).blocks_per_step == 2
-  partials = {}
-  for block_waits in (False, True):
-    monkeypatch.setattr(fp8_block_kernel, "BLOCK_WAITS", block_waits)
-    parts, _ = fp8_gemm.fp8_partials_many.__wrapped__(x, w8s, scales, splits=splits,
-                                                      activations=activations)
-    partials[block_waits] = np.asarray(parts)
-  assert np.isfinite(partials[True]).all()
-  np.testing.assert_array_equal(partials[True], partials[False])
-
-
 def test_products_of_one_x_refuse_mismatched_weights():
   x = jnp.ones((2, 256), jnp.bfloat16)
   w8 = jnp.ones((128, 256), jnp.float8_e4m3fn)
@@ -312,12 +279,10 @@ def test_products_of_one_x_refuse_mismatched_weights():
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
 @pytest.mark.parametrize("k, n", [(4096, 4096), (12288, 4096), (4096, 1024), (7168, 2176),
                                   (2048, 5120)])
-@pytest.mark.parametrize("block_waits", [False, True])
-def test_gpu_fp8_matmul_at_model_shapes(monkeypatch, rows, k, n, activations, block_waits):
+def test_gpu_fp8_matmul_at_model_shapes(rows, k, n, activations):
   """The register form of the kernel (the GPU's), at Qwen3-8B's q/o, down and k/v shapes, and
   DeepSeek-V3's q_a + kv_a and Qwen3-30B-A3B's q / k / v (balanced runs on 132 SMs: 17 and 40
-  column blocks); each step's blocks behind one barrier or their own (BLOCK_WAITS)."""
-  monkeypatch.setattr(fp8_block_kernel, "BLOCK_WAITS", block_waits)
+  column blocks)."""
   rng = np.random.default_rng([RUN_SEED, rows, k, n])
   x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
   w8, scale = _fp8_weight(rng, n, k)

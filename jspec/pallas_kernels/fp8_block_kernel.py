@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +43,6 @@ E4M3 = jnp.float8_e4m3fn
 # profile_dir: each new build of the kernel then writes its first call's timeline of the named
 # scopes below (per program: the prologue, each step's wait and products, the final store).
 PROFILE = None
-# Each 128-K block of a pipeline step behind its own barrier (its tiles in their own shared
-# memory), so that a step's first block is multiplied while its second is still arriving.
-BLOCK_WAITS = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +55,7 @@ class Fp8Tiling:
 
 
 def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
-                   interleaved: bool = False, wait=None):
+                   interleaved: bool = False):
   """Each of a step's `per_step` 128-K blocks' W @ x^T in float32, in fresh accumulators.
 
   w_smem: [128 or 64 columns, per_step x 128] e4m3 as the TMA left it; x_smem: [rows, per_step x
@@ -67,45 +63,32 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
   they are). interleaved (on the GPU): each block's tile widened right before its own wgmma,
   which runs while the next block's is widened; else every block's tile first. The few-row
   product kernel below uses it; jspec.pallas_kernels.fp8_experts does not (1.5% slower there,
-  BENCHMARKS.md, "Norm kernels' loads before their stores ...").
-  wait: where given, the blocks lie apart ([per_step, columns, 128] and [per_step, rows, 128]),
-  each behind its own barrier, and wait(j) runs before block j is read."""
-  if wait is None:
-    columns = [pl.ds(j * BLOCK, BLOCK) for j in range(per_step)]
-    w_view = lambda j: w_smem.at[:, columns[j]]
-    w_tile = lambda j: w_smem[:, columns[j]]
-    x_view = lambda j: x_smem.at[:, columns[j]]
-    wait = lambda j: None
-  else:
-    w_view = lambda j: w_smem.at[j]
-    w_tile = lambda j: w_smem[j]
-    x_view = lambda j: x_smem.at[j]
-  out_cols = w_smem.shape[-2]  # wgmma's M
-  accs = [plgpu.ACC((out_cols, rows)) for _ in range(per_step)]
+  BENCHMARKS.md, "Norm kernels' loads before their stores ...")."""
+  columns = [pl.ds(j * BLOCK, BLOCK) for j in range(per_step)]
+  out_cols = w_smem.shape[0]  # wgmma's M
+  accs = [plgpu.ACC((out_cols, rows)) for _ in columns]
   if fp8_x:  # e4m3 x e4m3: both operands as the TMA left them
     def mma_fp8(*acc_refs):
-      for j, acc in enumerate(acc_refs):
-        wait(j)
-        plgpu.wgmma(acc, w_view(j), x_view(j).T)
+      for acc, c in zip(acc_refs, columns):
+        plgpu.wgmma(acc, w_smem.at[:, c], x_smem.at[:, c].T)
       return tuple(acc[...] for acc in acc_refs)
 
     return pl.run_scoped(mma_fp8, *accs)
 
-  def widen(j):
-    wait(j)
+  def widen(c):
     with jax.named_scope("widen"):
       if x_smem.dtype == jnp.bfloat16:
         # Hopper converts e4m3 to float16 only; float16 -> float32 -> bfloat16 is exact for
         # e4m3's values, subnormals included (2^-9 and up: normal in bfloat16).
-        return w_tile(j).astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
-      return w_tile(j).astype(jnp.float16)
+        return w_smem[:, c].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
+      return w_smem[:, c].astype(jnp.float16)
 
   # Interleaved (on the GPU only), each tile is widened inside the products' loop.
-  w16 = None if interleaved and platform.on_gpu() else [widen(j) for j in range(per_step)]
+  w16 = None if interleaved and platform.on_gpu() else [widen(c) for c in columns]
 
   def mma(*acc_refs):
-    for j, acc in enumerate(acc_refs):
-      plgpu.wgmma(acc, widen(j) if w16 is None else w16[j], x_view(j).T)
+    for j, (acc, c) in enumerate(zip(acc_refs, columns)):
+      plgpu.wgmma(acc, widen(c) if w16 is None else w16[j], x_smem.at[:, c].T)
     return tuple(acc[...] for acc in acc_refs)
 
   def mma_from_smem(*a_smem):
@@ -114,8 +97,8 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
     plgpu.commit_smem()
 
     def mma(*acc_refs):
-      for j, (acc, ref) in enumerate(zip(acc_refs, a_smem)):
-        plgpu.wgmma(acc, ref, x_view(j).T)
+      for acc, ref, c in zip(acc_refs, a_smem, columns):
+        plgpu.wgmma(acc, ref, x_smem.at[:, c].T)
       return tuple(acc[...] for acc in acc_refs)
 
     return pl.run_scoped(mma, *accs)
@@ -126,7 +109,7 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
   # The interpreter's wgmma reads both operands from shared memory only.
   return pl.run_scoped(mma_from_smem, *[
       plgpu.SMEM((out_cols, BLOCK), x_smem.dtype,
-                 transforms=smem_transforms(BLOCK, x_smem.dtype)) for _ in range(per_step)])
+                 transforms=smem_transforms(BLOCK, x_smem.dtype)) for _ in columns])
 
 
 def scaled_block_sums(sums, x_smem, w_smems, s_smems, per_step: int, rows: int, lanes: int,
@@ -201,7 +184,6 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
     raise ValueError(f"{runs.total_steps} K steps over {num_sms} programs overflow int32 "
                      f"indices")
   segments = runs.segments if balanced else splits
-  block_waits = BLOCK_WAITS and per_step > 1
 
   def locate(sm, step):
     """(weight, K slice, output column block, K step in the slice) of this program's step."""
@@ -240,26 +222,20 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
       def fetch(step, slot):
         weight, split, col, k_step = locate(sm, step)
         k_block = split * k_steps + k_step  # in steps of step_k
-        # (first 128-K block, blocks) of each load: the step's, or each block's apart.
-        pieces = ([(k_block * per_step + j, 1) for j in range(per_step)] if block_waits
-                  else [(k_block * per_step, per_step)])
-        for piece, (first, count) in enumerate(pieces):
-          barrier = loaded.at[slot * len(pieces) + piece]
-          x_dst, w_dst = ((x_smem.at[slot, piece], w_smem.at[slot, piece]) if block_waits
-                          else (x_smem.at[slot], w_smem.at[slot]))
-          k_cols = pl.ds(first * BLOCK, count * BLOCK)
-          lanes_k, lanes_dst = (pl.ds(first * lanes, count * lanes),
-                                pl.ds(piece * lanes, count * lanes))
-          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, rows), k_cols], x_dst, barrier)
-          for j, (w_ref, s_ref) in enumerate(zip(w_refs, s_refs)):
-            @pl.when(weight == j)
-            def _(w_ref=w_ref, s_ref=s_ref, j=j):
-              plgpu.copy_gmem_to_smem(w_ref.at[pl.ds((col - col_offsets[j]) * BLOCK, BLOCK),
-                                               k_cols], w_dst, barrier)
-              plgpu.copy_gmem_to_smem(s_ref.at[col - col_offsets[j], lanes_k],
-                                      s_smem.at[slot, lanes_dst], barrier)
-          if fp8_x:
-            plgpu.copy_gmem_to_smem(act_ref.at[lanes_k], a_smem.at[slot, lanes_dst], barrier)
+        barrier = loaded.at[slot]
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, rows), pl.ds(k_block * step_k, step_k)],
+                                x_smem.at[slot], barrier)
+        lanes_k = pl.ds(k_block * (per_step * lanes), per_step * lanes)
+        for j, (w_ref, s_ref) in enumerate(zip(w_refs, s_refs)):
+          @pl.when(weight == j)
+          def _(w_ref=w_ref, s_ref=s_ref):
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds((col - col_offsets[j]) * BLOCK, BLOCK),
+                                             pl.ds(k_block * step_k, step_k)],
+                                    w_smem.at[slot], barrier)
+            plgpu.copy_gmem_to_smem(s_ref.at[col - col_offsets[j], lanes_k], s_smem.at[slot],
+                                    barrier)
+        if fp8_x:
+          plgpu.copy_gmem_to_smem(act_ref.at[lanes_k], a_smem.at[slot], barrier)
 
       with jax.named_scope("prologue"):  # the first `stages` steps' loads
         for step in range(stages):
@@ -267,18 +243,14 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
 
       def run_step(step, total):
         slot = lax.rem(step, jnp.int32(stages))
-        wait = None
-        if block_waits:
-          wait = lambda j: plgpu.barrier_wait(loaded.at[slot * per_step + j])
-        else:
-          with jax.named_scope("wait"):
-            plgpu.barrier_wait(loaded.at[slot])
+        with jax.named_scope("wait"):
+          plgpu.barrier_wait(loaded.at[slot])
         _, split, col, k_step = locate(sm, step)
         with jax.named_scope("products"):
           # Each tile widened before its own product: every tile first made a Qwen3-8B FP8
           # step 2.1-2.8% slower on an H200 (BENCHMARKS.md, "Inside the FP8 few-row kernel").
           for j, part in enumerate(block_products(w_smem.at[slot], x_smem.at[slot], per_step,
-                                                  rows, fp8_x, interleaved=True, wait=wait)):
+                                                  rows, fp8_x, interleaved=True)):
             lanes_j = pl.ds(j * lanes, rows)
             scale_R = plgpu.load(s_smem.at[slot, lanes_j],
                                  layout=plgpu.Layout.WGMMA.reduce(0))
@@ -316,15 +288,13 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
         plgpu.wait_smem_to_gmem(0)
 
     lanes_smem = plgpu.SMEM((stages, per_step * lanes), jnp.float32)
-    # A step's tiles as one block each, or each 128-K block's apart behind its own barrier.
-    blocks, tile_k = ((stages, per_step), BLOCK) if block_waits else ((stages,), step_k)
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((*blocks, rows, tile_k), x_dtype, transforms=smem_transforms(tile_k, x_dtype)),
-        plgpu.SMEM((*blocks, BLOCK, tile_k), E4M3, transforms=smem_transforms(BLOCK, E4M3)),
+        plgpu.SMEM((stages, rows, step_k), x_dtype, transforms=smem_transforms(step_k, x_dtype)),
+        plgpu.SMEM((stages, BLOCK, step_k), E4M3, transforms=smem_transforms(BLOCK, E4M3)),
         lanes_smem,
         plgpu.SMEM((BLOCK, rows), jnp.float32, transforms=smem_transforms(rows, jnp.float32)),
-        plgpu.Barrier(num_arrivals=4 if fp8_x else 3, num_barriers=math.prod(blocks)),
+        plgpu.Barrier(num_arrivals=4 if fp8_x else 3, num_barriers=stages),
         *([lanes_smem] if fp8_x else []),
         *([plgpu.SMEM((BLOCK, rows), jnp.float32, transforms=smem_transforms(rows, jnp.float32))]
           if balanced else []),
