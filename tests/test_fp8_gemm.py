@@ -261,46 +261,6 @@ def test_balanced_runs_on_the_other_activation_routes(monkeypatch, activations):
   _assert_within_output_rounding(balanced, sliced, x32, w32, roundings=2)
 
 
-# (rows, K, the weights' N, K slices or None: balanced, programs, activation route).
-WARP_SPECIALIZED_CASES = [(1, 1024, (384,), 2, 3, "bfloat16"), (3, 768, (640,), None, 5, "bfloat16"),
-                          (8, 512, (128, 256), 1, 4, "float16"), (2, 1024, (256,), 2, 3, "e4m3"),
-                          (16, 512, (256, 128), None, 3, "e4m3"), (40, 256, (128,), 1, 2, "float16")]
-
-
-@pytest.mark.parametrize("rows, k, ns, splits, programs, activations", WARP_SPECIALIZED_CASES)
-def test_warp_specialized_kernel_gives_the_one_warpgroup_kernels_partials(
-    monkeypatch, rows, k, ns, splits, programs, activations):
-  """fp8_gemm.WARP_SPECIALIZED: a warpgroup issuing the loads, two multiplying 64 columns of
-  each item apiece, over the same items, K slices and balanced runs: every partial written,
-  equal to the one-warpgroup kernel's up to float32 rounding (the interpreter's dot of 64
-  columns may sum in another order than of 128), on every activation route."""
-  monkeypatch.setattr(platform, "num_sms", lambda: programs)  # the interpreter runs them all
-  if splits is None:
-    monkeypatch.setattr(fp8_gemm, "choose_layout", lambda k, n, num_sms: (1, True))
-  rng = np.random.default_rng([RUN_SEED, 43, rows, k, *ns])
-  x = jnp.asarray(rng.standard_normal((rows, k)) * 10.0 ** rng.uniform(-2, 2, (rows, 1)),
-                  jnp.bfloat16)
-  weights = [_fp8_weight(rng, n, k) for n in ns]
-  w8s = tuple(jnp.asarray(w) for w, _ in weights)
-  scales = tuple(jnp.asarray(s) for _, s in weights)
-  partials = {}
-  for warp_specialized in (False, True):
-    monkeypatch.setattr(fp8_gemm, "WARP_SPECIALIZED", warp_specialized)
-    parts, row_scale = fp8_gemm.fp8_partials_many.__wrapped__(x, w8s, scales, splits=splits,
-                                                              activations=activations)
-    partials[warp_specialized] = np.asarray(parts)
-  assert partials[True].shape == partials[False].shape and np.isfinite(partials[True]).all()
-  # float32 sums' rounding, per column and row, in the kernel's units (float16 x is scaled
-  # per row by row_scale's inverse).
-  x32 = np.abs(np.asarray(x, np.float32))
-  if row_scale is not None:
-    x32 = x32 / np.asarray(row_scale)[:, None]
-  w32 = np.concatenate([np.abs(_dequantized(w8, scale)) for w8, scale in weights])
-  bound = 1e-6 * (x32 @ w32.T).T  # [N, rows]
-  gap = np.abs(partials[True] - partials[False])[:, :, :rows]
-  assert (gap <= bound[None]).all(), gap.max()
-
-
 def test_products_of_one_x_refuse_mismatched_weights():
   x = jnp.ones((2, 256), jnp.bfloat16)
   w8 = jnp.ones((128, 256), jnp.float8_e4m3fn)
@@ -319,12 +279,10 @@ def test_products_of_one_x_refuse_mismatched_weights():
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
 @pytest.mark.parametrize("k, n", [(4096, 4096), (12288, 4096), (4096, 1024), (7168, 2176),
                                   (2048, 5120)])
-@pytest.mark.parametrize("warp_specialized", [False, True])
-def test_gpu_fp8_matmul_at_model_shapes(monkeypatch, rows, k, n, activations, warp_specialized):
+def test_gpu_fp8_matmul_at_model_shapes(rows, k, n, activations):
   """The register form of the kernel (the GPU's), at Qwen3-8B's q/o, down and k/v shapes, and
   DeepSeek-V3's q_a + kv_a and Qwen3-30B-A3B's q / k / v (balanced runs on 132 SMs: 17 and 40
-  column blocks); one warpgroup or the warp-specialized form (WARP_SPECIALIZED)."""
-  monkeypatch.setattr(fp8_gemm, "WARP_SPECIALIZED", warp_specialized)
+  column blocks)."""
   rng = np.random.default_rng([RUN_SEED, rows, k, n])
   x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
   w8, scale = _fp8_weight(rng, n, k)

@@ -28,14 +28,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import decode_gemm, platform
-from jspec.pallas_kernels.fp8_work_items import BLOCK, E4M3, WorkItems
+from jspec.pallas_kernels import decode_gemm, decode_routing, platform
+from jspec.pallas_kernels.balanced_runs import BalancedRuns
 from jspec.pallas_kernels.shared import smem_transforms
 
+BLOCK = 128        # the published weight_block_size, both axes
+E4M3 = jnp.float8_e4m3fn
 # Set (by benchmarks/fp8_kernel_inside.py) to a plgpu.CompilerParams with profile_space and
 # profile_dir: each new build of the kernel then writes its first call's timeline of the named
 # scopes below (per program: the prologue, each step's wait and products, the final store).
@@ -52,7 +55,7 @@ class Fp8Tiling:
 
 
 def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
-                   interleaved: bool = False, tiles_smem=None):
+                   interleaved: bool = False):
   """Each of a step's `per_step` 128-K blocks' W @ x^T in float32, in fresh accumulators.
 
   w_smem: [128 or 64 columns, per_step x 128] e4m3 as the TMA left it; x_smem: [rows, per_step x
@@ -60,9 +63,7 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
   they are). interleaved (on the GPU): each block's tile widened right before its own wgmma,
   which runs while the next block's is widened; else every block's tile first. The few-row
   product kernel below uses it; jspec.pallas_kernels.fp8_experts does not (1.5% slower there,
-  BENCHMARKS.md, "Norm kernels' loads before their stores ...").
-  tiles_smem: [per_step, columns, 128] of x's type, where the interpreter's widened tiles go
-  (in interpret mode only; allocated here where None, which one warpgroup of several may not)."""
+  BENCHMARKS.md, "Norm kernels' loads before their stores ...")."""
   columns = [pl.ds(j * BLOCK, BLOCK) for j in range(per_step)]
   out_cols = w_smem.shape[0]  # wgmma's M
   accs = [plgpu.ACC((out_cols, rows)) for _ in columns]
@@ -106,8 +107,6 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
     with jax.named_scope("wgmma"):
       return pl.run_scoped(mma, *accs)
   # The interpreter's wgmma reads both operands from shared memory only.
-  if tiles_smem is not None:
-    return mma_from_smem(*[tiles_smem.at[j] for j in range(per_step)])
   return pl.run_scoped(mma_from_smem, *[
       plgpu.SMEM((out_cols, BLOCK), x_smem.dtype,
                  transforms=smem_transforms(BLOCK, x_smem.dtype)) for _ in columns])
@@ -158,9 +157,51 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
   a call more than one pipeline over the weights joined (one H200, BENCHMARKS.md).
   The pipeline is written out here because emit_pipeline loads every operand's tile at every
   step, and an item reads one weight of several."""
-  work = WorkItems.of(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits, tiling, balanced)
-  rows, per_step, stages, fp8_x = work.rows, work.per_step, work.stages, work.fp8_x
-  segments, runs = work.segments, work.runs
+  # wgmma's N: x may have fewer rows (the TMA fills the rest of each tile with zeros).
+  rows, k = decode_routing.padded_tokens(x_RK.shape[0]), x_RK.shape[1]
+  ns = [w.shape[0] for w in w8s_NK]
+  x_dtype = x_RK.dtype
+  fp8_x = act_scale_X is not None
+  per_step = tiling.blocks_per_step
+  step_k = per_step * BLOCK
+  if balanced:
+    splits = 1
+  k_steps = k // splits // step_k
+  lanes = scale_rows_NbX[0].shape[1] // (k // BLOCK)
+  scale_bytes = per_step * lanes * 4 * (2 if fp8_x else 1)
+  stages = decode_gemm._num_stages(
+      decode_gemm.DecodeTiling(BLOCK, step_k, tiling.num_stages),
+      BLOCK * step_k + rows * step_k * x_dtype.itemsize + scale_bytes)
+  decode_gemm._check_aligned(((rows, step_k), x_dtype), ((BLOCK, step_k), E4M3),
+                             ((per_step * lanes,), jnp.float32))
+  num_sms = platform.num_sms()
+  col_blocks = [n // BLOCK for n in ns]
+  # The work items, weight after weight: (weight j, K slice, column block), slices outer.
+  item_starts = np.cumsum([0] + [splits * c for c in col_blocks]).tolist()
+  col_offsets = np.cumsum([0] + col_blocks).tolist()
+  runs = BalancedRuns(item_starts[-1], k_steps, num_sms) if balanced else None
+  if balanced and runs.total_steps * (runs.busy_programs + 1) >= 2 ** 31:
+    raise ValueError(f"{runs.total_steps} K steps over {num_sms} programs overflow int32 "
+                     f"indices")
+  segments = runs.segments if balanced else splits
+
+  def locate(sm, step):
+    """(weight, K slice, output column block, K step in the slice) of this program's step."""
+    if balanced:
+      item, step = runs.item_and_step(sm, step)
+    else:
+      item = sm + lax.div(step, jnp.int32(k_steps)) * num_sms
+    weight, start, blocks, offset = (jnp.int32(0), jnp.int32(0), jnp.int32(col_blocks[0]),
+                                     jnp.int32(0))
+    for j in range(1, len(ns)):
+      later = item >= item_starts[j]
+      weight = jnp.where(later, j, weight)
+      start = jnp.where(later, item_starts[j], start)
+      blocks = jnp.where(later, col_blocks[j], blocks)
+      offset = jnp.where(later, col_offsets[j], offset)
+    local = item - start
+    return (weight, lax.div(local, blocks), offset + lax.rem(local, blocks),
+            lax.rem(step, jnp.int32(k_steps)))
 
   def body(*refs):
     x_ref, *weight_refs, out_ref = refs
@@ -170,13 +211,31 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
     def scoped(x_smem, w_smem, s_smem, o_smem, loaded, *extra):
       a_smem = extra[0] if fp8_x else None
       sm = lax.axis_index("sm")
-      steps = work.steps(sm)
       if balanced:
+        steps = runs.run_length(sm)
         z_smem = extra[-1]  # zeros for the slots after an item's last partial
         z_smem[...] = decode_gemm._zeros(1, z_smem.shape)[0]
         plgpu.commit_smem()
-      fetch = functools.partial(work.fetch, sm, x_ref, w_refs, s_refs, act_ref, x_smem,
-                                w_smem, s_smem, a_smem, loaded)
+      else:
+        steps = lax.div(item_starts[-1] - sm + (num_sms - 1), jnp.int32(num_sms)) * k_steps
+
+      def fetch(step, slot):
+        weight, split, col, k_step = locate(sm, step)
+        k_block = split * k_steps + k_step  # in steps of step_k
+        barrier = loaded.at[slot]
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, rows), pl.ds(k_block * step_k, step_k)],
+                                x_smem.at[slot], barrier)
+        lanes_k = pl.ds(k_block * (per_step * lanes), per_step * lanes)
+        for j, (w_ref, s_ref) in enumerate(zip(w_refs, s_refs)):
+          @pl.when(weight == j)
+          def _(w_ref=w_ref, s_ref=s_ref):
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds((col - col_offsets[j]) * BLOCK, BLOCK),
+                                             pl.ds(k_block * step_k, step_k)],
+                                    w_smem.at[slot], barrier)
+            plgpu.copy_gmem_to_smem(s_ref.at[col - col_offsets[j], lanes_k], s_smem.at[slot],
+                                    barrier)
+        if fp8_x:
+          plgpu.copy_gmem_to_smem(act_ref.at[lanes_k], a_smem.at[slot], barrier)
 
       with jax.named_scope("prologue"):  # the first `stages` steps' loads
         for step in range(stages):
@@ -186,14 +245,20 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
         slot = lax.rem(step, jnp.int32(stages))
         with jax.named_scope("wait"):
           plgpu.barrier_wait(loaded.at[slot])
-        _, split, col, k_step = work.locate(sm, step)
+        _, split, col, k_step = locate(sm, step)
         with jax.named_scope("products"):
           # Each tile widened before its own product: every tile first made a Qwen3-8B FP8
           # step 2.1-2.8% slower on an H200 (BENCHMARKS.md, "Inside the FP8 few-row kernel").
           for j, part in enumerate(block_products(w_smem.at[slot], x_smem.at[slot], per_step,
                                                   rows, fp8_x, interleaved=True)):
-            total = total + part * work.step_scale(s_smem, a_smem, slot, j, part.shape)
-        last = k_step == work.k_steps - 1
+            lanes_j = pl.ds(j * lanes, rows)
+            scale_R = plgpu.load(s_smem.at[slot, lanes_j],
+                                 layout=plgpu.Layout.WGMMA.reduce(0))
+            if fp8_x:
+              scale_R = scale_R * plgpu.load(a_smem.at[slot, lanes_j],
+                                             layout=plgpu.Layout.WGMMA.reduce(0))
+            total = total + part * lax.broadcast_in_dim(scale_R, part.shape, [1])
+        last = k_step == k_steps - 1
         if balanced:  # an item's end, or this program's run's end inside an item
           slot_out = runs.segment(sm, step)
           store = last | (step == steps - 1)
@@ -222,17 +287,22 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
       with jax.named_scope("final_store"):
         plgpu.wait_smem_to_gmem(0)
 
-    buffers = work.stage_buffers()
-    out_tile = plgpu.SMEM((BLOCK, rows), jnp.float32,
-                          transforms=smem_transforms(rows, jnp.float32))
+    lanes_smem = plgpu.SMEM((stages, per_step * lanes), jnp.float32)
     pl.run_scoped(
-        scoped, buffers["x_smem"], buffers["w_smem"], buffers["s_smem"], out_tile,
-        plgpu.Barrier(num_arrivals=work.loads_a_step, num_barriers=stages),
-        *([buffers["a_smem"]] if fp8_x else []), *([out_tile] if balanced else []))
+        scoped,
+        plgpu.SMEM((stages, rows, step_k), x_dtype, transforms=smem_transforms(step_k, x_dtype)),
+        plgpu.SMEM((stages, BLOCK, step_k), E4M3, transforms=smem_transforms(BLOCK, E4M3)),
+        lanes_smem,
+        plgpu.SMEM((BLOCK, rows), jnp.float32, transforms=smem_transforms(rows, jnp.float32)),
+        plgpu.Barrier(num_arrivals=4 if fp8_x else 3, num_barriers=stages),
+        *([lanes_smem] if fp8_x else []),
+        *([plgpu.SMEM((BLOCK, rows), jnp.float32, transforms=smem_transforms(rows, jnp.float32))]
+          if balanced else []),
+    )
 
   inputs = (x_RK, *[a for pair in zip(w8s_NK, scale_rows_NbX) for a in pair])
   inputs += (act_scale_X,) if fp8_x else ()
   # Named by shape, so that a profile tells a step's products apart.
-  return decode_gemm._kernel_call(body, (segments, work.total_n, rows), jnp.float32,
-                                  f"fp8_block_gemm_{work.k}x{work.total_n}",
+  return decode_gemm._kernel_call(body, (segments, sum(ns), rows), jnp.float32,
+                                  f"fp8_block_gemm_{k}x{sum(ns)}",
                                   compiler_params=PROFILE)(*inputs)

@@ -26,9 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.pallas_kernels import decode_gemm, decode_routing, fp8_block_kernel, fp8_ws_kernel
-from jspec.pallas_kernels import platform
-from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, Fp8Tiling
+from jspec.pallas_kernels import decode_gemm, decode_routing, platform
+from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, Fp8Tiling, partials
 from jspec.pallas_kernels.shared import float16_rows
 
 MAX_ROWS = 64      # float32 sums of a 128-column item in registers
@@ -75,9 +74,6 @@ def round_fill(n: int, num_sms: int, splits: int) -> float:
 # Where no K-slice count keeps MIN_ROUND_FILL of the rounds busy, the product's items run as
 # equal runs of K steps over the programs (balanced_runs.BalancedRuns) instead.
 BALANCED = True
-# The kernel with its loads in a warpgroup of their own and two warpgroups widening and
-# multiplying (jspec.pallas_kernels.fp8_ws_kernel says why).
-WARP_SPECIALIZED = False
 
 
 def choose_layout(k: int, n: int, num_sms: int) -> tuple[int, bool]:
@@ -272,6 +268,4 @@ def _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
   else:
     x16_MK, row_scale_M = float16_rows(x_MK)
     x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
-  kernel = fp8_ws_kernel if WARP_SPECIALIZED else fp8_block_kernel
-  return (kernel.partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling, balanced),
-          row_scale_M)
+  return partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling, balanced), row_scale_M
