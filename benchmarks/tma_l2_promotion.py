@@ -20,8 +20,6 @@ import ctypes
 import runpy
 import sys
 
-import numpy as np
-
 PROMOTIONS = {"none": 0, "64": 1, "128": 2, "256": 3}  # CUtensorMapL2promotion
 DESCRIPTOR_BYTES = 128
 
@@ -110,5 +108,4 @@ def main():
 
 
 if __name__ == "__main__":
-  np.set_printoptions(linewidth=120)
   main()
