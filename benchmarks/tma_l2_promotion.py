@@ -16,6 +16,7 @@ experiment, outside the library: every Mosaic GPU kernel the benchmark compiles 
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import runpy
 import sys
@@ -63,12 +64,14 @@ def promotion_bits(promotion: int) -> list[tuple[int, int]]:
 
 def install(bits: list[tuple[int, int]]):
   """Wraps launch_context's func.call: after each mosaic_gpu_init_tma_desc, ORs `bits` into
-  the descriptor's host bytes. Returns the wrapper's undoing."""
+  the descriptor's host bytes. Returns the wrapper's undoing, whose `patched` counts the
+  descriptor builds given the bits."""
   from jax.experimental.mosaic.gpu import launch_context
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import arith, llvm
 
   real = launch_context.func
+  patched = [0]
 
   class Func:
     def __getattr__(self, name):
@@ -85,10 +88,15 @@ def install(bits: list[tuple[int, int]]):
           value = llvm.load(i8, address)
           signed = mask - 256 if mask >= 128 else mask  # an i8 constant's value
           llvm.store(arith.ori(value, arith.constant(i8, signed)), address)
+        patched[0] += 1
       return out
 
   launch_context.func = Func()
-  return lambda: setattr(launch_context, "func", real)
+
+  def undo():
+    launch_context.func = real
+  undo.patched = patched  # how many descriptor builds were given the bits
+  return undo
 
 
 def main():
@@ -99,7 +107,9 @@ def main():
     bits = promotion_bits(promotion)
     print(f"L2 promotion {sys.argv[1]}: descriptor bytes {[(i, hex(m)) for i, m in bits]}",
           flush=True)
-    install(bits)
+    undo = install(bits)
+    atexit.register(lambda: print(f"L2 promotion set in {undo.patched[0]} descriptor builds",
+                                  flush=True))
   else:
     print("L2 promotion none (Mosaic GPU's own)", flush=True)
   script = sys.argv[2]

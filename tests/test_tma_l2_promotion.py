@@ -33,7 +33,8 @@ def test_the_field_is_the_bytes_promotion_sets():
     tma_l2_promotion.field_bits(bytes(plain), bytes(plain), bytes(plain))
 
 
-def _host_ops(callee: str, bits) -> list[str]:
+def _host_ops(callee: str, bits) -> tuple[list[str], int]:
+  """The host function's ops after one call of `callee`, and the builds the wrapper patched."""
   undo = tma_l2_promotion.install(bits)
   try:
     with mlir.make_ir_context(), ir.Location.unknown():
@@ -44,21 +45,21 @@ def _host_ops(callee: str, bits) -> list[str]:
         with ir.InsertionPoint(block):
           launch_context.func.call([], callee, [block.arguments[0]])
           launch_context.func.ReturnOp([])
-      return [str(op) for op in block.operations]
+      return [str(op) for op in block.operations], undo.patched[0]
   finally:
     undo()
 
 
 def test_each_field_byte_is_ored_right_after_the_descriptor_init():
-  ops = _host_ops("mosaic_gpu_init_tma_desc", [(9, 0x30), (10, 0x80)])
+  ops, patched = _host_ops("mosaic_gpu_init_tma_desc", [(9, 0x30), (10, 0x80)])
   assert "mosaic_gpu_init_tma_desc" in ops[0]
   for first, (byte, value) in zip((1, 6), [(9, 48), (10, -128)]):
     gep, load, constant, ori, store = ops[first:first + 5]
     assert f"rawConstantIndices = array<i32: {byte}>" in gep and "llvm.load" in load
     assert f"value = {value} : i8" in constant and "arith.ori" in ori and "llvm.store" in store
-  assert len(ops) == 12 and launch_context.func is func  # the wrapper undone
+  assert len(ops) == 12 and patched == 1 and launch_context.func is func  # the wrapper undone
 
 
 def test_other_calls_are_left_alone():
-  ops = _host_ops("something_else", [(9, 0x30)])
-  assert len(ops) == 2 and "something_else" in ops[0]
+  ops, patched = _host_ops("something_else", [(9, 0x30)])
+  assert len(ops) == 2 and "something_else" in ops[0] and patched == 0
