@@ -45,25 +45,32 @@ def _kernel(x_ref, delta_ref, scale_ref, router_ref, h_ref, out_ref, parts_ref, 
     x = x_ref[m, cols]
     return (x.astype(jnp.float32) + delta_ref[m, cols].astype(jnp.float32)).astype(x.dtype)
 
+  # The slice's router rows, scale and pieces of h are loaded first: the row's sum of squares
+  # below is a block reduction (a barrier), which loads placed after it would wait for, so
+  # they would start one memory latency later.
+  steps = [pl.ds(s * slice_rows + i * router_topk.ROW_CHUNK, router_topk.ROW_CHUNK)
+           for i in range(slice_rows // router_topk.ROW_CHUNK)]  # router_partials' loop steps
+  routers = [router_ref[cols, :] for cols in steps]
+  scales = [scale_ref[cols] for cols in steps]
+  slice_h = [added(cols) for cols in steps]
+  pieces = [added(pl.ds(c * chunk, chunk)) for c in range(width // chunk)]  # the whole row
   squares = jnp.float32(0.0)
-  for c in range(width // chunk):  # the whole row, in rms_norm's pieces and order
-    h32 = added(pl.ds(c * chunk, chunk)).astype(jnp.float32)
+  for piece in pieces:  # in rms_norm's pieces and order
+    h32 = piece.astype(jnp.float32)
     squares += jnp.sum(h32 * h32)
   inv_rms = jax.lax.rsqrt(squares / width + eps)
   experts = router_ref.shape[1]
   acc_CE = jnp.zeros((router_topk.ROW_CHUNK, experts), jnp.float32)
   stores = []
-  for i in range(slice_rows // router_topk.ROW_CHUNK):  # router_partials' loop steps
-    cols = pl.ds(s * slice_rows + i * router_topk.ROW_CHUNK, router_topk.ROW_CHUNK)
-    h = added(cols)
+  for cols, router_CE, scale, h in zip(steps, routers, scales, slice_h):
     normed = h.astype(jnp.float32) * inv_rms
-    scale = scale_ref[cols].astype(jnp.float32)
+    scale = scale.astype(jnp.float32)
     if zero_centered:  # (1 + w) in float32, one cast (ZeroCenteredRMSNorm)
       out = (normed * (1.0 + scale)).astype(h.dtype)
     else:  # cast, then the scale in the parameter's dtype (RMSNorm)
       out = (scale * normed.astype(h.dtype).astype(jnp.float32)).astype(h.dtype)
     stores.append((cols, h, out))
-    acc_CE = acc_CE + out.astype(jnp.float32)[:, None] * router_ref[cols, :].astype(jnp.float32)
+    acc_CE = acc_CE + out.astype(jnp.float32)[:, None] * router_CE.astype(jnp.float32)
   # Stored after every load: a load placed after a store to h or norm(h) cannot be moved
   # before it (they could alias), and the store waits for its values, so the steps' router
   # rows were read one after another (BENCHMARKS.md, "Norm kernels' loads before their
