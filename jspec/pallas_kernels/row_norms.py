@@ -85,17 +85,14 @@ def _qk_kernel(pos_ref, freq_ref, *refs, eps: float, q_heads: int, kv_heads: int
     return x.astype(q_out_ref.dtype)
 
   def rotate(src_ref, src_head, scale_ref, dst_ref, head):
-    # The norm's scale is loaded with the head, before the sum of squares: a load after that
-    # block reduction (a barrier) would start only once it is done.
-    scales = (scale_ref[first], scale_ref[second]) if normed else None
     x1, x2 = read(src_ref, src_head, 0, half), read(src_ref, src_head, half, half)
     dtype = x1.dtype
     if normed:  # RMSNorm over head_dim: float32, cast, scale in the parameter dtype
       a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
       inv_rms = jax.lax.rsqrt((jnp.sum(a * a) + jnp.sum(b * b)) / (2 * half) + eps)
-      x1 = (scales[0].astype(jnp.float32)
+      x1 = (scale_ref[first].astype(jnp.float32)
             * (a * inv_rms).astype(dtype).astype(jnp.float32)).astype(dtype)
-      x2 = (scales[1].astype(jnp.float32)
+      x2 = (scale_ref[second].astype(jnp.float32)
             * (b * inv_rms).astype(dtype).astype(jnp.float32)).astype(dtype)
     a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
     # rotate-half: [a, b] -> [a cos - b sin, b cos + a sin] (transformers' apply_rotary_pos_emb)
