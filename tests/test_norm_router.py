@@ -7,6 +7,7 @@ every MoE layer of a decode step and keeps its greedy tokens. On a GPU (`gpu` ma
 compiled kernel against the compiled pair."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -75,6 +76,38 @@ def test_its_routing_is_route_softmax_of_the_normed_rows(seed):
       np.testing.assert_array_equal(np.asarray(got_plan.slot_TK), np.asarray(want_plan.slot_TK))
       np.testing.assert_allclose(np.asarray(got_plan.weight_SR),
                                  np.asarray(want_plan.weight_SR), rtol=tolerance, atol=1e-7)
+
+
+def _kernel_primitives(jaxpr) -> list[str]:
+  """The primitive names of the first pallas_call's kernel body found in `jaxpr`."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      return [e.primitive.name for e in eqn.params["jaxpr"].eqns]
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      if names := _kernel_primitives(sub):
+        return names
+  return []
+
+
+@pytest.mark.parametrize("hidden", [2048, 7168])
+def test_every_load_comes_before_the_rows_sum_of_squares(hidden):
+  """The kernel reads everything (the row's pieces, its slice's h, router rows and scale)
+  before its first reduction: on a GPU a block reduction is a barrier, and a load written
+  after it starts only once it is done, one memory latency later (BENCHMARKS.md, "The norm +
+  router kernel's loads before its row's reduction"). 7168 is read in 7 pieces, each of
+  which once waited for the sum of the piece before; its outputs are checked as well."""
+  x, delta, scale, router = _inputs(np.random.default_rng(hidden), 1, hidden, 128, jnp.bfloat16)
+  call = lambda *a: norm_router.add_norm_router_partials(*a, eps=1e-6, interpret=True)
+  names = _kernel_primitives(jax.make_jaxpr(call)(x, delta, scale, router).jaxpr)
+  loads = [i for i, name in enumerate(names) if name == "get"]
+  stores = [i for i, name in enumerate(names) if name == "swap"]
+  assert loads and stores and "reduce_sum" in names
+  assert max(loads) < names.index("reduce_sum") < min(stores)
+  h, normed, parts = call(x, delta, scale, router)
+  want_h, want_normed, want_parts = _unfused(x, delta, scale, router, False)
+  np.testing.assert_array_equal(np.asarray(h), np.asarray(want_h))
+  np.testing.assert_array_equal(np.asarray(normed), np.asarray(want_normed))
+  np.testing.assert_allclose(np.asarray(parts), np.asarray(want_parts), rtol=1e-5, atol=1e-6)
 
 
 def test_bad_inputs_are_refused():
