@@ -73,17 +73,14 @@ class DecoderLayer(nnx.Module):
 def mlp_block(layer, x_BTD, mixed_BTD, experts_fn: Callable):
   """(h, mlp(norm(h))) for h = x + the token mixer's output, through the layer's
   `post_attn_norm` and `mlp` (a MoE where `layer.is_moe`). A MoE layer's norm and router
-  product run as one kernel where they can (MoE.norm_and_route), and its output may be left
-  uncombined for the next norm (MoE's `slot_rows`: the caller adds mlp(norm(h)) to h, or the
-  next norm does)."""
+  product run as one kernel where they can (MoE.norm_and_route)."""
   if layer.is_moe:
     fused = layer.mlp.norm_and_route(layer.post_attn_norm, x_BTD, mixed_BTD, experts_fn)
     if fused is not None:
       h_BTD, normed_BTD, routing = fused
-      return h_BTD, layer.mlp(normed_BTD, experts_fn, routing, slot_rows=True)
+      return h_BTD, layer.mlp(normed_BTD, experts_fn, routing)
   h_BTD, normed_BTD = layer.post_attn_norm.add_and_norm(x_BTD, mixed_BTD)
-  return h_BTD, (layer.mlp(normed_BTD, experts_fn, slot_rows=True) if layer.is_moe
-                 else layer.mlp(normed_BTD))
+  return h_BTD, (layer.mlp(normed_BTD, experts_fn) if layer.is_moe else layer.mlp(normed_BTD))
 
 
 def layer_input(norm, x_BTD, pending_BTD):

@@ -32,7 +32,7 @@ from jspec.models import quantization
 from jspec.models.linear import linear
 from jspec.models.mlp import MLP
 from jspec.models.params import param
-from jspec.pallas_kernels import decode_routing, fp8_experts, router_topk
+from jspec.pallas_kernels import fp8_experts, router_topk
 from jspec.pallas_kernels.experts import takes_decode_plan
 from jspec.sharding.tensor_parallel import PartialSum
 
@@ -43,10 +43,6 @@ ROUTER_PLAN = True
 # Whether a layer's residual add and RMSNorm and its router product run as one kernel
 # (MoE.norm_and_route); benchmarks turn it off to time it.
 NORM_ROUTER = True
-# Whether a batch-1 decode step's MoE output (bf16 experts through the Pallas decode path) is
-# left uncombined for the next residual add and norm, whose kernel combines its slot rows
-# (decode_routing.SlotRows); benchmarks turn it off to time it.
-SLOT_ROWS = True
 # What DeepSeek-style configs may say, and what jspec implements exactly of it.
 SCORING_FUNCS = ("sigmoid",)
 TOPK_METHODS = ("noaux_tc",)
@@ -248,20 +244,8 @@ class MoE(nnx.Module):
                                                            jnp), 1, 2)
                       for w, sc in zip(weights, scales)))
 
-  def _leaves_slot_rows(self, plan) -> bool:
-    """Whether the experts may return their slot rows uncombined (SLOT_ROWS) where the caller
-    takes them (__call__'s `slot_rows`): a decode plan
-    from the router's kernel (batch-1 decode on the Pallas experts as they are), bf16 experts
-    (the FP8 path's rows are its down kernel's float32 partials), and nothing added after the
-    combine (no shared expert, no hidden padding to drop)."""
-    return (SLOT_ROWS and plan is not None and not self.fp8_to_backend
-            and not self.hidden_padding and not self.has_shared_expert
-            and not self.has_shared_experts)
-
-  def __call__(self, x_BTD, experts_fn: Callable, routing=None, slot_rows: bool = False):
-    """`routing`: norm_and_route's for this x, None: routed here. `slot_rows`: the output may
-    be a decode_routing.SlotRows (for a residual add and norm to combine; a caller that adds
-    it to x gets y), where `_leaves_slot_rows`."""
+  def __call__(self, x_BTD, experts_fn: Callable, routing=None):
+    """`routing`: norm_and_route's for this x, None: routed here."""
     b, t, d = x_BTD.shape
     x_TD = x_BTD.reshape(b * t, d)
     routing = routing or self._route_with_plan(x_TD, experts_fn) or self._route(x_TD)
@@ -278,12 +262,7 @@ class MoE(nnx.Module):
     else:
       expert_ids_TK, *expert_weights = self._experts_for(ids_TK, x_TD.dtype)
     given = {} if plan is None else {"plan": plan}
-    if slot_rows and self._leaves_slot_rows(plan):
-      given["slot_rows"] = True
     y_TD = experts_fn(x_in_TD, expert_ids_TK, weights_TK, *expert_weights, **given)
-    if isinstance(y_TD, tuple):  # the decode path's slot rows, combined by the next norm
-      # The router kernel's plan puts pick k in slot k: no slots to read.
-      return decode_routing.SlotRows(y_TD[0], None, x_TD.dtype, (b, t, d), top_k=self.top_k)
     y_BTD = y_TD[:, :d].reshape(b, t, d)
     if self.has_shared_expert:
       gate_BT1 = jax.nn.sigmoid(jnp.einsum("btd,do->bto", x_BTD, self.shared_expert_gate[...]))

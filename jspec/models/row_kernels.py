@@ -70,14 +70,9 @@ def takes_rows(x, ndim: int, above: int = 0) -> bool:
 def sharded_rms_norm(mesh: Mesh, rules: ShardingRules, eps: float, zero_centered: bool,
                      interpret: bool):
   """(x [B, T, D], scale [D], residual [B, T, D] or None) -> norm(x), or (x + residual,
-  norm(x + residual)) with a residual; D whole on every shard. A residual may be a MoE
-  layer's uncombined decode output (decode_routing.SlotRows): where the mesh splits no rows
-  and the rows fit, its combine runs in the norm's kernel
-  (residual_norm.add_slot_rows_rms_norm), else before it."""
-  from jspec.pallas_kernels.decode_routing import SlotRows
-  from jspec.pallas_kernels.residual_norm import add_slot_rows_rms_norm, rms_norm, takes_slot_rows
+  norm(x + residual)) with a residual; D whole on every shard."""
+  from jspec.pallas_kernels.residual_norm import rms_norm
   rows = rules.spec(("batch", "seq", None))
-  rows_whole = all(axis_size(mesh, axes) == 1 for axes in rows)
 
   def per_shard(x_BTD, scale_D, residual_BTD):
     b, t, d = x_BTD.shape
@@ -88,41 +83,12 @@ def sharded_rms_norm(mesh: Mesh, rules: ShardingRules, eps: float, zero_centered
       return out.reshape(b, t, d)
     return tuple(o.reshape(b, t, d) for o in out)
 
-  def slot_shard(x_BTD, scale_D, slot_rows_SND, slot_TK=None, top_k=None):
-    b, t, d = x_BTD.shape
-    out = add_slot_rows_rms_norm(x_BTD.reshape(b * t, d), scale_D, slot_rows_SND, slot_TK,
-                                 top_k=top_k, eps=eps, zero_centered=zero_centered,
-                                 interpret=interpret)
-    return tuple(o.reshape(b, t, d) for o in out)
-
   plain = jax.shard_map(lambda x, s: per_shard(x, s, None), mesh=mesh,
                         in_specs=(rows, PartitionSpec()), out_specs=rows, check_vma=False)
   added = jax.shard_map(per_shard, mesh=mesh, in_specs=(rows, PartitionSpec(), rows),
                         out_specs=(rows, rows), check_vma=False)
-  picked = jax.shard_map(slot_shard, mesh=mesh, in_specs=(rows, *[PartitionSpec()] * 3),
-                         out_specs=(rows, rows), check_vma=False)
-  implied = {}  # top_k -> the shard_map of slot_TK None
-
-  def slots(x, scale, residual):
-    if residual.slot_TK is not None:
-      return picked(x, scale, residual.slot_rows_SND, residual.slot_TK)
-    k = residual.top_k
-    if k not in implied:
-      implied[k] = jax.shard_map(functools.partial(slot_shard, top_k=k), mesh=mesh,
-                                 in_specs=(rows, *[PartitionSpec()] * 2),
-                                 out_specs=(rows, rows), check_vma=False)
-    return implied[k](x, scale, residual.slot_rows_SND)
-
-  def call(x, scale, residual=None):
-    if residual is None:
-      return plain(x, scale)
-    if isinstance(residual, SlotRows):
-      if rows_whole and takes_slot_rows(residual.top_k, x.shape[-1]):
-        return slots(x, scale, residual)
-      residual = residual.reduced()
-    return added(x, scale, residual)
-
-  return call
+  return lambda x, scale, residual=None: (plain(x, scale) if residual is None
+                                          else added(x, scale, residual))
 
 
 def sharded_qk_norm_rope(mesh: Mesh, rules: ShardingRules, kv_axis: str | None, eps: float,

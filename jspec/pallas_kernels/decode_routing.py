@@ -126,57 +126,12 @@ def combine_slots(out_SND: jax.Array, plan: DecodePlan, dtype) -> jax.Array:
 
   The routing weight was applied in the down kernel's epilogue; a slot of -1 adds nothing.
   """
-  return combine_slot_rows(out_SND, plan.slot_TK, dtype)
-
-
-def combine_slot_rows(out_SND: jax.Array, slot_TK: jax.Array, dtype) -> jax.Array:
-  """combine_slots of the plan's slot_TK."""
-  num_tokens, top_k = slot_TK.shape
-  valid_TK = slot_TK >= 0
+  num_tokens, top_k = plan.slot_TK.shape
+  valid_TK = plan.slot_TK >= 0
   token_T = jnp.arange(num_tokens)
   y_TD = None
   for k in range(top_k):  # Fixed summation order.
-    rows_TD = out_SND[jnp.maximum(slot_TK[:, k], 0), token_T].astype(jnp.float32)
+    rows_TD = out_SND[jnp.maximum(plan.slot_TK[:, k], 0), token_T].astype(jnp.float32)
     rows_TD = jnp.where(valid_TK[:, k, None], rows_TD, 0.0)
     y_TD = rows_TD if y_TD is None else y_TD + rows_TD
   return y_TD.astype(dtype)
-
-
-class SlotRows:
-  """A MoE layer's decode-path output before its combine: the down kernel's weighted slot rows
-  [S, N, D] and each token copy's slot [T, K], standing for y [B, T', D] (B x T' = T) =
-  combine_slot_rows(...); slot_TK None: one token whose pick k is slot k (the router kernel's
-  batch-1 plan, router_topk.route_softmax_plan), `top_k` picks. `reduced()` is y; `+`
-  combines first; the residual add and norm after the layer take it whole
-  (jspec.models.row_kernels' norm: the combine inside the norm's kernel,
-  residual_norm.add_slot_rows_rms_norm)."""
-
-  def __init__(self, slot_rows_SND: jax.Array, slot_TK: jax.Array | None, dtype, shape,
-               top_k: int | None = None):
-    tokens = shape[0] * shape[1]
-    if slot_TK is None:
-      if tokens != 1 or top_k is None or slot_rows_SND.shape[0] < top_k:
-        raise ValueError(f"slot rows {slot_rows_SND.shape} without slots are one token's "
-                         f"top_k <= S picks, not {top_k} picks of an output of {shape}")
-    elif slot_TK.shape[0] != tokens:
-      raise ValueError(f"slots {slot_TK.shape} do not make an output of {shape}")
-    if slot_rows_SND.shape[2] != shape[2]:
-      raise ValueError(f"slot rows {slot_rows_SND.shape} do not make an output of {shape}")
-    self.slot_rows_SND, self.slot_TK = slot_rows_SND, slot_TK
-    self.top_k = top_k if slot_TK is None else slot_TK.shape[1]
-    self.dtype, self.shape = jnp.dtype(dtype), tuple(shape)
-
-  def slots(self) -> jax.Array:
-    """slot_TK, made where it is implied."""
-    if self.slot_TK is None:
-      return jnp.arange(self.top_k, dtype=jnp.int32)[None]
-    return self.slot_TK
-
-  def reduced(self) -> jax.Array:
-    return combine_slot_rows(self.slot_rows_SND, self.slots(), self.dtype).reshape(self.shape)
-
-  def __add__(self, other):
-    return self.reduced() + other
-
-  def __radd__(self, other):
-    return other + self.reduced()

@@ -14,8 +14,6 @@ Same signature and semantics as `jspec.models.moe_backends.experts_reference`.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -79,11 +77,10 @@ def decode_tilings(dim: int, ffn: int) -> tuple[DecodeTiling, DecodeTiling]:
 
 def experts_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
                    tilings: tuple[DecodeTiling, DecodeTiling] | None = None,
-                   plan: decode_routing.DecodePlan | None = None, slot_rows: bool = False):
+                   plan: decode_routing.DecodePlan | None = None):
   """The decode path: every selected expert's weights read once, all tokens multiplied.
   `plan`: plan_decode's of these ids and weights, made beforehand (by the router's kernel at
-  batch-1 decode); None: made here. `slot_rows`: (the down kernel's weighted slot rows
-  [S, N, D], slot_TK) in place of their combine (decode_routing.SlotRows)."""
+  batch-1 decode); None: made here."""
   num_tokens, _ = topk_ids_TK.shape
   num_experts, dim, ffn = w_gate_EDF.shape
   gate_up_tiling, down_tiling = tilings or decode_tilings(dim, ffn)
@@ -93,8 +90,6 @@ def experts_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
                                        plan.num_slots_1, tokens_pad, gate_up_tiling)
   out_SND = decode_gemm.down_decode(act_SNF, w_down_EFD, plan.weight_SR, plan.slot_expert_S,
                                     plan.num_slots_1, down_tiling)
-  if slot_rows:
-    return out_SND, plan.slot_TK
   return decode_routing.combine_slots(out_SND, plan, x_TD.dtype)
 
 
@@ -107,17 +102,15 @@ def takes_decode_plan(experts_fn) -> bool:
 
 # Jitted so that a model's identical MoE layers trace and lower once: the program then calls one
 # lowered function per layer instead of holding (and building) a copy of the kernels per layer.
-@functools.partial(jax.jit, static_argnames=("slot_rows",))
+@jax.jit
 def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
-                   plan: decode_routing.DecodePlan | None = None, slot_rows: bool = False):
+                   plan: decode_routing.DecodePlan | None = None):
   """y[t] = sum_k w[t,k] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)); ids outside [0,E) skip.
 
   The weights are [E, D, F] / [E, F, D] arrays, or `fp8_experts.Fp8Experts` as FP8
   checkpoints store them. `plan`: decode_routing.plan_decode of the ids and weights, made
   beforehand (router_topk.route_softmax_plan at batch-1 decode), which the decode paths take
-  in place of their own; the other paths do not need one. `slot_rows`: where the path is the
-  bf16 decode path, (slot rows [S, N, D], slot_TK) for decode_routing.SlotRows in place of y;
-  the other paths return y as they do without it."""
+  in place of their own; the other paths do not need one."""
   num_tokens, top_k = topk_ids_TK.shape
   num_experts, dim, ffn = w_gate_EDF.shape
   dtype = x_TD.dtype
@@ -143,7 +136,7 @@ def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
   if use_decode_path(num_tokens, top_k):
     choose_tilings(num_tokens * top_k, num_experts, dim, ffn)  # Refuses sizes off the tile.
     return experts_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
-                          plan=plan, slot_rows=slot_rows)
+                          plan=plan)
   return experts_grouped(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 

@@ -42,33 +42,19 @@ def fits_kernel(width: int) -> bool:
   return width > 0 and row_chunk(width) >= MIN_CHUNK
 
 
-def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool,
-                 top_k: int = 0, picked_slots: bool = False):
+def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool):
   """Program m: row m, read once and held in registers (7168 bfloat16 values are 28 a thread
   at 8 warps) between the sum of its squares and its scaling. All loads come before any store,
   which they could alias: a 7168-wide row's 7 pieces were read one after another (BENCHMARKS.md,
-  "Norm kernels' loads before their stores"). `top_k` > 0: the residual is the MoE decode
-  path's slot rows [S, N, D] gathered by slot [M, K] (`picked_slots`; else pick k's slot is k)
-  and summed (add_slot_rows_rms_norm)."""
-  if top_k and picked_slots:
-    x_ref, slot_ref, slot_rows_ref, scale_ref, h_ref, out_ref = refs
-  elif top_k:
-    x_ref, slot_rows_ref, scale_ref, h_ref, out_ref = refs
-  elif has_residual:
+  "Norm kernels' loads before their stores")."""
+  if has_residual:
     x_ref, delta_ref, scale_ref, h_ref, out_ref = refs
   else:
     x_ref, scale_ref, out_ref = refs
   m = pl.program_id(0)
   width = x_ref.shape[1]
   pieces = [pl.ds(c * chunk, chunk) for c in range(width // chunk)]
-  if top_k:
-    slots = ([slot_ref[m, k] for k in range(top_k)] if picked_slots
-             else [jnp.int32(k) for k in range(top_k)])
-    delta = lambda cols: _slot_sum([slot_rows_ref[jnp.maximum(s, 0), m, cols] for s in slots],
-                                   slots, x_ref.dtype)
-  else:
-    delta = lambda cols: delta_ref[m, cols] if has_residual else None
-  loaded = [(x_ref[m, cols], delta(cols)) for cols in pieces]
+  loaded = [(x_ref[m, cols], delta_ref[m, cols] if has_residual else None) for cols in pieces]
   scales = [scale_ref[cols] for cols in pieces]
   rows, squares = [], jnp.float32(0.0)
   for cols, (x, delta) in zip(pieces, loaded):
@@ -87,16 +73,6 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
     else:  # cast, then the scale in the parameter's dtype (RMSNorm)
       out = scale * normed.astype(x.dtype).astype(jnp.float32)
     out_ref[m, cols] = out.astype(out_ref.dtype)
-
-
-def _slot_sum(rows, slots, dtype):
-  """sum_k rows[k] over the picks whose slot is >= 0, in float32 in k order, rounded to
-  `dtype`: decode_routing.combine_slot_rows's sum, element for element."""
-  total = None
-  for row, slot in zip(rows, slots):
-    row = jnp.where(slot >= 0, row.astype(jnp.float32), 0.0)
-    total = row if total is None else total + row
-  return total.astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "interpret"))
@@ -118,58 +94,7 @@ def rms_norm(x_MD: jax.Array, scale_D: jax.Array, residual_MD: jax.Array | None 
                     has_residual=has_residual)
 
 
-# The most values (K picks x D) the slot form holds a row: 8 x 4096 bfloat16 are 128 a thread
-# at 8 warps. Wider rows keep the combine as an XLA fusion before the norm.
-MAX_SLOT_VALUES = 32768
-
-
-def takes_slot_rows(top_k: int, width: int) -> bool:
-  """Whether add_slot_rows_rms_norm takes K picks of rows of `width`."""
-  return fits_kernel(width) and 0 < top_k * width <= MAX_SLOT_VALUES
-
-
-@functools.partial(jax.jit, static_argnames=("top_k", "eps", "zero_centered", "interpret"))
-def add_slot_rows_rms_norm(x_MD: jax.Array, scale_D: jax.Array, slot_rows_SND: jax.Array,
-                           slot_MK: jax.Array | None = None, *, top_k: int | None = None,
-                           eps: float, zero_centered: bool = False,
-                           interpret: bool | None = None):
-  """(h, norm(h)) for h = x + y, y [M, D] the MoE decode path's combine of its slot rows:
-  y[m] = sum_k slot_rows[slot[m, k], m] over the picks with slot >= 0, in float32 in k order,
-  rounded to x's dtype (decode_routing.combine_slot_rows). The same values as that combine
-  followed by rms_norm(x, scale, y). `slot_MK` None: one row (M = 1) whose pick k is slot k,
-  k < `top_k` (the router kernel's batch-1 plan), read without loading slots.
-
-  Why: at batch-1 decode the combine was an XLA fusion of its own between a MoE layer's down
-  kernel and the next layer's norm, about 1.1 µs a layer on an H200 (BENCHMARKS.md, "The MoE
-  combine in the next norm ..."); here the norm's program reads the K rows itself."""
-  rows, width = x_MD.shape
-  if slot_MK is None:
-    if rows != 1 or top_k is None or slot_rows_SND.shape[0] < top_k:
-      raise ValueError(f"add_slot_rows_rms_norm without slots takes one row and top_k <= the "
-                       f"slots, got {rows} rows, top_k {top_k}, slot rows {slot_rows_SND.shape}")
-  elif (slot_MK.shape[0] != rows or not jnp.issubdtype(slot_MK.dtype, jnp.integer)
-        or top_k not in (None, slot_MK.shape[1])):
-    raise ValueError(f"add_slot_rows_rms_norm takes integer slots [M, K] for x [M, D] (top_k "
-                     f"K or None), got {slot_MK.shape} {slot_MK.dtype} for {x_MD.shape}, "
-                     f"top_k {top_k}")
-  else:
-    top_k = slot_MK.shape[1]
-  if (slot_rows_SND.ndim != 3 or slot_rows_SND.shape[1] < rows
-      or slot_rows_SND.shape[2] != width or scale_D.shape != (width,)):
-    raise ValueError(f"add_slot_rows_rms_norm takes x [M, D], scale [D] and slot rows [S, "
-                     f"N >= M, D], got {x_MD.shape}, {scale_D.shape}, {slot_rows_SND.shape}")
-  if not takes_slot_rows(top_k, width):
-    raise ValueError(f"add_slot_rows_rms_norm holds K x D <= {MAX_SLOT_VALUES} values a row in "
-                     f"pieces of >= {MIN_CHUNK}, got K={top_k}, D={width}")
-  slots = () if slot_MK is None else (slot_MK.astype(jnp.int32),)
-  return _norm_call("add_slot_rows_rms_norm", (x_MD, *slots, slot_rows_SND, scale_D),
-                    x_MD.dtype, interpret, row_chunk(width), num_warps=8, eps=eps,
-                    zero_centered=zero_centered, has_residual=True, top_k=top_k,
-                    picked_slots=slot_MK is not None)
-
-
-def _norm_call(name: str, inputs, dtype, interpret, chunk: int, num_warps: int | None = None,
-               **form):
+def _norm_call(name: str, inputs, dtype, interpret, chunk: int, **form):
   """The pallas_call of _norm_kernel (its `form`) over `inputs`, a program per row of x (the
   first), after the width check both forms share."""
   rows, width = inputs[0].shape
@@ -182,7 +107,7 @@ def _norm_call(name: str, inputs, dtype, interpret, chunk: int, num_warps: int |
   return pl.pallas_call(
       functools.partial(_norm_kernel, chunk=chunk, **form),
       out_shape=(row, row) if form["has_residual"] else row, grid=(rows,),
-      compiler_params=pltriton.CompilerParams(
-          num_warps=num_warps or (8 if width >= 4096 else 4), num_stages=1),
+      compiler_params=pltriton.CompilerParams(num_warps=8 if width >= 4096 else 4,
+                                              num_stages=1),
       interpret=interpret, name=name,
   )(*inputs)
