@@ -6,8 +6,6 @@ import gzip
 import os
 import subprocess
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = "benchmarks/results"
 RAW_LIMIT = 32 * 1024
@@ -15,12 +13,15 @@ INCOMPRESSIBLE = (".png", ".gz")
 
 
 def tracked_results() -> list[str]:
+  """The files git tracks under RESULTS; outside a git checkout (an unpacked archive), every
+  file there."""
   try:
     listed = subprocess.run(["git", "ls-files", RESULTS], cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout.split()
   except (OSError, subprocess.CalledProcessError):
-    pytest.skip("not a git checkout")
-  return [path for path in listed if os.path.exists(os.path.join(ROOT, path))]
+    listed = [os.path.join(RESULTS, name) for name in os.listdir(os.path.join(ROOT, RESULTS))]
+  assert listed, f"no files under {RESULTS}"
+  return [path for path in listed if os.path.isfile(os.path.join(ROOT, path))]
 
 
 def oversized(paths: list[str], root: str = ROOT) -> list[str]:
