@@ -19,31 +19,46 @@ from jspec.config import ModelConfig
 
 def seconds_per_call(fn, arg_sets, min_batch_s: float = 5e-3, warmup: int = 2,
                      batches: int | None = None) -> float:
-  """Median device seconds per call of fn(*args), args rotating over `arg_sets`; `batches`
-  timed batches (None: 5 for calls over 50 ms, else 9).
+  """Device seconds per call of fn(*args), args rotating over `arg_sets`: the slope of a
+  batch's time over its calls, from `batches` pairs of batches (None: 3).
 
-  Calls are queued back to back and blocked on once per batch, so host dispatch overlaps
-  device work instead of adding to it (a blocked call per sample would count the dispatch of
-  every argument, hundreds of arrays for a model's weights); rotating over several argument
-  sets keeps a small input from being served from L2.
+  Calls are queued back to back and blocked on once per batch, so that host dispatch overlaps
+  device work; rotating over several argument sets keeps a small input from being served from
+  L2. What a batch cannot hide is a fixed part: the first call's dispatch, which the device
+  waits for, and the final wait. For a model's step program that dispatch is milliseconds (its
+  hundreds of weight arrays: 2.0 ms a call for Qwen3-30B-A3B's 48 layers on an H200), and a
+  batch of 3 calls divided by 3 put that model's batch-1 step 5% above its slope
+  (BENCHMARKS.md, "The step timer's slope ..."). So batches of n and of 3n calls are timed in
+  turns and the figure is their medians' difference over 2n calls, which the fixed part does
+  not enter. n: enough calls for `min_batch_s`, at least 2 (1 for calls over 50 ms).
   """
   for i in range(warmup):
     jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
   start = time.perf_counter()
   jax.block_until_ready(fn(*arg_sets[0]))
   first = time.perf_counter() - start
-  # At least 3 calls a batch: only the first call's dispatch is then left exposed.
-  per_batch = int(min(50, max(3, min_batch_s / max(first, 1e-6))))
-  num_batches = batches or (5 if first > 0.05 else 9)
-  samples = []
-  for b in range(num_batches):
+  short_n = int(min(50, max(1 if first > 0.05 else 2, min_batch_s / max(first, 1e-6))))
+  long_n = 3 * short_n
+  num_pairs = batches or 3
+
+  def batch_seconds(calls: int, offset: int) -> float:
     start = time.perf_counter()
     out = None
-    for i in range(per_batch):
-      out = fn(*arg_sets[(b * per_batch + i) % len(arg_sets)])
+    for i in range(calls):
+      out = fn(*arg_sets[(offset + i) % len(arg_sets)])
     jax.block_until_ready(out)
-    samples.append((time.perf_counter() - start) / per_batch)
-  return statistics.median(samples)
+    return time.perf_counter() - start
+
+  shorts, longs = [], []
+  for p in range(num_pairs):
+    shorts.append(batch_seconds(short_n, p))
+    longs.append(batch_seconds(long_n, p))
+  short_s, long_s = statistics.median(shorts), statistics.median(longs)
+  slope = (long_s - short_s) / (long_n - short_n)
+  # Calls far shorter than the clock's jitter (tiny CPU programs) can give a slope at or
+  # below zero (or under a nanosecond, no call's time); then the long batches' mean per
+  # call, an upper bound, is returned.
+  return slope if slope > 1e-9 else long_s / long_n
 
 
 READS_PER_CALL = 16
