@@ -4,9 +4,12 @@ turn, for several rounds, against the defaults timed between them.
 
 Why one process: `jspec bench` runs of the same code in separate processes spread by up to 5%
 on one H200 (2.629-2.770 ms for Qwen3-30B-A3B at batch 1, BENCHMARKS.md, "The step timer's
-slope ..."), while one process repeats its figure within 0.1%. Changes worth 0.3-1% a step
-are visible only here. A setting that leaves the compiled program's text unchanged is marked:
-it did not reach the step.
+slope ..."). One compiled program on one set of buffers repeats within 0.1%, but each round
+here compiles again and draws new caches, and the defaults' own rounds spread 0.3-1.1% (the
+first runs of this script): judge a setting against that spread, over rounds, and confirm a
+winner in another process. A setting whose compiled program's text equals the defaults' is
+marked: it did not reach the step (a different text is not proof that it did: kernel names
+can differ between compiles).
 
     python3 benchmarks/settings_in_one_process.py --model qwen3-30b-a3b --rounds 2 \\
         jspec.pallas_kernels.short_attention.SPLIT_BLOCK_SLOTS=128 \\
