@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     args.latent_dim, args.rope_dim, args.slack = 128, 64, 56
     args.copies, args.bandwidth_bytes, args.matmul_size = args.copies or 2, 16 << 20, 256
     sweep = ["16,16,4,1,1"] if args.sweep else []
-  # The smoke run only shows that every program runs and is timed: one warm-up, one batch.
+  # The smoke run only shows that every program runs and is timed: one warm-up, one pair of batches.
   timer = (functools.partial(seconds_per_call, warmup=1, batches=1) if args.smoke
            else seconds_per_call)
   dtype = jnp.bfloat16

@@ -41,18 +41,22 @@ def seconds_per_call(fn, arg_sets, min_batch_s: float = 5e-3, warmup: int = 2,
   long_n = 3 * short_n
   num_pairs = batches or 3
 
-  def batch_seconds(calls: int, offset: int) -> float:
+  calls_made = 1  # the argument sets rotate over every call from the one timed alone on
+
+  def batch_seconds(calls: int) -> float:
+    nonlocal calls_made
     start = time.perf_counter()
     out = None
-    for i in range(calls):
-      out = fn(*arg_sets[(offset + i) % len(arg_sets)])
+    for _ in range(calls):
+      out = fn(*arg_sets[calls_made % len(arg_sets)])
+      calls_made += 1
     jax.block_until_ready(out)
     return time.perf_counter() - start
 
   shorts, longs = [], []
-  for p in range(num_pairs):
-    shorts.append(batch_seconds(short_n, p))
-    longs.append(batch_seconds(long_n, p))
+  for _ in range(num_pairs):
+    shorts.append(batch_seconds(short_n))
+    longs.append(batch_seconds(long_n))
   short_s, long_s = statistics.median(shorts), statistics.median(longs)
   slope = (long_s - short_s) / (long_n - short_n)
   # Calls far shorter than the clock's jitter (tiny CPU programs) can give a slope at or
