@@ -15,7 +15,8 @@ whole, as the norm + router kernel (jspec.pallas_kernels.norm_router) does for t
 
 where partials[s] is the product of slice s of norm(h)'s columns with the weight's slice s
 of rows (bf16: w[D, N]; FP8: w8[N, D] * scale8 over its blocks, transposed), and the product
-is sum_s partials[s].T: the form jspec.pallas_kernels.row_norms.qkv_partials_norm_rope reads.
+is sum_s partials[s].T: the form jspec.pallas_kernels.row_norms.qkv_partials_norm_rope reads
+(where S = D / 128 is a power of two, as that kernel asks).
 h and norm(h) are computed as `rms_norm` computes them; norm(h) is not written (the product is
 its one reader). The weight's loads are issued before the row's sum of squares, a block
 reduction that later loads would wait for.
