@@ -24,10 +24,8 @@ takes them; the defaults are restored after each.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import hashlib
-import importlib
 import statistics
 
 import jax
@@ -35,25 +33,7 @@ import jax
 import jspec
 from jspec.bench import steps
 from jspec.bench.presets import PRESETS
-
-
-def parse(settings: str) -> list[tuple[object, str, object]]:
-  """[(module, name, value)] of 'module.NAME=value[,module.NAME=value...]' ('' -> [])."""
-  parsed = []
-  for setting in filter(None, settings.split(",")):
-    target, _, text = setting.partition("=")
-    module_name, _, name = target.rpartition(".")
-    if not module_name or not name or not text:
-      raise SystemExit(f"a setting is module.NAME=value, got {setting!r}")
-    module = importlib.import_module(module_name)
-    if not hasattr(module, name):
-      raise SystemExit(f"{module_name} has no setting {name!r}")
-    try:
-      value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-      value = text
-    parsed.append((module, name, value))
-  return parsed
+from with_setting import parse  # this folder's module: run as benchmarks/<script>.py
 
 
 def timed(llm, settings, batch: int, context: int) -> tuple[float, str]:

@@ -19,8 +19,12 @@ import runpy
 import sys
 
 
-def apply(settings: str) -> None:
-  for setting in settings.split(","):
+def parse(settings: str) -> list[tuple[object, str, object]]:
+  """[(module, name, value)] of 'module.NAME=value[,module.NAME=value...]' ('' -> []): each
+  value a Python literal where it reads as one, else the text; a name the module lacks is an
+  error."""
+  parsed = []
+  for setting in filter(None, settings.split(",")):
     target, _, text = setting.partition("=")
     module_name, _, name = target.rpartition(".")
     if not module_name or not name or not text:
@@ -32,8 +36,14 @@ def apply(settings: str) -> None:
       value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
       value = text
+    parsed.append((module, name, value))
+  return parsed
+
+
+def apply(settings: str) -> None:
+  for module, name, value in parse(settings):
     setattr(module, name, value)
-    print(f"# {module_name}.{name} = {value!r}", flush=True)
+    print(f"# {module.__name__}.{name} = {value!r}", flush=True)
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import platform
-from jspec.pallas_kernels.residual_norm import fits_kernel as norm_fits, row_chunk
+from jspec.pallas_kernels.residual_norm import fits_kernel as norm_fits, row_chunk, scaled_norm
 
 E4M3 = jnp.float8_e4m3fn
 FP8_BLOCK = 128
@@ -87,13 +87,7 @@ def _kernel(x_ref, delta_ref, scale_ref, w_ref, *rest, eps: float, zero_centered
   inv_rms = jax.lax.rsqrt(squares / width + eps)
   acc = jnp.zeros((BLOCK_COLS, ROW_CHUNK) if fp8 else (ROW_CHUNK, BLOCK_COLS), jnp.float32)
   for tile, scale, h in zip(tiles, scales, slice_h):
-    normed = h.astype(jnp.float32) * inv_rms
-    scale = scale.astype(jnp.float32)
-    if zero_centered:  # (1 + w) in float32, one cast (ZeroCenteredRMSNorm)
-      out = (normed * (1.0 + scale)).astype(h.dtype)
-    else:  # cast, then the scale in the parameter's dtype (RMSNorm)
-      out = (scale * normed.astype(h.dtype).astype(jnp.float32)).astype(h.dtype)
-    out32 = out.astype(jnp.float32)
+    out32 = scaled_norm(h, scale, inv_rms, zero_centered).astype(jnp.float32)
     if fp8:
       acc = acc + tile.astype(jnp.float32) * (out32 * block_scale)[None, :]
     else:

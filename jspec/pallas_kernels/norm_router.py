@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import platform, router_topk
-from jspec.pallas_kernels.residual_norm import fits_kernel as norm_fits, row_chunk
+from jspec.pallas_kernels.residual_norm import fits_kernel as norm_fits, row_chunk, scaled_norm
 
 
 def fits(num_tokens: int, hidden: int, num_experts: int, top_k: int) -> bool:
@@ -63,12 +63,7 @@ def _kernel(x_ref, delta_ref, scale_ref, router_ref, h_ref, out_ref, parts_ref, 
   acc_CE = jnp.zeros((router_topk.ROW_CHUNK, experts), jnp.float32)
   stores = []
   for cols, router_CE, scale, h in zip(steps, routers, scales, slice_h):
-    normed = h.astype(jnp.float32) * inv_rms
-    scale = scale.astype(jnp.float32)
-    if zero_centered:  # (1 + w) in float32, one cast (ZeroCenteredRMSNorm)
-      out = (normed * (1.0 + scale)).astype(h.dtype)
-    else:  # cast, then the scale in the parameter's dtype (RMSNorm)
-      out = (scale * normed.astype(h.dtype).astype(jnp.float32)).astype(h.dtype)
+    out = scaled_norm(h, scale, inv_rms, zero_centered)
     stores.append((cols, h, out))
     acc_CE = acc_CE + out.astype(jnp.float32)[:, None] * router_CE.astype(jnp.float32)
   # Stored after every load: a load placed after a store to h or norm(h) cannot be moved

@@ -37,6 +37,17 @@ def row_chunk(width: int) -> int:
   return min(width & -width, MAX_CHUNK)
 
 
+def scaled_norm(h, scale, inv_rms, zero_centered: bool):
+  """One piece of norm(h) in h's dtype from h, the scale's piece and the row's 1 / rms, as
+  RMSNorm (cast, then the scale in the parameter's dtype) or ZeroCenteredRMSNorm ((1 + w) in
+  float32, one cast) computes it: for the kernels that hold h in its dtype."""
+  normed = h.astype(jnp.float32) * inv_rms
+  scale = scale.astype(jnp.float32)
+  if zero_centered:
+    return (normed * (1.0 + scale)).astype(h.dtype)
+  return (scale * normed.astype(h.dtype).astype(jnp.float32)).astype(h.dtype)
+
+
 def fits_kernel(width: int) -> bool:
   """Whether a row of `width` is read in pieces of at least MIN_CHUNK elements."""
   return width > 0 and row_chunk(width) >= MIN_CHUNK
