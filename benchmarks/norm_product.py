@@ -55,11 +55,8 @@ def two_kernels(x, delta, scale, w, w_scale, slices):
   return h, parts
 
 
-def fused(slice_rows):
-  def form(x, delta, scale, w, w_scale, slices):
-    return norm_product.add_norm_partials(x, delta, scale, w, w_scale, eps=EPS,
-                                          slice_rows=slice_rows)
-  return form
+def fused(x, delta, scale, w, w_scale, slices):
+  return norm_product.add_norm_partials(x, delta, scale, w, w_scale, eps=EPS)
 
 
 def chain(form, slices):
@@ -80,53 +77,42 @@ def main():
   parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
   parser.add_argument("--layers", type=int, default=24)
   parser.add_argument("--slices", type=int, default=4, help="the bf16 two-kernel form's K slices")
-  parser.add_argument("--rows", type=int, default=1, help="rows (a decode step's batch x tokens)")
-  parser.add_argument("--slice-rows", type=int, nargs="+", default=[128],
-                      help="the one kernel's K rows a program (one column each)")
   args = parser.parse_args()
   rows = []
   for shape in args.shapes:
     d, n = (int(v) for v in shape.split("x"))
     for precision in args.precisions:
       key = jax.random.key(d * n)
-      x = jax.random.normal(key, (args.rows, d), jnp.bfloat16)
-      delta = jax.random.normal(jax.random.key(1), (args.rows, d), jnp.bfloat16)
+      x = jax.random.normal(key, (1, d), jnp.bfloat16)
+      delta = jax.random.normal(jax.random.key(1), (1, d), jnp.bfloat16)
       scale = jnp.ones((d,), jnp.bfloat16)
       layers = weights(key, precision, d, n, args.layers)
       # Check: the two forms' products of the first layer agree.
       w, w_scale = layers[0]
       _, parts_a = jax.jit(two_kernels, static_argnums=5)(x, delta, scale, w, w_scale,
                                                           args.slices)
-      # (rows past M are padding: the FP8 kernel's, or the bf16 one row's copy)
-      prod_a = np.asarray(parts_a, np.float64).sum(axis=0)[:, :args.rows]
-      err = 0.0
-      forms = {"two kernels": two_kernels}
-      for slice_rows in args.slice_rows:
-        forms[f"one kernel, {slice_rows} K rows"] = form = fused(slice_rows)
-        _, parts_b = jax.jit(form, static_argnums=5)(x, delta, scale, w, w_scale, args.slices)
-        prod_b = np.asarray(parts_b, np.float64).sum(axis=0)
-        err = max(err, np.abs(prod_a - prod_b).max() / np.abs(prod_a).max())
+      _, parts_b = jax.jit(fused, static_argnums=5)(x, delta, scale, w, w_scale, args.slices)
+      prod_a = np.asarray(parts_a, np.float64).sum(axis=0)[:, 0]
+      prod_b = np.asarray(parts_b, np.float64).sum(axis=0)[:, 0]
+      err = np.abs(prod_a - prod_b).max() / np.abs(prod_a).max()
       assert err < 2e-2, (shape, precision, err)
       weight_bytes = sum(w.nbytes for w, _ in layers) / args.layers
       result = {}
-      for name, form in forms.items():
+      for name, form in (("two kernels", two_kernels), ("one kernel", fused)):
         program = chain(form, args.slices)
         seconds = seconds_per_call(program, [(x, delta, scale, layers)]) / args.layers
         result[name] = seconds
         print(f"{shape} {precision} {name}: {1e6 * seconds:.2f} µs a layer, "
               f"{weight_bytes / seconds / 1e12:.2f} TB/s", flush=True)
       rows.append((shape, precision, weight_bytes, result, err))
-  print(f"\n{jax.devices()[0].device_kind}, {args.layers} layers chained, {args.rows} row(s)")
-  names = list(rows[0][3])
-  print("| D x N | weights | MB | " + " | ".join(f"{name} µs (TB/s)" for name in names)
-        + " | best one / two | max rel. diff |")
-  print("| --- | --- | ---: |" + " ---: |" * (len(names) + 2))
+  print(f"\n{jax.devices()[0].device_kind}, {args.layers} layers chained, 1 row")
+  print("| D x N | weights | MB | two kernels µs (TB/s) | one kernel µs (TB/s) | one / two | "
+        "max rel. diff |")
+  print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
   for shape, precision, nbytes, result, err in rows:
-    cells = " | ".join(f"{1e6 * result[name]:.2f} ({nbytes / result[name] / 1e12:.2f})"
-                       for name in names)
-    best = min(result[name] for name in names[1:])
-    print(f"| {shape} | {precision} | {nbytes / 1e6:.1f} | {cells} "
-          f"| {best / result[names[0]]:.3f}x | {err:.1e} |")
+    a, b = result["two kernels"], result["one kernel"]
+    print(f"| {shape} | {precision} | {nbytes / 1e6:.1f} | {1e6 * a:.2f} ({nbytes / a / 1e12:.2f}) "
+          f"| {1e6 * b:.2f} ({nbytes / b / 1e12:.2f}) | {b / a:.3f}x | {err:.1e} |")
 
 
 if __name__ == "__main__":

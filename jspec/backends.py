@@ -28,10 +28,9 @@ from jspec.models.projections import (sharded_fp8_projection, sharded_projection
                                       weights_replicated)
 from jspec.models import row_kernels
 from jspec.models.row_kernels import (resolve_norm_backend, sharded_fp8_qkv_norm_rope,
-                                      sharded_kv_write, sharded_norm_qkv_norm_rope,
-                                      sharded_norm_router, sharded_qk_norm_rope,
-                                      sharded_qkv_norm_rope, sharded_rms_norm, sharded_router,
-                                      sharded_swiglu)
+                                      sharded_kv_write, sharded_norm_router, sharded_router,
+                                      sharded_qk_norm_rope, sharded_qkv_norm_rope,
+                                      sharded_rms_norm, sharded_swiglu)
 from jspec.pallas_kernels import fp8_gemm, platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
 from jspec.sharding.rules import axis_size
@@ -305,10 +304,4 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
                     and axis_size(mesh, rules.head_dim) == 1 else 0)
           node.qkv_kernel = sharded_qkv_norm_rope(mesh, rules, eps, node.rope_theta, interpret,
                                                   k_slices=slices)
-          d, kv_heads, group, head_dim = node.qkv_proj.shape
-          shard_cols = kv_heads // axis_size(mesh, rules.kv_heads) * group * head_dim
-          if (axis_size(mesh, rules.embed) == 1 and axis_size(mesh, rules.head_dim) == 1
-              and row_kernels.takes_norm_qkv(d, shard_cols)):
-            node.norm_qkv_kernel = sharded_norm_qkv_norm_rope(mesh, rules, eps,
-                                                              node.rope_theta, interpret)
   return backend

@@ -33,17 +33,17 @@ def _normed(x, delta, scale, zero_centered):
   return h, out
 
 
-def _check_partials(parts, out, w_KN, rows, slice_rows):
+def _check_partials(parts, out, w_KN, rows):
   """parts [S, N, M] against float64 sums of each slice's terms, within 4e-3 of the slice's
   sum of |terms|: a bfloat16 value of norm(h) rounded the other way (float32 rsqrt against
-  NumPy's) moves a sum by one ulp, at most 2^-7, of one of its terms; a block misscaled moves it by
-  half its terms at least."""
+  NumPy's) moves a sum by one ulp, at most 2^-7, of one of its 128 terms; a block misscaled
+  moves it by half its terms at least."""
   parts = np.asarray(parts, np.float64)
-  slices = w_KN.shape[0] // slice_rows
+  slices = w_KN.shape[0] // SLICE_ROWS
   assert parts.shape == (slices, w_KN.shape[1], rows)
   out64 = out.astype(np.float64)
   for s in range(slices):
-    k = slice(s * slice_rows, (s + 1) * slice_rows)
+    k = slice(s * SLICE_ROWS, (s + 1) * SLICE_ROWS)
     terms = out64[:, k, None] * w_KN[None, k, :]          # [M, K/S, N]
     want = terms.sum(axis=1).T                              # [N, M]
     bound = 4e-3 * np.abs(terms).sum(axis=1).T + 1e-30
@@ -57,34 +57,29 @@ def _inputs(rng, rows, width, dtype):
   return x, delta, scale
 
 
-# (rows, D, N, the stream's dtype, zero-centered norm, K rows a program reads)
-BF16 = ml_dtypes.bfloat16
-CASES = [(1, 256, 256, BF16, False, 128), (2, 512, 128, BF16, True, 128),
-         (3, 256, 384, np.float32, False, 128), (1, 384, 256, BF16, True, 128),
-         (16, 256, 128, BF16, False, 128), (1, 2048, 128, BF16, False, 128),
-         (4, 512, 256, BF16, False, 256), (5, 1024, 128, BF16, True, 512),
-         (2, 64, 256, np.float32, False, 64), (1, 192, 128, BF16, True, 64)]
-FP8_CASES = [case for case, (_, width, *_, slice_rows) in enumerate(CASES)
-             if width % 128 == 0 and slice_rows % 128 == 0]
+CASES = [(rows, width, cols, dtype, zc)
+         for rows, width, cols, dtype, zc in [
+             (1, 256, 256, ml_dtypes.bfloat16, False), (2, 512, 128, ml_dtypes.bfloat16, True),
+             (3, 256, 384, np.float32, False), (1, 384, 256, ml_dtypes.bfloat16, True),
+             (16, 256, 128, ml_dtypes.bfloat16, False), (1, 2048, 128, ml_dtypes.bfloat16, False)]]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_bf16_weight_partials_and_h(case):
-  rows, width, cols, dtype, zero_centered, slice_rows = CASES[case]
+  rows, width, cols, dtype, zero_centered = CASES[case]
   rng = np.random.default_rng([RUN_SEED, case])
   x, delta, scale = _inputs(rng, rows, width, dtype)
   w = (rng.standard_normal((width, cols)) / np.sqrt(width)).astype(ml_dtypes.bfloat16)
   h, parts = add_norm_partials(jnp.asarray(x), jnp.asarray(delta), jnp.asarray(scale),
-                               jnp.asarray(w), eps=EPS, zero_centered=zero_centered,
-                               slice_rows=slice_rows)
+                               jnp.asarray(w), eps=EPS, zero_centered=zero_centered)
   h_want, out = _normed(x, delta, scale, zero_centered)
   np.testing.assert_array_equal(np.asarray(h).view(np.uint8), h_want.view(np.uint8))
-  _check_partials(parts, out, w.astype(np.float64), rows, slice_rows)
+  _check_partials(parts, out, w.astype(np.float64), rows)
 
 
-@pytest.mark.parametrize("case", FP8_CASES)
+@pytest.mark.parametrize("case", range(len(CASES)))
 def test_fp8_weight_partials_read_each_blocks_scale(case):
-  rows, width, cols, dtype, zero_centered, slice_rows = CASES[case]
+  rows, width, cols, dtype, zero_centered = CASES[case]
   rng = np.random.default_rng([RUN_SEED, 100 + case])
   x, delta, scale = _inputs(rng, rows, width, dtype)
   w8 = rng.uniform(-448, 448, (cols, width)).astype(ml_dtypes.float8_e4m3fn)
@@ -95,12 +90,12 @@ def test_fp8_weight_partials_read_each_blocks_scale(case):
   block_scale = block_scale.astype(np.float32)
   h, parts = add_norm_partials(jnp.asarray(x), jnp.asarray(delta), jnp.asarray(scale),
                                jnp.asarray(w8), jnp.asarray(block_scale), eps=EPS,
-                               zero_centered=zero_centered, slice_rows=slice_rows)
+                               zero_centered=zero_centered)
   h_want, out = _normed(x, delta, scale, zero_centered)
   np.testing.assert_array_equal(np.asarray(h).view(np.uint8), h_want.view(np.uint8))
   w_KN = (w8.astype(np.float64)
           * np.repeat(np.repeat(block_scale, 128, axis=0), 128, axis=1)).T
-  _check_partials(parts, out, w_KN, rows, slice_rows)
+  _check_partials(parts, out, w_KN, rows)
 
 
 def test_the_slices_sum_to_the_product_of_the_normed_row():
@@ -117,26 +112,24 @@ def test_the_slices_sum_to_the_product_of_the_normed_row():
   assert (np.abs(got - want) <= bound).all()
 
 
-@pytest.mark.parametrize("bad", ["rows", "width", "cols", "fp8_dtype", "fp8_scale", "delta",
-                                 "slice_rows", "slices", "fp8_slice"])
+@pytest.mark.parametrize("bad", ["rows", "width", "cols", "fp8_dtype", "fp8_scale", "delta"])
 def test_shapes_it_does_not_take_are_refused(bad):
   rows, width, cols = 1, 256, 128
-  slice_rows = {"slice_rows": 96, "slices": 512, "fp8_slice": 64}.get(bad, SLICE_ROWS)
   rows = norm_product.MAX_ROWS + 1 if bad == "rows" else rows
   width = 200 if bad == "width" else width
   cols = 96 if bad == "cols" else cols
   x = jnp.ones((rows, width), jnp.bfloat16)
   delta = jnp.ones((rows, width + (bad == "delta")), jnp.bfloat16)
   scale = jnp.ones((width,), jnp.bfloat16)
-  if bad.startswith("fp8"):  # 64-row slices take bf16 weights only: an FP8 block is 128 rows
+  if bad.startswith("fp8"):
     w = jnp.ones((cols, width), jnp.bfloat16 if bad == "fp8_dtype" else norm_product.E4M3)
     ws = jnp.ones((cols // 128, width // 128 + (bad == "fp8_scale")), jnp.float32)
   else:
     w, ws = jnp.ones((width, cols), jnp.bfloat16), None
   with pytest.raises(ValueError, match="add_norm_partials takes"):
-    add_norm_partials(x, delta, scale, w, ws, eps=EPS, slice_rows=slice_rows)
+    add_norm_partials(x, delta, scale, w, ws, eps=EPS)
 
 
 def test_block_sizes_are_one_fp8_block():
-  """A program's default slice and its column block are one 128 x 128 FP8 block."""
+  """A program's slice and column block are one 128 x 128 FP8 block: its one scale."""
   assert SLICE_ROWS == BLOCK_COLS == norm_product.FP8_BLOCK

@@ -13,7 +13,6 @@ import jspec
 from jspec.models import layers, row_kernels
 from jspec.models.caches import KVCache
 from jspec.models.moe import MoE
-from jspec.models.moe_backends import get_experts_fn
 from jspec.models.tree_attention import TreeLayout, tree_layout
 from jspec.pallas_kernels import fp8_gemm, platform
 from tests.helpers import fixture_dir, greedy_token_ids
@@ -162,69 +161,6 @@ def test_one_row_a_shard_takes_the_k_slices_where_the_mesh_splits_no_kv_heads(mo
     one = jnp.ones((2, 1, llm.config.hidden_size), jnp.float32)
     traced = str(jax.make_jaxpr(attn._project_rotated)(one, jnp.zeros((2, 1), jnp.int32)))
     assert kernel in traced and (whole_heads or "qkv_partials_norm_rope" not in traced)
-
-
-@pytest.mark.parametrize("name", ["qwen3_dense", "qwen3_moe"])
-def test_a_one_row_step_takes_the_input_norm_and_q_k_v_product_in_one_kernel(name,
-                                                                            monkeypatch):
-  """A one-row step's layer (after the first, whose input has no pending add) runs its residual
-  add, input norm and fused q / k / v product as one kernel (norm_product.add_norm_partials)
-  whose partials the q / k norm + RoPE kernel sums; two rows, no pending add, or NORM_QKV off
-  keep the norm kernel. The layer's outputs (h after attention, the MLP's output) and
-  cache equal the unfused layer's within float32 sums' order (the kernel's own h = x + delta
-  is checked bit for bit in tests/test_norm_product.py)."""
-  llm = _llm(name, "pallas")
-  layer = llm.target.layers[1]
-  attn = layer.attn
-  assert attn.norm_qkv_kernel is not None
-  d = attn.qkv_proj.shape[0]
-  rng = np.random.default_rng(20261204)
-  experts_fn = get_experts_fn("reference")
-
-  def run(rows, pending=True, kernel=attn.norm_qkv_kernel):
-    monkeypatch.setattr(attn, "norm_qkv_kernel", kernel)
-    x = jnp.asarray(rng.standard_normal((rows, 1, d)), jnp.float32)
-    delta = jnp.asarray(rng.standard_normal((rows, 1, d)), jnp.float32) if pending else None
-    positions = jnp.full((rows, 1), 5, jnp.int32)
-    keys = jnp.asarray(rng.standard_normal((rows, attn.num_kv_heads, 64, attn.head_dim)),
-                       jnp.float32)
-    cache = KVCache(keys, keys * 0.5)
-    step = lambda x, p, c: layer.deferred(x, p, positions, c, 64, experts_fn)
-    return str(jax.make_jaxpr(step)(x, delta, cache)), (x, delta, positions, cache), step
-
-  traced, args, step = run(1)
-  assert "add_norm_partials" in traced and "qkv_partials_norm_rope" in traced
-  for traced_other, *_ in (run(2), run(1, pending=False)):
-    assert "add_norm_partials" not in traced_other and "rms_norm" in traced_other
-  x, delta, positions, cache = args
-  h, mlp_out, new_cache = step(x, delta, cache)
-  monkeypatch.setattr(attn, "norm_qkv_kernel", None)
-  traced_plain = str(jax.make_jaxpr(step)(x, delta, cache))
-  assert "add_norm_partials" not in traced_plain
-  h_want, mlp_want, cache_want = step(x, delta, cache)
-  for got, want in ((h, h_want), (mlp_out, mlp_want)):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
-  for got, want in ((new_cache.keys, cache_want.keys), (new_cache.values, cache_want.values)):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
-  monkeypatch.setattr(row_kernels, "NORM_QKV", False)
-  assert _llm(name, "pallas").target.layers[1].attn.norm_qkv_kernel is None
-
-
-@pytest.mark.parametrize("name", ["qwen3_dense", "qwen3_moe"])
-def test_one_sequence_through_the_norm_and_product_kernel_gives_xla_tokens(name):
-  """Single sequences (one-row steps, through the one kernel) and MTP's steps, and two
-  sequences at dp = 2 x tp = 2 (one row a shard, one KV head's columns a shard): XLA's path's
-  greedy tokens (float32: only the order of the sums differs)."""
-  xla = _llm(name, "xla")
-  kernels = _llm(name, "pallas")
-  spec = _llm(name, "pallas", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-  for prompt in PROMPTS:
-    want = greedy_token_ids(xla, [prompt], 8)
-    assert greedy_token_ids(kernels, [prompt], 8) == want
-    assert greedy_token_ids(spec, [prompt], 8) == want
-  meshed = _llm(name, "pallas", mesh=jspec.MeshConfig(dp=2, tp=2))
-  assert meshed.target.layers[1].attn.norm_qkv_kernel is not None
-  assert greedy_token_ids(meshed, PROMPTS[:2], 8) == greedy_token_ids(xla, PROMPTS[:2], 8)
 
 
 def test_router_kernels_on_a_mesh_route_each_shards_tokens():

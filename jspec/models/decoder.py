@@ -65,15 +65,8 @@ class DecoderLayer(nnx.Module):
     to the next norm. Why: with row kernels the add and the norm after it are one kernel,
     where an add ending the layer would be one more (jspec.models.row_kernels)."""
     del valid_BT  # A KV / latent cache needs no padding mask: padded slots are never attended.
-    fused = None
-    if pending_BTD is not None and getattr(self.attn, "norm_qkv_kernel", None) is not None:
-      fused = self.attn.on_residual(self.input_norm, x_BTD, pending_BTD, positions_BT, cache,
-                                    kv_window)
-    if fused is not None:  # the add, the norm and the q / k / v product in one kernel
-      x_BTD, attn_out_BTD, cache = fused
-    else:
-      x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD)
-      attn_out_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
+    x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD)
+    attn_out_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
     return (*mlp_block(self, x_BTD, attn_out_BTD, experts_fn), cache)
 
 

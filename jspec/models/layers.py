@@ -122,10 +122,6 @@ class Attention(nnx.Module):
     # (fused layers without biases); fp8_qkv_kernel on one FP8 call's K-slice partials.
     self.qk_kernel = self.qkv_kernel = self.fp8_qkv_kernel = None
     self.qk_kernel_above = 0
-    # Optional kernel for the layer's residual add and input norm with the fused product's
-    # K-slice partials, q / k norms and RoPE after it (row_kernels.sharded_norm_qkv_norm_rope),
-    # set by the LLM where row_kernels.takes_norm_qkv; used through `on_residual`.
-    self.norm_qkv_kernel = None
     # Optional kernel writing a step's keys and values into the cache, set by the LLM
     # (jspec.models.row_kernels.sharded_kv_write): (keys, values, k, v, positions) -> (keys,
     # values), for steps of few rows. None: two XLA scatters.
@@ -190,29 +186,7 @@ class Attention(nnx.Module):
     and stale slots past p (rejected drafts, padding) are never read. Only the first
     `kv_window` slots are read (static): prefill from position 0 needs no more than its bucket.
     """
-    return self._attend_and_project(*self._project_rotated(x_BTD, positions_BT, cache),
-                                    positions_BT, cache, kv_window)
-
-  def on_residual(self, norm, x_BTD, pending_BTD, positions_BT, cache: KVCache,
-                  kv_window: int):
-    """(h = x + pending, this layer on norm(h), the cache) with the add, `norm` and the fused
-    q / k / v product in one kernel, where `norm_qkv_kernel` takes the step (its unquantized
-    fused product, a plain pending, the norm a row-kernel RMSNorm); None elsewhere."""
-    kernel = self.norm_qkv_kernel
-    if (kernel is None or not isinstance(pending_BTD, jax.Array) or norm.row_kernel is None
-        or not kernel.takes(x_BTD, self.qkv_proj[...])):
-      return None
-    written = cache is not None and self._writes_kv(x_BTD)
-    h_BTD, q_BTNH, *kv = kernel(
-        x_BTD, pending_BTD, norm.scale[...], self.qkv_proj[...], positions_BT,
-        *self._norm_scales(), norm_eps=norm.eps, zero_centered=norm.zero_centered,
-        caches=(cache.keys, cache.values) if written else None)
-    projected = (q_BTNH, KVCache(*kv), None, None) if written else (q_BTNH, *kv, None)
-    return (h_BTD, *self._attend_and_project(*projected, positions_BT, cache, kv_window))
-
-  def _attend_and_project(self, q_BTNH, k_BTKH, v_BTKH, gate_BTNH, positions_BT,
-                          cache: KVCache, kv_window: int):
-    """__call__ after its q / k / v: (the output [B, T, D], the cache)."""
+    q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project_rotated(x_BTD, positions_BT, cache)
     if isinstance(k_BTKH, KVCache):  # k and v went into the cache with q (_writes_kv)
       cache, k_BTKH, v_BTKH = k_BTKH, None, None
     tokens = q_BTNH.shape[1]

@@ -21,7 +21,6 @@ splits keeps XLA's.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -51,15 +50,6 @@ QKV_SLICE_MIN_ROWS = 2
 QKV_SLICE_ONE_ROW_WHOLE_HEADS = True
 QKV_SLICE_ROWS = 16
 QKV_SLICE_K = 64  # each slice whole 64-row tiles of the weight
-# A layer's residual add + input norm and its fused q / k / v product's K-slice partials in one
-# kernel (sharded_norm_qkv_norm_rope) for steps of NORM_QKV_ROWS row a shard, hidden sizes up
-# to NORM_QKV_MAX_WIDTH, unquantized weights. Measured on an H200 (BENCHMARKS.md, "The input
-# norm and the q / k / v product in one kernel ..."): against the two kernels it replaces, about
-# equal at Qwen3-30B-A3B's 2048 x 5120 and 1.18x slower at Qwen3-8B's 4096 x 6144 at one row,
-# 1.6-2x slower at two rows (every program computes its rows' norms itself).
-NORM_QKV = True
-NORM_QKV_ROWS = 1
-NORM_QKV_MAX_WIDTH = 2048
 
 
 def resolve_norm_backend(backend: str) -> str:
@@ -198,85 +188,6 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
                                                *extra)
     return sharded(False, caches is not None)(product(x_BTD), positions_BT, q_scale, k_scale,
                                               *extra)
-  return call
-
-
-def norm_qkv_slice_rows(width: int) -> int:
-  """The K rows of a program of the norm + q / k / v product kernel for a hidden size: one FP8
-  block where it divides, else one load (hidden sizes of 64)."""
-  from jspec.pallas_kernels import norm_product
-  return norm_product.SLICE_ROWS if width % norm_product.SLICE_ROWS == 0 else norm_product.ROW_CHUNK
-
-
-def takes_norm_qkv(width: int, shard_cols: int) -> bool:
-  """Whether a layer's input norm and fused q / k / v product go to one kernel
-  (sharded_norm_qkv_norm_rope) at this hidden size and shard's product width: NORM_QKV on,
-  the width at most NORM_QKV_MAX_WIDTH, the kernel's tiles whole, and a power-of-two count of
-  K slices (the q / k norm kernel's sum)."""
-  from jspec.pallas_kernels import norm_product
-  slice_rows = norm_qkv_slice_rows(width)
-  slices = width // slice_rows
-  return (NORM_QKV and width <= NORM_QKV_MAX_WIDTH
-          and norm_product.fits(NORM_QKV_ROWS, width, shard_cols, slice_rows)
-          and slices & (slices - 1) == 0)
-
-
-def sharded_norm_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: float,
-                               interpret: bool):
-  """(x, delta [B, T, D], the input norm's scale [D], qkv_proj [D, K, G + 2, H], positions
-  [B, T], q and k norm scales [H] or None; norm_eps, zero_centered static; caches=None) ->
-  (h = x + delta, q [B, T, N, H], k, v [B, T, K, H]), or (h, q, keys, values) with `caches`
-  (the step's k and v written into them): a layer's residual add, input norm and fused q / k / v
-  product in one kernel (jspec.pallas_kernels.norm_product), whose K-slice partials the q / k
-  norm + RoPE kernel sums (row_norms.qkv_partials_norm_rope). Per shard as
-  sharded_qkv_norm_rope's K slices run: rows over the batch axes, KV heads over tp; h the
-  same on every tp shard. For steps of NORM_QKV_ROWS rows a shard (`takes`)."""
-  from jspec.pallas_kernels.norm_product import add_norm_partials
-  from jspec.pallas_kernels.row_norms import qkv_partials_norm_rope
-  x = rules.spec(("batch", "seq", None))
-  q = rules.spec(("batch", "seq", "q_heads", None))
-  kv = rules.spec(("batch", "seq", "kv_heads", None))
-  cache = rules.spec(("batch", "kv_heads", "cache_seq", "head_dim"))
-  weight = rules.spec((None, "kv_heads", None, None))
-  positions = rules.spec(("batch", "seq"))
-  whole = PartitionSpec()
-
-  def per_shard(x_BTD, delta_BTD, norm_scale_D, w_DKCH, positions_BT, q_scale, k_scale,
-                caches=None, *, norm_eps, zero_centered):
-    (b, t, d), (_, k, c, h) = x_BTD.shape, w_DKCH.shape
-    h_MD, parts_SNR = add_norm_partials(
-        x_BTD.reshape(b * t, d), delta_BTD.reshape(b * t, d), norm_scale_D,
-        w_DKCH.reshape(d, -1), eps=norm_eps, zero_centered=zero_centered,
-        slice_rows=norm_qkv_slice_rows(d), interpret=interpret)
-    q_out, *kv_out = qkv_partials_norm_rope(
-        parts_SNR, positions_BT.reshape(b * t), None, q_scale, k_scale, q_heads=k * (c - 2),
-        kv_heads=k, group=c - 2, dtype=x_BTD.dtype, eps=eps, theta=theta,
-        interpret=interpret, caches=caches)
-    q_out = q_out.reshape(b, t, -1, q_out.shape[-1])
-    if caches is None:
-      kv_out = [out.reshape(b, t, *out.shape[1:]) for out in kv_out]
-    return h_MD.reshape(b, t, d), q_out, *kv_out
-
-  @functools.cache
-  def sharded(cached: bool, norm_eps: float, zero_centered: bool):
-    return jax.shard_map(
-        functools.partial(per_shard, norm_eps=norm_eps, zero_centered=zero_centered),
-        mesh=mesh, in_specs=(x, x, whole, weight, positions, whole, whole)
-        + (((cache, cache),) if cached else ()),
-        out_specs=(x, q, cache, cache) if cached else (x, q, kv, kv), check_vma=False)
-
-  def takes(x_BTD, w_DKCH) -> bool:
-    rows = math.prod(NamedSharding(mesh, x).shard_shape(x_BTD.shape)[:2])
-    cols = math.prod(NamedSharding(mesh, weight).shard_shape(w_DKCH.shape)[1:])
-    return rows == NORM_QKV_ROWS and takes_norm_qkv(x_BTD.shape[-1], cols)
-
-  def call(x_BTD, delta_BTD, norm_scale_D, w_DKCH, positions_BT, q_scale, k_scale, *,
-           norm_eps: float, zero_centered: bool, caches=None):
-    extra = () if caches is None else (tuple(caches),)
-    return sharded(caches is not None, norm_eps, zero_centered)(
-        x_BTD, delta_BTD, norm_scale_D, w_DKCH, positions_BT, q_scale, k_scale, *extra)
-
-  call.takes = takes
   return call
 
 

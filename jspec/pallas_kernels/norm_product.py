@@ -40,108 +40,97 @@ from jspec.pallas_kernels.residual_norm import fits_kernel as norm_fits, row_chu
 
 E4M3 = jnp.float8_e4m3fn
 FP8_BLOCK = 128
-SLICE_ROWS = 128   # the weight's K rows a program reads by default (one FP8 block)
+SLICE_ROWS = 128   # the weight's K rows a program reads (one FP8 block)
 ROW_CHUNK = 64     # K rows of one load: [64, 128] bfloat16 is 64 values a thread at 4 warps
 BLOCK_COLS = 128   # the weight's columns a program reads (one FP8 block)
 MAX_ROWS = 16
 NUM_WARPS = 4
 
 
-def fits(rows: int, width: int, cols: int, slice_rows: int = SLICE_ROWS,
-         fp8: bool = False) -> bool:
-  """Shapes the kernel takes: up to MAX_ROWS rows, D in whole slices (of whole 64-row loads, and
-  whole FP8 blocks for an FP8 weight), N in whole blocks."""
-  return (1 <= rows <= MAX_ROWS and norm_fits(width) and slice_rows > 0
-          and slice_rows % (FP8_BLOCK if fp8 else ROW_CHUNK) == 0
-          and width % slice_rows == 0 and cols % BLOCK_COLS == 0)
+def fits(rows: int, width: int, cols: int) -> bool:
+  """Shapes the kernel takes: up to MAX_ROWS rows, D in whole slices, N in whole blocks."""
+  return (1 <= rows <= MAX_ROWS and norm_fits(width) and width % SLICE_ROWS == 0
+          and cols % BLOCK_COLS == 0)
 
 
 def _kernel(x_ref, delta_ref, scale_ref, w_ref, *rest, eps: float, zero_centered: bool,
-            fp8: bool, slice_rows: int):
+            fp8: bool):
   if fp8:
     w_scale_ref, h_ref, parts_ref = rest
   else:
     h_ref, parts_ref = rest
-  s, nb = pl.program_id(0), pl.program_id(1)
-  rows, width = x_ref.shape
+  m, s, nb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  width = x_ref.shape[1]
   chunk = row_chunk(width)
   cols_n = pl.ds(nb * BLOCK_COLS, BLOCK_COLS)
-  starts = [s * slice_rows + i * ROW_CHUNK for i in range(slice_rows // ROW_CHUNK)]
-  steps = [pl.ds(start, ROW_CHUNK) for start in starts]
+  steps = [pl.ds(s * SLICE_ROWS + i * ROW_CHUNK, ROW_CHUNK)
+           for i in range(SLICE_ROWS // ROW_CHUNK)]
 
-  def added(m, cols):  # x + delta rounded to the stream's dtype, as rms_norm's add
+  def added(cols):  # x + delta rounded to the stream's dtype, as rms_norm's add
     x = x_ref[m, cols]
     return (x.astype(jnp.float32) + delta_ref[m, cols].astype(jnp.float32)).astype(x.dtype)
 
-  # The weight's tiles first (the bytes this kernel is for; read once for all rows), then each
-  # row's slice and whole row for its sum of squares: loads placed after that reduction would
-  # wait for it.
+  # The weight's tiles first (the bytes this kernel is for), then the slice's scale and h, then
+  # the whole row for its sum of squares: loads placed after that reduction would wait for it.
   if fp8:
     tiles = [w_ref[cols_n, cols] for cols in steps]             # [BLOCK_COLS, ROW_CHUNK] e4m3
-    blocks_per_slice = slice_rows // FP8_BLOCK
-    block_scales = [w_scale_ref[nb, s * blocks_per_slice + i // (FP8_BLOCK // ROW_CHUNK)]
-                    .astype(jnp.float32) for i in range(len(steps))]
+    block_scale = w_scale_ref[nb, s].astype(jnp.float32)         # one 128 x 128 block
   else:
     tiles = [w_ref[cols, cols_n] for cols in steps]             # [ROW_CHUNK, BLOCK_COLS]
   scales = [scale_ref[cols] for cols in steps]
-  for m in range(rows):
-    slice_h = [added(m, cols) for cols in steps]
-    squares = jnp.float32(0.0)
-    for c in range(width // chunk):  # in rms_norm's pieces and order
-      h32 = added(m, pl.ds(c * chunk, chunk)).astype(jnp.float32)
-      squares += jnp.sum(h32 * h32)
-    inv_rms = jax.lax.rsqrt(squares / width + eps)
-    acc = jnp.zeros((BLOCK_COLS, ROW_CHUNK) if fp8 else (ROW_CHUNK, BLOCK_COLS), jnp.float32)
-    for i, (tile, scale, h) in enumerate(zip(tiles, scales, slice_h)):
-      out32 = scaled_norm(h, scale, inv_rms, zero_centered).astype(jnp.float32)
-      if fp8:
-        acc = acc + tile.astype(jnp.float32) * (out32 * block_scales[i])[None, :]
-      else:
-        acc = acc + out32[:, None] * tile.astype(jnp.float32)
-    parts_ref[s, cols_n, m] = jnp.sum(acc, axis=1 if fp8 else 0)
+  slice_h = [added(cols) for cols in steps]
+  pieces = [added(pl.ds(c * chunk, chunk)) for c in range(width // chunk)]
+  squares = jnp.float32(0.0)
+  for piece in pieces:  # in rms_norm's pieces and order
+    h32 = piece.astype(jnp.float32)
+    squares += jnp.sum(h32 * h32)
+  inv_rms = jax.lax.rsqrt(squares / width + eps)
+  acc = jnp.zeros((BLOCK_COLS, ROW_CHUNK) if fp8 else (ROW_CHUNK, BLOCK_COLS), jnp.float32)
+  for tile, scale, h in zip(tiles, scales, slice_h):
+    out32 = scaled_norm(h, scale, inv_rms, zero_centered).astype(jnp.float32)
+    if fp8:
+      acc = acc + tile.astype(jnp.float32) * (out32 * block_scale)[None, :]
+    else:
+      acc = acc + out32[:, None] * tile.astype(jnp.float32)
+  parts_ref[s, cols_n, m] = jnp.sum(acc, axis=1 if fp8 else 0)
 
-    @pl.when(nb == 0)  # one program of each slice writes its columns of h
-    def _():
-      for cols, h in zip(steps, slice_h):
-        h_ref[m, cols] = h
+  @pl.when(nb == 0)  # one program of each slice writes its columns of h
+  def _():
+    for cols, h in zip(steps, slice_h):
+      h_ref[m, cols] = h
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "slice_rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "interpret"))
 def add_norm_partials(x_MD: jax.Array, delta_MD: jax.Array, scale_D: jax.Array,
                       weight: jax.Array, weight_scale: jax.Array | None = None, *, eps: float,
-                      zero_centered: bool = False, slice_rows: int = SLICE_ROWS,
-                      interpret: bool | None = None):
-  """(h [M, D], partials [D / slice_rows, N, M] float32) for h = x + delta and the product of
+                      zero_centered: bool = False, interpret: bool | None = None):
+  """(h [M, D], partials [D / SLICE_ROWS, N, M] float32) for h = x + delta and the product of
   norm(h) with `weight` (see the module docstring): bf16 (any float) weight [D, N] with
-  weight_scale None, or e4m3 weight [N, D] with weight_scale [N / 128, D / 128]. A program
-  reads `slice_rows` of the weight's K rows (a multiple of 64, of 128 for FP8) and 128 of its
-  columns, for all M rows."""
+  weight_scale None, or e4m3 weight [N, D] with weight_scale [N / 128, D / 128]."""
   rows, width = x_MD.shape
   fp8 = weight_scale is not None
   cols = weight.shape[0] if fp8 else weight.shape[1]
   k_rows = weight.shape[1] if fp8 else weight.shape[0]
   if (delta_MD.shape != x_MD.shape or delta_MD.dtype != x_MD.dtype or scale_D.shape != (width,)
-      or k_rows != width or not fits(rows, width, cols, slice_rows, fp8)
+      or k_rows != width or not fits(rows, width, cols)
       or (fp8 and (weight.dtype != E4M3 or weight_scale.shape != (cols // FP8_BLOCK,
                                                                     width // FP8_BLOCK)))):
     raise ValueError(
         f"add_norm_partials takes x and delta [M <= {MAX_ROWS}, D] of one dtype, scale [D] "
         f"and a weight [D, N] (or e4m3 [N, D] with block scales [N/{FP8_BLOCK}, "
-        f"D/{FP8_BLOCK}]), D a multiple of slice_rows ({slice_rows}, a multiple of "
-        f"{ROW_CHUNK}, of {FP8_BLOCK} for FP8) and N of {BLOCK_COLS}; got "
+        f"D/{FP8_BLOCK}]), D a multiple of {SLICE_ROWS} and N of {BLOCK_COLS}; got "
         f"{x_MD.shape} {x_MD.dtype}, {delta_MD.shape} {delta_MD.dtype}, {scale_D.shape}, "
         f"{weight.shape} {weight.dtype}, "
         f"{None if weight_scale is None else weight_scale.shape}")
   if interpret is None:
     interpret = not platform.on_gpu()
-  slices = width // slice_rows
+  slices = width // SLICE_ROWS
   operands = (x_MD, delta_MD, scale_D, weight) + ((weight_scale,) if fp8 else ())
   return pl.pallas_call(
-      functools.partial(_kernel, eps=eps, zero_centered=zero_centered, fp8=fp8,
-                        slice_rows=slice_rows),
+      functools.partial(_kernel, eps=eps, zero_centered=zero_centered, fp8=fp8),
       out_shape=(jax.ShapeDtypeStruct((rows, width), x_MD.dtype),
                  jax.ShapeDtypeStruct((slices, cols, rows), jnp.float32)),
-      grid=(slices, cols // BLOCK_COLS),
+      grid=(rows, slices, cols // BLOCK_COLS),
       compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
       interpret=interpret, name="add_norm_fp8_partials" if fp8 else "add_norm_partials",
   )(*operands)
