@@ -41,49 +41,47 @@ class _Pending:
     return self
 
 
-def _timed(monkeypatch, device, arg_sets, **kwargs):
-  monkeypatch.setattr(roofline.time, "perf_counter", device.clock)
-  return roofline.seconds_per_call(device.call, arg_sets, **kwargs)
+def _timed(device, arg_sets, **kwargs):
+  return roofline.seconds_per_call(device.call, arg_sets, clock=device.clock, **kwargs)
 
 
 @pytest.mark.parametrize("case", range(12))
-def test_the_figure_is_the_throughput_and_a_batchs_fixed_wait_does_not_enter(monkeypatch,
-                                                                            case):
+def test_the_figure_is_the_throughput_and_a_batchs_fixed_wait_does_not_enter(case):
   rng = np.random.default_rng([RUN_SEED, case])
   device_s = float(rng.uniform(1e-4, 0.2))   # short kernels to long programs
   # Dispatch from a tenth of the call (overlapped) to twice it (the host the limit).
   host_s = device_s * float(rng.choice([0.1, 0.5, 0.9, 2.0]))
   sync_s = float(rng.uniform(0, 5e-3))       # the wait for the last call's result
   device = SimulatedDevice(host_s, device_s, sync_s)
-  got = _timed(monkeypatch, device, [("a",), ("b",)])
+  got = _timed(device, [("a",), ("b",)])
   assert got == pytest.approx(max(host_s, device_s), rel=1e-9)
 
 
-def test_calls_rotate_over_the_argument_sets(monkeypatch):
+def test_calls_rotate_over_the_argument_sets():
   """Two warm-up calls, one alone, then a batch of 5 and one of 15 (calls of 1 ms, 5 ms a
   batch at least), the sets in turn from the call alone on, across batches (one pair:
   `batches=1`): no batch starts on the set the call before it used."""
   device = SimulatedDevice(0.0, 1e-3)
-  _timed(monkeypatch, device, [(0,), (1,), (2,)], batches=1)
+  _timed(device, [(0,), (1,), (2,)], batches=1)
   seen = [a[0] for a in device.args_seen]
   assert seen == [0, 1, 0] + [(1 + i) % 3 for i in range(5 + 15)]
 
 
 @pytest.mark.parametrize("first_s,expected_short,pairs",
                          [(4e-4, 12, 3), (2e-2, 2, 3), (0.2, 1, 3)])
-def test_batch_lengths_follow_the_calls_duration(monkeypatch, first_s, expected_short, pairs):
+def test_batch_lengths_follow_the_calls_duration(first_s, expected_short, pairs):
   """Calls of 0.4 ms: batches of 12 and 36 (5 ms at least); of 20 ms: 2 and 6; over 50 ms:
   1 and 3; 3 pairs, after 2 warm-up calls and one timed alone."""
   device = SimulatedDevice(0.0, first_s)
-  _timed(monkeypatch, device, [()])
+  _timed(device, [()])
   assert len(device.args_seen) == 2 + 1 + pairs * 4 * expected_short
 
 
-def test_a_slope_lost_in_the_clocks_jitter_falls_back_to_the_long_batches_mean(monkeypatch):
+def test_a_slope_lost_in_the_clocks_jitter_falls_back_to_the_long_batches_mean():
   """Every batch takes the same time whatever its calls (all of it the final wait): the
   slope is zero, and the figure is the long batch's time per call, never zero or negative."""
   device = SimulatedDevice(0.0, 0.0, sync_s=2e-3)
-  got = _timed(monkeypatch, device, [()])
+  got = _timed(device, [()])
   assert got > 0
   assert got == pytest.approx(2e-3 / 6, rel=1e-9)   # 2 ms a call alone: batches of 2 and 6
 
@@ -111,10 +109,10 @@ class NoisyDevice(SimulatedDevice):
     return pending
 
 
-def test_a_stalled_batch_does_not_enter_the_figure(monkeypatch):
+def test_a_stalled_batch_does_not_enter_the_figure():
   """Every fifth wait stalls 50 ms (warm-ups and the call alone included): the first pair's
   long batch. The medians leave it out; a mean of the batches would put the figure 4 ms off
   the device's 10 ms."""
   device = NoisyDevice(1e-3, 1e-2, stall_s=0.05, period=5)
-  got = _timed(monkeypatch, device, [()])
+  got = _timed(device, [()])
   assert got == pytest.approx(1e-2, rel=1e-9)

@@ -18,7 +18,7 @@ from jspec.config import ModelConfig
 
 
 def seconds_per_call(fn, arg_sets, min_batch_s: float = 5e-3, warmup: int = 2,
-                     batches: int | None = None) -> float:
+                     batches: int | None = None, clock=time.perf_counter) -> float:
   """Device seconds per call of fn(*args), args rotating over `arg_sets`: the slope of a
   batch's time over its calls, from `batches` pairs of batches (None: 3).
 
@@ -31,12 +31,13 @@ def seconds_per_call(fn, arg_sets, min_batch_s: float = 5e-3, warmup: int = 2,
   (BENCHMARKS.md, "The step timer's slope ..."). So batches of n and of 3n calls are timed in
   turns and the figure is their medians' difference over 2n calls, which the fixed part does
   not enter. n: enough calls for `min_batch_s`, at least 2 (1 for calls over 50 ms).
+  `clock`: seconds from any origin (a simulated device's clock in tests).
   """
   for i in range(warmup):
     jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-  start = time.perf_counter()
+  start = clock()
   jax.block_until_ready(fn(*arg_sets[0]))
-  first = time.perf_counter() - start
+  first = clock() - start
   short_n = int(min(50, max(1 if first > 0.05 else 2, min_batch_s / max(first, 1e-6))))
   long_n = 3 * short_n
   num_pairs = batches or 3
@@ -45,13 +46,13 @@ def seconds_per_call(fn, arg_sets, min_batch_s: float = 5e-3, warmup: int = 2,
 
   def batch_seconds(calls: int) -> float:
     nonlocal calls_made
-    start = time.perf_counter()
+    start = clock()
     out = None
     for _ in range(calls):
       out = fn(*arg_sets[calls_made % len(arg_sets)])
       calls_made += 1
     jax.block_until_ready(out)
-    return time.perf_counter() - start
+    return clock() - start
 
   shorts, longs = [], []
   for _ in range(num_pairs):
