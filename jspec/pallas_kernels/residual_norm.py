@@ -40,7 +40,8 @@ def row_chunk(width: int) -> int:
 def scaled_norm(h, scale, inv_rms, zero_centered: bool):
   """One piece of norm(h) in h's dtype from h, the scale's piece and the row's 1 / rms, as
   RMSNorm (cast, then the scale in the parameter's dtype) or ZeroCenteredRMSNorm ((1 + w) in
-  float32, one cast) computes it: for the kernels that hold h in its dtype."""
+  float32, one cast) computes it, in the kernels that hold h in its dtype (this module's, the
+  norm + router kernel's)."""
   normed = h.astype(jnp.float32) * inv_rms
   scale = scale.astype(jnp.float32)
   if zero_centered:
@@ -77,13 +78,7 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
     rows.append((cols, x))
   inv_rms = jax.lax.rsqrt(squares / width + eps)
   for (cols, x), scale in zip(rows, scales):
-    normed = x.astype(jnp.float32) * inv_rms
-    scale = scale.astype(jnp.float32)
-    if zero_centered:  # (1 + w) in float32, one cast (ZeroCenteredRMSNorm)
-      out = normed * (1.0 + scale)
-    else:  # cast, then the scale in the parameter's dtype (RMSNorm)
-      out = scale * normed.astype(x.dtype).astype(jnp.float32)
-    out_ref[m, cols] = out.astype(out_ref.dtype)
+    out_ref[m, cols] = scaled_norm(x, scale, inv_rms, zero_centered)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "interpret"))
