@@ -27,7 +27,8 @@ from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
                                       weights_replicated)
 from jspec.models import row_kernels
-from jspec.models.row_kernels import (resolve_norm_backend, sharded_fp8_qkv_norm_rope,
+from jspec.models.row_kernels import (resolve_norm_backend, sharded_fp8_add_rms_norm,
+                                      sharded_fp8_qkv_norm_rope,
                                       sharded_kv_write, sharded_norm_router, sharded_router,
                                       sharded_qk_norm_rope, sharded_qkv_norm_rope,
                                       sharded_rms_norm, sharded_swiglu)
@@ -231,6 +232,12 @@ def _takes_fp8_qkv_kernel(node) -> bool:
   return fp8_rows_fit(node, one_row, QKV_NAMES)
 
 
+# o_proj's and a layer MLP's down_proj's FP8 K-slice partials, rows first, summed inside the
+# residual add and RMSNorm kernel after them (residual_norm.add_partials_rms_norm) in place of
+# a sum kernel of XLA's per product.
+FP8_PARTIALS_IN_NORM = False
+
+
 def use_row_kernels(backend: str, mesh, pairs) -> str:
   """Sets the norms' `row_kernel`, the attention layers' `qk_kernel` and `kv_write`, the
   softmax MoE layers' `router_kernel` and, where mlp.SWIGLU_KERNEL is on, the unquantized
@@ -251,7 +258,8 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
     kv_write = None  # the cache's slots and head_dim whole on every shard
     if axis_size(mesh, rules.cache_seq) == 1 and axis_size(mesh, rules.head_dim) == 1:
       kv_write = sharded_kv_write(mesh, rules, interpret)
-    for _, node in nnx.iter_graph(module):
+    fp8_add_norm = sharded_fp8_add_rms_norm(mesh, rules, interpret)
+    for path, node in nnx.iter_graph(module):
       # The norms of the hidden size only (layers, final, MTP and EAGLE heads): MLA's latent
       # norms read a slice of their projection's output, which a kernel would copy first.
       if (isinstance(node, RMSNorm) and node.axis_name == "embed"
@@ -260,6 +268,12 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         if form not in norms:
           norms[form] = sharded_rms_norm(mesh, rules, node.eps, node.zero_centered, interpret)
         node.row_kernel = norms[form]
+      if (FP8_PARTIALS_IN_NORM and getattr(node, "fp8_projection", None) is not None
+          and axis_size(mesh, rules.embed) == 1
+          and (isinstance(node, Attention) or (isinstance(node, MLP) and path[-1:] == ("mlp",)))):
+        # o_proj's and a layer MLP's down_proj's K slices summed by the norm after them (a
+        # shared expert's output is added to the routed experts' first: its sum stays apart)
+        node.fp8_add_norm = fp8_add_norm
       fp8_qkv = isinstance(node, Attention) and _takes_fp8_qkv_kernel(node)
       if fp8_qkv:  # the K-slice sums of q, k and v read by the norm and RoPE kernel
         node.fp8_qkv_kernel = sharded_fp8_qkv_norm_rope(

@@ -21,7 +21,7 @@ from jspec.models.rope import rope
 from jspec.models.caches import KVCache, write_slots
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
 from jspec.models.linear import (QKV_NAMES, fp8_operands, fp8_rows_fit, linear,
-                                 project_many_named, project_named)
+                                 project_many_named, project_named, project_to_norm)
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
 from jspec.models.params import param
 from jspec.models.row_kernels import takes_rows
@@ -110,8 +110,10 @@ class Attention(nnx.Module):
     self.prefill_attention = None
     # Optional products for steps with few rows (jspec.models.projections), set by the LLM:
     # (x [B, T, K], w [K, N]) -> [B, T, N], the FP8 form with the block scale third. None: XLA's.
+    # fp8_add_norm: o_proj's FP8 product with the residual add and norm after it, its K slices
+    # summed in the norm's kernel (jspec.models.row_kernels.sharded_fp8_add_rms_norm).
     self.projection = None
-    self.fp8_projection = None
+    self.fp8_projection = self.fp8_add_norm = None
     # Each FP8 scale repeated over the kernel's lanes, by weight name, set in a program before
     # a loop of steps (jspec.models.projections.with_loop_constants).
     self.fp8_lanes = None
@@ -198,8 +200,8 @@ class Attention(nnx.Module):
       # The all-reduce may be left to the norm after the residual add (PartialSum).
       out_BTD = self.tp_products.row(out_BTNH, self.o_proj[...], in_axes=2, defer=True,
                                      tokens=tokens)
-    else:
-      out_BTD = self._dense(out_BTNH, "o_proj", "btnh,nhd->btd", in_axes=2)
+    else:  # an FP8 product's K slices may be left to the norm after the residual add
+      out_BTD = project_to_norm(self, out_BTNH, "o_proj", "btnh,nhd->btd", 2, self.projection)
     if self.has_o_bias:
       out_BTD = out_BTD + self.o_bias[...]
     return out_BTD, cache

@@ -145,3 +145,52 @@ def fp8_rows_fit(layer, x, names, in_axes: int = 1) -> bool:
   return layer.fp8_block is not None and all(
       fp8_gemm.fits_kernel(rows, k, math.prod(getattr(layer, name).shape[:-in_axes]),
                            layer.fp8_block) for name in names)
+
+
+class SlicedFp8Product:
+  """An FP8 row product's output before the sum of its K slices, for the residual add and
+  RMSNorm that read it next (o_proj, down_proj): `reduced()` is the output; `+` sums first;
+  the norm takes it whole (`add_and_norm`: its kernel sums the partials as it reads them,
+  jspec.models.row_kernels.sharded_fp8_add_rms_norm), so that the sum is no kernel of its
+  own."""
+
+  def __init__(self, reduce, fuse, shape, dtype):
+    self._reduce, self._fuse, self.shape, self.dtype = reduce, fuse, shape, dtype
+
+  def reduced(self):
+    return self._reduce()
+
+  def add_and_norm(self, residual_BTD, scale_D, eps: float, zero_centered: bool):
+    """(residual + the product, its RMSNorm) in one kernel."""
+    return self._fuse(residual_BTD, scale_D, eps=eps, zero_centered=zero_centered)
+
+  def __add__(self, other):
+    return self.reduced() + other
+
+  def __radd__(self, other):
+    return other + self.reduced()
+
+
+def reduced(delta):
+  """`delta` as an array: a SlicedFp8Product summed, anything else as it is."""
+  return delta.reduced() if isinstance(delta, SlicedFp8Product) else delta
+
+
+def project_to_norm(layer, x, name: str, spec: str, in_axes: int = 1, product=None):
+  """project_named for a projection whose output a residual add and RMSNorm read next: a
+  SlicedFp8Product where `layer.fp8_add_norm` is set (jspec.backends.use_row_kernels) and the
+  FP8 weight, in whole blocks, takes x's rows in the few-row kernel; else the product."""
+  reduce = lambda: project_named(layer, x, name, spec, in_axes, product)
+  kernel, scale = layer.fp8_add_norm, getattr(layer, name + "_scale")
+  weight = getattr(layer, name)
+  if (kernel is None or scale is None or weight.ndim != in_axes + 1
+      or not _whole_blocks(weight, layer.fp8_block, in_axes)
+      or not fp8_rows_fit(layer, x, (name,), in_axes)):
+    return reduce()
+  lead = x.shape[:x.ndim - in_axes]
+  k, n = math.prod(weight.shape[-in_axes:]), weight.shape[0]
+  lanes = None if layer.fp8_lanes is None else _flat_grid(layer.fp8_lanes[name], in_axes)
+  operands = (x.reshape(*lead, k), weight[...].reshape(n, k), _flat_grid(scale[...], in_axes),
+              lanes)
+  fuse = lambda residual, scale_D, **norm: kernel(*operands, residual, scale_D, **norm)
+  return SlicedFp8Product(reduce, fuse, (*lead, n), x.dtype)

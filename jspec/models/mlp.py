@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jspec.models.linear import linear, project_named
+from jspec.models.linear import linear, project_named, project_to_norm
 from jspec.models.row_kernels import takes_rows
 
 # Whether a decode or verify step's gate / up product and SiLU x up run as one kernel
@@ -36,8 +36,8 @@ class MLP(nnx.Module):
         rngs, (hidden, 2, intermediate), dtype, ("embed", None, "mlp"), 1, gate_up_block)
     self.down_proj, self.down_proj_scale = linear(rngs, (intermediate, hidden), dtype,
                                                   ("mlp", "embed"), 1, down_block)
-    # FP8 weights only: set as Attention.fp8_projection and Attention.fp8_lanes are.
-    self.fp8_projection = None
+    # FP8 weights only: set as Attention's fp8_projection, fp8_add_norm and fp8_lanes are.
+    self.fp8_projection = self.fp8_add_norm = None
     self.fp8_lanes = None
     self.fp8_block = gate_up_block or down_block
     # Optional products for weights split over tp, as Attention.tp_products.
@@ -54,7 +54,7 @@ class MLP(nnx.Module):
     act_BTF = self._activation(x_BTD, tp)
     if tp is not None and self.down_proj_scale is None:
       return tp.row(act_BTF, self.down_proj[...], defer=True)  # as Attention's o_proj
-    return self._dense(act_BTF, "down_proj", "btf,fd->btd")
+    return project_to_norm(self, act_BTF, "down_proj", "btf,fd->btd")  # as o_proj
 
   def _activation(self, x_BTD, tp):
     """silu(x @ gate) * (x @ up): one kernel where `swiglu_kernel` takes the step, else the

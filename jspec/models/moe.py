@@ -29,7 +29,7 @@ from flax import nnx
 
 from jspec.config import MoEConfig
 from jspec.models import quantization
-from jspec.models.linear import linear
+from jspec.models.linear import linear, reduced
 from jspec.models.mlp import MLP
 from jspec.models.params import param
 from jspec.pallas_kernels import fp8_experts, router_topk
@@ -208,6 +208,7 @@ class MoE(nnx.Module):
     (norm_router_kernel) and delta is summed already; None elsewhere. `routing` goes to
     __call__ with norm(h)."""
     b, t, _ = x_BTD.shape
+    delta_BTD = reduced(delta_BTD)  # an FP8 o_proj's K slices: this kernel reads a whole delta
     if (self.norm_router_kernel is None or not NORM_ROUTER or isinstance(delta_BTD, PartialSum)
         or delta_BTD.dtype != x_BTD.dtype or not norm.on_kernel(x_BTD)
         or b * t > router_topk.MAX_TOKENS):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jspec.models.linear import SlicedFp8Product
 from jspec.models.params import ones_param, zeros_param
 from jspec.models.row_kernels import takes_rows
 from jspec.sharding.tensor_parallel import PartialSum
@@ -51,8 +52,9 @@ class RMSNorm(nnx.Module):
 
   def add_and_norm(self, x, delta):
     """(h, norm(h)) for h = x + delta: the residual stream and its normalised form. A `delta`
-    still to be summed over tp (a PartialSum) is summed in the same kernel where it fits."""
-    if isinstance(delta, PartialSum):
+    still to be summed over tp (a PartialSum) or over an FP8 product's K slices (a
+    SlicedFp8Product) is summed in the same kernel where it fits."""
+    if isinstance(delta, (PartialSum, SlicedFp8Product)):
       fused = (delta.add_and_norm(x, self.scale[...], self.eps, self.zero_centered)
                if self.on_kernel(x) else None)
       if fused is not None:

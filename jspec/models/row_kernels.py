@@ -191,6 +191,36 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
   return call
 
 
+def sharded_fp8_add_rms_norm(mesh: Mesh, rules: ShardingRules, interpret: bool):
+  """(x [B, T, K], w8 [D, K], its block scale, the scale's kernel lanes or None, residual
+  [B, T, D], norm scale [D]; eps, zero_centered) -> (h, norm(h)) for h = residual + x @ w:
+  one FP8 kernel call (fp8_gemm.fp8_partials_many, rows first) whose K-slice partials the
+  residual add and RMSNorm kernel sums as it reads them (residual_norm.add_partials_rms_norm).
+  Per batch shard, the weight whole on every shard (as the FP8 products run)."""
+  from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
+  from jspec.pallas_kernels.residual_norm import add_partials_rms_norm
+  rows, whole = rules.spec(("batch", "seq", None)), PartitionSpec()
+
+  def per_shard(x_BTK, w8, scale, lanes, residual_BTD, scale_D, *, eps, zero_centered):
+    b, t, d = residual_BTD.shape
+    parts_SRD, row_scale_M = fp8_partials_many(x_BTK.reshape(b * t, -1), (w8,), (scale,),
+                                               (lanes,), rows_first=True)
+    out = add_partials_rms_norm(residual_BTD.reshape(b * t, d), parts_SRD, scale_D,
+                                row_scale_M, dtype=x_BTK.dtype, eps=eps,
+                                zero_centered=zero_centered, interpret=interpret)
+    return tuple(o.reshape(b, t, d) for o in out)
+
+  @functools.cache
+  def for_norm(eps, zero_centered):
+    return jax.shard_map(
+        functools.partial(per_shard, eps=eps, zero_centered=zero_centered), mesh=mesh,
+        in_specs=(rows, whole, whole, whole, rows, whole), out_specs=(rows, rows),
+        check_vma=False)
+
+  return lambda x, w8, scale, lanes, residual, scale_D, *, eps, zero_centered: for_norm(
+      eps, zero_centered)(x, w8, scale, lanes, residual, scale_D)
+
+
 def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: float,
                               interpret: bool):
   """(x [B, T, D], (w8 [N_i, D] for q, k, v), their block scales, their scales' kernel lanes

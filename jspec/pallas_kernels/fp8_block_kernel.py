@@ -128,10 +128,14 @@ def scaled_block_sums(sums, x_smem, w_smems, s_smems, per_step: int, rows: int, 
 
 
 def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8Tiling,
-             balanced: bool = False):
+             balanced: bool = False, rows_first: bool = False):
   """[S, sum of N, R] float32: slice s's sum over its K blocks of (W_block @ x_block^T) *
   scale, for each weight of `w8s_NK` (a tuple of weights with the same K; the output holds
   their columns one after another).
+
+  rows_first: [S, R, sum of N] instead, each tile stored transposed, so that one row's partials
+  are contiguous for a reader of a row (in the rows-last form a row is one float of every
+  32-byte sector).
 
   balanced: the items are (weight, 128-column block) over all of K, and each program takes an
   equal run of the items' K steps in order (`splits` is ignored). Round-robin items leave SMs
@@ -203,9 +207,21 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
     return (weight, lax.div(local, blocks), offset + lax.rem(local, blocks),
             lax.rem(step, jnp.int32(k_steps)))
 
+  def store_tile(tile_smem, value_CR):
+    """A [128, R] float32 WGMMA-layout value into the output tile, transposed where rows come
+    first (32-bit values store transposed from WGMMA's transposed layout only)."""
+    if rows_first:
+      tile_smem.T[...] = plgpu.layout_cast(value_CR, plgpu.Layout.WGMMA_TRANSPOSED)
+    else:
+      tile_smem[...] = value_CR
+
   def body(*refs):
     x_ref, *weight_refs, out_ref = refs
     act_ref = weight_refs.pop() if fp8_x else None
+
+    def out_tile(segment, col):
+      columns = pl.ds(col * BLOCK, BLOCK)
+      return out_ref.at[segment, :, columns] if rows_first else out_ref.at[segment, columns]
     w_refs, s_refs = weight_refs[0::2], weight_refs[1::2]
 
     def scoped(x_smem, w_smem, s_smem, o_smem, loaded, *extra):
@@ -214,7 +230,7 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
       if balanced:
         steps = runs.run_length(sm)
         z_smem = extra[-1]  # zeros for the slots after an item's last partial
-        z_smem[...] = decode_gemm._zeros(1, z_smem.shape)[0]
+        store_tile(z_smem, decode_gemm._zeros(1, (BLOCK, rows))[0])
         plgpu.commit_smem()
       else:
         steps = lax.div(item_starts[-1] - sm + (num_sms - 1), jnp.int32(num_sms)) * k_steps
@@ -268,15 +284,14 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
         @pl.when(store)
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store read it
-          o_smem[...] = total
+          store_tile(o_smem, total)
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem, out_ref.at[slot_out, pl.ds(col * BLOCK, BLOCK)])
+          plgpu.copy_smem_to_gmem(o_smem, out_tile(slot_out, col))
 
         for later in range(1, segments if balanced else 1):
           @pl.when(last & (slot_out + later < segments))
           def _(later=later):
-            plgpu.copy_smem_to_gmem(z_smem, out_ref.at[slot_out + later,
-                                                       pl.ds(col * BLOCK, BLOCK)])
+            plgpu.copy_smem_to_gmem(z_smem, out_tile(slot_out + later, col))
 
         # The slot's products are done (block_products waits for them): refill it.
         pl.when(step + stages < steps)(functools.partial(fetch, step + stages, slot))
@@ -288,21 +303,24 @@ def partials(x_RK, w8s_NK, scale_rows_NbX, act_scale_X, splits: int, tiling: Fp8
         plgpu.wait_smem_to_gmem(0)
 
     lanes_smem = plgpu.SMEM((stages, per_step * lanes), jnp.float32)
+    tile = (plgpu.SMEM((rows, BLOCK), jnp.float32, transforms=smem_transforms(BLOCK, jnp.float32))
+            if rows_first else
+            plgpu.SMEM((BLOCK, rows), jnp.float32, transforms=smem_transforms(rows, jnp.float32)))
     pl.run_scoped(
         scoped,
         plgpu.SMEM((stages, rows, step_k), x_dtype, transforms=smem_transforms(step_k, x_dtype)),
         plgpu.SMEM((stages, BLOCK, step_k), E4M3, transforms=smem_transforms(BLOCK, E4M3)),
         lanes_smem,
-        plgpu.SMEM((BLOCK, rows), jnp.float32, transforms=smem_transforms(rows, jnp.float32)),
+        tile,
         plgpu.Barrier(num_arrivals=4 if fp8_x else 3, num_barriers=stages),
         *([lanes_smem] if fp8_x else []),
-        *([plgpu.SMEM((BLOCK, rows), jnp.float32, transforms=smem_transforms(rows, jnp.float32))]
-          if balanced else []),
+        *([tile] if balanced else []),
     )
 
   inputs = (x_RK, *[a for pair in zip(w8s_NK, scale_rows_NbX) for a in pair])
   inputs += (act_scale_X,) if fp8_x else ()
   # Named by shape, so that a profile tells a step's products apart.
-  return decode_gemm._kernel_call(body, (segments, sum(ns), rows), jnp.float32,
+  out_shape = (segments, rows, sum(ns)) if rows_first else (segments, sum(ns), rows)
+  return decode_gemm._kernel_call(body, out_shape, jnp.float32,
                                   f"fp8_block_gemm_{k}x{sum(ns)}",
                                   compiler_params=PROFILE)(*inputs)

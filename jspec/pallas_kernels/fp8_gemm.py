@@ -209,22 +209,26 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
   return tuple(out_MN[:, start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations"))
+@functools.partial(jax.jit, static_argnames=("splits", "tiling", "activations", "rows_first"))
 def fp8_partials_many(x_MK: jax.Array, w8s_NK: tuple, scales_NbKb: tuple,
                       lanes_NbX: tuple | None = None, splits: int | None = None,
-                      tiling: Fp8Tiling | None = None, activations: str | None = None):
+                      tiling: Fp8Tiling | None = None, activations: str | None = None,
+                      rows_first: bool = False):
   """fp8_matmul_many before its K-slice sum, for a consumer that sums the slices as it reads
   them (row_norms.qkv_partials_norm_rope): (partials [S, sum of N_i, R] float32, the weights'
   columns one after another and the rows padded to R, and each row's scale [M] float32 or
   None). The products are sum over S of partials[:, :, :M].T times the row scales, cast to
-  x's dtype. Jitted as fp8_matmul is: every layer's call is then one lowering, and one
-  compile of the Mosaic GPU kernel (each costs about 0.75 s)."""
+  x's dtype. rows_first: the partials as [S, R, sum of N_i] (fp8_block_kernel.partials', for
+  a reader of whole rows: residual_norm.add_partials_rms_norm). Jitted as fp8_matmul is:
+  every layer's call is then one lowering, and one compile of the Mosaic GPU kernel (each
+  costs about 0.75 s)."""
   lanes_NbX = lanes_NbX or (None,) * len(w8s_NK)
   return _partials("fp8_partials_many", x_MK, tuple(w8s_NK), tuple(scales_NbKb),
-                   tuple(lanes_NbX), splits, tiling, activations)
+                   tuple(lanes_NbX), splits, tiling, activations, rows_first)
 
 
-def _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activations):
+def _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activations,
+              rows_first: bool = False):
   shapes = [check_operands(name, x_MK, w, s) for w, s in zip(w8s_NK, scales_NbKb)]
   m, k, _ = shapes[0]
   ns = [n for _, _, n in shapes]
@@ -268,4 +272,5 @@ def _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
   else:
     x16_MK, row_scale_M = float16_rows(x_MK)
     x_RK = jnp.pad(x16_MK, ((0, rows - m), (0, 0)))
-  return partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling, balanced), row_scale_M
+  return (partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling, balanced, rows_first),
+          row_scale_M)

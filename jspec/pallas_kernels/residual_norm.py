@@ -11,9 +11,11 @@ on an H200 against their targets; ..."). Here:
 It rounds where jspec.models.norms' modules round (the sum in bfloat16, normalising in float32,
 the cast, the scale), so it stands in for them; only the order of the float32 sums differs.
 One program per row: the steps that call it have at most a few hundred rows.
-(o_proj's and down_proj's FP8 K-slice partials summed here as they are read were slower, one
-program a row reading every slice: BENCHMARKS.md, "Workspace kernels without flags (Lamport)
-...". Removed.)
+  add_partials_rms_norm  the same with the residual's delta given as an FP8 product's K-slice
+             partials, rows first (fp8_gemm.fp8_partials_many), summed as they are read: the
+             product's sum is then no kernel of its own (o_proj, down_proj). A first form read
+             the rows-last partials, one float of every 32-byte sector, and was slower
+             (BENCHMARKS.md, "Workspace kernels without flags (Lamport) ...").
 """
 
 from __future__ import annotations
@@ -54,22 +56,51 @@ def fits_kernel(width: int) -> bool:
   return width > 0 and row_chunk(width) >= MIN_CHUNK
 
 
-def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool):
+def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool,
+                 delta_dtype=None, row_scaled: bool = False):
   """Program m: row m, read once and held in registers (7168 bfloat16 values are 28 a thread
   at 8 warps) between the sum of its squares and its scaling. All loads come before any store,
   which they could alias: a 7168-wide row's 7 pieces were read one after another (BENCHMARKS.md,
-  "Norm kernels' loads before their stores")."""
+  "Norm kernels' loads before their stores").
+
+  delta_dtype set: the delta is K-slice partials [S, R, D] float32, each value their sum over
+  S in order (times row m's scale where row_scaled) cast to delta_dtype, as fp8_gemm's
+  fp8_matmul gives the product."""
+  row_scale_ref = None
   if has_residual:
-    x_ref, delta_ref, scale_ref, h_ref, out_ref = refs
+    x_ref, delta_ref, *refs = refs
+    if row_scaled:
+      row_scale_ref, *refs = refs
+    scale_ref, h_ref, out_ref = refs
   else:
     x_ref, scale_ref, out_ref = refs
   m = pl.program_id(0)
   width = x_ref.shape[1]
   pieces = [pl.ds(c * chunk, chunk) for c in range(width // chunk)]
-  loaded = [(x_ref[m, cols], delta_ref[m, cols] if has_residual else None) for cols in pieces]
+
+  def load_delta(cols):
+    if not has_residual:
+      return None
+    if delta_dtype is None:
+      return delta_ref[m, cols]
+    return [delta_ref[s, m, cols] for s in range(delta_ref.shape[0])]
+
+  loaded = [(x_ref[m, cols], load_delta(cols)) for cols in pieces]
   scales = [scale_ref[cols] for cols in pieces]
+  row_scale = row_scale_ref[m] if row_scaled else None
+
+  def summed(parts):
+    total = parts[0]
+    for part in parts[1:]:
+      total = total + part
+    if row_scaled:
+      total = total * row_scale
+    return total.astype(delta_dtype)
+
   rows, squares = [], jnp.float32(0.0)
   for cols, (x, delta) in zip(pieces, loaded):
+    if delta_dtype is not None:
+      delta = summed(delta)
     if has_residual:  # x + delta rounded to the stream's dtype, as XLA's add does
       x = (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
       h_ref[m, cols] = x
@@ -98,6 +129,36 @@ def rms_norm(x_MD: jax.Array, scale_D: jax.Array, residual_MD: jax.Array | None 
   return _norm_call("add_rms_norm" if has_residual else "rms_norm", inputs, x_MD.dtype,
                     interpret, row_chunk(width), eps=eps, zero_centered=zero_centered,
                     has_residual=has_residual)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "eps", "zero_centered", "interpret"))
+def add_partials_rms_norm(x_MD: jax.Array, parts_SRD: jax.Array, scale_D: jax.Array,
+                          row_scale_M: jax.Array | None = None, *, dtype, eps: float,
+                          zero_centered: bool = False, interpret: bool | None = None):
+  """rms_norm(x, scale, residual) with the residual given as one FP8 call's K-slice partials,
+  rows first (fp8_gemm.fp8_partials_many(rows_first=True): [S, R, D] float32, R >= M): each
+  value the sum of its S partials times its row's scale (where given) cast to `dtype`, as
+  fp8_matmul gives o_proj's or down_proj's output: (h, norm(h)) for h = x + that product."""
+  rows, width = x_MD.shape
+  splits, padded, parts_width = parts_SRD.shape
+  if (parts_SRD.dtype != jnp.float32 or parts_width != width or padded < rows
+      or scale_D.shape != (width,)
+      or (row_scale_M is not None and row_scale_M.shape != (rows,))):
+    raise ValueError(f"add_partials_rms_norm takes x [M, D], float32 partials [S, R >= M, D], "
+                     f"scale [D] and row scales [M] or None, got {x_MD.shape}, "
+                     f"{parts_SRD.shape} {parts_SRD.dtype}, {scale_D.shape}, "
+                     f"{None if row_scale_M is None else row_scale_M.shape}")
+  # A piece holds all S partials of its columns: at most MAX_CHUNK values in registers.
+  chunk = max(MIN_CHUNK, min(row_chunk(width), _floor_pow2(MAX_CHUNK // splits)))
+  row_scales = () if row_scale_M is None else (row_scale_M.astype(jnp.float32),)
+  return _norm_call("add_partials_rms_norm", (x_MD, parts_SRD, *row_scales, scale_D),
+                    x_MD.dtype, interpret, chunk, eps=eps, zero_centered=zero_centered,
+                    has_residual=True, delta_dtype=jnp.dtype(dtype),
+                    row_scaled=row_scale_M is not None)
+
+
+def _floor_pow2(n: int) -> int:
+  return 1 << (max(n, 1).bit_length() - 1)
 
 
 def _norm_call(name: str, inputs, dtype, interpret, chunk: int, **form):
