@@ -234,8 +234,9 @@ def _takes_fp8_qkv_kernel(node) -> bool:
 
 # o_proj's and a layer MLP's down_proj's FP8 K-slice partials, rows first, summed inside the
 # residual add and RMSNorm kernel after them (residual_norm.add_partials_rms_norm) in place of
-# a sum kernel of XLA's per product.
-FP8_PARTIALS_IN_NORM = False
+# a sum kernel of XLA's per product: a Qwen3-8B FP8 step at batch 1 2.6% shorter on an H200
+# (BENCHMARKS.md, "FP8 o_proj and down_proj partials summed in the norm, rows first ...").
+FP8_PARTIALS_IN_NORM = True
 
 
 def use_row_kernels(backend: str, mesh, pairs) -> str:

@@ -99,6 +99,7 @@ def _fp8_llms(monkeypatch):
   from tests.test_fp8_gpu_configuration import _qwen3_llm
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)
+    patch.setattr(backends, "FP8_PARTIALS_IN_NORM", False)
     apart = _qwen3_llm(norm_backend="pallas")
     patch.setattr(backends, "FP8_PARTIALS_IN_NORM", True)
     fused = _qwen3_llm(norm_backend="pallas")

@@ -66,7 +66,7 @@ class DecoderLayer(nnx.Module):
     where an add ending the layer would be one more (jspec.models.row_kernels)."""
     del valid_BT  # A KV / latent cache needs no padding mask: padded slots are never attended.
     x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD)
-    attn_out_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
+    attn_out_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window, sum_later=True)
     return (*mlp_block(self, x_BTD, attn_out_BTD, experts_fn), cache)
 
 
@@ -80,7 +80,8 @@ def mlp_block(layer, x_BTD, mixed_BTD, experts_fn: Callable):
       h_BTD, normed_BTD, routing = fused
       return h_BTD, layer.mlp(normed_BTD, experts_fn, routing)
   h_BTD, normed_BTD = layer.post_attn_norm.add_and_norm(x_BTD, mixed_BTD)
-  return h_BTD, (layer.mlp(normed_BTD, experts_fn) if layer.is_moe else layer.mlp(normed_BTD))
+  return h_BTD, (layer.mlp(normed_BTD, experts_fn) if layer.is_moe
+                 else layer.mlp(normed_BTD, sum_later=True))
 
 
 def layer_input(norm, x_BTD, pending_BTD):

@@ -180,8 +180,13 @@ class Attention(nnx.Module):
                                 v_BTKH + self.v_bias[...])
     return q_BTNH, k_BTKH, v_BTKH, None
 
-  def __call__(self, x_BTD, positions_BT, cache: KVCache, kv_window: int):
+  def __call__(self, x_BTD, positions_BT, cache: KVCache, kv_window: int,
+               sum_later: bool = False):
     """Writes this call's keys/values at `positions_BT`, then attends causally.
+
+    sum_later: the output may be o_proj's FP8 product before the sum of its K slices (a
+    linear.SlicedFp8Product, where `fp8_add_norm` is set), for a caller whose residual add and
+    RMSNorm read it next (RMSNorm.add_and_norm); else an array.
 
     A query at position p sees every slot j <= p: slots below the sequence's committed length
     were written by earlier calls, the rest by this call, so no separate length mask is needed
@@ -200,8 +205,10 @@ class Attention(nnx.Module):
       # The all-reduce may be left to the norm after the residual add (PartialSum).
       out_BTD = self.tp_products.row(out_BTNH, self.o_proj[...], in_axes=2, defer=True,
                                      tokens=tokens)
-    else:  # an FP8 product's K slices may be left to the norm after the residual add
+    elif sum_later:  # an FP8 product's K slices may be left to the norm after the residual add
       out_BTD = project_to_norm(self, out_BTNH, "o_proj", "btnh,nhd->btd", 2, self.projection)
+    else:
+      out_BTD = self._dense(out_BTNH, "o_proj", "btnh,nhd->btd", in_axes=2)
     if self.has_o_bias:
       out_BTD = out_BTD + self.o_bias[...]
     return out_BTD, cache

@@ -212,9 +212,12 @@ class MLAttention(nnx.Module):
     return q_nope_BTNP, q_rope_BTNR, jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
 
   def __call__(self, x_BTD, positions_BT, cache: MLACache, kv_window: int,
-               absorbed: bool | None = None):
+               absorbed: bool | None = None, sum_later: bool = False):
     """Writes the window's latent rows at `positions_BT`, attends causally over the first
-    `kv_window` slots; `absorbed` None: by the window's length (ABSORBED_MAX_TOKENS)."""
+    `kv_window` slots; `absorbed` None: by the window's length (ABSORBED_MAX_TOKENS).
+    sum_later: as Attention's, taken for the decoder's sake; o_proj's output is always summed
+    here."""
+    del sum_later
     q_nope_BTNP, q_rope_BTNR, rows_BTL = self.project(x_BTD, positions_BT)
     tree = active_layout(x_BTD.shape[1])
     if tree is not None:  # a token tree's window: its slots, XLA's masked latent attention

@@ -49,12 +49,15 @@ class MLP(nnx.Module):
   def _dense(self, x, name: str, spec: str, fp8_sum_apart: bool = True):
     return project_named(self, x, name, spec, fp8_sum_apart=fp8_sum_apart)
 
-  def __call__(self, x_BTD):
+  def __call__(self, x_BTD, sum_later: bool = False):
+    """sum_later: as Attention's, for down_proj's FP8 product."""
     tp = self.tp_products if self.gate_up_proj_scale is None else None
     act_BTF = self._activation(x_BTD, tp)
     if tp is not None and self.down_proj_scale is None:
       return tp.row(act_BTF, self.down_proj[...], defer=True)  # as Attention's o_proj
-    return project_to_norm(self, act_BTF, "down_proj", "btf,fd->btd")  # as o_proj
+    if sum_later:
+      return project_to_norm(self, act_BTF, "down_proj", "btf,fd->btd")  # as o_proj
+    return self._dense(act_BTF, "down_proj", "btf,fd->btd")
 
   def _activation(self, x_BTD, tp):
     """silu(x @ gate) * (x @ up): one kernel where `swiglu_kernel` takes the step, else the

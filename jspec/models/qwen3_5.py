@@ -65,7 +65,7 @@ class DecoderLayer(nnx.Module):
     (h, mlp_out, cache)."""
     x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD)
     if self.layer_type == "full_attention":
-      mixed_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window)
+      mixed_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window, sum_later=True)
     else:
       mixed_BTD, cache = self.linear_attn(normed_BTD, cache, valid_BT)
     return (*mlp_block(self, x_BTD, mixed_BTD, experts_fn), cache)

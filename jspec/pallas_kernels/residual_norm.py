@@ -31,6 +31,9 @@ from jspec.pallas_kernels import platform
 
 MAX_CHUNK = 4096  # the widest piece of a row one load takes (Triton blocks are powers of two)
 MIN_CHUNK = 64
+# Warps of add_partials_rms_norm's program (0: as rms_norm's): one program reads all of a row's
+# K-slice partials, S x 16 KB at 4096 wide.
+PARTIALS_WARPS = 0
 
 
 def row_chunk(width: int) -> int:
@@ -152,16 +155,16 @@ def add_partials_rms_norm(x_MD: jax.Array, parts_SRD: jax.Array, scale_D: jax.Ar
   chunk = max(MIN_CHUNK, min(row_chunk(width), _floor_pow2(MAX_CHUNK // splits)))
   row_scales = () if row_scale_M is None else (row_scale_M.astype(jnp.float32),)
   return _norm_call("add_partials_rms_norm", (x_MD, parts_SRD, *row_scales, scale_D),
-                    x_MD.dtype, interpret, chunk, eps=eps, zero_centered=zero_centered,
-                    has_residual=True, delta_dtype=jnp.dtype(dtype),
-                    row_scaled=row_scale_M is not None)
+                    x_MD.dtype, interpret, chunk, warps=PARTIALS_WARPS, eps=eps,
+                    zero_centered=zero_centered, has_residual=True,
+                    delta_dtype=jnp.dtype(dtype), row_scaled=row_scale_M is not None)
 
 
 def _floor_pow2(n: int) -> int:
   return 1 << (max(n, 1).bit_length() - 1)
 
 
-def _norm_call(name: str, inputs, dtype, interpret, chunk: int, **form):
+def _norm_call(name: str, inputs, dtype, interpret, chunk: int, warps: int = 0, **form):
   """The pallas_call of _norm_kernel (its `form`) over `inputs`, a program per row of x (the
   first), after the width check both forms share."""
   rows, width = inputs[0].shape
@@ -174,7 +177,7 @@ def _norm_call(name: str, inputs, dtype, interpret, chunk: int, **form):
   return pl.pallas_call(
       functools.partial(_norm_kernel, chunk=chunk, **form),
       out_shape=(row, row) if form["has_residual"] else row, grid=(rows,),
-      compiler_params=pltriton.CompilerParams(num_warps=8 if width >= 4096 else 4,
-                                              num_stages=1),
+      compiler_params=pltriton.CompilerParams(
+          num_warps=warps or (8 if width >= 4096 else 4), num_stages=1),
       interpret=interpret, name=name,
   )(*inputs)
