@@ -71,11 +71,6 @@ def round_fill(n: int, num_sms: int, splits: int) -> float:
   return items / (-(-items // num_sms) * num_sms)
 
 
-# fp8_matmul's partials stored rows first for XLA's sum of them (fp8_block_kernel.partials'
-# rows_first); False: rows last, as before.
-ROWS_FIRST_SUMS = True
-
-
 # Where no K-slice count keeps MIN_ROUND_FILL of the rounds busy, the product's items run as
 # equal runs of K steps over the programs (balanced_runs.BalancedRuns) instead.
 BALANCED = True
@@ -194,21 +189,16 @@ def fp8_matmul_many(x_MK: jax.Array, w8s_NK: tuple, scales_NbKb: tuple,
 
 def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activations,
               sum_apart):
-  # Rows first: XLA's sum reads the M live rows' partials only, where rows last it read every
-  # 32-byte sector for the one float of a row in it.
-  parts_SRN, row_scale_M = _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits,
-                                     tiling, activations, ROWS_FIRST_SUMS)
+  parts_SNR, row_scale_M = _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits,
+                                     tiling, activations)
   m = x_MK.shape[0]
   ns = [w.shape[0] for w in w8s_NK]
   bounds = np.cumsum([0] + ns)
-  if ROWS_FIRST_SUMS:
-    out_MN = jnp.sum(parts_SRN[:, :m], axis=0)
-  else:
-    out_MN = jnp.sum(parts_SRN[:, :, :m], axis=0).T
+  out_MN = jnp.sum(parts_SNR[:, :, :m], axis=0).T
   if row_scale_M is not None:
     out_MN = out_MN * row_scale_M[:, None]
   out_MN = out_MN.astype(x_MK.dtype)
-  if parts_SRN.shape[0] > 1 and sum_apart:
+  if parts_SNR.shape[0] > 1 and sum_apart:
     # The sum of the K-slice partials stays out of the consumer's fusion. Where the consumer
     # reduces over the output row (the residual add and RMSnorm after o_proj or down), XLA
     # fuses the sum into it, and at a few rows that reduction runs in one thread block that
