@@ -27,11 +27,10 @@ from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
                                       weights_replicated)
 from jspec.models import row_kernels
-from jspec.models.row_kernels import (resolve_norm_backend, sharded_fp8_add_rms_norm,
-                                      sharded_fp8_qkv_norm_rope,
-                                      sharded_kv_write, sharded_norm_router, sharded_router,
-                                      sharded_qk_norm_rope, sharded_qkv_norm_rope,
-                                      sharded_rms_norm, sharded_swiglu)
+from jspec.models.fp8_row_kernels import sharded_fp8_add_rms_norm, sharded_fp8_qkv_norm_rope
+from jspec.models.row_kernels import (resolve_norm_backend, sharded_kv_write,
+                                      sharded_norm_router, sharded_router, sharded_qk_norm_rope,
+                                      sharded_qkv_norm_rope, sharded_rms_norm, sharded_swiglu)
 from jspec.pallas_kernels import fp8_gemm, platform
 from jspec.sharding.moe import needs_shard_map, per_token_shard, sharded_experts
 from jspec.sharding.rules import axis_size

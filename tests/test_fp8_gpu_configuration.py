@@ -14,7 +14,7 @@ import jspec
 from jspec.bench.presets import PRESETS
 from jspec.bench.steps import StepTimer
 from jspec.models.caches import KVCache
-from jspec.models import gated_deltanet, layers, linear, mlp, row_kernels
+from jspec.models import fp8_row_kernels, gated_deltanet, layers, linear, mlp, row_kernels
 from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import Attention
 from jspec.models.mlp import MLP
@@ -252,7 +252,7 @@ def test_fp8_q_k_v_kernel_writes_the_caches_as_the_kv_write_kernel(monkeypatch, 
       return (x_MK @ w.T).T[None], None
     monkeypatch.setattr(fp8_gemm, "fp8_partials_many", one_slice)
   mesh, rules = jspec.MeshConfig(tp=tp).make_mesh(), ShardingRules()
-  call = row_kernels.sharded_fp8_qkv_norm_rope(mesh, rules, 1e-6, 1e6, interpret=True)
+  call = fp8_row_kernels.sharded_fp8_qkv_norm_rope(mesh, rules, 1e-6, 1e6, interpret=True)
   rng = np.random.default_rng(7)
   b, t, d, h, kv_heads, q_heads, slots = 2, 3, 128, 128, 2, 4, 16
   w8s = tuple(jnp.asarray(rng.standard_normal((n * h, d)) * 0.3, jnp.float8_e4m3fn)

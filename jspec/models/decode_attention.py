@@ -163,3 +163,18 @@ def sharded_mla_decode(mesh: Mesh, rules: ShardingRules, latent_dim: int, scale:
   return jax.shard_map(kernel, mesh=mesh,
                        in_specs=(q, rules.spec(MLACache.AXES), rules.spec(("batch", "seq"))),
                        out_specs=q, check_vma=False)
+
+
+def grouped_attention(num_kv_heads: int, q_BTNH, cache_k, cache_v, visible_BTS, kv_window: int):
+  """XLA's GQA attention of q over the first `kv_window` slots of the cache's keys and values
+  [B, K, S, H] where `visible_BTS` [B, T, S] allows (jspec.models.layers.Attention's)."""
+  b, t, n, h = q_BTNH.shape
+  group = n // num_kv_heads
+  keys_BKSH, values_BKSH = cache_k[:, :, :kv_window], cache_v[:, :, :kv_window]
+  q_BKGTH = q_BTNH.reshape(b, t, num_kv_heads, group, h).transpose(0, 2, 3, 1, 4)
+  scores_BKGTS = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, keys_BKSH,
+                            preferred_element_type=jnp.float32) * (h ** -0.5)
+  scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, -jnp.inf)
+  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(values_BKSH.dtype)
+  out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS, values_BKSH)
+  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)

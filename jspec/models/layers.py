@@ -19,7 +19,7 @@ from jspec.models import quantization
 from jspec.models import rope as rope_lib
 from jspec.models.rope import rope
 from jspec.models.caches import KVCache, write_slots
-from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD
+from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD, grouped_attention
 from jspec.models.linear import (QKV_NAMES, fp8_operands, fp8_rows_fit, linear,
                                  project_many_named, project_named, project_to_norm)
 from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
@@ -111,7 +111,7 @@ class Attention(nnx.Module):
     # Optional products for steps with few rows (jspec.models.projections), set by the LLM:
     # (x [B, T, K], w [K, N]) -> [B, T, N], the FP8 form with the block scale third. None: XLA's.
     # fp8_add_norm: o_proj's FP8 product with the residual add and norm after it, its K slices
-    # summed in the norm's kernel (jspec.models.row_kernels.sharded_fp8_add_rms_norm).
+    # summed in the norm's kernel (jspec.models.fp8_row_kernels.sharded_fp8_add_rms_norm).
     self.projection = None
     self.fp8_projection = self.fp8_add_norm = None
     # Each FP8 scale repeated over the kernel's lanes, by weight name, set in a program before
@@ -292,8 +292,8 @@ class Attention(nnx.Module):
     if tree is not None:  # a token tree's window: its slots, XLA's masked attention (the
       # short-context kernel with the tree's mask made a 7-node tree's step 1.02x slower)
       cache = self._write_kv(cache, k_BTKH, v_BTKH, tree.slots(positions_BT))
-      return self._xla_attention(q_BTNH, cache.keys, cache.values,
-                                 tree.visible_BTS(positions_BT, kv_window), kv_window), cache
+      return grouped_attention(self.num_kv_heads, q_BTNH, cache.keys, cache.values,
+                               tree.visible_BTS(positions_BT, kv_window), kv_window), cache
     cache = self._write_kv(cache, k_BTKH, v_BTKH, positions_BT)
     cache_k, cache_v = cache.keys, cache.values
     b, t, n, h = q_BTNH.shape
@@ -315,7 +315,9 @@ class Attention(nnx.Module):
     if self.prefill_attention is not None and group * t > MAX_ROWS_PER_KV_HEAD:
       return self.prefill_attention(q_BTNH, keys_BKSH, values_BKSH, positions_BT), cache
     visible_BTS = jnp.arange(kv_window)[None, None, :] <= positions_BT[:, :, None]
-    return self._xla_attention(q_BTNH, cache_k, cache_v, visible_BTS, kv_window), cache
+    out_BTNH = grouped_attention(self.num_kv_heads, q_BTNH, cache_k, cache_v, visible_BTS,
+                                 kv_window)
+    return out_BTNH, cache
 
   def _write_kv(self, cache: KVCache, k_BTKH, v_BTKH, slots_BT) -> KVCache:
     """The cache with the step's keys and values at `slots_BT` [B, T] (None: written with q,
@@ -326,19 +328,6 @@ class Attention(nnx.Module):
       return KVCache(*self.kv_write(cache.keys, cache.values, k_BTKH, v_BTKH, slots_BT))
     return KVCache(write_cache(cache.keys, k_BTKH, slots_BT),
                    write_cache(cache.values, v_BTKH, slots_BT))
-
-  def _xla_attention(self, q_BTNH, cache_k, cache_v, visible_BTS, kv_window: int):
-    """Attention over the first `kv_window` slots where `visible_BTS` [B, T, S] allows."""
-    b, t, n, h = q_BTNH.shape
-    group = n // self.num_kv_heads
-    keys_BKSH, values_BKSH = cache_k[:, :, :kv_window], cache_v[:, :, :kv_window]
-    q_BKGTH = q_BTNH.reshape(b, t, self.num_kv_heads, group, h).transpose(0, 2, 3, 1, 4)
-    scores_BKGTS = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, keys_BKSH,
-                              preferred_element_type=jnp.float32) * (h ** -0.5)
-    scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, -jnp.inf)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(values_BKSH.dtype)
-    out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS, values_BKSH)
-    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 class GatedAttention(Attention):

@@ -151,7 +151,7 @@ class SlicedFp8Product:
   """An FP8 row product's output before the sum of its K slices, for the residual add and
   RMSNorm that read it next (o_proj, down_proj): `reduced()` is the output; `+` sums first;
   the norm takes it whole (`add_and_norm`: its kernel sums the partials as it reads them,
-  jspec.models.row_kernels.sharded_fp8_add_rms_norm), so that the sum is no kernel of its
+  jspec.models.fp8_row_kernels.sharded_fp8_add_rms_norm), so that the sum is no kernel of its
   own."""
 
   def __init__(self, reduce, fuse, shape, dtype):
