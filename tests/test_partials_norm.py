@@ -12,7 +12,6 @@ import pytest
 
 from jspec.models.linear import SlicedFp8Product, project_to_norm
 from jspec.pallas_kernels import fp8_block_kernel, fp8_gemm, platform
-from jspec.pallas_kernels.norm_router import add_norm_router_partials
 from jspec.pallas_kernels.residual_norm import add_partials_rms_norm, rms_norm
 
 EPS = 1e-6
@@ -93,30 +92,6 @@ def test_add_partials_rms_norm_refuses_partials_it_cannot_read():
     call(x, jnp.ones((2, 2, 128)), scale, jnp.ones(3))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_norm_router_on_partials_is_the_kernel_on_the_summed_product(seed):
-  """The MoE layers' norm + router kernel with its delta as K-slice partials [S, R, D]: bit
-  for bit the same kernel given the summed product (times the row scales, cast to x's
-  dtype); the padded rows are never read."""
-  rng = np.random.default_rng(700 + seed)
-  rows, splits, width, experts = int(rng.integers(1, 5)), int(rng.choice([1, 3, 8])), 512, 16
-  dtype = [jnp.float32, jnp.bfloat16][seed % 2]
-  parts = rng.standard_normal((splits, rows + 2, width))
-  parts[:, rows:] = np.nan
-  parts = jnp.asarray(parts, jnp.float32)
-  row_scale = None if seed < 2 else jnp.asarray(2.0 ** rng.integers(-3, 4, rows), jnp.float32)
-  x = jnp.asarray(rng.standard_normal((rows, width)), dtype)
-  scale = jnp.asarray(1 + 0.2 * rng.standard_normal(width), dtype)
-  router = jnp.asarray(rng.standard_normal((width, experts)) * 0.1, dtype)
-  call = functools.partial(add_norm_router_partials, eps=EPS, zero_centered=seed % 2 == 1)
-  got = call(x, parts, scale, router, row_scale)
-  want = call(x, summed_rows_first(parts, rows, row_scale, dtype), scale, router)
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-  with pytest.raises(ValueError, match="R >= M"):
-    call(x, parts[:, :rows - 1] if rows > 1 else parts[:, :0], scale, router)
-
-
 def _fp8_llms(monkeypatch):
   """A tiny FP8 Qwen3 twice, both as a Hopper GPU runs it (interpreted): o_proj's and
   down_proj's partials summed apart, and summed in the norm's kernel."""
@@ -183,24 +158,6 @@ def test_gpu_add_partials_rms_norm_at_model_shapes(rows, width, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, splits", [(1, 8), (4, 8), (8, 2)])
-def test_gpu_norm_router_on_partials_at_qwen3_30b_a3b_shapes(rows, splits):
-  """Compiled (Triton), Qwen3-30B-A3B's width and router: the kernel on o_proj's partials
-  against the kernel on their sum, both summing in slice order: equal."""
-  rng = np.random.default_rng(rows * splits)
-  width, experts = 2048, 128
-  parts = jnp.asarray(rng.standard_normal((splits, max(rows, 8), width)), jnp.float32)
-  x = jnp.asarray(rng.standard_normal((rows, width)), jnp.bfloat16)
-  scale = jnp.asarray(1 + 0.2 * rng.standard_normal(width), jnp.bfloat16)
-  router = jnp.asarray(rng.standard_normal((width, experts)) * 0.05, jnp.bfloat16)
-  call = functools.partial(add_norm_router_partials, eps=EPS)
-  got = call(x, parts, scale, router)
-  want = call(x, summed_rows_first(parts, rows, None, jnp.bfloat16), scale, router)
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("rows, k, n", [(1, 4096, 4096), (1, 12288, 4096), (8, 4096, 4096)])
 def test_gpu_rows_first_partials_at_model_shapes(rows, k, n):
   """Compiled (Mosaic GPU): the rows-first partials are the rows-last ones transposed, at
@@ -214,35 +171,3 @@ def test_gpu_rows_first_partials_at_model_shapes(rows, k, n):
   rows_last, _ = call()
   rows_first, _ = call(rows_first=True)
   np.testing.assert_array_equal(np.asarray(rows_first), np.swapaxes(np.asarray(rows_last), 1, 2))
-
-
-def test_a_moe_models_o_proj_partials_go_to_the_norm_router_kernel(monkeypatch):
-  """A softmax-routed FP8 MoE model (Qwen3-MoE's shapes, made small) as a Hopper GPU runs it:
-  each MoE layer's norm + router kernel takes o_proj's K-slice partials (no sum of XLA's
-  between), and the greedy tokens are those of the sums apart."""
-  import jspec
-  from jspec import backends
-  from jspec.bench.presets import PRESETS
-  from jspec.pallas_kernels import norm_router
-  from tests.test_fp8_gpu_configuration import _assert_same_outputs
-  config = PRESETS["qwen3-30b-a3b"].replace(
-      vocab_size=512, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=128,
-      fp8_block=(128, 128), moe=dict(num_experts=8, num_experts_per_tok=2,
-                                     intermediate_size=128))
-  deltas = []
-  fused_call = norm_router.add_norm_route_softmax
-  monkeypatch.setattr(norm_router, "add_norm_route_softmax",
-                      lambda x, delta, *a, **k: (deltas.append(delta.ndim),
-                                                 fused_call(x, delta, *a, **k))[1])
-
-  def llm(in_norm: bool):
-    with monkeypatch.context() as patch:
-      patch.setattr(platform, "on_hopper", lambda: True)
-      patch.setattr(backends, "FP8_PARTIALS_IN_NORM", in_norm)
-      return jspec.LLM.from_random(config, dtype="float32", seed=3, max_model_len=64,
-                                   max_num_seqs=2, attention_backend="xla",
-                                   norm_backend="pallas", moe_backend="pallas")
-
-  apart, fused = llm(False), llm(True)
-  _assert_same_outputs(apart, fused, max_tokens=4)
-  assert 3 in deltas and 2 in deltas  # partials in one model's steps, sums in the other's

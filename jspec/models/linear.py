@@ -151,14 +151,11 @@ class SlicedFp8Product:
   """An FP8 row product's output before the sum of its K slices, for the residual add and
   RMSNorm that read it next (o_proj, down_proj): `reduced()` is the output; `+` sums first;
   the norm takes it whole (`add_and_norm`: its kernel sums the partials as it reads them,
-  jspec.models.fp8_row_kernels.sharded_fp8_add_rms_norm), as a MoE layer's norm + router
-  kernel does (`operands`), so that the sum is no kernel of its own."""
+  jspec.models.fp8_row_kernels.sharded_fp8_add_rms_norm), so that the sum is no kernel of its
+  own."""
 
-  def __init__(self, reduce, fuse, shape, dtype, operands=()):
+  def __init__(self, reduce, fuse, shape, dtype):
     self._reduce, self._fuse, self.shape, self.dtype = reduce, fuse, shape, dtype
-    # (x [.., K], w8 [N, K], its block scale [N/128, K/128], its kernel lanes or None): the
-    # FP8 call, for another kernel that reads its partials (the MoE layers' norm + router).
-    self.operands = operands
 
   def reduced(self):
     return self._reduce()
@@ -172,6 +169,11 @@ class SlicedFp8Product:
 
   def __radd__(self, other):
     return other + self.reduced()
+
+
+def reduced(delta):
+  """`delta` as an array: a SlicedFp8Product summed, anything else as it is."""
+  return delta.reduced() if isinstance(delta, SlicedFp8Product) else delta
 
 
 def project_to_norm(layer, x, name: str, spec: str, in_axes: int = 1, product=None):
@@ -191,4 +193,4 @@ def project_to_norm(layer, x, name: str, spec: str, in_axes: int = 1, product=No
   operands = (x.reshape(*lead, k), weight[...].reshape(n, k), _flat_grid(scale[...], in_axes),
               lanes)
   fuse = lambda residual, scale_D, **norm: kernel(*operands, residual, scale_D, **norm)
-  return SlicedFp8Product(reduce, fuse, (*lead, n), x.dtype, operands)
+  return SlicedFp8Product(reduce, fuse, (*lead, n), x.dtype)

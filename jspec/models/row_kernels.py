@@ -228,40 +228,24 @@ def sharded_norm_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool
   (h, norm(h), routing): the residual add and RMSNorm before a MoE layer and its softmax
   routing, the norm and the router product in one kernel
   (jspec.pallas_kernels.norm_router), on each shard's own rows; routing as sharded_router's
-  (ids and weights [B x T, K], and with `plan` the one token's decode plan). With `fp8_delta`
-  (x [B, T, K], w8 [D, K], its block scale, its kernel lanes or None) in place of delta, delta
-  is that FP8 product: one kernel call (fp8_gemm.fp8_partials_many) whose K-slice partials the
-  norm kernel sums as it reads them, the weight whole on every shard."""
-  from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
+  (ids and weights [B x T, K], and with `plan` the one token's decode plan)."""
   from jspec.pallas_kernels.norm_router import add_norm_route_softmax
   rows = rules.spec(("batch", "seq", None))
   tokens = rules.spec(("batch", None))
   whole = PartitionSpec()
 
   def call(x_BTD, delta_BTD, scale_D, router_DE, *, eps: float, zero_centered: bool,
-           plan: bool = False, fp8_delta=None):
-    def per_shard(x, delta, scale, router, *fp8):
+           plan: bool = False):
+    def per_shard(x, delta, scale, router):
       b, t, d = x.shape
-      row_scale = None
-      if fp8:  # (x [B, T, K], w8, its scale, lanes): the partials, rows first
-        fp8_x, w8, w_scale, *lanes = fp8
-        delta, row_scale = fp8_partials_many(fp8_x.reshape(b * t, -1), (w8,), (w_scale,),
-                                             (lanes[0] if lanes else None,), rows_first=True)
-      else:
-        delta = delta.reshape(b * t, d)
       h, normed, routing = add_norm_route_softmax(
-          x.reshape(b * t, d), delta, scale, router, row_scale, eps=eps,
+          x.reshape(b * t, d), delta.reshape(b * t, d), scale, router, eps=eps,
           zero_centered=zero_centered, top_k=top_k, norm=norm, plan=plan, interpret=interpret)
       return h.reshape(b, t, d), normed.reshape(b, t, d), routing
     routing_spec = (tokens, tokens, whole) if plan else (tokens, tokens)
-    fp8 = () if fp8_delta is None else tuple(a for a in fp8_delta if a is not None)
-    if fp8:
-      delta_BTD = jnp.zeros((), x_BTD.dtype)  # unread: the product comes as fp8
-    in_specs = (rows, whole if fp8 else rows, whole, whole) + (
-        (rows,) + (whole,) * (len(fp8) - 1) if fp8 else ())
-    return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs,
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows, rows, whole, whole),
                          out_specs=(rows, rows, routing_spec), check_vma=False)(
-        x_BTD, delta_BTD, scale_D, router_DE, *fp8)
+        x_BTD, delta_BTD, scale_D, router_DE)
   return call
 
 

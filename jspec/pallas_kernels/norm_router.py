@@ -14,9 +14,7 @@ slice of norm(h) with router rows of slice s, as router_partials does:
       -> (h [M, D], norm(h) [M, D], float32 partial logits [M, S, E])
 
 h and norm(h) are computed as `rms_norm` computes them, the partials as `router_partials`
-computes them from norm(h); router_topk.select turns the partials into the routing. The delta
-may also come as an FP8 o_proj's K-slice partials, rows first [S, R, D] (as
-residual_norm.add_partials_rms_norm takes them), summed as they are read.
+computes them from norm(h); router_topk.select turns the partials into the routing.
 """
 
 from __future__ import annotations
@@ -37,27 +35,15 @@ def fits(num_tokens: int, hidden: int, num_experts: int, top_k: int) -> bool:
   return norm_fits(hidden) and router_topk.fits_kernel(num_tokens, hidden, num_experts, top_k)
 
 
-def _kernel(x_ref, delta_ref, *refs, eps: float, zero_centered: bool, slice_rows: int,
-            partials: bool, row_scaled: bool):
-  row_scale_ref, *refs = refs if row_scaled else (None, *refs)
-  scale_ref, router_ref, h_ref, out_ref, parts_ref = refs
+def _kernel(x_ref, delta_ref, scale_ref, router_ref, h_ref, out_ref, parts_ref, *, eps: float,
+            zero_centered: bool, slice_rows: int):
   m, s = pl.program_id(0), pl.program_id(1)
   width = x_ref.shape[1]
   chunk = row_chunk(width)
 
-  def delta(cols):
-    if not partials:
-      return delta_ref[m, cols]
-    total = delta_ref[0, m, cols]  # the K slices in order, as add_partials_rms_norm sums them
-    for k_slice in range(1, delta_ref.shape[0]):
-      total = total + delta_ref[k_slice, m, cols]
-    if row_scaled:
-      total = total * row_scale_ref[m]
-    return total.astype(x_ref.dtype)
-
   def added(cols):  # x + delta rounded to the stream's dtype, as rms_norm's add
     x = x_ref[m, cols]
-    return (x.astype(jnp.float32) + delta(cols).astype(jnp.float32)).astype(x.dtype)
+    return (x.astype(jnp.float32) + delta_ref[m, cols].astype(jnp.float32)).astype(x.dtype)
 
   # The slice's router rows, scale and pieces of h are loaded first: the row's sum of squares
   # below is a block reduction (a barrier), which loads placed after it would wait for, so
@@ -92,28 +78,13 @@ def _kernel(x_ref, delta_ref, *refs, eps: float, zero_centered: bool, slice_rows
 
 @functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "slices", "interpret"))
 def add_norm_router_partials(x_MD: jax.Array, delta_MD: jax.Array, scale_D: jax.Array,
-                             router_DE: jax.Array, row_scale_M: jax.Array | None = None, *,
-                             eps: float, zero_centered: bool = False,
+                             router_DE: jax.Array, *, eps: float, zero_centered: bool = False,
                              slices: int | None = None, interpret: bool | None = None):
   """(h, norm(h), float32 partial router logits [M, S, E]) for h = x + delta (see the module
-  docstring); S = router_topk.num_slices(D) unless given. delta: [M, D] in x's dtype, or an
-  FP8 product's K-slice partials [S', R >= M, D] float32 (times `row_scale_M` where given,
-  cast to x's dtype). `interpret` None: off GPU."""
+  docstring); S = router_topk.num_slices(D) unless given. `interpret` None: off GPU."""
   rows, width = x_MD.shape
   experts = router_DE.shape[1]
-  partials = delta_MD.ndim == 3
-  if partials:
-    if (delta_MD.dtype != jnp.float32 or delta_MD.shape[1] < rows
-        or delta_MD.shape[2] != width
-        or (row_scale_M is not None and row_scale_M.shape != (rows,))):
-      raise ValueError(f"add_norm_router_partials takes K-slice partials [S, R >= M, D] "
-                       f"float32 and row scales [M] or None for x {x_MD.shape}, got "
-                       f"{delta_MD.shape} {delta_MD.dtype}, "
-                       f"{None if row_scale_M is None else row_scale_M.shape}")
-  elif row_scale_M is not None:
-    raise ValueError("row scales go with K-slice partials only")
-  if ((not partials and (delta_MD.shape != x_MD.shape or delta_MD.dtype != x_MD.dtype))
-      or scale_D.shape != (width,)
+  if (delta_MD.shape != x_MD.shape or delta_MD.dtype != x_MD.dtype or scale_D.shape != (width,)
       or router_DE.shape[0] != width or not fits(rows, width, experts, 1)):
     raise ValueError(f"add_norm_router_partials takes x and delta [M <= "
                      f"{router_topk.MAX_TOKENS}, D] of one dtype, scale [D] and a router [D, E] "
@@ -127,31 +98,28 @@ def add_norm_router_partials(x_MD: jax.Array, delta_MD: jax.Array, scale_D: jax.
   if interpret is None:
     interpret = not platform.on_gpu()
   row = jax.ShapeDtypeStruct((rows, width), x_MD.dtype)
-  row_scales = () if row_scale_M is None else (row_scale_M.astype(jnp.float32),)
   return pl.pallas_call(
       functools.partial(_kernel, eps=eps, zero_centered=zero_centered,
-                        slice_rows=width // slices, partials=partials,
-                        row_scaled=row_scale_M is not None),
+                        slice_rows=width // slices),
       out_shape=(row, row, jax.ShapeDtypeStruct((rows, slices, experts), jnp.float32)),
       grid=(rows, slices),
       compiler_params=pltriton.CompilerParams(num_warps=router_topk.NUM_WARPS, num_stages=2),
       interpret=interpret, name="add_norm_router",
-  )(x_MD, delta_MD, *row_scales, scale_D, router_DE)
+  )(x_MD, delta_MD, scale_D, router_DE)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "top_k", "norm", "plan",
                                              "interpret"))
-def add_norm_route_softmax(x_MD, delta_MD, scale_D, router_DE, row_scale_M=None, *, eps: float,
+def add_norm_route_softmax(x_MD, delta_MD, scale_D, router_DE, *, eps: float,
                            zero_centered: bool, top_k: int, norm: bool, plan: bool = False,
                            interpret: bool | None = None):
   """(h, norm(h), routing): routing as router_topk.route_softmax (plan: route_softmax_plan)
-  of norm(h), the norm and the router product in one kernel; delta (and row_scale_M) as
-  add_norm_router_partials takes them."""
+  of norm(h), the norm and the router product in one kernel."""
   interpret = not platform.on_gpu() if interpret is None else interpret
   if not 1 <= top_k <= router_DE.shape[1]:
     raise ValueError(f"top_k must be in [1, {router_DE.shape[1]}], got {top_k}")
   h_MD, normed_MD, parts_MSE = add_norm_router_partials(
-      x_MD, delta_MD, scale_D, router_DE, row_scale_M, eps=eps, zero_centered=zero_centered,
+      x_MD, delta_MD, scale_D, router_DE, eps=eps, zero_centered=zero_centered,
       interpret=interpret)
   routing = router_topk.select(parts_MSE, x_MD.dtype, router_DE.dtype, top_k=top_k, norm=norm,
                                plan=plan, interpret=interpret)
