@@ -208,11 +208,13 @@ class MoE(nnx.Module):
     (norm_router_kernel) and delta is summed already; None elsewhere. `routing` goes to
     __call__ with norm(h)."""
     b, t, _ = x_BTD.shape
-    delta_BTD = reduced(delta_BTD)  # an FP8 o_proj's K slices: this kernel reads a whole delta
     if (self.norm_router_kernel is None or not NORM_ROUTER or isinstance(delta_BTD, PartialSum)
         or delta_BTD.dtype != x_BTD.dtype or not norm.on_kernel(x_BTD)
         or b * t > router_topk.MAX_TOKENS):
       return None
+    # An FP8 o_proj's K slices summed first: this kernel taking the partials itself measured no
+    # faster (BENCHMARKS.md, "FP8 o_proj and down_proj partials summed in the norm ...").
+    delta_BTD = reduced(delta_BTD)
     return self.norm_router_kernel(x_BTD, delta_BTD, norm.scale[...], self.router[...],
                                    eps=norm.eps, zero_centered=norm.zero_centered,
                                    plan=self._plans(b * t, experts_fn))
