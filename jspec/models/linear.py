@@ -189,7 +189,8 @@ def project_to_norm(layer, x, name: str, spec: str, in_axes: int = 1, product=No
     return reduce()
   lead = x.shape[:x.ndim - in_axes]
   k, n = math.prod(weight.shape[-in_axes:]), weight.shape[0]
-  lanes = None if layer.fp8_lanes is None else _flat_grid(layer.fp8_lanes[name], in_axes)
+  lanes = None if layer.fp8_lanes is None else layer.fp8_lanes.get(name)
+  lanes = None if lanes is None else _flat_grid(lanes, in_axes)
   operands = (x.reshape(*lead, k), weight[...].reshape(n, k), _flat_grid(scale[...], in_axes),
               lanes)
   fuse = lambda residual, scale_D, **norm: kernel(*operands, residual, scale_D, **norm)
