@@ -171,3 +171,37 @@ def test_gpu_rows_first_partials_at_model_shapes(rows, k, n):
   rows_last, _ = call()
   rows_first, _ = call(rows_first=True)
   np.testing.assert_array_equal(np.asarray(rows_first), np.swapaxes(np.asarray(rows_last), 1, 2))
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 1), (2, 2), (1, 4)])
+def test_the_sharded_call_on_a_mesh_equals_one_device(monkeypatch, dp, tp):
+  """fp8_row_kernels.sharded_fp8_add_rms_norm on a mesh (the rows over dp, the weight whole on
+  every shard): each shard's rows give what one device gives, bit for bit. The FP8 call's
+  partials are XLA's product of the scaled weight in two K slices, rows first (the Mosaic GPU
+  interpreter runs on one device)."""
+  import jspec
+  from jspec.models import fp8_row_kernels
+  from jspec.sharding.rules import ShardingRules
+
+  def two_slices(x_MK, w8s, scales, lanes, rows_first=False):
+    assert rows_first
+    (w8,), (scale,) = w8s, scales
+    w = w8.astype(jnp.float32) * jnp.repeat(jnp.repeat(scale, 128, 0), 128, 1)
+    half = x_MK.shape[1] // 2
+    parts = [x_MK[:, s * half:(s + 1) * half] @ w[:, s * half:(s + 1) * half].T for s in (0, 1)]
+    return jnp.stack(parts), None
+
+  monkeypatch.setattr(fp8_gemm, "fp8_partials_many", two_slices)
+  rng = np.random.default_rng(dp * 10 + tp)
+  b, t, k, d = 4, 2, 256, 128
+  x = jnp.asarray(rng.standard_normal((b, t, k)), jnp.float32)
+  w8 = jnp.asarray(rng.standard_normal((d, k)), jnp.float8_e4m3fn)
+  scale = jnp.asarray(2.0 ** rng.integers(-2, 2, (1, 2)), jnp.float32)
+  residual = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+  norm_scale = jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.float32)
+  outs = []
+  for mesh in (jspec.MeshConfig().make_mesh(), jspec.MeshConfig(dp=dp, tp=tp).make_mesh()):
+    call = fp8_row_kernels.sharded_fp8_add_rms_norm(mesh, ShardingRules(), interpret=True)
+    outs.append(call(x, w8, scale, None, residual, norm_scale, eps=EPS, zero_centered=False))
+  for one, meshed in zip(*outs):
+    np.testing.assert_array_equal(np.asarray(meshed), np.asarray(one))
