@@ -236,6 +236,12 @@ def _takes_fp8_qkv_kernel(node) -> bool:
 # a sum kernel of XLA's per product: a Qwen3-8B FP8 step at batch 1 2.6% shorter on an H200
 # (BENCHMARKS.md, "FP8 o_proj and down_proj partials summed in the norm, rows first ...").
 FP8_PARTIALS_IN_NORM = True
+# The few-row FP8 products after a norm that sums an FP8 product's partials (q / k / v after
+# the input norm, gate / up after the post-attention norm) multiply e4m3 activations on the
+# FP8 tensor cores, quantized by that norm's kernel per row and 128 columns (the checkpoints'
+# "dynamic" activation scheme, as transformers' FP8 layer, vLLM and SGLang run them; the
+# prefill products already do): the tile's widening to bf16 and its cost leave the product.
+FP8_E4M3_ROWS = True
 
 
 def use_row_kernels(backend: str, mesh, pairs) -> str:
@@ -279,6 +285,10 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         node.fp8_qkv_kernel = sharded_fp8_qkv_norm_rope(
             mesh, rules, node.q_norm.eps if node.use_qk_norm else 1e-6, node.rope_theta,
             interpret)
+      if (FP8_PARTIALS_IN_NORM and FP8_E4M3_ROWS and axis_size(mesh, rules.embed) == 1
+          and (fp8_qkv or (isinstance(node, MLP) and path[-1:] == ("mlp",)
+                           and getattr(node, "fp8_projection", None) is not None))):
+        node.fp8_e4m3_rows = True
       if (isinstance(node, Attention) and kv_write is not None and kv_fits(node.head_dim)
           and (node.fp8_projection is None or fp8_qkv)):
         # Other FP8 layers keep XLA's writes, into which XLA fuses the value's K-slice sum:

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import jspec
+from jspec import backends
 from jspec.bench.presets import PRESETS
 from jspec.bench.steps import StepTimer
 from jspec.models.caches import KVCache
@@ -127,6 +128,8 @@ def test_fp8_kernel_in_a_hybrid_model_equals_the_scaled_xla_products(monkeypatch
   cpu = llm()
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
+    # the activations as they are (the e4m3 rows have tests of their own: test_e4m3_rows.py)
+    patch.setattr(backends, "FP8_E4M3_ROWS", False)
     gpu = llm(norm_backend="pallas")
   kinds = {type(node) for _, node in nnx.iter_graph(gpu.target)
            if isinstance(node, (GatedDeltaNet, Attention, MLP)) and node.fp8_projection}
@@ -218,6 +221,7 @@ def test_fp8_q_k_v_partials_summed_in_the_norm_kernel_equal_the_scaled_xla_produ
   cpu = _qwen3_llm()
   with monkeypatch.context() as patch:
     patch.setattr(platform, "on_hopper", lambda: True)  # the GPU's choices, interpreted
+    patch.setattr(backends, "FP8_E4M3_ROWS", False)  # as in the hybrid model's test
     gpu = _qwen3_llm(norm_backend="pallas")
   attn = gpu.target.layers[0].attn
   assert attn.fp8_qkv_kernel is not None and attn.kv_write is not None

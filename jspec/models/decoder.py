@@ -65,7 +65,8 @@ class DecoderLayer(nnx.Module):
     to the next norm. Why: with row kernels the add and the norm after it are one kernel,
     where an add ending the layer would be one more (jspec.models.row_kernels)."""
     del valid_BT  # A KV / latent cache needs no padding mask: padded slots are never attended.
-    x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD)
+    x_BTD, normed_BTD = layer_input(self.input_norm, x_BTD, pending_BTD,
+                                    takes_e4m3(self.attn, x_BTD))
     attn_out_BTD, cache = self.attn(normed_BTD, positions_BT, cache, kv_window, sum_later=True)
     return (*mlp_block(self, x_BTD, attn_out_BTD, experts_fn), cache)
 
@@ -79,16 +80,25 @@ def mlp_block(layer, x_BTD, mixed_BTD, experts_fn: Callable):
     if fused is not None:
       h_BTD, normed_BTD, routing = fused
       return h_BTD, layer.mlp(normed_BTD, experts_fn, routing)
-  h_BTD, normed_BTD = layer.post_attn_norm.add_and_norm(x_BTD, mixed_BTD)
+  h_BTD, normed_BTD = layer.post_attn_norm.add_and_norm(
+      x_BTD, mixed_BTD, not layer.is_moe and takes_e4m3(layer.mlp, x_BTD))
   return h_BTD, (layer.mlp(normed_BTD, experts_fn) if layer.is_moe
                  else layer.mlp(normed_BTD, sum_later=True))
 
 
-def layer_input(norm, x_BTD, pending_BTD):
-  """(x + pending, its norm): the layer input and what its token mixer reads."""
+def layer_input(norm, x_BTD, pending_BTD, quantize: bool = False):
+  """(x + pending, its norm): the layer input and what its token mixer reads (quantize:
+  RMSNorm.add_and_norm's)."""
   if pending_BTD is None:
     return x_BTD, norm(x_BTD)
-  return norm.add_and_norm(x_BTD, pending_BTD)
+  return norm.add_and_norm(x_BTD, pending_BTD, quantize)
+
+
+def takes_e4m3(module, x_BTD) -> bool:
+  """Whether `module` (a layer's token mixer or MLP) takes its input as a norm's e4m3 rows
+  (linear.E4m3Rows) in this step: its FP8 products read them (jspec.backends.FP8_E4M3_ROWS)."""
+  takes = getattr(module, "takes_e4m3_rows", None)
+  return takes is not None and takes(x_BTD)
 
 
 class CausalLM(nnx.Module):

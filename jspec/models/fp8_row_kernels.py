@@ -4,6 +4,9 @@ whose partials go straight into the kernel after it, so that their sum is no ker
 
   sharded_fp8_add_rms_norm   o_proj's or down_proj's partials into the residual add + RMSNorm
   sharded_fp8_qkv_norm_rope  q, k and v's partials into the q / k norms + RoPE (and the KV write)
+
+The norm's output may go on in e4m3 (linear.E4m3Rows), quantized by the norm's kernel, into the
+FP8 products after it: the few-row kernel's e4m3 route with no pass of its own.
 """
 
 from __future__ import annotations
@@ -13,38 +16,48 @@ import functools
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from jspec.models.linear import E4m3Rows
+from jspec.models.projections import e4m3_rows_spec
 from jspec.models.row_kernels import sharded_kv_write
 from jspec.sharding.rules import ShardingRules, mesh_axes
 
 
 def sharded_fp8_add_rms_norm(mesh: Mesh, rules: ShardingRules, interpret: bool):
   """(x [B, T, K], w8 [D, K], its block scale, the scale's kernel lanes or None, residual
-  [B, T, D], norm scale [D]; eps, zero_centered) -> (h, norm(h)) for h = residual + x @ w:
-  one FP8 kernel call (fp8_gemm.fp8_partials_many, rows first) whose K-slice partials the
-  residual add and RMSNorm kernel sums as it reads them (residual_norm.add_partials_rms_norm).
-  Per batch shard, the weight whole on every shard (as the FP8 products run)."""
+  [B, T, D], norm scale [D]; eps, zero_centered, quantize) -> (h, norm(h)) for h = residual +
+  x @ w: one FP8 kernel call (fp8_gemm.fp8_partials_many, rows first) whose K-slice partials
+  the residual add and RMSNorm kernel sums as it reads them (residual_norm.add_partials_rms_norm).
+  Per batch shard, the weight whole on every shard (as the FP8 products run). quantize: norm(h)
+  as a linear.E4m3Rows, its e4m3 form written by the same kernel."""
   from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
   from jspec.pallas_kernels.residual_norm import add_partials_rms_norm
   rows, whole = rules.spec(("batch", "seq", None)), PartitionSpec()
 
-  def per_shard(x_BTK, w8, scale, lanes, residual_BTD, scale_D, *, eps, zero_centered):
+  def per_shard(x_BTK, w8, scale, lanes, residual_BTD, scale_D, *, eps, zero_centered,
+                quantize):
     b, t, d = residual_BTD.shape
     parts_SRD, row_scale_M = fp8_partials_many(x_BTK.reshape(b * t, -1), (w8,), (scale,),
                                                (lanes,), rows_first=True)
-    out = add_partials_rms_norm(residual_BTD.reshape(b * t, d), parts_SRD, scale_D,
-                                row_scale_M, dtype=x_BTK.dtype, eps=eps,
-                                zero_centered=zero_centered, interpret=interpret)
-    return tuple(o.reshape(b, t, d) for o in out)
+    h, normed, *quantized = add_partials_rms_norm(
+        residual_BTD.reshape(b * t, d), parts_SRD, scale_D, row_scale_M, dtype=x_BTK.dtype,
+        eps=eps, zero_centered=zero_centered, interpret=interpret, quantize=quantize)
+    h, normed = h.reshape(b, t, d), normed.reshape(b, t, d)
+    if not quantize:
+      return h, normed
+    x8, act_lanes = quantized
+    return h, E4m3Rows(normed, x8.reshape(b, t, d), act_lanes[None])
 
   @functools.cache
-  def for_norm(eps, zero_centered):
+  def for_norm(eps, zero_centered, quantize):
     return jax.shard_map(
-        functools.partial(per_shard, eps=eps, zero_centered=zero_centered), mesh=mesh,
-        in_specs=(rows, whole, whole, whole, rows, whole), out_specs=(rows, rows),
-        check_vma=False)
+        functools.partial(per_shard, eps=eps, zero_centered=zero_centered, quantize=quantize),
+        mesh=mesh, in_specs=(rows, whole, whole, whole, rows, whole),
+        out_specs=(rows, e4m3_rows_spec(rules) if quantize else rows), check_vma=False)
 
-  return lambda x, w8, scale, lanes, residual, scale_D, *, eps, zero_centered: for_norm(
-      eps, zero_centered)(x, w8, scale, lanes, residual, scale_D)
+  def call(x, w8, scale, lanes, residual, scale_D, *, eps, zero_centered, quantize=False):
+    return for_norm(eps, zero_centered, quantize)(x, w8, scale, lanes, residual, scale_D)
+
+  return call
 
 
 def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: float,
@@ -70,7 +83,11 @@ def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, thet
   def per_shard(x_BTD, w8s, scales, lanes, positions_BT, q_scale, k_scale, caches=None, *,
                 q_heads, kv_heads):
     b, t, d = x_BTD.shape
-    parts_SNR, row_scale_M = fp8_partials_many(x_BTD.reshape(b * t, d), w8s, scales, lanes)
+    if isinstance(x_BTD, E4m3Rows):  # quantized by the norm's kernel
+      parts_SNR, row_scale_M = fp8_partials_many(x_BTD.x8.reshape(b * t, d), w8s, scales,
+                                                 lanes, act_lanes_X=x_BTD.lanes[0])
+    else:
+      parts_SNR, row_scale_M = fp8_partials_many(x_BTD.reshape(b * t, d), w8s, scales, lanes)
     q_out, *kv_out = qkv_partials_norm_rope(
         parts_SNR, positions_BT.reshape(b * t), row_scale_M, q_scale, k_scale,
         q_heads=q_heads, kv_heads=kv_heads, dtype=x_BTD.dtype, eps=eps, theta=theta,
@@ -79,17 +96,17 @@ def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, thet
     return rows(q_out), *(kv_out if caches is not None else map(rows, kv_out))
 
   @functools.cache
-  def for_heads(q_heads, kv_heads, cached: bool):
+  def for_heads(q_heads, kv_heads, cached: bool, e4m3: bool):
     return jax.shard_map(
         functools.partial(per_shard, q_heads=q_heads, kv_heads=kv_heads), mesh=mesh,
-        in_specs=(x, whole, whole, whole, positions, whole, whole) + (((cache, cache),)
-                                                                      if cached else ()),
+        in_specs=(e4m3_rows_spec(rules) if e4m3 else x, whole, whole, whole, positions, whole,
+                  whole) + (((cache, cache),) if cached else ()),
         out_specs=(heads, cache, cache) if cached else (heads, heads, heads), check_vma=False)
 
   def call(x_BTD, w8s, scales, lanes, positions_BT, q_scale, k_scale, *, q_heads, kv_heads,
            caches=None):
     fused = caches is not None and not kv_split
-    outs = for_heads(q_heads, kv_heads, fused)(
+    outs = for_heads(q_heads, kv_heads, fused, isinstance(x_BTD, E4m3Rows))(
         x_BTD, tuple(w8s), tuple(scales), None if lanes is None else tuple(lanes),
         positions_BT, q_scale, k_scale, *((tuple(caches),) if fused else ()))
     if caches is None or fused:

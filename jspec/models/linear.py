@@ -6,8 +6,10 @@ either form (`project`), under XLA or a kernel (jspec.models.projections picks o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -15,6 +17,39 @@ from jspec.models import quantization
 from jspec.models.params import param
 
 QKV_NAMES = ("q_proj", "k_proj", "v_proj")  # an attention layer's one FP8 call, in its order
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class E4m3Rows:
+  """A norm's output as the FP8 products after it take it: `values` [B, T, D] in the model's
+  dtype, `x8` the same rows in e4m3 (each row's 128-column groups scaled by their largest
+  |value|, fp8_gemm.quantize_activations), and their scales in the FP8 kernel's lanes,
+  `lanes` [batch shards, D/128 x L] (fp8_gemm.act_lanes of each shard's rows). Written by the
+  norm's kernel (residual_norm.add_partials_rms_norm's `quantize`), so that no pass of its
+  own quantizes the activations for the FP8 tensor cores. A consumer without an e4m3 route
+  reads `values` (as_values)."""
+
+  values: jax.Array
+  x8: jax.Array
+  lanes: jax.Array
+
+  @property
+  def shape(self):
+    return self.values.shape
+
+  @property
+  def ndim(self):
+    return self.values.ndim
+
+  @property
+  def dtype(self):
+    return self.values.dtype
+
+
+def as_values(x):
+  """x as an array: an E4m3Rows' values, anything else as it is."""
+  return x.values if isinstance(x, E4m3Rows) else x
 
 
 def linear(rngs: nnx.Rngs, shape, dtype, logical_axes, in_axes: int = 1,
@@ -117,10 +152,14 @@ def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_pro
   fp8_sum_apart: the kernel's K-slice sum as a kernel of its own (fp8_gemm.fp8_matmul's
   sum_apart; False where the consumer is elementwise)."""
   lead = x.shape[:-in_axes]
+  if isinstance(x, E4m3Rows) and not (
+      in_axes == 1 and scale is not None and getattr(fp8_product, "takes_e4m3", False)
+      and _whole_blocks(weight, fp8_block, in_axes)):
+    x = x.values
   if scale is not None:
     k = math.prod(weight.shape[-in_axes:])
     out_axes = weight.shape[:-in_axes]
-    x_K = x.reshape(*lead, k)
+    x_K = x if isinstance(x, E4m3Rows) else x.reshape(*lead, k)
     # Off whole blocks the scaled weight is built on the stored axes.
     if fp8_product is not None and _whole_blocks(weight, fp8_block, in_axes):
       lanes = () if fp8_lanes is None else (_flat_grid(fp8_lanes, in_axes),)
@@ -160,9 +199,12 @@ class SlicedFp8Product:
   def reduced(self):
     return self._reduce()
 
-  def add_and_norm(self, residual_BTD, scale_D, eps: float, zero_centered: bool):
-    """(residual + the product, its RMSNorm) in one kernel."""
-    return self._fuse(residual_BTD, scale_D, eps=eps, zero_centered=zero_centered)
+  def add_and_norm(self, residual_BTD, scale_D, eps: float, zero_centered: bool,
+                   quantize: bool = False):
+    """(residual + the product, its RMSNorm) in one kernel; quantize: the RMSNorm as an
+    E4m3Rows."""
+    return self._fuse(residual_BTD, scale_D, eps=eps, zero_centered=zero_centered,
+                      quantize=quantize)
 
   def __add__(self, other):
     return self.reduced() + other

@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jspec.models.linear import linear, project_named, project_to_norm
+from jspec.models.linear import (as_values, fp8_rows_fit, fp8_whole_blocks, linear,
+                                 project_named, project_to_norm)
 from jspec.models.row_kernels import takes_rows
 
 # Whether a decode or verify step's gate / up product and SiLU x up run as one kernel
@@ -39,6 +40,9 @@ class MLP(nnx.Module):
     # FP8 weights only: set as Attention's fp8_projection, fp8_add_norm and fp8_lanes are.
     self.fp8_projection = self.fp8_add_norm = None
     self.fp8_lanes = None
+    # Whether gate / up's FP8 product takes its input as the norm's e4m3 rows
+    # (linear.E4m3Rows), set by the LLM (jspec.backends.FP8_E4M3_ROWS).
+    self.fp8_e4m3_rows = False
     self.fp8_block = gate_up_block or down_block
     # Optional products for weights split over tp, as Attention.tp_products.
     self.tp_products = None
@@ -49,8 +53,15 @@ class MLP(nnx.Module):
   def _dense(self, x, name: str, spec: str, fp8_sum_apart: bool = True):
     return project_named(self, x, name, spec, fp8_sum_apart=fp8_sum_apart)
 
+  def takes_e4m3_rows(self, x_BTD) -> bool:
+    """Whether this step's gate / up product reads the norm's e4m3 rows."""
+    return (self.fp8_e4m3_rows and self.fp8_projection is not None
+            and fp8_whole_blocks(self, ("gate_up_proj",))
+            and fp8_rows_fit(self, x_BTD, ("gate_up_proj",)))
+
   def __call__(self, x_BTD, sum_later: bool = False):
-    """sum_later: as Attention's, for down_proj's FP8 product."""
+    """sum_later: as Attention's, for down_proj's FP8 product. x may be the norm's e4m3 rows
+    (takes_e4m3_rows), which only gate / up's FP8 product reads."""
     tp = self.tp_products if self.gate_up_proj_scale is None else None
     act_BTF = self._activation(x_BTD, tp)
     if tp is not None and self.down_proj_scale is None:
@@ -65,8 +76,9 @@ class MLP(nnx.Module):
     into it)."""
     if (self.swiglu_kernel is not None and self.gate_up_proj_scale is None
         and takes_rows(x_BTD, ndim=3)):
-      return self.swiglu_kernel(x_BTD, self.gate_up_proj[...])
+      return self.swiglu_kernel(as_values(x_BTD), self.gate_up_proj[...])
     if tp is not None:
+      x_BTD = as_values(x_BTD)
       gate_up_BTCF = tp.column(x_BTD, self.gate_up_proj[...], split=2)
     else:
       gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf", fp8_sum_apart=False)

@@ -50,10 +50,15 @@ class RMSNorm(nnx.Module):
       return self.row_kernel(x, self.scale[...])
     return self._xla(x)
 
-  def add_and_norm(self, x, delta):
+  def add_and_norm(self, x, delta, quantize: bool = False):
     """(h, norm(h)) for h = x + delta: the residual stream and its normalised form. A `delta`
     still to be summed over tp (a PartialSum) or over an FP8 product's K slices (a
-    SlicedFp8Product) is summed in the same kernel where it fits."""
+    SlicedFp8Product) is summed in the same kernel where it fits. quantize: where that kernel
+    sums a SlicedFp8Product, norm(h) as a linear.E4m3Rows (for FP8 products that read it
+    next); elsewhere an array as without."""
+    if isinstance(delta, SlicedFp8Product) and quantize and self.on_kernel(x):
+      return delta.add_and_norm(x, self.scale[...], self.eps, self.zero_centered,
+                                quantize=True)
     if isinstance(delta, (PartialSum, SlicedFp8Product)):
       fused = (delta.add_and_norm(x, self.scale[...], self.eps, self.zero_centered)
                if self.on_kernel(x) else None)

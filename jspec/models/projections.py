@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jspec.models.linear import E4m3Rows
 from jspec.sharding.rules import ShardingRules, axis_size
 
 PROJECTION_BACKENDS = ("auto", "xla", "pallas")
@@ -46,10 +47,14 @@ class Fp8Projection:
   where the step's rows fit the few-row kernel (fp8_gemm.fp8_matmul_many). `sum_apart`
   (keyword): fp8_gemm.fp8_matmul's, False where the product's consumer is elementwise."""
 
-  def __init__(self, one, many):
-    self._one, self._many = one, many
+  takes_e4m3 = True  # x may be a norm's linear.E4m3Rows (`e4m3`)
+
+  def __init__(self, one, many, e4m3=None):
+    self._one, self._many, self._e4m3 = one, many, e4m3
 
   def __call__(self, x_BTK, w8_NK, scale, lanes=None, *, sum_apart: bool = True):
+    if isinstance(x_BTK, E4m3Rows):
+      return self._e4m3[sum_apart](x_BTK, w8_NK, scale, lanes)
     return self._one[sum_apart](x_BTK, w8_NK, scale, lanes)
 
   def many(self, x_BTK, w8s_NK, scales, lanes=None, *, sum_apart: bool = True):
@@ -88,17 +93,35 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules,
       return tuple(out.reshape(*lead, -1) for out in outs)
     return tuple(product(x_BTK, w, s, l, sum_apart) for w, s, l in zip(w8s_NK, scales, lanes))
 
-  x, whole = rules.spec(("batch", "seq", None)), PartitionSpec()
+  def product_e4m3(x: E4m3Rows, w8_NK, scale, lanes=None, sum_apart=True):
+    """The product of a norm's e4m3 rows (the few-row kernel's e4m3 route), in x's dtype."""
+    *lead, k = x.shape
+    rows, n = math.prod(lead), w8_NK.shape[0]
+    if not fp8_gemm.fits_kernel(rows, k, n, block):
+      return product(x.values, w8_NK, scale, lanes, sum_apart)
+    return fp8_gemm.fp8_matmul(x.x8.reshape(rows, k), w8_NK, scale, lanes_NbX=lanes,
+                               sum_apart=sum_apart, act_lanes_X=x.lanes[0],
+                               out_dtype=x.dtype).reshape(*lead, n)
 
-  def per_shard(fn):  # one shard_map per value of sum_apart (static in the kernel call)
+  x, whole = rules.spec(("batch", "seq", None)), PartitionSpec()
+  e4m3_x = e4m3_rows_spec(rules)
+
+  def per_shard(fn, x=x):  # one shard_map per value of sum_apart (static in the kernel call)
     # A None lanes argument is an empty pytree: one shard_map takes the products with or
     # without.
     return {apart: jax.shard_map(functools.partial(fn, sum_apart=apart), mesh=mesh,
-                                 in_specs=(x, whole, whole, whole), out_specs=x,
-                                 check_vma=False)
+                                 in_specs=(x, whole, whole, whole), out_specs=rules.spec(
+                                     ("batch", "seq", None)), check_vma=False)
             for apart in (True, False)}
 
-  return Fp8Projection(per_shard(product), per_shard(products))
+  return Fp8Projection(per_shard(product), per_shard(products), per_shard(product_e4m3, e4m3_x))
+
+
+def e4m3_rows_spec(rules: ShardingRules) -> E4m3Rows:
+  """The partition of a linear.E4m3Rows: its rows as the activations', its lanes one row per
+  batch shard."""
+  x = rules.spec(("batch", "seq", None))
+  return E4m3Rows(x, x, rules.spec(("batch", None)))
 
 
 def with_loop_constants(module):

@@ -32,9 +32,13 @@ from jspec.pallas_kernels.shared import float16_rows
 
 MAX_ROWS = 64      # float32 sums of a 128-column item in registers
 E4M3_MAX = 448.0
+INVERSE_E4M3_MAX = float(np.float32(1.0 / E4M3_MAX))
 ACTIVATIONS = ("bfloat16", "float16", "e4m3")
 # A block's scale travels repeated over this many float32 lanes: one 128-byte TMA block.
 SCALE_LANES = 32
+# The activation route of calls that name none (None: bfloat16 x as it is, float16 for other
+# x); "e4m3" quantizes x per row and 128 columns first, the checkpoints' "dynamic" scheme.
+DEFAULT_ACTIVATIONS: str | None = None
 
 
 # Pipeline stages of two-block steps (up to 16 rows). Timed kernel by kernel under the profiler
@@ -101,14 +105,18 @@ def choose_splits(k: int, n: int, num_sms: int) -> int:
 
 def bfloat16_rows(x_MK):
   """x as the bfloat16 route hands it to the kernel, with no pass over it where it is bfloat16
-  already: up to 8 rows the TMA fills a tile's missing rows itself (their outputs are dropped);
-  past 8 it reads x in tiles of 8 rows, so a partial last tile is padded (as decode_gemm's
-  x)."""
+  already (_tma_rows)."""
+  return _tma_rows(x_MK.astype(jnp.bfloat16))
+
+
+def _tma_rows(x_MK):
+  """x as the kernel reads it: up to 8 rows the TMA fills a tile's missing rows itself (their
+  outputs are dropped); past 8 it reads x in tiles of 8 rows, so a partial last tile is padded
+  (as decode_gemm's x)."""
   m = x_MK.shape[0]
-  x_RK = x_MK.astype(jnp.bfloat16)
   if m > decode_gemm.ROW_TILE and m % decode_gemm.ROW_TILE:
-    x_RK = jnp.pad(x_RK, ((0, -m % decode_gemm.ROW_TILE), (0, 0)))
-  return x_RK
+    return jnp.pad(x_MK, ((0, -m % decode_gemm.ROW_TILE), (0, 0)))
+  return x_MK
 
 
 def scale_lanes(scale, lanes: int = SCALE_LANES):
@@ -118,6 +126,16 @@ def scale_lanes(scale, lanes: int = SCALE_LANES):
   return jnp.repeat(scale.astype(jnp.float32), lanes, axis=-1)
 
 
+def act_lanes(scale_MKb):
+  """e4m3 rows' scales [M, K/128] as the kernel reads them: [K/128 x L] float32, L =
+  max(padded rows, SCALE_LANES), row r's scale of 128-column group g at g x L + r, 0 past the
+  rows (whose x rows are zeros). A kernel that writes x in e4m3 writes its scales so
+  (residual_norm's `quantize` form)."""
+  m, k_blocks = scale_MKb.shape
+  lanes = act_lanes_size(m, k_blocks * BLOCK) // k_blocks
+  return jnp.pad(scale_MKb.astype(jnp.float32), ((0, lanes - m), (0, 0))).T.reshape(-1)
+
+
 def quantize_activations(x_MK):
   """(x8 [M, K] e4m3, scale [M, K/128] float32): each row's 128-wide groups scaled so that their
   largest |x| maps to e4m3's 448 (DeepSeek-V3's act_quant; the checkpoints' "dynamic"
@@ -125,7 +143,10 @@ def quantize_activations(x_MK):
   one kernel (jspec.pallas_kernels.quantize_rows)."""
   m, k = x_MK.shape
   groups = x_MK.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
-  scale = jnp.maximum(jnp.max(jnp.abs(groups), axis=-1), 1e-12) / E4M3_MAX
+  # amax / 448 as a product with 448's float32 reciprocal, written out: XLA's simplifier makes
+  # that product of a division by a constant in some programs and not in others, and the
+  # kernels that quantize (quantize_rows, residual_norm) compute this very product.
+  scale = jnp.maximum(jnp.max(jnp.abs(groups), axis=-1), 1e-12) * INVERSE_E4M3_MAX
   x8 = (groups / scale[..., None]).astype(E4M3).reshape(m, k)
   return x8, scale
 
@@ -142,11 +163,12 @@ def check_operands(name: str, x_MK, w8_NK, scale_NbKb) -> tuple[int, int, int]:
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("splits", "tiling", "activations", "sum_apart"))
+                   static_argnames=("splits", "tiling", "activations", "sum_apart", "out_dtype"))
 def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
                splits: int | None = None, tiling: Fp8Tiling | None = None,
                activations: str | None = None, lanes_NbX: jax.Array | None = None,
-               sum_apart: bool = True) -> jax.Array:
+               sum_apart: bool = True, act_lanes_X: jax.Array | None = None,
+               out_dtype=None) -> jax.Array:
   """x @ (w8 * scale broadcast over its 128 x 128 blocks).T, in x's dtype.
 
   lanes_NbX: scale_lanes(scale) made beforehand, used where the step's padded rows fit
@@ -161,9 +183,12 @@ def fp8_matmul(x_MK: jax.Array, w8_NK: jax.Array, scale_NbKb: jax.Array,
   sum_apart: the sum of the K slices' partials as a kernel of its own (the default: right
   where the consumer reduces over the output row, as the norm after o_proj and down does);
   False lets XLA fuse the sum into an elementwise consumer (SwiGLU after gate / up), one
-  kernel fewer. The value is the same either way."""
+  kernel fewer. The value is the same either way.
+
+  act_lanes_X: x given in e4m3 with its rows' scales (fp8_partials_many's); the output is
+  then in `out_dtype` (the model's), which other x need not name."""
   (out,) = _products("fp8_matmul", x_MK, (w8_NK,), (scale_NbKb,), (lanes_NbX,), splits,
-                     tiling, activations, sum_apart)
+                     tiling, activations, sum_apart, act_lanes_X, out_dtype)
   return out
 
 
@@ -188,16 +213,18 @@ def fp8_matmul_many(x_MK: jax.Array, w8s_NK: tuple, scales_NbKb: tuple,
 
 
 def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activations,
-              sum_apart):
+              sum_apart, act_lanes_X=None, out_dtype=None):
+  if x_MK.dtype == E4M3 and out_dtype is None:
+    raise ValueError(f"{name} of e4m3 x names its out_dtype")
   parts_SNR, row_scale_M = _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits,
-                                     tiling, activations)
+                                     tiling, activations, act_lanes_X=act_lanes_X)
   m = x_MK.shape[0]
   ns = [w.shape[0] for w in w8s_NK]
   bounds = np.cumsum([0] + ns)
   out_MN = jnp.sum(parts_SNR[:, :, :m], axis=0).T
   if row_scale_M is not None:
     out_MN = out_MN * row_scale_M[:, None]
-  out_MN = out_MN.astype(x_MK.dtype)
+  out_MN = out_MN.astype(out_dtype or x_MK.dtype)
   if parts_SNR.shape[0] > 1 and sum_apart:
     # The sum of the K-slice partials stays out of the consumer's fusion. Where the consumer
     # reduces over the output row (the residual add and RMSnorm after o_proj or down), XLA
@@ -213,30 +240,48 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
 def fp8_partials_many(x_MK: jax.Array, w8s_NK: tuple, scales_NbKb: tuple,
                       lanes_NbX: tuple | None = None, splits: int | None = None,
                       tiling: Fp8Tiling | None = None, activations: str | None = None,
-                      rows_first: bool = False):
+                      rows_first: bool = False, act_lanes_X: jax.Array | None = None):
   """fp8_matmul_many before its K-slice sum, for a consumer that sums the slices as it reads
   them (row_norms.qkv_partials_norm_rope): (partials [S, sum of N_i, R] float32, the weights'
   columns one after another and the rows padded to R, and each row's scale [M] float32 or
   None). The products are sum over S of partials[:, :, :M].T times the row scales, cast to
   x's dtype. rows_first: the partials as [S, R, sum of N_i] (fp8_block_kernel.partials', for
-  a reader of whole rows: residual_norm.add_partials_rms_norm). Jitted as fp8_matmul is:
+  a reader of whole rows: residual_norm.add_partials_rms_norm). act_lanes_X: x given as
+  e4m3 already, quantized by the kernel that wrote it (residual_norm's `quantize` form), with
+  its rows' scales in the kernel's lanes (act_lanes). Jitted as fp8_matmul is:
   every layer's call is then one lowering, and one compile of the Mosaic GPU kernel (each
   costs about 0.75 s)."""
   lanes_NbX = lanes_NbX or (None,) * len(w8s_NK)
   return _partials("fp8_partials_many", x_MK, tuple(w8s_NK), tuple(scales_NbKb),
-                   tuple(lanes_NbX), splits, tiling, activations, rows_first)
+                   tuple(lanes_NbX), splits, tiling, activations, rows_first, act_lanes_X)
+
+
+def act_lanes_size(rows: int, k: int) -> int:
+  """The length of act_lanes' scales of `rows` rows of K."""
+  return k // BLOCK * max(decode_routing.padded_tokens(rows), SCALE_LANES)
 
 
 def _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activations,
-              rows_first: bool = False):
+              rows_first: bool = False, act_lanes_X=None):
   shapes = [check_operands(name, x_MK, w, s) for w, s in zip(w8s_NK, scales_NbKb)]
   m, k, _ = shapes[0]
   ns = [n for _, _, n in shapes]
   if not all(fits_kernel(m, k, n, (BLOCK, BLOCK)) for n in ns):
     raise ValueError(f"{name} takes M <= {MAX_ROWS} rows and K, N in multiples of "
                      f"{BLOCK}, got M={m}, K={k}, N={ns}")
+  if (x_MK.dtype == E4M3) != (act_lanes_X is not None):
+    raise ValueError(f"{name} takes e4m3 x with its act_lanes_X and other x without, got "
+                     f"{x_MK.dtype} x and act_lanes_X {act_lanes_X is not None}")
+  if act_lanes_X is not None:
+    if activations not in (None, "e4m3"):
+      raise ValueError(f"e4m3 x multiplies as e4m3, not {activations!r}")
+    if act_lanes_X.shape != (act_lanes_size(m, k),) or act_lanes_X.dtype != jnp.float32:
+      raise ValueError(f"act_lanes_X has shape {act_lanes_X.shape} {act_lanes_X.dtype}, not "
+                       f"float32 ({act_lanes_size(m, k)},) for {m} rows of {k}")
+    activations = "e4m3"
   if activations is None:  # bfloat16 x as it is; float32 x keeps float16's 11 bits
-    activations = "bfloat16" if x_MK.dtype == jnp.bfloat16 else "float16"
+    activations = DEFAULT_ACTIVATIONS or (
+        "bfloat16" if x_MK.dtype == jnp.bfloat16 else "float16")
   if activations not in ACTIVATIONS:
     raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
   # The weights' items share the SMs' rounds: the slices are chosen for all their columns.
@@ -262,10 +307,12 @@ def _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
     else:
       scale_rows.append(scale_lanes(scale, lanes))
   act_scale_X = None
-  if activations == "e4m3":
+  if act_lanes_X is not None:  # quantized by the kernel that wrote x
+    x_RK, act_scale_X, row_scale_M = _tma_rows(x_MK), act_lanes_X, None
+  elif activations == "e4m3":
     x8_MK, act_scale_MKb = quantize_activations(x_MK)
     x_RK = jnp.pad(x8_MK, ((0, rows - m), (0, 0)))
-    act_scale_X = jnp.pad(act_scale_MKb, ((0, lanes - m), (0, 0))).T.reshape(-1)
+    act_scale_X = act_lanes(act_scale_MKb)
     row_scale_M = None  # the rows' scales are in the kernel's lanes
   elif activations == "bfloat16":
     x_RK, row_scale_M = bfloat16_rows(x_MK), None

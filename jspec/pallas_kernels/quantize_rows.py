@@ -33,17 +33,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import platform
-from jspec.pallas_kernels.fp8_gemm import BLOCK, E4M3, E4M3_MAX
+from jspec.pallas_kernels.fp8_gemm import BLOCK, E4M3, INVERSE_E4M3_MAX
 
-# amax / 448 as XLA computes it: its simplifier turns a division by a constant into a product
-# with the constant's float32 reciprocal.
-INVERSE_E4M3_MAX = float(np.float32(1.0 / E4M3_MAX))
 MIN_SCALE = float(np.float32(1e-12) * np.float32(INVERSE_E4M3_MAX))
 # Rows per program: a 32 x 128 group tile is 32 float32 values a thread at 4 warps.
 MAX_PROGRAM_ROWS = 32
 
 
-def _divide(a, b, interpret: bool):
+def divide_rn(a, b, interpret: bool):
   """a / b rounded to nearest, as XLA divides on the GPU (`div.rn.f32`); the interpreter's
   division is IEEE already."""
   if interpret:
@@ -63,7 +60,7 @@ def _kernel(x_ref, x8_ref, scale_ref, *, rows: int, program_rows: int, interpret
   amax_R = jnp.max(jnp.abs(x_RG), axis=1)
   scale_R = jnp.maximum(amax_R, 1e-12) * INVERSE_E4M3_MAX
   scale_RG = lax.broadcast_in_dim(scale_R, x_RG.shape, [0])
-  x8_ref[...] = _divide(x_RG, scale_RG, interpret).astype(x8_ref.dtype)
+  x8_ref[...] = divide_rn(x_RG, scale_RG, interpret).astype(x8_ref.dtype)
   scale_ref[...] = scale_R
 
 

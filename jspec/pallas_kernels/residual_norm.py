@@ -28,6 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import platform
+from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3
+from jspec.pallas_kernels.fp8_gemm import INVERSE_E4M3_MAX, MAX_ROWS, act_lanes_size
+from jspec.pallas_kernels.quantize_rows import divide_rn
 
 MAX_CHUNK = 4096  # the widest piece of a row one load takes (Triton blocks are powers of two)
 MIN_CHUNK = 64
@@ -60,7 +63,8 @@ def fits_kernel(width: int) -> bool:
 
 
 def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool,
-                 delta_dtype=None, row_scaled: bool = False):
+                 delta_dtype=None, row_scaled: bool = False, quantize: bool = False,
+                 interpret: bool = False):
   """Program m: row m, read once and held in registers (7168 bfloat16 values are 28 a thread
   at 8 warps) between the sum of its squares and its scaling. All loads come before any store,
   which they could alias: a 7168-wide row's 7 pieces were read one after another (BENCHMARKS.md,
@@ -68,15 +72,21 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
 
   delta_dtype set: the delta is K-slice partials [S, R, D] float32, each value their sum over
   S in order (times row m's scale where row_scaled) cast to delta_dtype, as fp8_gemm's
-  fp8_matmul gives the product."""
+  fp8_matmul gives the product.
+
+  quantize: norm(h) also in e4m3 with its scales, as fp8_gemm.quantize_activations quantizes
+  it, each 128-column group of a piece scaled by its own largest |value| (so a piece holds
+  whole groups), the scales written in the FP8 kernel's lanes ([K/128, L]: fp8_gemm.act_lanes;
+  program m writes the lanes m, m + M, ..., its own row's scale in lane m and 0 in the others,
+  so that the padded lanes past M are written too)."""
   row_scale_ref = None
   if has_residual:
     x_ref, delta_ref, *refs = refs
     if row_scaled:
       row_scale_ref, *refs = refs
-    scale_ref, h_ref, out_ref = refs
+    scale_ref, h_ref, out_ref, *quantized = refs
   else:
-    x_ref, scale_ref, out_ref = refs
+    x_ref, scale_ref, out_ref, *quantized = refs
   m = pl.program_id(0)
   width = x_ref.shape[1]
   pieces = [pl.ds(c * chunk, chunk) for c in range(width // chunk)]
@@ -112,7 +122,25 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
     rows.append((cols, x))
   inv_rms = jax.lax.rsqrt(squares / width + eps)
   for (cols, x), scale in zip(rows, scales):
-    out_ref[m, cols] = scaled_norm(x, scale, inv_rms, zero_centered)
+    normed = scaled_norm(x, scale, inv_rms, zero_centered)
+    out_ref[m, cols] = normed
+    if quantize:
+      _store_e4m3(normed, cols, m, *quantized, interpret=interpret)
+
+
+def _store_e4m3(normed, cols, m, x8_ref, lanes_ref, *, interpret: bool):
+  """One piece of row m in e4m3 into x8_ref [M, D] and its groups' scales into lanes_ref
+  [D/128, L] (_norm_kernel's `quantize`), rounded as XLA rounds quantize_activations
+  (jspec.pallas_kernels.quantize_rows says how)."""
+  groups = normed.astype(jnp.float32).reshape(cols.size // BLOCK, BLOCK)
+  scale = jnp.maximum(jnp.max(jnp.abs(groups), axis=1), 1e-12) * INVERSE_E4M3_MAX
+  x8_ref[m, cols] = divide_rn(groups, jax.lax.broadcast_in_dim(scale, groups.shape, [0]),
+                              interpret).astype(E4M3).reshape(cols.size)
+  num_rows, lanes = x8_ref.shape[0], lanes_ref.shape[1]
+  lane = jax.lax.broadcasted_iota(jnp.int32, (cols.size // BLOCK, lanes), 1)
+  groups_of_piece = pl.ds(cols.start // BLOCK, cols.size // BLOCK)
+  pltriton.store(lanes_ref.at[groups_of_piece, pl.ds(0, lanes)],
+                 jnp.where(lane == m, scale[:, None], 0.0), mask=lane % num_rows == m)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "interpret"))
@@ -134,14 +162,21 @@ def rms_norm(x_MD: jax.Array, scale_D: jax.Array, residual_MD: jax.Array | None 
                     has_residual=has_residual)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "eps", "zero_centered", "interpret"))
+@functools.partial(jax.jit,
+                   static_argnames=("dtype", "eps", "zero_centered", "interpret", "quantize"))
 def add_partials_rms_norm(x_MD: jax.Array, parts_SRD: jax.Array, scale_D: jax.Array,
                           row_scale_M: jax.Array | None = None, *, dtype, eps: float,
-                          zero_centered: bool = False, interpret: bool | None = None):
+                          zero_centered: bool = False, interpret: bool | None = None,
+                          quantize: bool = False):
   """rms_norm(x, scale, residual) with the residual given as one FP8 call's K-slice partials,
   rows first (fp8_gemm.fp8_partials_many(rows_first=True): [S, R, D] float32, R >= M): each
   value the sum of its S partials times its row's scale (where given) cast to `dtype`, as
-  fp8_matmul gives o_proj's or down_proj's output: (h, norm(h)) for h = x + that product."""
+  fp8_matmul gives o_proj's or down_proj's output: (h, norm(h)) for h = x + that product.
+
+  quantize (M <= 64 rows, D in whole 128-blocks): (h, norm(h), its e4m3 form [M, D], the
+  form's scales [D/128 x L] as fp8_gemm.act_lanes lays them out), for the next FP8 product to
+  take as they are (fp8_gemm.fp8_partials_many's act_lanes_X): the activations quantized where
+  they are made, with no pass of their own."""
   rows, width = x_MD.shape
   splits, padded, parts_width = parts_SRD.shape
   if (parts_SRD.dtype != jnp.float32 or parts_width != width or padded < rows
@@ -151,13 +186,16 @@ def add_partials_rms_norm(x_MD: jax.Array, parts_SRD: jax.Array, scale_D: jax.Ar
                      f"scale [D] and row scales [M] or None, got {x_MD.shape}, "
                      f"{parts_SRD.shape} {parts_SRD.dtype}, {scale_D.shape}, "
                      f"{None if row_scale_M is None else row_scale_M.shape}")
-  # A piece holds all S partials of its columns: at most MAX_CHUNK values in registers.
-  chunk = max(MIN_CHUNK, min(row_chunk(width), _floor_pow2(MAX_CHUNK // splits)))
+  # A piece holds all S partials of its columns: at most MAX_CHUNK values in registers (and
+  # whole 128-groups where it quantizes).
+  chunk = max(BLOCK if quantize else MIN_CHUNK,
+              min(row_chunk(width), _floor_pow2(MAX_CHUNK // splits)))
   row_scales = () if row_scale_M is None else (row_scale_M.astype(jnp.float32),)
   return _norm_call("add_partials_rms_norm", (x_MD, parts_SRD, *row_scales, scale_D),
                     x_MD.dtype, interpret, chunk, warps=PARTIALS_WARPS, eps=eps,
                     zero_centered=zero_centered, has_residual=True,
-                    delta_dtype=jnp.dtype(dtype), row_scaled=row_scale_M is not None)
+                    delta_dtype=jnp.dtype(dtype), row_scaled=row_scale_M is not None,
+                    quantize=quantize)
 
 
 def _floor_pow2(n: int) -> int:
@@ -174,10 +212,22 @@ def _norm_call(name: str, inputs, dtype, interpret, chunk: int, warps: int = 0, 
   if interpret is None:
     interpret = not platform.on_gpu()
   row = jax.ShapeDtypeStruct((rows, width), dtype)
-  return pl.pallas_call(
-      functools.partial(_norm_kernel, chunk=chunk, **form),
-      out_shape=(row, row) if form["has_residual"] else row, grid=(rows,),
+  out_shape = (row, row) if form["has_residual"] else (row,)
+  if form.get("quantize"):
+    if rows > MAX_ROWS or width % BLOCK or chunk % BLOCK:
+      raise ValueError(f"{name} quantizes up to {MAX_ROWS} rows in whole {BLOCK}-groups, got "
+                       f"{rows} rows of {width} in pieces of {chunk}")
+    lanes = act_lanes_size(rows, width) // (width // BLOCK)
+    out_shape += (jax.ShapeDtypeStruct((rows, width), E4M3),
+                  jax.ShapeDtypeStruct((width // BLOCK, lanes), jnp.float32))
+  out = pl.pallas_call(
+      functools.partial(_norm_kernel, chunk=chunk, interpret=interpret, **form),
+      out_shape=out_shape, grid=(rows,),
       compiler_params=pltriton.CompilerParams(
           num_warps=warps or (8 if width >= 4096 else 4), num_stages=1),
-      interpret=interpret, name=name,
+      interpret=interpret, name=name + ("_e4m3" if form.get("quantize") else ""),
   )(*inputs)
+  if form.get("quantize"):
+    *out, lanes_2d = out
+    return (*out, lanes_2d.reshape(-1))
+  return out if form["has_residual"] else out[0]
