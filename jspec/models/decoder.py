@@ -21,6 +21,7 @@ from jspec.models import quantization
 from jspec.models import weights as W
 from jspec.models.caches import KVCache
 from jspec.models.layers import Attention
+from jspec.models.linear import QKV_NAMES, fp8_rows_fit
 from jspec.models.mlp import MLP
 from jspec.models.moe import MoE
 from jspec.models.norms import RMSNorm
@@ -96,7 +97,12 @@ def layer_input(norm, x_BTD, pending_BTD, quantize: bool = False):
 
 def takes_e4m3(module, x_BTD) -> bool:
   """Whether `module` (a layer's token mixer or MLP) takes its input as a norm's e4m3 rows
-  (linear.E4m3Rows) in this step: its FP8 products read them (jspec.backends.FP8_E4M3_ROWS)."""
+  (linear.E4m3Rows) in this step: its FP8 products read them where the LLM set
+  `fp8_e4m3_rows` (jspec.backends.FP8_E4M3_ROWS); an attention layer's, in fp8_qkv_kernel."""
+  if isinstance(module, Attention):
+    return (getattr(module, "fp8_e4m3_rows", False) and module.fp8_qkv_kernel is not None
+            and type(module)._project_rotated is Attention._project_rotated
+            and fp8_rows_fit(module, x_BTD, QKV_NAMES))
   takes = getattr(module, "takes_e4m3_rows", None)
   return takes is not None and takes(x_BTD)
 

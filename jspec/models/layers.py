@@ -124,9 +124,6 @@ class Attention(nnx.Module):
     # (fused layers without biases); fp8_qkv_kernel on one FP8 call's K-slice partials.
     self.qk_kernel = self.qkv_kernel = self.fp8_qkv_kernel = None
     self.qk_kernel_above = 0
-    # Whether fp8_qkv_kernel takes its input as the input norm's e4m3 rows (linear.E4m3Rows),
-    # set by the LLM (jspec.backends.FP8_E4M3_ROWS).
-    self.fp8_e4m3_rows = False
     # Optional kernel writing a step's keys and values into the cache, set by the LLM
     # (jspec.models.row_kernels.sharded_kv_write): (keys, values, k, v, positions) -> (keys,
     # values), for steps of few rows. None: two XLA scatters.
@@ -234,16 +231,10 @@ class Attention(nnx.Module):
     return (FUSED_KV_WRITE and self.kv_write is not None and self.kv_replicas == 1
             and self.window_attention is None and active_layout(x_BTD.shape[1]) is None)
 
-  def takes_e4m3_rows(self, x_BTD) -> bool:
-    """Whether this step's q / k / v go to fp8_qkv_kernel on the norm's e4m3 rows."""
-    return (self.fp8_e4m3_rows and self.fp8_qkv_kernel is not None
-            and type(self)._project_rotated is Attention._project_rotated
-            and fp8_rows_fit(self, x_BTD, QKV_NAMES))
-
   def _project_rotated(self, x_BTD, positions_BT, cache: KVCache | None = None):
     """(q, k normed and rotated, v, gate): one kernel where `qkv_kernel` (or `fp8_qkv_kernel`)
-    takes the step; given the `cache` where _writes_kv, (q, the cache written, None, None).
-    x may be the norm's e4m3 rows (takes_e4m3_rows), which only fp8_qkv_kernel reads."""
+    takes the step; given the `cache` where _writes_kv, (q, the cache written, None, None);
+    x may be e4m3 rows (decoder.takes_e4m3), which only fp8_qkv_kernel reads."""
     e4m3_BTD, x_BTD = x_BTD, as_values(x_BTD)
     kernel = None
     if self.qkv_kernel is not None and takes_rows(x_BTD, ndim=3):
