@@ -240,11 +240,10 @@ FP8_PARTIALS_IN_NORM = True
 # the input norm, gate / up after the post-attention norm) multiply e4m3 activations on the
 # FP8 tensor cores, quantized by that norm's kernel per row and 128 columns (the checkpoints'
 # "dynamic" activation scheme, as transformers' FP8 layer, vLLM and SGLang run them; the
-# prefill products already do): the tile's widening to bf16 leaves the product. Off: the
-# products took 0.4-1.1 µs a layer less, but quantizing in the norm's one program a row made
-# each norm 1.4 µs longer, and the Qwen3-8B FP8 step was no faster on an H200 (BENCHMARKS.md,
-# "e4m3 activations for the FP8 few-row products ...").
-FP8_E4M3_ROWS = False
+# prefill products already do): the tile's widening to bf16 leaves the product. o_proj's and
+# down_proj's inputs (the attention's output, SwiGLU's) stay as they are. Qwen3-8B FP8 step at
+# batch 1 on an H200 -2.1% (BENCHMARKS.md, "e4m3 activations for the FP8 few-row products ...").
+FP8_E4M3_ROWS = True
 
 
 def use_row_kernels(backend: str, mesh, pairs) -> str:

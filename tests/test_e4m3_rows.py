@@ -1,5 +1,5 @@
 """A norm's output quantized to e4m3 by the norm's own kernel for the FP8 products after it
-(backends.FP8_E4M3_ROWS, off by default: measured no faster): residual_norm.add_partials_rms_norm's `quantize` form, the few-row
+(backends.FP8_E4M3_ROWS): residual_norm.add_partials_rms_norm's `quantize` form, the few-row
 FP8 kernel taking those rows and their scales as they are (fp8_gemm's act_lanes_X), and a
 model whose q / k / v and gate / up read them, against the same products with the
 activations quantized by XLA (fp8_gemm.quantize_activations, the e4m3 route's own pass)."""

@@ -181,8 +181,10 @@ def test_k_slice_sums_left_to_elementwise_readers(monkeypatch):
 @pytest.mark.parametrize("config, mtp", [
     (_tiny_fp8_mla, jspec.MTPSpec("deepseek_v3", 1, is_moe=True)),
     (_tiny_fp8_hybrid, jspec.MTPSpec("qwen3_next", 1, is_moe=False))], ids=["mla", "hybrid"])
-def test_on_the_gpu_fp8_kernels_equal_the_scaled_xla_products(config, mtp):
-  """The compiled kernels (registers, TMA, wgmma) where the tests above interpret them."""
+def test_on_the_gpu_fp8_kernels_equal_the_scaled_xla_products(config, mtp, monkeypatch):
+  """The compiled kernels (registers, TMA, wgmma) where the tests above interpret them (the
+  activations as they are, as there)."""
+  monkeypatch.setattr(backends, "FP8_E4M3_ROWS", False)
   def llm(backend):
     return jspec.LLM.from_random(config(), mtp, dtype="float32", seed=3, max_model_len=64,
                                  max_num_seqs=2, projection_backend=backend,
@@ -279,9 +281,10 @@ def test_fp8_q_k_v_kernel_writes_the_caches_as_the_kv_write_kernel(monkeypatch, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not platform.on_hopper(), reason="needs a Hopper GPU")
-def test_on_the_gpu_fp8_q_k_v_partials_equal_the_scaled_xla_products():
+def test_on_the_gpu_fp8_q_k_v_partials_equal_the_scaled_xla_products(monkeypatch):
   """Compiled: the FP8 q / k / v call's partials through the norm and RoPE kernel (Triton)
-  give the XLA products' logits and tokens."""
+  give the XLA products' logits and tokens (the activations as they are)."""
+  monkeypatch.setattr(backends, "FP8_E4M3_ROWS", False)
   xla, kernels = _qwen3_llm(projection_backend="xla"), _qwen3_llm()
   assert kernels.target.layers[0].attn.fp8_qkv_kernel is not None
   assert xla.target.layers[0].attn.fp8_qkv_kernel is None

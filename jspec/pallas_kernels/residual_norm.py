@@ -64,7 +64,7 @@ def fits_kernel(width: int) -> bool:
 
 def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool,
                  delta_dtype=None, row_scaled: bool = False, quantize: bool = False,
-                 interpret: bool = False):
+                 interpret: bool = False, piece_programs: bool = False):
   """Program m: row m, read once and held in registers (7168 bfloat16 values are 28 a thread
   at 8 warps) between the sum of its squares and its scaling. All loads come before any store,
   which they could alias: a 7168-wide row's 7 pieces were read one after another (BENCHMARKS.md,
@@ -78,7 +78,11 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
   it, each 128-column group of a piece scaled by its own largest |value| (so a piece holds
   whole groups), the scales written in the FP8 kernel's lanes ([K/128, L]: fp8_gemm.act_lanes;
   program m writes the lanes m, m + M, ..., its own row's scale in lane m and 0 in the others,
-  so that the padded lanes past M are written too)."""
+  so that the padded lanes past M are written too).
+
+  piece_programs: program (m, c) writes piece c of row m alone, each program reading the whole
+  row for its sum of squares (the same sum in the same order in each): the pieces' scaling,
+  quantizing and stores run side by side rather than one after another."""
   row_scale_ref = None
   if has_residual:
     x_ref, delta_ref, *refs = refs
@@ -110,22 +114,31 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
       total = total * row_scale
     return total.astype(delta_dtype)
 
+  def written(c, store):
+    """Piece c's stores, by this program where it writes piece c."""
+    if piece_programs:
+      pl.when(pl.program_id(1) == c)(store)
+    else:
+      store()
+
   rows, squares = [], jnp.float32(0.0)
-  for cols, (x, delta) in zip(pieces, loaded):
+  for c, (cols, (x, delta)) in enumerate(zip(pieces, loaded)):
     if delta_dtype is not None:
       delta = summed(delta)
     if has_residual:  # x + delta rounded to the stream's dtype, as XLA's add does
       x = (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
-      h_ref[m, cols] = x
+      written(c, functools.partial(h_ref.__setitem__, (m, cols), x))
     x32 = x.astype(jnp.float32)
     squares += jnp.sum(x32 * x32)
     rows.append((cols, x))
   inv_rms = jax.lax.rsqrt(squares / width + eps)
-  for (cols, x), scale in zip(rows, scales):
-    normed = scaled_norm(x, scale, inv_rms, zero_centered)
-    out_ref[m, cols] = normed
-    if quantize:
-      _store_e4m3(normed, cols, m, *quantized, interpret=interpret)
+  for c, ((cols, x), scale) in enumerate(zip(rows, scales)):
+    def store(cols=cols, x=x, scale=scale):
+      normed = scaled_norm(x, scale, inv_rms, zero_centered)
+      out_ref[m, cols] = normed
+      if quantize:
+        _store_e4m3(normed, cols, m, *quantized, interpret=interpret)
+    written(c, store)
 
 
 def _store_e4m3(normed, cols, m, x8_ref, lanes_ref, *, interpret: bool):
@@ -220,9 +233,15 @@ def _norm_call(name: str, inputs, dtype, interpret, chunk: int, warps: int = 0, 
     lanes = act_lanes_size(rows, width) // (width // BLOCK)
     out_shape += (jax.ShapeDtypeStruct((rows, width), E4M3),
                   jax.ShapeDtypeStruct((width // BLOCK, lanes), jnp.float32))
+  # Quantizing, a row's pieces are written by programs of their own: in one program a row,
+  # the quantize form took 1.4 µs a call longer than the plain one (Qwen3-8B's 4096-wide rows,
+  # 4 pieces), so, 0.4; the plain forms measured no faster so (BENCHMARKS.md, "e4m3
+  # activations for the FP8 few-row products ...").
+  piece_programs = bool(form.get("quantize"))
   out = pl.pallas_call(
-      functools.partial(_norm_kernel, chunk=chunk, interpret=interpret, **form),
-      out_shape=out_shape, grid=(rows,),
+      functools.partial(_norm_kernel, chunk=chunk, interpret=interpret,
+                        piece_programs=piece_programs, **form),
+      out_shape=out_shape, grid=(rows, width // chunk) if piece_programs else (rows,),
       compiler_params=pltriton.CompilerParams(
           num_warps=warps or (8 if width >= 4096 else 4), num_stages=1),
       interpret=interpret, name=name + ("_e4m3" if form.get("quantize") else ""),
