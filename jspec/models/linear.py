@@ -150,7 +150,8 @@ def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_pro
   the result has the stored weight's output axes. fp8_lanes: the scale repeated over the
   kernel's lanes beforehand (jspec.models.projections.with_loop_constants), or None.
   fp8_sum_apart: the kernel's K-slice sum as a kernel of its own (fp8_gemm.fp8_matmul's
-  sum_apart; False where the consumer is elementwise)."""
+  sum_apart; False where the consumer is elementwise). x may be an E4m3Rows: its e4m3 rows go
+  to an `fp8_product` that takes them, its values anywhere else."""
   lead = x.shape[:-in_axes]
   if isinstance(x, E4m3Rows) and not (
       in_axes == 1 and scale is not None and getattr(fp8_product, "takes_e4m3", False)

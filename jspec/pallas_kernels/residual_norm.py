@@ -16,6 +16,8 @@ One program per row: the steps that call it have at most a few hundred rows.
              product's sum is then no kernel of its own (o_proj, down_proj). A first form read
              the rows-last partials, one float of every 32-byte sector, and was slower
              (BENCHMARKS.md, "Workspace kernels without flags (Lamport) ...").
+             `quantize`: norm(h) in e4m3 too, with its scales in the FP8 kernel's lanes, for
+             the FP8 products that read it next (jspec.models.linear.E4m3Rows).
 """
 
 from __future__ import annotations
