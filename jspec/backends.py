@@ -27,8 +27,7 @@ from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
                                       weights_replicated)
 from jspec.models import row_kernels
-from jspec.models.fp8_row_kernels import (sharded_fp8_add_rms_norm, sharded_fp8_qkv_norm_rope,
-                                        sharded_fp8_swiglu)
+from jspec.models.fp8_row_kernels import sharded_fp8_add_rms_norm, sharded_fp8_qkv_norm_rope
 from jspec.models.row_kernels import (resolve_norm_backend, sharded_kv_write,
                                       sharded_norm_router, sharded_router, sharded_qk_norm_rope,
                                       sharded_qkv_norm_rope, sharded_rms_norm, sharded_swiglu)
@@ -245,10 +244,6 @@ FP8_PARTIALS_IN_NORM = True
 # down_proj's inputs (the attention's output, SwiGLU's) stay as they are. Qwen3-8B FP8 step at
 # batch 1 on an H200 -2.1% (BENCHMARKS.md, "e4m3 activations for the FP8 few-row products ...").
 FP8_E4M3_ROWS = True
-# With it, a dense MLP's gate / up partials go to one kernel that sums them, applies SwiGLU and
-# quantizes the activation for down_proj (jspec.pallas_kernels.swiglu_e4m3), in place of
-# XLA's fusion of the sum and SwiGLU.
-FP8_E4M3_SWIGLU = True
 
 
 def use_row_kernels(backend: str, mesh, pairs) -> str:
@@ -272,7 +267,6 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
     if axis_size(mesh, rules.cache_seq) == 1 and axis_size(mesh, rules.head_dim) == 1:
       kv_write = sharded_kv_write(mesh, rules, interpret)
     fp8_add_norm = sharded_fp8_add_rms_norm(mesh, rules, interpret)
-    fp8_swiglu = None  # one shard_map for the MLPs (FP8_E4M3_SWIGLU)
     for path, node in nnx.iter_graph(module):
       # The norms of the hidden size only (layers, final, MTP and EAGLE heads): MLA's latent
       # norms read a slice of their projection's output, which a kernel would copy first.
@@ -297,9 +291,6 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
           and (fp8_qkv or (isinstance(node, MLP) and path[-1:] == ("mlp",)
                            and getattr(node, "fp8_projection", None) is not None))):
         node.fp8_e4m3_rows = True
-        if isinstance(node, MLP) and FP8_E4M3_SWIGLU:
-          fp8_swiglu = fp8_swiglu or sharded_fp8_swiglu(mesh, rules, interpret)
-          node.fp8_swiglu = fp8_swiglu
       if (isinstance(node, Attention) and kv_write is not None and kv_fits(node.head_dim)
           and (node.fp8_projection is None or fp8_qkv)):
         # Other FP8 layers keep XLA's writes, into which XLA fuses the value's K-slice sum:

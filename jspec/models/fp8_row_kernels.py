@@ -4,7 +4,6 @@ whose partials go straight into the kernel after it, so that their sum is no ker
 
   sharded_fp8_add_rms_norm   o_proj's or down_proj's partials into the residual add + RMSNorm
   sharded_fp8_qkv_norm_rope  q, k and v's partials into the q / k norms + RoPE (and the KV write)
-  sharded_fp8_swiglu         gate / up's partials into SwiGLU, quantized for down_proj
 
 The norm's output may go on in e4m3 (linear.E4m3Rows), quantized by the norm's kernel, into the
 FP8 products after it: the few-row kernel's e4m3 route with no pass of its own.
@@ -30,13 +29,15 @@ def sharded_fp8_add_rms_norm(mesh: Mesh, rules: ShardingRules, interpret: bool):
   the residual add and RMSNorm kernel sums as it reads them (residual_norm.add_partials_rms_norm).
   Per batch shard, the weight whole on every shard (as the FP8 products run). quantize: norm(h)
   as a linear.E4m3Rows, its e4m3 form written by the same kernel."""
+  from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
   from jspec.pallas_kernels.residual_norm import add_partials_rms_norm
   rows, whole = rules.spec(("batch", "seq", None)), PartitionSpec()
 
   def per_shard(x_BTK, w8, scale, lanes, residual_BTD, scale_D, *, eps, zero_centered,
                 quantize):
     b, t, d = residual_BTD.shape
-    parts_SRD, row_scale_M = _partials(x_BTK, (w8,), (scale,), (lanes,), rows_first=True)
+    parts_SRD, row_scale_M = fp8_partials_many(x_BTK.reshape(b * t, -1), (w8,), (scale,),
+                                               (lanes,), rows_first=True)
     h, normed, *quantized = add_partials_rms_norm(
         residual_BTD.reshape(b * t, d), parts_SRD, scale_D, row_scale_M, dtype=x_BTK.dtype,
         eps=eps, zero_centered=zero_centered, interpret=interpret, quantize=quantize)
@@ -47,53 +48,16 @@ def sharded_fp8_add_rms_norm(mesh: Mesh, rules: ShardingRules, interpret: bool):
     return h, E4m3Rows(normed, x8.reshape(b, t, d), act_lanes[None])
 
   @functools.cache
-  def for_norm(eps, zero_centered, quantize, e4m3_x):
+  def for_norm(eps, zero_centered, quantize):
     return jax.shard_map(
         functools.partial(per_shard, eps=eps, zero_centered=zero_centered, quantize=quantize),
-        mesh=mesh, in_specs=(e4m3_rows_spec(rules) if e4m3_x else rows, whole, whole, whole,
-                             rows, whole),
+        mesh=mesh, in_specs=(rows, whole, whole, whole, rows, whole),
         out_specs=(rows, e4m3_rows_spec(rules) if quantize else rows), check_vma=False)
 
   def call(x, w8, scale, lanes, residual, scale_D, *, eps, zero_centered, quantize=False):
-    return for_norm(eps, zero_centered, quantize, isinstance(x, E4m3Rows))(
-        x, w8, scale, lanes, residual, scale_D)
+    return for_norm(eps, zero_centered, quantize)(x, w8, scale, lanes, residual, scale_D)
 
   return call
-
-
-def _partials(x_BTK, w8s, scales, lanes, **kwargs):
-  """fp8_gemm.fp8_partials_many of x's rows, an E4m3Rows' as the kernel that wrote them
-  quantized them."""
-  from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
-  b, t, k = x_BTK.shape
-  if isinstance(x_BTK, E4m3Rows):
-    return fp8_partials_many(x_BTK.x8.reshape(b * t, k), w8s, scales, lanes,
-                             act_lanes_X=x_BTK.lanes[0], **kwargs)
-  return fp8_partials_many(x_BTK.reshape(b * t, k), w8s, scales, lanes, **kwargs)
-
-
-def sharded_fp8_swiglu(mesh: Mesh, rules: ShardingRules, interpret: bool):
-  """(x [B, T, D] or its E4m3Rows, w8 [2F, D] (gate's rows, then up's), its block scale, the
-  scale's kernel lanes or None) -> silu(x @ gate) * (x @ up) as an E4m3Rows [B, T, F] for
-  down_proj: one FP8 kernel call whose K-slice partials (rows first) the SwiGLU kernel sums,
-  activates and quantizes (swiglu_e4m3). Per batch shard, the weight whole on every shard."""
-  from jspec.pallas_kernels.swiglu_e4m3 import swiglu_e4m3
-  rows, whole = rules.spec(("batch", "seq", None)), PartitionSpec()
-
-  def per_shard(x_BTD, w8, scale, lanes):
-    b, t, _ = x_BTD.shape
-    parts_SRC, row_scale_M = _partials(x_BTD, (w8,), (scale,), (lanes,), rows_first=True)
-    act, x8, act_lanes = swiglu_e4m3(parts_SRC, row_scale_M, rows=b * t, dtype=x_BTD.dtype,
-                                     interpret=interpret)
-    return E4m3Rows(act.reshape(b, t, -1), x8.reshape(b, t, -1), act_lanes[None])
-
-  @functools.cache
-  def for_input(e4m3_x):
-    return jax.shard_map(per_shard, mesh=mesh,
-                         in_specs=(e4m3_rows_spec(rules) if e4m3_x else rows, whole, whole,
-                                   whole), out_specs=e4m3_rows_spec(rules), check_vma=False)
-
-  return lambda x, w8, scale, lanes: for_input(isinstance(x, E4m3Rows))(x, w8, scale, lanes)
 
 
 def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: float,
@@ -106,6 +70,7 @@ def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, thet
   shard, the weights whole on every shard (as the FP8 products run). With `caches` (keys,
   values [B, K, S, H]): k and v written into them instead, (q, keys, values), by the same
   kernel where the cache's KV heads are whole on every shard (else by kv_write's)."""
+  from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
   from jspec.pallas_kernels.row_norms import qkv_partials_norm_rope
   x = rules.spec(("batch", "seq", None))
   heads = rules.spec(("batch", "seq", None, None))
@@ -118,7 +83,11 @@ def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, thet
   def per_shard(x_BTD, w8s, scales, lanes, positions_BT, q_scale, k_scale, caches=None, *,
                 q_heads, kv_heads):
     b, t, d = x_BTD.shape
-    parts_SNR, row_scale_M = _partials(x_BTD, w8s, scales, lanes)
+    if isinstance(x_BTD, E4m3Rows):  # quantized by the norm's kernel
+      parts_SNR, row_scale_M = fp8_partials_many(x_BTD.x8.reshape(b * t, d), w8s, scales,
+                                                 lanes, act_lanes_X=x_BTD.lanes[0])
+    else:
+      parts_SNR, row_scale_M = fp8_partials_many(x_BTD.reshape(b * t, d), w8s, scales, lanes)
     q_out, *kv_out = qkv_partials_norm_rope(
         parts_SNR, positions_BT.reshape(b * t), row_scale_M, q_scale, k_scale,
         q_heads=q_heads, kv_heads=kv_heads, dtype=x_BTD.dtype, eps=eps, theta=theta,

@@ -226,8 +226,6 @@ def project_to_norm(layer, x, name: str, spec: str, in_axes: int = 1, product=No
   reduce = lambda: project_named(layer, x, name, spec, in_axes, product)
   kernel, scale = layer.fp8_add_norm, getattr(layer, name + "_scale")
   weight = getattr(layer, name)
-  if isinstance(x, E4m3Rows) and in_axes != 1:
-    x = x.values
   if (kernel is None or scale is None or weight.ndim != in_axes + 1
       or not _whole_blocks(weight, layer.fp8_block, in_axes)
       or not fp8_rows_fit(layer, x, (name,), in_axes)):
@@ -236,7 +234,7 @@ def project_to_norm(layer, x, name: str, spec: str, in_axes: int = 1, product=No
   k, n = math.prod(weight.shape[-in_axes:]), weight.shape[0]
   lanes = None if layer.fp8_lanes is None else layer.fp8_lanes.get(name)
   lanes = None if lanes is None else _flat_grid(lanes, in_axes)
-  x_K = x if isinstance(x, E4m3Rows) else x.reshape(*lead, k)  # E4m3Rows: [B, T, K] already
-  operands = (x_K, weight[...].reshape(n, k), _flat_grid(scale[...], in_axes), lanes)
+  operands = (x.reshape(*lead, k), weight[...].reshape(n, k), _flat_grid(scale[...], in_axes),
+              lanes)
   fuse = lambda residual, scale_D, **norm: kernel(*operands, residual, scale_D, **norm)
   return SlicedFp8Product(reduce, fuse, (*lead, n), x.dtype)

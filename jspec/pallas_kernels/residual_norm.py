@@ -139,11 +139,11 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
       normed = scaled_norm(x, scale, inv_rms, zero_centered)
       out_ref[m, cols] = normed
       if quantize:
-        store_e4m3(normed, cols, m, *quantized, interpret=interpret)
+        _store_e4m3(normed, cols, m, *quantized, interpret=interpret)
     written(c, store)
 
 
-def store_e4m3(normed, cols, m, x8_ref, lanes_ref, *, interpret: bool):
+def _store_e4m3(normed, cols, m, x8_ref, lanes_ref, *, interpret: bool):
   """One piece of row m in e4m3 into x8_ref [M, D] and its groups' scales into lanes_ref
   [D/128, L] (_norm_kernel's `quantize`), rounded as XLA rounds quantize_activations
   (jspec.pallas_kernels.quantize_rows says how)."""
