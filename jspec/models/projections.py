@@ -104,17 +104,17 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules,
                                out_dtype=x.dtype).reshape(*lead, n)
 
   x, whole = rules.spec(("batch", "seq", None)), PartitionSpec()
-  e4m3_x = e4m3_rows_spec(rules)
 
-  def per_shard(fn, x=x):  # one shard_map per value of sum_apart (static in the kernel call)
+  def per_shard(fn, x_spec=x):  # a shard_map per value of sum_apart (static in the kernel call)
     # A None lanes argument is an empty pytree: one shard_map takes the products with or
     # without.
     return {apart: jax.shard_map(functools.partial(fn, sum_apart=apart), mesh=mesh,
-                                 in_specs=(x, whole, whole, whole), out_specs=rules.spec(
-                                     ("batch", "seq", None)), check_vma=False)
+                                 in_specs=(x_spec, whole, whole, whole), out_specs=x,
+                                 check_vma=False)
             for apart in (True, False)}
 
-  return Fp8Projection(per_shard(product), per_shard(products), per_shard(product_e4m3, e4m3_x))
+  return Fp8Projection(per_shard(product), per_shard(products),
+                       per_shard(product_e4m3, e4m3_rows_spec(rules)))
 
 
 def e4m3_rows_spec(rules: ShardingRules) -> E4m3Rows:

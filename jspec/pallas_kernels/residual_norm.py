@@ -10,7 +10,8 @@ on an H200 against their targets; ..."). Here:
 
 It rounds where jspec.models.norms' modules round (the sum in bfloat16, normalising in float32,
 the cast, the scale), so it stands in for them; only the order of the float32 sums differs.
-One program per row: the steps that call it have at most a few hundred rows.
+One program per row (a program per piece of a row where it quantizes): the steps that call it
+have at most a few hundred rows.
   add_partials_rms_norm  the same with the residual's delta given as an FP8 product's K-slice
              partials, rows first (fp8_gemm.fp8_partials_many), summed as they are read: the
              product's sum is then no kernel of its own (o_proj, down_proj). A first form read
@@ -66,7 +67,7 @@ def fits_kernel(width: int) -> bool:
 
 def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool,
                  delta_dtype=None, row_scaled: bool = False, quantize: bool = False,
-                 interpret: bool = False, piece_programs: bool = False):
+                 interpret: bool = False):
   """Program m: row m, read once and held in registers (7168 bfloat16 values are 28 a thread
   at 8 warps) between the sum of its squares and its scaling. All loads come before any store,
   which they could alias: a 7168-wide row's 7 pieces were read one after another (BENCHMARKS.md,
@@ -80,11 +81,10 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
   it, each 128-column group of a piece scaled by its own largest |value| (so a piece holds
   whole groups), the scales written in the FP8 kernel's lanes ([K/128, L]: fp8_gemm.act_lanes;
   program m writes the lanes m, m + M, ..., its own row's scale in lane m and 0 in the others,
-  so that the padded lanes past M are written too).
-
-  piece_programs: program (m, c) writes piece c of row m alone, each program reading the whole
-  row for its sum of squares (the same sum in the same order in each): the pieces' scaling,
-  quantizing and stores run side by side rather than one after another."""
+  so that the padded lanes past M are written too). Program (m, c) then writes piece c of row
+  m alone, each program reading the whole row for its sum of squares (the same sum in the same
+  order in each): the pieces' scaling, quantizing and stores run side by side rather than one
+  after another."""
   row_scale_ref = None
   if has_residual:
     x_ref, delta_ref, *refs = refs
@@ -118,7 +118,7 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
 
   def written(c, store):
     """Piece c's stores, by this program where it writes piece c."""
-    if piece_programs:
+    if quantize:
       pl.when(pl.program_id(1) == c)(store)
     else:
       store()
@@ -239,16 +239,15 @@ def _norm_call(name: str, inputs, dtype, interpret, chunk: int, warps: int = 0, 
   # the quantize form took 1.4 µs a call longer than the plain one (Qwen3-8B's 4096-wide rows,
   # 4 pieces), so, 0.4; the plain forms measured no faster so (BENCHMARKS.md, "e4m3
   # activations for the FP8 few-row products ...").
-  piece_programs = bool(form.get("quantize"))
+  quantize = bool(form.get("quantize"))
   out = pl.pallas_call(
-      functools.partial(_norm_kernel, chunk=chunk, interpret=interpret,
-                        piece_programs=piece_programs, **form),
-      out_shape=out_shape, grid=(rows, width // chunk) if piece_programs else (rows,),
+      functools.partial(_norm_kernel, chunk=chunk, interpret=interpret, **form),
+      out_shape=out_shape, grid=(rows, width // chunk) if quantize else (rows,),
       compiler_params=pltriton.CompilerParams(
           num_warps=warps or (8 if width >= 4096 else 4), num_stages=1),
-      interpret=interpret, name=name + ("_e4m3" if form.get("quantize") else ""),
+      interpret=interpret, name=name + ("_e4m3" if quantize else ""),
   )(*inputs)
-  if form.get("quantize"):
+  if quantize:
     *out, lanes_2d = out
     return (*out, lanes_2d.reshape(-1))
   return out if form["has_residual"] else out[0]
