@@ -312,6 +312,11 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
                                             interpret)
         node.norm_router_kernel = sharded_norm_router(mesh, rules, node.top_k,
                                                       node.norm_topk_prob, interpret)
+      if (isinstance(node, MoE) and FP8_E4M3_ROWS and node.fp8_to_backend
+          and axis_size(mesh, rules.embed) == 1 and axis_size(mesh, rules.batch) == 1):
+        # FP8 experts' gate / up on the norm's e4m3 rows (MoE.reads_e4m3): the experts take
+        # one batch shard's rows and scales
+        node.fp8_e4m3_rows = True
       if isinstance(node, Attention) and node.takes_qk_kernel():
         kv_axis = "kv_heads" if node.kv_replicas == 1 else None
         eps = node.q_norm.eps if node.use_qk_norm else 1e-6

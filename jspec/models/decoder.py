@@ -81,8 +81,10 @@ def mlp_block(layer, x_BTD, mixed_BTD, experts_fn: Callable):
     if fused is not None:
       h_BTD, normed_BTD, routing = fused
       return h_BTD, layer.mlp(normed_BTD, experts_fn, routing)
-  h_BTD, normed_BTD = layer.post_attn_norm.add_and_norm(
-      x_BTD, mixed_BTD, not layer.is_moe and takes_e4m3(layer.mlp, x_BTD))
+  b, t, _ = x_BTD.shape
+  quantize = (layer.mlp.reads_e4m3(b * t, experts_fn) if layer.is_moe
+              else takes_e4m3(layer.mlp, x_BTD))
+  h_BTD, normed_BTD = layer.post_attn_norm.add_and_norm(x_BTD, mixed_BTD, quantize)
   return h_BTD, (layer.mlp(normed_BTD, experts_fn) if layer.is_moe
                  else layer.mlp(normed_BTD, sum_later=True))
 
@@ -91,7 +93,7 @@ def layer_input(norm, x_BTD, pending_BTD, quantize: bool = False):
   """(x + pending, its norm): the layer input and what its token mixer reads (quantize:
   RMSNorm.add_and_norm's)."""
   if pending_BTD is None:
-    return x_BTD, norm(x_BTD)
+    return x_BTD, norm(x_BTD, quantize)
   return norm.add_and_norm(x_BTD, pending_BTD, quantize)
 
 

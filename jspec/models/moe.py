@@ -29,11 +29,11 @@ from flax import nnx
 
 from jspec.config import MoEConfig
 from jspec.models import quantization
-from jspec.models.linear import linear, reduced
+from jspec.models.linear import E4m3Rows, as_values, linear, reduced
 from jspec.models.mlp import MLP
 from jspec.models.params import param
-from jspec.pallas_kernels import fp8_experts, router_topk
-from jspec.pallas_kernels.experts import takes_decode_plan
+from jspec.pallas_kernels import fp8_experts, norm_router, router_topk
+from jspec.pallas_kernels.experts import takes_decode_plan, takes_x_e4m3
 from jspec.sharding.tensor_parallel import PartialSum
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
@@ -147,6 +147,9 @@ class MoE(nnx.Module):
     # The same with the residual add and RMSNorm before the layer, the norm and the router
     # product in one kernel (row_kernels.sharded_norm_router; `norm_and_route`).
     self.norm_router_kernel = None
+    # Whether the norm before the layer also writes norm(h) in e4m3 for the FP8 experts' gate /
+    # up (set by the LLM: jspec.backends.FP8_E4M3_ROWS; `reads_e4m3`).
+    self.fp8_e4m3_rows = False
     self.top_k = cfg.moe.num_experts_per_tok
     self.norm_topk_prob = cfg.moe.norm_topk_prob
     self.scoring = cfg.moe.router_scoring
@@ -217,7 +220,20 @@ class MoE(nnx.Module):
     delta_BTD = reduced(delta_BTD)
     return self.norm_router_kernel(x_BTD, delta_BTD, norm.scale[...], self.router[...],
                                    eps=norm.eps, zero_centered=norm.zero_centered,
-                                   plan=self._plans(b * t, experts_fn))
+                                   plan=self._plans(b * t, experts_fn),
+                                   quantize=(self.reads_e4m3(b * t, experts_fn)
+                                             and norm_router.quantizes(b * t, x_BTD.shape[2])))
+
+  def reads_e4m3(self, num_tokens: int, experts_fn: Callable) -> bool:
+    """Whether the FP8 experts' gate / up take norm(h) in e4m3 as the norm's kernel writes it
+    (linear.E4m3Rows): the Pallas experts (takes_x_e4m3) on their FP8 decode path, which
+    multiplies e4m3 rows on the FP8 tensor cores with no pass over x of its own."""
+    return (self.fp8_e4m3_rows and self.fp8_to_backend and takes_x_e4m3(experts_fn)
+            and not self.hidden_padding
+            and num_tokens <= fp8_experts.DECODE_PATH_MAX_TOKENS
+            and fp8_experts.fits_kernel(*(fp8_experts.Fp8Experts(w[...], sc[...]) for w, sc in (
+                (self.w_gate, self.w_gate_scale), (self.w_up, self.w_up_scale),
+                (self.w_down, self.w_down_scale)))))
 
   def _experts_for(self, ids_TK, dtype):
     """(ids, w_gate [E', D, F], w_up, w_down [E', F, D]) as the expert backends take them.
@@ -248,7 +264,9 @@ class MoE(nnx.Module):
                       for w, sc in zip(weights, scales)))
 
   def __call__(self, x_BTD, experts_fn: Callable, routing=None):
-    """`routing`: norm_and_route's for this x, None: routed here."""
+    """`routing`: norm_and_route's for this x, None: routed here. x may be the norm's e4m3
+    rows (`reads_e4m3`), which only the FP8 experts' gate / up read."""
+    e4m3_rows, x_BTD = x_BTD, as_values(x_BTD)
     b, t, d = x_BTD.shape
     x_TD = x_BTD.reshape(b * t, d)
     routing = routing or self._route_with_plan(x_TD, experts_fn) or self._route(x_TD)
@@ -265,6 +283,8 @@ class MoE(nnx.Module):
     else:
       expert_ids_TK, *expert_weights = self._experts_for(ids_TK, x_TD.dtype)
     given = {} if plan is None else {"plan": plan}
+    if isinstance(e4m3_rows, E4m3Rows):
+      given["x_e4m3"] = (e4m3_rows.x8.reshape(b * t, d), e4m3_rows.lanes[0])
     y_TD = experts_fn(x_in_TD, expert_ids_TK, weights_TK, *expert_weights, **given)
     y_BTD = y_TD[:, :d].reshape(b, t, d)
     if self.has_shared_expert:

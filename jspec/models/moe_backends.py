@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.pallas_kernels.experts_ragged import experts_ragged_dot, swiglu as _swiglu
-from jspec.pallas_kernels.experts import PALLAS_EXPERT_TILE
+from jspec.pallas_kernels.experts import PALLAS_EXPERT_TILE, takes_x_e4m3
 
 ExpertsFn = Callable[..., jax.Array]
 
@@ -94,10 +94,12 @@ def live_tokens_only(experts_fn: ExpertsFn, live_BT: jax.Array) -> ExpertsFn:
   batch bucket's spare rows, the free slots of the continuous scheduler, a prefill chunk's
   positions past its prompt) route like any token, and at expert parallelism one padding row
   can double the experts a shard reads (ep = 2 at batch 1: a bucket of 2 rows, one padding)."""
-  def experts(x_TD, topk_ids_TK, topk_weights_TK, *weights):
+  def experts(x_TD, topk_ids_TK, topk_weights_TK, *weights, **rows):
     if x_TD.shape[0] != live_BT.size:
       raise ValueError(f"live_BT {live_BT.shape} does not cover the layer's {x_TD.shape[0]} "
                        "tokens")
     ids_TK = jnp.where(live_BT.reshape(-1, 1), topk_ids_TK, -1).astype(topk_ids_TK.dtype)
-    return experts_fn(x_TD, ids_TK, topk_weights_TK, *weights)
+    return experts_fn(x_TD, ids_TK, topk_weights_TK, *weights, **rows)
+  # x's e4m3 rows (x_e4m3) go through as they are: the wrapper changes the ids only.
+  experts.takes_x_e4m3 = takes_x_e4m3(experts_fn)
   return experts

@@ -45,17 +45,19 @@ class RMSNorm(nnx.Module):
     """The kernel takes hidden states [B, T, D] of few rows (q / k norms over heads do not)."""
     return self.row_kernel is not None and takes_rows(x, ndim=3)
 
-  def __call__(self, x):
+  def __call__(self, x, quantize: bool = False):
+    """norm(x); quantize: as a linear.E4m3Rows where the row kernel runs it (add_and_norm's)."""
     if self.on_kernel(x):
-      return self.row_kernel(x, self.scale[...])
+      return self.row_kernel(x, self.scale[...], quantize=quantize)
     return self._xla(x)
 
   def add_and_norm(self, x, delta, quantize: bool = False):
     """(h, norm(h)) for h = x + delta: the residual stream and its normalised form. A `delta`
     still to be summed over tp (a PartialSum) or over an FP8 product's K slices (a
-    SlicedFp8Product) is summed in the same kernel where it fits. quantize: where that kernel
-    sums a SlicedFp8Product, norm(h) as a linear.E4m3Rows (for FP8 products that read it
-    next); elsewhere an array as without."""
+    SlicedFp8Product) is summed in the same kernel where it fits. quantize: where the row
+    kernel runs the norm on a SlicedFp8Product or an array, norm(h) as a linear.E4m3Rows, its
+    e4m3 form written by that kernel (for the FP8 products that read it next); elsewhere an
+    array as without."""
     if isinstance(delta, SlicedFp8Product) and quantize and self.on_kernel(x):
       return delta.add_and_norm(x, self.scale[...], self.eps, self.zero_centered,
                                 quantize=True)
@@ -66,7 +68,7 @@ class RMSNorm(nnx.Module):
         return fused
       delta = delta.reduced()
     if self.on_kernel(x):
-      return self.row_kernel(x, self.scale[...], delta)
+      return self.row_kernel(x, self.scale[...], delta, quantize=quantize)
     h = x + delta
     return h, self._xla(h)
 

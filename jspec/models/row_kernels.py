@@ -69,26 +69,44 @@ def takes_rows(x, ndim: int, above: int = 0) -> bool:
 
 def sharded_rms_norm(mesh: Mesh, rules: ShardingRules, eps: float, zero_centered: bool,
                      interpret: bool):
-  """(x [B, T, D], scale [D], residual [B, T, D] or None) -> norm(x), or (x + residual,
-  norm(x + residual)) with a residual; D whole on every shard."""
+  """(x [B, T, D], scale [D], residual [B, T, D] or None; quantize) -> norm(x), or (x +
+  residual, norm(x + residual)) with a residual; D whole on every shard. quantize (at most
+  fp8_gemm.MAX_ROWS rows a shard): norm(...) as a linear.E4m3Rows, its e4m3 form written by
+  the same kernel, each batch shard's scales one row of its lanes."""
+  from jspec.models.linear import E4m3Rows
   from jspec.pallas_kernels.residual_norm import rms_norm
   rows = rules.spec(("batch", "seq", None))
+  e4m3_rows = E4m3Rows(rows, rows, rules.spec(("batch", None)))
 
-  def per_shard(x_BTD, scale_D, residual_BTD):
+  def per_shard(x_BTD, scale_D, residual_BTD, quantize):
     b, t, d = x_BTD.shape
     flat = lambda a: None if a is None else a.reshape(b * t, d)
     out = rms_norm(flat(x_BTD), scale_D, flat(residual_BTD), eps=eps,
-                   zero_centered=zero_centered, interpret=interpret)
+                   zero_centered=zero_centered, interpret=interpret, quantize=quantize)
     if residual_BTD is None:
-      return out.reshape(b, t, d)
-    return tuple(o.reshape(b, t, d) for o in out)
+      out = (out,) if not quantize else out
+    *h, normed = out[:len(out) - 2] if quantize else out
+    h, normed = [a.reshape(b, t, d) for a in h], normed.reshape(b, t, d)
+    if quantize:
+      x8, lanes = out[-2:]
+      normed = E4m3Rows(normed, x8.reshape(b, t, d), lanes[None])
+    return (*h, normed) if h else normed
 
-  plain = jax.shard_map(lambda x, s: per_shard(x, s, None), mesh=mesh,
-                        in_specs=(rows, PartitionSpec()), out_specs=rows, check_vma=False)
-  added = jax.shard_map(per_shard, mesh=mesh, in_specs=(rows, PartitionSpec(), rows),
-                        out_specs=(rows, rows), check_vma=False)
-  return lambda x, scale, residual=None: (plain(x, scale) if residual is None
-                                          else added(x, scale, residual))
+  @functools.cache
+  def sharded(added: bool, quantize: bool):
+    out = e4m3_rows if quantize else rows
+    if added:
+      return jax.shard_map(functools.partial(per_shard, quantize=quantize), mesh=mesh,
+                           in_specs=(rows, PartitionSpec(), rows), out_specs=(rows, out),
+                           check_vma=False)
+    return jax.shard_map(lambda x, s: per_shard(x, s, None, quantize), mesh=mesh,
+                         in_specs=(rows, PartitionSpec()), out_specs=out, check_vma=False)
+
+  def call(x, scale, residual=None, quantize: bool = False):
+    if residual is None:
+      return sharded(False, quantize)(x, scale)
+    return sharded(True, quantize)(x, scale, residual)
+  return call
 
 
 def sharded_qk_norm_rope(mesh: Mesh, rules: ShardingRules, kv_axis: str | None, eps: float,
@@ -224,27 +242,35 @@ def sharded_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool, int
 
 def sharded_norm_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool,
                         interpret: bool):
-  """(x [B, T, D], delta [B, T, D], scale [D], router [D, E]; eps, zero_centered, plan) ->
-  (h, norm(h), routing): the residual add and RMSNorm before a MoE layer and its softmax
-  routing, the norm and the router product in one kernel
+  """(x [B, T, D], delta [B, T, D], scale [D], router [D, E]; eps, zero_centered, plan,
+  quantize) -> (h, norm(h), routing): the residual add and RMSNorm before a MoE layer and its
+  softmax routing, the norm and the router product in one kernel
   (jspec.pallas_kernels.norm_router), on each shard's own rows; routing as sharded_router's
-  (ids and weights [B x T, K], and with `plan` the one token's decode plan)."""
+  (ids and weights [B x T, K], and with `plan` the one token's decode plan). quantize: norm(h)
+  as a linear.E4m3Rows, its e4m3 form written by the same kernel."""
+  from jspec.models.linear import E4m3Rows
   from jspec.pallas_kernels.norm_router import add_norm_route_softmax
   rows = rules.spec(("batch", "seq", None))
   tokens = rules.spec(("batch", None))
   whole = PartitionSpec()
 
   def call(x_BTD, delta_BTD, scale_D, router_DE, *, eps: float, zero_centered: bool,
-           plan: bool = False):
+           plan: bool = False, quantize: bool = False):
     def per_shard(x, delta, scale, router):
       b, t, d = x.shape
-      h, normed, routing = add_norm_route_softmax(
+      h, normed, routing, *quantized = add_norm_route_softmax(
           x.reshape(b * t, d), delta.reshape(b * t, d), scale, router, eps=eps,
-          zero_centered=zero_centered, top_k=top_k, norm=norm, plan=plan, interpret=interpret)
-      return h.reshape(b, t, d), normed.reshape(b, t, d), routing
+          zero_centered=zero_centered, top_k=top_k, norm=norm, plan=plan, interpret=interpret,
+          quantize=quantize)
+      normed = normed.reshape(b, t, d)
+      if quantize:
+        x8, lanes = quantized
+        normed = E4m3Rows(normed, x8.reshape(b, t, d), lanes[None])
+      return h.reshape(b, t, d), normed, routing
     routing_spec = (tokens, tokens, whole) if plan else (tokens, tokens)
+    normed_spec = E4m3Rows(rows, rows, tokens) if quantize else rows
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows, rows, whole, whole),
-                         out_specs=(rows, rows, routing_spec), check_vma=False)(
+                         out_specs=(rows, normed_spec, routing_spec), check_vma=False)(
         x_BTD, delta_BTD, scale_D, router_DE)
   return call
 

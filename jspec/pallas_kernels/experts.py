@@ -100,17 +100,26 @@ def takes_decode_plan(experts_fn) -> bool:
   return experts_fn is experts_pallas
 
 
+def takes_x_e4m3(experts_fn) -> bool:
+  """Whether a MoE layer may hand `experts_fn` its input's e4m3 rows as a norm kernel wrote
+  them (x_e4m3=): the Pallas backend, as it is or behind a wrapper that passes them on (marked
+  `takes_x_e4m3`, moe_backends.live_tokens_only)."""
+  return experts_fn is experts_pallas or getattr(experts_fn, "takes_x_e4m3", False)
+
+
 # Jitted so that a model's identical MoE layers trace and lower once: the program then calls one
 # lowered function per layer instead of holding (and building) a copy of the kernels per layer.
 @jax.jit
 def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
-                   plan: decode_routing.DecodePlan | None = None):
+                   plan: decode_routing.DecodePlan | None = None, x_e4m3=None):
   """y[t] = sum_k w[t,k] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)); ids outside [0,E) skip.
 
   The weights are [E, D, F] / [E, F, D] arrays, or `fp8_experts.Fp8Experts` as FP8
   checkpoints store them. `plan`: decode_routing.plan_decode of the ids and weights, made
   beforehand (router_topk.route_softmax_plan at batch-1 decode), which the decode paths take
-  in place of their own; the other paths do not need one."""
+  in place of their own; the other paths do not need one. x_e4m3: x's rows in e4m3 and their
+  lanes, as the norm before the layer wrote them (fp8_experts.experts_fp8_decode's), which
+  the FP8 decode path takes for gate / up; the other paths read x."""
   num_tokens, top_k = topk_ids_TK.shape
   num_experts, dim, ffn = w_gate_EDF.shape
   dtype = x_TD.dtype
@@ -122,7 +131,7 @@ def experts_pallas(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EDF, w_up_EDF, w_d
     if fp8_experts.fits_kernel(*fp8_weights):
       if num_tokens <= fp8_experts.DECODE_PATH_MAX_TOKENS:
         return fp8_experts.experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, *fp8_weights,
-                                       plan=plan)
+                                       plan=plan, x_e4m3=x_e4m3)
       return fp8_experts_grouped.experts_fp8_grouped(x_TD, topk_ids_TK, topk_weights_TK,
                                                      *fp8_weights)
     w_gate_EDF, w_up_EDF, w_down_EFD = (w.dequantized(dtype) for w in fp8_weights)

@@ -113,15 +113,19 @@ def block_products(w_smem, x_smem, per_step: int, rows: int, fp8_x: bool,
 
 
 def scaled_block_sums(sums, x_smem, w_smems, s_smems, per_step: int, rows: int, lanes: int,
-                      fp8_x: bool = False):
+                      fp8_x: bool = False, a_smem=None):
   """Each sum plus its weight's step: sums[j] + sum over the step's 128-K blocks b of
   (W_j block b @ x block b^T) x that block's scale, which s_smems[j] holds over `lanes` lanes
-  per block (the lanes' first `rows` read, one per row of x)."""
+  per block (the lanes' first `rows` read, one per row of x), times x's rows' scales of block
+  b where a_smem holds them (e4m3 x, laid out alike: fp8_gemm.act_lanes)."""
   totals = []
   for total, w_smem, s_smem in zip(sums, w_smems, s_smems):
     for j, part in enumerate(block_products(w_smem, x_smem, per_step, rows, fp8_x)):
       scale_N = plgpu.load(s_smem.at[pl.ds(j * lanes, rows)],
                            layout=plgpu.Layout.WGMMA.reduce(0))
+      if a_smem is not None:
+        scale_N = scale_N * plgpu.load(a_smem.at[pl.ds(j * lanes, rows)],
+                                       layout=plgpu.Layout.WGMMA.reduce(0))
       total = total + part * lax.broadcast_in_dim(scale_N, part.shape, [1])
     totals.append(total)
   return tuple(totals)

@@ -3,10 +3,8 @@ published (Pallas Mosaic GPU).
 
 DeepSeek-V3 / R1 and the Qwen MoE FP8 releases store each expert projection [out, in] in
 float8_e4m3fn with one float32 scale per 128 x 128 block. A decode or verify step reads the
-weights of the experts its few tokens picked, once each; the bf16 decode kernels
-(jspec.pallas_kernels.decode_gemm) would need them scaled into bf16 copies first, which writes
-and reads every routed expert again in twice the bytes (4-13x slower than bf16 weights on an
-H200, BENCHMARKS.md). Here the TMA streams each picked expert's e4m3 tiles and block scales
+weights of the experts its few tokens picked, once each (scaled into bf16 copies for the bf16
+kernels, 4-13x slower than bf16 weights on an H200, BENCHMARKS.md). Here the TMA streams each picked expert's e4m3 tiles and block scales
 into the FP8 product kernel's pipeline (jspec.pallas_kernels.fp8_block_kernel: the tile
 widened to x's 16-bit type in registers, each 128-K block's products scaled in float32), over
 the slots of the decode plan (jspec.pallas_kernels.decode_routing: one slot per picked expert,
@@ -18,7 +16,8 @@ all T tokens multiplied, a token that did not pick the expert weighted 0):
   y         [T, D]    = sum over each token's slots of weight x out   (XLA, float32)
 
 A bfloat16 model's x and act go in as bfloat16, x as it is (no XLA pass over it before the
-kernel; act is rounded to bfloat16 as the model's own MLP would). Other x and act go in as
+kernel; act is rounded to bfloat16 as the model's own MLP would), or x as the norm before the
+layer wrote it in e4m3 (x_e4m3), multiplied on the FP8 tensor cores. Other x and act go in as
 float16 with a power-of-two scale per row (exact for bf16 values, float16's 11 bits for the
 rest; the products are undone by the inverse), as in fp8_gemm's two routes.
 
@@ -37,7 +36,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.pallas_kernels import decode_gemm, decode_routing, expert_act, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, scaled_block_sums
-from jspec.pallas_kernels.fp8_gemm import MAX_ROWS, SCALE_LANES, bfloat16_rows, choose_splits
+from jspec.pallas_kernels.fp8_gemm import (MAX_ROWS, SCALE_LANES, act_lanes, bfloat16_rows,
+                                           choose_splits, quantize_activations)
 from jspec.pallas_kernels.shared import dequantize, float16_rows, smem_transforms
 
 
@@ -77,23 +77,28 @@ def fits_kernel(*weights: Fp8Experts) -> bool:
 
 def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1,
                   blocks_per_step: int, num_stages: int, act_scale_SKbN=None,
-                  splits: int = 1, summed: bool = True):
+                  splits: int = 1, summed: bool = True, act_lanes_X=None):
   """[W, S, out, N] float32 (summed False: the K slices' partials [W, P, S, out, N], the sum
   left to the reader): for weight j and each used slot s, W_j[e_s] @ x_s^T with each
-  128-K block's products times its scale. x: [N, in] float16 or bfloat16 shared by every slot
-  (fp8_gemm.bfloat16_rows' rows: the TMA fills the padded N's missing rows), or [S, N, in] one
-  per slot, float16, bfloat16 or e4m3; e4m3 x comes with act_scale_SKbN [S, in/128, N],
-  each row's scale per 128-K group (quantize_activations'), and multiplies on the FP8 tensor
-  cores. Slots past num_slots are not written (nor summed where K is split).
+  128-K block's products times its scale. x: [N, in] float16, bfloat16 or e4m3 shared by
+  every slot (fp8_gemm.bfloat16_rows' rows: the TMA fills the padded N's missing rows), or
+  [S, N, in] one per slot, float16, bfloat16 or e4m3. e4m3 x multiplies on the FP8 tensor
+  cores with its rows' scales per 128-K group: shared x's as act_lanes_X [in/128 x L]
+  (fp8_gemm.act_lanes', as a norm kernel writes them), which the kernel multiplies into the
+  weights' block scales as it reads them; per-slot x's as act_scale_SKbN [S, in/128, N]
+  (quantize_activations'). Slots past num_slots are not written (nor summed where K is
+  split).
 
   splits: K slices per (slot, 128-column block) item, each its own work item, their float32
   partials summed after the kernel: a step with few slots of narrow experts (one token, 8 of
   Qwen3-30B-A3B's 768-wide ones: 48 items) would otherwise leave most SMs idle."""
   per_slot_x = x.ndim == 3
   fp8_x = x.dtype == E4M3
-  if fp8_x != (act_scale_SKbN is not None) or (fp8_x and not per_slot_x):
-    raise ValueError("e4m3 x goes per slot ([S, N, in]) with its act_scale_SKbN, 16-bit x "
-                     "without one")
+  shared_fp8 = fp8_x and not per_slot_x
+  if (fp8_x and per_slot_x) != (act_scale_SKbN is not None) or shared_fp8 != (act_lanes_X
+                                                                             is not None):
+    raise ValueError("e4m3 x goes per slot ([S, N, in]) with its act_scale_SKbN, or shared "
+                     "([N, in]) with its act_lanes_X; 16-bit x with neither")
   rows, k = x.shape[-2:]
   if not per_slot_x:  # the shared x of a decode step: its padded rows
     rows = decode_routing.padded_tokens(rows)
@@ -107,11 +112,14 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
   step_k = blocks_per_step * BLOCK
   k_steps = k // splits // step_k
   lanes = max(rows, SCALE_LANES)
+  if shared_fp8 and act_lanes_X.shape != (k // BLOCK * lanes,):
+    raise ValueError(f"act_lanes_X has shape {act_lanes_X.shape}, not fp8_gemm.act_lanes' "
+                     f"{(k // BLOCK * lanes,)} for {x.shape[0]} rows of {k}")
   # Each slot's block scales over `lanes` lanes, so that a step's scales arrive with its tiles
   # as one TMA block (fp8_block_kernel.partials says why); gathered for the slots only, or
   # read by expert where made beforehand (Fp8Experts.lanes). A lane holds the weight block's
-  # scale, times row n's scale of that K group where x is e4m3.
-  by_expert = (not fp8_x and lanes == SCALE_LANES
+  # scale, times row n's scale of that K group where x is e4m3 per slot.
+  by_expert = (not (fp8_x and per_slot_x) and lanes == SCALE_LANES
                and all(w.lanes is not None for w in weights))
   if by_expert:
     for w in weights:
@@ -119,7 +127,7 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
         raise ValueError(f"Fp8Experts.lanes has shape {w.lanes.shape}, not scale_lanes("
                          f"scale)'s for a scale of {w.scale.shape}")
     scale_rows = [w.lanes for w in weights]
-  elif fp8_x:
+  elif fp8_x and per_slot_x:
     act_SKbR = jnp.pad(act_scale_SKbN.astype(jnp.float32),
                        ((0, 0), (0, 0), (0, lanes - rows)))
     scale_rows = [(w.scale[slot_expert_S].astype(jnp.float32)[..., None]
@@ -129,7 +137,7 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
     scale_rows = [jnp.repeat(w.scale[slot_expert_S].astype(jnp.float32), lanes, axis=2)
                   for w in weights]
   stage_bytes = (num_weights * (BLOCK * step_k + blocks_per_step * lanes * 4)
-                 + rows * step_k * x.dtype.itemsize)
+                 + rows * step_k * x.dtype.itemsize + shared_fp8 * blocks_per_step * lanes * 4)
   stages = decode_gemm._num_stages(decode_gemm.DecodeTiling(BLOCK, step_k, num_stages),
                                    stage_bytes)
   decode_gemm._check_aligned(((rows, step_k), x.dtype), ((BLOCK, step_k), E4M3),
@@ -167,12 +175,15 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
                                lambda i, k: (slot_expert_ref[slot(i)] if by_expert else slot(i),
                                              item(i)[1], k_step(i, k)),
                                delay_release=delay_release)
-      return [x_spec] + [w_spec] * num_weights + [s_spec] * num_weights
+      a_spec = plgpu.BlockSpec((blocks_per_step * lanes,), lambda i, k: (k_step(i, k),),
+                               delay_release=delay_release)
+      return [x_spec] + [w_spec] * num_weights + [s_spec] * num_weights + [a_spec] * shared_fp8
 
     def accumulate(slot, col, k, sums, smem_refs):
       x_smem, *rest = smem_refs
-      return scaled_block_sums(sums, x_smem, rest[:num_weights], rest[num_weights:],
-                               blocks_per_step, rows, lanes, fp8_x)
+      return scaled_block_sums(sums, x_smem, rest[:num_weights],
+                               rest[num_weights:2 * num_weights], blocks_per_step, rows, lanes,
+                               fp8_x, a_smem=rest[2 * num_weights] if shared_fp8 else None)
 
     def epilogue(part, col, sums, smem_refs, o_smem):
       slot, split = slot_and_split(part)
@@ -193,7 +204,8 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
 
   parts_WPSON = decode_gemm._kernel_call(
       body, (num_weights, splits, num_slots_max, out, rows), jnp.float32, "fp8_experts_decode")(
-          slot_expert_S, num_slots_1, x, *[w.w8 for w in weights], *scale_rows)
+          slot_expert_S, num_slots_1, x, *[w.w8 for w in weights], *scale_rows,
+          *([act_lanes_X.astype(jnp.float32)] if shared_fp8 else []))
   if not summed:
     return parts_WPSON
   return parts_WPSON[:, 0] if splits == 1 else jnp.sum(parts_WPSON, axis=1)
@@ -206,6 +218,10 @@ def _to_float16_slots(act_SNF):
   return act16.reshape(s, n, f), scale.reshape(s, n)
 
 
+# Where no e4m3 rows of x are given, the decode path quantizes x itself (XLA's pass,
+# fp8_gemm.quantize_activations) for gate / up: the same products as on a norm kernel's rows
+# (a reference for them, and a benchmark setting); off, x goes in as it is.
+X_E4M3 = False
 # A bfloat16 step's activation from the gate / up partials in one kernel
 # (jspec.pallas_kernels.expert_act), where XLA runs two.
 ACT_KERNEL = True
@@ -215,28 +231,28 @@ TWO_SUMS_MAX_ROWS = 32
 # The most tokens one decode-path call multiplies per slot (fp8_gemm's float32 sums of a
 # 128-column item in registers); larger steps go in chunks of this many.
 CHUNK_TOKENS = MAX_ROWS
-# Up to this many tokens a step takes the decode path (one chunk, float16 activations);
-# larger steps group their token copies by expert (jspec.pallas_kernels.fp8_experts_grouped,
-# e4m3 activations, as the dense FP8 products quantize theirs past 64 rows), which reads each
-# routed expert about once where chunks would read it once each: at DeepSeek-V3's expert
-# shapes on an H100 the grouped path took 0.53x the time of two chunks at 128 tokens and 0.35x
-# that of four at 256 (BENCHMARKS.md, "FP8 experts at prefill sizes"). At 64 tokens of
-# Qwen3-30B-A3B it took 0.69x the decode path's time too: where the two cross below 64 was
-# not measured.
+# Up to this many tokens a step takes the decode path (one chunk); larger steps group their
+# token copies by expert (jspec.pallas_kernels.fp8_experts_grouped), reading each routed expert
+# about once where chunks would read it once each: 0.53x / 0.35x the time of 2 / 4 chunks at
+# DeepSeek-V3's shapes on an H100, 0.69x the decode path's at 64 tokens of Qwen3-30B-A3B
+# (BENCHMARKS.md, "FP8 experts at prefill sizes"; where the two cross below 64: not measured).
 DECODE_PATH_MAX_TOKENS = CHUNK_TOKENS
 
 
 def experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts, w_up: Fp8Experts,
-                w_down: Fp8Experts, plan: decode_routing.DecodePlan | None = None) -> jax.Array:
+                w_down: Fp8Experts, plan: decode_routing.DecodePlan | None = None,
+                x_e4m3=None) -> jax.Array:
   """experts_fp8_decode over chunks of at most CHUNK_TOKENS tokens, at DECODE_TILING; `plan`
-  (made beforehand) that of one chunk's tokens."""
+  (made beforehand) that of one chunk's tokens, `x_e4m3` (x8, lanes) x's e4m3 rows where one
+  chunk holds them all (experts_fp8_decode's)."""
   num_tokens = x_TD.shape[0]
-  if plan is not None and num_tokens > CHUNK_TOKENS:
-    raise ValueError(f"a decode plan covers one chunk of {CHUNK_TOKENS} tokens, not {num_tokens}")
+  if (plan is not None or x_e4m3 is not None) and num_tokens > CHUNK_TOKENS:
+    raise ValueError(f"a decode plan or e4m3 rows cover one chunk of {CHUNK_TOKENS} tokens, "
+                     f"not {num_tokens}")
   parts = [experts_fp8_decode(x_TD[start:start + CHUNK_TOKENS],
                               topk_ids_TK[start:start + CHUNK_TOKENS],
                               topk_weights_TK[start:start + CHUNK_TOKENS], w_gate, w_up, w_down,
-                              DECODE_TILING, plan)
+                              DECODE_TILING, plan, x_e4m3)
            for start in range(0, num_tokens, CHUNK_TOKENS)]
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
@@ -266,10 +282,14 @@ def _splits(chosen: int | None, k: int, num_slots_max: int, out: int) -> int:
 def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
                        w_up: Fp8Experts, w_down: Fp8Experts,
                        tiling: Fp8ExpertsTiling = Fp8ExpertsTiling(),
-                       plan: decode_routing.DecodePlan | None = None) -> jax.Array:
+                       plan: decode_routing.DecodePlan | None = None,
+                       x_e4m3=None) -> jax.Array:
   """y[t] = sum_k w[t,k] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)), the experts in FP8;
   ids outside [0, E) add nothing. Same semantics as moe_backends.experts_reference on the
-  dequantized weights. `plan`: as experts.experts_decode's."""
+  dequantized weights. `plan`: as experts.experts_decode's. x_e4m3: (x8 [T, D] e4m3, lanes
+  [D/128 x L]), x's rows as the norm before the layer quantized them (fp8_gemm.act_lanes'
+  layout; norm_router's `quantize`): gate / up multiply them on the FP8 tensor cores, with no
+  pass over x before the kernel."""
   num_tokens, _ = topk_ids_TK.shape
   num_experts = w_gate.w8.shape[0]
   plan = decode_routing.plan_unless_given(plan, topk_ids_TK, topk_weights_TK, num_experts)
@@ -279,7 +299,16 @@ def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
   gate_up_splits = _splits(tiling.gate_up_splits, dim, num_slots_max, ffn)
   down_splits = _splits(tiling.down_splits, ffn, num_slots_max, dim)
   bfloat16 = x_TD.dtype == jnp.bfloat16
-  if bfloat16:  # as it is: no pass over x before the kernel
+  act_lanes_X = None
+  if x_e4m3 is None and X_E4M3:
+    x8_TD, x_scale_TKb = quantize_activations(x_TD)
+    x_e4m3 = (x8_TD, act_lanes(x_scale_TKb))
+  if x_e4m3 is not None:  # the norm's e4m3 rows, their scales applied inside the kernel
+    (x_ND, act_lanes_X), x_scale_N = x_e4m3, 1.0
+    if x_ND.shape != x_TD.shape or x_ND.dtype != E4M3:
+      raise ValueError(f"x_e4m3's rows are {x_ND.shape} {x_ND.dtype}, not x's {x_TD.shape} "
+                       f"in e4m3")
+  elif bfloat16:  # as it is: no pass over x before the kernel
     x_ND, x_scale_N = bfloat16_rows(x_TD), 1.0
   else:
     x16_TD, x_scale_T = float16_rows(x_TD)
@@ -290,16 +319,18 @@ def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
     # The sums, the activation and its rounding in one kernel (expert_act says why).
     parts_WPSFN = slot_products(x_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
                                 tiling.gate_up_blocks, tiling.num_stages,
-                                splits=gate_up_splits, summed=False)
+                                splits=gate_up_splits, summed=False, act_lanes_X=act_lanes_X)
     act_in_SNF, act_scale_SN = expert_act.gate_up_act(parts_WPSFN, plan.num_slots_1), 1.0
   else:
     if one_call:
       gate_up = slot_products(x_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
-                              tiling.gate_up_blocks, tiling.num_stages, splits=gate_up_splits)
+                              tiling.gate_up_blocks, tiling.num_stages, splits=gate_up_splits,
+                              act_lanes_X=act_lanes_X)
     else:  # one sum per kernel: two [128, N] float32 sums and their products overflow registers
       gate_up = [slot_products(x_ND, (w,), plan.slot_expert_S, plan.num_slots_1,
                                tiling.gate_up_blocks, tiling.num_stages,
-                               splits=gate_up_splits)[0] for w in (w_gate, w_up)]
+                               splits=gate_up_splits, act_lanes_X=act_lanes_X)[0]
+                 for w in (w_gate, w_up)]
     gate_SFN, up_SFN = gate_up[0] * x_scale_N, gate_up[1] * x_scale_N
     act_SNF = jnp.swapaxes(jax.nn.silu(gate_SFN) * up_SFN, 1, 2)
     # Slots past the used ones were not written: zeros keep their (unused) rows finite.

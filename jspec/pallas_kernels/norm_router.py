@@ -15,6 +15,10 @@ slice of norm(h) with router rows of slice s, as router_partials does:
 
 h and norm(h) are computed as `rms_norm` computes them, the partials as `router_partials`
 computes them from norm(h); router_topk.select turns the partials into the routing.
+
+`quantize`: norm(h) in e4m3 too, with its scales in the FP8 kernel's lanes (as
+residual_norm's quantize forms write them, each program its slice's 128-groups), for FP8
+experts that multiply it on the FP8 tensor cores (fp8_experts' act_lanes_X).
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import platform, router_topk
-from jspec.pallas_kernels.residual_norm import fits_kernel as norm_fits, row_chunk, scaled_norm
+from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3
+from jspec.pallas_kernels.fp8_gemm import MAX_ROWS, act_lanes_size
+from jspec.pallas_kernels.residual_norm import (fits_kernel as norm_fits, row_chunk, scaled_norm,
+                                                store_e4m3)
 
 
 def fits(num_tokens: int, hidden: int, num_experts: int, top_k: int) -> bool:
@@ -35,8 +42,8 @@ def fits(num_tokens: int, hidden: int, num_experts: int, top_k: int) -> bool:
   return norm_fits(hidden) and router_topk.fits_kernel(num_tokens, hidden, num_experts, top_k)
 
 
-def _kernel(x_ref, delta_ref, scale_ref, router_ref, h_ref, out_ref, parts_ref, *, eps: float,
-            zero_centered: bool, slice_rows: int):
+def _kernel(x_ref, delta_ref, scale_ref, router_ref, h_ref, out_ref, parts_ref, *quantized,
+            eps: float, zero_centered: bool, slice_rows: int, interpret: bool):
   m, s = pl.program_id(0), pl.program_id(1)
   width = x_ref.shape[1]
   chunk = row_chunk(width)
@@ -54,6 +61,10 @@ def _kernel(x_ref, delta_ref, scale_ref, router_ref, h_ref, out_ref, parts_ref, 
   scales = [scale_ref[cols] for cols in steps]
   slice_h = [added(cols) for cols in steps]
   pieces = [added(pl.ds(c * chunk, chunk)) for c in range(width // chunk)]  # the whole row
+  # quantize: the slice's 128-groups read again whole (the steps above are 64 columns)
+  groups = ([pl.ds(s * slice_rows + g * BLOCK, BLOCK) for g in range(slice_rows // BLOCK)]
+            if quantized else [])
+  group_h = [(added(cols), scale_ref[cols]) for cols in groups]
   squares = jnp.float32(0.0)
   for piece in pieces:  # in rms_norm's pieces and order
     h32 = piece.astype(jnp.float32)
@@ -73,15 +84,29 @@ def _kernel(x_ref, delta_ref, scale_ref, router_ref, h_ref, out_ref, parts_ref, 
   for cols, h, out in stores:
     h_ref[m, cols] = h
     out_ref[m, cols] = out
+  for cols, (h, scale) in zip(groups, group_h):
+    store_e4m3(scaled_norm(h, scale, inv_rms, zero_centered), cols, m, *quantized,
+                interpret=interpret)
   parts_ref[m, s, :] = jnp.sum(acc_CE, axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "slices", "interpret"))
+def quantizes(rows: int, width: int, slices: int | None = None) -> bool:
+  """Whether the kernel takes `quantize` for these rows: at most fp8_gemm.MAX_ROWS, each slice
+  whole 128-groups."""
+  slices = slices or router_topk.num_slices(width)
+  return rows <= MAX_ROWS and width % (slices * BLOCK) == 0
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "slices", "interpret",
+                                             "quantize"))
 def add_norm_router_partials(x_MD: jax.Array, delta_MD: jax.Array, scale_D: jax.Array,
                              router_DE: jax.Array, *, eps: float, zero_centered: bool = False,
-                             slices: int | None = None, interpret: bool | None = None):
+                             slices: int | None = None, interpret: bool | None = None,
+                             quantize: bool = False):
   """(h, norm(h), float32 partial router logits [M, S, E]) for h = x + delta (see the module
-  docstring); S = router_topk.num_slices(D) unless given. `interpret` None: off GPU."""
+  docstring); S = router_topk.num_slices(D) unless given. `interpret` None: off GPU.
+  quantize (where `quantizes`): norm(h)'s e4m3 form [M, D] and its lanes [D/128 x L]
+  (fp8_gemm.act_lanes') follow."""
   rows, width = x_MD.shape
   experts = router_DE.shape[1]
   if (delta_MD.shape != x_MD.shape or delta_MD.dtype != x_MD.dtype or scale_D.shape != (width,)
@@ -95,32 +120,44 @@ def add_norm_router_partials(x_MD: jax.Array, delta_MD: jax.Array, scale_D: jax.
   if width % (slices * router_topk.ROW_CHUNK) or slices & (slices - 1):
     raise ValueError(f"slices must be a power of two that cuts the router's {width} rows "
                      f"into whole loop steps of {router_topk.ROW_CHUNK}, got {slices}")
+  if quantize and not quantizes(rows, width, slices):
+    raise ValueError(f"add_norm_router_partials quantizes up to {MAX_ROWS} rows in slices of "
+                     f"whole {BLOCK}-groups, got {rows} rows of {width} in {slices} slices")
   if interpret is None:
     interpret = not platform.on_gpu()
   row = jax.ShapeDtypeStruct((rows, width), x_MD.dtype)
-  return pl.pallas_call(
+  out_shape = (row, row, jax.ShapeDtypeStruct((rows, slices, experts), jnp.float32))
+  if quantize:
+    lanes = act_lanes_size(rows, width) // (width // BLOCK)
+    out_shape += (jax.ShapeDtypeStruct((rows, width), E4M3),
+                  jax.ShapeDtypeStruct((width // BLOCK, lanes), jnp.float32))
+  out = pl.pallas_call(
       functools.partial(_kernel, eps=eps, zero_centered=zero_centered,
-                        slice_rows=width // slices),
-      out_shape=(row, row, jax.ShapeDtypeStruct((rows, slices, experts), jnp.float32)),
-      grid=(rows, slices),
+                        slice_rows=width // slices, interpret=interpret),
+      out_shape=out_shape, grid=(rows, slices),
       compiler_params=pltriton.CompilerParams(num_warps=router_topk.NUM_WARPS, num_stages=2),
-      interpret=interpret, name="add_norm_router",
+      interpret=interpret, name="add_norm_router" + ("_e4m3" if quantize else ""),
   )(x_MD, delta_MD, scale_D, router_DE)
+  if quantize:
+    *out, lanes_2d = out
+    return (*out, lanes_2d.reshape(-1))
+  return out
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "top_k", "norm", "plan",
-                                             "interpret"))
+                                             "interpret", "quantize"))
 def add_norm_route_softmax(x_MD, delta_MD, scale_D, router_DE, *, eps: float,
                            zero_centered: bool, top_k: int, norm: bool, plan: bool = False,
-                           interpret: bool | None = None):
+                           interpret: bool | None = None, quantize: bool = False):
   """(h, norm(h), routing): routing as router_topk.route_softmax (plan: route_softmax_plan)
-  of norm(h), the norm and the router product in one kernel."""
+  of norm(h), the norm and the router product in one kernel. quantize: (h, norm(h), routing,
+  norm(h) in e4m3, its lanes), add_norm_router_partials'."""
   interpret = not platform.on_gpu() if interpret is None else interpret
   if not 1 <= top_k <= router_DE.shape[1]:
     raise ValueError(f"top_k must be in [1, {router_DE.shape[1]}], got {top_k}")
-  h_MD, normed_MD, parts_MSE = add_norm_router_partials(
+  h_MD, normed_MD, parts_MSE, *quantized = add_norm_router_partials(
       x_MD, delta_MD, scale_D, router_DE, eps=eps, zero_centered=zero_centered,
-      interpret=interpret)
+      interpret=interpret, quantize=quantize)
   routing = router_topk.select(parts_MSE, x_MD.dtype, router_DE.dtype, top_k=top_k, norm=norm,
                                plan=plan, interpret=interpret)
-  return h_MD, normed_MD, routing
+  return h_MD, normed_MD, routing, *quantized

@@ -7,6 +7,8 @@ kernel on an H200 costs 1.1-2.3 µs however little it does (BENCHMARKS.md, "FP8 
 on an H200 against their targets; ..."). Here:
 
   rms_norm   the residual add (optional) and the RMSNorm after it: (h, norm(h)).
+             `quantize`: norm(h) in e4m3 too, as add_partials_rms_norm's below (a MoE
+             layer's output before the next layer's q / k / v; a first layer's input).
 
 It rounds where jspec.models.norms' modules round (the sum in bfloat16, normalising in float32,
 the cast, the scale), so it stands in for them; only the order of the float32 sums differs.
@@ -37,6 +39,10 @@ from jspec.pallas_kernels.quantize_rows import divide_rn
 
 MAX_CHUNK = 4096  # the widest piece of a row one load takes (Triton blocks are powers of two)
 MIN_CHUNK = 64
+# Pieces (programs) a row of rms_norm's quantize form is cut into, where its width allows:
+# each program reads the whole row for its sum of squares and quantizes and stores its piece
+# (as add_partials_rms_norm's pieces, whose partials bound them).
+QUANTIZE_PIECES = 4
 # Warps of add_partials_rms_norm's program (0: as rms_norm's): one program reads all of a row's
 # K-slice partials, S x 16 KB at 4096 wide.
 PARTIALS_WARPS = 0
@@ -67,7 +73,7 @@ def fits_kernel(width: int) -> bool:
 
 def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residual: bool,
                  delta_dtype=None, row_scaled: bool = False, quantize: bool = False,
-                 interpret: bool = False):
+                 sum_chunk: int = 0, interpret: bool = False):
   """Program m: row m, read once and held in registers (7168 bfloat16 values are 28 a thread
   at 8 warps) between the sum of its squares and its scaling. All loads come before any store,
   which they could alias: a 7168-wide row's 7 pieces were read one after another (BENCHMARKS.md,
@@ -77,14 +83,17 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
   S in order (times row m's scale where row_scaled) cast to delta_dtype, as fp8_gemm's
   fp8_matmul gives the product.
 
+  The row's sum of squares is taken over pieces of `sum_chunk` (0: `chunk`), the plain form's,
+  so that every form of a norm gives the same float32 sum and so the same norm(h).
+
   quantize: norm(h) also in e4m3 with its scales, as fp8_gemm.quantize_activations quantizes
   it, each 128-column group of a piece scaled by its own largest |value| (so a piece holds
   whole groups), the scales written in the FP8 kernel's lanes ([K/128, L]: fp8_gemm.act_lanes;
   program m writes the lanes m, m + M, ..., its own row's scale in lane m and 0 in the others,
-  so that the padded lanes past M are written too). Program (m, c) then writes piece c of row
-  m alone, each program reading the whole row for its sum of squares (the same sum in the same
-  order in each): the pieces' scaling, quantizing and stores run side by side rather than one
-  after another."""
+  so that the padded lanes past M are written too). Program (m, c) then writes piece c (of
+  `chunk` columns) of row m alone, each program reading the whole row for its sum of squares
+  (the same sum in the same order in each): the pieces' scaling, quantizing and stores run side
+  by side rather than one after another."""
   row_scale_ref = None
   if has_residual:
     x_ref, delta_ref, *refs = refs
@@ -95,7 +104,12 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
     x_ref, scale_ref, out_ref, *quantized = refs
   m = pl.program_id(0)
   width = x_ref.shape[1]
-  pieces = [pl.ds(c * chunk, chunk) for c in range(width // chunk)]
+  sum_chunk = sum_chunk or chunk
+  sum_pieces = [pl.ds(c * sum_chunk, sum_chunk) for c in range(width // sum_chunk)]
+  # The pieces this program writes: its own where it quantizes, else the row's.
+  own = ([pl.ds(pl.multiple_of(pl.program_id(1) * chunk, chunk), chunk)] if quantize
+         else sum_pieces)
+  row_scale = row_scale_ref[m] if row_scaled else None
 
   def load_delta(cols):
     if not has_residual:
@@ -103,10 +117,6 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
     if delta_dtype is None:
       return delta_ref[m, cols]
     return [delta_ref[s, m, cols] for s in range(delta_ref.shape[0])]
-
-  loaded = [(x_ref[m, cols], load_delta(cols)) for cols in pieces]
-  scales = [scale_ref[cols] for cols in pieces]
-  row_scale = row_scale_ref[m] if row_scaled else None
 
   def summed(parts):
     total = parts[0]
@@ -116,34 +126,34 @@ def _norm_kernel(*refs, eps: float, chunk: int, zero_centered: bool, has_residua
       total = total * row_scale
     return total.astype(delta_dtype)
 
-  def written(c, store):
-    """Piece c's stores, by this program where it writes piece c."""
-    if quantize:
-      pl.when(pl.program_id(1) == c)(store)
-    else:
-      store()
-
-  rows, squares = [], jnp.float32(0.0)
-  for c, (cols, (x, delta)) in enumerate(zip(pieces, loaded)):
+  def added(x, delta):  # x + delta rounded to the stream's dtype, as XLA's add does
+    if not has_residual:
+      return x
     if delta_dtype is not None:
       delta = summed(delta)
-    if has_residual:  # x + delta rounded to the stream's dtype, as XLA's add does
-      x = (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
-      written(c, functools.partial(h_ref.__setitem__, (m, cols), x))
-    x32 = x.astype(jnp.float32)
-    squares += jnp.sum(x32 * x32)
-    rows.append((cols, x))
+    return (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
+
+  loaded = [(x_ref[m, cols], load_delta(cols)) for cols in sum_pieces]
+  own_loaded = loaded if own is sum_pieces else [(x_ref[m, cols], load_delta(cols))
+                                                 for cols in own]
+  scales = [scale_ref[cols] for cols in own]
+  summed_rows = [added(x, delta) for x, delta in loaded]
+  own_rows = summed_rows if own is sum_pieces else [added(x, d) for x, d in own_loaded]
+  squares = jnp.float32(0.0)
+  for h in summed_rows:
+    h32 = h.astype(jnp.float32)
+    squares += jnp.sum(h32 * h32)
   inv_rms = jax.lax.rsqrt(squares / width + eps)
-  for c, ((cols, x), scale) in enumerate(zip(rows, scales)):
-    def store(cols=cols, x=x, scale=scale):
-      normed = scaled_norm(x, scale, inv_rms, zero_centered)
-      out_ref[m, cols] = normed
-      if quantize:
-        _store_e4m3(normed, cols, m, *quantized, interpret=interpret)
-    written(c, store)
+  for cols, h, scale in zip(own, own_rows, scales):
+    if has_residual:
+      h_ref[m, cols] = h
+    normed = scaled_norm(h, scale, inv_rms, zero_centered)
+    out_ref[m, cols] = normed
+    if quantize:
+      store_e4m3(normed, cols, m, *quantized, interpret=interpret)
 
 
-def _store_e4m3(normed, cols, m, x8_ref, lanes_ref, *, interpret: bool):
+def store_e4m3(normed, cols, m, x8_ref, lanes_ref, *, interpret: bool):
   """One piece of row m in e4m3 into x8_ref [M, D] and its groups' scales into lanes_ref
   [D/128, L] (_norm_kernel's `quantize`), rounded as XLA rounds quantize_activations
   (jspec.pallas_kernels.quantize_rows says how)."""
@@ -158,13 +168,15 @@ def _store_e4m3(normed, cols, m, x8_ref, lanes_ref, *, interpret: bool):
                  jnp.where(lane == m, scale[:, None], 0.0), mask=lane % num_rows == m)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "interpret", "quantize"))
 def rms_norm(x_MD: jax.Array, scale_D: jax.Array, residual_MD: jax.Array | None = None, *,
-             eps: float, zero_centered: bool = False, interpret: bool | None = None):
+             eps: float, zero_centered: bool = False, interpret: bool | None = None,
+             quantize: bool = False):
   """RMSNorm of the rows of x [M, D] by scale [D] (jspec.models.norms.RMSNorm, or
   ZeroCenteredRMSNorm's (1 + w) with `zero_centered`), in x's dtype. With `residual_MD`, the
   rows normalised are h = x + residual: returns (h, norm(h)). `interpret` None: interpret off
-  GPU."""
+  GPU. quantize: norm(h)'s e4m3 form and its lanes follow (add_partials_rms_norm's), in
+  QUANTIZE_PIECES pieces a row, each its own program."""
   rows, width = x_MD.shape
   if scale_D.shape != (width,) or (residual_MD is not None and residual_MD.shape != x_MD.shape):
     raise ValueError(f"rms_norm takes x [M, D], scale [D] and a residual like x, got "
@@ -172,9 +184,12 @@ def rms_norm(x_MD: jax.Array, scale_D: jax.Array, residual_MD: jax.Array | None 
                      f"{None if residual_MD is None else residual_MD.shape}")
   has_residual = residual_MD is not None
   inputs = (x_MD, residual_MD, scale_D) if has_residual else (x_MD, scale_D)
+  chunk = sum_chunk = row_chunk(width)
+  if quantize:  # whole 128-groups (refused below where there are none), QUANTIZE_PIECES of them
+    chunk = max(BLOCK, min(chunk, _floor_pow2(width // QUANTIZE_PIECES)))
   return _norm_call("add_rms_norm" if has_residual else "rms_norm", inputs, x_MD.dtype,
-                    interpret, row_chunk(width), eps=eps, zero_centered=zero_centered,
-                    has_residual=has_residual)
+                    interpret, chunk, eps=eps, zero_centered=zero_centered,
+                    has_residual=has_residual, quantize=quantize, sum_chunk=sum_chunk)
 
 
 @functools.partial(jax.jit,
@@ -203,14 +218,14 @@ def add_partials_rms_norm(x_MD: jax.Array, parts_SRD: jax.Array, scale_D: jax.Ar
                      f"{None if row_scale_M is None else row_scale_M.shape}")
   # A piece holds all S partials of its columns: at most MAX_CHUNK values in registers (and
   # whole 128-groups where it quantizes).
-  chunk = max(BLOCK if quantize else MIN_CHUNK,
-              min(row_chunk(width), _floor_pow2(MAX_CHUNK // splits)))
+  sum_chunk = max(MIN_CHUNK, min(row_chunk(width), _floor_pow2(MAX_CHUNK // splits)))
+  chunk = max(BLOCK, sum_chunk) if quantize else sum_chunk
   row_scales = () if row_scale_M is None else (row_scale_M.astype(jnp.float32),)
   return _norm_call("add_partials_rms_norm", (x_MD, parts_SRD, *row_scales, scale_D),
                     x_MD.dtype, interpret, chunk, warps=PARTIALS_WARPS, eps=eps,
                     zero_centered=zero_centered, has_residual=True,
                     delta_dtype=jnp.dtype(dtype), row_scaled=row_scale_M is not None,
-                    quantize=quantize)
+                    quantize=quantize, sum_chunk=sum_chunk)
 
 
 def _floor_pow2(n: int) -> int:
