@@ -106,6 +106,17 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 @pytest.fixture
+def fresh_traces():
+  """For a test that sets module settings read while a program is traced (e.g.
+  fp8_gemm.DEFAULT_ACTIVATIONS, fp8_experts.X_E4M3): JAX's caches emptied before and after it,
+  so that a module-level jitted function's trace made under another value neither serves the
+  test nor outlives it into later tests of the worker."""
+  jax.clear_caches()
+  yield
+  jax.clear_caches()
+
+
+@pytest.fixture
 def interpreted_on_every_device(monkeypatch):
   """Mosaic GPU interpret mode (jax 0.11.2) assumes one kernel runs at a time: when a cluster
   finishes it resets the interpreter's per-cluster state, and at a kernel's end it asserts

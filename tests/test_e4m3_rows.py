@@ -171,6 +171,7 @@ def _same_logits_and_tokens(reference, candidate):
   assert tokens[0] == tokens[1]
 
 
+@pytest.mark.usefixtures("fresh_traces")
 def test_q_k_v_and_gate_up_read_the_norms_e4m3_rows(monkeypatch):
   """With the setting on, every layer's gate / up and q / k / v (the first layer's from its
   input norm's plain form, which sums no FP8 product) take the e4m3 rows their norm's kernel wrote,
@@ -212,6 +213,7 @@ def test_q_k_v_and_gate_up_read_the_norms_e4m3_rows(monkeypatch):
   assert ("fp8_partials_many", hidden) in taken and ("fp8_matmul", hidden) in taken
 
 
+@pytest.mark.usefixtures("fresh_traces")
 def test_the_e4m3_rows_off_keep_the_activations_as_they_are(monkeypatch):
   """Off, the norms give arrays and every FP8 product multiplies the activations as they are:
   the logits differ from the setting on's by the e4m3 rounding of q / k / v's and gate /
@@ -225,6 +227,7 @@ def test_the_e4m3_rows_off_keep_the_activations_as_they_are(monkeypatch):
   np.testing.assert_allclose(got, want, rtol=0, atol=0.05 * np.abs(want).max())
 
 
+@pytest.mark.usefixtures("fresh_traces")
 def test_a_dense_mlp_and_experts_after_latent_attention_read_its_norms_e4m3_rows(monkeypatch):
   """The tiny FP8 DeepSeek-V3 of test_fp8_gpu_configuration: its dense first layer's gate / up
   and its sigmoid-routed experts' take the e4m3 rows of the norm after latent attention (whose

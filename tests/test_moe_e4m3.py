@@ -117,6 +117,7 @@ def test_slot_products_refuse_e4m3_rows_without_their_scales():
     call(x8, act_lanes_X=act_lanes(x_scale)[:32])
 
 
+@pytest.mark.usefixtures("fresh_traces")
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_the_decode_path_on_the_norms_rows_equals_it_quantizing_x_itself(monkeypatch, tokens):
   """experts_fp8_decode given x's e4m3 rows and lanes (x_e4m3) gives, bit for bit, what it
@@ -160,6 +161,7 @@ def _qwen3_moe(monkeypatch, e4m3_rows: bool):
                                                      "num_speculative_tokens": 2})
 
 
+@pytest.mark.usefixtures("fresh_traces")
 def test_a_moe_models_q_k_v_and_experts_read_the_e4m3_rows_of_the_norms(monkeypatch):
   """In a MoE model every layer's q / k / v (the first layer's too) take the e4m3 rows that
   their input norm's kernel wrote (residual_norm.rms_norm's `quantize`: that norm sums no FP8

@@ -74,27 +74,26 @@ def sharded_rms_norm(mesh: Mesh, rules: ShardingRules, eps: float, zero_centered
   fp8_gemm.MAX_ROWS rows a shard): norm(...) as a linear.E4m3Rows, its e4m3 form written by
   the same kernel, each batch shard's scales one row of its lanes."""
   from jspec.models.linear import E4m3Rows
+  from jspec.models.projections import e4m3_rows_spec
   from jspec.pallas_kernels.residual_norm import rms_norm
   rows = rules.spec(("batch", "seq", None))
-  e4m3_rows = E4m3Rows(rows, rows, rules.spec(("batch", None)))
 
   def per_shard(x_BTD, scale_D, residual_BTD, quantize):
     b, t, d = x_BTD.shape
     flat = lambda a: None if a is None else a.reshape(b * t, d)
     out = rms_norm(flat(x_BTD), scale_D, flat(residual_BTD), eps=eps,
                    zero_centered=zero_centered, interpret=interpret, quantize=quantize)
-    if residual_BTD is None:
-      out = (out,) if not quantize else out
-    *h, normed = out[:len(out) - 2] if quantize else out
-    h, normed = [a.reshape(b, t, d) for a in h], normed.reshape(b, t, d)
+    out = [out] if residual_BTD is None and not quantize else list(out)
     if quantize:
-      x8, lanes = out[-2:]
-      normed = E4m3Rows(normed, x8.reshape(b, t, d), lanes[None])
-    return (*h, normed) if h else normed
+      *out, x8, lanes = out
+    out = [a.reshape(b, t, d) for a in out]  # (h,) norm(h)
+    if quantize:
+      out[-1] = E4m3Rows(out[-1], x8.reshape(b, t, d), lanes[None])
+    return tuple(out) if residual_BTD is not None else out[0]
 
   @functools.cache
   def sharded(added: bool, quantize: bool):
-    out = e4m3_rows if quantize else rows
+    out = e4m3_rows_spec(rules) if quantize else rows
     if added:
       return jax.shard_map(functools.partial(per_shard, quantize=quantize), mesh=mesh,
                            in_specs=(rows, PartitionSpec(), rows), out_specs=(rows, out),
@@ -249,6 +248,7 @@ def sharded_norm_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool
   (ids and weights [B x T, K], and with `plan` the one token's decode plan). quantize: norm(h)
   as a linear.E4m3Rows, its e4m3 form written by the same kernel."""
   from jspec.models.linear import E4m3Rows
+  from jspec.models.projections import e4m3_rows_spec
   from jspec.pallas_kernels.norm_router import add_norm_route_softmax
   rows = rules.spec(("batch", "seq", None))
   tokens = rules.spec(("batch", None))
@@ -268,7 +268,7 @@ def sharded_norm_router(mesh: Mesh, rules: ShardingRules, top_k: int, norm: bool
         normed = E4m3Rows(normed, x8.reshape(b, t, d), lanes[None])
       return h.reshape(b, t, d), normed, routing
     routing_spec = (tokens, tokens, whole) if plan else (tokens, tokens)
-    normed_spec = E4m3Rows(rows, rows, tokens) if quantize else rows
+    normed_spec = e4m3_rows_spec(rules) if quantize else rows
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows, rows, whole, whole),
                          out_specs=(rows, normed_spec, routing_spec), check_vma=False)(
         x_BTD, delta_BTD, scale_D, router_DE)

@@ -252,7 +252,7 @@ def experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts, w_up: Fp
   parts = [experts_fp8_decode(x_TD[start:start + CHUNK_TOKENS],
                               topk_ids_TK[start:start + CHUNK_TOKENS],
                               topk_weights_TK[start:start + CHUNK_TOKENS], w_gate, w_up, w_down,
-                              DECODE_TILING, plan, x_e4m3)
+                              tiling=DECODE_TILING, plan=plan, x_e4m3=x_e4m3)
            for start in range(0, num_tokens, CHUNK_TOKENS)]
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
