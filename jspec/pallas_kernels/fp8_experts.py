@@ -4,11 +4,12 @@ published (Pallas Mosaic GPU).
 DeepSeek-V3 / R1 and the Qwen MoE FP8 releases store each expert projection [out, in] in
 float8_e4m3fn with one float32 scale per 128 x 128 block. A decode or verify step reads the
 weights of the experts its few tokens picked, once each (scaled into bf16 copies for the bf16
-kernels, 4-13x slower than bf16 weights on an H200, BENCHMARKS.md). Here the TMA streams each picked expert's e4m3 tiles and block scales
-into the FP8 product kernel's pipeline (jspec.pallas_kernels.fp8_block_kernel: the tile
-widened to x's 16-bit type in registers, each 128-K block's products scaled in float32), over
-the slots of the decode plan (jspec.pallas_kernels.decode_routing: one slot per picked expert,
-all T tokens multiplied, a token that did not pick the expert weighted 0):
+kernels, 4-13x slower than bf16 weights on an H200, BENCHMARKS.md). Here the TMA streams each
+picked expert's e4m3 tiles and block scales into the FP8 product kernel's pipeline
+(jspec.pallas_kernels.fp8_block_kernel: the tile widened to x's 16-bit type in registers, each
+128-K block's products scaled in float32), over the slots of the decode plan
+(jspec.pallas_kernels.decode_routing: one slot per picked expert, all T tokens multiplied, a
+token that did not pick the expert weighted 0):
 
   gate, up  [S, F, N] = W_gate[e_s] @ x^T, W_up[e_s] @ x^T      (one kernel, two sums)
   act       [S, N, F] = silu(gate) * up       (float32; bfloat16 x: jspec.pallas_kernels.expert_act)
@@ -94,9 +95,8 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
   Qwen3-30B-A3B's 768-wide ones: 48 items) would otherwise leave most SMs idle."""
   per_slot_x = x.ndim == 3
   fp8_x = x.dtype == E4M3
-  shared_fp8 = fp8_x and not per_slot_x
-  if (fp8_x and per_slot_x) != (act_scale_SKbN is not None) or shared_fp8 != (act_lanes_X
-                                                                             is not None):
+  per_slot_fp8, shared_fp8 = fp8_x and per_slot_x, fp8_x and not per_slot_x
+  if per_slot_fp8 != (act_scale_SKbN is not None) or shared_fp8 != (act_lanes_X is not None):
     raise ValueError("e4m3 x goes per slot ([S, N, in]) with its act_scale_SKbN, or shared "
                      "([N, in]) with its act_lanes_X; 16-bit x with neither")
   rows, k = x.shape[-2:]
@@ -119,7 +119,7 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
   # as one TMA block (fp8_block_kernel.partials says why); gathered for the slots only, or
   # read by expert where made beforehand (Fp8Experts.lanes). A lane holds the weight block's
   # scale, times row n's scale of that K group where x is e4m3 per slot.
-  by_expert = (not (fp8_x and per_slot_x) and lanes == SCALE_LANES
+  by_expert = (not per_slot_fp8 and lanes == SCALE_LANES
                and all(w.lanes is not None for w in weights))
   if by_expert:
     for w in weights:
@@ -127,7 +127,7 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
         raise ValueError(f"Fp8Experts.lanes has shape {w.lanes.shape}, not scale_lanes("
                          f"scale)'s for a scale of {w.scale.shape}")
     scale_rows = [w.lanes for w in weights]
-  elif fp8_x and per_slot_x:
+  elif per_slot_fp8:
     act_SKbR = jnp.pad(act_scale_SKbN.astype(jnp.float32),
                        ((0, 0), (0, 0), (0, lanes - rows)))
     scale_rows = [(w.scale[slot_expert_S].astype(jnp.float32)[..., None]
