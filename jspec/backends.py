@@ -240,10 +240,13 @@ FP8_PARTIALS_IN_NORM = True
 # the input norm, gate / up after the post-attention norm) multiply e4m3 activations on the
 # FP8 tensor cores, quantized by that norm's kernel per row and 128 columns (the checkpoints'
 # "dynamic" activation scheme, as transformers' FP8 layer, vLLM and SGLang run them; the
-# prefill products already do): the tile's widening to bf16 leaves the product. o_proj's and
-# down_proj's inputs (the attention's output, SwiGLU's) stay as they are. Qwen3-8B FP8 step at
-# batch 1 on an H200 -2.1% (BENCHMARKS.md, "e4m3 activations for the FP8 few-row products ...").
+# prefill products already do): the tile's widening to bf16 leaves the product. Qwen3-8B FP8
+# step at batch 1 on an H200 -2.1% (BENCHMARKS.md, "e4m3 activations for the FP8 few-row
+# products ..."). down_proj's input (SwiGLU's) stays as it is.
 FP8_E4M3_ROWS = True
+# With FP8_E4M3_ROWS, o_proj's input too: a decode step's short-context attention kernel (or
+# the merge after its splits) writes its output in e4m3 as well (Attention._quantizes_out).
+FP8_E4M3_ATTENTION_OUT = True
 
 
 def use_row_kernels(backend: str, mesh, pairs) -> str:
@@ -291,6 +294,11 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
           and (fp8_qkv or (isinstance(node, MLP) and path[-1:] == ("mlp",)
                            and getattr(node, "fp8_projection", None) is not None))):
         node.fp8_e4m3_rows = True
+      if (FP8_E4M3_ROWS and FP8_E4M3_ATTENTION_OUT and isinstance(node, Attention)
+          and getattr(node, "fp8_projection", None) is not None
+          and all(axis_size(mesh, getattr(rules, a)) == 1
+                  for a in ("embed", "q_heads", "head_dim"))):
+        node.fp8_e4m3_o = True  # o_proj's input: one batch shard's rows, every head
       if (isinstance(node, Attention) and kv_write is not None and kv_fits(node.head_dim)
           and (node.fp8_projection is None or fp8_qkv)):
         # Other FP8 layers keep XLA's writes, into which XLA fuses the value's K-slice sum:

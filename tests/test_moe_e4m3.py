@@ -142,14 +142,19 @@ def test_the_decode_path_on_the_norms_rows_equals_it_quantizing_x_itself(monkeyp
                              atol=0.1 * np.abs(_f32(as_it_is)).max())
 
 
-def _qwen3_moe(monkeypatch, e4m3_rows: bool):
-  """A tiny FP8 Qwen3-MoE (2 MoE layers, 8 experts of whole 128-blocks, top-2) as a Hopper GPU
-  runs it (interpreted), every few-row FP8 product and the experts' gate / up on e4m3
-  activations (quantized by XLA where no norm wrote them), the norms' e4m3 rows on or off."""
+def _qwen3_moe_config():
+  """A tiny FP8 Qwen3-MoE: 2 MoE layers, 8 experts of whole 128-blocks, top-2."""
   from jspec.bench.presets import PRESETS
-  config = PRESETS["qwen3-30b-a3b"].replace(
+  return PRESETS["qwen3-30b-a3b"].replace(
       vocab_size=512, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=128,
       fp8_block=(128, 128), moe=dict(num_experts=8, num_experts_per_tok=2, intermediate_size=128))
+
+
+def _qwen3_moe(monkeypatch, e4m3_rows: bool):
+  """The tiny FP8 Qwen3-MoE as a Hopper GPU runs it (interpreted), every few-row FP8 product
+  and the experts' gate / up on e4m3 activations (quantized by XLA where no norm wrote them),
+  the norms' e4m3 rows on or off."""
+  config = _qwen3_moe_config()
   monkeypatch.setattr(fp8_gemm, "DEFAULT_ACTIVATIONS", "e4m3")
   monkeypatch.setattr(fp8_experts, "X_E4M3", True)
   with monkeypatch.context() as patch:

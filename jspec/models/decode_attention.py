@@ -117,27 +117,38 @@ def sharded_window_attention(mesh: Mesh, rules: ShardingRules, interpret: bool =
 
 def sharded_short_attention(mesh: Mesh, rules: ShardingRules, interpret: bool = False):
   """jspec.pallas_kernels.short_attention per shard of `mesh`: (q [B, T, N, H], the cache's
-  keys and values [B, K, S, H] with the step's rows written, first positions [B], copies=1)
-  -> [B, copies x T, N, H], tokens c x T .. the c-th copy of the T outputs (the kernel's
-  `copies`). A decode step's q goes in as it is; a verify window's rows are regrouped by KV
-  head (and back) around the kernel."""
+  keys and values [B, K, S, H] with the step's rows written, first positions [B], copies=1,
+  quantize=False) -> [B, copies x T, N, H], tokens c x T .. the c-th copy of the T outputs (the
+  kernel's `copies`). A decode step's q goes in as it is; a verify window's rows are regrouped
+  by KV head (and back) around the kernel. quantize (a decode step, the query heads whole on
+  every shard): a linear.E4m3Rows, the output with its e4m3 rows [B, 1, N x H] and their lanes
+  (the kernel's `quantize`), for o_proj's FP8 product."""
+  from jspec.models.linear import E4m3Rows
+  from jspec.models.projections import e4m3_rows_spec
   from jspec.pallas_kernels.short_attention import short_attention
   q = rules.spec(("batch", "seq", "q_heads", "head_dim"))
   cache = rules.spec(("batch", "kv_heads", "cache_seq", "head_dim"))
+  rows_spec = e4m3_rows_spec(rules)
+  e4m3_spec = E4m3Rows(q, rows_spec.x8, rows_spec.lanes)
 
-  def per_shard(q_BTNH, keys_BKSH, values_BKSH, start_B, copies: int):
+  def per_shard(q_BTNH, keys_BKSH, values_BKSH, start_B, copies: int, quantize: bool):
     b, t, n, h = q_BTNH.shape
     k = keys_BKSH.shape[1]
     g = n // k
     q_BRH = q_BTNH.reshape(b, t, k, g, h).transpose(0, 2, 1, 3, 4).reshape(b, k * t * g, h)
     out_CBRH = short_attention(q_BRH, keys_BKSH, values_BKSH, start_B, group=g,
-                               scale=h ** -0.5, copies=copies, interpret=interpret)
+                               scale=h ** -0.5, copies=copies, interpret=interpret,
+                               quantize=quantize)
+    if quantize:  # one token: q's rows are its heads in order
+      out_BRH, x8, lanes = out_CBRH
+      return E4m3Rows(out_BRH.reshape(b, 1, n, h), x8.reshape(b, 1, n * h), lanes[None])
     return out_CBRH.reshape(copies, b, k, t, g, h).transpose(1, 0, 3, 2, 4, 5).reshape(
         b, copies * t, n, h)
 
-  def call(q_BTNH, keys_BKSH, values_BKSH, start_B, copies: int = 1):
-    return jax.shard_map(functools.partial(per_shard, copies=copies), mesh=mesh,
-                         in_specs=(q, cache, cache, rules.spec(("batch",))), out_specs=q,
+  def call(q_BTNH, keys_BKSH, values_BKSH, start_B, copies: int = 1, quantize: bool = False):
+    return jax.shard_map(functools.partial(per_shard, copies=copies, quantize=quantize),
+                         mesh=mesh, in_specs=(q, cache, cache, rules.spec(("batch",))),
+                         out_specs=e4m3_spec if quantize else q,
                          check_vma=False)(q_BTNH, keys_BKSH, values_BKSH, start_B)
   return call
 

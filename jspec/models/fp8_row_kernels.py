@@ -23,11 +23,11 @@ from jspec.sharding.rules import ShardingRules, mesh_axes
 
 
 def sharded_fp8_add_rms_norm(mesh: Mesh, rules: ShardingRules, interpret: bool):
-  """(x [B, T, K], w8 [D, K], its block scale, the scale's kernel lanes or None, residual
-  [B, T, D], norm scale [D]; eps, zero_centered, quantize) -> (h, norm(h)) for h = residual +
-  x @ w: one FP8 kernel call (fp8_gemm.fp8_partials_many, rows first) whose K-slice partials
-  the residual add and RMSNorm kernel sums as it reads them (residual_norm.add_partials_rms_norm).
-  Per batch shard, the weight whole on every shard (as the FP8 products run). quantize: norm(h)
+  """(x [B, T, K] (or its e4m3 rows, linear.E4m3Rows), w8 [D, K], its block scale, the scale's
+  kernel lanes or None, residual [B, T, D], norm scale [D]; eps, zero_centered, quantize) ->
+  (h, norm(h)) for h = residual + x @ w: one FP8 kernel call (fp8_gemm.fp8_partials_many, rows
+  first) whose K-slice partials the residual add and RMSNorm kernel sums as it reads them
+  (residual_norm.add_partials_rms_norm). Per batch shard, the weight whole on every shard (as the FP8 products run). quantize: norm(h)
   as a linear.E4m3Rows, its e4m3 form written by the same kernel."""
   from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
   from jspec.pallas_kernels.residual_norm import add_partials_rms_norm
@@ -36,8 +36,13 @@ def sharded_fp8_add_rms_norm(mesh: Mesh, rules: ShardingRules, interpret: bool):
   def per_shard(x_BTK, w8, scale, lanes, residual_BTD, scale_D, *, eps, zero_centered,
                 quantize):
     b, t, d = residual_BTD.shape
-    parts_SRD, row_scale_M = fp8_partials_many(x_BTK.reshape(b * t, -1), (w8,), (scale,),
-                                               (lanes,), rows_first=True)
+    if isinstance(x_BTK, E4m3Rows):  # quantized by the kernel before (the attention's)
+      parts_SRD, row_scale_M = fp8_partials_many(x_BTK.x8.reshape(b * t, -1), (w8,), (scale,),
+                                                 (lanes,), rows_first=True,
+                                                 act_lanes_X=x_BTK.lanes[0])
+    else:
+      parts_SRD, row_scale_M = fp8_partials_many(x_BTK.reshape(b * t, -1), (w8,), (scale,),
+                                                 (lanes,), rows_first=True)
     h, normed, *quantized = add_partials_rms_norm(
         residual_BTD.reshape(b * t, d), parts_SRD, scale_D, row_scale_M, dtype=x_BTK.dtype,
         eps=eps, zero_centered=zero_centered, interpret=interpret, quantize=quantize)
@@ -48,14 +53,16 @@ def sharded_fp8_add_rms_norm(mesh: Mesh, rules: ShardingRules, interpret: bool):
     return h, E4m3Rows(normed, x8.reshape(b, t, d), act_lanes[None])
 
   @functools.cache
-  def for_norm(eps, zero_centered, quantize):
+  def for_norm(eps, zero_centered, quantize, e4m3_x):
     return jax.shard_map(
         functools.partial(per_shard, eps=eps, zero_centered=zero_centered, quantize=quantize),
-        mesh=mesh, in_specs=(rows, whole, whole, whole, rows, whole),
+        mesh=mesh, in_specs=(e4m3_rows_spec(rules) if e4m3_x else rows, whole, whole, whole,
+                             rows, whole),
         out_specs=(rows, e4m3_rows_spec(rules) if quantize else rows), check_vma=False)
 
   def call(x, w8, scale, lanes, residual, scale_D, *, eps, zero_centered, quantize=False):
-    return for_norm(eps, zero_centered, quantize)(x, w8, scale, lanes, residual, scale_D)
+    return for_norm(eps, zero_centered, quantize, isinstance(x, E4m3Rows))(
+        x, w8, scale, lanes, residual, scale_D)
 
   return call
 

@@ -22,7 +22,7 @@ from jspec.models.caches import KVCache, write_slots
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD, grouped_attention
 from jspec.models.linear import (QKV_NAMES, as_values, fp8_operands, fp8_rows_fit, linear,
                                  project_many_named, project_named, project_to_norm)
-from jspec.models.norms import RMSNorm, ZeroCenteredRMSNorm
+from jspec.models.norms import RMSNorm
 from jspec.models.params import param
 from jspec.models.row_kernels import takes_rows
 from jspec.models.tree_attention import active_layout
@@ -112,8 +112,10 @@ class Attention(nnx.Module):
     # (x [B, T, K], w [K, N]) -> [B, T, N], the FP8 form with the block scale third. None: XLA's.
     # fp8_add_norm: o_proj's FP8 product with the residual add and norm after it, its K slices
     # summed in the norm's kernel (jspec.models.fp8_row_kernels.sharded_fp8_add_rms_norm).
+    # fp8_e4m3_o: a decode step's attention kernel writes o_proj's input in e4m3 too.
     self.projection = None
     self.fp8_projection = self.fp8_add_norm = None
+    self.fp8_e4m3_o = False
     # Each FP8 scale repeated over the kernel's lanes, by weight name, set in a program before
     # a loop of steps (jspec.models.projections.with_loop_constants).
     self.fp8_lanes = None
@@ -198,7 +200,8 @@ class Attention(nnx.Module):
       cache, k_BTKH, v_BTKH = k_BTKH, None, None
     tokens = q_BTNH.shape[1]
     out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window,
-                                   copies=2 if self._doubles_row(q_BTNH) else 1)
+                                   copies=2 if self._doubles_row(q_BTNH) else 1,
+                                   quantize=gate_BTNH is None and self._quantizes_out(q_BTNH))
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
     if self.tp_products is not None and self.o_proj_scale is None:
@@ -224,6 +227,13 @@ class Attention(nnx.Module):
             and self.tp_products is not None and self.o_proj_scale is None
             and not self.has_o_bias
             and self.tp_products.takes_doubled_row(self.o_proj.shape[0] * self.o_proj.shape[1]))
+
+  def _quantizes_out(self, q_BTNH) -> bool:
+    """Whether a decode step's short-context attention also writes its output in e4m3 for
+    o_proj's FP8 kernel (linear.E4m3Rows; `fp8_e4m3_o`, set by the LLM): one token a sequence
+    of 128-wide heads, o_proj FP8 and taking the step's rows."""
+    return (self.fp8_e4m3_o and q_BTNH.shape[1] == 1 and self.head_dim == 128
+            and self.o_proj_scale is not None and fp8_rows_fit(self, q_BTNH, ("o_proj",), 2))
 
   def _writes_kv(self, x_BTD) -> bool:
     """Whether the q / k / v kernel writes the step's keys and values into the cache: where the
@@ -283,10 +293,10 @@ class Attention(nnx.Module):
     return jnp.concatenate([rotated, x_BTNH[..., dim:]], axis=-1)
 
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache: KVCache, kv_window: int,
-              copies: int = 1):
+              copies: int = 1, quantize: bool = False):
     """(the attention output, the cache with the step's keys and values): [B, T, N, H], or
     [B, copies x T, N, H] where the short-context kernel takes the step (`copies` of its
-    output one after another)."""
+    output one after another; `quantize`: its linear.E4m3Rows)."""
     if self.kv_replicas > 1:  # copy r of head j at r*j .. r*j+r-1: query group order is kept
       k_BTKH = jnp.repeat(k_BTKH, self.kv_replicas, axis=2)
       v_BTKH = jnp.repeat(v_BTKH, self.kv_replicas, axis=2)
@@ -310,8 +320,8 @@ class Attention(nnx.Module):
         and short_kernel.fits_kernel(cache_k.shape[2], h, group * t)):
       # The whole cache goes in (a slice would be copied); the kernel reads only the slots
       # below each row's position, all below kv_window.
-      return self.short_attention(q_BTNH, cache_k, cache_v, positions_BT[:, 0],
-                                  copies=copies), cache
+      return self.short_attention(q_BTNH, cache_k, cache_v, positions_BT[:, 0], copies=copies,
+                                  quantize=quantize), cache
     keys_BKSH = cache_k[:, :, :kv_window]
     values_BKSH = cache_v[:, :, :kv_window]
     if self.prefill_attention is not None and group * t > MAX_ROWS_PER_KV_HEAD:
@@ -331,20 +341,3 @@ class Attention(nnx.Module):
     return KVCache(write_cache(cache.keys, k_BTKH, slots_BT),
                    write_cache(cache.values, v_BTKH, slots_BT))
 
-
-class GatedAttention(Attention):
-  """Qwen3-Next / Qwen3.5 full attention: q_proj emits a query and an output gate per head
-  (stored [D, N, 2, H], query first, as the checkpoint's per-head [q | gate] rows), the
-  attention output is multiplied by sigmoid(gate) before o_proj, and q/k norms are (1 + w)."""
-
-  norm_cls = ZeroCenteredRMSNorm
-
-  def _init_query(self, cfg, dtype, rngs):
-    d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    self.q_proj, self.q_proj_scale = linear(rngs, (d, n, 2, h), dtype,
-                                            ("embed", "q_heads", None, "head_dim"), 1,
-                                            quantization.block_for(cfg, "self_attn.q_proj"))
-
-  def _project(self, x_BTD):
-    qg_BTNCH, k_BTKH, v_BTKH = self._dense_qkv(x_BTD, "btd,dnch->btnch")
-    return qg_BTNCH[:, :, :, 0], k_BTKH, v_BTKH, qg_BTNCH[:, :, :, 1]

@@ -28,7 +28,8 @@ class E4m3Rows:
   `lanes` [batch shards, D/128 x L] (fp8_gemm.act_lanes of each shard's rows). Written by the
   norm's kernel (residual_norm.add_partials_rms_norm's `quantize`), so that no pass of its
   own quantizes the activations for the FP8 tensor cores. A consumer without an e4m3 route
-  reads `values` (as_values)."""
+  reads `values` (as_values). The attention's output for o_proj (decode_attention's
+  `quantize`) has values [B, T, N, H] and x8 [B, T, N x H]: the product's input axes flat."""
 
   values: jax.Array
   x8: jax.Array
@@ -50,6 +51,14 @@ class E4m3Rows:
 def as_values(x):
   """x as an array: an E4m3Rows' values, anything else as it is."""
   return x.values if isinstance(x, E4m3Rows) else x
+
+
+def flat_rows(x, in_axes: int):
+  """x [.., K] over its last `in_axes` axes: E4m3Rows' values so (its x8 is [.., K] as the
+  attention writes o_proj's), an array reshaped."""
+  if isinstance(x, E4m3Rows):
+    return dataclasses.replace(x, values=flat_rows(x.values, in_axes))
+  return x.reshape(*x.shape[:x.ndim - in_axes], -1)
 
 
 def linear(rngs: nnx.Rngs, shape, dtype, logical_axes, in_axes: int = 1,
@@ -154,13 +163,13 @@ def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_pro
   to an `fp8_product` that takes them, its values anywhere else."""
   lead = x.shape[:-in_axes]
   if isinstance(x, E4m3Rows) and not (
-      in_axes == 1 and scale is not None and getattr(fp8_product, "takes_e4m3", False)
+      scale is not None and getattr(fp8_product, "takes_e4m3", False)
       and _whole_blocks(weight, fp8_block, in_axes)):
     x = x.values
   if scale is not None:
     k = math.prod(weight.shape[-in_axes:])
     out_axes = weight.shape[:-in_axes]
-    x_K = x if isinstance(x, E4m3Rows) else x.reshape(*lead, k)
+    x_K = flat_rows(x, in_axes)
     # Off whole blocks the scaled weight is built on the stored axes.
     if fp8_product is not None and _whole_blocks(weight, fp8_block, in_axes):
       lanes = () if fp8_lanes is None else (_flat_grid(fp8_lanes, in_axes),)
@@ -234,7 +243,7 @@ def project_to_norm(layer, x, name: str, spec: str, in_axes: int = 1, product=No
   k, n = math.prod(weight.shape[-in_axes:]), weight.shape[0]
   lanes = None if layer.fp8_lanes is None else layer.fp8_lanes.get(name)
   lanes = None if lanes is None else _flat_grid(lanes, in_axes)
-  operands = (x.reshape(*lead, k), weight[...].reshape(n, k), _flat_grid(scale[...], in_axes),
-              lanes)
+  operands = (flat_rows(x, in_axes), weight[...].reshape(n, k),
+              _flat_grid(scale[...], in_axes), lanes)
   fuse = lambda residual, scale_D, **norm: kernel(*operands, residual, scale_D, **norm)
   return SlicedFp8Product(reduce, fuse, (*lead, n), x.dtype)

@@ -28,13 +28,32 @@ from jspec.models import weights as W
 from jspec.models.caches import KVCache
 from jspec.models.decoder import CausalLM, common_fields, layer_input, mlp_block
 from jspec.models.gated_deltanet import GatedDeltaNet
-from jspec.models.layers import GatedAttention
+from jspec.models.layers import Attention
+from jspec.models.linear import linear
 from jspec.models.mlp import MLP
 from jspec.models.moe import MoE
 from jspec.models.norms import ZeroCenteredRMSNorm
 
 LAYER_TYPES = ("full_attention", "linear_attention")
 MULTIMODAL = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+
+
+class GatedAttention(Attention):
+  """Qwen3-Next / Qwen3.5 full attention: q_proj emits a query and an output gate per head
+  (stored [D, N, 2, H], query first, as the checkpoint's per-head [q | gate] rows), the
+  attention output is multiplied by sigmoid(gate) before o_proj, and q/k norms are (1 + w)."""
+
+  norm_cls = ZeroCenteredRMSNorm
+
+  def _init_query(self, cfg, dtype, rngs):
+    d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    self.q_proj, self.q_proj_scale = linear(rngs, (d, n, 2, h), dtype,
+                                            ("embed", "q_heads", None, "head_dim"), 1,
+                                            quantization.block_for(cfg, "self_attn.q_proj"))
+
+  def _project(self, x_BTD):
+    qg_BTNCH, k_BTKH, v_BTKH = self._dense_qkv(x_BTD, "btd,dnch->btnch")
+    return qg_BTNCH[:, :, :, 0], k_BTKH, v_BTKH, qg_BTNCH[:, :, :, 1]
 
 
 class DecoderLayer(nnx.Module):

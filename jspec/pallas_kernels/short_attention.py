@@ -34,6 +34,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import mla_merge, platform
+from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3
+from jspec.pallas_kernels.fp8_gemm import INVERSE_E4M3_MAX, act_lanes_size
+from jspec.pallas_kernels.quantize_rows import divide_rn
 
 # The most slots a step may attend (its kv_window) for the layers to take the kernel: one
 # program reads a (sequence, KV head)'s slots alone, so a longer window would leave most SMs
@@ -106,7 +109,8 @@ def choose_block_slots(slots: int, head_dim: int, itemsize: int) -> int:
 
 
 def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: int,
-            group: int, block_slots: int, slots: int, scale: float, copies: int, splits: int):
+            group: int, block_slots: int, slots: int, scale: float, copies: int, splits: int,
+            interpret: bool):
   b, head = pl.program_id(0), pl.program_id(1)
   row_ids = jnp.arange(block_rows)
   row_mask = row_ids < rows
@@ -152,20 +156,37 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: in
     lse = jnp.where(total > 0, top + jnp.log(jnp.maximum(total, 1e-30)), -jnp.inf)
     pltriton.store(lse_ref.at[b, split, q_rows], lse, mask=row_mask)
     return
-  o_ref, = out_refs
+  o_ref, *quantized = out_refs
   batch = o_ref.shape[0] // copies
   for c in range(copies):
     pltriton.store(o_ref.at[c * batch + b, q_rows, :], out.astype(o_ref.dtype),
                    mask=row_mask[:, None])
+  if quantized:
+    _store_e4m3(out.astype(o_ref.dtype), q_rows, row_mask, b, *quantized, interpret=interpret)
+
+
+def _store_e4m3(out_RH, q_rows, row_mask, b, x8_ref, lanes_ref, *, interpret: bool):
+  """Rows q_rows of sequence b (one 128-wide head each) in e4m3 into x8_ref [B, R, H] and
+  their scales into lanes_ref [R, L] at lane b (zeros at the lanes past the batch that are b
+  modulo it), as residual_norm.store_e4m3 lays a row's groups out."""
+  values = out_RH.astype(jnp.float32)
+  scale_R = jnp.maximum(jnp.max(jnp.abs(values), axis=1), 1e-12) * INVERSE_E4M3_MAX
+  x8 = divide_rn(values, lax.broadcast_in_dim(scale_R, values.shape, [0]), interpret)
+  pltriton.store(x8_ref.at[b, q_rows, :], x8.astype(E4M3), mask=row_mask[:, None])
+  num_rows, lanes = x8_ref.shape[0], lanes_ref.shape[1]
+  lane = lax.broadcasted_iota(jnp.int32, (values.shape[0], lanes), 1)
+  pltriton.store(lanes_ref.at[q_rows, pl.ds(0, lanes)],
+                 jnp.where(lane == b, scale_R[:, None], 0.0),
+                 mask=row_mask[:, None] & (lane % num_rows == b))
 
 
 @functools.partial(jax.jit, static_argnames=("group", "scale", "copies", "splits", "block_slots",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "interpret", "quantize"))
 def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Array,
                     start_B: jax.Array, *, group: int, scale: float, copies: int = 1,
                     splits: int | None = None, block_slots: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None,
-                    interpret: bool | None = None) -> jax.Array:
+                    interpret: bool | None = None, quantize: bool = False):
   """[B, K x T x G, H]: each query row's softmax(q k^T * scale) v over the slots it sees
   (0 .. start + t for token t), in q's dtype. q_BRH as the module docstring lays it out;
   caches [B, K, S, H]; start_B: each sequence's first position in the step.
@@ -179,7 +200,14 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
   `block_slots`: slots per loop step. Both None: `choose_splits` for this GPU (never split off
   a GPU); splits None alone: 1; block_slots None alone: `choose_block_slots`. `num_warps`,
   `num_stages`: Triton's, NUM_WARPS and NUM_STAGES where None (the blocks' shared-memory
-  budget assumes NUM_STAGES: deeper pipelines are for benchmarks' given blocks)."""
+  budget assumes NUM_STAGES: deeper pipelines are for benchmarks' given blocks).
+
+  quantize (a decode step: one token, 128-wide heads, one copy, at most fp8_gemm.MAX_ROWS
+  sequences): (the output, the same values in e4m3 [B, K x G x H], each head scaled as
+  fp8_gemm.quantize_activations scales a 128-group, and their scales in the FP8 kernel's lanes,
+  fp8_gemm.act_lanes): o_proj's input as its few-row FP8 kernel takes it (linear.E4m3Rows),
+  written by this kernel or by the merge after its splits, so that no pass of its own
+  quantizes it."""
   b, q_rows, head_dim = q_BRH.shape
   _, kv_heads, slots, _ = keys_BKSH.shape
   rows = q_rows // kv_heads
@@ -206,25 +234,37 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
     raise ValueError(f"block_slots {block_slots} must be a multiple of {MIN_ROWS} dividing "
                      f"the cache's {slots} slots")
   splits = splits or 1
+  if quantize and (rows != group or head_dim != BLOCK or copies != 1 or b > mla_merge.MAX_ROWS):
+    raise ValueError(f"short_attention quantizes a decode step's {BLOCK}-wide heads once for up "
+                     f"to {mla_merge.MAX_ROWS} sequences, got {rows // group} tokens, "
+                     f"H={head_dim}, {copies} copies, B={b}")
   if not 1 <= splits <= slots // block_slots:
     raise ValueError(f"splits must be 1 to the cache's {slots // block_slots} blocks, got "
                      f"{splits}")
   kernel = functools.partial(
       _kernel, rows=rows, block_rows=max(MIN_ROWS, 1 << (rows - 1).bit_length()),
       group=group, block_slots=block_slots, slots=slots, scale=scale, copies=copies,
-      splits=splits)
+      splits=splits, interpret=interpret)
   params = pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
                                    num_stages=num_stages or NUM_STAGES)
   start_B = start_B.astype(jnp.int32)
   if splits == 1:
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((copies * b, q_rows, head_dim), q_BRH.dtype),
-        grid=(b, kv_heads), compiler_params=params, interpret=interpret,
-        name="short_attention")(start_B, q_BRH, keys_BKSH, values_BKSH)
+    out_shape = (jax.ShapeDtypeStruct((copies * b, q_rows, head_dim), q_BRH.dtype),)
+    if quantize:
+      out_shape += (jax.ShapeDtypeStruct((b, q_rows, head_dim), E4M3),
+                    jax.ShapeDtypeStruct((q_rows, act_lanes_size(b, q_rows * head_dim) // q_rows),
+                                         jnp.float32))
+    out = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(b, kv_heads), compiler_params=params,
+        interpret=interpret, name="short_attention" + ("_e4m3" if quantize else ""),
+    )(start_B, q_BRH, keys_BKSH, values_BKSH)
+    if quantize:
+      return out[0], out[1].reshape(b, -1), out[2].reshape(-1)
+    return out[0]
   parts_BKRH, lse_BKR = pl.pallas_call(
       kernel, out_shape=(jax.ShapeDtypeStruct((b, splits, q_rows, head_dim), jnp.float32),
                          jax.ShapeDtypeStruct((b, splits, q_rows), jnp.float32)),
       grid=(b, kv_heads, splits), compiler_params=params, interpret=interpret,
       name="short_attention_split")(start_B, q_BRH, keys_BKSH, values_BKSH)
   return mla_merge.merge_chunks(parts_BKRH, lse_BKR, dtype=q_BRH.dtype, copies=copies,
-                                interpret=interpret)
+                                interpret=interpret, quantize=quantize)

@@ -1,0 +1,193 @@
+"""A decode step's attention output quantized to e4m3 by the attention's own kernels for the FP8
+o_proj after it (backends.FP8_E4M3_ROWS): short_attention's and the merge's `quantize` forms
+against fp8_gemm.quantize_activations of the output they also write, and models whose o_proj
+reads those rows against the same models with that product's activations quantized by XLA."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from jspec import backends
+from jspec.pallas_kernels import fp8_experts, fp8_gemm, mla_merge, platform
+from jspec.pallas_kernels import short_attention as short_lib
+from jspec.pallas_kernels.short_attention import short_attention
+from tests.test_e4m3_rows import _f32, check_quantized
+
+RUN_SEED = 20261204
+
+
+def _case(rng, b, kv_heads, group, slots, dtype):
+  q = jnp.asarray(rng.standard_normal((b, kv_heads * group, 128)), dtype)
+  # Heads of very different sizes: each head's scale must be its own.
+  values = rng.standard_normal((b, kv_heads, slots, 128)) * 2.0 ** rng.integers(
+      -6, 6, (1, kv_heads, 1, 1))
+  keys = jnp.asarray(rng.standard_normal((b, kv_heads, slots, 128)), dtype)
+  start = jnp.asarray(rng.integers(0, slots, b), jnp.int32)
+  return q, keys, jnp.asarray(values, dtype), start
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_short_attention_quantizes_its_output_as_quantize_activations(seed):
+  """quantize=True, one program per (sequence, KV head) or its slots split 2 to 8 ways and
+  merged (the merge quantizes then): the same output as without, bit for bit, and that output
+  as B rows of K x G heads in e4m3 with each head's scale in the FP8 kernel's lanes, exactly as
+  quantize_activations and act_lanes give them (zeros in the lanes past the batch)."""
+  rng = np.random.default_rng(RUN_SEED + seed)
+  b, kv_heads, group = int(rng.choice([1, 2, 3, 8])), int(rng.choice([1, 2, 4])), int(
+      rng.choice([1, 2, 8]))
+  slots = 16 * int(rng.integers(2, 9))
+  splits = [1, None][seed % 2] or int(rng.integers(2, min(8, slots // 16) + 1))
+  dtype = [jnp.float32, jnp.bfloat16][seed // 2 % 2]
+  q, keys, values, start = _case(rng, b, kv_heads, group, slots, dtype)
+  call = lambda quantize: short_attention(q, keys, values, start, group=group, scale=0.1,
+                                          splits=splits, block_slots=16, quantize=quantize)
+  want = call(False)
+  out, x8, lanes = call(True)
+  np.testing.assert_array_equal(_f32(out), _f32(want))
+  check_quantized(want.reshape(b, -1), x8, lanes, b, kv_heads * group * 128)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_merge_quantizes_its_output_as_quantize_activations(seed):
+  """mla_merge.merge_chunks(quantize=True) over 1 to 16 chunks, some rows seen by no chunk:
+  the merged rows as without, bit for bit, and their e4m3 form and lanes quantize_activations'
+  and act_lanes' of them."""
+  rng = np.random.default_rng(RUN_SEED + 100 + seed)
+  b, splits, rows = int(rng.choice([1, 2, 5])), int(rng.integers(1, 17)), int(
+      rng.choice([1, 4, 32]))
+  parts = jnp.asarray(rng.standard_normal((b, splits, rows, 128))
+                      * 2.0 ** rng.integers(-6, 6, (1, 1, rows, 1)), jnp.float32)
+  lse = rng.standard_normal((b, splits, rows))
+  lse[rng.random(lse.shape) < 0.2] = -np.inf
+  lse = jnp.asarray(lse, jnp.float32)
+  want = mla_merge.merge_chunks(parts, lse, dtype=jnp.bfloat16)
+  out, x8, lanes = mla_merge.merge_chunks(parts, lse, dtype=jnp.bfloat16, quantize=True)
+  np.testing.assert_array_equal(_f32(out), _f32(want))
+  check_quantized(want.reshape(b, -1), x8, lanes, b, rows * 128)
+
+
+def test_the_quantize_forms_refuse_what_o_proj_cannot_take():
+  q, keys = jnp.zeros((1, 4, 128)), jnp.zeros((1, 2, 32, 128))
+  start = jnp.zeros(1, jnp.int32)
+  with pytest.raises(ValueError, match="quantizes a decode step's 128-wide heads"):
+    short_attention(q, keys, keys, start, group=1, scale=1.0, quantize=True)  # 2 tokens
+  with pytest.raises(ValueError, match="got 1 tokens, H=64"):
+    short_attention(jnp.zeros((1, 4, 64)), jnp.zeros((1, 2, 32, 64)), jnp.zeros((1, 2, 32, 64)),
+                    start, group=2, scale=1.0, quantize=True)
+  with pytest.raises(ValueError, match="2 copies"):
+    short_attention(q, keys, keys, start, group=2, scale=1.0, copies=2, quantize=True)
+  with pytest.raises(ValueError, match="B=65"):
+    short_attention(jnp.zeros((65, 4, 128)), jnp.zeros((65, 2, 32, 128)),
+                    jnp.zeros((65, 2, 32, 128)), jnp.zeros(65, jnp.int32), group=2, scale=1.0,
+                    quantize=True)
+  parts, lse = jnp.zeros((1, 2, 4, 64)), jnp.zeros((1, 2, 4))
+  with pytest.raises(ValueError, match="quantizes every row of C=128"):
+    mla_merge.merge_chunks(parts, lse, dtype=jnp.float32, quantize=True)
+  with pytest.raises(ValueError, match="3 of 4 rows"):
+    mla_merge.merge_chunks(jnp.zeros((1, 2, 4, 128)), lse, dtype=jnp.float32, rows=3,
+                           quantize=True)
+  assert fp8_gemm.MAX_ROWS == mla_merge.MAX_ROWS
+
+
+
+def _moe_config():
+  from tests.test_moe_e4m3 import _qwen3_moe_config
+  return _qwen3_moe_config()
+
+
+def _dense_config():
+  from tests.test_fp8_gpu_configuration import _tiny_fp8_qwen3
+  return _tiny_fp8_qwen3()
+
+
+def _llm(monkeypatch, config, attention_out: bool):
+  """A tiny FP8 model as a Hopper GPU runs it (interpreted; attention "auto": the short-context
+  kernel), the norms' e4m3 rows on, every few-row FP8 product and the experts' gate / up on e4m3
+  activations (quantized by XLA where no kernel wrote them), the attention's own e4m3 output
+  for o_proj on or off."""
+  monkeypatch.setattr(fp8_gemm, "DEFAULT_ACTIVATIONS", "e4m3")
+  monkeypatch.setattr(fp8_experts, "X_E4M3", True)
+  with monkeypatch.context() as patch:
+    patch.setattr(platform, "on_hopper", lambda: True)
+    patch.setattr(backends, "FP8_E4M3_ROWS", True)
+    patch.setattr(backends, "FP8_E4M3_ATTENTION_OUT", attention_out)
+    return jspec.LLM.from_random(config, dtype="float32", seed=8, max_model_len=64,
+                                 max_num_seqs=2, attention_backend="auto", norm_backend="pallas")
+
+
+def _decode_logprobs(llm):
+  """Each sequence's tokens and the logprobs of its 5 likeliest tokens at every decode step."""
+  from tests.test_fp8_gpu_configuration import PROMPTS
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=5)
+  return [[(token, sorted((t, e.logprob, e.rank) for t, e in step.items()))
+           for token, step in zip(out.token_ids, out.logprobs)]
+          for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.usefixtures("fresh_traces")
+@pytest.mark.parametrize("model", ["dense", "moe"])
+@pytest.mark.parametrize("split", [False, True])
+def test_o_proj_reads_the_attention_kernels_e4m3_rows(monkeypatch, model, split):
+  """Every decode step's o_proj (a dense model's into the norm kernel that sums its partials,
+  a MoE model's through its own K-slice sum) takes the e4m3 rows the short-context attention
+  kernel wrote (`split`: its slots split over programs, the merge kernel writing them), with no
+  quantizing pass of XLA's; the tokens and the decode steps' logprobs equal those of the same
+  model with o_proj's activations quantized by XLA, bit for bit."""
+  config = {"dense": _dense_config, "moe": _moe_config}[model]()
+  if split:  # as the GPU's choice splits a few sequences' slots (2 ways in 16-slot blocks)
+    monkeypatch.setattr(short_lib, "choose_splits",
+                        lambda b, k, slots, sms: (2, 16) if slots >= 32 else (1, None))
+  quantized, o_rows = [], []
+  kernel = short_lib.short_attention
+
+  def attention_spy(*args, quantize=False, **kwargs):
+    quantized.append(quantize)
+    return kernel(*args, quantize=quantize, **kwargs)
+
+  monkeypatch.setattr(short_lib, "short_attention", attention_spy)
+  for name in ("fp8_partials_many", "fp8_matmul"):
+    def spy(x, *args, act_lanes_X=None, fn=getattr(fp8_gemm, name), **kwargs):
+      if x.shape[-1] == config.num_heads * config.head_dim:
+        o_rows.append(act_lanes_X is not None)
+      return fn(x, *args, act_lanes_X=act_lanes_X, **kwargs)
+    monkeypatch.setattr(fp8_gemm, name, spy)
+  reference = _llm(monkeypatch, config, attention_out=False)
+  want = _decode_logprobs(reference)
+  assert o_rows and not any(o_rows) and not any(quantized)
+  llm = _llm(monkeypatch, config, attention_out=True)
+  assert all(layer.attn.fp8_e4m3_o for layer in llm.target.layers)
+  o_rows.clear()
+  got = _decode_logprobs(llm)
+  assert any(quantized) and any(o_rows)  # the decode steps' o_proj: the kernel's rows
+  assert got == want
+
+
+def test_the_setting_off_several_tokens_or_a_bf16_o_proj_keep_its_input_as_it_is(monkeypatch):
+  """FP8_E4M3_ATTENTION_OUT off: no layer's attention quantizes its output; on, not for a step
+  of several tokens or a layer whose o_proj is not FP8."""
+  config = _dense_config()
+  off = _llm(monkeypatch, config, attention_out=False)
+  assert not any(layer.attn.fp8_e4m3_o for layer in off.target.layers)
+  attn = _llm(monkeypatch, config, attention_out=True).target.layers[0].attn
+  q = jnp.zeros((2, 1, config.num_heads, config.head_dim))
+  assert attn._quantizes_out(q) and not attn._quantizes_out(jnp.zeros((2, 3, 2, 128)))
+  attn.o_proj_scale = None
+  assert not attn._quantizes_out(q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, kv_heads, group, slots", [(1, 4, 8, 640), (8, 4, 8, 640),
+                                                       (8, 8, 4, 640), (3, 8, 4, 128)])
+def test_gpu_the_attention_kernels_quantize_as_quantize_activations(b, kv_heads, group, slots):
+  """Compiled (Triton) at Qwen3-30B-A3B's and Qwen3-8B's heads, split and merged where the GPU's
+  choice splits, bf16: the output as without `quantize` and its e4m3 form and lanes
+  quantize_activations' and act_lanes' of it."""
+  rng = np.random.default_rng(RUN_SEED + b + slots)
+  q, keys, values, start = _case(rng, b, kv_heads, group, slots, jnp.bfloat16)
+  call = lambda quantize: short_attention(q, keys, values, start, group=group, scale=0.1,
+                                          quantize=quantize)
+  want = call(False)
+  out, x8, lanes = call(True)
+  np.testing.assert_array_equal(_f32(out), _f32(want))
+  check_quantized(want.reshape(b, -1), x8, lanes, b, kv_heads * group * 128)
