@@ -181,13 +181,16 @@ def test_the_setting_off_several_tokens_or_a_bf16_o_proj_keep_its_input_as_it_is
                                                        (8, 8, 4, 640), (3, 8, 4, 128)])
 def test_gpu_the_attention_kernels_quantize_as_quantize_activations(b, kv_heads, group, slots):
   """Compiled (Triton) at Qwen3-30B-A3B's and Qwen3-8B's heads, split and merged where the GPU's
-  choice splits, bf16: the output as without `quantize` and its e4m3 form and lanes
-  quantize_activations' and act_lanes' of it."""
+  choice splits, bf16: the output as without `quantize` within a bf16 ulp (the quantize form's
+  merge holds a whole row a program, and its float32 sums over the splits may round in
+  another order: 1 element of 32768 did), and its e4m3 form and lanes exactly
+  quantize_activations' and act_lanes' of the output it wrote."""
   rng = np.random.default_rng(RUN_SEED + b + slots)
   q, keys, values, start = _case(rng, b, kv_heads, group, slots, jnp.bfloat16)
   call = lambda quantize: short_attention(q, keys, values, start, group=group, scale=0.1,
                                           quantize=quantize)
   want = call(False)
   out, x8, lanes = call(True)
-  np.testing.assert_array_equal(_f32(out), _f32(want))
-  check_quantized(want.reshape(b, -1), x8, lanes, b, kv_heads * group * 128)
+  np.testing.assert_allclose(_f32(out), _f32(want), rtol=2.0 ** -7, atol=0)
+  assert np.mean(_f32(out) != _f32(want)) < 1e-3
+  check_quantized(out.reshape(b, -1), x8, lanes, b, kv_heads * group * 128)
