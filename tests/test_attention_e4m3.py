@@ -176,6 +176,37 @@ def test_the_setting_off_several_tokens_or_a_bf16_o_proj_keep_its_input_as_it_is
   assert not attn._quantizes_out(q)
 
 
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_the_sharded_attentions_e4m3_rows_on_a_mesh_equal_one_device(dp):
+  """decode_attention.sharded_short_attention(quantize=True) on dp shards: the values and e4m3
+  rows one device gives, bit for bit, and each batch shard's lanes (E4m3Rows.lanes, a row a
+  shard) act_lanes' of its own rows' scales, as the FP8 product per shard reads them."""
+  from jspec.models.decode_attention import sharded_short_attention
+  from jspec.models.linear import E4m3Rows
+  from jspec.sharding.rules import ShardingRules
+  rng = np.random.default_rng(RUN_SEED + 200 + dp)
+  b, kv_heads, group, slots = 4, 2, 2, 48
+  q, keys, values, start = _case(rng, b, kv_heads, group, slots, jnp.float32)
+  q_BTNH = q.reshape(b, 1, kv_heads * group, 128)
+  outs = []
+  for mesh in (jspec.MeshConfig().make_mesh(), jspec.MeshConfig(dp=dp).make_mesh()):
+    attend = sharded_short_attention(mesh, ShardingRules(), interpret=True)
+    rows = attend(q_BTNH, keys, values, start, quantize=True)
+    assert isinstance(rows, E4m3Rows) and rows.lanes.shape[0] == mesh.shape["dp"]
+    assert rows.values.shape == q_BTNH.shape and rows.x8.shape == (b, 1, kv_heads * group * 128)
+    outs.append(rows)
+  one, meshed = outs
+  np.testing.assert_array_equal(_f32(meshed.values), _f32(one.values))
+  np.testing.assert_array_equal(_f32(meshed.x8), _f32(one.x8))
+  per_shard = b // dp
+  for shard in range(dp):
+    rows = slice(shard * per_shard, (shard + 1) * per_shard)
+    _, scale = fp8_gemm.quantize_activations(one.values[rows].reshape(per_shard, -1))
+    np.testing.assert_array_equal(np.asarray(meshed.lanes[shard]),
+                                  np.asarray(fp8_gemm.act_lanes(scale)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b, kv_heads, group, slots", [(1, 4, 8, 640), (8, 4, 8, 640),
                                                        (8, 8, 4, 640), (3, 8, 4, 128)])
