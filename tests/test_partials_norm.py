@@ -44,6 +44,39 @@ def test_rows_first_partials_are_the_rows_last_ones_transposed(seed):
   np.testing.assert_array_equal(rows_first, np.swapaxes(rows_last, 1, 2))
 
 
+@pytest.mark.usefixtures("fresh_traces")
+@pytest.mark.parametrize("seed", range(3))
+def test_the_products_sums_read_rows_first_partials_from_two_rows(monkeypatch, seed):
+  """fp8_gemm's products of several rows have XLA sum their K slices over rows-first partials
+  (ROWS_FIRST_SUMS), one row over rows-last ones; the products bit for bit those of the
+  rows-last layout, sums apart or fused, one weight or several."""
+  rng = np.random.default_rng(950 + seed)
+  rows = [1, 3, 8][seed]
+  k, ns = 512, [256, 128][:1 + seed % 2]
+  weights, _ = _fp8_case(rng, k, ns)
+  scales = [jnp.asarray(2.0 ** rng.integers(-3, 3, (n // 128, k // 128)), jnp.float32)
+            for n in ns]
+  x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+  layouts, partials = [], fp8_gemm.partials
+
+  def spy(*args, **kwargs):
+    layouts.append(args[7] if len(args) > 7 else kwargs.get("rows_first", False))
+    return partials(*args, **kwargs)
+
+  monkeypatch.setattr(fp8_gemm, "partials", spy)
+  outs = {}
+  for rows_first_sums in (True, False):
+    monkeypatch.setattr(fp8_gemm, "ROWS_FIRST_SUMS", rows_first_sums)
+    jax.clear_caches()
+    layouts.clear()
+    outs[rows_first_sums] = [
+        fp8_gemm.fp8_matmul_many(x, tuple(weights), tuple(scales), splits=2, sum_apart=apart)
+        for apart in (True, False)]
+    assert layouts and all(layout == (rows_first_sums and rows > 1) for layout in layouts)
+  for got, want in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def summed_rows_first(parts_SRD, rows, row_scale_M, dtype):
   """fp8_gemm's sum of an FP8 call's K-slice partials, rows first: [M, D] in `dtype`."""
   out = parts_SRD[0, :rows]

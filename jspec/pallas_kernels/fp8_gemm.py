@@ -39,6 +39,13 @@ SCALE_LANES = 32
 # The activation route of calls that name none (None: bfloat16 x as it is, float16 for other
 # x); "e4m3" quantizes x per row and 128 columns first, the checkpoints' "dynamic" scheme.
 DEFAULT_ACTIVATIONS: str | None = None
+# Steps of several rows lay the K-slice partials that XLA sums out rows first ([S, R, N]): rows
+# last, the sum's [N, M] needs a transpose into [M, N], a kernel of its own after the SwiGLU
+# fusion (1.9 µs a layer at Qwen3-8B's 8 rows); the Qwen3-8B FP8 step at batch 8 -1.2%
+# (BENCHMARKS.md, "o_proj's FP8 product on e4m3 rows written by the decode step's attention
+# kernel …"). One row keeps them rows last, where [N, 1] is [1, N] already: rows first there
+# measured no faster (a MoE o_proj's sum 1.25 against 1.15 µs). The same sums either way.
+ROWS_FIRST_SUMS = True
 
 
 # Pipeline stages of two-block steps (up to 16 rows). Timed kernel by kernel under the profiler
@@ -216,16 +223,20 @@ def _products(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
               sum_apart, act_lanes_X=None, out_dtype=None):
   if x_MK.dtype == E4M3 and out_dtype is None:
     raise ValueError(f"{name} of e4m3 x names its out_dtype")
-  parts_SNR, row_scale_M = _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits,
-                                     tiling, activations, act_lanes_X=act_lanes_X)
   m = x_MK.shape[0]
+  rows_first = ROWS_FIRST_SUMS and m > 1
+  parts, row_scale_M = _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling,
+                                 activations, rows_first, act_lanes_X=act_lanes_X)
   ns = [w.shape[0] for w in w8s_NK]
   bounds = np.cumsum([0] + ns)
-  out_MN = jnp.sum(parts_SNR[:, :, :m], axis=0).T
+  if rows_first:
+    out_MN = jnp.sum(parts[:, :m], axis=0)
+  else:
+    out_MN = jnp.sum(parts[:, :, :m], axis=0).T
   if row_scale_M is not None:
     out_MN = out_MN * row_scale_M[:, None]
   out_MN = out_MN.astype(out_dtype or x_MK.dtype)
-  if parts_SNR.shape[0] > 1 and sum_apart:
+  if parts.shape[0] > 1 and sum_apart:
     # The sum of the K-slice partials stays out of the consumer's fusion. Where the consumer
     # reduces over the output row (the residual add and RMSnorm after o_proj or down), XLA
     # fuses the sum into it, and at a few rows that reduction runs in one thread block that
