@@ -27,8 +27,9 @@ def sharded_fp8_add_rms_norm(mesh: Mesh, rules: ShardingRules, interpret: bool):
   kernel lanes or None, residual [B, T, D], norm scale [D]; eps, zero_centered, quantize) ->
   (h, norm(h)) for h = residual + x @ w: one FP8 kernel call (fp8_gemm.fp8_partials_many, rows
   first) whose K-slice partials the residual add and RMSNorm kernel sums as it reads them
-  (residual_norm.add_partials_rms_norm). Per batch shard, the weight whole on every shard (as the FP8 products run). quantize: norm(h)
-  as a linear.E4m3Rows, its e4m3 form written by the same kernel."""
+  (residual_norm.add_partials_rms_norm). Per batch shard, the weight whole on every shard (as
+  the FP8 products run). quantize: norm(h) as a linear.E4m3Rows, its e4m3 form written by the
+  same kernel."""
   from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
   from jspec.pallas_kernels.residual_norm import add_partials_rms_norm
   rows, whole = rules.spec(("batch", "seq", None)), PartitionSpec()
