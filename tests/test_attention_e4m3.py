@@ -126,12 +126,12 @@ def _decode_logprobs(llm):
 
 
 @pytest.mark.usefixtures("fresh_traces")
-@pytest.mark.parametrize("model", ["dense", "moe"])
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("model, split", [("dense", False), ("moe", True)])
 def test_o_proj_reads_the_attention_kernels_e4m3_rows(monkeypatch, model, split):
   """Every decode step's o_proj (a dense model's into the norm kernel that sums its partials,
   a MoE model's through its own K-slice sum) takes the e4m3 rows the short-context attention
-  kernel wrote (`split`: its slots split over programs, the merge kernel writing them), with no
+  kernel wrote (`split`: its slots split over programs, the merge kernel writing them; each
+  kernel form and each route once, the suite's time being short), with no
   quantizing pass of XLA's; the tokens and the decode steps' logprobs equal those of the same
   model with o_proj's activations quantized by XLA, bit for bit."""
   config = {"dense": _dense_config, "moe": _moe_config}[model]()
