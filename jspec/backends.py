@@ -295,7 +295,7 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
                            and getattr(node, "fp8_projection", None) is not None))):
         node.fp8_e4m3_rows = True
       if (FP8_E4M3_ROWS and FP8_E4M3_ATTENTION_OUT and isinstance(node, Attention)
-          and getattr(node, "fp8_projection", None) is not None
+          and node.fp8_projection is not None
           and all(axis_size(mesh, getattr(rules, a)) == 1
                   for a in ("embed", "q_heads", "head_dim"))):
         node.fp8_e4m3_o = True  # o_proj's input: one batch shard's rows, every head

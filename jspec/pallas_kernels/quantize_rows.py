@@ -51,17 +51,23 @@ def divide_rn(a, b, interpret: bool):
   return quotient
 
 
+def e4m3_groups(groups_GB, interpret: bool):
+  """(the rows of groups_GB [G, 128] float32 in e4m3, their scales [G]): each row one 128-group
+  scaled so that its largest |x| maps to e4m3's 448, as fp8_gemm.quantize_activations scales it
+  and XLA divides. The kernels that quantize (this module's, residual_norm's, the attention's)
+  all round through here."""
+  scale_G = jnp.maximum(jnp.max(jnp.abs(groups_GB), axis=1), 1e-12) * INVERSE_E4M3_MAX
+  quotient = divide_rn(groups_GB, lax.broadcast_in_dim(scale_G, groups_GB.shape, [0]), interpret)
+  return quotient.astype(E4M3), scale_G
+
+
 def _kernel(x_ref, x8_ref, scale_ref, *, rows: int, program_rows: int, interpret: bool):
   r, g = pl.program_id(0), pl.program_id(1)
   row_R = r * program_rows + lax.iota(jnp.int32, program_rows)
   real_R = row_R < rows
   x_RG = pltriton.load(x_ref.at[pl.ds(r * program_rows, program_rows), pl.ds(g * BLOCK, BLOCK)],
                        mask=real_R[:, None], other=0).astype(jnp.float32)
-  amax_R = jnp.max(jnp.abs(x_RG), axis=1)
-  scale_R = jnp.maximum(amax_R, 1e-12) * INVERSE_E4M3_MAX
-  scale_RG = lax.broadcast_in_dim(scale_R, x_RG.shape, [0])
-  x8_ref[...] = divide_rn(x_RG, scale_RG, interpret).astype(x8_ref.dtype)
-  scale_ref[...] = scale_R
+  x8_ref[...], scale_ref[...] = e4m3_groups(x_RG, interpret)
 
 
 def program_rows(tile_rows: int) -> int:

@@ -34,8 +34,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3
-from jspec.pallas_kernels.fp8_gemm import INVERSE_E4M3_MAX, MAX_ROWS, act_lanes_size
-from jspec.pallas_kernels.quantize_rows import divide_rn
+from jspec.pallas_kernels.fp8_gemm import MAX_ROWS, act_lanes_size
+from jspec.pallas_kernels.quantize_rows import e4m3_groups
 
 MAX_CHUNK = 4096  # the widest piece of a row one load takes (Triton blocks are powers of two)
 MIN_CHUNK = 64
@@ -157,15 +157,24 @@ def store_e4m3(normed, cols, m, x8_ref, lanes_ref, *, interpret: bool):
   """One piece of row m in e4m3 into x8_ref [M, D] and its groups' scales into lanes_ref
   [D/128, L] (_norm_kernel's `quantize`), rounded as XLA rounds quantize_activations
   (jspec.pallas_kernels.quantize_rows says how)."""
-  groups = normed.astype(jnp.float32).reshape(cols.size // BLOCK, BLOCK)
-  scale = jnp.maximum(jnp.max(jnp.abs(groups), axis=1), 1e-12) * INVERSE_E4M3_MAX
-  x8_ref[m, cols] = divide_rn(groups, jax.lax.broadcast_in_dim(scale, groups.shape, [0]),
-                              interpret).astype(E4M3).reshape(cols.size)
-  num_rows, lanes = x8_ref.shape[0], lanes_ref.shape[1]
-  lane = jax.lax.broadcasted_iota(jnp.int32, (cols.size // BLOCK, lanes), 1)
-  groups_of_piece = pl.ds(cols.start // BLOCK, cols.size // BLOCK)
-  pltriton.store(lanes_ref.at[groups_of_piece, pl.ds(0, lanes)],
-                 jnp.where(lane == m, scale[:, None], 0.0), mask=lane % num_rows == m)
+  x8, scale = e4m3_groups(normed.astype(jnp.float32).reshape(cols.size // BLOCK, BLOCK),
+                          interpret)
+  x8_ref[m, cols] = x8.reshape(cols.size)
+  store_scale_lanes(lanes_ref, pl.ds(cols.start // BLOCK, cols.size // BLOCK), scale, m,
+                    x8_ref.shape[0])
+
+
+def store_scale_lanes(lanes_ref, groups, scale_G, m, num_rows: int, real_G=None):
+  """Row m's scales of `groups` (a pl.ds of lanes_ref [K/128, L]'s groups) at lane m, and zeros
+  at the lanes past the `num_rows` rows that are m modulo them, so that the rows' programs
+  together write every lane (fp8_gemm.act_lanes' layout). real_G: a mask of the groups to
+  write (None: all)."""
+  lanes = lanes_ref.shape[1]
+  lane = jax.lax.broadcasted_iota(jnp.int32, (scale_G.shape[0], lanes), 1)
+  mask = lane % num_rows == m
+  pltriton.store(lanes_ref.at[groups, pl.ds(0, lanes)],
+                 jnp.where(lane == m, scale_G[:, None], 0.0),
+                 mask=mask if real_G is None else real_G[:, None] & mask)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "interpret", "quantize"))

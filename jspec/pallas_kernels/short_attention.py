@@ -35,8 +35,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import mla_merge, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3
-from jspec.pallas_kernels.fp8_gemm import INVERSE_E4M3_MAX, act_lanes_size
-from jspec.pallas_kernels.quantize_rows import divide_rn
+from jspec.pallas_kernels.fp8_gemm import MAX_ROWS, act_lanes_size
+from jspec.pallas_kernels.quantize_rows import e4m3_groups
+from jspec.pallas_kernels.residual_norm import store_scale_lanes
 
 # The most slots a step may attend (its kv_window) for the layers to take the kernel: one
 # program reads a (sequence, KV head)'s slots alone, so a longer window would leave most SMs
@@ -167,17 +168,11 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: in
 
 def _store_e4m3(out_RH, q_rows, row_mask, b, x8_ref, lanes_ref, *, interpret: bool):
   """Rows q_rows of sequence b (one 128-wide head each) in e4m3 into x8_ref [B, R, H] and
-  their scales into lanes_ref [R, L] at lane b (zeros at the lanes past the batch that are b
-  modulo it), as residual_norm.store_e4m3 lays a row's groups out."""
-  values = out_RH.astype(jnp.float32)
-  scale_R = jnp.maximum(jnp.max(jnp.abs(values), axis=1), 1e-12) * INVERSE_E4M3_MAX
-  x8 = divide_rn(values, lax.broadcast_in_dim(scale_R, values.shape, [0]), interpret)
-  pltriton.store(x8_ref.at[b, q_rows, :], x8.astype(E4M3), mask=row_mask[:, None])
-  num_rows, lanes = x8_ref.shape[0], lanes_ref.shape[1]
-  lane = lax.broadcasted_iota(jnp.int32, (values.shape[0], lanes), 1)
-  pltriton.store(lanes_ref.at[q_rows, pl.ds(0, lanes)],
-                 jnp.where(lane == b, scale_R[:, None], 0.0),
-                 mask=row_mask[:, None] & (lane % num_rows == b))
+  their scales into lanes_ref [R, L] at lane b, as residual_norm.store_e4m3 lays a row's
+  groups out."""
+  x8, scale_R = e4m3_groups(out_RH.astype(jnp.float32), interpret)
+  pltriton.store(x8_ref.at[b, q_rows, :], x8, mask=row_mask[:, None])
+  store_scale_lanes(lanes_ref, q_rows, scale_R, b, x8_ref.shape[0], real_G=row_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("group", "scale", "copies", "splits", "block_slots",
@@ -234,9 +229,9 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
     raise ValueError(f"block_slots {block_slots} must be a multiple of {MIN_ROWS} dividing "
                      f"the cache's {slots} slots")
   splits = splits or 1
-  if quantize and (rows != group or head_dim != BLOCK or copies != 1 or b > mla_merge.MAX_ROWS):
+  if quantize and (rows != group or head_dim != BLOCK or copies != 1 or b > MAX_ROWS):
     raise ValueError(f"short_attention quantizes a decode step's {BLOCK}-wide heads once for up "
-                     f"to {mla_merge.MAX_ROWS} sequences, got {rows // group} tokens, "
+                     f"to {MAX_ROWS} sequences, got {rows // group} tokens, "
                      f"H={head_dim}, {copies} copies, B={b}")
   if not 1 <= splits <= slots // block_slots:
     raise ValueError(f"splits must be 1 to the cache's {slots // block_slots} blocks, got "
