@@ -120,9 +120,10 @@ def sharded_short_attention(mesh: Mesh, rules: ShardingRules, interpret: bool = 
   keys and values [B, K, S, H] with the step's rows written, first positions [B], copies=1,
   quantize=False) -> [B, copies x T, N, H], tokens c x T .. the c-th copy of the T outputs (the
   kernel's `copies`). A decode step's q goes in as it is; a verify window's rows are regrouped
-  by KV head (and back) around the kernel. quantize (a decode step, the query heads whole on
-  every shard): a linear.E4m3Rows, the output with its e4m3 rows [B, 1, N x H] and their lanes
-  (the kernel's `quantize`), for o_proj's FP8 product."""
+  by KV head (and back) around the kernel. quantize (the query heads whole on every shard): a
+  linear.E4m3Rows, the output with its e4m3 rows [B, T, N x H] and their lanes (the kernel's
+  `quantize`, which writes both token by token: nothing regroups them after), for o_proj's FP8
+  product."""
   from jspec.models.linear import E4m3Rows
   from jspec.models.projections import e4m3_rows_spec
   from jspec.pallas_kernels.short_attention import short_attention
@@ -139,9 +140,9 @@ def sharded_short_attention(mesh: Mesh, rules: ShardingRules, interpret: bool = 
     out_CBRH = short_attention(q_BRH, keys_BKSH, values_BKSH, start_B, group=g,
                                scale=h ** -0.5, copies=copies, interpret=interpret,
                                quantize=quantize)
-    if quantize:  # one token: q's rows are its heads in order
+    if quantize:  # written token by token, as o_proj reads them
       out_BRH, x8, lanes = out_CBRH
-      return E4m3Rows(out_BRH.reshape(b, 1, n, h), x8.reshape(b, 1, n * h), lanes[None])
+      return E4m3Rows(out_BRH.reshape(b, t, n, h), x8.reshape(b, t, n * h), lanes[None])
     return out_CBRH.reshape(copies, b, k, t, g, h).transpose(1, 0, 3, 2, 4, 5).reshape(
         b, copies * t, n, h)
 

@@ -229,11 +229,11 @@ class Attention(nnx.Module):
             and self.tp_products.takes_doubled_row(self.o_proj.shape[0] * self.o_proj.shape[1]))
 
   def _quantizes_out(self, q_BTNH) -> bool:
-    """Whether a decode step's short-context attention also writes its output in e4m3 for
-    o_proj's FP8 kernel (linear.E4m3Rows; `fp8_e4m3_o`, set by the LLM): one token a sequence
-    of 128-wide heads, o_proj FP8 and taking the step's rows."""
-    return (self.fp8_e4m3_o and q_BTNH.shape[1] == 1 and self.head_dim == 128
-            and self.o_proj_scale is not None and fp8_rows_fit(self, q_BTNH, ("o_proj",), 2))
+    """Whether a decode or verify step's short-context attention also writes its output in
+    e4m3 for o_proj's FP8 kernel (linear.E4m3Rows; `fp8_e4m3_o`, set by the LLM): 128-wide
+    heads, o_proj FP8 and taking the step's rows."""
+    return (self.fp8_e4m3_o and self.head_dim == 128 and self.o_proj_scale is not None
+            and fp8_rows_fit(self, q_BTNH, ("o_proj",), 2))
 
   def _writes_kv(self, x_BTD) -> bool:
     """Whether the q / k / v kernel writes the step's keys and values into the cache: where the

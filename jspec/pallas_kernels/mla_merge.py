@@ -58,7 +58,7 @@ def merge_columns(splits: int, programs_per_column: int, latent_dim: int, num_sm
 
 
 def _kernel(parts_ref, lse_ref, out_ref, *quantized, splits: int, block_cols: int,
-            copies: int, interpret: bool):
+            copies: int, token_groups: tuple[int, int], interpret: bool):
   col, row, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(pl.multiple_of(col * block_cols, block_cols), block_cols)
   padded = _pow2_at_least(splits)
@@ -72,19 +72,26 @@ def _kernel(parts_ref, lse_ref, out_ref, *quantized, splits: int, block_cols: in
   total = jnp.sum(weight_K)
   out_C = jnp.sum(weight_K[:, None] * parts_KC.astype(jnp.float32), axis=0)
   out_C = jnp.where(total > 0, out_C / jnp.where(total > 0, total, 1.0), 0.0)
+  if quantized:  # the row whole (block_cols = C), token by token: [B, T x N, C] and its e4m3
+    # rows [B x T, N x C]; row k x T x G + t x G + g is token t's head n = k x G + g
+    tokens, group = token_groups
+    heads = out_ref.shape[1] // tokens
+    token, head = row // group % tokens, row // (tokens * group) * group + row % group
+    out_ref[b, token * heads + head, cols] = out_C.astype(out_ref.dtype)
+    store_e4m3(out_C.astype(out_ref.dtype), pl.ds(head * block_cols, block_cols),
+               b * tokens + token, *quantized, interpret=interpret)
+    return
   batch = out_ref.shape[0] // copies
   for c in range(copies):
     out_ref[c * batch + b, row, cols] = out_C.astype(out_ref.dtype)
-  if quantized:  # the row whole (block_cols = C): sequence b's columns row x C ..
-    store_e4m3(out_C.astype(out_ref.dtype), pl.ds(row * block_cols, block_cols), b, *quantized,
-               interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_cols", "rows",
-                                             "copies", "quantize"))
+                                             "copies", "quantize", "token_groups"))
 def merge_chunks(parts_BKRC: jax.Array, lse_BKR: jax.Array, *, dtype,
                  interpret: bool | None = None, block_cols: int | None = None,
-                 rows: int | None = None, copies: int = 1, quantize: bool = False):
+                 rows: int | None = None, copies: int = 1, quantize: bool = False,
+                 token_groups: tuple[int, int] | None = None):
   """[B, rows, C] in `dtype`: sum_k softmax_k(lse[b, k, r]) x parts[b, k, r, :] (float32
   sums) for the first `rows` rows (None: all R); rows no chunk saw (every lse -inf) give
   zeros. The rows past `rows` (a tile's padding, which the kernels need not write) are not
@@ -92,12 +99,14 @@ def merge_chunks(parts_BKRC: jax.Array, lse_BKR: jax.Array, *, dtype,
   `merge_columns`' choice. `copies` > 1: [copies x B, rows, C], the output written that many
   times over (copy c at rows c x B ..; short_attention's `copies`).
 
-  quantize (C = 128, all R rows, one copy, B <= fp8_gemm.MAX_ROWS): (the output, the same
-  values in e4m3 as B rows of R x C [B, R x C], each row's 128-groups scaled as
-  fp8_gemm.quantize_activations scales them, their scales in the FP8 kernel's lanes
-  [R x L], fp8_gemm.act_lanes): a decode step's attention output (R heads of one token) as
-  o_proj's few-row FP8 kernel takes it (linear.E4m3Rows), no quantizing pass of its own. A
-  program then merges a whole row (block_cols = C)."""
+  quantize (C = 128, all R rows, one copy, at most fp8_gemm.MAX_ROWS tokens): rows laid out
+  as short_attention's, row k x T x G + t x G + g token t's head k x G + g (`token_groups` =
+  (T, G); None: (1, 1)); returns (the output token by token [B, T x N, C] (N = R / T heads),
+  the same values in e4m3 as B x T rows of N x C [B x T, N x C], each row's 128-groups scaled
+  as fp8_gemm.quantize_activations scales them, their scales in the FP8 kernel's lanes
+  [N x L], fp8_gemm.act_lanes): a decode or verify step's attention output as o_proj's
+  few-row FP8 kernel takes it (linear.E4m3Rows), no quantizing pass of its own. A program
+  then merges a whole row (block_cols = C)."""
   b, splits, padded, latent_dim = parts_BKRC.shape
   if lse_BKR.shape != (b, splits, padded) or latent_dim % MIN_COLUMNS:
     raise ValueError(f"merge_chunks takes parts [B, K, R, C] and lse [B, K, R] with C a "
@@ -108,15 +117,21 @@ def merge_chunks(parts_BKRC: jax.Array, lse_BKR: jax.Array, *, dtype,
   if interpret is None:
     interpret = not platform.on_gpu()
   out_shape = [jax.ShapeDtypeStruct((copies * b, rows, latent_dim), dtype)]
+  tokens, group = token_groups or (1, 1)
   if quantize:
-    if latent_dim != BLOCK or rows != padded or copies != 1 or b > MAX_ROWS:
+    heads = rows // tokens
+    if (latent_dim != BLOCK or rows != padded or copies != 1 or b * tokens > MAX_ROWS
+        or rows % (tokens * group)):
       raise ValueError(f"merge_chunks quantizes every row of C={BLOCK} once for up to "
-                       f"{MAX_ROWS} sequences, got C={latent_dim}, {rows} of {padded} "
-                       f"rows, {copies} copies, B={b}")
+                       f"{MAX_ROWS} tokens in groups of T x G rows, got C={latent_dim}, "
+                       f"{rows} of {padded} rows, {copies} copies, B={b}, (T, G) = "
+                       f"{(tokens, group)}")
     block_cols = latent_dim
-    lanes = act_lanes_size(b, rows * latent_dim) // rows
-    out_shape += [jax.ShapeDtypeStruct((b, rows * latent_dim), E4M3),
-                  jax.ShapeDtypeStruct((rows, lanes), jnp.float32)]
+    lanes = act_lanes_size(b * tokens, heads * latent_dim) // heads
+    out_shape += [jax.ShapeDtypeStruct((b * tokens, heads * latent_dim), E4M3),
+                  jax.ShapeDtypeStruct((heads, lanes), jnp.float32)]
+  elif token_groups is not None:
+    raise ValueError("merge_chunks regroups rows by token only where it quantizes them")
   if block_cols is None:
     block_cols = merge_columns(splits, b * rows, latent_dim, platform.num_sms())
   if latent_dim % block_cols:
@@ -124,7 +139,7 @@ def merge_chunks(parts_BKRC: jax.Array, lse_BKR: jax.Array, *, dtype,
   values = _pow2_at_least(splits) * block_cols
   out = pl.pallas_call(
       functools.partial(_kernel, splits=splits, block_cols=block_cols, copies=copies,
-                        interpret=interpret),
+                        token_groups=(tokens, group), interpret=interpret),
       out_shape=tuple(out_shape),
       grid=(latent_dim // block_cols, rows, b),
       compiler_params=pltriton.CompilerParams(

@@ -167,14 +167,26 @@ def store_e4m3(normed, cols, m, x8_ref, lanes_ref, *, interpret: bool):
 def store_scale_lanes(lanes_ref, groups, scale_G, m, num_rows: int, real_G=None):
   """Row m's scales of `groups` (a pl.ds of lanes_ref [K/128, L]'s groups) at lane m, and zeros
   at the lanes past the `num_rows` rows that are m modulo them, so that the rows' programs
-  together write every lane (fp8_gemm.act_lanes' layout). real_G: a mask of the groups to
-  write (None: all)."""
+  together write every lane (fp8_gemm.act_lanes' layout). `groups` and `m` may also be int
+  arrays [G], scale g at group groups[g] of row m[g] (a verify window's heads, each of its own
+  token). real_G: a mask of the groups to write (None: all)."""
   lanes = lanes_ref.shape[1]
-  lane = jax.lax.broadcasted_iota(jnp.int32, (scale_G.shape[0], lanes), 1)
-  mask = lane % num_rows == m
-  pltriton.store(lanes_ref.at[groups, pl.ds(0, lanes)],
-                 jnp.where(lane == m, scale_G[:, None], 0.0),
-                 mask=mask if real_G is None else real_G[:, None] & mask)
+  if isinstance(groups, pl.Slice):
+    lane = jax.lax.broadcasted_iota(jnp.int32, (scale_G.shape[0], lanes), 1)
+    mask = lane % num_rows == m
+    pltriton.store(lanes_ref.at[groups, pl.ds(0, lanes)],
+                   jnp.where(lane == m, scale_G[:, None], 0.0),
+                   mask=mask if real_G is None else real_G[:, None] & mask)
+    return
+  # Each entry indexes its own lanes only, m, m + num_rows, ..., and a masked one lies past the
+  # ref: interpret mode's scatter writes every index it is given (masked ones with the values
+  # they held), and two entries at one index would race.
+  per_row = 1 << (-(-lanes // num_rows) - 1).bit_length()  # Triton's blocks: powers of two
+  lane = m[:, None] + num_rows * jax.lax.broadcasted_iota(
+      jnp.int32, (scale_G.shape[0], per_row), 1)
+  mask = lane < lanes if real_G is None else real_G[:, None] & (lane < lanes)
+  pltriton.store(lanes_ref.at[jnp.where(mask, groups[:, None], lanes_ref.shape[0]), lane],
+                 jnp.where(lane == m[:, None], scale_G[:, None], 0.0), mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "interpret", "quantize"))

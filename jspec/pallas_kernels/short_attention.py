@@ -158,21 +158,37 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: in
     pltriton.store(lse_ref.at[b, split, q_rows], lse, mask=row_mask)
     return
   o_ref, *quantized = out_refs
+  if quantized:
+    _store_token_major(out.astype(o_ref.dtype), head, row_ids, row_mask, b, group, o_ref,
+                       *quantized, interpret=interpret)
+    return
   batch = o_ref.shape[0] // copies
   for c in range(copies):
     pltriton.store(o_ref.at[c * batch + b, q_rows, :], out.astype(o_ref.dtype),
                    mask=row_mask[:, None])
-  if quantized:
-    _store_e4m3(out.astype(o_ref.dtype), q_rows, row_mask, b, *quantized, interpret=interpret)
 
 
-def _store_e4m3(out_RH, q_rows, row_mask, b, x8_ref, lanes_ref, *, interpret: bool):
-  """Rows q_rows of sequence b (one 128-wide head each) in e4m3 into x8_ref [B, R, H] and
-  their scales into lanes_ref [R, L] at lane b, as residual_norm.store_e4m3 lays a row's
-  groups out."""
+def _store_token_major(out_RH, head, row_ids, row_mask, b, group, o_ref, x8_ref, lanes_ref, *,
+                       interpret: bool):
+  """KV head `head`'s rows of sequence b (row t x G + g: token t's head g of the group) token
+  by token, as o_proj reads them: into o_ref [B, T x N, H] at t x N + head x G + g, in e4m3
+  into x8_ref [B, T x N, H] likewise (each row one 128-wide head, scaled as
+  residual_norm.store_e4m3 scales a group), and their scales into lanes_ref [N, L] at lane
+  b x T + t."""
+  heads = lanes_ref.shape[0]
+  tokens = o_ref.shape[1] // heads
+  token_R, head_R = row_ids // group, head * group + row_ids % group
   x8, scale_R = e4m3_groups(out_RH.astype(jnp.float32), interpret)
-  pltriton.store(x8_ref.at[b, q_rows, :], x8, mask=row_mask[:, None])
-  store_scale_lanes(lanes_ref, q_rows, scale_R, b, x8_ref.shape[0], real_G=row_mask)
+  if tokens == 1:  # a decode step: the rows contiguous, one lane
+    rows = (pl.ds(head * group, row_ids.shape[0]), slice(None))
+    groups, lane_R = rows[0], b
+  else:  # interpret mode indexes by arrays only where no index is a slice
+    rows = ((token_R * heads + head_R)[:, None], jnp.arange(out_RH.shape[1])[None, :])
+    groups, lane_R = head_R, b * tokens + token_R
+  for ref, values in ((o_ref, out_RH), (x8_ref, x8)):
+    pltriton.store(ref.at[(b, *rows)], values, mask=row_mask[:, None])
+  store_scale_lanes(lanes_ref, groups, scale_R, lane_R, x8_ref.shape[0] * tokens,
+                    real_G=row_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("group", "scale", "copies", "splits", "block_slots",
@@ -197,12 +213,13 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
   `num_stages`: Triton's, NUM_WARPS and NUM_STAGES where None (the blocks' shared-memory
   budget assumes NUM_STAGES: deeper pipelines are for benchmarks' given blocks).
 
-  quantize (a decode step: one token, 128-wide heads, one copy, at most fp8_gemm.MAX_ROWS
-  sequences): (the output, the same values in e4m3 [B, K x G x H], each head scaled as
-  fp8_gemm.quantize_activations scales a 128-group, and their scales in the FP8 kernel's lanes,
-  fp8_gemm.act_lanes): o_proj's input as its few-row FP8 kernel takes it (linear.E4m3Rows),
-  written by this kernel or by the merge after its splits, so that no pass of its own
-  quantizes it."""
+  quantize (128-wide heads, one copy, at most fp8_gemm.MAX_ROWS tokens B x T): (the output
+  token by token [B, T x N, H] (N = K x G heads in order, as o_proj reads them), the same
+  values in e4m3 [B x T, N x H], each head scaled as fp8_gemm.quantize_activations scales a
+  128-group, and their scales in the FP8 kernel's lanes, fp8_gemm.act_lanes): o_proj's input
+  as its few-row FP8 kernel takes it (linear.E4m3Rows), written by this kernel or by the merge
+  after its splits, so that no pass of its own quantizes it and no transpose regroups a
+  verify window's rows."""
   b, q_rows, head_dim = q_BRH.shape
   _, kv_heads, slots, _ = keys_BKSH.shape
   rows = q_rows // kv_heads
@@ -229,10 +246,10 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
     raise ValueError(f"block_slots {block_slots} must be a multiple of {MIN_ROWS} dividing "
                      f"the cache's {slots} slots")
   splits = splits or 1
-  if quantize and (rows != group or head_dim != BLOCK or copies != 1 or b > MAX_ROWS):
-    raise ValueError(f"short_attention quantizes a decode step's {BLOCK}-wide heads once for up "
-                     f"to {MAX_ROWS} sequences, got {rows // group} tokens, "
-                     f"H={head_dim}, {copies} copies, B={b}")
+  tokens, heads = rows // group, kv_heads * group
+  if quantize and (head_dim != BLOCK or copies != 1 or b * tokens > MAX_ROWS):
+    raise ValueError(f"short_attention quantizes {BLOCK}-wide heads once for up to {MAX_ROWS} "
+                     f"tokens, got H={head_dim}, {copies} copies, {b} x {tokens} tokens")
   if not 1 <= splits <= slots // block_slots:
     raise ValueError(f"splits must be 1 to the cache's {slots // block_slots} blocks, got "
                      f"{splits}")
@@ -246,15 +263,15 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
   if splits == 1:
     out_shape = (jax.ShapeDtypeStruct((copies * b, q_rows, head_dim), q_BRH.dtype),)
     if quantize:
+      lanes = act_lanes_size(b * tokens, heads * head_dim) // heads
       out_shape += (jax.ShapeDtypeStruct((b, q_rows, head_dim), E4M3),
-                    jax.ShapeDtypeStruct((q_rows, act_lanes_size(b, q_rows * head_dim) // q_rows),
-                                         jnp.float32))
+                    jax.ShapeDtypeStruct((heads, lanes), jnp.float32))
     out = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(b, kv_heads), compiler_params=params,
         interpret=interpret, name="short_attention" + ("_e4m3" if quantize else ""),
     )(start_B, q_BRH, keys_BKSH, values_BKSH)
     if quantize:
-      return out[0], out[1].reshape(b, -1), out[2].reshape(-1)
+      return out[0], out[1].reshape(b * tokens, -1), out[2].reshape(-1)
     return out[0]
   parts_BKRH, lse_BKR = pl.pallas_call(
       kernel, out_shape=(jax.ShapeDtypeStruct((b, splits, q_rows, head_dim), jnp.float32),
@@ -262,4 +279,5 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
       grid=(b, kv_heads, splits), compiler_params=params, interpret=interpret,
       name="short_attention_split")(start_B, q_BRH, keys_BKSH, values_BKSH)
   return mla_merge.merge_chunks(parts_BKRH, lse_BKR, dtype=q_BRH.dtype, copies=copies,
-                                interpret=interpret, quantize=quantize)
+                                interpret=interpret, quantize=quantize,
+                                token_groups=(tokens, group) if quantize else None)
