@@ -114,8 +114,8 @@ def test_the_quantize_forms_refuse_what_o_proj_cannot_take():
   with pytest.raises(ValueError, match=r"\(T, G\) = \(3, 1\)"):  # 4 rows are no 3-token window
     mla_merge.merge_chunks(jnp.zeros((1, 2, 4, 128)), lse, dtype=jnp.float32, quantize=True,
                            token_groups=(3, 1))
-  with pytest.raises(ValueError, match="only where it quantizes"):
-    mla_merge.merge_chunks(jnp.zeros((1, 2, 4, 128)), lse, dtype=jnp.float32,
+  with pytest.raises(ValueError, match="token by token all R rows"):
+    mla_merge.merge_chunks(jnp.zeros((1, 2, 4, 128)), lse, dtype=jnp.float32, rows=2,
                            token_groups=(2, 1))
 
 

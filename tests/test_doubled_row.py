@@ -48,9 +48,13 @@ def test_the_attention_kernel_writes_its_output_copies_times(seed):
                               interpret=True)
 
 
-def test_the_sharded_kernel_lays_the_copies_out_along_the_tokens():
+@pytest.mark.parametrize("token_major", [True, False])
+def test_the_sharded_kernel_lays_the_copies_out_along_the_tokens(monkeypatch, token_major):
   """sharded_short_attention(copies=2) over tp = 2 heads: [B, 2 T, N, H], tokens T .. 2 T - 1
-  the copy of tokens 0 .. T - 1, each equal to the one-copy call's."""
+  the copy of tokens 0 .. T - 1, each equal to the one-copy call's, with q and the output
+  token by token through the kernel (decode_attention.TOKEN_MAJOR) or regrouped around it."""
+  from jspec.models import decode_attention
+  monkeypatch.setattr(decode_attention, "TOKEN_MAJOR", token_major)
   mesh = jspec.MeshConfig(tp=2).make_mesh()
   call = sharded_short_attention(mesh, ShardingRules(), interpret=True)
   rng = np.random.default_rng(RUN_SEED + 20)

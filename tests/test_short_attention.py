@@ -66,6 +66,27 @@ def test_short_attention_matches_the_reference_in_float32(seed):
   np.testing.assert_allclose(got.reshape(want.shape), want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_token_major_q_and_output_are_the_grouped_rows_regrouped_bit_for_bit(seed):
+  """token_major=True takes q [B, T x N, H] as a step has it and writes [B, T x N, H] (the
+  layout o_proj reads): bit for bit the grouped call's rows, regrouped, for verify windows of
+  2 to 5 tokens, one program per (sequence, KV head) or the slots split over 2 to 4 (the
+  merge writing token by token), with 1 or 2 copies."""
+  rng = np.random.default_rng(RUN_SEED + 50 + seed)
+  b, t = int(rng.integers(1, 4)), int(rng.integers(2, 6))
+  kv_heads, group = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2, 8]))
+  slots, h = int(rng.choice([48, 64, 128])), int(rng.choice([16, 32]))
+  q, keys, values, start = _case(rng, b, t, kv_heads, group, slots, h)
+  splits, copies = [1, int(rng.integers(2, 5))][seed % 2], 1 + seed // 3
+  kw = dict(group=group, splits=splits, block_slots=16, copies=copies)
+  args = (jnp.asarray(keys), jnp.asarray(values), jnp.asarray(start))
+  want = _attend(q, keys, values, start, **kw)  # [copies x B, T, N, H]
+  got = short_attention(jnp.asarray(q.reshape(b, -1, h)), *args, scale=h ** -0.5,
+                        token_major=True, **kw)
+  assert got.shape == (copies * b, t * kv_heads * group, h)
+  np.testing.assert_array_equal(np.asarray(got).reshape(want.shape), want)
+
+
 def test_a_sequence_that_sees_no_slot_gives_zeros_and_reads_nothing_outside():
   """An idle sequence's position may be anything: before the cache (no slot seen) gives
   zeros, past its end reads the whole cache and no more."""
@@ -276,3 +297,10 @@ def test_gpu_short_attention_at_model_shapes(b, t, kv_heads, group, h, dtype):
   got = np.asarray(got, np.float32).reshape(b, kv_heads, t, group, h).transpose(0, 2, 1, 3, 4)
   want = _reference(q, keys, values, start, h ** -0.5)
   np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0.02, atol=0.02)
+  # token by token (as the models call it): the same rows, bit for bit
+  token_major = short_attention(*(jnp.asarray(a, dtype) for a in (q.reshape(b, -1, h), keys,
+                                                                  values)),
+                                jnp.asarray(start), group=group, scale=h ** -0.5,
+                                token_major=True)
+  np.testing.assert_array_equal(np.asarray(token_major, np.float32).reshape(want.shape),
+                                got.reshape(want.shape))

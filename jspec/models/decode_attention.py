@@ -115,15 +115,19 @@ def sharded_window_attention(mesh: Mesh, rules: ShardingRules, interpret: bool =
                        check_vma=False)
 
 
+# q and the output token by token through the short-context kernel (its `token_major`): no
+# transposes around a verify window's call. False: the rows regrouped by KV head around it.
+TOKEN_MAJOR = True
+
+
 def sharded_short_attention(mesh: Mesh, rules: ShardingRules, interpret: bool = False):
   """jspec.pallas_kernels.short_attention per shard of `mesh`: (q [B, T, N, H], the cache's
   keys and values [B, K, S, H] with the step's rows written, first positions [B], copies=1,
   quantize=False) -> [B, copies x T, N, H], tokens c x T .. the c-th copy of the T outputs (the
-  kernel's `copies`). A decode step's q goes in as it is; a verify window's rows are regrouped
-  by KV head (and back) around the kernel. quantize (the query heads whole on every shard): a
+  kernel's `copies`). q goes in and the output comes out as they are, token by token (the
+  kernel's `token_major`; TOKEN_MAJOR off: regrouped by KV head around the kernel). quantize (the query heads whole on every shard): a
   linear.E4m3Rows, the output with its e4m3 rows [B, T, N x H] and their lanes (the kernel's
-  `quantize`, which writes both token by token: nothing regroups them after), for o_proj's FP8
-  product."""
+  `quantize`), for o_proj's FP8 product."""
   from jspec.models.linear import E4m3Rows
   from jspec.models.projections import e4m3_rows_spec
   from jspec.pallas_kernels.short_attention import short_attention
@@ -136,13 +140,19 @@ def sharded_short_attention(mesh: Mesh, rules: ShardingRules, interpret: bool = 
     b, t, n, h = q_BTNH.shape
     k = keys_BKSH.shape[1]
     g = n // k
-    q_BRH = q_BTNH.reshape(b, t, k, g, h).transpose(0, 2, 1, 3, 4).reshape(b, k * t * g, h)
+    if TOKEN_MAJOR:  # a step's q and o_proj's input as they are
+      q_BRH = q_BTNH.reshape(b, t * n, h)
+    else:
+      q_BRH = q_BTNH.reshape(b, t, k, g, h).transpose(0, 2, 1, 3, 4).reshape(b, k * t * g, h)
     out_CBRH = short_attention(q_BRH, keys_BKSH, values_BKSH, start_B, group=g,
                                scale=h ** -0.5, copies=copies, interpret=interpret,
-                               quantize=quantize)
-    if quantize:  # written token by token, as o_proj reads them
+                               quantize=quantize, token_major=TOKEN_MAJOR)
+    if quantize:  # written token by token either way
       out_BRH, x8, lanes = out_CBRH
       return E4m3Rows(out_BRH.reshape(b, t, n, h), x8.reshape(b, t, n * h), lanes[None])
+    if TOKEN_MAJOR:
+      return out_CBRH.reshape(copies, b, t, n, h).transpose(1, 0, 2, 3, 4).reshape(
+          b, copies * t, n, h)
     return out_CBRH.reshape(copies, b, k, t, g, h).transpose(1, 0, 3, 2, 4, 5).reshape(
         b, copies * t, n, h)
 

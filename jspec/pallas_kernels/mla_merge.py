@@ -72,18 +72,17 @@ def _kernel(parts_ref, lse_ref, out_ref, *quantized, splits: int, block_cols: in
   total = jnp.sum(weight_K)
   out_C = jnp.sum(weight_K[:, None] * parts_KC.astype(jnp.float32), axis=0)
   out_C = jnp.where(total > 0, out_C / jnp.where(total > 0, total, 1.0), 0.0)
-  if quantized:  # the row whole (block_cols = C), token by token: [B, T x N, C] and its e4m3
-    # rows [B x T, N x C]; row k x T x G + t x G + g is token t's head n = k x G + g
-    tokens, group = token_groups
-    heads = out_ref.shape[1] // tokens
-    token, head = row // group % tokens, row // (tokens * group) * group + row % group
-    out_ref[b, token * heads + head, cols] = out_C.astype(out_ref.dtype)
-    store_e4m3(out_C.astype(out_ref.dtype), pl.ds(head * block_cols, block_cols),
-               b * tokens + token, *quantized, interpret=interpret)
-    return
+  # token by token ([B, T x N, C]; e4m3 rows [B x T, N x C]): row k x T x G + t x G + g is
+  # token t's head n = k x G + g (one token: row n)
+  tokens, group = token_groups
+  heads = out_ref.shape[1] // tokens
+  token, head = row // group % tokens, row // (tokens * group) * group + row % group
   batch = out_ref.shape[0] // copies
   for c in range(copies):
-    out_ref[c * batch + b, row, cols] = out_C.astype(out_ref.dtype)
+    out_ref[c * batch + b, token * heads + head, cols] = out_C.astype(out_ref.dtype)
+  if quantized:  # the row whole (block_cols = C)
+    store_e4m3(out_C.astype(out_ref.dtype), pl.ds(head * block_cols, block_cols),
+               b * tokens + token, *quantized, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_cols", "rows",
@@ -99,12 +98,14 @@ def merge_chunks(parts_BKRC: jax.Array, lse_BKR: jax.Array, *, dtype,
   `merge_columns`' choice. `copies` > 1: [copies x B, rows, C], the output written that many
   times over (copy c at rows c x B ..; short_attention's `copies`).
 
-  quantize (C = 128, all R rows, one copy, at most fp8_gemm.MAX_ROWS tokens): rows laid out
-  as short_attention's, row k x T x G + t x G + g token t's head k x G + g (`token_groups` =
-  (T, G); None: (1, 1)); returns (the output token by token [B, T x N, C] (N = R / T heads),
-  the same values in e4m3 as B x T rows of N x C [B x T, N x C], each row's 128-groups scaled
-  as fp8_gemm.quantize_activations scales them, their scales in the FP8 kernel's lanes
-  [N x L], fp8_gemm.act_lanes): a decode or verify step's attention output as o_proj's
+  token_groups (T, G): the rows laid out as short_attention's, row k x T x G + t x G + g
+  token t's head k x G + g, merged into [B, T x N, C] token by token (N = R / T heads; all R
+  rows). None: (1, 1), the rows as they are.
+
+  quantize (C = 128, all R rows, one copy, at most fp8_gemm.MAX_ROWS tokens): returns (the
+  output token by token, the same values in e4m3 as B x T rows of N x C [B x T, N x C], each
+  row's 128-groups scaled as fp8_gemm.quantize_activations scales them, their scales in the
+  FP8 kernel's lanes [N x L], fp8_gemm.act_lanes): a decode or verify step's attention output as o_proj's
   few-row FP8 kernel takes it (linear.E4m3Rows), no quantizing pass of its own. A program
   then merges a whole row (block_cols = C)."""
   b, splits, padded, latent_dim = parts_BKRC.shape
@@ -130,8 +131,9 @@ def merge_chunks(parts_BKRC: jax.Array, lse_BKR: jax.Array, *, dtype,
     lanes = act_lanes_size(b * tokens, heads * latent_dim) // heads
     out_shape += [jax.ShapeDtypeStruct((b * tokens, heads * latent_dim), E4M3),
                   jax.ShapeDtypeStruct((heads, lanes), jnp.float32)]
-  elif token_groups is not None:
-    raise ValueError("merge_chunks regroups rows by token only where it quantizes them")
+  elif token_groups is not None and (rows != padded or rows % (tokens * group)):
+    raise ValueError(f"merge_chunks writes token by token all R rows in groups of T x G, got "
+                     f"{rows} of {padded} rows, (T, G) = {(tokens, group)}")
   if block_cols is None:
     block_cols = merge_columns(splits, b * rows, latent_dim, platform.num_sms())
   if latent_dim % block_cols:

@@ -109,14 +109,29 @@ def choose_block_slots(slots: int, head_dim: int, itemsize: int) -> int:
               MIN_ROWS)
 
 
+def _token_rows(head, row_ids, group: int, tokens: int, heads: int, head_dim: int):
+  """The rows of [B, T x N, H] (token by token) that KV head `head`'s rows t x G + g are (token
+  t's head head x G + g), as an index after the sequence's: a slice for one token (they are
+  contiguous), else arrays (interpret mode indexes by arrays only where no index is a
+  slice)."""
+  if tokens == 1:
+    return pl.ds(head * group, row_ids.shape[0]), slice(None)
+  rows_R = row_ids // group * heads + head * group + row_ids % group
+  return rows_R[:, None], jnp.arange(head_dim)[None, :]
+
+
 def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: int,
             group: int, block_slots: int, slots: int, scale: float, copies: int, splits: int,
-            interpret: bool):
+            q_token_major: bool, out_token_major: bool, interpret: bool):
   b, head = pl.program_id(0), pl.program_id(1)
   row_ids = jnp.arange(block_rows)
   row_mask = row_ids < rows
   q_rows = pl.ds(head * rows, block_rows)
-  q = pltriton.load(q_ref.at[b, q_rows, :], mask=row_mask[:, None], other=0.0)
+  tokens, head_dim = rows // group, q_ref.shape[2]
+  heads = q_ref.shape[1] // tokens
+  token_rows = _token_rows(head, row_ids, group, tokens, heads, head_dim)
+  q = pltriton.load(q_ref.at[(b, *token_rows) if q_token_major else (b, q_rows, slice(None))],
+                    mask=row_mask[:, None], other=0.0)
   start = start_ref[b]
   position = start + row_ids // group  # the last slot each row sees
   # Blocks up to the last row's slot, within the cache (an idle sequence's position may lie
@@ -127,7 +142,6 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: in
     per = (blocks + splits - 1) // splits
     first = pl.program_id(2) * per
     last = jnp.minimum(blocks, first + per)
-  head_dim = q.shape[-1]
 
   def body(j, carry):
     acc, top, total = carry
@@ -158,49 +172,51 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: in
     pltriton.store(lse_ref.at[b, split, q_rows], lse, mask=row_mask)
     return
   o_ref, *quantized = out_refs
-  if quantized:
-    _store_token_major(out.astype(o_ref.dtype), head, row_ids, row_mask, b, group, o_ref,
-                       *quantized, interpret=interpret)
-    return
+  out = out.astype(o_ref.dtype)
   batch = o_ref.shape[0] // copies
   for c in range(copies):
-    pltriton.store(o_ref.at[c * batch + b, q_rows, :], out.astype(o_ref.dtype),
-                   mask=row_mask[:, None])
+    pltriton.store(o_ref.at[(c * batch + b, *token_rows) if out_token_major
+                            else (c * batch + b, q_rows, slice(None))],
+                   out, mask=row_mask[:, None])
+  if quantized:
+    _store_e4m3(out, head, row_ids, row_mask, b, group, token_rows, *quantized,
+                interpret=interpret)
 
 
-def _store_token_major(out_RH, head, row_ids, row_mask, b, group, o_ref, x8_ref, lanes_ref, *,
-                       interpret: bool):
-  """KV head `head`'s rows of sequence b (row t x G + g: token t's head g of the group) token
-  by token, as o_proj reads them: into o_ref [B, T x N, H] at t x N + head x G + g, in e4m3
-  into x8_ref [B, T x N, H] likewise (each row one 128-wide head, scaled as
-  residual_norm.store_e4m3 scales a group), and their scales into lanes_ref [N, L] at lane
-  b x T + t."""
-  heads = lanes_ref.shape[0]
-  tokens = o_ref.shape[1] // heads
-  token_R, head_R = row_ids // group, head * group + row_ids % group
+def _store_e4m3(out_RH, head, row_ids, row_mask, b, group, token_rows, x8_ref, lanes_ref, *,
+                interpret: bool):
+  """KV head `head`'s rows of sequence b (row t x G + g: token t's head g of the group) in
+  e4m3 into x8_ref [B, T x N, H] token by token, as o_proj reads them (each row one 128-wide
+  head, scaled as residual_norm.store_e4m3 scales a group), and their scales into lanes_ref
+  [N, L] at lane b x T + t."""
+  tokens = x8_ref.shape[1] // lanes_ref.shape[0]
   x8, scale_R = e4m3_groups(out_RH.astype(jnp.float32), interpret)
+  pltriton.store(x8_ref.at[(b, *token_rows)], x8, mask=row_mask[:, None])
   if tokens == 1:  # a decode step: the rows contiguous, one lane
-    rows = (pl.ds(head * group, row_ids.shape[0]), slice(None))
-    groups, lane_R = rows[0], b
-  else:  # interpret mode indexes by arrays only where no index is a slice
-    rows = ((token_R * heads + head_R)[:, None], jnp.arange(out_RH.shape[1])[None, :])
-    groups, lane_R = head_R, b * tokens + token_R
-  for ref, values in ((o_ref, out_RH), (x8_ref, x8)):
-    pltriton.store(ref.at[(b, *rows)], values, mask=row_mask[:, None])
+    groups, lane_R = token_rows[0], b
+  else:
+    groups, lane_R = head * group + row_ids % group, b * tokens + row_ids // group
   store_scale_lanes(lanes_ref, groups, scale_R, lane_R, x8_ref.shape[0] * tokens,
                     real_G=row_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("group", "scale", "copies", "splits", "block_slots",
-                                             "num_warps", "num_stages", "interpret", "quantize"))
+                                             "num_warps", "num_stages", "interpret", "quantize",
+                                             "token_major"))
 def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Array,
                     start_B: jax.Array, *, group: int, scale: float, copies: int = 1,
                     splits: int | None = None, block_slots: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None,
-                    interpret: bool | None = None, quantize: bool = False):
+                    interpret: bool | None = None, quantize: bool = False,
+                    token_major: bool = False):
   """[B, K x T x G, H]: each query row's softmax(q k^T * scale) v over the slots it sees
   (0 .. start + t for token t), in q's dtype. q_BRH as the module docstring lays it out;
   caches [B, K, S, H]; start_B: each sequence's first position in the step.
+
+  token_major: q and the output token by token instead, [B, T x N, H] (N = K x G heads in
+  order: a step's q [B, T, N, H] as it is, and the output as o_proj reads it), the kernel
+  reading and writing each token's rows where they lie: no transposes around a verify
+  window's call (for one token the two layouts are one).
 
   `copies` > 1: [copies x B, K x T x G, H], the output written that many times over (copy c
   at rows c x B ..). Why: a batch-1 tp step's one row goes to o_proj's K-slice partials as two
@@ -214,7 +230,7 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
   budget assumes NUM_STAGES: deeper pipelines are for benchmarks' given blocks).
 
   quantize (128-wide heads, one copy, at most fp8_gemm.MAX_ROWS tokens B x T): (the output
-  token by token [B, T x N, H] (N = K x G heads in order, as o_proj reads them), the same
+  token by token [B, T x N, H] whether or not q is, the same
   values in e4m3 [B x T, N x H], each head scaled as fp8_gemm.quantize_activations scales a
   128-group, and their scales in the FP8 kernel's lanes, fp8_gemm.act_lanes): o_proj's input
   as its few-row FP8 kernel takes it (linear.E4m3Rows), written by this kernel or by the merge
@@ -250,13 +266,15 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
   if quantize and (head_dim != BLOCK or copies != 1 or b * tokens > MAX_ROWS):
     raise ValueError(f"short_attention quantizes {BLOCK}-wide heads once for up to {MAX_ROWS} "
                      f"tokens, got H={head_dim}, {copies} copies, {b} x {tokens} tokens")
+  out_token_major = (token_major or quantize) and tokens > 1  # for one token: the same rows
   if not 1 <= splits <= slots // block_slots:
     raise ValueError(f"splits must be 1 to the cache's {slots // block_slots} blocks, got "
                      f"{splits}")
   kernel = functools.partial(
       _kernel, rows=rows, block_rows=max(MIN_ROWS, 1 << (rows - 1).bit_length()),
       group=group, block_slots=block_slots, slots=slots, scale=scale, copies=copies,
-      splits=splits, interpret=interpret)
+      splits=splits, q_token_major=token_major and tokens > 1,
+      out_token_major=out_token_major, interpret=interpret)
   params = pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
                                    num_stages=num_stages or NUM_STAGES)
   start_B = start_B.astype(jnp.int32)
@@ -280,4 +298,4 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
       name="short_attention_split")(start_B, q_BRH, keys_BKSH, values_BKSH)
   return mla_merge.merge_chunks(parts_BKRH, lse_BKR, dtype=q_BRH.dtype, copies=copies,
                                 interpret=interpret, quantize=quantize,
-                                token_groups=(tokens, group) if quantize else None)
+                                token_groups=(tokens, group) if out_token_major else None)
