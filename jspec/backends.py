@@ -244,8 +244,9 @@ FP8_PARTIALS_IN_NORM = True
 # step at batch 1 on an H200 -2.1% (BENCHMARKS.md, "e4m3 activations for the FP8 few-row
 # products ..."). down_proj's input (SwiGLU's) stays as it is.
 FP8_E4M3_ROWS = True
-# With FP8_E4M3_ROWS, o_proj's input too: a decode step's short-context attention kernel (or
-# the merge after its splits) writes its output in e4m3 as well (Attention._quantizes_out).
+# With FP8_E4M3_ROWS, o_proj's input too: a step's short-context attention kernel (or the merge
+# after its splits) writes its output in e4m3 as well, for steps of at most 64 rows (decode,
+# verify windows; Attention._quantizes_out).
 FP8_E4M3_ATTENTION_OUT = True
 
 

@@ -125,9 +125,9 @@ def sharded_short_attention(mesh: Mesh, rules: ShardingRules, interpret: bool = 
   keys and values [B, K, S, H] with the step's rows written, first positions [B], copies=1,
   quantize=False) -> [B, copies x T, N, H], tokens c x T .. the c-th copy of the T outputs (the
   kernel's `copies`). q goes in and the output comes out as they are, token by token (the
-  kernel's `token_major`; TOKEN_MAJOR off: regrouped by KV head around the kernel). quantize (the query heads whole on every shard): a
-  linear.E4m3Rows, the output with its e4m3 rows [B, T, N x H] and their lanes (the kernel's
-  `quantize`), for o_proj's FP8 product."""
+  kernel's `token_major`; TOKEN_MAJOR off: regrouped by KV head around the kernel). quantize
+  (the query heads whole on every shard): a linear.E4m3Rows, the output with its e4m3 rows
+  [B, T, N x H] and their lanes (the kernel's `quantize`), for o_proj's FP8 product."""
   from jspec.models.linear import E4m3Rows
   from jspec.models.projections import e4m3_rows_spec
   from jspec.pallas_kernels.short_attention import short_attention

@@ -112,7 +112,7 @@ class Attention(nnx.Module):
     # (x [B, T, K], w [K, N]) -> [B, T, N], the FP8 form with the block scale third. None: XLA's.
     # fp8_add_norm: o_proj's FP8 product with the residual add and norm after it, its K slices
     # summed in the norm's kernel (jspec.models.fp8_row_kernels.sharded_fp8_add_rms_norm).
-    # fp8_e4m3_o: a decode step's attention kernel writes o_proj's input in e4m3 too.
+    # fp8_e4m3_o: a step's attention kernel writes o_proj's input in e4m3 too.
     self.projection = None
     self.fp8_projection = self.fp8_add_norm = None
     self.fp8_e4m3_o = False
@@ -229,9 +229,10 @@ class Attention(nnx.Module):
             and self.tp_products.takes_doubled_row(self.o_proj.shape[0] * self.o_proj.shape[1]))
 
   def _quantizes_out(self, q_BTNH) -> bool:
-    """Whether a decode or verify step's short-context attention also writes its output in
-    e4m3 for o_proj's FP8 kernel (linear.E4m3Rows; `fp8_e4m3_o`, set by the LLM): 128-wide
-    heads, o_proj FP8 and taking the step's rows."""
+    """Whether a step's short-context attention also writes its output in e4m3 for o_proj's
+    FP8 kernel (linear.E4m3Rows; `fp8_e4m3_o`, set by the LLM): 128-wide heads, o_proj FP8 and
+    taking the step's rows (at most fp8_gemm.MAX_ROWS: decode, verify windows, short prompt
+    chunks)."""
     return (self.fp8_e4m3_o and self.head_dim == 128 and self.o_proj_scale is not None
             and fp8_rows_fit(self, q_BTNH, ("o_proj",), 2))
 

@@ -105,9 +105,9 @@ def merge_chunks(parts_BKRC: jax.Array, lse_BKR: jax.Array, *, dtype,
   quantize (C = 128, all R rows, one copy, at most fp8_gemm.MAX_ROWS tokens): returns (the
   output token by token, the same values in e4m3 as B x T rows of N x C [B x T, N x C], each
   row's 128-groups scaled as fp8_gemm.quantize_activations scales them, their scales in the
-  FP8 kernel's lanes [N x L], fp8_gemm.act_lanes): a decode or verify step's attention output as o_proj's
-  few-row FP8 kernel takes it (linear.E4m3Rows), no quantizing pass of its own. A program
-  then merges a whole row (block_cols = C)."""
+  FP8 kernel's lanes [N x L], fp8_gemm.act_lanes): a decode or verify step's attention
+  output as o_proj's few-row FP8 kernel takes it (linear.E4m3Rows), no quantizing pass of its
+  own. A program then merges a whole row (block_cols = C)."""
   b, splits, padded, latent_dim = parts_BKRC.shape
   if lse_BKR.shape != (b, splits, padded) or latent_dim % MIN_COLUMNS:
     raise ValueError(f"merge_chunks takes parts [B, K, R, C] and lse [B, K, R] with C a "

@@ -35,7 +35,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import mla_merge, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3
-from jspec.pallas_kernels.fp8_gemm import MAX_ROWS, act_lanes_size
+from jspec.pallas_kernels import fp8_gemm
+from jspec.pallas_kernels.fp8_gemm import act_lanes_size
 from jspec.pallas_kernels.quantize_rows import e4m3_groups
 from jspec.pallas_kernels.residual_norm import store_scale_lanes
 
@@ -241,9 +242,9 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
   rows = q_rows // kv_heads
   if (q_rows % kv_heads or rows % group or values_BKSH.shape != keys_BKSH.shape
       or keys_BKSH.shape[0] != b or keys_BKSH.shape[3] != head_dim or start_B.shape != (b,)):
-    raise ValueError(f"short_attention takes q [B, K*T*G, H], caches [B, K, S, H] and starts "
-                     f"[B], got {q_BRH.shape}, {keys_BKSH.shape}, {values_BKSH.shape}, "
-                     f"{start_B.shape} with G={group}")
+    raise ValueError(f"short_attention takes q [B, K*T*G, H] (or [B, T*N, H] token by token), "
+                     f"caches [B, K, S, H] and starts [B], got {q_BRH.shape}, "
+                     f"{keys_BKSH.shape}, {values_BKSH.shape}, {start_B.shape} with G={group}")
   if copies < 1:
     raise ValueError(f"copies must be at least 1, got {copies}")
   if not fits_kernel(slots, head_dim, rows):
@@ -263,9 +264,10 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
                      f"the cache's {slots} slots")
   splits = splits or 1
   tokens, heads = rows // group, kv_heads * group
-  if quantize and (head_dim != BLOCK or copies != 1 or b * tokens > MAX_ROWS):
-    raise ValueError(f"short_attention quantizes {BLOCK}-wide heads once for up to {MAX_ROWS} "
-                     f"tokens, got H={head_dim}, {copies} copies, {b} x {tokens} tokens")
+  if quantize and (head_dim != BLOCK or copies != 1 or b * tokens > fp8_gemm.MAX_ROWS):
+    raise ValueError(f"short_attention quantizes {BLOCK}-wide heads once for up to "
+                     f"{fp8_gemm.MAX_ROWS} tokens, got H={head_dim}, {copies} copies, "
+                     f"{b} x {tokens} tokens")
   out_token_major = (token_major or quantize) and tokens > 1  # for one token: the same rows
   if not 1 <= splits <= slots // block_slots:
     raise ValueError(f"splits must be 1 to the cache's {slots // block_slots} blocks, got "
