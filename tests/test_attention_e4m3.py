@@ -159,7 +159,7 @@ def _decode_logprobs(llm):
 
 @pytest.mark.usefixtures("fresh_traces")
 @pytest.mark.parametrize("model, split, drafter", [("dense", True, "ngram"),
-                                                   ("moe", False, None)])
+                                                   ("moe", False, None), ("moe", False, "ngram")])
 def test_o_proj_reads_the_attention_kernels_e4m3_rows(monkeypatch, model, split, drafter):
   """Every decode step's o_proj (a dense model's into the norm kernel that sums its partials,
   a MoE model's through its own K-slice sum), or every n-gram verify window's, takes the e4m3
@@ -167,8 +167,7 @@ def test_o_proj_reads_the_attention_kernels_e4m3_rows(monkeypatch, model, split,
   programs, the merge kernel writing them; each kernel form and each route once, the suite's
   time being short), with no quantizing pass of XLA's; the tokens and the logprobs of every
   token equal those of the same model with o_proj's activations quantized by XLA, bit for
-  bit. (The MoE route at verify windows, the unsplit kernel at windows and the merge at decode
-  steps are the kernel tests' alone here.)"""
+  bit. (The merge at decode steps is the kernel tests' alone here.)"""
   config = {"dense": _dense_config, "moe": _moe_config}[model]()
   if split:  # as the GPU's choice splits a few sequences' slots (2 ways in 16-slot blocks)
     monkeypatch.setattr(short_lib, "choose_splits",
