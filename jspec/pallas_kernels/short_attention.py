@@ -110,15 +110,14 @@ def choose_block_slots(slots: int, head_dim: int, itemsize: int) -> int:
               MIN_ROWS)
 
 
-def _token_rows(head, row_ids, group: int, tokens: int, heads: int, head_dim: int):
-  """The rows of [B, T x N, H] (token by token) that KV head `head`'s rows t x G + g are (token
-  t's head head x G + g), as an index after the sequence's: a slice for one token (they are
-  contiguous), else arrays (interpret mode indexes by arrays only where no index is a
-  slice)."""
+def _token_rows(token_R, head_R, first_head, tokens: int, heads: int, head_dim: int):
+  """The rows of [B, T x N, H] (token by token) that a KV head's rows t x G + g are (token
+  token_R's head head_R, the first of them first_head; a padding row's token past T), as an
+  index after the sequence's: a slice for one token (they are contiguous), else arrays
+  (interpret mode indexes by arrays only where no index is a slice)."""
   if tokens == 1:
-    return pl.ds(head * group, row_ids.shape[0]), slice(None)
-  rows_R = row_ids // group * heads + head * group + row_ids % group
-  return rows_R[:, None], jnp.arange(head_dim)[None, :]
+    return pl.ds(first_head, head_R.shape[0]), slice(None)
+  return (token_R * heads + head_R)[:, None], jnp.arange(head_dim)[None, :]
 
 
 def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: int,
@@ -130,7 +129,8 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: in
   q_rows = pl.ds(head * rows, block_rows)
   tokens, head_dim = rows // group, q_ref.shape[2]
   heads = q_ref.shape[1] // tokens
-  token_rows = _token_rows(head, row_ids, group, tokens, heads, head_dim)
+  token_R, head_R = row_ids // group, head * group + row_ids % group
+  token_rows = _token_rows(token_R, head_R, head * group, tokens, heads, head_dim)
   q = pltriton.load(q_ref.at[(b, *token_rows) if q_token_major else (b, q_rows, slice(None))],
                     mask=row_mask[:, None], other=0.0)
   start = start_ref[b]
@@ -180,11 +180,10 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: in
                             else (c * batch + b, q_rows, slice(None))],
                    out, mask=row_mask[:, None])
   if quantized:
-    _store_e4m3(out, head, row_ids, row_mask, b, group, token_rows, *quantized,
-                interpret=interpret)
+    _store_e4m3(out, token_R, head_R, row_mask, b, token_rows, *quantized, interpret=interpret)
 
 
-def _store_e4m3(out_RH, head, row_ids, row_mask, b, group, token_rows, x8_ref, lanes_ref, *,
+def _store_e4m3(out_RH, token_R, head_R, row_mask, b, token_rows, x8_ref, lanes_ref, *,
                 interpret: bool):
   """KV head `head`'s rows of sequence b (row t x G + g: token t's head g of the group) in
   e4m3 into x8_ref [B, T x N, H] token by token, as o_proj reads them (each row one 128-wide
@@ -196,7 +195,7 @@ def _store_e4m3(out_RH, head, row_ids, row_mask, b, group, token_rows, x8_ref, l
   if tokens == 1:  # a decode step: the rows contiguous, one lane
     groups, lane_R = token_rows[0], b
   else:
-    groups, lane_R = head * group + row_ids % group, b * tokens + row_ids // group
+    groups, lane_R = head_R, b * tokens + token_R
   store_scale_lanes(lanes_ref, groups, scale_R, lane_R, x8_ref.shape[0] * tokens,
                     real_G=row_mask)
 
