@@ -35,7 +35,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fp8_kernel_routes import profiled_kernels, weights
 from jspec.pallas_kernels import fp8_block_kernel, platform
-from jspec.pallas_kernels.fp8_gemm import choose_splits, default_tiling, scale_lanes
+from jspec.pallas_kernels.fp8_gemm import default_tiling, scale_lanes
+from jspec.pallas_kernels.fp8_layout import choose_splits
 
 PROFILE_RANGES = 256  # named ranges a program may record (each step records about four)
 

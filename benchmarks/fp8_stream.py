@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import fp8_block_kernel, fp8_gemm, platform
+from jspec.pallas_kernels import fp8_block_kernel, fp8_gemm, fp8_layout, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, Fp8Tiling
 
 from fp8_matmul import over_layers, timed  # this folder's: benchmarks run as scripts
@@ -95,7 +95,7 @@ def main():
     k, n = map(int, shape.split("x"))
     w8s, scales, bf16s = _fp8_weights(jax.random.key(0), args.layers, n, k)
     x = jax.random.normal(jax.random.key(1), (1, k), jnp.float32).astype(jnp.bfloat16)
-    splits = fp8_gemm.choose_splits(k, n, platform.num_sms())
+    splits = fp8_layout.choose_splits(k, n, platform.num_sms())
     as_u32 = lambda w: lax.bitcast_convert_type(
         w.reshape(w.shape[0], -1, 4 // w.dtype.itemsize), jnp.uint32)
     variants = [
@@ -113,7 +113,7 @@ def main():
                      kernel_alone(splits, Fp8Tiling(2, 4), x_dtype=jnp.float16), w8s))
     variants.append(("no products 2,4", kernel_alone(splits, Fp8Tiling(2, 4), False), w8s))
     for per_sm, stages in ((2, 4), (3, 3)):
-      more = fp8_gemm.choose_splits(k, n, platform.num_sms() * per_sm)
+      more = fp8_layout.choose_splits(k, n, platform.num_sms() * per_sm)
       variants.append((f"x{per_sm} programs 1,{stages}",
                        kernel_alone(more, Fp8Tiling(1, stages), per_sm=per_sm), w8s))
       variants.append((f"x{per_sm} no products 1,{stages}",

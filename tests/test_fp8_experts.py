@@ -18,7 +18,8 @@ from jspec.pallas_kernels.fp8_experts import (BLOCK, CHUNK_TOKENS, DECODE_PATH_M
                                               experts_fp8_decode, fits_kernel, slot_products)
 from jspec.pallas_kernels.fp8_experts_grouped import (MAX_TILE_ROWS, MIN_TILE_ROWS,
                                                       experts_fp8_grouped, tile_rows)
-from jspec.pallas_kernels.fp8_gemm import choose_splits, quantize_activations, scale_lanes
+from jspec.pallas_kernels.fp8_gemm import quantize_activations, scale_lanes
+from jspec.pallas_kernels.fp8_layout import choose_splits
 
 RUN_SEED = 20261125
 

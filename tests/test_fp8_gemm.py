@@ -11,10 +11,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jspec.pallas_kernels import fp8_gemm, platform
+from jspec.pallas_kernels import fp8_gemm, fp8_layout, platform
 from jspec.pallas_kernels.balanced_runs import BalancedRuns
-from jspec.pallas_kernels.fp8_gemm import (BLOCK, Fp8Tiling, choose_layout, choose_splits,
-                                           fits_kernel, fp8_matmul, quantize_activations)
+from jspec.pallas_kernels.fp8_gemm import (BLOCK, Fp8Tiling, fits_kernel, fp8_matmul,
+                                           quantize_activations)
+from jspec.pallas_kernels.fp8_layout import choose_layout, choose_splits
 
 RUN_SEED = 20261124
 
@@ -153,7 +154,7 @@ def test_products_of_one_x_in_one_call(monkeypatch, rows, k, ns, splits, program
   w8s = tuple(jnp.asarray(w) for w, _ in weights)
   scales = tuple(jnp.asarray(s) for _, s in weights)
   many = fp8_gemm.fp8_matmul_many.__wrapped__(x, w8s, scales, splits=splits)
-  used_splits, balanced = (splits, False) if splits else choose_layout(k, sum(ns), programs)
+  used_splits, balanced = (splits, False) if splits else choose_layout(k, sum(ns), programs, rows)
   x32 = np.asarray(x, np.float32)
   assert len(many) == len(ns)
   for y, (w8, scale), w8_j, scale_j in zip(many, weights, w8s, scales):
@@ -211,6 +212,54 @@ def test_balanced_runs_where_slices_leave_rounds_idle():
   assert choose_layout(12288, 4096, 132) == (4, False)
 
 
+def test_partials_share_caps_the_k_slices_as_the_rows_grow(monkeypatch):
+  """PARTIALS_SHARE: slice counts whose float32 partials (the kernel's padded rows, written and
+  read once) pass that share of the weight's e4m3 bytes are not tried; unset, the rows change
+  nothing."""
+  qkv = (4096, 6144, 132)  # Qwen3-8B's q / k / v on an H200: 8 slices fill 97% of 3 rounds
+  # up to 8 rows the kernel writes 8 (wgmma's least N): one row's partials are 8 rows'
+  assert fp8_layout.partials_share(4096, 8, 1) == fp8_layout.partials_share(4096, 8, 8) == 0.125
+  assert fp8_layout.partials_share(4096, 8, 32) == 0.5
+  for rows in (1, 8, 32, 64):
+    assert fp8_layout.most_splits(4096, rows) is None
+    assert choose_layout(*qkv, rows=rows) == (8, False)
+  monkeypatch.setattr(fp8_layout, "PARTIALS_SHARE", 0.25)
+  assert [fp8_layout.most_splits(4096, r) for r in (1, 8, 9, 16, 32, 64)] == [16, 16, 8, 8, 4, 2]
+  assert choose_layout(*qkv, rows=16) == (8, False)
+  assert choose_layout(*qkv, rows=32)[1]  # 4 slices fill 73%: balanced runs
+  # gate / up (2 slices) and down (4 slices, K = 12288) stay within the share at 64 rows
+  assert choose_layout(4096, 24576, 132, rows=64) == (2, False)
+  assert choose_layout(12288, 4096, 132, rows=64) == (4, False)
+  monkeypatch.setattr(fp8_layout, "PARTIALS_SHARE", 0.0)  # no slices at all: one, or balanced
+  assert fp8_layout.most_splits(4096, 1) == 1
+  assert choose_layout(12288, 4096, 132) == (1, True)
+
+
+def test_a_products_rows_reach_its_layout_and_the_capped_product_is_the_same(monkeypatch):
+  """The call passes its rows to choose_layout: 17 rows (32 padded) of K = 1024 on 4 programs
+  take 2 slices unset and balanced runs under a share of 0.3 (2 slices would write 0.5), and
+  both products are the dequantized one within the bf16 output's rounding."""
+  monkeypatch.setattr(platform, "num_sms", lambda: 4)
+  layouts = []
+  real_partials = fp8_gemm.partials
+
+  def spy(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling, balanced, rows_first):
+    layouts.append((splits, balanced))
+    return real_partials(x_RK, w8s_NK, scale_rows, act_scale_X, splits, tiling, balanced,
+                         rows_first)
+
+  monkeypatch.setattr(fp8_gemm, "partials", spy)
+  rng = np.random.default_rng([RUN_SEED, 41])
+  x = jnp.asarray(rng.standard_normal((17, 1024)), jnp.bfloat16)
+  w8, scale = _fp8_weight(rng, 256, 1024)
+  x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)
+  for share in (None, 0.3):
+    monkeypatch.setattr(fp8_layout, "PARTIALS_SHARE", share)
+    y = np.asarray(fp8_matmul.__wrapped__(x, jnp.asarray(w8), jnp.asarray(scale)), np.float32)
+    _assert_within_output_rounding(y, x32 @ w32.T, x32, w32)
+  assert layouts == [(2, False), (1, True)]
+
+
 # (rows, K, the weights' N, programs): items within one program's run, cut in two, and cut
 # over many programs (more programs than items); one weight and several.
 BALANCED_CASES = [(1, 768, (640,), 3), (3, 1024, (256,), 7), (8, 512, (128, 256, 128), 5),
@@ -223,7 +272,7 @@ def test_balanced_products_equal_the_dequantized_product(monkeypatch, rows, k, n
   partial slot written (interpret mode fills unwritten ones with NaN), unused slots zero, and
   their sum the dequantized product within the bf16 output's rounding."""
   monkeypatch.setattr(platform, "num_sms", lambda: programs)  # the interpreter runs them all
-  monkeypatch.setattr(fp8_gemm, "choose_layout", lambda k, n, num_sms: (1, True))
+  monkeypatch.setattr(fp8_layout, "choose_layout", lambda k, n, num_sms, rows=1: (1, True))
   rng = np.random.default_rng([RUN_SEED, 31, rows, k, *ns])
   x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
   weights = [_fp8_weight(rng, n, k) for n in ns]
@@ -254,7 +303,7 @@ def test_balanced_runs_on_the_other_activation_routes(monkeypatch, activations):
   w8, scale = _fp8_weight(rng, 640, 768)
   sliced = np.asarray(fp8_matmul.__wrapped__(x, jnp.asarray(w8), jnp.asarray(scale), splits=1,
                                              activations=activations), np.float32)
-  monkeypatch.setattr(fp8_gemm, "choose_layout", lambda k, n, num_sms: (1, True))
+  monkeypatch.setattr(fp8_layout, "choose_layout", lambda k, n, num_sms, rows=1: (1, True))
   balanced = np.asarray(fp8_matmul.__wrapped__(x, jnp.asarray(w8), jnp.asarray(scale),
                                                activations=activations), np.float32)
   x32, w32 = np.asarray(x, np.float32), _dequantized(w8, scale)

@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.pallas_kernels import decode_gemm, decode_routing, expert_act, platform
+from jspec.pallas_kernels import decode_gemm, decode_routing, expert_act, fp8_layout, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, scaled_block_sums
 from jspec.pallas_kernels.fp8_gemm import (MAX_ROWS, SCALE_LANES, act_lanes, bfloat16_rows,
-                                           choose_splits, quantize_activations)
+                                           quantize_activations)
 from jspec.pallas_kernels.shared import dequantize, float16_rows, smem_transforms
 
 
@@ -261,7 +261,7 @@ def experts_fp8(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts, w_up: Fp
 class Fp8ExpertsTiling:
   """128-K blocks per pipeline step and pipeline depth (0: as many as fit) of the gate/up
   kernel (two weights: each block widens two tiles in registers) and of the down kernel; K
-  slices of each (None: fp8_gemm.choose_splits' for the step's largest slot count)."""
+  slices of each (None: fp8_layout.choose_splits' for the step's largest slot count)."""
   gate_up_blocks: int = 1
   down_blocks: int = 2
   num_stages: int = 4
@@ -276,7 +276,7 @@ DECODE_TILING = Fp8ExpertsTiling()
 
 def _splits(chosen: int | None, k: int, num_slots_max: int, out: int) -> int:
   """K slices that fill the SMs' rounds with the step's (slot, column block) items."""
-  return chosen or choose_splits(k, num_slots_max * out, platform.num_sms())
+  return chosen or fp8_layout.choose_splits(k, num_slots_max * out, platform.num_sms())
 
 
 def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,

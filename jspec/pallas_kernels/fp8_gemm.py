@@ -13,8 +13,9 @@ benchmarks/fp8_matmul.py): a dot over `bf16(w8) * scale` writes the dequantized 
 product per 128-row block of K reaches at best the bf16 time. A first kernel in Pallas Triton
 (e4m3 widened to bf16 for the dot) read the bytes at only 1.0-1.6 TB/s.
 
-How: jspec.pallas_kernels.fp8_block_kernel (the kernel and its numerics); here the choice
-of activation route, K slices and tiling, and the XLA work around the kernel.
+How: jspec.pallas_kernels.fp8_block_kernel (the kernel and its numerics), fp8_layout (its
+K slices or balanced runs over the SMs); here the choice of activation route and tiling, and
+the XLA work around the kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.pallas_kernels import decode_gemm, decode_routing, platform
+from jspec.pallas_kernels import decode_gemm, decode_routing, fp8_layout, platform
 from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3, Fp8Tiling, partials
 from jspec.pallas_kernels.shared import float16_rows
 
@@ -65,49 +66,6 @@ def default_tiling(rows: int) -> Fp8Tiling:
 def fits_kernel(rows: int, k: int, n: int, block: tuple[int, int]) -> bool:
   return rows <= MAX_ROWS and tuple(block) == (BLOCK, BLOCK) and k % BLOCK == 0 \
       and n % BLOCK == 0
-
-
-# The share of the persistent grid's rounds of work items (one item per SM a round) that a
-# K-slice count must keep busy before a larger count is tried, and the most rounds it may take
-# (each item pays its pipeline's fill and drain). 8 rounds were slower on both models timed
-# (Qwen3-30B-A3B's q / k / v at 16 slices, whose sums its norm kernel reads: +5% a step), 6
-# faster on DeepSeek-V3 in one run (-1.5%) (BENCHMARKS.md, "Norm kernels' loads before ...").
-MIN_ROUND_FILL = 0.9
-MAX_ROUNDS = 4
-
-
-def round_fill(n: int, num_sms: int, splits: int) -> float:
-  """The share of the persistent grid's rounds that `splits` K slices' items keep busy."""
-  items = splits * (n // BLOCK)
-  return items / (-(-items // num_sms) * num_sms)
-
-
-# Where no K-slice count keeps MIN_ROUND_FILL of the rounds busy, the product's items run as
-# equal runs of K steps over the programs (balanced_runs.BalancedRuns) instead.
-BALANCED = True
-
-
-def choose_layout(k: int, n: int, num_sms: int) -> tuple[int, bool]:
-  """(K slices, balanced): choose_splits' slices where they fill MIN_ROUND_FILL of their
-  rounds, else balanced runs (when BALANCED)."""
-  splits = choose_splits(k, n, num_sms)
-  return splits, BALANCED and round_fill(n, num_sms, splits) < MIN_ROUND_FILL
-
-
-def choose_splits(k: int, n: int, num_sms: int) -> int:
-  """K slices (a power of two, whole blocks each, at most MAX_ROUNDS rounds of items): the
-  fewest whose work items, one per (slice, 128-column block), keep MIN_ROUND_FILL of the
-  rounds' SM slots busy (else the fullest, the fewest of equals).
-
-  The items go round-robin over the SMs, so 192 column blocks on 132 SMs (Qwen3-8B's fused
-  gate/up, no slices) leave 72 SMs idle in the second round: the product lasts two items'
-  time for 1.45 items' work; two slices give 384 half-length items, three rounds 97% full."""
-  col_blocks = n // BLOCK
-  k_blocks = k // BLOCK
-  candidates = [1 << i for i in range(k_blocks.bit_length()) if k_blocks % (1 << i) == 0
-                and (i == 0 or (1 << i) * col_blocks <= MAX_ROUNDS * num_sms)]
-  good = [s for s in candidates if round_fill(n, num_sms, s) >= MIN_ROUND_FILL]
-  return min(good) if good else max(candidates, key=lambda s: (round_fill(n, num_sms, s), -s))
 
 
 def bfloat16_rows(x_MK):
@@ -298,7 +256,7 @@ def _partials(name, x_MK, w8s_NK, scales_NbKb, lanes_NbX, splits, tiling, activa
   # The weights' items share the SMs' rounds: the slices are chosen for all their columns.
   balanced = False
   if not splits:
-    splits, balanced = choose_layout(k, sum(ns), platform.num_sms())
+    splits, balanced = fp8_layout.choose_layout(k, sum(ns), platform.num_sms(), rows=m)
     splits = 1 if balanced else splits  # a balanced item is the whole of K
   if k % (splits * BLOCK):
     raise ValueError(f"K={k} does not split into {splits} slices of whole {BLOCK}-blocks")
