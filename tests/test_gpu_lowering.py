@@ -1,0 +1,152 @@
+"""The decode step's GPU kernels as a Hopper GPU would be handed them, lowered on a machine
+without one: the Triton and Mosaic GPU lowerings (which run in Python, where a form a kernel
+cannot take fails) for every layout, row count and route the models use, with no interpreter.
+
+The rest of the CPU suite runs these kernels in interpret mode, which checks their numbers but
+not that the GPU's compiler takes them: a kernel change that the interpreter runs and the
+lowering refuses would otherwise first fail on a GPU runner. What lowering does not check:
+the PTX compile and the run itself (`make test-gpu`)."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.triton import gpu_info as triton_gpu_info
+
+from jspec.pallas_kernels import (decode_routing, fp8_gemm, fp8_layout, norm_router, platform,
+                                  residual_norm, row_norms)
+from jspec.pallas_kernels import short_attention as short_lib
+
+S = jax.ShapeDtypeStruct
+E4M3 = jnp.float8_e4m3fn
+H200_SMS = 132
+
+
+# jspec's short-context attention and its merge are Pallas Triton kernels, whose lowering warns
+# of that backend's deprecation at every call.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+
+@pytest.fixture(scope="module")
+def as_on_hopper():
+  """The kernels' view of the device made an H200's: on a GPU, Hopper, 132 SMs, no interpreter;
+  Triton's lowering told it targets compute capability 9.0. JAX's caches emptied before and
+  after the module: no trace of a kernel made for the GPU outlives it into a CPU test, and no
+  interpreted one made before it is lowered here."""
+  jax.clear_caches()
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(platform, "on_gpu", lambda: True)
+    patch.setattr(platform, "on_hopper", lambda: True)
+    patch.setattr(platform, "num_sms", lambda: H200_SMS)
+    patch.setattr(platform, "device_kind", lambda: "NVIDIA H200")
+    patch.setattr(platform, "interpret_params", lambda: None)
+    patch.setattr(triton_gpu_info, "get_gpu_info", lambda: triton_gpu_info.GpuInfo(
+        gpu_version=None, arch_name="9.0", compute_capability=90))
+    yield
+  jax.clear_caches()
+
+
+def lowered_kernels(fn, *args) -> list[str]:
+  """The GPU custom calls of fn(*args) lowered for CUDA, in order; the lowering must hold no
+  host callback (an interpreted kernel)."""
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "callback" not in text
+  return re.findall(r"custom_call @(__gpu\$xla\.gpu\.triton|mosaic_gpu\w*)", text)
+
+
+QWEN3_8B_QKV = (4096, (4096, 1024, 1024))  # K, the weights' N: q, k and v
+
+
+@pytest.mark.usefixtures("as_on_hopper")
+@pytest.mark.parametrize("rows", [1, 8, 17, 32, 64])
+@pytest.mark.parametrize("rows_first", [False, True])
+@pytest.mark.parametrize("e4m3_x", [False, True])
+def test_fp8_products_lower_at_every_row_count(monkeypatch, rows, rows_first, e4m3_x):
+  """The few-row FP8 kernel at Qwen3-8B's q / k / v: bf16 x, or e4m3 x with its lanes (a norm
+  kernel's rows), partials rows last or first; K slices as chosen, and balanced runs where
+  PARTIALS_SHARE caps the slices (past 16 rows), one Mosaic GPU call each."""
+  k, ns = QWEN3_8B_QKV
+  weights = tuple(S((n, k), E4M3) for n in ns)
+  scales = tuple(S((n // 128, k // 128), jnp.float32) for n in ns)
+  x = S((rows, k), E4M3 if e4m3_x else jnp.bfloat16)
+  lanes = S((fp8_gemm.act_lanes_size(rows, k),), jnp.float32) if e4m3_x else None
+  layouts = []
+  for share in (None, 0.25):
+    monkeypatch.setattr(fp8_layout, "PARTIALS_SHARE", share)
+    layouts.append(fp8_layout.choose_layout(k, sum(ns), H200_SMS, rows))
+    call = functools.partial(fp8_gemm.fp8_partials_many.__wrapped__, rows_first=rows_first)
+    if e4m3_x:
+      kernels = lowered_kernels(lambda x, w, s, a: call(x, w, s, act_lanes_X=a), x, weights,
+                                scales, lanes)
+    else:
+      kernels = lowered_kernels(call, x, weights, scales)
+    assert len(kernels) == 1 and kernels[0].startswith("mosaic_gpu")
+  # past 16 rows the kernel pads to 32 and more: there the cap's balanced runs were lowered
+  assert layouts[1][1] == (rows > 16)
+
+
+# (tokens, split): decode steps and verify windows, whole or split over programs.
+ATTENTION_FORMS = [(1, False), (1, True), (4, False), (4, True), (3, True)]
+
+
+@pytest.mark.usefixtures("as_on_hopper")
+@pytest.mark.parametrize("tokens, split", ATTENTION_FORMS)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_short_attention_lowers_in_every_layout(tokens, split, batch):
+  """Qwen3-8B's heads (8 KV heads of 4 queries, 128 wide) over 1024 slots: grouped or token by
+  token, with o_proj's e4m3 rows or without, two copies of a batch-1 row; split calls add the
+  merge (its e4m3 form where the kernel quantizes)."""
+  kv_heads, group, head_dim, slots = 8, 4, 128, 1024
+  q = S((batch, kv_heads * tokens * group, head_dim), jnp.bfloat16)
+  cache = S((batch, kv_heads, slots, head_dim), jnp.bfloat16)
+  start = S((batch,), jnp.int32)
+  splits = dict(splits=4, block_slots=64) if split else dict(splits=1)
+  forms = [dict(), dict(token_major=True), dict(quantize=True),
+           dict(quantize=True, token_major=True)]
+  if batch == 1:
+    forms.append(dict(copies=2))
+  for form in forms:
+    call = functools.partial(short_lib.short_attention.__wrapped__, group=group, scale=0.088,
+                             **splits, **form)
+    kernels = lowered_kernels(call, q, cache, cache, start)
+    assert len(kernels) == (2 if split else 1), form
+
+
+@pytest.mark.usefixtures("as_on_hopper")
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_norm_kernels_lower_with_their_e4m3_rows(rows):
+  """The norms that hand the next FP8 product its e4m3 rows at Qwen3-8B's width: the plain
+  norm (a first layer's input) and the norm that adds o_proj's or down_proj's K-slice partials
+  (rows first); and q / k / v's norm + RoPE kernel on the partials of their product (rows
+  last)."""
+  width, heads, kv_heads, head_dim, slices = 4096, 32, 8, 128, 8
+  x = S((rows, width), jnp.bfloat16)
+  scale = S((width,), jnp.bfloat16)
+  padded = decode_routing.padded_tokens(rows)
+  norm = functools.partial(residual_norm.rms_norm, eps=1e-6, quantize=True)
+  assert len(lowered_kernels(norm, x, scale)) == 1
+  parts_SRD = S((4, padded, width), jnp.float32)
+  add = functools.partial(residual_norm.add_partials_rms_norm, dtype=jnp.bfloat16, eps=1e-6,
+                          quantize=True)
+  assert len(lowered_kernels(add, x, parts_SRD, scale)) == 1
+  parts_SNR = S((slices, (heads + 2 * kv_heads) * head_dim, padded), jnp.float32)
+  qkv = functools.partial(row_norms.qkv_partials_norm_rope, q_heads=heads, kv_heads=kv_heads,
+                          dtype=jnp.bfloat16, theta=1e6)
+  norm_scale = S((head_dim,), jnp.bfloat16)
+  assert len(lowered_kernels(qkv, parts_SNR, S((rows,), jnp.int32), None, norm_scale,
+                             norm_scale)) == 1
+
+
+@pytest.mark.usefixtures("as_on_hopper")
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_moe_layers_norm_and_router_lowers_with_its_e4m3_rows(rows):
+  """The MoE layer's residual add, norm and router partials in one kernel at Qwen3-30B-A3B's
+  width and experts (2048 wide, 128 experts), with the experts' e4m3 rows and without."""
+  width, experts = 2048, 128
+  x = S((rows, width), jnp.bfloat16)
+  router = S((width, experts), jnp.bfloat16)
+  for quantize in (False, True):
+    call = functools.partial(norm_router.add_norm_router_partials, eps=1e-6, quantize=quantize)
+    assert len(lowered_kernels(call, x, x, S((width,), jnp.bfloat16), router)) == 1
