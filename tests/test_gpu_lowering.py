@@ -66,7 +66,8 @@ QWEN3_8B_QKV = (4096, (4096, 1024, 1024))  # K, the weights' N: q, k and v
 def test_fp8_products_lower_at_every_row_count(monkeypatch, rows, rows_first, e4m3_x):
   """The few-row FP8 kernel at Qwen3-8B's q / k / v: bf16 x, or e4m3 x with its lanes (a norm
   kernel's rows), partials rows last or first; K slices as chosen, and balanced runs where
-  PARTIALS_SHARE caps the slices (past 16 rows), one Mosaic GPU call each."""
+  PARTIALS_SHARE caps the slices (past 16 rows), and two K blocks a step at every row count
+  (TWO_BLOCK_MAX_ROWS): one Mosaic GPU call each."""
   k, ns = QWEN3_8B_QKV
   weights = tuple(S((n, k), E4M3) for n in ns)
   scales = tuple(S((n // 128, k // 128), jnp.float32) for n in ns)
@@ -85,6 +86,10 @@ def test_fp8_products_lower_at_every_row_count(monkeypatch, rows, rows_first, e4
     assert len(kernels) == 1 and kernels[0].startswith("mosaic_gpu")
   # past 16 rows the kernel pads to 32 and more: there the cap's balanced runs were lowered
   assert layouts[1][1] == (rows > 16)
+  monkeypatch.setattr(fp8_gemm, "TWO_BLOCK_MAX_ROWS", fp8_gemm.MAX_ROWS)  # two blocks a step
+  assert fp8_gemm.default_tiling(rows).blocks_per_step == 2
+  assert len(lowered_kernels(fp8_gemm.fp8_partials_many.__wrapped__, S((rows, k), jnp.bfloat16),
+                             weights, scales)) == 1
 
 
 # (tokens, split): decode steps and verify windows, whole or split over programs.

@@ -53,12 +53,15 @@ ROWS_FIRST_SUMS = True
 # on an H200 at Qwen3-8B's four shapes, 1 and 8 rows (BENCHMARKS.md, "The FP8 product kernel's
 # own time ..."): 3 stages 1.5-5.4% faster than 4 at every shape, 5 and 2 slower than 4.
 TWO_BLOCK_STAGES = 3
+# Two blocks a step up to this many rows. Measured before each tile was widened right before its
+# own product (fewer registers live): verify windows of 4 tokens at batch 8 (32 rows) take one.
+TWO_BLOCK_MAX_ROWS = 16
 
 
 def default_tiling(rows: int) -> Fp8Tiling:
   """Measured on an H200 (BENCHMARKS.md, "FP8 block-scaled products"): two blocks a step up to
   16 rows; from there the widened tiles of two blocks crowd the registers, one is faster."""
-  if rows <= 16:
+  if rows <= TWO_BLOCK_MAX_ROWS:
     return Fp8Tiling(blocks_per_step=2, num_stages=TWO_BLOCK_STAGES)
   return Fp8Tiling(blocks_per_step=1, num_stages=4)
 
