@@ -94,7 +94,7 @@ def use_fused_prefill_attention(mesh, pairs):
   GQA's was measured faster than XLA's attention at every chunk size, MLA's at DeepSeek-V3's
   shapes in chunks of 256 (BENCHMARKS.md, "Prefill attention through cuDNN's fused kernel",
   "MLA prefill through cuDNN; …")."""
-  interpret = jax.devices()[0].platform != "gpu"
+  interpret = not platform.on_gpu()
   implementation = "xla" if interpret else "cudnn"
   hopper, version = platform.on_hopper(), cudnn_version()
   for module, rules in _modules(pairs):
@@ -122,7 +122,7 @@ def use_pallas_attention(mesh, pairs, explicit: bool = True):
   from jspec.pallas_kernels.mla_decode import fits_kernel
   from jspec.pallas_kernels.mla_decode_wgmma import fits_latent as fits_wgmma
   from jspec.pallas_kernels.short_attention import fits_heads
-  interpret = jax.devices()[0].platform != "gpu"
+  interpret = not platform.on_gpu()
   use_fused_prefill_attention(mesh, pairs)
   for module, rules in _modules(pairs):
     kernel = sharded_window_attention(mesh, rules, interpret)

@@ -7,14 +7,19 @@ not that the GPU's compiler takes them: a kernel change that the interpreter run
 lowering refuses would otherwise first fail on a GPU runner. What lowering does not check:
 the PTX compile and the run itself (`make test-gpu`)."""
 
+import dataclasses
 import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 from jax._src.pallas.triton import gpu_info as triton_gpu_info
 
+import jspec
+from jspec.bench.collectives import step_programs
+from jspec.bench.presets import PRESETS
 from jspec.pallas_kernels import (decode_routing, fp8_gemm, fp8_layout, norm_router, platform,
                                   residual_norm, row_norms)
 from jspec.pallas_kernels import short_attention as short_lib
@@ -32,9 +37,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 @pytest.fixture(scope="module")
 def as_on_hopper():
   """The kernels' view of the device made an H200's: on a GPU, Hopper, 132 SMs, no interpreter;
-  Triton's lowering told it targets compute capability 9.0. JAX's caches emptied before and
-  after the module: no trace of a kernel made for the GPU outlives it into a CPU test, and no
-  interpreted one made before it is lowered here."""
+  Triton's and cuDNN's lowerings told they target compute capability 9.0. JAX's caches emptied
+  before and after the module: no trace of a kernel made for the GPU outlives it into a CPU
+  test, and no interpreted one made before it is lowered here."""
   jax.clear_caches()
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(platform, "on_gpu", lambda: True)
@@ -44,14 +49,24 @@ def as_on_hopper():
     patch.setattr(platform, "interpret_params", lambda: None)
     patch.setattr(triton_gpu_info, "get_gpu_info", lambda: triton_gpu_info.GpuInfo(
         gpu_version=None, arch_name="9.0", compute_capability=90))
+    # cuDNN's fused attention (prefill chunks) asks the device for its version and capability
+    patch.setattr(cudnn_attention, "check_cudnn_version", lambda: 91000)
+    patch.setattr(cudnn_attention, "check_compute_capability",
+                  lambda capability: tuple(map(int, capability.split("."))) <= (9, 0))
+    patch.setattr(cudnn_attention, "is_cuda_compute_capability_equal",
+                  lambda capability: capability == "9.0")
     yield
   jax.clear_caches()
 
 
 def lowered_kernels(fn, *args) -> list[str]:
-  """The GPU custom calls of fn(*args) lowered for CUDA, in order; the lowering must hold no
-  host callback (an interpreted kernel)."""
-  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  """The Pallas kernels' custom calls of fn(*args) lowered for CUDA, in order."""
+  return _kernel_calls(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+
+
+def _kernel_calls(text: str) -> list[str]:
+  """A lowered module's Pallas kernel calls; it must hold no host callback (an interpreted
+  kernel)."""
   assert "callback" not in text
   return re.findall(r"custom_call @(__gpu\$xla\.gpu\.triton|mosaic_gpu\w*)", text)
 
@@ -155,3 +170,61 @@ def test_a_moe_layers_norm_and_router_lowers_with_its_e4m3_rows(rows):
   for quantize in (False, True):
     call = functools.partial(norm_router.add_norm_router_partials, eps=1e-6, quantize=quantize)
     assert len(lowered_kernels(call, x, x, S((width,), jnp.bfloat16), router)) == 1
+
+
+# Small models of each family in the presets' layer types and head widths (2 layers, narrower
+# widths, a 4096-token vocabulary), each with an MTP head.
+R = dataclasses.replace
+SMALL_MODELS = {
+    "qwen3": R(PRESETS["qwen3-8b"], vocab_size=4096, hidden_size=1024, intermediate_size=3072,
+               num_layers=2, num_heads=8, num_kv_heads=2),
+    "qwen3_moe": R(PRESETS["qwen3-30b-a3b"], vocab_size=4096, hidden_size=1024, num_layers=2,
+                   num_heads=8, num_kv_heads=1,
+                   moe=R(PRESETS["qwen3-30b-a3b"].moe, num_experts=16, num_experts_per_tok=4,
+                         intermediate_size=256)),
+    "deepseek_v3": R(PRESETS["deepseek-v3"], vocab_size=4096, hidden_size=1024,
+                     intermediate_size=2048, num_layers=2, num_heads=16, num_kv_heads=16,
+                     moe=R(PRESETS["deepseek-v3"].moe, num_experts=16, num_experts_per_tok=4,
+                           intermediate_size=256, n_group=4, topk_group=2,
+                           first_k_dense_replace=1),
+                     mla=R(PRESETS["deepseek-v3"].mla, q_lora_rank=512)),
+}
+# A decode step's attention kernel by family; every family's MoE layers route in the norm's
+# kernel where their router is a softmax's.
+ATTENTION_KERNEL = {"qwen3": "short_attention", "qwen3_moe": "short_attention",
+                    "deepseek_v3": "mla_flash_decode"}
+
+
+@pytest.mark.usefixtures("as_on_hopper")
+@pytest.mark.parametrize("family, fp8", [("qwen3", True), ("qwen3_moe", True),
+                                         ("deepseek_v3", True), ("qwen3", False),
+                                         ("qwen3_moe", False)])
+def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8):
+  """An LLM built as on an H200 (the default backends choosing the GPU's kernels), its decode,
+  verify (4 tokens), MTP draft and prefill-chunk steps at batch 1 (decode and verify at 8 too)
+  lowered for CUDA: every
+  kernel compiled for the GPU (no interpreter), the attention kernel in decode, verify and
+  draft steps, MoE layers' norm + router kernel, the few-row FP8 kernel in every FP8 step, and
+  cuDNN's fused attention in prefill chunks."""
+  config = SMALL_MODELS[family]
+  if fp8:
+    config = R(config, fp8_block=(128, 128))
+  mtp = jspec.MTPSpec("deepseek_v3" if config.mla else "qwen3_next", 1, is_moe=config.is_moe)
+  llm = jspec.LLM.from_random(config, mtp, max_model_len=1024, max_num_seqs=8,
+                              speculative_config={"method": "mtp",
+                                                  "num_speculative_tokens": 3})
+  # batch 8: the steps whose kernels take other forms at several rows (e4m3 rows, windows)
+  for batch, kinds in ((1, ("decode", "verify", "draft", "prefill")), (8, ("decode", "verify"))):
+    steps = step_programs(llm, batch, k=3, context=512, traced=True, kinds=kinds)
+    assert sorted(steps) == sorted(kinds)
+    for kind, traced in steps.items():
+      text = traced.lower(lowering_platforms=("cuda",)).as_text()
+      calls = _kernel_calls(text)
+      names = set(re.findall(r'name = "(\w+)"', text))
+      assert not fp8 or any(c.startswith("mosaic_gpu") for c in calls), (batch, kind)
+      if kind == "prefill":
+        assert "__cudnn$fmha" in text, batch
+        continue
+      assert any(n.startswith(ATTENTION_KERNEL[family]) for n in names), (batch, kind, names)
+      if family == "qwen3_moe":
+        assert any(n.startswith("add_norm_router") for n in names), (batch, kind, names)

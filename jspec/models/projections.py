@@ -140,10 +140,10 @@ def with_loop_constants(module):
     transposes and copies of it, about 40 ms, in every round. On a GPU the bf16 table is read
     as it is."""
   from flax import nnx
-  from jspec.pallas_kernels import fp8_gemm
+  from jspec.pallas_kernels import fp8_gemm, platform
   if module is None:
     return module
-  on_cpu = jax.devices()[0].platform == "cpu"
+  on_cpu = not platform.on_gpu()
   for _, node in nnx.iter_graph(module):
     cfg = getattr(node, "cfg", None)
     if on_cpu and getattr(cfg, "tie_word_embeddings", False) and hasattr(node, "embed") and (
