@@ -196,25 +196,31 @@ ATTENTION_KERNEL = {"qwen3": "short_attention", "qwen3_moe": "short_attention",
 
 
 @pytest.mark.usefixtures("as_on_hopper")
-@pytest.mark.parametrize("family, fp8", [("qwen3", True), ("qwen3_moe", True),
-                                         ("deepseek_v3", True), ("qwen3", False),
-                                         ("qwen3_moe", False)])
-def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8):
-  """An LLM built as on an H200 (the default backends choosing the GPU's kernels), its decode,
-  verify (4 tokens), MTP draft and prefill-chunk steps at batch 1 (decode and verify at 8 too)
-  lowered for CUDA: every
+@pytest.mark.parametrize("family, fp8, mesh", [
+    ("qwen3", True, "dp1-tp1-ep1"), ("qwen3_moe", True, "dp1-tp1-ep1"),
+    ("deepseek_v3", True, "dp1-tp1-ep1"), ("qwen3", False, "dp1-tp1-ep1"),
+    ("qwen3_moe", False, "dp1-tp1-ep1"), ("qwen3", False, "dp1-tp2-ep1"),
+    ("qwen3_moe", False, "dp1-tp1-ep2")])
+def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8, mesh):
+  """An LLM built as on H200s (the default backends choosing the GPU's kernels, the tp and ep
+  collectives jspec's own where it has them), its decode, verify (4 tokens), MTP draft and
+  prefill-chunk steps at its least batch (decode and verify at 8 too) lowered for CUDA: every
   kernel compiled for the GPU (no interpreter), the attention kernel in decode, verify and
   draft steps, MoE layers' norm + router kernel, the few-row FP8 kernel in every FP8 step, and
   cuDNN's fused attention in prefill chunks."""
   config = SMALL_MODELS[family]
   if fp8:
     config = R(config, fp8_block=(128, 128))
+  dp, tp, ep = (int(part[2:]) for part in mesh.split("-"))
   mtp = jspec.MTPSpec("deepseek_v3" if config.mla else "qwen3_next", 1, is_moe=config.is_moe)
   llm = jspec.LLM.from_random(config, mtp, max_model_len=1024, max_num_seqs=8,
+                              mesh=jspec.MeshConfig(dp=dp, tp=tp, ep=ep),
                               speculative_config={"method": "mtp",
                                                   "num_speculative_tokens": 3})
   # batch 8: the steps whose kernels take other forms at several rows (e4m3 rows, windows)
-  for batch, kinds in ((1, ("decode", "verify", "draft", "prefill")), (8, ("decode", "verify"))):
+  least = dp * ep  # sequences are split over dp x ep
+  for batch, kinds in ((least, ("decode", "verify", "draft", "prefill")),
+                       (8, ("decode", "verify"))):
     steps = step_programs(llm, batch, k=3, context=512, traced=True, kinds=kinds)
     assert sorted(steps) == sorted(kinds)
     for kind, traced in steps.items():
