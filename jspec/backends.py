@@ -24,10 +24,10 @@ from jspec.models.prefill_attention import (cudnn_version, fits_cudnn,
                                             sharded_prefill_attention)
 from jspec.models.moe import MoE
 from jspec.models.moe_backends import get_experts_fn
-from jspec.models.projections import (sharded_fp8_projection, sharded_projection,
-                                      weights_replicated)
+from jspec.models.projections import sharded_fp8_projection, sharded_projection, weights_replicated
 from jspec.models import row_kernels
 from jspec.models.fp8_row_kernels import sharded_fp8_add_rms_norm, sharded_fp8_qkv_norm_rope
+from jspec.models.fp8_tensor_parallel import Fp8TensorParallel
 from jspec.models.row_kernels import (resolve_norm_backend, sharded_kv_write,
                                       sharded_norm_router, sharded_router, sharded_qk_norm_rope,
                                       sharded_qkv_norm_rope, sharded_rms_norm, sharded_swiglu)
@@ -164,8 +164,9 @@ def use_projections(backend: str, fp8_block, mesh, pairs, all_reduce_backend: st
     _use_fp8_projections(fp8_block, mesh, pairs)
   split = []
   if forced or all_reduce_backend in ("xla", "kernel"):
+    fp8_tp = fp8_block if forced or platform.on_hopper() else None
     split = [module for module, rules in _modules(pairs)
-             if _use_tensor_parallel(module, mesh, rules, custom, forced)]
+             if _use_tensor_parallel(module, mesh, rules, custom, forced, fp8_tp)]
   if backend == "auto":
     replicated = all(weights_replicated(mesh, rules) or any(module is m for m in split)
                      for module, rules in _modules(pairs))
@@ -185,26 +186,28 @@ def use_projections(backend: str, fp8_block, mesh, pairs, all_reduce_backend: st
   return backend
 
 
-def _use_tensor_parallel(module, mesh, rules, custom_all_reduce: bool, forced: bool) -> bool:
+def _use_tensor_parallel(module, mesh, rules, custom_all_reduce: bool, forced: bool,
+                         fp8_block=None) -> bool:
   """Gives `module`'s GQA attention layers and dense MLPs (not an MoE layer's shared experts,
   whose sum XLA adds to the routed experts' before one reduction) the tensor-parallel
-  products, where the mesh splits them; whether it did."""
+  products, where the mesh splits them, and with `fp8_block` their FP8 form; whether it did."""
   products = tensor_parallel_products(mesh, rules, custom_all_reduce, kernel_always=forced)
   if products is None:
     return False
   shared = {id(getattr(node, name)) for _, node in nnx.iter_graph(module)
             if isinstance(node, MoE) for name in ("shared_expert", "shared_experts")
             if hasattr(node, name)}
+  fp8 = fp8_block and Fp8TensorParallel(products, fp8_block)
   for _, node in nnx.iter_graph(module):
     if isinstance(node, (Attention, MLP)) and id(node) not in shared:
-      node.tp_products = products
+      node.tp_products, node.fp8_tp = products, fp8 or None
   return True
 
 
 def _use_fp8_projections(fp8_block, mesh, pairs):
   """On a GPU, FP8 projections go to the FP8 kernels (a few rows: fp8_gemm; more: fp8_prefill)
-  where the mesh keeps the weights whole on every shard; elsewhere they are scaled before XLA's
-  dot."""
+  where the mesh keeps the weights whole on every shard (split over tp: _use_tensor_parallel's
+  Fp8TensorParallel); elsewhere they are scaled before XLA's dot."""
   if not platform.on_hopper():
     return
   for module, rules in _modules(pairs):

@@ -200,14 +200,15 @@ ATTENTION_KERNEL = {"qwen3": "short_attention", "qwen3_moe": "short_attention",
     ("qwen3", True, "dp1-tp1-ep1"), ("qwen3_moe", True, "dp1-tp1-ep1"),
     ("deepseek_v3", True, "dp1-tp1-ep1"), ("qwen3", False, "dp1-tp1-ep1"),
     ("qwen3_moe", False, "dp1-tp1-ep1"), ("qwen3", False, "dp1-tp2-ep1"),
-    ("qwen3_moe", False, "dp1-tp1-ep2")])
+    ("qwen3_moe", False, "dp1-tp1-ep2"), ("qwen3", True, "dp1-tp2-ep1")])
 def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8, mesh):
   """An LLM built as on H200s (the default backends choosing the GPU's kernels, the tp and ep
   collectives jspec's own where it has them), its decode, verify (4 tokens), MTP draft and
   prefill-chunk steps at its least batch (decode and verify at 8 too) lowered for CUDA: every
   kernel compiled for the GPU (no interpreter), the attention kernel in decode, verify and
-  draft steps, MoE layers' norm + router kernel, the few-row FP8 kernel in every FP8 step, and
-  cuDNN's fused attention in prefill chunks."""
+  draft steps, MoE layers' norm + router kernel, the FP8 kernels in every FP8 step (the few-row
+  one in decode, verify and draft steps, shard by shard at tp = 2), and cuDNN's fused attention
+  in prefill chunks."""
   config = SMALL_MODELS[family]
   if fp8:
     config = R(config, fp8_block=(128, 128))
@@ -228,6 +229,8 @@ def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8, mesh):
       calls = _kernel_calls(text)
       names = set(re.findall(r'name = "(\w+)"', text))
       assert not fp8 or any(c.startswith("mosaic_gpu") for c in calls), (batch, kind)
+      # the few-row FP8 kernel (named in its Mosaic module) in every FP8 step, at tp too
+      assert not fp8 or kind == "prefill" or "fp8_block_gemm" in text, (batch, kind)
       if kind == "prefill":
         assert "__cudnn$fmha" in text, batch
         continue

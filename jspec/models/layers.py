@@ -131,9 +131,9 @@ class Attention(nnx.Module):
     # values), for steps of few rows. None: two XLA scatters.
     self.kv_write = None
     # Optional products for weights split over tp (jspec.sharding.tensor_parallel), set by
-    # the LLM: q, k and v per shard, o_proj's partial sums reduced by one all-reduce. Used for
-    # unquantized weights; FP8 ones keep their own products. None: XLA's partitioner.
-    self.tp_products = None
+    # the LLM: q, k and v per shard, o_proj's partial sums reduced by one all-reduce; FP8
+    # weights' through fp8_tp (jspec.models.fp8_tensor_parallel). None: XLA's partitioner.
+    self.tp_products = self.fp8_tp = None
     self.head_dim = h
 
   def _dense(self, x, name: str, spec: str, in_axes: int = 1):
@@ -160,7 +160,10 @@ class Attention(nnx.Module):
     # An FP8 call's K-slice sum goes into the fusions that read q, k and v (their norms, RoPE
     # and the cache writes): one kernel fewer a layer; with gate / up's, 0.982x Qwen3-8B's FP8
     # batch-1 step on an H100 (BENCHMARKS.md, "FP8 K-slice sums fused into their readers; …").
-    return project_many_named(self, x_BTD, specs, self.projection, fp8_sum_apart=False)
+    sharded = self.kv_replicas == 1 and self.fp8_tp and self.fp8_tp.layer_column(
+        self, x_BTD, QKV_NAMES, 0)  # FP8 over tp: each shard its heads' q, k and v, one call
+    return sharded or project_many_named(self, x_BTD, specs, self.projection,
+                                         fp8_sum_apart=False)
 
   def _fused_product(self, x_BTD):
     """The fused q / k / v product [B, T, K, G + 2, H]."""
@@ -204,10 +207,13 @@ class Attention(nnx.Module):
                                    quantize=gate_BTNH is None and self._quantizes_out(q_BTNH))
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
+    fp8_row = self.fp8_tp and self.fp8_tp.layer_row(self, out_BTNH, "o_proj", in_axes=2)
     if self.tp_products is not None and self.o_proj_scale is None:
       # The all-reduce may be left to the norm after the residual add (PartialSum).
       out_BTD = self.tp_products.row(out_BTNH, self.o_proj[...], in_axes=2, defer=True,
                                      tokens=tokens)
+    elif fp8_row is not None:
+      out_BTD = fp8_row
     elif sum_later:  # an FP8 product's K slices may be left to the norm after the residual add
       out_BTD = project_to_norm(self, out_BTNH, "o_proj", "btnh,nhd->btd", 2, self.projection)
     else:

@@ -44,8 +44,8 @@ class MLP(nnx.Module):
     # (linear.E4m3Rows), set by the LLM (jspec.backends.FP8_E4M3_ROWS).
     self.fp8_e4m3_rows = False
     self.fp8_block = gate_up_block or down_block
-    # Optional products for weights split over tp, as Attention.tp_products.
-    self.tp_products = None
+    # Optional products for weights split over tp, as Attention.tp_products and fp8_tp.
+    self.tp_products = self.fp8_tp = None
     # Optional (x [B, T, D], gate_up [D, 2, F]) -> the activation [B, T, F], for a step's few
     # rows (jspec.models.row_kernels.sharded_swiglu), set by the LLM where SWIGLU_KERNEL is on.
     self.swiglu_kernel = None
@@ -66,6 +66,9 @@ class MLP(nnx.Module):
     act_BTF = self._activation(x_BTD, tp)
     if tp is not None and self.down_proj_scale is None:
       return tp.row(act_BTF, self.down_proj[...], defer=True)  # as Attention's o_proj
+    fp8_row = self.fp8_tp and self.fp8_tp.layer_row(self, act_BTF, "down_proj")
+    if fp8_row is not None:
+      return fp8_row
     if sum_later:
       return project_to_norm(self, act_BTF, "down_proj", "btf,fd->btd")  # as o_proj
     return self._dense(act_BTF, "down_proj", "btf,fd->btd")
@@ -77,9 +80,12 @@ class MLP(nnx.Module):
     if (self.swiglu_kernel is not None and self.gate_up_proj_scale is None
         and takes_rows(x_BTD, ndim=3)):
       return self.swiglu_kernel(as_values(x_BTD), self.gate_up_proj[...])
+    sharded = self.fp8_tp and self.fp8_tp.layer_column(self, x_BTD, ("gate_up_proj",), 1)
     if tp is not None:
       x_BTD = as_values(x_BTD)
       gate_up_BTCF = tp.column(x_BTD, self.gate_up_proj[...], split=2)
+    elif sharded:  # FP8 over tp: each shard its columns of F
+      gate_up_BTCF, = sharded
     else:
       gate_up_BTCF = self._dense(x_BTD, "gate_up_proj", "btd,dcf->btcf", fp8_sum_apart=False)
     return jax.nn.silu(gate_up_BTCF[:, :, 0]) * gate_up_BTCF[:, :, 1]

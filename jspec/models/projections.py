@@ -62,6 +62,38 @@ class Fp8Projection:
                                  tuple(lanes or (None,) * len(w8s_NK)))
 
 
+def fp8_product(x_BTK, w8_NK, scale, lanes=None, sum_apart=True, *, block):
+  """One shard's x [.., K] times an FP8 weight [N, K] with its block scales (as
+  sharded_fp8_projection takes them): the few-row kernel for up to 64 rows, the prefill kernel
+  past that, another block size scaled before XLA's dot; [.., N] in x's dtype."""
+  from jspec.models.linear import project
+  from jspec.pallas_kernels import fp8_gemm, fp8_prefill
+  *lead, k = x_BTK.shape
+  rows, n = math.prod(lead), w8_NK.shape[0]
+  if fp8_gemm.fits_kernel(rows, k, n, block):
+    return fp8_gemm.fp8_matmul(x_BTK.reshape(rows, k), w8_NK, scale, lanes_NbX=lanes,
+                               sum_apart=sum_apart).reshape(*lead, n)
+  if fp8_prefill.fits_kernel(k, n, block):
+    return fp8_prefill.fp8_prefill_matmul(x_BTK.reshape(rows, k), w8_NK,
+                                          scale).reshape(*lead, n)
+  return project(x_BTK, w8_NK, scale, "", fp8_block=block)  # scaled, then XLA's dot
+
+
+def fp8_products(x_BTK, w8s_NK, scales, lanes=None, sum_apart=True, *, block):
+  """fp8_product of one x with several weights of its K: one few-row kernel call where it
+  takes them all; a tuple of [.., N_i]."""
+  from jspec.pallas_kernels import fp8_gemm
+  *lead, k = x_BTK.shape
+  rows = math.prod(lead)
+  lanes = lanes or (None,) * len(w8s_NK)
+  if all(fp8_gemm.fits_kernel(rows, k, w.shape[0], block) for w in w8s_NK):
+    outs = fp8_gemm.fp8_matmul_many(x_BTK.reshape(rows, k), tuple(w8s_NK), tuple(scales),
+                                    lanes_NbX=tuple(lanes), sum_apart=sum_apart)
+    return tuple(out.reshape(*lead, -1) for out in outs)
+  return tuple(fp8_product(x_BTK, w, s, l, sum_apart, block=block)
+               for w, s, l in zip(w8s_NK, scales, lanes))
+
+
 def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules,
                            block: tuple[int, int]) -> Fp8Projection:
   """The FP8 products per batch shard, the FP8 weights and their scales replicated, with 128 x
@@ -70,28 +102,9 @@ def sharded_fp8_projection(mesh: Mesh, rules: ShardingRules,
   verify windows: e4m3 activations on the FP8 tensor cores, the checkpoints' "dynamic"
   activation scheme); another block size: the weight multiplied by its scale before XLA's
   dot."""
-  from jspec.models.linear import project
-  from jspec.pallas_kernels import fp8_gemm, fp8_prefill
-
-  def product(x_BTK, w8_NK, scale, lanes=None, sum_apart=True):
-    *lead, k = x_BTK.shape
-    rows, n = math.prod(lead), w8_NK.shape[0]
-    if fp8_gemm.fits_kernel(rows, k, n, block):
-      return fp8_gemm.fp8_matmul(x_BTK.reshape(rows, k), w8_NK, scale, lanes_NbX=lanes,
-                                 sum_apart=sum_apart).reshape(*lead, n)
-    if fp8_prefill.fits_kernel(k, n, block):
-      return fp8_prefill.fp8_prefill_matmul(x_BTK.reshape(rows, k), w8_NK,
-                                            scale).reshape(*lead, n)
-    return project(x_BTK, w8_NK, scale, "", fp8_block=block)  # scaled, then XLA's dot
-
-  def products(x_BTK, w8s_NK, scales, lanes, sum_apart=True):
-    *lead, k = x_BTK.shape
-    rows = math.prod(lead)
-    if all(fp8_gemm.fits_kernel(rows, k, w.shape[0], block) for w in w8s_NK):
-      outs = fp8_gemm.fp8_matmul_many(x_BTK.reshape(rows, k), w8s_NK, scales, lanes_NbX=lanes,
-                                      sum_apart=sum_apart)
-      return tuple(out.reshape(*lead, -1) for out in outs)
-    return tuple(product(x_BTK, w, s, l, sum_apart) for w, s, l in zip(w8s_NK, scales, lanes))
+  from jspec.pallas_kernels import fp8_gemm
+  product = functools.partial(fp8_product, block=block)
+  products = functools.partial(fp8_products, block=block)
 
   def product_e4m3(x: E4m3Rows, w8_NK, scale, lanes=None, sum_apart=True):
     """The product of a norm's e4m3 rows (the few-row kernel's e4m3 route), in x's dtype."""

@@ -126,6 +126,15 @@ class TensorParallelProducts:
   def _split(self, ndim: int, dim: int) -> PartitionSpec:
     return PartitionSpec(*(self.axis if i == dim else None for i in range(ndim)))
 
+  def lead_spec(self) -> PartitionSpec:
+    """The partition of the activations' [B, T] axes (whole over tp)."""
+    return PartitionSpec(*self._lead)
+
+  def reduce_operands(self):
+    """(reduce, table, table_spec): the all-reduce a row product's shard_map calls per shard,
+    reduce(partial, row), and the operand (with its spec) that hands each device its row."""
+    return (self._reduce, *table_operand(self._workspace))
+
   def column(self, x_BTK, w_KO, split: int):
     """x [B, T, K] (whole on every shard) times w [K, *out] split over its axis `split` (an
     output axis): [B, T, *out], the same axis split; no collective."""

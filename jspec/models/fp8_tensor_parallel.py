@@ -1,0 +1,125 @@
+"""FP8 projections whose weights tp splits, each shard's share through the FP8 kernels.
+
+Without this, a layer's FP8 weights split over tp took XLA's path: each step scaled its shard
+of the weight into bf16 before XLA's dot, writing and reading the widened weight (a few-row
+product 2-3x the bf16 one on an H200, BENCHMARKS.md, "FP8 block-scaled products"). Here, as
+jspec.sharding.tensor_parallel does for bf16 weights, each product is a `shard_map` whose
+shards multiply their share as it is stored, e4m3 with its 128 x 128 block scales
+(jspec.models.projections.fp8_products: the few-row kernel for decode and verify steps, the
+prefill kernel for chunks):
+
+  column   x whole on every shard, the weights split over an output axis: q / k / v in one
+           kernel call, gate / up; no collective.
+  row      x and the weight split over the contracted axis: each shard's partial product,
+           then the tp products' one all-reduce (o_proj, down_proj).
+
+A shard's share must keep whole blocks: a split output axis of whole heads (the block on the
+head's width) or of whole 128-column groups, a split input axis likewise (`takes`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import PartitionSpec
+
+from jspec.models.linear import as_values
+from jspec.models.projections import fp8_product, fp8_products
+from jspec.sharding.tensor_parallel import TensorParallelProducts
+
+
+def _flat_grid(scale, in_axes: int = 1):
+  """A block scale over the stored axes as the flattened [N, K] weight's grid."""
+  return scale.reshape(math.prod(scale.shape[:-in_axes]), -1)
+
+
+class Fp8TensorParallel:
+  """`column` and `row` FP8 products over the mesh axis of `products` (whose all-reduce the row
+  products share), for weights stored output-first with their block scales (jspec.models.linear)."""
+
+  def __init__(self, products: TensorParallelProducts, block: tuple[int, int]):
+    self.products, self.block = products, tuple(block)
+    self.size = products.mesh.shape[products.axis]
+
+  def _split(self, ndim: int, dim: int) -> PartitionSpec:
+    return PartitionSpec(*(self.products.axis if i == dim else None for i in range(ndim)))
+
+  def takes(self, weights, dim: int, in_axes: int = 1) -> bool:
+    """Whether each of `weights` ((w8, scale) pairs, stored, `in_axes` input axes) splits over
+    its axis `dim` into shares of whole blocks: that axis of the weight and of its scale divide
+    by the shards, and a share's inner output axis and last input axis are whole blocks (so
+    its scale grid is its flattened [N, K] form's, linear._whole_blocks)."""
+    for w8, scale in weights:
+      if w8.shape[dim] % self.size or scale.shape[dim] % self.size:
+        return False
+      local = list(w8.shape)
+      local[dim] //= self.size
+      if local[-in_axes - 1] % self.block[0] or local[-1] % self.block[1]:
+        return False
+    return True
+
+  def layer_column(self, layer, x_BTK, names, dim: int):
+    """`column` of `layer`'s projections `names`, or None where one is unquantized or a share
+    would not keep whole blocks (the layer's own product then)."""
+    pairs = self._pairs(layer, names)
+    return self.column(as_values(x_BTK), pairs, dim) if pairs and self.takes(pairs, dim) \
+        else None
+
+  def layer_row(self, layer, x_BTI, name: str, in_axes: int = 1):
+    """`row` of `layer`'s projection `name`, its first input axis split, or None (as
+    layer_column)."""
+    pairs = self._pairs(layer, (name,))
+    w8 = pairs and pairs[0][0]
+    if not pairs or not self.takes(pairs, w8.ndim - in_axes, in_axes):
+      return None
+    return self.row(as_values(x_BTI), *pairs[0], in_axes=in_axes)
+
+  @staticmethod
+  def _pairs(layer, names):
+    scales = [getattr(layer, name + "_scale") for name in names]
+    if any(scale is None for scale in scales):
+      return None
+    return [(getattr(layer, name)[...], scale[...]) for name, scale in zip(names, scales)]
+
+  def column(self, x_BTK, weights, dim: int):
+    """x [B, T, K] (whole on every shard) times each FP8 weight of `weights` ((w8 [*out, K],
+    scale) pairs, one input axis), each split over its stored output axis `dim`: a tuple of
+    [B, T, *out], that axis split; one kernel call per shard for all of them, no collective.
+    The K-slice sums are left to the readers' fusions (norms, RoPE, SwiGLU)."""
+    lead = self.products.lead_spec()
+    w8s, scales = zip(*weights)
+
+    def local(x, w8s, scales):
+      k = x.shape[-1]
+      outs = fp8_products(x, [w.reshape(-1, k) for w in w8s], [_flat_grid(s) for s in scales],
+                          sum_apart=False, block=self.block)
+      return tuple(out.reshape(*x.shape[:-1], *w.shape[:-1]) for out, w in zip(outs, w8s))
+
+    specs = tuple(self._split(w.ndim, dim) for w in w8s)
+    out_specs = tuple(PartitionSpec(*lead, *spec[:-1]) for spec in specs)
+    return jax.shard_map(local, mesh=self.products.mesh,
+                         in_specs=(PartitionSpec(*lead, None), specs, specs),
+                         out_specs=out_specs, check_vma=False)(x_BTK, w8s, scales)
+
+  def row(self, x_BTI, w8, scale, in_axes: int = 1):
+    """x [B, T, *in] times an FP8 weight stored [*out, *in] over the `in_axes` input axes, the
+    first of them split over the mesh axis in both: each shard's partial product (its K
+    slices summed), then the all-reduce; [B, T, *out] whole on every shard."""
+    lead = self.products.lead_spec()
+    reduce, table, table_spec = self.products.reduce_operands()
+    out_axes = w8.ndim - in_axes
+
+    def local(x, w, s, row):
+      b, t = x.shape[:2]
+      k = math.prod(x.shape[2:])
+      partial = fp8_product(x.reshape(b, t, k), w.reshape(-1, k), _flat_grid(s, in_axes),
+                            block=self.block)
+      return reduce(partial, row).reshape(b, t, *w.shape[:out_axes])
+
+    split = self._split(w8.ndim, out_axes)
+    x_spec = PartitionSpec(*lead, self.products.axis, *(None,) * (in_axes - 1))
+    return jax.shard_map(local, mesh=self.products.mesh,
+                         in_specs=(x_spec, split, split, table_spec),
+                         out_specs=PartitionSpec(*lead, *(None,) * out_axes),
+                         check_vma=False)(x_BTI, w8, scale, table)

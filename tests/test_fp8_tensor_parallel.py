@@ -1,0 +1,142 @@
+"""FP8 projections split over tp through the FP8 kernels shard by shard
+(jspec.models.fp8_tensor_parallel): column and row products of weights as FP8 checkpoints
+store them equal the dequantized NumPy product on every mesh layout (interpret mode), shares
+that would cut a 128 x 128 block are left to the layer's own product, and a tiny FP8 model at
+tp = 2 through the kernels keeps the tokens of one device's XLA path (weights scaled, then
+XLA's dot)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jspec
+from jspec.bench.presets import PRESETS
+from jspec.models import fp8_tensor_parallel
+from jspec.models.fp8_tensor_parallel import Fp8TensorParallel
+from jspec.sharding.rules import MeshConfig, ShardingRules
+from jspec.sharding.tensor_parallel import tensor_parallel_products
+
+BLOCK = 128
+MESHES = [(1, 2, 1), (2, 2, 1), (1, 2, 2)]  # (dp, tp, ep)
+
+
+def _fp8(rng, shape, in_axes: int = 1):
+  """(e4m3 weight stored output-first, its float32 block scales over the same axes, the last
+  output and last input axis in blocks, and the dequantized float32 weight)."""
+  w8 = np.clip(rng.standard_normal(shape) * 100, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+  grid = list(shape)
+  grid[-1] //= BLOCK
+  grid[-in_axes - 1] //= BLOCK
+  scale = rng.uniform(1e-4, 1e-2, grid).astype(np.float32)
+  full = scale
+  for axis in (-1, -in_axes - 1):
+    full = np.repeat(full, BLOCK, axis=axis)
+  return w8, scale, w8.astype(np.float32) * full
+
+
+def _bound(x32, w32, want):
+  """One bf16 output rounding plus float32 sums' error (as test_fp8_gemm's)."""
+  return 2.0 ** -8 * np.abs(want) + 1e-5 * (np.abs(x32) @ np.abs(w32).T)
+
+
+@pytest.mark.usefixtures("interpreted_on_every_device", "fresh_traces")
+@pytest.mark.parametrize("dp, tp, ep", MESHES)
+def test_column_and_row_products_equal_the_dequantized_product(dp, tp, ep):
+  """q / k / v in one call (heads split), gate / up (F split) and o_proj (heads split, two
+  input axes) / down_proj (F split, one) with their partial sums reduced over tp: each within
+  one bf16 rounding of the float32 product of the dequantized weights."""
+  mesh = MeshConfig(dp=dp, tp=tp, ep=ep).make_mesh()
+  fp8 = Fp8TensorParallel(tensor_parallel_products(mesh, ShardingRules(), False), (BLOCK,) * 2)
+  rng = np.random.default_rng([dp, tp, ep])
+  b, t, d, heads, kv, h, f = dp * ep, 3, 256, 2 * tp, tp, 128, 256 * tp
+  x = rng.standard_normal((b, t, d)).astype(ml_dtypes.bfloat16)
+  x32 = x.astype(np.float32).reshape(b * t, d)
+  put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
+  x_d = put(x, P(("dp", "ep"), None, None))
+  qkv = [_fp8(rng, (n, h, d)) for n in (heads, kv, kv)]
+  outs = fp8.column(x_d, [(put(w8, P("tp")), put(s, P("tp"))) for w8, s, _ in qkv], 0)
+  for out, (_, _, w32) in zip(outs, qkv):
+    assert out.shape == (b, t, *w32.shape[:-1]) and out.dtype == jnp.bfloat16
+    want = x32 @ w32.reshape(-1, d).T
+    got = np.asarray(out, np.float32).reshape(b * t, -1)
+    assert (np.abs(got - want) <= _bound(x32, w32.reshape(-1, d), want)).all()
+  w8, s, w32 = _fp8(rng, (2, f, d))
+  (gate_up,) = fp8.column(x_d, [(put(w8, P(None, "tp")), put(s, P(None, "tp")))], 1)
+  want = x32 @ w32.reshape(-1, d).T
+  got = np.asarray(gate_up, np.float32).reshape(b * t, -1)
+  assert gate_up.shape == (b, t, 2, f)
+  assert (np.abs(got - want) <= _bound(x32, w32.reshape(-1, d), want)).all()
+  for in_shape, in_axes in (((heads, h), 2), ((f,), 1)):
+    xi = rng.standard_normal((b, t, *in_shape)).astype(ml_dtypes.bfloat16)
+    w8, s, w32 = _fp8(rng, (d, *in_shape), in_axes)
+    split = P(None, "tp", *(None,) * (in_axes - 1))
+    out = fp8.row(put(xi, P(("dp", "ep"), None, "tp", *(None,) * (in_axes - 1))),
+                  put(w8, split), put(s, split), in_axes=in_axes)
+    xi32 = xi.astype(np.float32).reshape(b * t, -1)
+    w32 = w32.reshape(d, -1)
+    want = xi32 @ w32.T
+    got = np.asarray(out, np.float32).reshape(b * t, d)
+    # each shard's partial is rounded to bf16 before the all-reduce, whose sum rounds again
+    share = w32.shape[1] // tp
+    partials = [xi32[:, i * share:(i + 1) * share] @ w32[:, i * share:(i + 1) * share].T
+                for i in range(tp)]
+    bound = _bound(xi32, w32, want) + sum(2.0 ** -8 * np.abs(p) for p in partials)
+    assert out.shape == (b, t, d)
+    assert (np.abs(got - want) <= bound).all()
+
+
+def test_shares_that_would_cut_a_block_are_refused():
+  """`takes`: a split axis (and its scales) that the shards divide, into shares whose inner
+  output axis and last input axis are whole blocks."""
+  mesh = MeshConfig(tp=2).make_mesh()
+  fp8 = Fp8TensorParallel(tensor_parallel_products(mesh, ShardingRules(), False), (BLOCK,) * 2)
+  w = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  assert fp8.takes([(w(4, 128, 256), s(4, 1, 2))], 0)           # heads split, whole heads
+  assert not fp8.takes([(w(3, 128, 256), s(3, 1, 2))], 0)       # 3 heads over 2 shards
+  assert fp8.takes([(w(2, 512, 256), s(2, 4, 2))], 1)           # F = 512: 256 a shard
+  assert not fp8.takes([(w(2, 384, 256), s(2, 3, 2))], 1)       # 192 a shard: a cut block
+  assert fp8.takes([(w(256, 4, 128), s(2, 4, 1))], 1, in_axes=2)
+  assert fp8.takes([(w(256, 512), s(2, 4))], 1)                 # down: F = 512 split
+  assert not fp8.takes([(w(256, 128), s(2, 1))], 1)             # K = 128: 64 a shard
+
+
+@pytest.mark.usefixtures("interpreted_on_every_device", "fresh_traces")
+def test_a_tiny_fp8_model_at_tp_2_through_the_kernels_keeps_one_devices_tokens(monkeypatch):
+  """Qwen3 with FP8 weights in 128 x 128 blocks (4 heads of 128, 2 KV heads, F = 512), float32:
+  at tp = 2 with the projections through the kernels shard by shard (projection_backend
+  "pallas"; on a Hopper GPU, "auto") every q / k / v, o_proj, gate / up and down_proj product
+  goes through Fp8TensorParallel, and the greedy tokens and top-3 logprobs of prompts and
+  decode steps equal one device's XLA path (weights scaled, then XLA's dot) within the kernel's
+  float16 route for float32 activations."""
+  calls = []
+  for name in ("column", "row"):
+    real = getattr(Fp8TensorParallel, name)
+
+    def spy(self, *args, real=real, name=name, **kwargs):
+      calls.append(name)
+      return real(self, *args, **kwargs)
+    monkeypatch.setattr(fp8_tensor_parallel.Fp8TensorParallel, name, spy)
+  config = PRESETS["qwen3-8b"].replace(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
+                                       fp8_block=(BLOCK, BLOCK))
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
+  prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
+  outputs = []
+  for tp in (1, 2):
+    llm = jspec.LLM.from_random(config, dtype="float32", seed=4, max_model_len=64,
+                                max_num_seqs=2, projection_backend="pallas",
+                                all_reduce_backend="xla", mesh=jspec.MeshConfig(tp=tp))
+    outputs.append(llm.generate(prompts, params, use_tqdm=False))
+    # per layer and program traced: q / k / v and gate / up as columns, o and down as rows
+    assert calls.count("column") == calls.count("row") == (0 if tp == 1 else len(calls) // 2)
+    assert (tp == 1) == (not calls)
+  for one, two in zip(*outputs):
+    assert one.token_ids == two.token_ids
+    for step_one, step_two in zip(one.logprobs, two.logprobs):
+      assert step_one.keys() == step_two.keys()
+      for token, entry in step_one.items():
+        assert abs(entry.logprob - step_two[token].logprob) < 3e-3
