@@ -41,7 +41,7 @@ from flax import nnx
 
 import jspec
 from jspec.bench.presets import PRESETS
-from jspec.models import layers, mlp, moe, row_kernels
+from jspec.models import fp8_tensor_parallel, layers, mlp, moe, row_kernels
 from jspec.pallas_kernels import short_attention, swiglu_gemm, workspace_norm
 from jspec.sharding.tensor_parallel import TensorParallelProducts
 
@@ -91,6 +91,11 @@ def main():
   parser.add_argument("--no-attention-splits", action="store_true",
                       help="short_attention.SPLITS off: one attention program per (sequence, "
                            "KV head), its slots not split over programs and merged")
+  parser.add_argument("--fp8", action="store_true",
+                      help="the preset as an FP8 checkpoint (e4m3, 128 x 128 block scales)")
+  parser.add_argument("--no-fp8-shards", action="store_true",
+                      help="FP8 weights split over tp keep XLA's path (scaled, then XLA's dot) "
+                           "instead of the FP8 kernels shard by shard")
   parser.add_argument("--k", type=int, default=3)
   parser.add_argument("--tree", help="with --method mtp: a speculative_token_tree (vLLM's paths; "
                                      "k becomes its node count)")
@@ -126,8 +131,12 @@ def main():
   if args.swiglu_tiling:
     (swiglu_gemm.BLOCK_K, swiglu_gemm.BLOCK_N, swiglu_gemm.NUM_STAGES,
      swiglu_gemm.NUM_WARPS) = (int(v) for v in args.swiglu_tiling.split(","))
+  if args.no_fp8_shards:
+    fp8_tensor_parallel.ON_HOPPER = False
   if args.layers:
     config = dataclasses.replace(config, num_layers=args.layers)
+  if args.fp8:
+    config = dataclasses.replace(config, fp8_block=(128, 128))
   # The MTP layer of the model's own family: DeepSeek-V3's layout for MLA models.
   layout = "deepseek_v3" if config.mla else "qwen3_next"
   spec = jspec.MTPSpec(layout, 1, is_moe=config.is_moe) if args.method == "mtp" else None

@@ -27,7 +27,7 @@ from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import sharded_fp8_projection, sharded_projection, weights_replicated
 from jspec.models import row_kernels
 from jspec.models.fp8_row_kernels import sharded_fp8_add_rms_norm, sharded_fp8_qkv_norm_rope
-from jspec.models.fp8_tensor_parallel import Fp8TensorParallel
+from jspec.models import fp8_tensor_parallel
 from jspec.models.row_kernels import (resolve_norm_backend, sharded_kv_write,
                                       sharded_norm_router, sharded_router, sharded_qk_norm_rope,
                                       sharded_qkv_norm_rope, sharded_rms_norm, sharded_swiglu)
@@ -164,7 +164,7 @@ def use_projections(backend: str, fp8_block, mesh, pairs, all_reduce_backend: st
     _use_fp8_projections(fp8_block, mesh, pairs)
   split = []
   if forced or all_reduce_backend in ("xla", "kernel"):
-    fp8_tp = fp8_block if forced or platform.on_hopper() else None
+    fp8_tp = fp8_block if forced or platform.on_hopper() and fp8_tensor_parallel.ON_HOPPER else None
     split = [module for module, rules in _modules(pairs)
              if _use_tensor_parallel(module, mesh, rules, custom, forced, fp8_tp)]
   if backend == "auto":
@@ -197,7 +197,7 @@ def _use_tensor_parallel(module, mesh, rules, custom_all_reduce: bool, forced: b
   shared = {id(getattr(node, name)) for _, node in nnx.iter_graph(module)
             if isinstance(node, MoE) for name in ("shared_expert", "shared_experts")
             if hasattr(node, name)}
-  fp8 = fp8_block and Fp8TensorParallel(products, fp8_block)
+  fp8 = fp8_block and fp8_tensor_parallel.Fp8TensorParallel(products, fp8_block)
   for _, node in nnx.iter_graph(module):
     if isinstance(node, (Attention, MLP)) and id(node) not in shared:
       node.tp_products, node.fp8_tp = products, fp8 or None

@@ -28,6 +28,10 @@ from jspec.models.linear import as_values
 from jspec.models.projections import fp8_product, fp8_products
 from jspec.sharding.tensor_parallel import TensorParallelProducts
 
+# On a Hopper GPU, layers whose FP8 weights tp splits take these products (the LLM's "auto"
+# projection backend); False keeps XLA's path there, to time the two against each other.
+ON_HOPPER = True
+
 
 def _flat_grid(scale, in_axes: int = 1):
   """A block scale over the stored axes as the flattened [N, K] weight's grid."""
