@@ -49,9 +49,27 @@ def test_column_and_row_products_equal_the_dequantized_product(dp, tp, ep):
   input axes) / down_proj (F split, one) with their partial sums reduced over tp: each within
   one bf16 rounding of the float32 product of the dequantized weights."""
   mesh = MeshConfig(dp=dp, tp=tp, ep=ep).make_mesh()
-  fp8 = Fp8TensorParallel(tensor_parallel_products(mesh, ShardingRules(), False), (BLOCK,) * 2)
-  rng = np.random.default_rng([dp, tp, ep])
-  b, t, d, heads, kv, h, f = dp * ep, 3, 256, 2 * tp, tp, 128, 256 * tp
+  _check_products(mesh, dp * ep, 3, 256, 2 * tp, tp, 256 * tp, custom=False,
+                  rng=np.random.default_rng([dp, tp, ep]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_products_at_qwen3_8b_shapes_on_two_gpus(rows):
+  """Compiled on 2 GPUs at Qwen3-8B's shapes (32 heads, 8 KV heads, F = 12288), the row
+  products reduced by the workspace kernel: as the interpreted test."""
+  if sum(d.platform == "gpu" for d in jax.devices()) < 2:
+    pytest.skip("needs 2 GPUs")
+  mesh = MeshConfig(tp=2).make_mesh()
+  _check_products(mesh, rows, 1, 4096, 32, 8, 12288, custom=True,
+                  rng=np.random.default_rng(rows))
+
+
+def _check_products(mesh, b, t, d, heads, kv, f, custom: bool, rng):
+  tp = mesh.shape["tp"]
+  products = tensor_parallel_products(mesh, ShardingRules(), custom)
+  fp8 = Fp8TensorParallel(products, (BLOCK,) * 2)
+  h = 128
   x = rng.standard_normal((b, t, d)).astype(ml_dtypes.bfloat16)
   x32 = x.astype(np.float32).reshape(b * t, d)
   put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
