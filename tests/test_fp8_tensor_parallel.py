@@ -127,15 +127,19 @@ def test_a_tiny_fp8_model_at_tp_2_through_the_kernels_keeps_one_devices_tokens(m
   """Qwen3 with FP8 weights in 128 x 128 blocks (4 heads of 128, 2 KV heads, F = 512), float32:
   at tp = 2 with the projections through the kernels shard by shard (projection_backend
   "pallas"; on a Hopper GPU, "auto") every q / k / v, o_proj, gate / up and down_proj product
-  goes through Fp8TensorParallel, and the greedy tokens and top-3 logprobs of prompts and
-  decode steps equal one device's XLA path (weights scaled, then XLA's dot) within the kernel's
-  float16 route for float32 activations."""
-  calls = []
+  goes through Fp8TensorParallel (the loop's steps with their scales' lanes made before the
+  loop), and the greedy tokens and top-3 logprobs of prompts and decode steps equal one
+  device's XLA path (weights scaled, then XLA's dot) within the kernel's float16 route for
+  float32 activations."""
+  calls, prepared = [], []  # prepared: the scales' kernel lanes made before the loop
   for name in ("column", "row"):
     real = getattr(Fp8TensorParallel, name)
 
     def spy(self, *args, real=real, name=name, **kwargs):
+      lanes = kwargs.get("lanes", args[3] if len(args) > 3 else None)
       calls.append(name)
+      prepared.append(lanes is not None and all(l is not None for l in (
+          lanes if name == "column" else (lanes,))))
       return real(self, *args, **kwargs)
     monkeypatch.setattr(fp8_tensor_parallel.Fp8TensorParallel, name, spy)
   config = PRESETS["qwen3-8b"].replace(vocab_size=512, hidden_size=256, intermediate_size=512,
@@ -152,6 +156,7 @@ def test_a_tiny_fp8_model_at_tp_2_through_the_kernels_keeps_one_devices_tokens(m
     # per layer and program traced: q / k / v and gate / up as columns, o and down as rows
     assert calls.count("column") == calls.count("row") == (0 if tp == 1 else len(calls) // 2)
     assert (tp == 1) == (not calls)
+    assert (tp == 1) or any(prepared)  # the loop's steps read lanes made before it
   for one, two in zip(*outputs):
     assert one.token_ids == two.token_ids
     for step_one, step_two in zip(one.logprobs, two.logprobs):

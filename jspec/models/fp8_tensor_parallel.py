@@ -64,20 +64,22 @@ class Fp8TensorParallel:
     return True
 
   def layer_column(self, layer, x_BTK, names, dim: int):
-    """`column` of `layer`'s projections `names`, or None where one is unquantized or a share
-    would not keep whole blocks (the layer's own product then)."""
+    """`column` of `layer`'s projections `names` (with their scales' kernel lanes where the
+    layer holds them, `fp8_lanes`), or None where one is unquantized or a share would not keep
+    whole blocks (the layer's own product then)."""
     pairs = self._pairs(layer, names)
-    return self.column(as_values(x_BTK), pairs, dim) if pairs and self.takes(pairs, dim) \
-        else None
+    if not pairs or not self.takes(pairs, dim):
+      return None
+    return self.column(as_values(x_BTK), pairs, dim, self._lanes(layer, names))
 
   def layer_row(self, layer, x_BTI, name: str, in_axes: int = 1):
     """`row` of `layer`'s projection `name`, its first input axis split, or None (as
     layer_column)."""
     pairs = self._pairs(layer, (name,))
-    w8 = pairs and pairs[0][0]
-    if not pairs or not self.takes(pairs, w8.ndim - in_axes, in_axes):
+    if not pairs or not self.takes(pairs, pairs[0][0].ndim - in_axes, in_axes):
       return None
-    return self.row(as_values(x_BTI), *pairs[0], in_axes=in_axes)
+    (lanes,) = self._lanes(layer, (name,))
+    return self.row(as_values(x_BTI), *pairs[0], in_axes=in_axes, lanes=lanes)
 
   @staticmethod
   def _pairs(layer, names):
@@ -86,44 +88,56 @@ class Fp8TensorParallel:
       return None
     return [(getattr(layer, name)[...], scale[...]) for name, scale in zip(names, scales)]
 
-  def column(self, x_BTK, weights, dim: int):
+  @staticmethod
+  def _lanes(layer, names):
+    """Each scale repeated over the kernel's lanes before the loop (projections.
+    with_loop_constants; split as the scale is), or None: repeated in the step."""
+    lanes = getattr(layer, "fp8_lanes", None) or {}
+    return tuple(lanes.get(name) for name in names)
+
+  def column(self, x_BTK, weights, dim: int, lanes=None):
     """x [B, T, K] (whole on every shard) times each FP8 weight of `weights` ((w8 [*out, K],
     scale) pairs, one input axis), each split over its stored output axis `dim`: a tuple of
     [B, T, *out], that axis split; one kernel call per shard for all of them, no collective.
-    The K-slice sums are left to the readers' fusions (norms, RoPE, SwiGLU)."""
+    The K-slice sums are left to the readers' fusions (norms, RoPE, SwiGLU). `lanes`: per
+    weight its scale's kernel lanes or None."""
     lead = self.products.lead_spec()
     w8s, scales = zip(*weights)
+    lanes = tuple(lanes or (None,) * len(w8s))
 
-    def local(x, w8s, scales):
+    def local(x, w8s, scales, lanes):
       k = x.shape[-1]
       outs = fp8_products(x, [w.reshape(-1, k) for w in w8s], [_flat_grid(s) for s in scales],
+                          tuple(None if l is None else _flat_grid(l) for l in lanes),
                           sum_apart=False, block=self.block)
       return tuple(out.reshape(*x.shape[:-1], *w.shape[:-1]) for out, w in zip(outs, w8s))
 
     specs = tuple(self._split(w.ndim, dim) for w in w8s)
     out_specs = tuple(PartitionSpec(*lead, *spec[:-1]) for spec in specs)
     return jax.shard_map(local, mesh=self.products.mesh,
-                         in_specs=(PartitionSpec(*lead, None), specs, specs),
-                         out_specs=out_specs, check_vma=False)(x_BTK, w8s, scales)
+                         in_specs=(PartitionSpec(*lead, None), specs, specs, specs),
+                         out_specs=out_specs, check_vma=False)(x_BTK, w8s, scales, lanes)
 
-  def row(self, x_BTI, w8, scale, in_axes: int = 1):
+  def row(self, x_BTI, w8, scale, in_axes: int = 1, lanes=None):
     """x [B, T, *in] times an FP8 weight stored [*out, *in] over the `in_axes` input axes, the
     first of them split over the mesh axis in both: each shard's partial product (its K
-    slices summed), then the all-reduce; [B, T, *out] whole on every shard."""
+    slices summed), then the all-reduce; [B, T, *out] whole on every shard. `lanes`: the
+    scale's kernel lanes or None."""
     lead = self.products.lead_spec()
     reduce, table, table_spec = self.products.reduce_operands()
     out_axes = w8.ndim - in_axes
 
-    def local(x, w, s, row):
+    def local(x, w, s, lanes, row):
       b, t = x.shape[:2]
       k = math.prod(x.shape[2:])
+      lanes = None if lanes is None else _flat_grid(lanes, in_axes)
       partial = fp8_product(x.reshape(b, t, k), w.reshape(-1, k), _flat_grid(s, in_axes),
-                            block=self.block)
+                            lanes, block=self.block)
       return reduce(partial, row).reshape(b, t, *w.shape[:out_axes])
 
     split = self._split(w8.ndim, out_axes)
     x_spec = PartitionSpec(*lead, self.products.axis, *(None,) * (in_axes - 1))
     return jax.shard_map(local, mesh=self.products.mesh,
-                         in_specs=(x_spec, split, split, table_spec),
+                         in_specs=(x_spec, split, split, split, table_spec),
                          out_specs=PartitionSpec(*lead, *(None,) * out_axes),
-                         check_vma=False)(x_BTI, w8, scale, table)
+                         check_vma=False)(x_BTI, w8, scale, lanes, table)

@@ -141,9 +141,9 @@ def with_loop_constants(module):
   """`module` (merged inside a traced program) with the values its steps would otherwise
   recompute, computed here, before a loop of steps, so that they are constants of the loop:
 
-  - each layer whose FP8 projections go to the kernel (`fp8_projection` set) gets its block
-    scales repeated over the kernel's lanes (`fp8_lanes`, by weight name; read in
-    linear.project_named), and each MoE layer whose FP8 experts go to the expert kernels its
+  - each layer whose FP8 projections go to the kernel (`fp8_projection` or, split over tp,
+    `fp8_tp` set) gets its block scales repeated over the kernel's lanes (`fp8_lanes`, by
+    weight name; read in linear.project_named), and each MoE layer whose FP8 experts go to the expert kernels its
     experts' (`fp8_expert_lanes`: a decode step's kernel then reads its slots' scales where
     they lie, not a gather and repeat of them in every step);
   - on the CPU, a decoder with a tied embedding gets its lm_head as [D, V] float32
@@ -165,7 +165,7 @@ def with_loop_constants(module):
     if getattr(node, "fp8_to_backend", False):
       node.fp8_expert_lanes = tuple(fp8_gemm.scale_lanes(scale[...]) for scale in (
           node.w_gate_scale, node.w_up_scale, node.w_down_scale))
-    if getattr(node, "fp8_projection", None) is None:
+    if getattr(node, "fp8_projection", None) is None and getattr(node, "fp8_tp", None) is None:
       continue
     node.fp8_lanes = {
         name.removesuffix("_scale"): fp8_gemm.scale_lanes(value[...])
