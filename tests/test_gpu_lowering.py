@@ -172,8 +172,9 @@ def test_a_moe_layers_norm_and_router_lowers_with_its_e4m3_rows(rows):
     assert len(lowered_kernels(call, x, x, S((width,), jnp.bfloat16), router)) == 1
 
 
-# Small models of each family in the presets' layer types and head widths (2 layers, narrower
-# widths, a 4096-token vocabulary), each with an MTP head.
+# Small models of each family in the presets' layer types and head widths (2 layers, 4 for the
+# hybrid's 3 Gated DeltaNet layers and 1 gated attention layer; narrower widths, a 4096-token
+# vocabulary), each with an MTP head.
 R = dataclasses.replace
 SMALL_MODELS = {
     "qwen3": R(PRESETS["qwen3-8b"], vocab_size=4096, hidden_size=1024, intermediate_size=3072,
@@ -182,6 +183,14 @@ SMALL_MODELS = {
                    num_heads=8, num_kv_heads=1,
                    moe=R(PRESETS["qwen3-30b-a3b"].moe, num_experts=16, num_experts_per_tok=4,
                          intermediate_size=256)),
+    "qwen3_5_moe": R(PRESETS["qwen3.5-35b-a3b"], vocab_size=4096, hidden_size=1024,
+                     num_layers=4, num_heads=8, num_kv_heads=2,
+                     layer_types=("linear_attention",) * 3 + ("full_attention",),
+                     moe=R(PRESETS["qwen3.5-35b-a3b"].moe, num_experts=16,
+                           num_experts_per_tok=4, intermediate_size=256,
+                           shared_expert_intermediate_size=256),
+                     linear=R(PRESETS["qwen3.5-35b-a3b"].linear, num_key_heads=4,
+                              num_value_heads=8)),
     "deepseek_v3": R(PRESETS["deepseek-v3"], vocab_size=4096, hidden_size=1024,
                      intermediate_size=2048, num_layers=2, num_heads=16, num_kv_heads=16,
                      moe=R(PRESETS["deepseek-v3"].moe, num_experts=16, num_experts_per_tok=4,
@@ -192,12 +201,13 @@ SMALL_MODELS = {
 # A decode step's attention kernel by family; every family's MoE layers route in the norm's
 # kernel where their router is a softmax's.
 ATTENTION_KERNEL = {"qwen3": "short_attention", "qwen3_moe": "short_attention",
-                    "deepseek_v3": "mla_flash_decode"}
+                    "qwen3_5_moe": "short_attention", "deepseek_v3": "mla_flash_decode"}
 
 
 @pytest.mark.usefixtures("as_on_hopper")
 @pytest.mark.parametrize("family, fp8, mesh", [
     ("qwen3", True, "dp1-tp1-ep1"), ("qwen3_moe", True, "dp1-tp1-ep1"),
+    ("qwen3_5_moe", True, "dp1-tp1-ep1"),
     ("deepseek_v3", True, "dp1-tp1-ep1"), ("qwen3", False, "dp1-tp1-ep1"),
     ("qwen3_moe", False, "dp1-tp1-ep1"), ("qwen3", False, "dp1-tp2-ep1"),
     ("qwen3_moe", False, "dp1-tp1-ep2"), ("qwen3", True, "dp1-tp2-ep1")])
@@ -235,5 +245,5 @@ def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8, mesh):
         assert "__cudnn$fmha" in text, batch
         continue
       assert any(n.startswith(ATTENTION_KERNEL[family]) for n in names), (batch, kind, names)
-      if family == "qwen3_moe":
+      if family in ("qwen3_moe", "qwen3_5_moe"):
         assert any(n.startswith("add_norm_router") for n in names), (batch, kind, names)
