@@ -20,8 +20,7 @@ from jspec.models.mlp import MLP
 from jspec.models.linear import QKV_NAMES, fp8_rows_fit, fp8_whole_blocks
 from jspec.models.mla import MLAttention
 from jspec.models.norms import RMSNorm
-from jspec.models.prefill_attention import (cudnn_version, fits_cudnn,
-                                            sharded_prefill_attention)
+from jspec.models.prefill_attention import cudnn_version, fits_cudnn, sharded_prefill_attention
 from jspec.models.moe import MoE
 from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import sharded_fp8_projection, sharded_projection, weights_replicated
@@ -162,11 +161,10 @@ def use_projections(backend: str, fp8_block, mesh, pairs, all_reduce_backend: st
   custom = all_reduce_backend == "kernel"
   if fp8_block is not None and backend != "xla":
     _use_fp8_projections(fp8_block, mesh, pairs)
-  split = []
-  if forced or all_reduce_backend in ("xla", "kernel"):
-    fp8_tp = fp8_block if forced or platform.on_hopper() and fp8_tensor_parallel.ON_HOPPER else None
-    split = [module for module, rules in _modules(pairs)
-             if _use_tensor_parallel(module, mesh, rules, custom, forced, fp8_tp)]
+  fp8_tp = fp8_block if forced or platform.on_hopper() and fp8_tensor_parallel.ON_HOPPER else None
+  split = [module for module, rules in _modules(pairs)
+           if _use_tensor_parallel(module, mesh, rules, custom, forced, fp8_tp)
+           ] if forced or all_reduce_backend in ("xla", "kernel") else []
   if backend == "auto":
     replicated = all(weights_replicated(mesh, rules) or any(module is m for m in split)
                      for module, rules in _modules(pairs))
@@ -189,18 +187,20 @@ def use_projections(backend: str, fp8_block, mesh, pairs, all_reduce_backend: st
 def _use_tensor_parallel(module, mesh, rules, custom_all_reduce: bool, forced: bool,
                          fp8_block=None) -> bool:
   """Gives `module`'s GQA attention layers and dense MLPs (not an MoE layer's shared experts,
-  whose sum XLA adds to the routed experts' before one reduction) the tensor-parallel
-  products, where the mesh splits them, and with `fp8_block` their FP8 form; whether it did."""
+  whose sum XLA adds to the routed experts' first) the tensor-parallel products where the mesh
+  splits them, with `fp8_block` their FP8 form (MLA layers that alone); whether it did."""
   products = tensor_parallel_products(mesh, rules, custom_all_reduce, kernel_always=forced)
   if products is None:
     return False
   shared = {id(getattr(node, name)) for _, node in nnx.iter_graph(module)
             if isinstance(node, MoE) for name in ("shared_expert", "shared_experts")
             if hasattr(node, name)}
-  fp8 = fp8_block and fp8_tensor_parallel.Fp8TensorParallel(products, fp8_block)
+  fp8 = fp8_block and fp8_tensor_parallel.Fp8TensorParallel(products, fp8_block) or None
   for _, node in nnx.iter_graph(module):
     if isinstance(node, (Attention, MLP)) and id(node) not in shared:
-      node.tp_products, node.fp8_tp = products, fp8 or None
+      node.tp_products, node.fp8_tp = products, fp8
+    elif isinstance(node, MLAttention):
+      node.fp8_tp = fp8
   return True
 
 

@@ -1,9 +1,9 @@
 """FP8 projections split over tp through the FP8 kernels shard by shard
 (jspec.models.fp8_tensor_parallel): column and row products of weights as FP8 checkpoints
 store them equal the dequantized NumPy product on every mesh layout (interpret mode), shares
-that would cut a 128 x 128 block are left to the layer's own product, and a tiny FP8 model at
-tp = 2 through the kernels keeps the tokens of one device's XLA path (weights scaled, then
-XLA's dot)."""
+that would cut a 128 x 128 block are left to the layer's own product, and tiny FP8 models
+(Qwen3, DeepSeek-V3's MLA) at tp = 2 through the kernels keep the tokens of one device's XLA
+path (weights scaled, then XLA's dot)."""
 
 import jax
 import jax.numpy as jnp
@@ -122,29 +122,50 @@ def test_shares_that_would_cut_a_block_are_refused():
   assert not fp8.takes([(w(256, 128), s(2, 1))], 1)             # K = 128: 64 a shard
 
 
+# Tiny FP8 models whose split projections keep whole 128 x 128 blocks at tp = 2, and the layers
+# whose products (column, row) go through Fp8TensorParallel: Qwen3 (4 heads of 128, 2 KV heads,
+# F = 512); DeepSeek-V3 (MLA: q_b_proj and o_proj over 4 heads, a dense first layer's MLP, then
+# MoE layers, whose experts keep their own backend).
+TINY_FP8 = {
+    "qwen3": (PRESETS["qwen3-8b"].replace(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=128, fp8_block=(BLOCK, BLOCK)),
+        {("Attention", "column"), ("Attention", "row"), ("MLP", "column"), ("MLP", "row")}),
+    "deepseek_v3": (PRESETS["deepseek-v3"].replace(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+        num_kv_heads=4, head_dim=64, max_position_embeddings=4096, fp8_block=(BLOCK, BLOCK),
+        moe=dict(num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                 intermediate_size=256, first_k_dense_replace=1),
+        mla=dict(q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                 v_head_dim=128)),
+        {("MLAttention", "column"), ("MLAttention", "row"), ("MLP", "column"), ("MLP", "row")}),
+}
+
+
 @pytest.mark.usefixtures("interpreted_on_every_device", "fresh_traces")
-def test_a_tiny_fp8_model_at_tp_2_through_the_kernels_keeps_one_devices_tokens(monkeypatch):
-  """Qwen3 with FP8 weights in 128 x 128 blocks (4 heads of 128, 2 KV heads, F = 512), float32:
-  at tp = 2 with the projections through the kernels shard by shard (projection_backend
-  "pallas"; on a Hopper GPU, "auto") every q / k / v, o_proj, gate / up and down_proj product
-  goes through Fp8TensorParallel (the loop's steps with their scales' lanes made before the
-  loop), and the greedy tokens and top-3 logprobs of prompts and decode steps equal one
-  device's XLA path (weights scaled, then XLA's dot) within the kernel's float16 route for
-  float32 activations."""
-  calls, prepared = [], []  # prepared: the scales' kernel lanes made before the loop
-  for name in ("column", "row"):
+@pytest.mark.parametrize("family", sorted(TINY_FP8))
+def test_a_tiny_fp8_model_at_tp_2_through_the_kernels_keeps_one_devices_tokens(monkeypatch,
+                                                                               family):
+  """A tiny FP8 model in float32 at tp = 2 with the projections through the kernels shard by
+  shard (projection_backend "pallas"; on a Hopper GPU, "auto"): every split FP8 projection of
+  its attention (GQA's q / k / v and o_proj, MLA's q_b_proj and o_proj) and dense MLPs goes
+  through Fp8TensorParallel, the loop's steps with their scales' lanes made before the loop;
+  the greedy tokens and top-3 logprobs of prompts and decode steps equal one device's XLA path
+  (weights scaled, then XLA's dot) within the kernel's float16 route for float32
+  activations."""
+  layers, prepared = set(), []  # prepared: the scales' kernel lanes made before the loop
+  for name in ("layer_column", "layer_row"):
     real = getattr(Fp8TensorParallel, name)
 
-    def spy(self, *args, real=real, name=name, **kwargs):
-      lanes = kwargs.get("lanes", args[3] if len(args) > 3 else None)
-      calls.append(name)
-      prepared.append(lanes is not None and all(l is not None for l in (
-          lanes if name == "column" else (lanes,))))
-      return real(self, *args, **kwargs)
-    monkeypatch.setattr(fp8_tensor_parallel.Fp8TensorParallel, name, spy)
-  config = PRESETS["qwen3-8b"].replace(vocab_size=512, hidden_size=256, intermediate_size=512,
-                                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
-                                       fp8_block=(BLOCK, BLOCK))
+    def layer_spy(self, layer, *args, real=real, name=name, **kwargs):
+      out = real(self, layer, *args, **kwargs)
+      if out is not None:
+        layers.add((type(layer).__name__, name.removeprefix("layer_")))
+        lanes = self._lanes(layer, args[1] if name == "layer_column" else (args[1],))
+        prepared.append(all(l is not None for l in lanes))
+      return out
+    monkeypatch.setattr(fp8_tensor_parallel.Fp8TensorParallel, name, layer_spy)
+  config, expected = TINY_FP8[family]
   params = jspec.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
   prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
   outputs = []
@@ -153,9 +174,7 @@ def test_a_tiny_fp8_model_at_tp_2_through_the_kernels_keeps_one_devices_tokens(m
                                 max_num_seqs=2, projection_backend="pallas",
                                 all_reduce_backend="xla", mesh=jspec.MeshConfig(tp=tp))
     outputs.append(llm.generate(prompts, params, use_tqdm=False))
-    # per layer and program traced: q / k / v and gate / up as columns, o and down as rows
-    assert calls.count("column") == calls.count("row") == (0 if tp == 1 else len(calls) // 2)
-    assert (tp == 1) == (not calls)
+    assert layers == (set() if tp == 1 else expected)
     assert (tp == 1) or any(prepared)  # the loop's steps read lanes made before it
   for one, two in zip(*outputs):
     assert one.token_ids == two.token_ids

@@ -9,9 +9,11 @@ shards multiply their share as it is stored, e4m3 with its 128 x 128 block scale
 prefill kernel for chunks):
 
   column   x whole on every shard, the weights split over an output axis: q / k / v in one
-           kernel call, gate / up; no collective.
+           kernel call, MLA's q_b_proj, gate / up; no collective.
   row      x and the weight split over the contracted axis: each shard's partial product,
            then the tp products' one all-reduce (o_proj, down_proj).
+
+MLA's q_a_proj and kv_a_proj are whole on every tp shard and keep XLA's path there.
 
 A shard's share must keep whole blocks: a split output axis of whole heads (the block on the
 head's width) or of whole 128-column groups, a split input axis likewise (`takes`).
