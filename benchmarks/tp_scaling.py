@@ -178,6 +178,7 @@ def main():
                  norm_router=moe.NORM_ROUTER, doubled_row=layers.DOUBLED_ROW,
                  attention_splits=short_attention.SPLITS, fused_kv_write=layers.FUSED_KV_WRITE,
                  swiglu_kernel=mlp.SWIGLU_KERNEL, swiglu_tiling=args.swiglu_tiling or "auto",
+                 fp8=args.fp8, fp8_shards=args.fp8 and fp8_tensor_parallel.ON_HOPPER,
                  method=args.method + ("-tree" if args.tree else ""), batch=batch,
                  tokens_per_second=round(mid.tokens_per_second, 1),
                  tpot_ms=round(1e3 * mid.tpot_s, 3), ttft_ms=round(1e3 * mid.ttft_s, 2),

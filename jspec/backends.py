@@ -161,7 +161,7 @@ def use_projections(backend: str, fp8_block, mesh, pairs, all_reduce_backend: st
   custom = all_reduce_backend == "kernel"
   if fp8_block is not None and backend != "xla":
     _use_fp8_projections(fp8_block, mesh, pairs)
-  fp8_tp = fp8_block if forced or platform.on_hopper() and fp8_tensor_parallel.ON_HOPPER else None
+  fp8_tp = fp8_tensor_parallel.block_for(fp8_block, backend)
   split = [module for module, rules in _modules(pairs)
            if _use_tensor_parallel(module, mesh, rules, custom, forced, fp8_tp)
            ] if forced or all_reduce_backend in ("xla", "kernel") else []

@@ -5,6 +5,8 @@ that would cut a 128 x 128 block are left to the layer's own product, and tiny F
 (Qwen3, DeepSeek-V3's MLA) at tp = 2 through the kernels keep the tokens of one device's XLA
 path (weights scaled, then XLA's dot)."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -16,6 +18,8 @@ import jspec
 from jspec.bench.presets import PRESETS
 from jspec.models import fp8_tensor_parallel
 from jspec.models.fp8_tensor_parallel import Fp8TensorParallel
+from jspec.pallas_kernels import fp8_gemm, platform
+from jspec.pallas_kernels import workspace_all_reduce as wsar
 from jspec.sharding.rules import MeshConfig, ShardingRules
 from jspec.sharding.tensor_parallel import tensor_parallel_products
 
@@ -49,8 +53,9 @@ def test_column_and_row_products_equal_the_dequantized_product(dp, tp, ep):
   input axes) / down_proj (F split, one) with their partial sums reduced over tp: each within
   one bf16 rounding of the float32 product of the dequantized weights."""
   mesh = MeshConfig(dp=dp, tp=tp, ep=ep).make_mesh()
+  # the scales' kernel lanes made beforehand (as the loop makes them) on two meshes of three
   _check_products(mesh, dp * ep, 3, 256, 2 * tp, tp, 256 * tp, custom=False,
-                  rng=np.random.default_rng([dp, tp, ep]))
+                  rng=np.random.default_rng([dp, tp, ep]), with_lanes=dp * ep > 1)
 
 
 @pytest.mark.gpu
@@ -60,29 +65,38 @@ def test_gpu_products_at_qwen3_8b_shapes_on_two_gpus(rows):
   products reduced by the workspace kernel: as the interpreted test."""
   if sum(d.platform == "gpu" for d in jax.devices()) < 2:
     pytest.skip("needs 2 GPUs")
+  assert wsar.fits((rows, 1, 4096), jnp.bfloat16)  # the row products' all-reduce: the kernel
   mesh = MeshConfig(tp=2).make_mesh()
   _check_products(mesh, rows, 1, 4096, 32, 8, 12288, custom=True,
-                  rng=np.random.default_rng(rows))
+                  rng=np.random.default_rng(rows), with_lanes=True)
 
 
-def _check_products(mesh, b, t, d, heads, kv, f, custom: bool, rng):
+def _check_products(mesh, b, t, d, heads, kv, f, custom: bool, rng, with_lanes: bool):
+  """Each product of Fp8TensorParallel at these sizes against the dequantized NumPy product,
+  every share taken by the few-row FP8 kernel; `with_lanes`: the scales' lanes passed."""
   tp = mesh.shape["tp"]
   products = tensor_parallel_products(mesh, ShardingRules(), custom)
   fp8 = Fp8TensorParallel(products, (BLOCK,) * 2)
   h = 128
+  for n, k in ((heads * h // tp, d), (2 * f // tp, d), (d, heads * h // tp), (d, f // tp)):
+    assert fp8_gemm.fits_kernel(b * t, k, n, (BLOCK, BLOCK))  # no XLA fallback
+  lanes = lambda scales, spec: (tuple(put(fp8_gemm.scale_lanes(s), spec) for s in scales)
+                                if with_lanes else None)
   x = rng.standard_normal((b, t, d)).astype(ml_dtypes.bfloat16)
   x32 = x.astype(np.float32).reshape(b * t, d)
   put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
   x_d = put(x, P(("dp", "ep"), None, None))
   qkv = [_fp8(rng, (n, h, d)) for n in (heads, kv, kv)]
-  outs = fp8.column(x_d, [(put(w8, P("tp")), put(s, P("tp"))) for w8, s, _ in qkv], 0)
+  outs = fp8.column(x_d, [(put(w8, P("tp")), put(s, P("tp"))) for w8, s, _ in qkv], 0,
+                    lanes([s for _, s, _ in qkv], P("tp")))
   for out, (_, _, w32) in zip(outs, qkv):
     assert out.shape == (b, t, *w32.shape[:-1]) and out.dtype == jnp.bfloat16
     want = x32 @ w32.reshape(-1, d).T
     got = np.asarray(out, np.float32).reshape(b * t, -1)
     assert (np.abs(got - want) <= _bound(x32, w32.reshape(-1, d), want)).all()
   w8, s, w32 = _fp8(rng, (2, f, d))
-  (gate_up,) = fp8.column(x_d, [(put(w8, P(None, "tp")), put(s, P(None, "tp")))], 1)
+  (gate_up,) = fp8.column(x_d, [(put(w8, P(None, "tp")), put(s, P(None, "tp")))], 1,
+                          lanes([s], P(None, "tp")))
   want = x32 @ w32.reshape(-1, d).T
   got = np.asarray(gate_up, np.float32).reshape(b * t, -1)
   assert gate_up.shape == (b, t, 2, f)
@@ -92,7 +106,8 @@ def _check_products(mesh, b, t, d, heads, kv, f, custom: bool, rng):
     w8, s, w32 = _fp8(rng, (d, *in_shape), in_axes)
     split = P(None, "tp", *(None,) * (in_axes - 1))
     out = fp8.row(put(xi, P(("dp", "ep"), None, "tp", *(None,) * (in_axes - 1))),
-                  put(w8, split), put(s, split), in_axes=in_axes)
+                  put(w8, split), put(s, split), in_axes=in_axes,
+                  lanes=(lanes([s], split) or (None,))[0])
     xi32 = xi.astype(np.float32).reshape(b * t, -1)
     w32 = w32.reshape(d, -1)
     want = xi32 @ w32.T
@@ -120,6 +135,34 @@ def test_shares_that_would_cut_a_block_are_refused():
   assert fp8.takes([(w(256, 4, 128), s(2, 4, 1))], 1, in_axes=2)
   assert fp8.takes([(w(256, 512), s(2, 4))], 1)                 # down: F = 512 split
   assert not fp8.takes([(w(256, 128), s(2, 1))], 1)             # K = 128: 64 a shard
+  assert not fp8.takes([(w(4, 64, 256), s(4, 1, 2))], 0)        # heads of 64: a block holds 2
+  # a refused share leaves the product to the layer (None), a bf16 projection too
+  e4m3 = lambda *shape: np.zeros(shape, ml_dtypes.float8_e4m3fn)
+  layer = types.SimpleNamespace(q_proj=e4m3(3, 128, 256), q_proj_scale=np.ones((3, 1, 2)),
+                                o_proj=e4m3(256, 3, 128), o_proj_scale=np.ones((2, 3, 1)),
+                                k_proj=np.zeros((2, 128, 256)), k_proj_scale=None)
+  x = np.zeros((1, 1, 256), np.float32)
+  assert fp8.layer_column(layer, x, ("q_proj",), 0) is None
+  assert fp8.layer_column(layer, x, ("q_proj", "k_proj"), 0) is None
+  assert fp8.layer_row(layer, np.zeros((1, 1, 3, 128), np.float32), "o_proj", in_axes=2) is None
+
+
+@pytest.mark.parametrize("on_gpu, hopper", [(False, False), (True, False), (True, True)])
+def test_which_devices_and_backends_take_the_tp_products(monkeypatch, on_gpu, hopper):
+  """block_for: "xla" never; "pallas" on Hopper or interpreted off a GPU, never on another GPU
+  (the kernels need wgmma and the TMA); "auto" on Hopper while ON_HOPPER is on."""
+  monkeypatch.setattr(platform, "on_gpu", lambda: on_gpu)
+  monkeypatch.setattr(platform, "on_hopper", lambda: hopper)
+  block = (BLOCK, BLOCK)
+  assert fp8_tensor_parallel.block_for(block, "xla") is None
+  assert fp8_tensor_parallel.block_for(None, "pallas") is None
+  assert fp8_tensor_parallel.block_for(block, "pallas") == (block if hopper or not on_gpu
+                                                            else None)
+  assert fp8_tensor_parallel.block_for(block, "auto") == (block if hopper else None)
+  monkeypatch.setattr(fp8_tensor_parallel, "ON_HOPPER", False)
+  assert fp8_tensor_parallel.block_for(block, "auto") is None
+  assert fp8_tensor_parallel.block_for(block, "pallas") == (block if hopper or not on_gpu
+                                                            else None)
 
 
 # Tiny FP8 models whose split projections keep whole 128 x 128 blocks at tp = 2, and the layers

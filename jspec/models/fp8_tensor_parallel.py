@@ -35,6 +35,18 @@ from jspec.sharding.tensor_parallel import TensorParallelProducts
 ON_HOPPER = True
 
 
+def block_for(fp8_block, projection_backend: str):
+  """The FP8 block for the products of layers that tp splits, or None where they keep XLA's
+  path: projection backend "xla", a GPU that is not a Hopper (the FP8 kernels need wgmma and
+  the TMA), or "auto" with ON_HOPPER off. "pallas" off a GPU: the interpreted kernels."""
+  from jspec.pallas_kernels import platform
+  if fp8_block is None or projection_backend == "xla":
+    return None
+  if platform.on_hopper():
+    return fp8_block if projection_backend == "pallas" or ON_HOPPER else None
+  return fp8_block if projection_backend == "pallas" and not platform.on_gpu() else None
+
+
 def _flat_grid(scale, in_axes: int = 1):
   """A block scale over the stored axes as the flattened [N, K] weight's grid."""
   return scale.reshape(math.prod(scale.shape[:-in_axes]), -1)

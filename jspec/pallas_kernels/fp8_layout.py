@@ -46,7 +46,7 @@ def most_splits(k: int, rows: int) -> int | None:
   if PARTIALS_SHARE is None:
     return None
   most = 1
-  while partials_share(k, 2 * most, rows) <= PARTIALS_SHARE:
+  while 2 * most <= k // BLOCK and partials_share(k, 2 * most, rows) <= PARTIALS_SHARE:
     most *= 2
   return most
 
