@@ -26,8 +26,9 @@ import math
 import jax
 from jax.sharding import PartitionSpec
 
-from jspec.models.linear import as_values
+from jspec.models.linear import as_values, flat_grid
 from jspec.models.projections import fp8_product, fp8_products
+from jspec.pallas_kernels import platform
 from jspec.sharding.tensor_parallel import TensorParallelProducts
 
 # On a Hopper GPU, layers whose FP8 weights tp splits take these products (the LLM's "auto"
@@ -39,17 +40,11 @@ def block_for(fp8_block, projection_backend: str):
   """The FP8 block for the products of layers that tp splits, or None where they keep XLA's
   path: projection backend "xla", a GPU that is not a Hopper (the FP8 kernels need wgmma and
   the TMA), or "auto" with ON_HOPPER off. "pallas" off a GPU: the interpreted kernels."""
-  from jspec.pallas_kernels import platform
   if fp8_block is None or projection_backend == "xla":
     return None
   if platform.on_hopper():
     return fp8_block if projection_backend == "pallas" or ON_HOPPER else None
   return fp8_block if projection_backend == "pallas" and not platform.on_gpu() else None
-
-
-def _flat_grid(scale, in_axes: int = 1):
-  """A block scale over the stored axes as the flattened [N, K] weight's grid."""
-  return scale.reshape(math.prod(scale.shape[:-in_axes]), -1)
 
 
 class Fp8TensorParallel:
@@ -59,9 +54,6 @@ class Fp8TensorParallel:
   def __init__(self, products: TensorParallelProducts, block: tuple[int, int]):
     self.products, self.block = products, tuple(block)
     self.size = products.mesh.shape[products.axis]
-
-  def _split(self, ndim: int, dim: int) -> PartitionSpec:
-    return PartitionSpec(*(self.products.axis if i == dim else None for i in range(ndim)))
 
   def takes(self, weights, dim: int, in_axes: int = 1) -> bool:
     """Whether each of `weights` ((w8, scale) pairs, stored, `in_axes` input axes) splits over
@@ -121,12 +113,12 @@ class Fp8TensorParallel:
 
     def local(x, w8s, scales, lanes):
       k = x.shape[-1]
-      outs = fp8_products(x, [w.reshape(-1, k) for w in w8s], [_flat_grid(s) for s in scales],
-                          tuple(None if l is None else _flat_grid(l) for l in lanes),
+      outs = fp8_products(x, [w.reshape(-1, k) for w in w8s], [flat_grid(s) for s in scales],
+                          tuple(None if l is None else flat_grid(l) for l in lanes),
                           sum_apart=False, block=self.block)
       return tuple(out.reshape(*x.shape[:-1], *w.shape[:-1]) for out, w in zip(outs, w8s))
 
-    specs = tuple(self._split(w.ndim, dim) for w in w8s)
+    specs = tuple(self.products.split_spec(w.ndim, dim) for w in w8s)
     out_specs = tuple(PartitionSpec(*lead, *spec[:-1]) for spec in specs)
     return jax.shard_map(local, mesh=self.products.mesh,
                          in_specs=(PartitionSpec(*lead, None), specs, specs, specs),
@@ -144,12 +136,12 @@ class Fp8TensorParallel:
     def local(x, w, s, lanes, row):
       b, t = x.shape[:2]
       k = math.prod(x.shape[2:])
-      lanes = None if lanes is None else _flat_grid(lanes, in_axes)
-      partial = fp8_product(x.reshape(b, t, k), w.reshape(-1, k), _flat_grid(s, in_axes),
+      lanes = None if lanes is None else flat_grid(lanes, in_axes)
+      partial = fp8_product(x.reshape(b, t, k), w.reshape(-1, k), flat_grid(s, in_axes),
                             lanes, block=self.block)
       return reduce(partial, row).reshape(b, t, *w.shape[:out_axes])
 
-    split = self._split(w8.ndim, out_axes)
+    split = self.products.split_spec(w8.ndim, out_axes)
     x_spec = PartitionSpec(*lead, self.products.axis, *(None,) * (in_axes - 1))
     return jax.shard_map(local, mesh=self.products.mesh,
                          in_specs=(x_spec, split, split, split, table_spec),

@@ -123,8 +123,8 @@ def fp8_operands(layer, names, k: int):
   scales = [getattr(layer, name + "_scale") for name in names]
   lanes = None
   if layer.fp8_lanes is not None:
-    lanes = [_flat_grid(layer.fp8_lanes[name]) for name in names]
-  return ([w.reshape(-1, k) for w in weights], [_flat_grid(s[...]) for s in scales], lanes)
+    lanes = [flat_grid(layer.fp8_lanes[name]) for name in names]
+  return ([w.reshape(-1, k) for w in weights], [flat_grid(s[...]) for s in scales], lanes)
 
 
 def fp8_whole_blocks(layer, names) -> bool:
@@ -142,7 +142,7 @@ def _whole_blocks(weight, block: tuple[int, int], in_axes: int = 1) -> bool:
   return weight.shape[-in_axes - 1] % block[0] == 0 and weight.shape[-1] % block[1] == 0
 
 
-def _flat_grid(scale, in_axes: int = 1):
+def flat_grid(scale, in_axes: int = 1):
   """A scale over the stored axes (or its kernel lanes) as the flattened [N, K] weight's grid."""
   return scale.reshape(math.prod(scale.shape[:-in_axes]), -1)
 
@@ -172,8 +172,8 @@ def project(x, weight, scale, spec: str, in_axes: int = 1, product=None, fp8_pro
     x_K = flat_rows(x, in_axes)
     # Off whole blocks the scaled weight is built on the stored axes.
     if fp8_product is not None and _whole_blocks(weight, fp8_block, in_axes):
-      lanes = () if fp8_lanes is None else (_flat_grid(fp8_lanes, in_axes),)
-      out = fp8_product(x_K, weight.reshape(-1, k), _flat_grid(scale, in_axes), *lanes,
+      lanes = () if fp8_lanes is None else (flat_grid(fp8_lanes, in_axes),)
+      out = fp8_product(x_K, weight.reshape(-1, k), flat_grid(scale, in_axes), *lanes,
                         sum_apart=fp8_sum_apart)
     else:
       scaled = quantization.dequantize(weight, scale, in_axes, fp8_block, x.dtype, jnp)
@@ -242,8 +242,8 @@ def project_to_norm(layer, x, name: str, spec: str, in_axes: int = 1, product=No
   lead = x.shape[:x.ndim - in_axes]
   k, n = math.prod(weight.shape[-in_axes:]), weight.shape[0]
   lanes = None if layer.fp8_lanes is None else layer.fp8_lanes.get(name)
-  lanes = None if lanes is None else _flat_grid(lanes, in_axes)
+  lanes = None if lanes is None else flat_grid(lanes, in_axes)
   operands = (flat_rows(x, in_axes), weight[...].reshape(n, k),
-              _flat_grid(scale[...], in_axes), lanes)
+              flat_grid(scale[...], in_axes), lanes)
   fuse = lambda residual, scale_D, **norm: kernel(*operands, residual, scale_D, **norm)
   return SlicedFp8Product(reduce, fuse, (*lead, n), x.dtype)

@@ -185,15 +185,18 @@ class MLAttention(nnx.Module):
   def _dense(self, x, name: str, spec: str, in_axes: int = 1):
     return project_named(self, x, name, spec, in_axes)
 
-  def _split_product(self, x, name: str, spec: str, in_axes: int = 1):
-    """A per-head projection (q's output heads, o_proj's input heads): shard by shard through
-    the FP8 kernels where tp splits its FP8 weight (`fp8_tp`), else `_dense`."""
-    if self.fp8_tp is not None:
-      sharded = (self.fp8_tp.layer_row(self, x, name, in_axes) if in_axes > 1 else
-                 self.fp8_tp.layer_column(self, x, (name,), 0))
-      if sharded is not None:
-        return sharded if in_axes > 1 else sharded[0]
-    return self._dense(x, name, spec, in_axes)
+  def _query_product(self, x, name: str, spec: str):
+    """q_b_proj or q_proj (its output heads): shard by shard through the FP8 kernels where tp
+    splits its FP8 weight (`fp8_tp`), else `_dense`."""
+    sharded = self.fp8_tp and self.fp8_tp.layer_column(self, x, (name,), 0)
+    return sharded[0] if sharded else self._dense(x, name, spec)
+
+  def _out_product(self, out_BTNV):
+    """o_proj (its input heads), as _query_product: each shard's partial, one all-reduce."""
+    sharded = self.fp8_tp and self.fp8_tp.layer_row(self, out_BTNV, "o_proj", in_axes=2)
+    if sharded is not None:
+      return sharded
+    return self._dense(out_BTNV, "o_proj", "btnv,nvd->btd", in_axes=2)
 
   def _head_weight(self, name: str, dtype):
     """w_uk or w_uv [N, *, C] in `dtype` (an FP8 one multiplied by its block scales)."""
@@ -212,9 +215,9 @@ class MLAttention(nnx.Module):
       else:
         q_BTQ = self._dense(x_BTD, "q_a_proj", "btd,dq->btq")
         kv_BTL = self._dense(x_BTD, "kv_a_proj", "btd,dl->btl")
-      q_BTNH = self._split_product(self.q_a_norm(q_BTQ), "q_b_proj", "btq,qnh->btnh")
+      q_BTNH = self._query_product(self.q_a_norm(q_BTQ), "q_b_proj", "btq,qnh->btnh")
     else:
-      q_BTNH = self._split_product(x_BTD, "q_proj", "btd,dnh->btnh")
+      q_BTNH = self._query_product(x_BTD, "q_proj", "btd,dnh->btnh")
       kv_BTL = self._dense(x_BTD, "kv_a_proj", "btd,dl->btl")
     q_BTNH = q_BTNH.reshape(*x_BTD.shape[:2], n, h)  # FP8: stored flattened
     q_nope_BTNP = q_BTNH[..., :self.nope_dim]
@@ -240,7 +243,7 @@ class MLAttention(nnx.Module):
                                       self.scale, tree.visible_BTS(positions_BT, kv_window))
       out_BTNV = jnp.einsum("btnc,nvc->btnv", context_BTNL[..., :self.latent_dim],
                             self._head_weight("w_uv", context_BTNL.dtype))
-      return self._split_product(out_BTNV, "o_proj", "btnv,nvd->btd", in_axes=2), cache
+      return self._out_product(out_BTNV), cache
     cache = MLACache(write_slots(cache.latent, rows_BTL, positions_BT, slot_axis=1))
     if absorbed is None:
       absorbed = x_BTD.shape[1] <= ABSORBED_MAX_TOKENS
@@ -250,7 +253,7 @@ class MLAttention(nnx.Module):
     else:
       out_BTNV = self.attend_expanded(q_nope_BTNP, q_rope_BTNR, cache.latent[:, :kv_window],
                                       positions_BT)
-    return self._split_product(out_BTNV, "o_proj", "btnv,nvd->btd", in_axes=2), cache
+    return self._out_product(out_BTNV), cache
 
   def absorbed_query(self, q_nope_BTNP, q_rope_BTNR):
     """[q_nope W_UK | q_rope] [B,T,N,L]: the query in the cache's row space."""

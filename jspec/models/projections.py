@@ -143,9 +143,9 @@ def with_loop_constants(module):
 
   - each layer whose FP8 projections go to the kernel (`fp8_projection` or, split over tp,
     `fp8_tp` set) gets its block scales repeated over the kernel's lanes (`fp8_lanes`, by
-    weight name; read in linear.project_named), and each MoE layer whose FP8 experts go to the expert kernels its
-    experts' (`fp8_expert_lanes`: a decode step's kernel then reads its slots' scales where
-    they lie, not a gather and repeat of them in every step);
+    weight name; read in linear.project_named), and each MoE layer whose FP8 experts go to
+    the expert kernels its experts' (`fp8_expert_lanes`: a decode step's kernel then reads
+    its slots' scales where they lie, not a gather and repeat of them in every step);
   - on the CPU, a decoder with a tied embedding gets its lm_head as [D, V] float32
     (`tied_head_DV`, read in Decoder.logits). XLA's CPU dot wants that layout and type; left
     to the step, it is converted and transposed inside the loop, and in the continuous

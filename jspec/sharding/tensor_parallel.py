@@ -123,7 +123,8 @@ class TensorParallelProducts:
     self._reduce, self._workspace = all_reduce_fn(mesh, axis, custom_all_reduce)
     self._lead = tuple(rules.spec(("batch", "seq")))
 
-  def _split(self, ndim: int, dim: int) -> PartitionSpec:
+  def split_spec(self, ndim: int, dim: int) -> PartitionSpec:
+    """The partition of an array of `ndim` axes split over the products' axis at `dim`."""
     return PartitionSpec(*(self.axis if i == dim else None for i in range(ndim)))
 
   def lead_spec(self) -> PartitionSpec:
@@ -140,9 +141,10 @@ class TensorParallelProducts:
     output axis): [B, T, *out], the same axis split; no collective."""
     def product(x, w):
       return self._local(x, w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], *w.shape[1:])
-    out_spec = PartitionSpec(*self._lead, *self._split(w_KO.ndim, split)[1:])
+    w_spec = self.split_spec(w_KO.ndim, split)
+    out_spec = PartitionSpec(*self._lead, *w_spec[1:])
     return jax.shard_map(product, mesh=self.mesh,
-                         in_specs=(PartitionSpec(*self._lead, None), self._split(w_KO.ndim, split)),
+                         in_specs=(PartitionSpec(*self._lead, None), w_spec),
                          out_specs=out_spec, check_vma=False)(x_BTK, w_KO)
 
   def row(self, x_BTI, w_IO, in_axes: int = 1, defer: bool = False, tokens: int | None = None):
@@ -171,11 +173,11 @@ class TensorParallelProducts:
       if defer:
         return partial[None]
       return self._reduce(partial, row).reshape(*x.shape[:2], *out_shape)
-    x_spec = PartitionSpec(*self._lead, *self._split(len(in_shape), 0))
+    x_spec = PartitionSpec(*self._lead, *self.split_spec(len(in_shape), 0))
     rows, row_spec = table_operand(self._workspace)
     out_spec = PartitionSpec(*self._lead, *(None,) * len(out_shape))
     result = jax.shard_map(product, mesh=self.mesh,
-                           in_specs=(x_spec, self._split(w_IO.ndim, 0), row_spec),
+                           in_specs=(x_spec, self.split_spec(w_IO.ndim, 0), row_spec),
                            out_specs=PartitionSpec(self.axis, *out_spec) if defer else out_spec,
                            check_vma=False)(x_BTI, w_IO, rows)
     if not defer:
