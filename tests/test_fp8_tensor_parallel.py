@@ -12,16 +12,20 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jspec
 from jspec.bench.presets import PRESETS
 from jspec.models import fp8_tensor_parallel
 from jspec.models.fp8_tensor_parallel import Fp8TensorParallel
+from jspec.models.norms import RMSNorm
+from jspec.models.row_kernels import sharded_rms_norm
 from jspec.pallas_kernels import fp8_gemm, platform
 from jspec.pallas_kernels import workspace_all_reduce as wsar
 from jspec.sharding.rules import MeshConfig, ShardingRules
-from jspec.sharding.tensor_parallel import tensor_parallel_products
+from jspec.sharding.tensor_parallel import PartialSum, tensor_parallel_products
+from test_workspace_norm import _kernel_products, _stand_ins
 
 BLOCK = 128
 MESHES = [(1, 2, 1), (2, 2, 1), (1, 2, 2)]  # (dp, tp, ep)
@@ -225,3 +229,64 @@ def test_a_tiny_fp8_model_at_tp_2_through_the_kernels_keeps_one_devices_tokens(m
       assert step_one.keys() == step_two.keys()
       for token, entry in step_one.items():
         assert abs(entry.logprob - step_two[token].logprob) < 3e-3
+
+
+@pytest.mark.usefixtures("interpreted_on_every_device", "fresh_traces")
+@pytest.mark.parametrize("b, t, in_axes", [(1, 1, 2), (3, 2, 1)])
+def test_a_deferred_fp8_row_product_meets_its_norm_in_one_call(monkeypatch, b, t, in_axes):
+  """With the workspace kernel on (stand-ins: psum and the row kernel's add + norm), row(...,
+  defer=True) hands the norm a PartialSum of the shards' partials, which the norm takes whole
+  in one call: the bits of the summed product followed by the residual add and the norm; `+`
+  and `reduced()` sum first."""
+  calls = []
+  _stand_ins(monkeypatch, calls)
+  mesh = MeshConfig(tp=2).make_mesh()
+  fp8 = Fp8TensorParallel(_kernel_products(monkeypatch, mesh), (BLOCK,) * 2)
+  rng = np.random.default_rng([b, t, in_axes])
+  d, in_shape = 256, ((4, 128) if in_axes == 2 else (512,))
+  x = jnp.asarray(rng.standard_normal((b, t, *in_shape)), jnp.bfloat16)
+  w8, s, _ = _fp8(rng, (d, *in_shape), in_axes)
+  w8, s = jnp.asarray(w8), jnp.asarray(s)
+  residual = jnp.asarray(rng.standard_normal((b, t, d)), jnp.bfloat16)
+  norm = RMSNorm(d, 1e-6, jnp.bfloat16)
+  norm.scale[...] = jnp.asarray(rng.standard_normal(d), jnp.bfloat16)
+  norm.row_kernel = sharded_rms_norm(mesh, ShardingRules(), 1e-6, False, True)
+  deferred = fp8.row(x, w8, s, in_axes=in_axes, defer=True)
+  assert isinstance(deferred, PartialSum) and deferred.shape == (b, t, d)
+  assert deferred.partials_ABTD.shape == (2, b, t, d)
+  h, normed = norm.add_and_norm(residual, deferred)
+  assert calls == [(b * t, d)]  # one fused call, no all-reduce before it
+  summed = fp8.row(x, w8, s, in_axes=in_axes)
+  want_h, want_normed = norm.add_and_norm(residual, summed)
+  for got, want in ((h, want_h), (normed, want_normed), (deferred.reduced(), summed),
+                    (residual + deferred, residual + summed)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.usefixtures("interpreted_on_every_device", "fresh_traces")
+@pytest.mark.parametrize("family, fused_per_program", [("qwen3", 4), ("deepseek_v3", 3)])
+def test_a_tiny_fp8_model_at_tp_2_sums_its_row_products_in_the_norms(monkeypatch, family,
+                                                                     fused_per_program):
+  """With the workspace kernel on (stand-ins), each FP8 row product that a residual add and norm
+  read next reaches that norm as a PartialSum, summed there (Qwen3: o_proj and down_proj of
+  both layers; DeepSeek-V3: both layers' o_proj and the dense layer's down_proj, the MoE
+  layer's experts summed as they were): greedy tokens equal one device's."""
+  config, _ = TINY_FP8[family]
+  kwargs = dict(dtype="float32", seed=4, max_model_len=64, max_num_seqs=2,
+                projection_backend="pallas", norm_backend="pallas")
+  prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+  one = jspec.LLM.from_random(config, **kwargs).generate(prompts, params, use_tqdm=False)
+  llm = jspec.LLM.from_random(config, mesh=jspec.MeshConfig(tp=2), all_reduce_backend="xla",
+                              **kwargs)
+  calls = []
+  _stand_ins(monkeypatch, calls)
+  workspace = wsar.PeerWorkspace(llm.mesh, "tp")
+  fp8_nodes = [n.fp8_tp for _, n in nnx.iter_graph(llm.target)
+               if getattr(n, "fp8_tp", None) is not None]
+  assert fp8_nodes
+  for node in fp8_nodes:
+    node.products._workspace = workspace
+  got = llm.generate(prompts, params, use_tqdm=False)
+  assert [o.token_ids for o in got] == [o.token_ids for o in one]
+  assert len(calls) >= fused_per_program  # at least once per traced program

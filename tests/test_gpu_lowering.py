@@ -217,8 +217,9 @@ def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8, mesh):
   prefill-chunk steps at its least batch (decode and verify at 8 too) lowered for CUDA: every
   kernel compiled for the GPU (no interpreter), the attention kernel in decode, verify and
   draft steps, MoE layers' norm + router kernel, the FP8 kernels in every FP8 step (the few-row
-  one in decode, verify and draft steps, shard by shard at tp = 2), and cuDNN's fused attention
-  in prefill chunks."""
+  one in decode, verify and draft steps, shard by shard at tp = 2), at tp = 2 each layer's row
+  products summed in the next norm's kernel (FP8's too), and cuDNN's fused attention in prefill
+  chunks."""
   config = SMALL_MODELS[family]
   if fp8:
     config = R(config, fp8_block=(128, 128))
@@ -245,5 +246,8 @@ def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8, mesh):
         assert "__cudnn$fmha" in text, batch
         continue
       assert any(n.startswith(ATTENTION_KERNEL[family]) for n in names), (batch, kind, names)
+      if tp > 1:  # o_proj's and down_proj's shard sums in the next norm's kernel, bf16 or FP8
+        assert text.count("workspace_add_norm") >= 2 * config.num_layers, (batch, kind)
+        assert not any(n.startswith("add_rms_norm") for n in names), (batch, kind, names)
       if family in ("qwen3_moe", "qwen3_5_moe"):
         assert any(n.startswith("add_norm_router") for n in names), (batch, kind, names)

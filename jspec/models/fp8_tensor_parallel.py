@@ -11,7 +11,9 @@ prefill kernel for chunks):
   column   x whole on every shard, the weights split over an output axis: q / k / v in one
            kernel call, MLA's q_b_proj, gate / up; no collective.
   row      x and the weight split over the contracted axis: each shard's partial product,
-           then the tp products' one all-reduce (o_proj, down_proj).
+           then the tp products' one all-reduce (o_proj, down_proj); or, where the output
+           goes to a residual add and norm (`defer`), the partials as a PartialSum, which
+           that norm sums in its own kernel with the all-reduce, as bf16's row products.
 
 MLA's q_a_proj and kv_a_proj are whole on every tp shard and keep XLA's path there.
 
@@ -29,7 +31,7 @@ from jax.sharding import PartitionSpec
 from jspec.models.linear import as_values, flat_grid
 from jspec.models.projections import fp8_product, fp8_products
 from jspec.pallas_kernels import platform
-from jspec.sharding.tensor_parallel import TensorParallelProducts
+from jspec.sharding.tensor_parallel import PartialSum, TensorParallelProducts
 
 # On a Hopper GPU, layers whose FP8 weights tp splits take these products (the LLM's "auto"
 # projection backend); False keeps XLA's path there, to time the two against each other.
@@ -78,14 +80,14 @@ class Fp8TensorParallel:
       return None
     return self.column(as_values(x_BTK), pairs, dim, self._lanes(layer, names))
 
-  def layer_row(self, layer, x_BTI, name: str, in_axes: int = 1):
+  def layer_row(self, layer, x_BTI, name: str, in_axes: int = 1, defer: bool = False):
     """`row` of `layer`'s projection `name`, its first input axis split, or None (as
     layer_column)."""
     pairs = self._pairs(layer, (name,))
     if not pairs or not self.takes(pairs, pairs[0][0].ndim - in_axes, in_axes):
       return None
     (lanes,) = self._lanes(layer, (name,))
-    return self.row(as_values(x_BTI), *pairs[0], in_axes=in_axes, lanes=lanes)
+    return self.row(as_values(x_BTI), *pairs[0], in_axes=in_axes, lanes=lanes, defer=defer)
 
   @staticmethod
   def _pairs(layer, names):
@@ -124,14 +126,17 @@ class Fp8TensorParallel:
                          in_specs=(PartitionSpec(*lead, None), specs, specs, specs),
                          out_specs=out_specs, check_vma=False)(x_BTK, w8s, scales, lanes)
 
-  def row(self, x_BTI, w8, scale, in_axes: int = 1, lanes=None):
+  def row(self, x_BTI, w8, scale, in_axes: int = 1, lanes=None, defer: bool = False):
     """x [B, T, *in] times an FP8 weight stored [*out, *in] over the `in_axes` input axes, the
     first of them split over the mesh axis in both: each shard's partial product (its K
     slices summed), then the all-reduce; [B, T, *out] whole on every shard. `lanes`: the
-    scale's kernel lanes or None."""
+    scale's kernel lanes or None. `defer`: a PartialSum of the shards' partials [A, B, T, D]
+    instead, where the tp products defer sums (TensorParallelProducts.defers), so that the
+    norm after the residual add sums them with the all-reduce in one kernel."""
     lead = self.products.lead_spec()
     reduce, table, table_spec = self.products.reduce_operands()
     out_axes = w8.ndim - in_axes
+    defer = defer and self.products.defers(out_axes)
 
     def local(x, w, s, lanes, row):
       b, t = x.shape[:2]
@@ -139,11 +144,15 @@ class Fp8TensorParallel:
       lanes = None if lanes is None else flat_grid(lanes, in_axes)
       partial = fp8_product(x.reshape(b, t, k), w.reshape(-1, k), flat_grid(s, in_axes),
                             lanes, block=self.block)
+      if defer:
+        return partial[None]
       return reduce(partial, row).reshape(b, t, *w.shape[:out_axes])
 
     split = self.products.split_spec(w8.ndim, out_axes)
     x_spec = PartitionSpec(*lead, self.products.axis, *(None,) * (in_axes - 1))
-    return jax.shard_map(local, mesh=self.products.mesh,
-                         in_specs=(x_spec, split, split, split, table_spec),
-                         out_specs=PartitionSpec(*lead, *(None,) * out_axes),
-                         check_vma=False)(x_BTI, w8, scale, lanes, table)
+    out_spec = PartitionSpec(*lead, *(None,) * out_axes)
+    result = jax.shard_map(local, mesh=self.products.mesh,
+                           in_specs=(x_spec, split, split, split, table_spec),
+                           out_specs=PartitionSpec(self.products.axis, *out_spec) if defer
+                           else out_spec, check_vma=False)(x_BTI, w8, scale, lanes, table)
+    return PartialSum(result, self.products, x_BTI.dtype) if defer else result

@@ -190,8 +190,9 @@ class Attention(nnx.Module):
     """Writes this call's keys/values at `positions_BT`, then attends causally.
 
     sum_later: the output may be o_proj's FP8 product before the sum of its K slices (a
-    linear.SlicedFp8Product, where `fp8_add_norm` is set), for a caller whose residual add and
-    RMSNorm read it next (RMSNorm.add_and_norm); else an array.
+    linear.SlicedFp8Product, where `fp8_add_norm` is set) or, at tp, of its shards (a
+    PartialSum), for a caller whose residual add and RMSNorm read it next
+    (RMSNorm.add_and_norm); else an array.
 
     A query at position p sees every slot j <= p: slots below the sequence's committed length
     were written by earlier calls, the rest by this call, so no separate length mask is needed
@@ -207,9 +208,8 @@ class Attention(nnx.Module):
                                    quantize=gate_BTNH is None and self._quantizes_out(q_BTNH))
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
-    fp8_row = self.fp8_tp and self.fp8_tp.layer_row(self, out_BTNH, "o_proj", in_axes=2)
+    fp8_row = self.fp8_tp and self.fp8_tp.layer_row(self, out_BTNH, "o_proj", 2, sum_later)
     if self.tp_products is not None and self.o_proj_scale is None:
-      # The all-reduce may be left to the norm after the residual add (PartialSum).
       out_BTD = self.tp_products.row(out_BTNH, self.o_proj[...], in_axes=2, defer=True,
                                      tokens=tokens)
     elif fp8_row is not None:

@@ -191,9 +191,10 @@ class MLAttention(nnx.Module):
     sharded = self.fp8_tp and self.fp8_tp.layer_column(self, x, (name,), 0)
     return sharded[0] if sharded else self._dense(x, name, spec)
 
-  def _out_product(self, out_BTNV):
-    """o_proj (its input heads), as _query_product: each shard's partial, one all-reduce."""
-    sharded = self.fp8_tp and self.fp8_tp.layer_row(self, out_BTNV, "o_proj", in_axes=2)
+  def _out_product(self, out_BTNV, defer: bool = False):
+    """o_proj (its input heads), as _query_product: each shard's partial, one all-reduce, or
+    (`defer`) the partials left to the norm after it (Fp8TensorParallel.row's)."""
+    sharded = self.fp8_tp and self.fp8_tp.layer_row(self, out_BTNV, "o_proj", 2, defer)
     if sharded is not None:
       return sharded
     return self._dense(out_BTNV, "o_proj", "btnv,nvd->btd", in_axes=2)
@@ -231,9 +232,8 @@ class MLAttention(nnx.Module):
                absorbed: bool | None = None, sum_later: bool = False):
     """Writes the window's latent rows at `positions_BT`, attends causally over the first
     `kv_window` slots; `absorbed` None: by the window's length (ABSORBED_MAX_TOKENS).
-    sum_later: as Attention's, taken for the decoder's sake; o_proj's output is always summed
-    here."""
-    del sum_later
+    sum_later: as Attention's: o_proj's output may be a PartialSum where tp splits its FP8
+    weight (_out_product)."""
     q_nope_BTNP, q_rope_BTNR, rows_BTL = self.project(x_BTD, positions_BT)
     tree = active_layout(x_BTD.shape[1])
     if tree is not None:  # a token tree's window: its slots, XLA's masked latent attention
@@ -243,7 +243,7 @@ class MLAttention(nnx.Module):
                                       self.scale, tree.visible_BTS(positions_BT, kv_window))
       out_BTNV = jnp.einsum("btnc,nvc->btnv", context_BTNL[..., :self.latent_dim],
                             self._head_weight("w_uv", context_BTNL.dtype))
-      return self._out_product(out_BTNV), cache
+      return self._out_product(out_BTNV, sum_later), cache
     cache = MLACache(write_slots(cache.latent, rows_BTL, positions_BT, slot_axis=1))
     if absorbed is None:
       absorbed = x_BTD.shape[1] <= ABSORBED_MAX_TOKENS
@@ -253,7 +253,7 @@ class MLAttention(nnx.Module):
     else:
       out_BTNV = self.attend_expanded(q_nope_BTNP, q_rope_BTNR, cache.latent[:, :kv_window],
                                       positions_BT)
-    return self._out_product(out_BTNV), cache
+    return self._out_product(out_BTNV, sum_later), cache
 
   def absorbed_query(self, q_nope_BTNP, q_rope_BTNR):
     """[q_nope W_UK | q_rope] [B,T,N,L]: the query in the cache's row space."""

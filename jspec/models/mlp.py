@@ -66,7 +66,8 @@ class MLP(nnx.Module):
     act_BTF = self._activation(x_BTD, tp)
     if tp is not None and self.down_proj_scale is None:
       return tp.row(act_BTF, self.down_proj[...], defer=True)  # as Attention's o_proj
-    fp8_row = self.fp8_tp and self.fp8_tp.layer_row(self, act_BTF, "down_proj")
+    fp8_row = self.fp8_tp and self.fp8_tp.layer_row(self, act_BTF, "down_proj",
+                                                    defer=sum_later)
     if fp8_row is not None:
       return fp8_row
     if sum_later:

@@ -156,7 +156,7 @@ class TensorParallelProducts:
     wrote it twice: Attention._doubles_row), taken as the two rows that K-slice partials of one
     row need; where this product makes none (`takes_doubled_row`), the first row."""
     in_shape, out_shape = w_IO.shape[:in_axes], w_IO.shape[in_axes:]
-    defer = defer and self.defer_sums and self._workspace is not None and len(out_shape) == 1
+    defer = defer and self.defers(len(out_shape))
     slices = self._slices(x_BTI.shape[:2], math.prod(in_shape)) if defer else 0
     if tokens is not None and tokens != x_BTI.shape[1]:
       if (tokens, x_BTI.shape[:2]) != (1, (1, 2)):
@@ -183,6 +183,12 @@ class TensorParallelProducts:
     if not defer:
       return result
     return PartialSum(result, self, x_BTI.dtype, (tokens or x_BTI.shape[1]) if slices else None)
+
+  def defers(self, out_axes: int) -> bool:
+    """Whether a row product of `out_axes` output axes asked to defer its all-reduce leaves it
+    to the norm after it (a PartialSum): where the workspace kernel is on and the output is
+    one axis [B, T, D]."""
+    return self.defer_sums and self._workspace is not None and out_axes == 1
 
   def takes_doubled_row(self, k: int) -> bool:
     """Whether `row(..., defer=True)` of a batch-1 step's one row by a weight of K input rows
