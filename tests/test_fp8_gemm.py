@@ -216,6 +216,7 @@ def test_partials_share_caps_the_k_slices_as_the_rows_grow(monkeypatch):
   """PARTIALS_SHARE: slice counts whose float32 partials (the kernel's padded rows, written and
   read once) pass that share of the weight's e4m3 bytes are not tried; unset, the rows change
   nothing."""
+  monkeypatch.setattr(fp8_layout, "PARTIALS_SHARE", None)
   qkv = (4096, 6144, 132)  # Qwen3-8B's q / k / v on an H200: 8 slices fill 97% of 3 rounds
   # up to 8 rows the kernel writes 8 (wgmma's least N): one row's partials are 8 rows'
   assert fp8_layout.partials_share(4096, 8, 1) == fp8_layout.partials_share(4096, 8, 8) == 0.125

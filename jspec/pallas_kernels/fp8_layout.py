@@ -30,10 +30,13 @@ BALANCED = True
 
 # The K-slice partials (float32 [S, R, N], written by the kernel, read by their sum) grow with
 # the rows, the weight does not: at 32 rows Qwen3-8B's q / k / v in 8 slices write and read
-# half its e4m3 bytes again. PARTIALS_SHARE, where set, caps that share (partials_share): more
-# slices are not tried, and balanced runs take a product that the slices left fill poorly.
-# None: slices by the SMs alone.
-PARTIALS_SHARE: float | None = None
+# half its e4m3 bytes again. PARTIALS_SHARE caps that share (partials_share): more slices are
+# not tried, and balanced runs take a product that the slices left fill poorly; it binds from
+# 16 rows (verify windows of several sequences), never at decode's 8 padded rows. A quarter:
+# Qwen3-8B FP8's verify of 4 tokens at batch 8 (32 rows) 5.8% shorter (3.75 against 3.98 ms,
+# three processes, one H200), 6 tokens 1.3%; an eighth, 2.1% and 5% slower than a quarter
+# (BENCHMARKS.md, "The K-slice partials capped ..."). None: slices by the SMs alone.
+PARTIALS_SHARE: float | None = 0.25
 
 
 def partials_share(k: int, slots: int, rows: int) -> float:
