@@ -170,9 +170,9 @@ def test_which_devices_and_backends_take_the_tp_products(monkeypatch, on_gpu, ho
 
 
 # Tiny FP8 models whose split projections keep whole 128 x 128 blocks at tp = 2, and the layers
-# whose products (column, row) go through Fp8TensorParallel: Qwen3 (4 heads of 128, 2 KV heads,
-# F = 512); DeepSeek-V3 (MLA: q_b_proj and o_proj over 4 heads, a dense first layer's MLP, then
-# MoE layers, whose experts keep their own backend).
+# whose products (column, row, whole) go through Fp8TensorParallel: Qwen3 (4 heads of 128, 2 KV
+# heads, F = 512); DeepSeek-V3 (MLA: q_b_proj and o_proj over 4 heads, q_a and kv_a whole on
+# each shard, a dense first layer's MLP, then MoE layers, whose experts keep their own backend).
 TINY_FP8 = {
     "qwen3": (PRESETS["qwen3-8b"].replace(
         vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
@@ -185,7 +185,8 @@ TINY_FP8 = {
                  intermediate_size=256, first_k_dense_replace=1),
         mla=dict(q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64,
                  v_head_dim=128)),
-        {("MLAttention", "column"), ("MLAttention", "row"), ("MLP", "column"), ("MLP", "row")}),
+        {("MLAttention", "column"), ("MLAttention", "row"), ("MLAttention", "whole"),
+         ("MLP", "column"), ("MLP", "row")}),
 }
 
 
@@ -195,20 +196,20 @@ def test_a_tiny_fp8_model_at_tp_2_through_the_kernels_keeps_one_devices_tokens(m
                                                                                family):
   """A tiny FP8 model in float32 at tp = 2 with the projections through the kernels shard by
   shard (projection_backend "pallas"; on a Hopper GPU, "auto"): every split FP8 projection of
-  its attention (GQA's q / k / v and o_proj, MLA's q_b_proj and o_proj) and dense MLPs goes
-  through Fp8TensorParallel, the loop's steps with their scales' lanes made before the loop;
-  the greedy tokens and top-3 logprobs of prompts and decode steps equal one device's XLA path
-  (weights scaled, then XLA's dot) within the kernel's float16 route for float32
-  activations."""
+  its attention (GQA's q / k / v and o_proj, MLA's q_b_proj and o_proj) and dense MLPs, and
+  MLA's q_a / kv_a whole on each shard, go through Fp8TensorParallel, the loop's steps with
+  their scales' lanes made before the loop; the greedy tokens and top-3 logprobs of prompts
+  and decode steps equal one device's XLA path (weights scaled, then XLA's dot) within the
+  kernel's float16 route for float32 activations."""
   layers, prepared = set(), []  # prepared: the scales' kernel lanes made before the loop
-  for name in ("layer_column", "layer_row"):
+  for name in ("layer_column", "layer_row", "layer_whole"):
     real = getattr(Fp8TensorParallel, name)
 
     def layer_spy(self, layer, *args, real=real, name=name, **kwargs):
       out = real(self, layer, *args, **kwargs)
       if out is not None:
         layers.add((type(layer).__name__, name.removeprefix("layer_")))
-        lanes = self._lanes(layer, args[1] if name == "layer_column" else (args[1],))
+        lanes = self._lanes(layer, (args[1],) if name == "layer_row" else args[1])
         prepared.append(all(l is not None for l in lanes))
       return out
     monkeypatch.setattr(fp8_tensor_parallel.Fp8TensorParallel, name, layer_spy)

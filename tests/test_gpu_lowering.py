@@ -20,6 +20,7 @@ from jax._src.pallas.triton import gpu_info as triton_gpu_info
 import jspec
 from jspec.bench.collectives import step_programs
 from jspec.bench.presets import PRESETS
+from jspec.models.mla import kv_a_width
 from jspec.pallas_kernels import (decode_routing, fp8_gemm, fp8_layout, norm_router, platform,
                                   residual_norm, row_norms)
 from jspec.pallas_kernels import short_attention as short_lib
@@ -69,6 +70,14 @@ def _kernel_calls(text: str) -> list[str]:
   kernel)."""
   assert "callback" not in text
   return re.findall(r"custom_call @(__gpu\$xla\.gpu\.triton|mosaic_gpu\w*)", text)
+
+
+def _call_sites(text: str, marker: str) -> int:
+  """Calls of the functions whose bodies hold `marker` (a kernel's name, inside its module): the
+  lowered text holds each distinct kernel once, in a function that each call site calls."""
+  funcs = re.split(r"(?=func\.func )", text)[1:]
+  names = [re.match(r"func\.func \w+ @([\w$.-]+)", f).group(1) for f in funcs if marker in f]
+  return sum(len(re.findall(rf"call @{re.escape(name)}\(", text)) for name in names)
 
 
 QWEN3_8B_QKV = (4096, (4096, 1024, 1024))  # K, the weights' N: q, k and v
@@ -210,16 +219,17 @@ ATTENTION_KERNEL = {"qwen3": "short_attention", "qwen3_moe": "short_attention",
     ("qwen3_5_moe", True, "dp1-tp1-ep1"),
     ("deepseek_v3", True, "dp1-tp1-ep1"), ("qwen3", False, "dp1-tp1-ep1"),
     ("qwen3_moe", False, "dp1-tp1-ep1"), ("qwen3", False, "dp1-tp2-ep1"),
-    ("qwen3_moe", False, "dp1-tp1-ep2"), ("qwen3", True, "dp1-tp2-ep1")])
+    ("qwen3_moe", False, "dp1-tp1-ep2"), ("qwen3", True, "dp1-tp2-ep1"),
+    ("deepseek_v3", True, "dp1-tp2-ep1")])
 def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8, mesh):
   """An LLM built as on H200s (the default backends choosing the GPU's kernels, the tp and ep
   collectives jspec's own where it has them), its decode, verify (4 tokens), MTP draft and
   prefill-chunk steps at its least batch (decode and verify at 8 too) lowered for CUDA: every
   kernel compiled for the GPU (no interpreter), the attention kernel in decode, verify and
   draft steps, MoE layers' norm + router kernel, the FP8 kernels in every FP8 step (the few-row
-  one in decode, verify and draft steps, shard by shard at tp = 2), at tp = 2 each layer's row
-  products summed in the next norm's kernel (FP8's too), and cuDNN's fused attention in prefill
-  chunks."""
+  one in decode, verify and draft steps, shard by shard at tp = 2, MLA's latent products too),
+  at tp = 2 each layer's row products summed in the next norm's kernel (FP8's too), and cuDNN's
+  fused attention in prefill chunks."""
   config = SMALL_MODELS[family]
   if fp8:
     config = R(config, fp8_block=(128, 128))
@@ -242,12 +252,19 @@ def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8, mesh):
       assert not fp8 or any(c.startswith("mosaic_gpu") for c in calls), (batch, kind)
       # the few-row FP8 kernel (named in its Mosaic module) in every FP8 step, at tp too
       assert not fp8 or kind == "prefill" or "fp8_block_gemm" in text, (batch, kind)
+      if config.mla and fp8 and kind != "prefill":  # q_a and kv_a in one call, at tp too
+        n = config.mla.q_lora_rank + kv_a_width(config)
+        assert f"fp8_block_gemm_{config.hidden_size}x{n}" in text, (batch, kind)
       if kind == "prefill":
         assert "__cudnn$fmha" in text, batch
         continue
       assert any(n.startswith(ATTENTION_KERNEL[family]) for n in names), (batch, kind, names)
-      if tp > 1:  # o_proj's and down_proj's shard sums in the next norm's kernel, bf16 or FP8
-        assert text.count("workspace_add_norm") >= 2 * config.num_layers, (batch, kind)
-        assert not any(n.startswith("add_rms_norm") for n in names), (batch, kind, names)
+      if tp > 1:  # o_proj's and dense MLPs' down_proj's shard sums in the next norm's kernel
+        layers = 1 if kind == "draft" else config.num_layers  # a draft step: the MTP head's
+        dense = (layers if config.moe is None
+                 else 0 if kind == "draft" else config.moe.first_k_dense_replace)
+        fused = _call_sites(text, "workspace_add_norm")
+        assert fused >= layers + dense, (batch, kind, fused)
+        assert config.moe or not any(n.startswith("add_rms_norm") for n in names), names
       if family in ("qwen3_moe", "qwen3_5_moe"):
         assert any(n.startswith("add_norm_router") for n in names), (batch, kind, names)

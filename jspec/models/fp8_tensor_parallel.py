@@ -15,7 +15,8 @@ prefill kernel for chunks):
            goes to a residual add and norm (`defer`), the partials as a PartialSum, which
            that norm sums in its own kernel with the all-reduce, as bf16's row products.
 
-MLA's q_a_proj and kv_a_proj are whole on every tp shard and keep XLA's path there.
+  whole    x and the weights whole on every shard (MLA's q_a_proj and kv_a_proj, which tp
+           does not split): each shard's rows by the whole weights, as one device's.
 
 A shard's share must keep whole blocks: a split output axis of whole heads (the block on the
 head's width) or of whole 128-column groups, a split input axis likewise (`takes`).
@@ -28,7 +29,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec
 
-from jspec.models.linear import as_values, flat_grid
+from jspec.models.linear import as_values, flat_grid, fp8_operands
 from jspec.models.projections import fp8_product, fp8_products
 from jspec.pallas_kernels import platform
 from jspec.sharding.tensor_parallel import PartialSum, TensorParallelProducts
@@ -80,6 +81,19 @@ class Fp8TensorParallel:
       return None
     return self.column(as_values(x_BTK), pairs, dim, self._lanes(layer, names))
 
+  def layer_whole(self, layer, x_BTK, names):
+    """`layer`'s projections `names` (one input axis each), whole on every shard: a tuple of
+    [B, T, *out] in one kernel call per shard, or None where one is unquantized or not in
+    whole blocks (linear.fp8_operands)."""
+    k = x_BTK.shape[-1]
+    operands = fp8_operands(layer, names, k)
+    if operands is None:
+      return None
+    weights, scales, lanes = operands
+    outs = self.column(as_values(x_BTK), list(zip(weights, scales)), None, lanes)
+    return tuple(out.reshape(*x_BTK.shape[:-1], *getattr(layer, name).shape[:-1])
+                 for out, name in zip(outs, names))
+
   def layer_row(self, layer, x_BTI, name: str, in_axes: int = 1, defer: bool = False):
     """`row` of `layer`'s projection `name`, its first input axis split, or None (as
     layer_column)."""
@@ -103,10 +117,11 @@ class Fp8TensorParallel:
     lanes = getattr(layer, "fp8_lanes", None) or {}
     return tuple(lanes.get(name) for name in names)
 
-  def column(self, x_BTK, weights, dim: int, lanes=None):
+  def column(self, x_BTK, weights, dim: int | None, lanes=None):
     """x [B, T, K] (whole on every shard) times each FP8 weight of `weights` ((w8 [*out, K],
-    scale) pairs, one input axis), each split over its stored output axis `dim`: a tuple of
-    [B, T, *out], that axis split; one kernel call per shard for all of them, no collective.
+    scale) pairs, one input axis), each split over its stored output axis `dim` (None: whole
+    on every shard): a tuple of [B, T, *out], that axis split; one kernel call per shard for
+    all of them, no collective.
     The K-slice sums are left to the readers' fusions (norms, RoPE, SwiGLU). `lanes`: per
     weight its scale's kernel lanes or None."""
     lead = self.products.lead_spec()
@@ -120,7 +135,8 @@ class Fp8TensorParallel:
                           sum_apart=False, block=self.block)
       return tuple(out.reshape(*x.shape[:-1], *w.shape[:-1]) for out, w in zip(outs, w8s))
 
-    specs = tuple(self.products.split_spec(w.ndim, dim) for w in w8s)
+    specs = tuple(PartitionSpec(*(None,) * w.ndim) if dim is None
+                  else self.products.split_spec(w.ndim, dim) for w in w8s)
     out_specs = tuple(PartitionSpec(*lead, *spec[:-1]) for spec in specs)
     return jax.shard_map(local, mesh=self.products.mesh,
                          in_specs=(PartitionSpec(*lead, None), specs, specs, specs),

@@ -210,7 +210,11 @@ class MLAttention(nnx.Module):
     """(q_nope [B,T,N,P], roped q_rope [B,T,N,R], the window's cache rows [B,T,L])."""
     n, h = self.num_heads, self.nope_dim + self.rope_dim
     if self.q_lora_rank:
-      if FUSED_LATENT_PROJECTIONS:  # one FP8 call where both take the kernel
+      # At tp (whole on every shard), each shard's call of the FP8 kernel (Fp8TensorParallel).
+      whole = self.fp8_tp and self.fp8_tp.layer_whole(self, x_BTD, ("q_a_proj", "kv_a_proj"))
+      if whole:
+        q_BTQ, kv_BTL = whole
+      elif FUSED_LATENT_PROJECTIONS:  # one FP8 call where both take the kernel
         q_BTQ, kv_BTL = project_many_named(self, x_BTD, (("q_a_proj", "btd,dq->btq"),
                                                          ("kv_a_proj", "btd,dl->btl")))
       else:
