@@ -173,6 +173,16 @@ def test_splits_off(monkeypatch):
   assert short_lib.choose_splits(1, 8, 640, 132) == (1, None)
 
 
+def test_split_max_pairs_moves_the_bound_on_pairs(monkeypatch):
+  """SPLIT_MAX_PAIRS replaces the quarter of the SMs: 64 pairs split, 2 programs an SM at most
+  (4 splits), MAX_SPLITS below that; one past the bound, not split."""
+  monkeypatch.setattr(short_lib, "SPLIT_MAX_PAIRS", 64)
+  assert short_lib.choose_splits(8, 8, 640, 132) == (4, 64)
+  assert short_lib.choose_splits(65, 1, 640, 132) == (1, None)
+  monkeypatch.setattr(short_lib, "MAX_SPLITS", 2)
+  assert short_lib.choose_splits(8, 8, 640, 132) == (2, 64)
+
+
 def test_the_chosen_split_keeps_the_blocks_in_the_shared_memory(monkeypatch):
   """256-wide float32 heads fit 32-slot blocks only: the split of a 384-slot window (6, one
   per 64 slots) takes those, and gives the reference's output."""
