@@ -225,15 +225,19 @@ def test_partials_share_caps_the_k_slices_as_the_rows_grow(monkeypatch):
     assert fp8_layout.most_splits(4096, rows) is None
     assert choose_layout(*qkv, rows=rows) == (8, False)
   monkeypatch.setattr(fp8_layout, "PARTIALS_SHARE", 0.25)
-  assert [fp8_layout.most_splits(4096, r) for r in (1, 8, 9, 16, 32, 64)] == [16, 16, 8, 8, 4, 2]
+  # decode's 8 padded rows uncapped: Qwen3-8B's q / k / v at tp = 4 keeps its 32 slices there
+  assert [fp8_layout.most_splits(4096, r) for r in (1, 8, 9, 16, 32, 64)] == [None, None, 8, 8,
+                                                                             4, 2]
+  assert choose_layout(4096, 1536, 132, rows=8) == (32, False)
+  assert choose_layout(4096, 1536, 132, rows=16)[1]
   assert choose_layout(*qkv, rows=16) == (8, False)
   assert choose_layout(*qkv, rows=32)[1]  # 4 slices fill 73%: balanced runs
   # gate / up (2 slices) and down (4 slices, K = 12288) stay within the share at 64 rows
   assert choose_layout(4096, 24576, 132, rows=64) == (2, False)
   assert choose_layout(12288, 4096, 132, rows=64) == (4, False)
   monkeypatch.setattr(fp8_layout, "PARTIALS_SHARE", 0.0)  # no slices at all: one, or balanced
-  assert fp8_layout.most_splits(4096, 1) == 1
-  assert choose_layout(12288, 4096, 132) == (1, True)
+  assert fp8_layout.most_splits(4096, 9) == 1
+  assert choose_layout(12288, 4096, 132, rows=9) == (1, True)
 
 
 def test_a_products_rows_reach_its_layout_and_the_capped_product_is_the_same(monkeypatch):

@@ -13,7 +13,9 @@ prefill kernel for chunks):
   row      x and the weight split over the contracted axis: each shard's partial product,
            then the tp products' one all-reduce (o_proj, down_proj); or, where the output
            goes to a residual add and norm (`defer`), the partials as a PartialSum, which
-           that norm sums in its own kernel with the all-reduce, as bf16's row products.
+           that norm sums in its own kernel with the all-reduce, as bf16's row products (a
+           MoE layer's norm + router kernel and a norm writing e4m3 rows sum it first and
+           keep their kernels: PartialSum.optional).
 
   whole    x and the weights whole on every shard (MLA's q_a_proj and kv_a_proj, which tp
            does not split): each shard's rows by the whole weights, as one device's.
@@ -51,8 +53,9 @@ def block_for(fp8_block, projection_backend: str):
 
 
 class Fp8TensorParallel:
-  """`column` and `row` FP8 products over the mesh axis of `products` (whose all-reduce the row
-  products share), for weights stored output-first with their block scales (jspec.models.linear)."""
+  """`column`, `row` and `whole` (layer_whole) FP8 products over the mesh axis of `products`
+  (whose all-reduce the row products share), for weights stored output-first with their block
+  scales (jspec.models.linear)."""
 
   def __init__(self, products: TensorParallelProducts, block: tuple[int, int]):
     self.products, self.block = products, tuple(block)
@@ -171,4 +174,4 @@ class Fp8TensorParallel:
                            in_specs=(x_spec, split, split, split, table_spec),
                            out_specs=PartitionSpec(self.products.axis, *out_spec) if defer
                            else out_spec, check_vma=False)(x_BTI, w8, scale, lanes, table)
-    return PartialSum(result, self.products, x_BTI.dtype) if defer else result
+    return PartialSum(result, self.products, x_BTI.dtype, optional=True) if defer else result

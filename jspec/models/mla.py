@@ -174,8 +174,8 @@ class MLAttention(nnx.Module):
     # (jspec.models.projections.sharded_fp8_projection); None: scaled, then XLA's dot.
     self.fp8_projection = None
     self.fp8_lanes = None  # as Attention.fp8_lanes
-    # FP8 weights split over tp: q_b_proj's and o_proj's products shard by shard
-    # (jspec.models.fp8_tensor_parallel), set by the LLM; None: XLA's partitioner.
+    # FP8 weights at tp: q_b_proj's and o_proj's products shard by shard, q_a's and kv_a's
+    # whole on each shard (jspec.models.fp8_tensor_parallel), set by the LLM; None: XLA's.
     self.fp8_tp = None
 
   def _rope(self, x, positions_BT):
@@ -210,7 +210,8 @@ class MLAttention(nnx.Module):
     """(q_nope [B,T,N,P], roped q_rope [B,T,N,R], the window's cache rows [B,T,L])."""
     n, h = self.num_heads, self.nope_dim + self.rope_dim
     if self.q_lora_rank:
-      # At tp (whole on every shard), each shard's call of the FP8 kernel (Fp8TensorParallel).
+      # At tp (whole on every shard), each shard's one call of the FP8 kernel for both,
+      # FUSED_LATENT_PROJECTIONS or not (Fp8TensorParallel.layer_whole).
       whole = self.fp8_tp and self.fp8_tp.layer_whole(self, x_BTD, ("q_a_proj", "kv_a_proj"))
       if whole:
         q_BTQ, kv_BTL = whole
@@ -223,7 +224,8 @@ class MLAttention(nnx.Module):
       q_BTNH = self._query_product(self.q_a_norm(q_BTQ), "q_b_proj", "btq,qnh->btnh")
     else:
       q_BTNH = self._query_product(x_BTD, "q_proj", "btd,dnh->btnh")
-      kv_BTL = self._dense(x_BTD, "kv_a_proj", "btd,dl->btl")
+      whole = self.fp8_tp and self.fp8_tp.layer_whole(self, x_BTD, ("kv_a_proj",))
+      kv_BTL = whole[0] if whole else self._dense(x_BTD, "kv_a_proj", "btd,dl->btl")
     q_BTNH = q_BTNH.reshape(*x_BTD.shape[:2], n, h)  # FP8: stored flattened
     q_nope_BTNP = q_BTNH[..., :self.nope_dim]
     q_rope_BTNR = self._rope(q_BTNH[..., self.nope_dim:], positions_BT)

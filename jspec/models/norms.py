@@ -61,6 +61,8 @@ class RMSNorm(nnx.Module):
     if isinstance(delta, SlicedFp8Product) and quantize and self.on_kernel(x):
       return delta.add_and_norm(x, self.scale[...], self.eps, self.zero_centered,
                                 quantize=True)
+    if isinstance(delta, PartialSum) and delta.optional and quantize:
+      delta = delta.reduced()  # summed first: the e4m3 rows are this kernel's (PartialSum's)
     if isinstance(delta, (PartialSum, SlicedFp8Product)):
       fused = (delta.add_and_norm(x, self.scale[...], self.eps, self.zero_centered)
                if self.on_kernel(x) else None)

@@ -31,11 +31,12 @@ BALANCED = True
 # The K-slice partials (float32 [S, R, N], written by the kernel, read by their sum) grow with
 # the rows, the weight does not: at 32 rows Qwen3-8B's q / k / v in 8 slices write and read
 # half its e4m3 bytes again. PARTIALS_SHARE caps that share (partials_share): more slices are
-# not tried, and balanced runs take a product that the slices left fill poorly; it binds from
-# 16 rows (verify windows of several sequences), never at decode's 8 padded rows. A quarter:
-# Qwen3-8B FP8's verify of 4 tokens at batch 8 (32 rows) 5.8% shorter (3.75 against 3.98 ms,
-# three processes, one H200), 6 tokens 1.3%; an eighth, 2.1% and 5% slower than a quarter
-# (BENCHMARKS.md, "The K-slice partials capped ..."). None: slices by the SMs alone.
+# not tried, and balanced runs take a product that the slices left fill poorly; from 16 rows
+# only (verify windows of several sequences; decode's 8 padded rows as measured, uncapped). A
+# quarter: Qwen3-8B FP8's verify of 4 tokens at batch 8 (32 rows) 5.8% shorter (3.75 against
+# 3.98 ms, three processes, one H200), 6 tokens 1.3%; an eighth, 2% shorter than a quarter at
+# 2 tokens, 3.8% / 6.9% longer at 4 / 6 (BENCHMARKS.md, "The K-slice partials capped ...").
+# None: slices by the SMs alone.
 PARTIALS_SHARE: float | None = 0.25
 
 
@@ -45,8 +46,9 @@ def partials_share(k: int, slots: int, rows: int) -> float:
 
 
 def most_splits(k: int, rows: int) -> int | None:
-  """The most K slices (a power of two) PARTIALS_SHARE allows at `rows`; None where unset."""
-  if PARTIALS_SHARE is None:
+  """The most K slices (a power of two) PARTIALS_SHARE allows at `rows`; None where unset or
+  at 8 padded rows or fewer."""
+  if PARTIALS_SHARE is None or decode_routing.padded_tokens(rows) <= 8:
     return None
   most = 1
   while 2 * most <= k // BLOCK and partials_share(k, 2 * most, rows) <= PARTIALS_SHARE:

@@ -81,8 +81,9 @@ def choose_splits(batch: int, kv_heads: int, slots: int, num_sms: int) -> tuple[
   if (not SPLITS or pairs > most_pairs or slots < SPLIT_MIN_SLOTS
       or slots % SPLIT_BLOCK_SLOTS):
     return 1, None
-  # at least 8 where pairs <= num_sms / 4 (and slots >= 512 = 8 blocks); 2 or more past that
-  return min(2 * num_sms // pairs, slots // SPLIT_BLOCK_SLOTS, MAX_SPLITS), SPLIT_BLOCK_SLOTS
+  # at least 8 where pairs <= num_sms / 4 (and slots >= 512 = 8 blocks); fewer past that
+  splits = min(2 * num_sms // pairs, slots // SPLIT_BLOCK_SLOTS, MAX_SPLITS)
+  return (splits, SPLIT_BLOCK_SLOTS) if splits > 1 else (1, None)
 
 
 def fits_kernel(slots: int, head_dim: int, rows_per_kv_head: int) -> bool:

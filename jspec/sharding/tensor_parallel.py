@@ -255,10 +255,16 @@ class PartialSum:
   split over the products' axis. `reduced()` is the output; `+` sums first; a norm after a
   residual add takes it whole (`add_and_norm`, one kernel with the sum)."""
 
-  def __init__(self, partials_ABTD, products: TensorParallelProducts, dtype, tokens=None):
+  def __init__(self, partials_ABTD, products: TensorParallelProducts, dtype, tokens=None,
+               optional: bool = False):
     """dtype: the product's; tokens: the window's T where the partials are the K slices'
-    float32 partials [A * S, B, T or 2 T, D] (_k_slice_partials), None for [A, B, T, D]."""
+    float32 partials [A * S, B, T or 2 T, D] (_k_slice_partials), None for [A, B, T, D].
+    optional: the product summed over the shards before it deferred (FP8's,
+    jspec.models.fp8_tensor_parallel): a reader with a kernel of its own for a summed delta
+    (the MoE norm + router kernel, a norm writing e4m3 rows) sums it first and keeps that
+    kernel, as before, where a bf16 product's reader gives its kernel up."""
     self.partials_ABTD, self.products, self.tokens = partials_ABTD, products, tokens
+    self.optional = optional
     self.dtype = jnp.dtype(dtype)
     b, t, d = partials_ABTD.shape[1:]
     self.shape = (b, t if tokens is None else tokens, d)
