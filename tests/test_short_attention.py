@@ -175,10 +175,14 @@ def test_splits_off(monkeypatch):
 
 def test_split_max_pairs_moves_the_bound_on_pairs(monkeypatch):
   """SPLIT_MAX_PAIRS replaces the quarter of the SMs: 64 pairs split, 2 programs an SM at most
-  (4 splits), MAX_SPLITS below that; one past the bound, not split."""
+  (4 splits), MAX_SPLITS below that; one past the bound, not split; nor pairs so many that
+  fewer than 2 splits would bring the programs to twice the SMs."""
   monkeypatch.setattr(short_lib, "SPLIT_MAX_PAIRS", 64)
   assert short_lib.choose_splits(8, 8, 640, 132) == (4, 64)
   assert short_lib.choose_splits(65, 1, 640, 132) == (1, None)
+  monkeypatch.setattr(short_lib, "SPLIT_MAX_PAIRS", 300)
+  assert short_lib.choose_splits(300, 1, 640, 132) == (1, None)  # 2 x 132 // 300 = 0
+  monkeypatch.setattr(short_lib, "SPLIT_MAX_PAIRS", 64)
   monkeypatch.setattr(short_lib, "MAX_SPLITS", 2)
   assert short_lib.choose_splits(8, 8, 640, 132) == (2, 64)
 

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jspec.models import quantization
 from jspec.models.params import param
+from jspec.sharding.tensor_parallel import PartialSum
 
 QKV_NAMES = ("q_proj", "k_proj", "v_proj")  # an attention layer's one FP8 call, in its order
 
@@ -224,8 +225,8 @@ class SlicedFp8Product:
 
 
 def reduced(delta):
-  """`delta` as an array: a SlicedFp8Product summed, anything else as it is."""
-  return delta.reduced() if isinstance(delta, SlicedFp8Product) else delta
+  """`delta` as an array: a SlicedFp8Product or a PartialSum summed, anything else as it is."""
+  return delta.reduced() if isinstance(delta, (SlicedFp8Product, PartialSum)) else delta
 
 
 def project_to_norm(layer, x, name: str, spec: str, in_axes: int = 1, product=None):

@@ -209,19 +209,17 @@ class MoE(nnx.Module):
     """(h, norm(h), routing) for h = x + delta before this layer, `norm` its RMSNorm: the norm
     and the router product in one kernel where the norm and the routing run as kernels
     (norm_router_kernel) and delta is summed already or may be summed first (an FP8 product's
-    PartialSum, `optional`); None elsewhere. `routing` goes to
-    __call__ with norm(h)."""
+    PartialSum, `optional`); None elsewhere. `routing` goes to __call__ with norm(h)."""
     b, t, _ = x_BTD.shape
-    deferred = isinstance(delta_BTD, PartialSum)
     if (self.norm_router_kernel is None or not NORM_ROUTER
-        or (deferred and not delta_BTD.optional)
+        or (isinstance(delta_BTD, PartialSum) and not delta_BTD.optional)
         or delta_BTD.dtype != x_BTD.dtype or not norm.on_kernel(x_BTD)
         or b * t > router_topk.MAX_TOKENS):
       return None
     # An FP8 o_proj's K slices (or, at tp, its shards) summed first: this kernel taking the
     # partials itself measured no faster (BENCHMARKS.md, "FP8 o_proj and down_proj partials
     # summed in the norm ...").
-    delta_BTD = delta_BTD.reduced() if deferred else reduced(delta_BTD)
+    delta_BTD = reduced(delta_BTD)
     return self.norm_router_kernel(x_BTD, delta_BTD, norm.scale[...], self.router[...],
                                    eps=norm.eps, zero_centered=norm.zero_centered,
                                    plan=self._plans(b * t, experts_fn),
