@@ -6,8 +6,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 # The CPU suite's programs are small and each is compiled once: LLVM at -O0 compiles them
-# sooner than the optimised code would save (about 15% of the suite's time).
-CPU_DEVICES := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+# sooner than the optimised code would save (about 15% of the suite's time). XLA's CPU compiler
+# then spends most of a compile emitting each fusion through its MLIR fusion emitters, a
+# context and pass pipeline per fusion; its former emitters compile the same fusions in about
+# half the time (tests/conftest.py, BENCHMARKS.md).
+CPU_TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 \
+  --xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters
+CPU_DEVICES := XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)"
 export JSPEC_COMPILATION_CACHE ?= $(CURDIR)/.cache/xla
 
 .PHONY: demo test test-gpu venv clean
@@ -40,9 +45,12 @@ demo: $(STAMP)
 # Bytecode written even where the environment sets PYTHONDONTWRITEBYTECODE: without it each of
 # the suite's Python processes (2 workers, ~8 subprocesses) parses jax, transformers and the
 # rest from source, 8.8 s of CPU for a collection against 2.6 s with .pyc files.
+# TESTS narrows the run to files or test ids under the same settings
+# (`make test TESTS=tests/test_hybrid.py`).
+TESTS ?= tests
 test: $(DEV_STAMP)
 	$(CPU_DEVICES) PYTHONDONTWRITEBYTECODE= JSPEC_PROGRESS=0 JSPEC_COMPILATION_CACHE=off \
-	  $(PY) -m pytest -q -n 2 -m "not gpu" tests
+	  $(PY) -m pytest -q -n 2 -m "not gpu" $(TESTS)
 
 # On a GPU runner: after `pip install -e '.[cuda,test]'`, or with a jax that is already there
 # (no registry access), the checkout as it is. PYTHON names another interpreter. The tests
