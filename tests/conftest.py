@@ -1,6 +1,7 @@
 """Test-wide settings: float32 exactness on CPU, quiet progress, the `gpu` marker's skip,
-compiled programs released before a long-lived worker runs out of memory mappings, and one
-OpenBLAS thread."""
+compiled programs released before a long-lived worker runs out of memory mappings, one
+OpenBLAS thread, the garbage collector's pace, and optimised code for the tests marked
+`runs_programs_often`."""
 
 import gc
 import os
@@ -19,6 +20,14 @@ import pytest  # noqa: E402
 import shared_executables  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Tracing allocates millions of short-lived objects, and at Python's default thresholds (700,
+# 10, 10) its collector ran often enough to take 3-4% of a test process's CPU samples (perf),
+# rescanning the imported modules' objects each time. Those are frozen out of its scans, and
+# it runs less often: 5% less time on two test files (BENCHMARKS.md). The memory-mapping
+# release below still collects at once when it empties the caches.
+gc.freeze()
+gc.set_threshold(20_000, 50, 1000)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -51,6 +60,22 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+# ---- optimised code for the tests that run their programs thousands of times ---------------
+# The suite compiles at XLA's -O0 (the Makefile): most programs run a few times, and LLVM's
+# optimisations would cost more compile time than they save. A distribution test draws
+# thousands of samples through the same few programs, whose -O0 code runs about 3x slower
+# than -O2's (BENCHMARKS.md): marked `runs_programs_often`, its programs (and its module's
+# fixtures', when it is the first to build them) are compiled at -O2.
+RUNS_PROGRAMS_OFTEN_LEVEL = 2
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+  if item.get_closest_marker("runs_programs_often") is not None:
+    shared_executables.OPTIMIZATION_LEVEL = RUNS_PROGRAMS_OFTEN_LEVEL
+  yield
 
 
 # ---- compiled programs released before the process runs out of memory mappings -------------
@@ -97,6 +122,7 @@ def release_compiled_programs():
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
   yield  # fixtures that end with this test (or its module) are torn down first
+  shared_executables.OPTIMIZATION_LEVEL = None  # set by pytest_runtest_setup
   if not MAP_LIMIT:
     return
   module_ends = nextitem is None or nextitem.module is not item.module

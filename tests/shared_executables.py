@@ -10,7 +10,11 @@ LLM asked. This is the persistent compilation cache's key, kept in memory: writi
 large CPU executables to disk crashes jaxlib 0.11.2. Programs with host callbacks (interpret-mode Pallas kernels) hold pointers to
 their own Python objects and are always compiled.
 
-conftest.release_compiled_programs empties EXECUTABLES with the tests' other caches."""
+conftest.release_compiled_programs empties EXECUTABLES with the tests' other caches.
+
+OPTIMIZATION_LEVEL, where set, replaces XLA's backend optimisation level (the Makefile's -O0)
+in the programs compiled meanwhile: conftest sets it for the tests marked `runs_programs_often`,
+which run their programs thousands of times."""
 
 import hashlib
 import io
@@ -19,6 +23,7 @@ from jax._src import compiler
 from jax._src.lib.mlir import passmanager
 
 EXECUTABLES = {}  # key -> LoadedExecutable
+OPTIMIZATION_LEVEL: int | None = None
 _compile = compiler.backend_compile_and_load
 
 
@@ -34,6 +39,9 @@ def _program_bytes(module) -> bytes:
 
 
 def _shared_compile(backend, module, executable_devices, options, host_callbacks):
+  if OPTIMIZATION_LEVEL is not None:  # before the key: the level is part of the program's key
+    options.executable_build_options.debug_options.xla_backend_optimization_level = (
+        OPTIMIZATION_LEVEL)
   program = _program_bytes(module)
   if host_callbacks or b"callback" in program:
     return _compile(backend, module, executable_devices, options, host_callbacks)

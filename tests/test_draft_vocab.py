@@ -74,6 +74,7 @@ def test_drafts_come_only_from_the_draft_vocabulary():
   assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla]
 
 
+@pytest.mark.runs_programs_often
 def test_sampling_with_a_draft_vocabulary_is_lossless():
   """The second token (the first decided by verification) has the same distribution with and
   without speculation when the head drafts from half the vocabulary."""

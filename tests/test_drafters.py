@@ -300,6 +300,7 @@ def _target_marginals(prompt, top_k, n):
   return marginals
 
 
+@pytest.mark.runs_programs_often
 @pytest.mark.parametrize("drafter, top_k", [("one_layer", 8), ("eagle3", 0)])
 def test_sampled_speculation_keeps_the_target_distribution(drafter_dirs, drafter, top_k):
   """Temperature 1: the first generated tokens (the second and, with top-k, the third decided

@@ -178,6 +178,7 @@ def test_fp8_experts_gathered_for_few_tokens_give_the_full_computation(deepseek)
                                atol=1e-6)
 
 
+@pytest.mark.runs_programs_often
 def test_fp8_deepseek_speculative_sampling_is_lossless(deepseek):
   """With temperature, the second generated token (the first decided by verification) has the
   same distribution with the FP8 model's NextN drafts as without: a two-sample chi-square on

@@ -136,6 +136,7 @@ def test_greedy_speculative_equals_vanilla(method, k):
   assert outs.metrics.num_accepted_tokens > 0
 
 
+@pytest.mark.runs_programs_often
 def test_speculative_sampling_is_lossless():
   """The first token decided by verification has the same distribution with and without MTP
   speculation (two-sample chi-square over 1000 seeded samples each)."""

@@ -193,6 +193,7 @@ def test_store_and_replay_commits_give_the_same_tokens():
   assert tokens[0] == tokens[1] == _vanilla(name, prompts, ignore_eos=True)
 
 
+@pytest.mark.runs_programs_often
 def test_speculative_sampling_is_lossless_on_a_hybrid_model():
   """The first token decided by verification has the same distribution with and without MTP
   speculation (two-sample chi-square over 1500 seeded samples)."""

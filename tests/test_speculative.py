@@ -107,6 +107,7 @@ def test_metrics_are_consistent(method, k):
     assert agg.num_accepted_tokens > 0  # the repetitive prompts do get accepted drafts
 
 
+@pytest.mark.runs_programs_often
 def test_speculative_sampling_is_lossless_end_to_end():
   """With temperature, the second generated token (the first decided by verification) has the
   same distribution with and without speculation: a two-sample chi-square on the top tokens."""

@@ -211,6 +211,7 @@ def test_what_cannot_run_a_tree_is_refused(llama_drafters):
         "method": "mtp", "num_speculative_tokens": 3, "speculative_token_tree": CHAIN3})
 
 
+@pytest.mark.runs_programs_often
 @pytest.mark.parametrize("drafter", ["one_layer", "eagle3"])
 def test_sampled_tree_keeps_the_target_distribution(llama_drafters, drafter):
   """Temperature 1, top-k 8: the first three generated tokens (the second and third decided by
