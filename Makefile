@@ -6,12 +6,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 # The CPU suite's programs are small and each is compiled once: LLVM at -O0 compiles them
-# sooner than the optimised code would save (about 15% of the suite's time). XLA's CPU compiler
-# then spends most of a compile emitting each fusion through its MLIR fusion emitters, a
-# context and pass pipeline per fusion; its former emitters compile the same fusions in about
-# half the time (tests/conftest.py, BENCHMARKS.md).
+# sooner than the optimised code would save (about 15% of the suite's time; the tests that run
+# their programs thousands of times compile at -O2, tests/conftest.py). XLA's CPU compiler then
+# spent most of a compile emitting each fusion through its MLIR fusion emitters, a context and
+# pass pipeline per fusion; its former emitters compile the same fusions in about half the
+# time. Its fast-compile preset and one LLVM module a program, not several compiled on threads
+# (the suite's two workers keep both cores busy), take off another tenth (BENCHMARKS.md).
 CPU_TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 \
-  --xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters
+  --xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters \
+  --xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE --xla_cpu_parallel_codegen_split_count=1
 CPU_DEVICES := XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)"
 export JSPEC_COMPILATION_CACHE ?= $(CURDIR)/.cache/xla
 

@@ -38,6 +38,7 @@ def _device_threads():
   return [t for t in threading.enumerate() if t.name in DEVICE_THREADS]
 
 
+@pytest.mark.runs_programs_often  # a thousand decode steps
 @pytest.mark.parametrize("batching, module", [("continuous", continuous), ("waves", waves)])
 def test_ctrl_c_during_generate_raises_at_once_and_leaves_the_llm_usable(batching, module,
                                                                          monkeypatch, request):
