@@ -108,14 +108,17 @@ class Finished:
 
 def draft_state_shape(target, drafter, batch: int, ctx: LoopContext):
   """The drafter's state for `batch` rows, abstractly: what its `prefill` returns for them
-  (its caches are sized by the plan, whatever the prompt)."""
+  (its caches are sized by the plan, whatever the prompt). The target's forward is traced
+  for it only where the drafter's prefill reads its outputs (Drafter.prefill_reads_target)."""
   def prefill_small():
     tokens_BP = jnp.zeros((batch, 16), jnp.int32)
-    positions_BP = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), tokens_BP.shape)
     lens_B = jnp.ones((batch,), jnp.int32)
-    caches = target.init_caches(batch, 16, ctx.dtype)
-    target_out, _ = target_forward(target, drafter, tokens_BP, positions_BP, caches, 16,
-                                    ctx.experts_fn, seq_lens_B=lens_B)
+    target_out = None
+    if drafter.prefill_reads_target:
+      positions_BP = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), tokens_BP.shape)
+      caches = target.init_caches(batch, 16, ctx.dtype)
+      target_out, _ = target_forward(target, drafter, tokens_BP, positions_BP, caches, 16,
+                                      ctx.experts_fn, seq_lens_B=lens_B)
     return drafter.prefill(tokens_BP, lens_B, lens_B, target_out, 16)
   return jax.eval_shape(prefill_small)
 

@@ -65,6 +65,11 @@ class Drafter:
   """Defaults: no state, no target hidden states needed."""
 
   aux_layers: tuple[int, ...] = ()
+  # Whether `prefill` reads its target_out. Where it does not, the loop learns the drafter's
+  # state layout without tracing a target forward for it (jspec.loop.slots.draft_state_shape):
+  # that trace was about a sixth of a 36-layer model's first call on a CPU. A drafter that
+  # reads target_out and says False gets None there and fails as it is traced.
+  prefill_reads_target: bool = False
 
   def prefill(self, tokens_BP, prompt_lens_B, first_B, target_out: TargetOut,
               chunk: int) -> DraftState:

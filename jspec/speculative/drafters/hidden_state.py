@@ -34,6 +34,8 @@ from jspec.shapes.rows import set_row_items
 
 class HiddenStateDrafter(Drafter):
 
+  prefill_reads_target = True  # its first layer reads the target's hidden states
+
   def __init__(self, target, head, plan, ctx):
     self.target, self.head, self.plan, self.ctx = target, head, plan, ctx
     self.aux_layers = tuple(head.aux_layers)
