@@ -7,6 +7,8 @@ EAGLE-3); for none, n-gram and draft models it is not traced at all."""
 import jax
 import pytest
 
+import jspec
+
 from drafter_checkpoints import eagle3_head, truncated_draft_model
 from helpers import cached_llm, fixture_dir
 from jspec.loop import slots
@@ -86,3 +88,29 @@ def test_a_drafter_that_reads_the_target_but_says_it_does_not_fails_as_it_is_tra
 
   with pytest.raises(AttributeError, match="hidden_BTD"):
     jax.eval_shape(shape, *device.weights)
+
+
+def test_the_continuous_scheduler_learns_a_plans_layout_once(monkeypatch):
+  """A start program is traced twice (its state's shardings, then the program) and again for
+  each new wave layout; the drafter's layout (for an MTP head, a trace of the target's whole
+  forward) is learned once per plan and serves them all."""
+  probes = []
+  probe = slots.draft_state_shape
+
+  def counted(*args, **kwargs):
+    probes.append(args[2])
+    return probe(*args, **kwargs)
+
+  monkeypatch.setattr(slots, "draft_state_shape", counted)
+  # prefill chunks of 16 whatever the prompt (a quarter of 64): one plan for both calls
+  llm = jspec.LLM(model=fixture_dir("qwen3_dense"), dtype="float32", max_model_len=128,
+                  max_num_seqs=2, prefill_chunk_size=64,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+  params = jspec.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+  short, long = [[3, 1, 4, 1, 5]], [list(range(7, 47))]  # prompt buckets of 16 and 64
+  first = llm.generate(short, params)
+  llm.generate(long, params)
+  starts = llm.scheduler.start_programs
+  assert len(starts) == 2 and len({key[0].loop for key in starts}) == 1
+  assert probes == [1]  # one plan (a call of one request: one slot), once
+  assert first[0].token_ids == cached_llm("qwen3_dense").generate(short, params)[0].token_ids

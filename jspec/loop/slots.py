@@ -123,13 +123,26 @@ def draft_state_shape(target, drafter, batch: int, ctx: LoopContext):
   return jax.eval_shape(prefill_small)
 
 
-def init_state(target, drafter, queue: Queue, plan: BatchPlan, ctx: LoopContext) -> BatchState:
-  """Every slot free; caches allocated (their contents are never read before written)."""
+def draft_layout(layouts: dict, target, drafter, loop: LoopPlan, ctx: LoopContext):
+  """draft_state_shape's layout for programs of `loop`, kept in `layouts` (a scheduler's, keyed
+  by plan): traced once per plan. A continuous call's start program is traced twice (its
+  state's shardings, then the program) and again for each new queue or wave layout, and for
+  MTP and EAGLE-3 heads the layout takes a trace of the target's whole forward."""
+  if loop not in layouts:
+    layouts[loop] = draft_state_shape(target, drafter, loop.batch, ctx)
+  return layouts[loop]
+
+
+def init_state(target, drafter, queue: Queue, plan: BatchPlan, ctx: LoopContext,
+               draft_layout=None) -> BatchState:
+  """Every slot free; caches allocated (their contents are never read before written).
+  draft_layout: draft_state_shape's for this plan where the caller has it (None: traced)."""
   lp, batch, shards = plan.loop, plan.loop.batch, plan.shards
   caches = cache_lib.constrain(target.init_caches(batch, lp.cache_len, ctx.dtype),
                                ctx.cache_shardings)
-  draft = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                       draft_state_shape(target, drafter, batch, ctx))
+  if draft_layout is None:
+    draft_layout = draft_state_shape(target, drafter, batch, ctx)
+  draft = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), draft_layout)
   placeholder = lp.cache_len - lp.k - 1
   decode = DecodeState(
       tokens_BS=jnp.zeros((batch, lp.cache_len), jnp.int32),
@@ -169,12 +182,13 @@ class Wave:
 
 
 def start_state(target, drafter, queue: Queue, wave: Wave | None, plan: BatchPlan,
-                ctx: LoopContext, wave_chunk: int) -> BatchState:
+                ctx: LoopContext, wave_chunk: int, draft_layout=None) -> BatchState:
   """The state a call's first dispatch starts from: every slot free (`wave` None), or the
   wave's slots running, their prompts prefilled in one batched pass of `wave_chunk` tokens
-  at a time (jspec.loop.waves.prefill), each with its first token sampled."""
+  at a time (jspec.loop.waves.prefill), each with its first token sampled. draft_layout: as
+  init_state's."""
   lp = plan.loop
-  state = init_state(target, drafter, queue, plan, ctx)
+  state = init_state(target, drafter, queue, plan, ctx, draft_layout)
   if wave is None:
     return state
   assigned_B = wave.group_B >= 0

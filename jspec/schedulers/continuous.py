@@ -39,7 +39,7 @@ from jspec.schedulers.base import (DispatchTiming, RunResult, cache_len_for, dra
 from jspec.schedulers.collect import FinishedCompletion, OutputCollector
 from jspec.schedulers.dispatch_chain import DispatchChain
 from jspec.sharding.rules import to_host
-from jspec.loop import dispatch
+from jspec.loop import dispatch, slots
 from jspec.shapes import buckets
 from jspec.loop.queue import Queue, plan_queue, queue_arrays
 from jspec.loop.slots import BatchPlan, Finished, Wave, start_state
@@ -80,10 +80,10 @@ class ContinuousScheduler:
   def __init__(self, device: DeviceModel, parts):
     self.device, self.parts = device, parts
     self.k = num_drafts(parts.spec)
-    # (BatchPlan, queue layout, whether it admits requests) -> dispatch
-    self.dispatch_programs = {}
+    self.dispatch_programs = {}  # (BatchPlan, queue layout, whether it admits) -> dispatch
     self.finished_layouts = {}   # the same keys -> dispatch's packed Finished
     self.start_programs = {}     # (BatchPlan, queue layout, wave layout) -> start
+    self._draft_layouts = {}     # LoopPlan -> the drafter's state layout (slots.draft_layout)
     self._budgets = {}        # step budget -> its replicated device scalar
     self._rates = {}          # dispatch_programs' keys -> steps per second last measured
     self.finished_rows = None  # Finished rows per dispatch; None: twice the slots
@@ -155,15 +155,15 @@ class ContinuousScheduler:
     return shardings.replace(decode=self.device.with_cache_shardings(shardings.decode))
 
   def _start_fn(self, plan: BatchPlan, queue_layout: Layout, wave_layout: Layout | None):
-    device, ctx = self.device, self.device.ctx
-    chunk = self.parts.prefill_chunk_size
+    device, ctx, chunk = self.device, self.device.ctx, self.parts.prefill_chunk_size
 
     def start_fn(target_state, draft_state, queue_buffer, wave_buffer):
       wave = None if wave_layout is None else Wave(**wave_layout.unpack(wave_buffer))
       target, drafter = program_models(device, target_state, draft_state, plan.loop,
                                        in_loop=False)
+      layout = slots.draft_layout(self._draft_layouts, target, drafter, plan.loop, ctx)
       state = start_state(target, drafter, Queue(**queue_layout.unpack(queue_buffer)), wave,
-                          plan, ctx, chunk)
+                          plan, ctx, chunk, layout)
       # A small output of its own (not donated with the state): ready when the prefill is.
       return state, jnp.sum(state.decode.lengths_B)
 
