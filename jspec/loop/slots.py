@@ -123,7 +123,7 @@ def draft_state_shape(target, drafter, batch: int, ctx: LoopContext):
   return jax.eval_shape(prefill_small)
 
 
-def draft_layout(layouts: dict, target, drafter, loop: LoopPlan, ctx: LoopContext):
+def cached_draft_layout(layouts: dict, target, drafter, loop: LoopPlan, ctx: LoopContext):
   """draft_state_shape's layout for programs of `loop`, kept in `layouts` (a scheduler's, keyed
   by plan): traced once per plan. A continuous call's start program is traced twice (its
   state's shardings, then the program) and again for each new queue or wave layout, and for

@@ -83,7 +83,7 @@ class ContinuousScheduler:
     self.dispatch_programs = {}  # (BatchPlan, queue layout, whether it admits) -> dispatch
     self.finished_layouts = {}   # the same keys -> dispatch's packed Finished
     self.start_programs = {}     # (BatchPlan, queue layout, wave layout) -> start
-    self._draft_layouts = {}     # LoopPlan -> the drafter's state layout (slots.draft_layout)
+    self._draft_layouts = {}     # LoopPlan -> the drafter state layout (cached_draft_layout)
     self._budgets = {}        # step budget -> its replicated device scalar
     self._rates = {}          # dispatch_programs' keys -> steps per second last measured
     self.finished_rows = None  # Finished rows per dispatch; None: twice the slots
@@ -161,7 +161,7 @@ class ContinuousScheduler:
       wave = None if wave_layout is None else Wave(**wave_layout.unpack(wave_buffer))
       target, drafter = program_models(device, target_state, draft_state, plan.loop,
                                        in_loop=False)
-      layout = slots.draft_layout(self._draft_layouts, target, drafter, plan.loop, ctx)
+      layout = slots.cached_draft_layout(self._draft_layouts, target, drafter, plan.loop, ctx)
       state = start_state(target, drafter, Queue(**queue_layout.unpack(queue_buffer)), wave,
                           plan, ctx, chunk, layout)
       # A small output of its own (not donated with the state): ready when the prefill is.
