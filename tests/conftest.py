@@ -71,11 +71,10 @@ def pytest_collection_modifyitems(config, items):
 RUNS_PROGRAMS_OFTEN_LEVEL = 2
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(tryfirst=True)  # before pytest's own setup builds the test's fixtures
 def pytest_runtest_setup(item):
   if item.get_closest_marker("runs_programs_often") is not None:
     shared_executables.OPTIMIZATION_LEVEL = RUNS_PROGRAMS_OFTEN_LEVEL
-  yield
 
 
 # ---- compiled programs released before the process runs out of memory mappings -------------

@@ -5,6 +5,7 @@ where the drafter's prefill reads the target's hidden states (hidden-state heads
 EAGLE-3); for none, n-gram and draft models it is not traced at all."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import jspec
@@ -58,10 +59,9 @@ def test_each_drafters_state_layout_is_its_prefills_and_the_target_is_traced_onl
     assert drafter.prefill_reads_target is reads_target
     shape = slots.draft_state_shape(model, drafter, BATCH, device.ctx)
     # The layout as a prompt's prefill makes it: a real target forward over 16 positions.
-    tokens = jax.numpy.ones((BATCH, 16), jax.numpy.int32)
-    positions = jax.numpy.broadcast_to(jax.numpy.arange(16, dtype=jax.numpy.int32),
-                                       tokens.shape)
-    lens = jax.numpy.full((BATCH,), 16, jax.numpy.int32)
+    tokens = jnp.ones((BATCH, 16), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), tokens.shape)
+    lens = jnp.full((BATCH,), 16, jnp.int32)
     target_out, _ = target_forward(model, drafter, tokens, positions,
                                    model.init_caches(BATCH, 16, device.ctx.dtype), 16,
                                    device.ctx.experts_fn, seq_lens_B=lens)
