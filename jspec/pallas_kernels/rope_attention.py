@@ -62,8 +62,7 @@ def _kernel(start_ref, freq_ref, parts_ref, *refs, q_heads: int, kv_heads: int, 
   # The key and value: one row of a tile (the rest zeros), summed down to it exactly.
   k_H = jnp.sum(rotated(jnp.full((block_rows,), k_head), one_row, k_scale_ref)
                 .astype(jnp.float32), axis=0).astype(dtype)
-  v_H = jnp.sum(read(jnp.full((block_rows,), v_head), one_row, 0, parts_ref.shape[2])
-                .astype(jnp.float32), axis=0).astype(dtype)
+  v_H = _summed_head(parts_ref, v_head, b=b, row_scale=row_scale, dtype=dtype)
   block_slots, splits = attend["block_slots"], attend["splits"]
   blocks = jnp.clip(start // block_slots + 1, 0, keys_ref.shape[2] // block_slots)
   first, last = 0, blocks
@@ -85,12 +84,23 @@ def _summed(parts_ref, heads_R, mask_R, first: int, size: int, *, b, row_scale, 
   """[R, size]: columns first .. first + size of heads heads_R (masked rows zeros), each the sum
   of its S partials at row b, times the row's scale where given, cast to dtype (as
   row_norms.qkv_partials_norm_rope reads them)."""
-  s = jnp.arange(parts_ref.shape[0])[:, None, None]
-  cols = first + jnp.arange(size)[None, None, :]
-  shape = (parts_ref.shape[0], heads_R.shape[0], size)
-  x = pltriton.load(parts_ref.at[s, heads_R[None, :, None], cols, b],
-                    mask=jnp.broadcast_to(mask_R[None, :, None], shape), other=0.0)
-  x = jnp.sum(x, axis=0)
+  cols = first + jnp.arange(size)[None, :]
+  mask = jnp.broadcast_to(mask_R[:, None], (heads_R.shape[0], size))
+  x = None
+  for s in range(parts_ref.shape[0]):  # in order, as XLA sums the slices' axis
+    part = pltriton.load(parts_ref.at[s, heads_R[:, None], cols, b], mask=mask, other=0.0)
+    x = part if x is None else x + part
+  if row_scale is not None:
+    x = x * row_scale
+  return x.astype(dtype)
+
+
+def _summed_head(parts_ref, head, *, b, row_scale, dtype):
+  """[H]: head `head` at row b, summed as _summed sums it, read as row_norms reads one head."""
+  x = None
+  for s in range(parts_ref.shape[0]):
+    part = parts_ref[s, head, pl.ds(0, parts_ref.shape[2]), b]
+    x = part if x is None else x + part
   if row_scale is not None:
     x = x * row_scale
   return x.astype(dtype)
