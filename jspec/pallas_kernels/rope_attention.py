@@ -63,13 +63,8 @@ def _kernel(start_ref, freq_ref, parts_ref, *refs, q_heads: int, kv_heads: int, 
   k_H = jnp.sum(rotated(jnp.full((block_rows,), k_head), one_row, k_scale_ref)
                 .astype(jnp.float32), axis=0).astype(dtype)
   v_H = _summed_head(parts_ref, v_head, b=b, row_scale=row_scale, dtype=dtype)
-  block_slots, splits = attend["block_slots"], attend["splits"]
-  blocks = jnp.clip(start // block_slots + 1, 0, keys_ref.shape[2] // block_slots)
-  first, last = 0, blocks
-  if splits > 1:  # as attend_and_store shares the blocks
-    per = (blocks + splits - 1) // splits
-    first = pl.program_id(2) * per
-    last = jnp.minimum(blocks, first + per)
+  block_slots = attend["block_slots"]
+  first, last = short.program_blocks(start, block_slots, keys_ref.shape[2], attend["splits"])
 
   @pl.when((start >= first * block_slots) & (start < last * block_slots))
   def _():  # this program's blocks hold the step's slot (inside the cache): it writes it

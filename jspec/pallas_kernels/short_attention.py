@@ -161,14 +161,7 @@ def attend_and_store(q, start, k_ref, v_ref, out_refs, *, rows: int, block_rows:
   q_rows = pl.ds(head * rows, block_rows)
   tokens, head_dim = rows // group, q.shape[1]
   position = start + row_ids // group  # the last slot each row sees
-  # Blocks up to the last row's slot, within the cache (an idle sequence's position may lie
-  # anywhere: its rows are dropped by the caller, but no read may leave the cache).
-  blocks = jnp.clip((start + (rows - 1) // group) // block_slots + 1, 0, slots // block_slots)
-  first, last = 0, blocks
-  if splits > 1:  # this program's share of the blocks, the shares as even as they divide
-    per = (blocks + splits - 1) // splits
-    first = pl.program_id(2) * per
-    last = jnp.minimum(blocks, first + per)
+  first, last = program_blocks(start + (rows - 1) // group, block_slots, slots, splits)
 
   def body(j, carry):
     acc, top, total = carry
@@ -209,6 +202,18 @@ def attend_and_store(q, start, k_ref, v_ref, out_refs, *, rows: int, block_rows:
                    out, mask=row_mask[:, None])
   if quantized:
     _store_e4m3(out, token_R, head_R, row_mask, b, token_rows, *quantized, interpret=interpret)
+
+
+def program_blocks(last_slot, block_slots: int, slots: int, splits: int):
+  """(first, end) of the blocks this program reads: those up to `last_slot`'s, within the
+  cache (an idle sequence's position may lie anywhere: its rows are dropped by the caller,
+  but no read may leave the cache), split `splits` ways as evenly as they divide."""
+  blocks = jnp.clip(last_slot // block_slots + 1, 0, slots // block_slots)
+  if splits == 1:
+    return 0, blocks
+  per = (blocks + splits - 1) // splits
+  first = pl.program_id(2) * per
+  return first, jnp.minimum(blocks, first + per)
 
 
 def _stand_in(block_SH, slot_ids, start, new_kv, which: int):
