@@ -8,13 +8,13 @@ short_attention's, which reads q back. The first is a few thousand values whose 
 …" and "The K-slice partials capped …": 2.1 µs a Qwen3-30B-A3B layer, 2.6 a Qwen3-8B FP8
 one), where the attention's programs each need only their own KV head's G query heads.
 
-How: program (b, KV head[, split]) sums its G query heads' partials, norms and rotates them
-exactly as the row kernel does, and lays the two rotated halves side by side through two
-products with 0 / 1 placement matrices (exact: each output is one input times 1; Triton has no
-concatenate of halves). It reads the step's key and value too, and the program whose blocks
-hold the step's slot writes them into the cache and uses them in place of that slot's stale
-row as it reads its blocks (short_attention.attend_and_store's `new_kv`), so no program waits
-on another's store. The attention and its outputs are short_attention's, split over programs
+How: program (b, KV head[, split]) first sends out the loads of its first block of keys and
+values, then sums its G query heads' partials and norms and rotates them as the row kernel
+does, each column from its own value and its rotate-half partner's (read twice, swapped: no
+concatenate of halves, which Triton lacks). It computes the step's key and value too; the
+program whose blocks hold the step's slot writes them into the cache, and each uses them in
+place of that slot's stale row as it reads its blocks (short_attention.attend_and_store's
+`new_kv`), so no program waits on another's store. The attention and its outputs are short_attention's, split over programs
 and merged (mla_merge) as it chooses.
 
 One token a sequence (a decode step); verify windows and tp's doubled rows keep the two
@@ -52,82 +52,75 @@ def _kernel(start_ref, freq_ref, parts_ref, *refs, q_heads: int, kv_heads: int, 
     v_head = k_head + 1
   else:
     first_q, k_head, v_head = kv * group, q_heads + kv, q_heads + kv_heads + kv
-  row_ids = jnp.arange(block_rows)
-  one_row = row_ids < 1
+  head_dim = parts_ref.shape[2]
+  col = jnp.arange(head_dim)
+  swapped = (col + head_dim // 2) % head_dim  # each column's partner in rotate-half
   read = functools.partial(_summed, parts_ref, b=b, row_scale=row_scale, dtype=dtype)
-  rotated = functools.partial(_rotated, read, position=start, freq_ref=freq_ref, eps=eps,
-                              dtype=dtype)
-  q = rotated(jnp.where(row_ids < group, first_q + row_ids, first_q), row_ids < group,
-              q_scale_ref)
-  # The key and value: one row of a tile (the rest zeros), summed down to it exactly.
-  k_H = jnp.sum(rotated(jnp.full((block_rows,), k_head), one_row, k_scale_ref)
-                .astype(jnp.float32), axis=0).astype(dtype)
-  v_H = _summed_head(parts_ref, v_head, b=b, row_scale=row_scale, dtype=dtype)
-  block_slots = attend["block_slots"]
-  first, last = short.program_blocks(start, block_slots, keys_ref.shape[2], attend["splits"])
+  rope = functools.partial(_norm_rope, position=start, freq_ref=freq_ref, eps=eps,
+                           dtype=dtype)
 
-  @pl.when((start >= first * block_slots) & (start < last * block_slots))
-  def _():  # this program's blocks hold the step's slot (inside the cache): it writes it
-    keys_ref[b, kv, start, :] = k_H
-    values_ref[b, kv, start, :] = v_H
+  def query_rows():  # [block_rows, H]: the G query heads, normed and rotated; padding zeros
+    row_ids = jnp.arange(block_rows)
+    heads = jnp.where(row_ids < group, first_q + row_ids, first_q)[:, None]
+    mask = jnp.broadcast_to((row_ids < group)[:, None], (block_rows, head_dim))
+    return rope(read(heads, col[None, :], mask), read(heads, swapped[None, :], mask),
+                q_scale_ref)
 
-  short.attend_and_store(q, start, keys_ref, values_ref, out_refs, rows=group,
-                         block_rows=block_rows, group=group, new_kv=(k_H, v_H), **attend)
+  def key_and_value():  # the step's, written into the cache by the program whose slot it is
+    k_H = rope(read(k_head, col), read(k_head, swapped), k_scale_ref)
+    v_H = read(v_head, col)
+    block_slots = attend["block_slots"]
+    first, last = short.program_blocks(start, block_slots, keys_ref.shape[2], attend["splits"])
 
+    @pl.when((start >= first * block_slots) & (start < last * block_slots))
+    def _():
+      keys_ref[b, kv, start, :] = k_H
+      values_ref[b, kv, start, :] = v_H
+    return k_H, v_H
 
-def _summed(parts_ref, heads_R, mask_R, first: int, size: int, *, b, row_scale, dtype):
-  """[R, size]: columns first .. first + size of heads heads_R (masked rows zeros), each the sum
-  of its S partials at row b, times the row's scale where given, cast to dtype (as
-  row_norms.qkv_partials_norm_rope reads them)."""
-  cols = first + jnp.arange(size)[None, :]
-  mask = jnp.broadcast_to(mask_R[:, None], (heads_R.shape[0], size))
-  x = None
-  for s in range(parts_ref.shape[0]):  # in order, as XLA sums the slices' axis
-    part = pltriton.load(parts_ref.at[s, heads_R[:, None], cols, b], mask=mask, other=0.0)
-    x = part if x is None else x + part
-  if row_scale is not None:
-    x = x * row_scale
-  return x.astype(dtype)
+  short.attend_and_store(query_rows, start, keys_ref, values_ref, out_refs, rows=group,
+                         block_rows=block_rows, group=group, new_kv=key_and_value, **attend)
 
 
-def _summed_head(parts_ref, head, *, b, row_scale, dtype):
-  """[H]: head `head` at row b, summed as _summed sums it, read as row_norms reads one head."""
+def _summed(parts_ref, heads, cols, mask=None, *, b, row_scale, dtype):
+  """parts[:, heads, cols, b] (index arrays, or a head and its columns) summed over S in order,
+  as XLA sums the slices' axis, times the row's scale where given, cast to dtype (as
+  row_norms.qkv_partials_norm_rope reads them); masked entries zeros."""
   x = None
   for s in range(parts_ref.shape[0]):
-    part = parts_ref[s, head, pl.ds(0, parts_ref.shape[2]), b]
+    part = pltriton.load(parts_ref.at[s, heads, cols, b], mask=mask,
+                         other=None if mask is None else 0.0)
     x = part if x is None else x + part
   if row_scale is not None:
     x = x * row_scale
   return x.astype(dtype)
 
 
-def _rotated(read, heads_R, mask_R, scale_ref, *, position, freq_ref, eps: float, dtype):
-  """[R, H] in dtype: heads heads_R RMSNormed over H by scale_ref (none where None) and rotated
-  by RoPE at `position`, rounded where row_norms' kernel rounds; masked rows zeros."""
-  half = freq_ref.shape[0]
-  x1, x2 = read(heads_R, mask_R, 0, half), read(heads_R, mask_R, half, half)
+def _norm_rope(x, partner, scale_ref, *, position, freq_ref, eps: float, dtype):
+  """x [..., H] (heads) RMSNormed over H by scale_ref (none where None) and rotated by RoPE at
+  `position`, rounded where row_norms' kernel rounds, in dtype. partner: x with its halves
+  swapped (rotate-half's other operand), read as such: each column's result is then its own
+  elementwise expression, with no concatenate of halves, which Triton lacks."""
+  head_dim = x.shape[-1]
+  half = head_dim // 2
+  col = jnp.arange(head_dim)
+  first = col < half
+  swapped = (col + half) % head_dim
   if scale_ref is not None:  # RMSNorm over head_dim: float32, cast, scale in the param dtype
-    a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt((jnp.sum(a * a, axis=1) + jnp.sum(b * b, axis=1)) / (2 * half)
-                            + eps)[:, None]
-    x1 = (scale_ref[pl.ds(0, half)].astype(jnp.float32)[None, :]
-          * (a * inv_rms).astype(dtype).astype(jnp.float32)).astype(dtype)
-    x2 = (scale_ref[pl.ds(half, half)].astype(jnp.float32)[None, :]
-          * (b * inv_rms).astype(dtype).astype(jnp.float32)).astype(dtype)
-  angle = position.astype(jnp.float32) * freq_ref[...]
-  cos, sin = jnp.cos(angle)[None, :], jnp.sin(angle)[None, :]
-  a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
-  # rotate-half: [a, b] -> [a cos - b sin, b cos + a sin], the halves then side by side
-  return (_placed(a * cos - b * sin, 0, dtype) + _placed(b * cos + a * sin, half, dtype)
-          ).astype(dtype)
-
-
-def _placed(x_RC, offset: int, dtype):
-  """x [R, C] rounded to dtype at columns offset .. offset + C of [R, 2C] (zeros elsewhere), in
-  float32: a product with a 0 / 1 matrix, exact (one term a column)."""
-  c = x_RC.shape[1]
-  place_CH = (jnp.arange(c)[:, None] + offset == jnp.arange(2 * c)[None, :]).astype(dtype)
-  return pltriton.dot(x_RC.astype(dtype), place_CH, allow_tf32=False)
+    a, p = x.astype(jnp.float32), partner.astype(jnp.float32)
+    squares = a * a
+    # the halves' sums apart, then added, as the row kernel sums them
+    total = (jnp.sum(jnp.where(first, squares, 0.0), axis=-1)
+             + jnp.sum(jnp.where(first, 0.0, squares), axis=-1))
+    inv_rms = jnp.expand_dims(jax.lax.rsqrt(total / (2 * half) + eps), -1)
+    scale, scale_p = (pltriton.load(scale_ref.at[c]).astype(jnp.float32) for c in (col, swapped))
+    x = (scale * (a * inv_rms).astype(dtype).astype(jnp.float32)).astype(dtype)
+    partner = (scale_p * (p * inv_rms).astype(dtype).astype(jnp.float32)).astype(dtype)
+  angle = position.astype(jnp.float32) * pltriton.load(freq_ref.at[col % half])
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  a, p = x.astype(jnp.float32), partner.astype(jnp.float32)
+  # rotate-half: [a, b] -> [a cos - b sin, b cos + a sin] (transformers' apply_rotary_pos_emb)
+  return jnp.where(first, a * cos - p * sin, a * cos + p * sin).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=(

@@ -153,21 +153,23 @@ def attend_and_store(q, start, k_ref, v_ref, out_refs, *, rows: int, block_rows:
   """Program (b, head[, split])'s attention of its query rows q [block_rows, H] (row t x G + g:
   token t's head g of the group; rows past `rows` padding) over the slots each sees, stored
   into out_refs as the module's kernel stores it (its partials and log-sum-exps where split).
-  new_kv: (k [H], v [H]) standing in for slot `start`'s key and value as they are read, for a
-  kernel that writes that slot itself in this call (rope_attention)."""
+  q may be a function that computes them: its first block's loads then go out first, so that
+  their latency passes while q is computed. new_kv: a function giving (k [H], v [H]) that
+  stand in for slot `start`'s key and value as they are read, for a kernel that writes that
+  slot itself in this call (rope_attention); called after q."""
   b, head = pl.program_id(0), pl.program_id(1)
   row_ids = jnp.arange(block_rows)
   row_mask = row_ids < rows
   q_rows = pl.ds(head * rows, block_rows)
-  tokens, head_dim = rows // group, q.shape[1]
+  tokens, head_dim = rows // group, k_ref.shape[3]
   position = start + row_ids // group  # the last slot each row sees
   first, last = program_blocks(start + (rows - 1) // group, block_slots, slots, splits)
+  block = lambda ref, j: ref[b, head, pl.ds(j * block_slots, block_slots), :]
 
-  def body(j, carry):
+  def step(j, carry, keys, values_fn):
     acc, top, total = carry
-    slot_range = pl.ds(j * block_slots, block_slots)
     slot_ids = j * block_slots + jnp.arange(block_slots)
-    keys = _stand_in(k_ref[b, head, slot_range, :], slot_ids, start, new_kv, 0)
+    keys = _stand_in(keys, slot_ids, start, new_kv, 0)
     scores = pltriton.dot(q, keys, trans_b=True) * scale
     scores = jnp.where(slot_ids[None, :] <= position[:, None], scores, MASKED)
     new_top = jnp.maximum(top, scores.max(axis=-1))
@@ -176,12 +178,25 @@ def attend_and_store(q, start, k_ref, v_ref, out_refs, *, rows: int, block_rows:
     # MASKED + log(count), which the merge weighs exp(-1e30) = 0.
     probs = jnp.exp(scores - new_top[:, None])
     correction = jnp.exp(top - new_top)
-    values = _stand_in(v_ref[b, head, slot_range, :], slot_ids, start, new_kv, 1)
+    values = _stand_in(values_fn(), slot_ids, start, new_kv, 1)
     acc = acc * correction[:, None] + pltriton.dot(probs.astype(values.dtype), values)
     return acc, new_top, total * correction + probs.sum(axis=-1)
 
+  def body(j, carry):  # the values read after the scores
+    return step(j, carry, block(k_ref, j), lambda: block(v_ref, j))
+
   init = (jnp.zeros((block_rows, head_dim), jnp.float32),
           jnp.full((block_rows,), MASKED, jnp.float32), jnp.zeros((block_rows,), jnp.float32))
+  if callable(q):  # the first block read before q is computed, then stepped where it is one
+    j = jnp.minimum(first, slots // block_slots - 1)  # of this program's, else dropped
+    keys, values = block(k_ref, j), block(v_ref, j)
+    q = q()
+    new_kv = new_kv and new_kv()
+    stepped = step(j, init, keys, lambda: values)
+    init = tuple(jnp.where(first < last, new, old) for new, old in zip(stepped, init))
+    first = first + 1
+  elif new_kv is not None:
+    new_kv = new_kv()
   acc, top, total = lax.fori_loop(first, last, body, init)
   out = acc / jnp.maximum(total, 1e-30)[:, None]  # no slot seen: 0
   if splits > 1:
