@@ -8,9 +8,8 @@ short_attention's, which reads q back. The first is a few thousand values whose 
 …" and "The K-slice partials capped …": 2.1 µs a Qwen3-30B-A3B layer, 2.6 a Qwen3-8B FP8
 one), where the attention's programs each need only their own KV head's G query heads.
 
-How: program (b, KV head[, split]) first sends out the loads of its first block of keys and
-values, then sums its G query heads' partials and norms and rotates them as the row kernel
-does, each column from its own value and its rotate-half partner's (read twice, swapped: no
+How: program (b, KV head[, split]) sums its G query heads' partials and norms and rotates
+them as the row kernel does, each column from its own value and its rotate-half partner's (read twice, swapped: no
 concatenate of halves, which Triton lacks). It computes the step's key and value too; the
 program whose blocks hold the step's slot writes them into the cache, and each uses them in
 place of that slot's stale row as it reads its blocks (short_attention.attend_and_store's
@@ -78,7 +77,7 @@ def _kernel(start_ref, freq_ref, parts_ref, *refs, q_heads: int, kv_heads: int, 
       values_ref[b, kv, start, :] = v_H
     return k_H, v_H
 
-  short.attend_and_store(query_rows, start, keys_ref, values_ref, out_refs, rows=group,
+  short.attend_and_store(query_rows(), start, keys_ref, values_ref, out_refs, rows=group,
                          block_rows=block_rows, group=group, new_kv=key_and_value, **attend)
 
 

@@ -153,10 +153,8 @@ def attend_and_store(q, start, k_ref, v_ref, out_refs, *, rows: int, block_rows:
   """Program (b, head[, split])'s attention of its query rows q [block_rows, H] (row t x G + g:
   token t's head g of the group; rows past `rows` padding) over the slots each sees, stored
   into out_refs as the module's kernel stores it (its partials and log-sum-exps where split).
-  q may be a function that computes them: its first block's loads then go out first, so that
-  their latency passes while q is computed. new_kv: a function giving (k [H], v [H]) that
-  stand in for slot `start`'s key and value as they are read, for a kernel that writes that
-  slot itself in this call (rope_attention); called after q."""
+  new_kv: a function giving (k [H], v [H]) that stand in for slot `start`'s key and value as
+  they are read, for a kernel that writes that slot itself in this call (rope_attention)."""
   b, head = pl.program_id(0), pl.program_id(1)
   row_ids = jnp.arange(block_rows)
   row_mask = row_ids < rows
@@ -187,15 +185,7 @@ def attend_and_store(q, start, k_ref, v_ref, out_refs, *, rows: int, block_rows:
 
   init = (jnp.zeros((block_rows, head_dim), jnp.float32),
           jnp.full((block_rows,), MASKED, jnp.float32), jnp.zeros((block_rows,), jnp.float32))
-  if callable(q):  # the first block read before q is computed, then stepped where it is one
-    j = jnp.minimum(first, slots // block_slots - 1)  # of this program's, else dropped
-    keys, values = block(k_ref, j), block(v_ref, j)
-    q = q()
-    new_kv = new_kv and new_kv()
-    stepped = step(j, init, keys, lambda: values)
-    init = tuple(jnp.where(first < last, new, old) for new, old in zip(stepped, init))
-    first = first + 1
-  elif new_kv is not None:
+  if new_kv is not None:
     new_kv = new_kv()
   acc, top, total = lax.fori_loop(first, last, body, init)
   out = acc / jnp.maximum(total, 1e-30)[:, None]  # no slot seen: 0
