@@ -11,7 +11,6 @@ import pytest
 import jspec
 from jspec import backends
 from jspec.pallas_kernels import fp8_experts, fp8_gemm, mla_merge, platform
-from jspec.pallas_kernels import rope_attention as rope_lib
 from jspec.pallas_kernels import short_attention as short_lib
 from jspec.pallas_kernels.short_attention import short_attention
 from tests.test_e4m3_rows import _f32, check_quantized
@@ -182,13 +181,6 @@ def test_o_proj_reads_the_attention_kernels_e4m3_rows(monkeypatch, model, split,
     return kernel(q, keys, *args, quantize=quantize, **kwargs)
 
   monkeypatch.setattr(short_lib, "short_attention", attention_spy)
-  fused = rope_lib.rope_attention  # a decode step's attention with its q / k kernel
-
-  def fused_spy(*args, quantize=False, **kwargs):
-    quantized.append((1, quantize))
-    return fused(*args, quantize=quantize, **kwargs)
-
-  monkeypatch.setattr(rope_lib, "rope_attention", fused_spy)
   for name in ("fp8_partials_many", "fp8_matmul"):
     def spy(x, *args, act_lanes_X=None, fn=getattr(fp8_gemm, name), **kwargs):
       if x.shape[-1] == config.num_heads * config.head_dim:

@@ -78,7 +78,6 @@ def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, thet
   shard, the weights whole on every shard (as the FP8 products run). With `caches` (keys,
   values [B, K, S, H]): k and v written into them instead, (q, keys, values), by the same
   kernel where the cache's KV heads are whole on every shard (else by kv_write's)."""
-  from jspec.models.fused_attention import attend_shard, out_specs
   from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
   from jspec.pallas_kernels.row_norms import qkv_partials_norm_rope
   x = rules.spec(("batch", "seq", None))
@@ -90,17 +89,13 @@ def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, thet
   write = sharded_kv_write(mesh, rules, interpret)
 
   def per_shard(x_BTD, w8s, scales, lanes, positions_BT, q_scale, k_scale, caches=None, *,
-                q_heads, kv_heads, attend=None):
+                q_heads, kv_heads):
     b, t, d = x_BTD.shape
     if isinstance(x_BTD, E4m3Rows):  # quantized by the norm's kernel
       parts_SNR, row_scale_M = fp8_partials_many(x_BTD.x8.reshape(b * t, d), w8s, scales,
                                                  lanes, act_lanes_X=x_BTD.lanes[0])
     else:
       parts_SNR, row_scale_M = fp8_partials_many(x_BTD.reshape(b * t, d), w8s, scales, lanes)
-    if attend is not None:  # the attention in the same kernel
-      return attend_shard(parts_SNR, row_scale_M, positions_BT, q_scale, k_scale, caches,
-                          attend, q_heads=q_heads, kv_heads=kv_heads, fused_layout=False,
-                          dtype=x_BTD.dtype, eps=eps, theta=theta, interpret=interpret)
     q_out, *kv_out = qkv_partials_norm_rope(
         parts_SNR, positions_BT.reshape(b * t), row_scale_M, q_scale, k_scale,
         q_heads=q_heads, kv_heads=kv_heads, dtype=x_BTD.dtype, eps=eps, theta=theta,
@@ -109,27 +104,21 @@ def sharded_fp8_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, thet
     return rows(q_out), *(kv_out if caches is not None else map(rows, kv_out))
 
   @functools.cache
-  def for_heads(q_heads, kv_heads, cached: bool, e4m3: bool, attend=None):
+  def for_heads(q_heads, kv_heads, cached: bool, e4m3: bool):
     return jax.shard_map(
-        functools.partial(per_shard, q_heads=q_heads, kv_heads=kv_heads, attend=attend),
-        mesh=mesh,
+        functools.partial(per_shard, q_heads=q_heads, kv_heads=kv_heads), mesh=mesh,
         in_specs=(e4m3_rows_spec(rules) if e4m3 else x, whole, whole, whole, positions, whole,
                   whole) + (((cache, cache),) if cached else ()),
-        out_specs=(out_specs(rules, attend) if attend is not None
-                   else (heads, cache, cache) if cached else (heads, heads, heads)),
-        check_vma=False)
+        out_specs=(heads, cache, cache) if cached else (heads, heads, heads), check_vma=False)
 
   def call(x_BTD, w8s, scales, lanes, positions_BT, q_scale, k_scale, *, q_heads, kv_heads,
-           caches=None, attend=None):
-    """attend (fused_attention.AttendStep, with caches): where this kernel writes the caches,
-    an Attended, the attention run in the same kernel; else as without."""
+           caches=None):
     fused = caches is not None and not kv_split
-    outs = for_heads(q_heads, kv_heads, fused, isinstance(x_BTD, E4m3Rows),
-                     attend if fused else None)(
+    outs = for_heads(q_heads, kv_heads, fused, isinstance(x_BTD, E4m3Rows))(
         x_BTD, tuple(w8s), tuple(scales), None if lanes is None else tuple(lanes),
         positions_BT, q_scale, k_scale, *((tuple(caches),) if fused else ()))
     if caches is None or fused:
-      return outs  # an Attended where it attended
+      return outs
     q_BTNH, k_BTKH, v_BTKH = outs  # whole KV heads a shard, the cache's split: kv_write's
     return q_BTNH, *write(*caches, k_BTKH, v_BTKH, positions_BT)
 

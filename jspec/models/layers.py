@@ -22,7 +22,6 @@ from jspec.models.caches import KVCache, write_slots
 from jspec.models.decode_attention import MAX_ROWS_PER_KV_HEAD, grouped_attention
 from jspec.models.linear import (QKV_NAMES, as_values, fp8_operands, fp8_rows_fit, linear,
                                  project_many_named, project_named, project_to_norm)
-from jspec.models.fused_attention import Attended, attend_step
 from jspec.models.norms import RMSNorm
 from jspec.models.params import param
 from jspec.models.row_kernels import takes_rows
@@ -57,8 +56,9 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    # With more tp shards than KV heads, every shard computes the K heads (a few MB a layer),
-    # repeated into the cache's K*R heads, split over tp as the query heads are.
+    # With more tp shards than KV heads, k/v projections are replicated (every shard computes
+    # the K heads, a few MB per layer) and their outputs repeated into the cache's K*R heads,
+    # which are split over tp like the query heads: each shard then holds its own group's head.
     self.kv_replicas = cfg.kv_head_replicas
     kv_axis = "kv_heads" if self.kv_replicas == 1 else None
     self.fp8_block = cfg.fp8_block
@@ -96,39 +96,45 @@ class Attention(nnx.Module):
           cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
       self.inv_freq = tuple(float(f) for f in inv_freq)
     self.num_kv_heads = cfg.cache_kv_heads
-    # Optional kernels set by the LLM (None: XLA's attention). Decode / verify steps of at most
-    # MAX_ROWS_PER_KV_HEAD query rows a KV head (jspec.models.decode_attention): (q [B,T,N,H],
-    # new k, v [B,T,K,H], cache k, v [B,K,S,H], first position [B]) -> [B,T,N,H];
+    # Optional kernel for decode/verify steps (jspec.models.decode_attention), set by the LLM:
+    # (q [B,T,N,H], new k, v [B,T,K,H], cache k, v [B,K,S,H], first position [B]) -> [B,T,N,H],
+    # for steps of at most MAX_ROWS_PER_KV_HEAD query rows per KV head. None: XLA's attention.
     self.window_attention = None
-    # the same steps over caches of at most short_attention.MAX_SLOTS slots
-    # (decode_attention.sharded_short_attention): (q, the written cache, first positions);
+    # Optional kernel for the same steps over caches of at most short_attention.MAX_SLOTS
+    # slots (jspec.models.decode_attention.sharded_short_attention), set by the LLM: (q, the
+    # written cache k, v, first position [B]) -> [B,T,N,H]. None: as above.
     self.short_attention = None
-    # prefill chunks, more rows a KV head (jspec.models.prefill_attention): (q [B,T,N,H],
-    # cache k, v [B,K,S,H] of the first kv_window slots, positions [B,T]) -> [B,T,N,H].
+    # Optional fused attention for steps of more than MAX_ROWS_PER_KV_HEAD query rows per KV
+    # head, the prefill chunks (jspec.models.prefill_attention), set by the LLM: (q [B,T,N,H],
+    # cache k, v [B,K,S,H] of the first kv_window slots, positions [B,T]) -> [B,T,N,H], or None.
     self.prefill_attention = None
     # Optional products for steps with few rows (jspec.models.projections), set by the LLM:
     # (x [B, T, K], w [K, N]) -> [B, T, N], the FP8 form with the block scale third. None: XLA's.
-    # fp8_add_norm: o_proj's FP8 product into the next norm's kernel (fp8_row_kernels);
+    # fp8_add_norm: o_proj's FP8 product with the residual add and norm after it, its K slices
+    # summed in the norm's kernel (jspec.models.fp8_row_kernels.sharded_fp8_add_rms_norm).
     # fp8_e4m3_o: a step's attention kernel writes o_proj's input in e4m3 too.
     self.projection = None
     self.fp8_projection = self.fp8_add_norm = None
     self.fp8_e4m3_o = False
-    # Each FP8 scale over the kernel's lanes, by weight name (projections.with_loop_constants).
+    # Each FP8 scale repeated over the kernel's lanes, by weight name, set in a program before
+    # a loop of steps (jspec.models.projections.with_loop_constants).
     self.fp8_lanes = None
     # Optional kernels for the q / k norms and RoPE of steps with few rows, set by the LLM
     # (jspec.models.row_kernels): qk_kernel (q, k, positions, q and k norm scales or None) ->
     # (q, k), for steps of more than qk_kernel_above rows; qkv_kernel (x, qkv_proj, its
-    # product's function, ...) on the fused product or its K slices' partials, v too;
-    # fp8_qkv_kernel on one FP8 call's partials; both may attend too (fused_attention).
+    # product's function, ...) the same on the fused product or its K slices' partials, v too
+    # (fused layers without biases); fp8_qkv_kernel on one FP8 call's K-slice partials.
     self.qk_kernel = self.qkv_kernel = self.fp8_qkv_kernel = None
     self.qk_kernel_above = 0
-    # Optional kernel writing a few rows' keys and values into the cache, set by the LLM
-    # (row_kernels.sharded_kv_write): (keys, values, k, v, positions). None: XLA's scatters.
+    # Optional kernel writing a step's keys and values into the cache, set by the LLM
+    # (jspec.models.row_kernels.sharded_kv_write): (keys, values, k, v, positions) -> (keys,
+    # values), for steps of few rows. None: two XLA scatters.
     self.kv_write = None
-    # Optional products for weights split over tp (jspec.sharding.tensor_parallel; FP8 ones'
-    # fp8_tp, jspec.models.fp8_tensor_parallel), set by the LLM. None: XLA's partitioner.
+    # Optional products for weights split over tp (jspec.sharding.tensor_parallel), set by
+    # the LLM: q, k and v per shard, o_proj's partial sums reduced by one all-reduce; FP8
+    # weights' through fp8_tp (jspec.models.fp8_tensor_parallel). None: XLA's partitioner.
     self.tp_products = self.fp8_tp = None
-    self.num_heads, self.head_dim = n, h
+    self.head_dim = h
 
   def _dense(self, x, name: str, spec: str, in_axes: int = 1):
     return project_named(self, x, name, spec, in_axes, self.projection)
@@ -184,24 +190,22 @@ class Attention(nnx.Module):
     """Writes this call's keys/values at `positions_BT`, then attends causally.
 
     sum_later: the output may be o_proj's FP8 product before the sum of its K slices (a
-    linear.SlicedFp8Product) or, at tp, of its shards (a PartialSum), for a caller whose
-    residual add and RMSNorm read it next (RMSNorm.add_and_norm); else an array.
+    linear.SlicedFp8Product, where `fp8_add_norm` is set) or, at tp, of its shards (a
+    PartialSum), for a caller whose residual add and RMSNorm read it next
+    (RMSNorm.add_and_norm); else an array.
 
     A query at position p sees every slot j <= p: slots below the sequence's committed length
-    were written by earlier calls, the rest by this call, so no length mask is needed and stale
-    slots past p (rejected drafts, padding) are never read; nor past the first `kv_window`.
+    were written by earlier calls, the rest by this call, so no separate length mask is needed
+    and stale slots past p (rejected drafts, padding) are never read. Only the first
+    `kv_window` slots are read (static): prefill from position 0 needs no more than its bucket.
     """
-    projected = self._project_rotated(x_BTD, positions_BT, cache, kv_window)
-    tokens = x_BTD.shape[1]
-    if isinstance(projected, Attended):  # the q / k / v kernel attended too (rope_attention)
-      out_BTNH, cache, gate_BTNH = projected.out, KVCache(*projected[1:]), None
-    else:
-      q_BTNH, k_BTKH, v_BTKH, gate_BTNH = projected
-      if isinstance(k_BTKH, KVCache):  # k and v went into the cache with q (_writes_kv)
-        cache, k_BTKH, v_BTKH = k_BTKH, None, None
-      out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window,
-                                     copies=2 if self._doubles_row(q_BTNH) else 1,
-                                     quantize=gate_BTNH is None and self._quantizes_out(q_BTNH))
+    q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project_rotated(x_BTD, positions_BT, cache)
+    if isinstance(k_BTKH, KVCache):  # k and v went into the cache with q (_writes_kv)
+      cache, k_BTKH, v_BTKH = k_BTKH, None, None
+    tokens = q_BTNH.shape[1]
+    out_BTNH, cache = self._attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, kv_window,
+                                   copies=2 if self._doubles_row(q_BTNH) else 1,
+                                   quantize=gate_BTNH is None and self._quantizes_out(q_BTNH))
     if gate_BTNH is not None:
       out_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH)
     fp8_row = self.fp8_tp and self.fp8_tp.layer_row(self, out_BTNH, "o_proj", 2, sum_later)
@@ -220,8 +224,10 @@ class Attention(nnx.Module):
 
   def _doubles_row(self, q_BTNH) -> bool:
     """Whether a batch-1 step's one row goes to o_proj's tp product as the two equal rows its
-    K-slice partials take, written twice by the short-context attention kernel (BENCHMARKS.md,
-    "A batch-1 tp step's row written twice …"; untimed against skinny_gemm.twice's broadcast)."""
+    K-slice partials take, written twice by the short-context attention kernel instead of
+    concatenated after it: one kernel fewer a layer (BENCHMARKS.md, "A batch-1 tp step's row
+    written twice …"; on one GPU no faster). Since 2026-12-02 the product's own doubling is a
+    broadcast, no kernel (skinny_gemm.twice): the copies are untimed against that at tp = 2."""
     b, t = q_BTNH.shape[:2]
     return (DOUBLED_ROW and b * t == 1 and self.short_attention is not None
             and self.tp_products is not None and self.o_proj_scale is None
@@ -242,12 +248,10 @@ class Attention(nnx.Module):
     return (FUSED_KV_WRITE and self.kv_write is not None and self.kv_replicas == 1
             and self.window_attention is None and active_layout(x_BTD.shape[1]) is None)
 
-  def _project_rotated(self, x_BTD, positions_BT, cache: KVCache | None = None,
-                       kv_window: int = 0):
+  def _project_rotated(self, x_BTD, positions_BT, cache: KVCache | None = None):
     """(q, k normed and rotated, v, gate): one kernel where `qkv_kernel` (or `fp8_qkv_kernel`)
-    takes the step; given the `cache` where _writes_kv, (q, the cache written, None, None), or
-    an Attended where that kernel attends too (fused_attention.attend_step); x may be e4m3
-    rows (decoder.takes_e4m3), which only fp8_qkv_kernel reads."""
+    takes the step; given the `cache` where _writes_kv, (q, the cache written, None, None);
+    x may be e4m3 rows (decoder.takes_e4m3), which only fp8_qkv_kernel reads."""
     e4m3_BTD, x_BTD = x_BTD, as_values(x_BTD)
     kernel = None
     if self.qkv_kernel is not None and takes_rows(x_BTD, ndim=3):
@@ -260,11 +264,7 @@ class Attention(nnx.Module):
           kv_heads=self.k_proj.shape[0])
     if kernel is not None:
       written = cache is not None and self._writes_kv(x_BTD)
-      attend = written and attend_step(self, x_BTD, cache, kv_window) or None
-      out = kernel(caches=(cache.keys, cache.values) if written else None, attend=attend)
-      if isinstance(out, Attended):
-        return out
-      q_BTNH, *kv = out
+      q_BTNH, *kv = kernel(caches=(cache.keys, cache.values) if written else None)
       return (q_BTNH, KVCache(*kv), None, None) if written else (q_BTNH, *kv, None)
     q_BTNH, k_BTKH, v_BTKH, gate_BTNH = self._project(x_BTD)
     return (*self._norm_and_rope(q_BTNH, k_BTKH, positions_BT), v_BTKH, gate_BTNH)

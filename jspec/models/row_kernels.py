@@ -149,7 +149,6 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
   mesh splits no KV heads: QKV_SLICE_ONE_ROW_WHOLE_HEADS). With `caches` (keys, values
   [B, K, S, H], laid out as the KV cache): k and v written into them at the positions
   instead, (q, keys, values)."""
-  from jspec.models.fused_attention import attend_shard, out_specs
   from jspec.pallas_kernels.row_norms import qkv_norm_rope, qkv_partials_norm_rope
   from jspec.sharding.tensor_parallel import k_slice_partials
   qkv = rules.spec(("batch", "seq", "kv_heads", None, None))
@@ -175,14 +174,10 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
                                  positions_BT.reshape(b * t), q_scale, k_scale, eps=eps,
                                  theta=theta, interpret=interpret, caches=caches), b, t, caches)
 
-  def sliced_shard(x_BTD, w_DKCH, positions_BT, q_scale, k_scale, caches=None, attend=None):
+  def sliced_shard(x_BTD, w_DKCH, positions_BT, q_scale, k_scale, caches=None):
     (b, t, d), (_, k, c, h) = x_BTD.shape, w_DKCH.shape
     parts_SNR = k_slice_partials(x_BTD.reshape(b * t, d), w_DKCH.reshape(d, -1), k_slices,
                                  rows_last=True)
-    if attend is not None:  # the attention in the same kernel
-      return attend_shard(parts_SNR, None, positions_BT, q_scale, k_scale, caches, attend,
-                          q_heads=k * (c - 2), kv_heads=k, fused_layout=True,
-                          dtype=x_BTD.dtype, eps=eps, theta=theta, interpret=interpret)
     return outputs(qkv_partials_norm_rope(
         parts_SNR, positions_BT.reshape(b * t), None, q_scale, k_scale, q_heads=k * (c - 2),
         kv_heads=k, group=c - 2, dtype=x_BTD.dtype, eps=eps, theta=theta,
@@ -193,26 +188,21 @@ def sharded_qkv_norm_rope(mesh: Mesh, rules: ShardingRules, eps: float, theta: f
               else QKV_SLICE_MIN_ROWS)
 
   @functools.cache
-  def sharded(sliced: bool, cached: bool, attend=None):
+  def sharded(sliced: bool, cached: bool):
     inputs = (x, weight) if sliced else (qkv,)
-    shard = sliced_shard if sliced else per_shard
-    outs = (q, cache, cache) if cached else (q, kv, kv)
-    if attend is not None:
-      shard, outs = functools.partial(sliced_shard, attend=attend), out_specs(rules, attend)
-    return jax.shard_map(shard, mesh=mesh,
+    return jax.shard_map(sliced_shard if sliced else per_shard, mesh=mesh,
                          in_specs=(*inputs, positions, whole, whole) + (((cache, cache),)
                                                                         if cached else ()),
-                         out_specs=outs, check_vma=False)
+                         out_specs=(q, cache, cache) if cached else (q, kv, kv),
+                         check_vma=False)
 
-  def call(x_BTD, w_DKCH, product, positions_BT, q_scale, k_scale, caches=None, attend=None):
-    """attend (fused_attention.AttendStep, with caches): where the step's rows take the K
-    slices, an Attended, the attention run in the same kernel; else as without."""
+  def call(x_BTD, w_DKCH, product, positions_BT, q_scale, k_scale, caches=None):
     b, t = NamedSharding(mesh, x).shard_shape(x_BTD.shape)[:2]
     extra = () if caches is None else (tuple(caches),)
     if (k_slices > 1 and min_rows <= b * t <= QKV_SLICE_ROWS
         and x_BTD.shape[-1] % (k_slices * QKV_SLICE_K) == 0):
-      return sharded(True, caches is not None, None if caches is None else attend)(
-          x_BTD, w_DKCH, positions_BT, q_scale, k_scale, *extra)
+      return sharded(True, caches is not None)(x_BTD, w_DKCH, positions_BT, q_scale, k_scale,
+                                               *extra)
     return sharded(False, caches is not None)(product(x_BTD), positions_BT, q_scale, k_scale,
                                               *extra)
   return call

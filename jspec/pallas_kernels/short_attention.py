@@ -127,48 +127,35 @@ def _token_rows(token_R, head_R, first_head, tokens: int, heads: int, head_dim: 
 
 
 def _kernel(start_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, block_rows: int,
-            group: int, q_token_major: bool, **attend):
-  b, head = pl.program_id(0), pl.program_id(1)
-  row_mask = jnp.arange(block_rows) < rows
-  tokens, head_dim = rows // group, q_ref.shape[2]
-  token_rows, _, _ = _rows(block_rows, group, tokens, q_ref.shape[1] // tokens, head_dim)
-  q = pltriton.load(q_ref.at[(b, *token_rows) if q_token_major
-                             else (b, pl.ds(head * rows, block_rows), slice(None))],
-                    mask=row_mask[:, None], other=0.0)
-  attend_and_store(q, start_ref[b], k_ref, v_ref, out_refs, rows=rows, block_rows=block_rows,
-                   group=group, **attend)
-
-
-def _rows(block_rows: int, group: int, tokens: int, heads: int, head_dim: int):
-  """(this program's rows as _token_rows gives them, their tokens, their heads)."""
-  row_ids = jnp.arange(block_rows)
-  head = pl.program_id(1)
-  token_R, head_R = row_ids // group, head * group + row_ids % group
-  return _token_rows(token_R, head_R, head * group, tokens, heads, head_dim), token_R, head_R
-
-
-def attend_and_store(q, start, k_ref, v_ref, out_refs, *, rows: int, block_rows: int,
-                     group: int, block_slots: int, slots: int, scale: float, copies: int,
-                     splits: int, out_token_major: bool, interpret: bool, new_kv=None):
-  """Program (b, head[, split])'s attention of its query rows q [block_rows, H] (row t x G + g:
-  token t's head g of the group; rows past `rows` padding) over the slots each sees, stored
-  into out_refs as the module's kernel stores it (its partials and log-sum-exps where split).
-  new_kv: a function giving (k [H], v [H]) that stand in for slot `start`'s key and value as
-  they are read, for a kernel that writes that slot itself in this call (rope_attention)."""
+            group: int, block_slots: int, slots: int, scale: float, copies: int, splits: int,
+            q_token_major: bool, out_token_major: bool, interpret: bool):
   b, head = pl.program_id(0), pl.program_id(1)
   row_ids = jnp.arange(block_rows)
   row_mask = row_ids < rows
   q_rows = pl.ds(head * rows, block_rows)
-  tokens, head_dim = rows // group, k_ref.shape[3]
+  tokens, head_dim = rows // group, q_ref.shape[2]
+  heads = q_ref.shape[1] // tokens
+  token_R, head_R = row_ids // group, head * group + row_ids % group
+  token_rows = _token_rows(token_R, head_R, head * group, tokens, heads, head_dim)
+  q = pltriton.load(q_ref.at[(b, *token_rows) if q_token_major else (b, q_rows, slice(None))],
+                    mask=row_mask[:, None], other=0.0)
+  start = start_ref[b]
   position = start + row_ids // group  # the last slot each row sees
-  first, last = program_blocks(start + (rows - 1) // group, block_slots, slots, splits)
-  block = lambda ref, j: ref[b, head, pl.ds(j * block_slots, block_slots), :]
+  # Blocks up to the last row's slot, within the cache (an idle sequence's position may lie
+  # anywhere: its rows are dropped by the caller, but no read may leave the cache).
+  blocks = jnp.clip((start + (rows - 1) // group) // block_slots + 1, 0, slots // block_slots)
+  first, last = 0, blocks
+  if splits > 1:  # this program's share of the blocks, the shares as even as they divide
+    per = (blocks + splits - 1) // splits
+    first = pl.program_id(2) * per
+    last = jnp.minimum(blocks, first + per)
 
-  def step(j, carry, keys, values_fn):
+  def body(j, carry):
     acc, top, total = carry
-    slot_ids = j * block_slots + jnp.arange(block_slots)
-    keys = _stand_in(keys, slot_ids, start, new_kv, 0)
+    slots = pl.ds(j * block_slots, block_slots)
+    keys = k_ref[b, head, slots, :]
     scores = pltriton.dot(q, keys, trans_b=True) * scale
+    slot_ids = j * block_slots + jnp.arange(block_slots)
     scores = jnp.where(slot_ids[None, :] <= position[:, None], scores, MASKED)
     new_top = jnp.maximum(top, scores.max(axis=-1))
     # A row that sees none of a split's slots (a verify window's earlier rows, in a split past
@@ -176,17 +163,12 @@ def attend_and_store(q, start, k_ref, v_ref, out_refs, *, rows: int, block_rows:
     # MASKED + log(count), which the merge weighs exp(-1e30) = 0.
     probs = jnp.exp(scores - new_top[:, None])
     correction = jnp.exp(top - new_top)
-    values = _stand_in(values_fn(), slot_ids, start, new_kv, 1)
+    values = v_ref[b, head, slots, :]
     acc = acc * correction[:, None] + pltriton.dot(probs.astype(values.dtype), values)
     return acc, new_top, total * correction + probs.sum(axis=-1)
 
-  def body(j, carry):  # the values read after the scores
-    return step(j, carry, block(k_ref, j), lambda: block(v_ref, j))
-
   init = (jnp.zeros((block_rows, head_dim), jnp.float32),
           jnp.full((block_rows,), MASKED, jnp.float32), jnp.zeros((block_rows,), jnp.float32))
-  if new_kv is not None:
-    new_kv = new_kv()
   acc, top, total = lax.fori_loop(first, last, body, init)
   out = acc / jnp.maximum(total, 1e-30)[:, None]  # no slot seen: 0
   if splits > 1:
@@ -197,8 +179,6 @@ def attend_and_store(q, start, k_ref, v_ref, out_refs, *, rows: int, block_rows:
     pltriton.store(lse_ref.at[b, split, q_rows], lse, mask=row_mask)
     return
   o_ref, *quantized = out_refs
-  heads = o_ref.shape[1] // tokens
-  token_rows, token_R, head_R = _rows(block_rows, group, tokens, heads, head_dim)
   out = out.astype(o_ref.dtype)
   batch = o_ref.shape[0] // copies
   for c in range(copies):
@@ -207,26 +187,6 @@ def attend_and_store(q, start, k_ref, v_ref, out_refs, *, rows: int, block_rows:
                    out, mask=row_mask[:, None])
   if quantized:
     _store_e4m3(out, token_R, head_R, row_mask, b, token_rows, *quantized, interpret=interpret)
-
-
-def program_blocks(last_slot, block_slots: int, slots: int, splits: int):
-  """(first, end) of the blocks this program reads: those up to `last_slot`'s, within the
-  cache (an idle sequence's position may lie anywhere: its rows are dropped by the caller,
-  but no read may leave the cache), split `splits` ways as evenly as they divide."""
-  blocks = jnp.clip(last_slot // block_slots + 1, 0, slots // block_slots)
-  if splits == 1:
-    return 0, blocks
-  per = (blocks + splits - 1) // splits
-  first = pl.program_id(2) * per
-  return first, jnp.minimum(blocks, first + per)
-
-
-def _stand_in(block_SH, slot_ids, start, new_kv, which: int):
-  """A block of keys (which 0) or values (1) with slot `start`'s row new_kv's where given."""
-  if new_kv is None:
-    return block_SH
-  row = new_kv[which][None, :].astype(block_SH.dtype)
-  return jnp.where((slot_ids == start)[:, None], row, block_SH)
 
 
 def _store_e4m3(out_RH, token_R, head_R, row_mask, b, token_rows, x8_ref, lanes_ref, *,
