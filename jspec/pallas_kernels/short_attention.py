@@ -70,8 +70,6 @@ SPLIT_BLOCK_SLOTS = 64
 SPLIT_MIN_SLOTS = 512
 MAX_SPLITS = 16
 SPLIT_MAX_PAIRS: int | None = None
-# Triton's pipeline depth for split programs (None: NUM_STAGES).
-SPLIT_STAGES: int | None = None
 
 
 def choose_splits(batch: int, kv_heads: int, slots: int, num_sms: int) -> tuple[int, int | None]:
@@ -284,9 +282,8 @@ def short_attention(q_BRH: jax.Array, keys_BKSH: jax.Array, values_BKSH: jax.Arr
       group=group, block_slots=block_slots, slots=slots, scale=scale, copies=copies,
       splits=splits, q_token_major=token_major and tokens > 1,
       out_token_major=out_token_major, interpret=interpret)
-  if num_stages is None:
-    num_stages = (splits > 1 and SPLIT_STAGES) or NUM_STAGES
-  params = pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=num_stages)
+  params = pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
+                                   num_stages=num_stages or NUM_STAGES)
   start_B = start_B.astype(jnp.int32)
   if splits == 1:
     out_shape = (jax.ShapeDtypeStruct((copies * b, q_rows, head_dim), q_BRH.dtype),)
