@@ -7,8 +7,6 @@ attribute; the layers read them when they run (jspec.models). Nothing here reads
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jspec.models.decode_attention import (sharded_mla_decode, sharded_short_attention,
@@ -17,7 +15,6 @@ from jspec.models.gated_deltanet import GatedDeltaNet
 from jspec.models.layers import Attention
 from jspec.models import mlp
 from jspec.models.mlp import MLP
-from jspec.models.linear import QKV_NAMES, fp8_rows_fit, fp8_whole_blocks
 from jspec.models.mla import MLAttention
 from jspec.models.norms import RMSNorm
 from jspec.models.prefill_attention import cudnn_version, fits_cudnn, sharded_prefill_attention
@@ -25,7 +22,8 @@ from jspec.models.moe import MoE
 from jspec.models.moe_backends import get_experts_fn
 from jspec.models.projections import sharded_fp8_projection, sharded_projection, weights_replicated
 from jspec.models import row_kernels
-from jspec.models.fp8_row_kernels import sharded_fp8_add_rms_norm, sharded_fp8_qkv_norm_rope
+from jspec.models.fp8_row_kernels import (sharded_fp8_add_rms_norm, sharded_fp8_qkv_norm_rope,
+                                        sharded_fp8_swiglu, takes_fp8_qkv_kernel)
 from jspec.models import fp8_tensor_parallel
 from jspec.models.row_kernels import (resolve_norm_backend, sharded_kv_write,
                                       sharded_norm_router, sharded_router, sharded_qk_norm_rope,
@@ -222,18 +220,6 @@ def _use_fp8_projections(fp8_block, mesh, pairs):
         node.fp8_projection = kernel
 
 
-def _takes_fp8_qkv_kernel(node) -> bool:
-  """Whether an attention layer's q, k and v are one FP8 call whose partials the norm and RoPE
-  kernel can read: the base class's projections (no output gate), no biases, not fused, the
-  kernel's norms and RoPE, every KV head its own, whole 128 x 128 blocks."""
-  if (node.fp8_projection is None or type(node)._project is not Attention._project
-      or not node.takes_qk_kernel() or node.has_bias or node.fused_qkv
-      or node.kv_replicas != 1 or not fp8_whole_blocks(node, QKV_NAMES)):
-    return False
-  one_row = jax.ShapeDtypeStruct((1, node.q_proj.shape[-1]), jnp.float32)
-  return fp8_rows_fit(node, one_row, QKV_NAMES)
-
-
 # o_proj's and a layer MLP's down_proj's FP8 K-slice partials, rows first, summed inside the
 # residual add and RMSNorm kernel after them (residual_norm.add_partials_rms_norm) in place of
 # a sum kernel of XLA's per product: a Qwen3-8B FP8 step at batch 1 2.6% shorter on an H200
@@ -251,6 +237,11 @@ FP8_E4M3_ROWS = True
 # after its splits) writes its output in e4m3 as well, for steps of at most 64 rows (decode,
 # verify windows; Attention._quantizes_out).
 FP8_E4M3_ATTENTION_OUT = True
+# With it, a dense MLP's gate / up partials go to one kernel that sums them, applies SwiGLU and
+# quantizes the activation for down_proj (jspec.pallas_kernels.swiglu_e4m3), in place of
+# XLA's fusion of the sum and SwiGLU: Qwen3-8B FP8's profiled step 1.2 µs a layer shorter at
+# batch 1 on an H100, unchanged at batch 8 (BENCHMARKS.md, "down_proj on e4m3 rows ...").
+FP8_E4M3_SWIGLU = True
 
 
 def use_row_kernels(backend: str, mesh, pairs) -> str:
@@ -274,6 +265,7 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
     if axis_size(mesh, rules.cache_seq) == 1 and axis_size(mesh, rules.head_dim) == 1:
       kv_write = sharded_kv_write(mesh, rules, interpret)
     fp8_add_norm = sharded_fp8_add_rms_norm(mesh, rules, interpret)
+    fp8_swiglu = None  # one shard_map for the MLPs (FP8_E4M3_SWIGLU)
     for path, node in nnx.iter_graph(module):
       # The norms of the hidden size only (layers, final, MTP and EAGLE heads): MLA's latent
       # norms read a slice of their projection's output, which a kernel would copy first.
@@ -289,7 +281,7 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
         # o_proj's and a layer MLP's down_proj's K slices summed by the norm after them (a
         # shared expert's output is added to the routed experts' first: its sum stays apart)
         node.fp8_add_norm = fp8_add_norm
-      fp8_qkv = isinstance(node, Attention) and _takes_fp8_qkv_kernel(node)
+      fp8_qkv = isinstance(node, Attention) and takes_fp8_qkv_kernel(node)
       if fp8_qkv:  # the K-slice sums of q, k and v read by the norm and RoPE kernel
         node.fp8_qkv_kernel = sharded_fp8_qkv_norm_rope(
             mesh, rules, node.q_norm.eps if node.use_qk_norm else 1e-6, node.rope_theta,
@@ -298,6 +290,9 @@ def use_row_kernels(backend: str, mesh, pairs) -> str:
           and (fp8_qkv or (isinstance(node, MLP) and path[-1:] == ("mlp",)
                            and getattr(node, "fp8_projection", None) is not None))):
         node.fp8_e4m3_rows = True
+        if isinstance(node, MLP) and FP8_E4M3_SWIGLU:
+          fp8_swiglu = fp8_swiglu or sharded_fp8_swiglu(mesh, rules, interpret)
+          node.fp8_swiglu = fp8_swiglu
       if (FP8_E4M3_ROWS and FP8_E4M3_ATTENTION_OUT and isinstance(node, Attention)
           and node.fp8_projection is not None
           and all(axis_size(mesh, getattr(rules, a)) == 1

@@ -174,10 +174,11 @@ def _same_logits_and_tokens(reference, candidate):
 @pytest.mark.usefixtures("fresh_traces")
 def test_q_k_v_and_gate_up_read_the_norms_e4m3_rows(monkeypatch):
   """With the setting on, every layer's gate / up and q / k / v (the first layer's from its
-  input norm's plain form, which sums no FP8 product) take the e4m3 rows their norm's kernel wrote,
-  with no quantizing pass of XLA's; the logits and greedy tokens (decode and n-gram verify)
-  equal those of the same model with those activations quantized by XLA (the kernel's own
-  e4m3 route for every product), bit for bit."""
+  input norm's plain form, which sums no FP8 product) take the e4m3 rows their norm's kernel
+  wrote, and down_proj those of the SwiGLU kernel (FP8_E4M3_SWIGLU), with no quantizing pass
+  of XLA's; the logits and greedy tokens (decode and n-gram verify) equal those of the same
+  model with those activations quantized by XLA (the kernel's own e4m3 route for every
+  product), bit for bit."""
   calls = []
   partials_many, matmul = fp8_gemm.fp8_partials_many, fp8_gemm.fp8_matmul
 
@@ -209,15 +210,18 @@ def test_q_k_v_and_gate_up_read_the_norms_e4m3_rows(monkeypatch):
   calls.clear()
   _same_logits_and_tokens(xla_quantized, rows)
   taken = {(name, width) for name, width, lanes, _ in calls if lanes}
-  hidden = layers[0].attn.o_proj.shape[2]
-  assert ("fp8_partials_many", hidden) in taken and ("fp8_matmul", hidden) in taken
+  hidden, ffn = layers[0].attn.o_proj.shape[2], layers[0].mlp.down_proj.shape[1]
+  # q / k / v and gate / up on the norms' rows, down_proj on the SwiGLU kernel's
+  assert {("fp8_partials_many", hidden), ("fp8_partials_many", ffn)} <= taken
+  assert all(layer.mlp.fp8_swiglu is not None for layer in layers)
 
 
 @pytest.mark.usefixtures("fresh_traces")
 def test_the_e4m3_rows_off_keep_the_activations_as_they_are(monkeypatch):
   """Off, the norms give arrays and every FP8 product multiplies the activations as they are:
-  the logits differ from the setting on's by the e4m3 rounding of q / k / v's and gate /
-  up's inputs alone (within 5% of the largest logit here)."""
+  the logits differ from the setting on's by the e4m3 rounding of q / k / v's, gate / up's
+  and down's inputs alone (within 5% of the largest logit here; the FP8 tensor cores' route
+  for prefill rounds the same way)."""
   off = _qwen3(monkeypatch, e4m3_rows=False)
   on = _qwen3(monkeypatch, e4m3_rows=True)
   assert not off.target.layers[0].mlp.fp8_e4m3_rows
@@ -357,3 +361,60 @@ def test_gpu_the_fp8_kernel_takes_quantized_rows_as_they_are(rows):
     want, _ = fp8_gemm.fp8_partials_many(x, weights, scales, activations="e4m3")
     got, _ = fp8_gemm.fp8_partials_many(x8, weights, scales, act_lanes_X=lanes)
     np.testing.assert_array_equal(np.asarray(got)[..., :rows], np.asarray(want)[..., :rows])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_swiglu_kernel_sums_activates_and_quantizes(seed):
+  """swiglu_e4m3: gate / up's partials summed (times the rows' scales where given) and cast as
+  fp8_matmul gives them, silu(g) x u cast once, and that in e4m3 with its lanes as
+  quantize_activations and act_lanes give them, bit for bit; padded partial rows unread."""
+  from jspec.pallas_kernels.swiglu_e4m3 import swiglu_e4m3
+  rng = np.random.default_rng(1900 + seed)
+  rows = int(rng.choice([1, 2, 5, 8, 12, 33]))
+  ffn = 128 * int(rng.choice([1, 2, 3, 8, 24]))
+  splits = int(rng.choice([1, 2, 3, 4, 8]))
+  dtype = [jnp.float32, jnp.bfloat16][seed % 2]
+  parts = rng.standard_normal((splits, decode_routing.padded_tokens(rows), 2 * ffn)) * 3
+  parts[:, rows:] = np.nan  # padding: a read of it would show
+  parts = jnp.asarray(parts, jnp.float32)
+  row_scale = (jnp.asarray(2.0 ** rng.integers(-3, 4, rows), jnp.float32) if seed % 3 == 1
+               else None)
+  act, x8, lanes = swiglu_e4m3(parts, row_scale, rows=rows, dtype=dtype)
+  total = jnp.sum(parts[:, :rows], axis=0)
+  if row_scale is not None:
+    total = total * row_scale[:, None]
+  gate, up = (total[:, cols].astype(dtype).astype(jnp.float32)
+              for cols in (slice(0, ffn), slice(ffn, None)))
+  want = (jax.nn.silu(gate) * up).astype(dtype)
+  np.testing.assert_array_equal(_f32(act), _f32(want))
+  want_x8, want_scale = fp8_gemm.quantize_activations(want)
+  np.testing.assert_array_equal(_f32(x8), _f32(want_x8))
+  np.testing.assert_array_equal(np.asarray(lanes), np.asarray(fp8_gemm.act_lanes(want_scale)))
+
+
+def test_the_swiglu_kernel_refuses_what_it_cannot_lay_out():
+  from jspec.pallas_kernels.swiglu_e4m3 import swiglu_e4m3
+  with pytest.raises(ValueError, match="whole 128-groups"):
+    swiglu_e4m3(jnp.ones((1, 8, 192)), rows=1, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="up to 64 rows"):
+    swiglu_e4m3(jnp.ones((1, 8, 256)), rows=9, dtype=jnp.float32)  # more rows than partials
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, splits", [(1, 2), (8, 2), (3, 4)])
+def test_gpu_the_swiglu_kernel_at_qwen3_8b_width(rows, splits):
+  """Compiled (Triton) at Qwen3-8B's F = 12288: act as the reference computes it up to the
+  order of the float32 sums and SiLU's rounding (1 bf16 ulp), its e4m3 rows and lanes equal
+  to quantize_activations' of the kernel's own act."""
+  from jspec.pallas_kernels.swiglu_e4m3 import swiglu_e4m3
+  rng = np.random.default_rng(rows * 10 + splits)
+  parts = jnp.asarray(rng.standard_normal((splits, max(rows, 8), 2 * 12288)), jnp.float32)
+  act, x8, lanes = swiglu_e4m3(parts, rows=rows, dtype=jnp.bfloat16)
+  total = jnp.sum(parts[:, :rows], axis=0)
+  gate, up = (total[:, c].astype(jnp.bfloat16).astype(jnp.float32)
+              for c in (slice(0, 12288), slice(12288, None)))
+  want = _f32((jax.nn.silu(gate) * up).astype(jnp.bfloat16))
+  np.testing.assert_allclose(_f32(act), want, rtol=2.0 ** -7, atol=1e-6)
+  want_x8, want_scale = fp8_gemm.quantize_activations(act)
+  np.testing.assert_array_equal(_f32(x8), _f32(want_x8))
+  np.testing.assert_array_equal(np.asarray(lanes), np.asarray(fp8_gemm.act_lanes(want_scale)))

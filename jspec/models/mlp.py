@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jspec.models.linear import (as_values, fp8_rows_fit, fp8_whole_blocks, linear,
-                                 project_named, project_to_norm)
+from jspec.models.linear import (E4m3Rows, as_values, fp8_operands, fp8_rows_fit,
+                                 fp8_whole_blocks, linear, project_named, project_to_norm)
 from jspec.models.row_kernels import takes_rows
 
 # Whether a decode or verify step's gate / up product and SiLU x up run as one kernel
@@ -41,8 +41,11 @@ class MLP(nnx.Module):
     self.fp8_projection = self.fp8_add_norm = None
     self.fp8_lanes = None
     # Whether gate / up's FP8 product takes its input as the norm's e4m3 rows
-    # (linear.E4m3Rows), set by the LLM (jspec.backends.FP8_E4M3_ROWS).
+    # (linear.E4m3Rows), set by the LLM (jspec.backends.FP8_E4M3_ROWS); fp8_swiglu: (x, w8,
+    # scale, lanes) -> the activation as e4m3 rows for down_proj
+    # (jspec.models.fp8_row_kernels.sharded_fp8_swiglu; backends.FP8_E4M3_SWIGLU).
     self.fp8_e4m3_rows = False
+    self.fp8_swiglu = None
     self.fp8_block = gate_up_block or down_block
     # Optional products for weights split over tp, as Attention.tp_products and fp8_tp.
     self.tp_products = self.fp8_tp = None
@@ -63,6 +66,10 @@ class MLP(nnx.Module):
     """sum_later: as Attention's, for down_proj's FP8 product. x may be the norm's e4m3 rows
     (takes_e4m3_rows), which only gate / up's FP8 product reads."""
     tp = self.tp_products if self.gate_up_proj_scale is None else None
+    if sum_later and self._swiglu_e4m3(x_BTD):
+      (w8,), (scale,), lanes = fp8_operands(self, ("gate_up_proj",), x_BTD.shape[-1])
+      act_BTF = self.fp8_swiglu(x_BTD, w8, scale, lanes and lanes[0])
+      return project_to_norm(self, act_BTF, "down_proj", "btf,fd->btd")
     act_BTF = self._activation(x_BTD, tp)
     if tp is not None and self.down_proj_scale is None:
       return tp.row(act_BTF, self.down_proj[...], defer=True)  # as Attention's o_proj
@@ -73,6 +80,14 @@ class MLP(nnx.Module):
     if sum_later:
       return project_to_norm(self, act_BTF, "down_proj", "btf,fd->btd")  # as o_proj
     return self._dense(act_BTF, "down_proj", "btf,fd->btd")
+
+  def _swiglu_e4m3(self, x_BTD) -> bool:
+    """Whether gate / up's partials go to fp8_swiglu, and down_proj takes e4m3 rows: where
+    gate / up take the norm's (so where the setting was measured)."""
+    return (self.fp8_swiglu is not None and isinstance(x_BTD, E4m3Rows)
+            and self.fp8_add_norm is not None
+            and fp8_whole_blocks(self, ("gate_up_proj", "down_proj"))
+            and fp8_rows_fit(self, x_BTD, ("gate_up_proj",)))
 
   def _activation(self, x_BTD, tp):
     """silu(x @ gate) * (x @ up): one kernel where `swiglu_kernel` takes the step, else the
