@@ -295,6 +295,30 @@ def _stand_ins(monkeypatch):
   monkeypatch.setattr(fp8_gemm, "fp8_matmul", e4m3_product)
 
 
+def _e4m3_weight(rng, n: int, k: int):
+  """(e4m3 [N, K], power-of-two block scales [N/128, K/128])."""
+  return (jnp.asarray(rng.standard_normal((n, k)), jnp.float8_e4m3fn),
+          jnp.asarray(2.0 ** rng.integers(-2, 2, (n // 128, k // 128)), jnp.float32))
+
+
+def _meshed_norm_rows(mesh, rng, b: int = 4, t: int = 2, k: int = 256, d: int = 256):
+  """(h, norm(h) as E4m3Rows) of o_proj's partials (x [B, T, K] times an e4m3 [D, K]) added to a
+  residual whose rows' scales span 2^-4 .. 2^3, through the sharded norm kernel on `mesh`: each
+  batch shard's rows with their own scales (one row of lanes a shard)."""
+  from jspec.models import fp8_row_kernels
+  from jspec.sharding.rules import ShardingRules
+  x = jnp.asarray(rng.standard_normal((b, t, k)), jnp.float32)
+  w_o, s_o = _e4m3_weight(rng, d, k)
+  residual = jnp.asarray(rng.standard_normal((b, t, d)) * 2.0 ** rng.integers(-4, 4, (b, 1, 1)),
+                         jnp.float32)
+  norm_scale = jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.float32)
+  norm = fp8_row_kernels.sharded_fp8_add_rms_norm(mesh, ShardingRules(), interpret=True)
+  h, rows = norm(x, w_o, s_o, None, residual, norm_scale, eps=EPS, zero_centered=False,
+                 quantize=True)
+  assert isinstance(rows, E4m3Rows) and rows.lanes.shape[0] == mesh.shape["dp"]
+  return h, rows
+
+
 @pytest.mark.parametrize("dp, tp", [(2, 1), (2, 2), (4, 1)])
 def test_the_e4m3_rows_on_a_mesh_equal_one_device(monkeypatch, dp, tp):
   """The sharded norm (fp8_row_kernels.sharded_fp8_add_rms_norm, quantize) and the FP8
@@ -305,25 +329,54 @@ def test_the_e4m3_rows_on_a_mesh_equal_one_device(monkeypatch, dp, tp):
   from jspec.sharding.rules import ShardingRules
   _stand_ins(monkeypatch)
   rng = np.random.default_rng(dp * 10 + tp)
-  b, t, k, d, n = 4, 2, 256, 256, 384
-  x = jnp.asarray(rng.standard_normal((b, t, k)), jnp.float32)
-  w_o, w_up = (jnp.asarray(rng.standard_normal(shape), jnp.float8_e4m3fn)
-               for shape in ((d, k), (n, d)))
-  s_o, s_up = (jnp.asarray(2.0 ** rng.integers(-2, 2, shape), jnp.float32)
-               for shape in ((d // 128, k // 128), (n // 128, d // 128)))
-  residual = jnp.asarray(rng.standard_normal((b, t, d)) * 2.0 ** rng.integers(-4, 4, (b, 1, 1)),
-                         jnp.float32)
-  norm_scale = jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.float32)
+  w_up, s_up = _e4m3_weight(rng, 384, 256)
   outs = []
   for mesh in (jspec.MeshConfig().make_mesh(), jspec.MeshConfig(dp=dp, tp=tp).make_mesh()):
-    norm = fp8_row_kernels.sharded_fp8_add_rms_norm(mesh, ShardingRules(), interpret=True)
-    h, rows = norm(x, w_o, s_o, None, residual, norm_scale, eps=EPS, zero_centered=False,
-                   quantize=True)
-    assert isinstance(rows, E4m3Rows) and rows.lanes.shape[0] == mesh.shape["dp"]
+    h, rows = _meshed_norm_rows(mesh, np.random.default_rng(dp * 10 + tp + 1))
     product = projections.sharded_fp8_projection(mesh, ShardingRules(), (128, 128))
     outs.append((h, rows.values, rows.x8, product(rows, w_up, s_up)))
   for one, meshed in zip(*outs):
     np.testing.assert_array_equal(_f32(meshed), _f32(one))
+
+
+def _two_slice_partials(x_MK, w8s, scales, lanes, rows_first=False, act_lanes_X=None):
+  """fp8_gemm.fp8_partials_many's stand-in for the mesh tests (the Mosaic GPU interpreter runs
+  on one device): XLA's product in two K slices, rows first, of x as it is or of e4m3 rows times
+  their groups' scales read from their lanes."""
+  assert rows_first
+  m, k = x_MK.shape
+  x = x_MK.astype(jnp.float32)
+  if act_lanes_X is not None:
+    x = x * jnp.repeat(act_lanes_X.reshape(k // 128, -1)[:, :m].T, 128, axis=1)
+  w = w8s[0].astype(jnp.float32) * jnp.repeat(jnp.repeat(scales[0], 128, 0), 128, 1)
+  half = k // 2
+  return jnp.stack([x[:, s * half:(s + 1) * half] @ w[:, s * half:(s + 1) * half].T
+                    for s in (0, 1)]), None
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 1), (2, 2), (4, 1)])
+def test_the_swiglu_kernel_on_a_mesh_equals_one_device(monkeypatch, dp, tp):
+  """fp8_row_kernels.sharded_fp8_swiglu on a dp x tp mesh (the weights whole on every shard),
+  fed by the sharded norm's e4m3 rows: each batch shard sums its rows' gate / up partials,
+  applies SwiGLU and quantizes the result with its own rows' scales (one row of lanes a shard);
+  the activation and its e4m3 rows equal one device's bit for bit."""
+  from jspec.models import fp8_row_kernels
+  from jspec.sharding.rules import ShardingRules
+  monkeypatch.setattr(fp8_gemm, "fp8_partials_many", _two_slice_partials)
+  rng = np.random.default_rng(100 + dp * 10 + tp)
+  f = 256
+  w_gate_up, s_gate_up = _e4m3_weight(rng, 2 * f, 256)
+  outs = []
+  for mesh in (jspec.MeshConfig().make_mesh(), jspec.MeshConfig(dp=dp, tp=tp).make_mesh()):
+    _, rows = _meshed_norm_rows(mesh, np.random.default_rng(100 + dp * 10 + tp + 1))
+    swiglu = fp8_row_kernels.sharded_fp8_swiglu(mesh, ShardingRules(), interpret=True)
+    act = swiglu(rows, w_gate_up, s_gate_up, None)
+    assert isinstance(act, E4m3Rows) and act.x8.shape == (*rows.x8.shape[:2], f)
+    assert act.lanes.shape[0] == mesh.shape["dp"]
+    outs.append((act.values, act.x8))
+  for one, meshed in zip(*outs):
+    np.testing.assert_array_equal(_f32(meshed), _f32(one))
+  assert np.abs(_f32(outs[0][0])).max() > 0
 
 
 @pytest.mark.gpu

@@ -83,9 +83,10 @@ class MLP(nnx.Module):
 
   def _swiglu_e4m3(self, x_BTD) -> bool:
     """Whether gate / up's partials go to fp8_swiglu, and down_proj takes e4m3 rows: where
-    gate / up take the norm's (so where the setting was measured)."""
+    gate / up take the norm's (so where the setting was measured), with the weights whole on
+    every shard (FP8 weights split over tp go through fp8_tp's products instead)."""
     return (self.fp8_swiglu is not None and isinstance(x_BTD, E4m3Rows)
-            and self.fp8_add_norm is not None
+            and self.fp8_add_norm is not None and self.fp8_tp is None
             and fp8_whole_blocks(self, ("gate_up_proj", "down_proj"))
             and fp8_rows_fit(self, x_BTD, ("gate_up_proj",)))
 
