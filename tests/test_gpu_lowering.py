@@ -228,7 +228,8 @@ def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8, mesh):
   kernel compiled for the GPU (no interpreter), the attention kernel in decode, verify and
   draft steps, MoE layers' norm + router kernel, the FP8 kernels in every FP8 step (the few-row
   one in decode, verify and draft steps, shard by shard at tp = 2, MLA's latent products too),
-  at tp = 2 each layer's row products summed in the next norm's kernel (FP8's too), and cuDNN's
+  on one GPU a dense FP8 MLP's SwiGLU kernel for down_proj's e4m3 rows, at tp = 2 each layer's
+  row products summed in the next norm's kernel (FP8's too), and cuDNN's
   fused attention in prefill chunks."""
   config = SMALL_MODELS[family]
   if fp8:
@@ -259,6 +260,10 @@ def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8, mesh):
         assert "__cudnn$fmha" in text, batch
         continue
       assert any(n.startswith(ATTENTION_KERNEL[family]) for n in names), (batch, kind, names)
+      if fp8 and tp == 1 and kind != "draft" and (config.moe is None
+                                                  or config.moe.first_k_dense_replace):
+        # a dense FP8 MLP's down_proj on the SwiGLU kernel's e4m3 rows (FP8_E4M3_SWIGLU)
+        assert "swiglu_e4m3" in names, (batch, kind, names)
       if tp > 1:  # o_proj's and dense MLPs' down_proj's shard sums in the next norm's kernel;
         # a MoE layer's o_proj's in its norm + router kernel where it has one (summed first)
         layers = 1 if kind == "draft" else config.num_layers  # a draft step: the MTP head's
