@@ -33,20 +33,14 @@ def sharded_fp8_add_rms_norm(mesh: Mesh, rules: ShardingRules, interpret: bool):
   (residual_norm.add_partials_rms_norm). Per batch shard, the weight whole on every shard (as
   the FP8 products run). quantize: norm(h) as a linear.E4m3Rows, its e4m3 form written by the
   same kernel."""
-  from jspec.pallas_kernels.fp8_gemm import fp8_partials_many
   from jspec.pallas_kernels.residual_norm import add_partials_rms_norm
   rows, whole = rules.spec(("batch", "seq", None)), PartitionSpec()
 
   def per_shard(x_BTK, w8, scale, lanes, residual_BTD, scale_D, *, eps, zero_centered,
                 quantize):
     b, t, d = residual_BTD.shape
-    if isinstance(x_BTK, E4m3Rows):  # quantized by the kernel before (the attention's)
-      parts_SRD, row_scale_M = fp8_partials_many(x_BTK.x8.reshape(b * t, -1), (w8,), (scale,),
-                                                 (lanes,), rows_first=True,
-                                                 act_lanes_X=x_BTK.lanes[0])
-    else:
-      parts_SRD, row_scale_M = fp8_partials_many(x_BTK.reshape(b * t, -1), (w8,), (scale,),
-                                                 (lanes,), rows_first=True)
+    # x's e4m3 rows where the kernel before (the attention's) quantized them
+    parts_SRD, row_scale_M = _partials(x_BTK, (w8,), (scale,), (lanes,), rows_first=True)
     h, normed, *quantized = add_partials_rms_norm(
         residual_BTD.reshape(b * t, d), parts_SRD, scale_D, row_scale_M, dtype=x_BTK.dtype,
         eps=eps, zero_centered=zero_centered, interpret=interpret, quantize=quantize)
