@@ -2,8 +2,9 @@
 prefill sizes): the Pallas expert backend, handed e4m3 expert weights [E, out, in] with their
 128 x 128 block scales as checkpoints store them, against float64 NumPy on the dequantized
 weights (e4m3 value x its block's scale; at prefill sizes with x and act rounded to e4m3 as
-the kernels' activation quantization does). In interpret mode here; the GPU runs are marked
-`gpu`."""
+the kernels' activation quantization does). The decode path's act goes to the down kernel in
+bfloat16 here (fp8_experts.DOWN_E4M3 off): its e4m3 form, and the decode path with it, are
+tests/test_expert_down_e4m3.py's. In interpret mode here; the GPU runs are marked `gpu`."""
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from jspec.models.moe_backends import experts_reference
-from jspec.pallas_kernels import platform
+from jspec.pallas_kernels import fp8_experts, platform
 from jspec.pallas_kernels.experts import experts_pallas
 from jspec.pallas_kernels.fp8_experts import (BLOCK, CHUNK_TOKENS, DECODE_PATH_MAX_TOKENS,
                                               Fp8Experts, Fp8ExpertsTiling, experts_fp8,
@@ -22,6 +23,11 @@ from jspec.pallas_kernels.fp8_gemm import quantize_activations, scale_lanes
 from jspec.pallas_kernels.fp8_layout import choose_splits
 
 RUN_SEED = 20261125
+
+
+@pytest.fixture(autouse=True)
+def bf16_act_for_the_down_kernel(monkeypatch):
+  monkeypatch.setattr(fp8_experts, "DOWN_E4M3", False)
 
 
 def _fp8(rng, num_experts, out, inner):

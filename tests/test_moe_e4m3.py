@@ -111,7 +111,7 @@ def test_slot_products_refuse_e4m3_rows_without_their_scales():
                            num_slots_1=jnp.ones(1, jnp.int32), blocks_per_step=1, num_stages=2)
   with pytest.raises(ValueError, match="shared .* with its act_lanes_X"):
     call(x8)
-  with pytest.raises(ValueError, match="neither"):
+  with pytest.raises(ValueError, match="16-bit x with none"):
     call(jnp.ones((1, 256), jnp.bfloat16), act_lanes_X=act_lanes(x_scale))
   with pytest.raises(ValueError, match=r"act_lanes_X has shape \(32,\)"):
     call(x8, act_lanes_X=act_lanes(x_scale)[:32])

@@ -12,6 +12,12 @@ makes them.
 
 Each value is what the XLA form computes (float32 sums, the same SiLU, one rounding to
 bfloat16) but for the order of the P float32 additions.
+
+gate_up_act_e4m3: the same act in e4m3 for the down kernel to multiply on the FP8 tensor cores
+(no widening of its e4m3 tiles to bf16), each row of a slot scaled per 128 columns as
+fp8_gemm.quantize_activations scales the bf16 act (DeepSeek-V3's act_quant before every FP8
+product; a dense FP8 MLP's down_proj takes its act so, jspec.pallas_kernels.swiglu_e4m3), the
+scales in the FP8 kernel's lanes per slot ([S, F/128 x L], fp8_gemm.act_lanes' layout).
 """
 
 from __future__ import annotations
@@ -24,11 +30,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas_kernels import platform
+from jspec.pallas_kernels.fp8_block_kernel import BLOCK, E4M3
+from jspec.pallas_kernels.fp8_gemm import INVERSE_E4M3_MAX, SCALE_LANES
+from jspec.pallas_kernels.quantize_rows import divide_rn
 
 # Partial values a program holds per weight (P x its columns x N): 16 float32 a thread at 4
 # warps, so that the two sums and their loads stay in registers.
 VALUES_PER_PROGRAM = 2048
 MIN_COLUMNS = 16
+# Partial values per weight gate_up_act_e4m3's program holds at once (its 128 columns of a
+# group, all N rows, as many slices as fit).
+E4M3_VALUES = 4096
+E4M3_WARPS = 4
+# The most partial values a weight (slices x 128 x N) of a (slot, group) program for which the
+# e4m3 form is taken (e4m3_pays): one slice of 8 rows, DeepSeek-V3's decode step (its MoE layer
+# 6.6 µs shorter on an H100); Qwen3-30B-A3B's 8 slices of 8 rows (8192) made its activation
+# kernel 2.5 µs longer than the down kernel saved.
+E4M3_MAX_VALUES = 1024
 
 
 def columns_per_program(splits: int, ffn: int, rows: int) -> int:
@@ -83,3 +101,84 @@ def gate_up_act(parts_WPSFN: jax.Array, num_slots_1: jax.Array,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret, name="expert_gate_up_act",
   )(num_slots_1.astype(jnp.int32), parts_WPSFN)
+
+
+def quantizes(ffn: int, rows: int) -> bool:
+  """Shapes gate_up_act_e4m3 takes: F in whole 128-groups, N a power of two up to 64."""
+  return ffn % BLOCK == 0 and rows & (rows - 1) == 0 and rows <= 64
+
+
+def e4m3_pays(splits: int, ffn: int, rows: int) -> bool:
+  """Where gate_up_act_e4m3 and the down kernel on its e4m3 act are measured shorter than the
+  bf16 act and the widening down kernel: a program's partials within E4M3_MAX_VALUES a weight
+  (its one (slot, group) program loads them all; BENCHMARKS.md, "The FP8 experts' down product
+  on e4m3 act ...")."""
+  return (quantizes(ffn, rows)
+          and pl.next_power_of_2(splits) * BLOCK * rows <= E4M3_MAX_VALUES)
+
+
+def lanes_per_group(rows: int) -> int:
+  """L of the act's scales [S, F/128 x L]: fp8_gemm.act_lanes' lanes for `rows` rows."""
+  return max(rows, SCALE_LANES)
+
+
+def _e4m3_kernel(num_slots_ref, parts_ref, act8_ref, lanes_ref, *, splits: int,
+                 interpret: bool):
+  """Program (s, g): slot s's 128-column group g. Its partials are loaded a few slices at a
+  time (at most E4M3_VALUES a weight in registers) and summed as gate_up_act sums them, the
+  act rounded to bfloat16, each row's (column of the [128, N] tile's) largest |act| giving its
+  scale, and the quotients stored in the [N, F] order with the scales on lanes 0..N-1 of the
+  group (0 on the rest)."""
+  s, g = pl.program_id(0), pl.program_id(1)
+  rows = parts_ref.shape[4]
+  block = pl.ds(pl.multiple_of(g * BLOCK, BLOCK), BLOCK)
+  chunk = pl.next_power_of_2(splits)  # all slices in one load (the padded ones masked)
+  while chunk > 1 and (chunk * BLOCK * rows > E4M3_VALUES or chunk < splits and splits % chunk):
+    chunk //= 2  # or loads of `chunk` slices, a divisor of the slices
+
+  def summed(w):  # [128, N] float32: the slices' partials of weight w (0 gate, 1 up)
+    total = None
+    for first in range(0, splits, chunk):
+      real_P = first + jnp.arange(chunk) < splits
+      parts_PCN = pltriton.load(parts_ref.at[jnp.int32(w), pl.ds(first, chunk), s, block, :],
+                                mask=real_P[:, None, None], other=0.0)
+      part = jnp.sum(parts_PCN, axis=0)
+      total = part if total is None else total + part
+    return total
+
+  act_CN = (jax.nn.silu(summed(0)) * summed(1)).astype(jnp.bfloat16).astype(jnp.float32)
+  act_CN = jnp.where(s < num_slots_ref[0], act_CN, 0.0)
+  scale_N = jnp.maximum(jnp.max(jnp.abs(act_CN), axis=0), 1e-12) * INVERSE_E4M3_MAX
+  quotient_CN = divide_rn(act_CN, jax.lax.broadcast_in_dim(scale_N, act_CN.shape, [1]),
+                          interpret)
+  act8_ref[s, :, block] = quotient_CN.T.astype(act8_ref.dtype)
+  lanes = lanes_ref.shape[2]
+  lane_NL = jax.lax.broadcasted_iota(jnp.int32, (rows, lanes), 1)
+  row_NL = jax.lax.broadcasted_iota(jnp.int32, (rows, lanes), 0)
+  lanes_ref[s, g, :] = jnp.sum(jnp.where(lane_NL == row_NL, scale_N[:, None], 0.0), axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def gate_up_act_e4m3(parts_WPSFN: jax.Array, num_slots_1: jax.Array,
+                     interpret: bool | None = None):
+  """(act8 [S, N, F] e4m3, its scales [S, F/128 x L] float32) of gate_up_act's bf16 act from
+  the same partials: each row's 128-column groups quantized as fp8_gemm.quantize_activations
+  quantizes them, the scales laid out per slot as fp8_gemm.act_lanes lays out a step's (lane
+  n of group g: row n's scale, 0 past the N rows). Slots from num_slots on: zeros."""
+  weights, splits, slots, ffn, rows = parts_WPSFN.shape
+  if weights != 2 or parts_WPSFN.dtype != jnp.float32 or not quantizes(ffn, rows):
+    raise ValueError(f"gate_up_act_e4m3 takes float32 partials [2, P, S, F, N] with F a "
+                     f"multiple of {BLOCK} and N a power of two up to 64, got "
+                     f"{parts_WPSFN.shape} {parts_WPSFN.dtype}")
+  if interpret is None:
+    interpret = not platform.on_gpu()
+  groups = ffn // BLOCK
+  act8, lanes = pl.pallas_call(
+      functools.partial(_e4m3_kernel, splits=splits, interpret=interpret),
+      out_shape=(jax.ShapeDtypeStruct((slots, rows, ffn), E4M3),
+                 jax.ShapeDtypeStruct((slots, groups, lanes_per_group(rows)), jnp.float32)),
+      grid=(slots, groups),
+      compiler_params=pltriton.CompilerParams(num_warps=E4M3_WARPS, num_stages=1),
+      interpret=interpret, name="expert_gate_up_act_e4m3",
+  )(num_slots_1.astype(jnp.int32), parts_WPSFN)
+  return act8, lanes.reshape(slots, -1)

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from jspec.pallas_kernels import permute, routing
-from jspec.pallas_kernels.fp8_experts import TWO_SUMS_MAX_ROWS, Fp8Experts, slot_products
+from jspec.pallas_kernels.fp8_expert_products import Fp8Experts, slot_products
+from jspec.pallas_kernels.fp8_experts import TWO_SUMS_MAX_ROWS
 from jspec.pallas_kernels.quantize_rows import quantize_rows
 
 # Rows per tile (wgmma's N): float32 sums of a 128-column item in registers bound it at 64.

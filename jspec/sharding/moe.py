@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jspec.pallas_kernels import workspace_all_reduce as wsar
-from jspec.pallas_kernels.fp8_experts import Fp8Experts
+from jspec.pallas_kernels.fp8_expert_products import Fp8Experts
 from jspec.sharding.rules import ShardingRules, axis_size
 
 EP_STRATEGIES = ("auto", "all_gather", "all_to_all")
