@@ -21,8 +21,9 @@ import jspec
 from jspec.bench.collectives import step_programs
 from jspec.bench.presets import PRESETS
 from jspec.models.mla import kv_a_width
-from jspec.pallas_kernels import (decode_routing, fp8_gemm, fp8_layout, norm_router, platform,
-                                  residual_norm, row_norms)
+from jspec.pallas_kernels import (decode_routing, fp8_experts, fp8_gemm, fp8_layout, norm_router,
+                                  platform, residual_norm, row_norms)
+from jspec.pallas_kernels.fp8_experts import Fp8Experts, experts_fp8_decode
 from jspec.pallas_kernels import short_attention as short_lib
 
 S = jax.ShapeDtypeStruct
@@ -275,3 +276,27 @@ def test_a_models_step_programs_lower_with_the_gpus_kernels(family, fp8, mesh):
         assert config.moe or not any(n.startswith("add_rms_norm") for n in names), names
       if family in ("qwen3_moe", "qwen3_5_moe"):
         assert any(n.startswith("add_norm_router") for n in names), (batch, kind, names)
+
+
+@pytest.mark.usefixtures("as_on_hopper")
+@pytest.mark.parametrize("rows_first", [False, True])
+@pytest.mark.parametrize("experts, hidden, ffn, e4m3_act", [(128, 2048, 768, False),
+                                                            (256, 7168, 2048, True)])
+def test_the_fp8_experts_decode_path_lowers(monkeypatch, rows_first, experts, hidden, ffn,
+                                            e4m3_act):
+  """One token's experts at Qwen3-30B-A3B's and DeepSeek-V3's shapes lowered for an H200, the
+  partials rows first or last: the gate / up and down Mosaic GPU calls, and the activation
+  kernel in its e4m3 form where the rule takes it (DeepSeek-V3's one K slice) only."""
+  monkeypatch.setattr(fp8_experts, "GATE_UP_ROWS_FIRST", rows_first)
+
+  def weight(out, inner):
+    blocks = (experts, out // 128, inner // 128)
+    lanes = (*blocks[:2], blocks[2] * fp8_gemm.SCALE_LANES)
+    return Fp8Experts(S((experts, out, inner), E4M3), S(blocks, jnp.float32),
+                      S(lanes, jnp.float32))
+
+  args = (S((1, hidden), jnp.bfloat16), S((1, 8), jnp.int32), S((1, 8), jnp.float32),
+          weight(ffn, hidden), weight(ffn, hidden), weight(hidden, ffn))
+  text = jax.jit(experts_fp8_decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert sum(k.startswith("mosaic_gpu") for k in _kernel_calls(text)) == 2
+  assert ("expert_gate_up_act_e4m3" in text) == e4m3_act

@@ -214,19 +214,26 @@ def test_a_moe_models_q_k_v_and_experts_read_the_e4m3_rows_of_the_norms(monkeypa
   _same_logits_and_tokens(xla_quantized, rows)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_gpu_shared_e4m3_rows_at_qwen3_30b_a3b_shapes(tokens):
-  """Compiled: Qwen3-30B-A3B's experts' gate / up (8 slots of 2 x 768 x 2048, K slices as the
-  decode path chooses) on shared e4m3 rows, against the per-slot e4m3 route."""
-  rng = np.random.default_rng(tokens)
+def a3b_gate_up_case(rng, tokens):
+  """Qwen3-30B-A3B's experts' gate / up at a step of `tokens`: (weights, x8, x's scales, slots,
+  slot_expert, num_slots (all but the last slot used), K slices as the decode path chooses)."""
   weights = tuple(_fp8_experts(rng, 128, 768, 2048, True) for _ in range(2))
   x8, x_scale = quantize_activations(jnp.asarray(rng.standard_normal((tokens, 2048)),
                                                  jnp.bfloat16))
   slots = 8 * tokens if tokens > 1 else 8
   slot_expert = jnp.asarray(rng.choice(128, slots, replace=False), jnp.int32)
   num_slots = jnp.asarray([slots - 1], jnp.int32)
-  splits = fp8_experts._splits(None, 2048, slots, 768)
+  return (weights, x8, x_scale, slots, slot_expert, num_slots,
+          fp8_experts._splits(None, 2048, slots, 768))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_gpu_shared_e4m3_rows_at_qwen3_30b_a3b_shapes(tokens):
+  """Compiled: Qwen3-30B-A3B's experts' gate / up (8 slots of 2 x 768 x 2048, K slices as the
+  decode path chooses) on shared e4m3 rows, against the per-slot e4m3 route."""
+  weights, x8, x_scale, slots, slot_expert, num_slots, splits = a3b_gate_up_case(
+      np.random.default_rng(tokens), tokens)
   got = slot_products(x8, weights, slot_expert, num_slots, 1, 4, splits=splits,
                       act_lanes_X=act_lanes(x_scale))
   rows = decode_routing.padded_tokens(tokens)

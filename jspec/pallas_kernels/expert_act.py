@@ -64,38 +64,61 @@ def fits(ffn: int, rows: int) -> bool:
   return ffn % MIN_COLUMNS == 0 and rows & (rows - 1) == 0
 
 
-def _kernel(num_slots_ref, parts_ref, act_ref, *, splits: int, cols: int):
+def _summed_NC(parts_ref, w: int, s, block, first: int, chunk: int, splits: int,
+               rows_first: bool, live_rows: int):
+  """[N, C] float32: weight w's (0 gate, 1 up) partials of slices first..first+chunk summed,
+  slot s, the columns of `block`; rows first, rows from live_rows on neither read nor
+  summed (zeros), so that a step's padded rows cost no loads."""
+  real_P = first + jnp.arange(chunk) < splits
+  if rows_first:
+    rows = parts_ref.shape[3]
+    mask = real_P[:, None, None] & (jnp.arange(rows) < live_rows)[None, :, None]
+    return jnp.sum(pltriton.load(parts_ref.at[jnp.int32(w), pl.ds(first, chunk), s, :, block],
+                                 mask=mask, other=0.0), axis=0)
+  parts_PCN = pltriton.load(parts_ref.at[jnp.int32(w), pl.ds(first, chunk), s, block, :],
+                            mask=real_P[:, None, None], other=0.0)
+  return jnp.sum(parts_PCN, axis=0).T
+
+
+def _kernel(num_slots_ref, parts_ref, act_ref, *, splits: int, cols: int, rows_first: bool,
+            live_rows: int):
   s, f = pl.program_id(0), pl.program_id(1)
-  padded = pl.next_power_of_2(splits)
-  real_P = jnp.arange(padded) < splits
   block = pl.ds(pl.multiple_of(f * cols, cols), cols)
-
-  def summed(w):  # [cols, N] float32: the slices' partials of weight w (0 gate, 1 up)
-    parts_PCN = pltriton.load(parts_ref.at[jnp.int32(w), pl.ds(0, padded), s, block, :],
-                              mask=real_P[:, None, None], other=0.0)
-    return jnp.sum(parts_PCN, axis=0)
-
-  gate_CN, up_CN = summed(0), summed(1)
-  act_CN = jax.nn.silu(gate_CN) * up_CN
-  act_CN = jnp.where(s < num_slots_ref[0], act_CN, 0.0)
-  act_ref[s, :, block] = act_CN.T.astype(act_ref.dtype)
+  sums = [_summed_NC(parts_ref, w, s, block, 0, pl.next_power_of_2(splits), splits,
+                     rows_first, live_rows) for w in (0, 1)]
+  act_NC = jax.nn.silu(sums[0]) * sums[1]
+  act_NC = jnp.where(s < num_slots_ref[0], act_NC, 0.0)
+  act_ref[s, :, block] = act_NC.astype(act_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+def _layout(parts, rows_first: bool, live_rows: int | None):
+  """(weights, splits, slots, F, N, live rows) of gate / up partials in either layout."""
+  weights, splits, slots, *tile = parts.shape
+  rows, ffn = tile if rows_first else tile[::-1]
+  if live_rows is not None and (not rows_first or not 0 < live_rows <= rows):
+    raise ValueError(f"live_rows ({live_rows}) bounds rows-first partials' {rows} rows")
+  return weights, splits, slots, ffn, rows, rows if live_rows is None else live_rows
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "rows_first", "live_rows"))
 def gate_up_act(parts_WPSFN: jax.Array, num_slots_1: jax.Array,
-                interpret: bool | None = None) -> jax.Array:
+                interpret: bool | None = None, rows_first: bool = False,
+                live_rows: int | None = None) -> jax.Array:
   """act [S, N, F] bfloat16 from the gate / up kernel's float32 partials [2, P, S, F, N]
-  (fp8_experts.slot_products(..., summed=False)) and the used slots' count [1]."""
-  weights, splits, slots, ffn, rows = parts_WPSFN.shape
+  (fp8_experts.slot_products(..., summed=False)) and the used slots' count [1]. rows_first:
+  the partials as [2, P, S, N, F] (slot_products' rows_first), of which only the first
+  live_rows rows (None: all) are read; the act's rows past them are zeros."""
+  weights, splits, slots, ffn, rows, live = _layout(parts_WPSFN, rows_first, live_rows)
   if weights != 2 or parts_WPSFN.dtype != jnp.float32 or not fits(ffn, rows):
-    raise ValueError(f"gate_up_act takes float32 partials [2, P, S, F, N] with F a multiple "
-                     f"of {MIN_COLUMNS} and N a power of two, got {parts_WPSFN.shape} "
-                     f"{parts_WPSFN.dtype}")
+    raise ValueError(f"gate_up_act takes float32 partials [2, P, S, F, N] (or rows first) with "
+                     f"F a multiple of {MIN_COLUMNS} and N a power of two, got "
+                     f"{parts_WPSFN.shape} {parts_WPSFN.dtype}")
   if interpret is None:
     interpret = not platform.on_gpu()
   cols = columns_per_program(splits, ffn, rows)
   return pl.pallas_call(
-      functools.partial(_kernel, splits=splits, cols=cols),
+      functools.partial(_kernel, splits=splits, cols=cols, rows_first=rows_first,
+                        live_rows=live),
       out_shape=jax.ShapeDtypeStruct((slots, rows, ffn), jnp.bfloat16),
       grid=(slots, ffn // cols),
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
@@ -122,50 +145,50 @@ def lanes_per_group(rows: int) -> int:
   return max(rows, SCALE_LANES)
 
 
-def _e4m3_kernel(num_slots_ref, parts_ref, act8_ref, lanes_ref, *, splits: int,
-                 interpret: bool):
+def _e4m3_kernel(num_slots_ref, parts_ref, act8_ref, lanes_ref, *, splits: int, rows: int,
+                 rows_first: bool, live_rows: int, interpret: bool):
   """Program (s, g): slot s's 128-column group g. Its partials are loaded a few slices at a
   time (at most E4M3_VALUES a weight in registers) and summed as gate_up_act sums them, the
-  act rounded to bfloat16, each row's (column of the [128, N] tile's) largest |act| giving its
-  scale, and the quotients stored in the [N, F] order with the scales on lanes 0..N-1 of the
-  group (0 on the rest)."""
+  act rounded to bfloat16, each row's largest |act| giving its scale, and the quotients stored
+  in the [N, F] order with the scales of the live rows on lanes 0..live-1 of the group (0 on
+  the rest)."""
   s, g = pl.program_id(0), pl.program_id(1)
-  rows = parts_ref.shape[4]
   block = pl.ds(pl.multiple_of(g * BLOCK, BLOCK), BLOCK)
   chunk = pl.next_power_of_2(splits)  # all slices in one load (the padded ones masked)
   while chunk > 1 and (chunk * BLOCK * rows > E4M3_VALUES or chunk < splits and splits % chunk):
     chunk //= 2  # or loads of `chunk` slices, a divisor of the slices
 
-  def summed(w):  # [128, N] float32: the slices' partials of weight w (0 gate, 1 up)
-    total = None
-    for first in range(0, splits, chunk):
-      real_P = first + jnp.arange(chunk) < splits
-      parts_PCN = pltriton.load(parts_ref.at[jnp.int32(w), pl.ds(first, chunk), s, block, :],
-                                mask=real_P[:, None, None], other=0.0)
-      part = jnp.sum(parts_PCN, axis=0)
-      total = part if total is None else total + part
+  def summed(w):  # [N, 128] float32: the slices' partials of weight w (0 gate, 1 up)
+    parts = [_summed_NC(parts_ref, w, s, block, first, chunk, splits, rows_first, live_rows)
+             for first in range(0, splits, chunk)]
+    total = parts[0]
+    for part in parts[1:]:
+      total = total + part
     return total
 
-  act_CN = (jax.nn.silu(summed(0)) * summed(1)).astype(jnp.bfloat16).astype(jnp.float32)
-  act_CN = jnp.where(s < num_slots_ref[0], act_CN, 0.0)
-  scale_N = jnp.maximum(jnp.max(jnp.abs(act_CN), axis=0), 1e-12) * INVERSE_E4M3_MAX
-  quotient_CN = divide_rn(act_CN, jax.lax.broadcast_in_dim(scale_N, act_CN.shape, [1]),
+  act_NC = (jax.nn.silu(summed(0)) * summed(1)).astype(jnp.bfloat16).astype(jnp.float32)
+  act_NC = jnp.where(s < num_slots_ref[0], act_NC, 0.0)
+  scale_N = jnp.maximum(jnp.max(jnp.abs(act_NC), axis=1), 1e-12) * INVERSE_E4M3_MAX
+  quotient_NC = divide_rn(act_NC, jax.lax.broadcast_in_dim(scale_N, act_NC.shape, [0]),
                           interpret)
-  act8_ref[s, :, block] = quotient_CN.T.astype(act8_ref.dtype)
+  act8_ref[s, :, block] = quotient_NC.astype(act8_ref.dtype)
   lanes = lanes_ref.shape[2]
   lane_NL = jax.lax.broadcasted_iota(jnp.int32, (rows, lanes), 1)
   row_NL = jax.lax.broadcasted_iota(jnp.int32, (rows, lanes), 0)
-  lanes_ref[s, g, :] = jnp.sum(jnp.where(lane_NL == row_NL, scale_N[:, None], 0.0), axis=0)
+  on_lane = (lane_NL == row_NL) & (row_NL < live_rows)
+  lanes_ref[s, g, :] = jnp.sum(jnp.where(on_lane, scale_N[:, None], 0.0), axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("interpret", "rows_first", "live_rows"))
 def gate_up_act_e4m3(parts_WPSFN: jax.Array, num_slots_1: jax.Array,
-                     interpret: bool | None = None):
+                     interpret: bool | None = None, rows_first: bool = False,
+                     live_rows: int | None = None):
   """(act8 [S, N, F] e4m3, its scales [S, F/128 x L] float32) of gate_up_act's bf16 act from
-  the same partials: each row's 128-column groups quantized as fp8_gemm.quantize_activations
-  quantizes them, the scales laid out per slot as fp8_gemm.act_lanes lays out a step's (lane
-  n of group g: row n's scale, 0 past the N rows). Slots from num_slots on: zeros."""
-  weights, splits, slots, ffn, rows = parts_WPSFN.shape
+  the same partials (either layout, gate_up_act's rows_first and live_rows): each row's
+  128-column groups quantized as fp8_gemm.quantize_activations quantizes them, the scales laid
+  out per slot as fp8_gemm.act_lanes lays out a step's (lane n of group g: row n's scale, 0
+  past the live rows). Slots from num_slots on: zeros."""
+  weights, splits, slots, ffn, rows, live = _layout(parts_WPSFN, rows_first, live_rows)
   if weights != 2 or parts_WPSFN.dtype != jnp.float32 or not quantizes(ffn, rows):
     raise ValueError(f"gate_up_act_e4m3 takes float32 partials [2, P, S, F, N] with F a "
                      f"multiple of {BLOCK} and N a power of two up to 64, got "
@@ -174,7 +197,8 @@ def gate_up_act_e4m3(parts_WPSFN: jax.Array, num_slots_1: jax.Array,
     interpret = not platform.on_gpu()
   groups = ffn // BLOCK
   act8, lanes = pl.pallas_call(
-      functools.partial(_e4m3_kernel, splits=splits, interpret=interpret),
+      functools.partial(_e4m3_kernel, splits=splits, rows=rows, rows_first=rows_first,
+                        live_rows=live, interpret=interpret),
       out_shape=(jax.ShapeDtypeStruct((slots, rows, ffn), E4M3),
                  jax.ShapeDtypeStruct((slots, groups, lanes_per_group(rows)), jnp.float32)),
       grid=(slots, groups),

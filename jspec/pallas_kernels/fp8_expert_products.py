@@ -60,7 +60,7 @@ def fits_kernel(*weights: Fp8Experts) -> bool:
 def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1,
                   blocks_per_step: int, num_stages: int, act_scale_SKbN=None,
                   splits: int = 1, summed: bool = True, act_lanes_X=None,
-                  act_lanes_SX=None):
+                  act_lanes_SX=None, rows_first: bool = False):
   """[W, S, out, N] float32 (summed False: the K slices' partials [W, P, S, out, N], the sum
   left to the reader): for weight j and each used slot s, W_j[e_s] @ x_s^T with each
   128-K block's products times its scale. x: [N, in] float16, bfloat16 or e4m3 shared by
@@ -76,7 +76,13 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
 
   splits: K slices per (slot, 128-column block) item, each its own work item, their float32
   partials summed after the kernel: a step with few slots of narrow experts (one token, 8 of
-  Qwen3-30B-A3B's 768-wide ones: 48 items) would otherwise leave most SMs idle."""
+  Qwen3-30B-A3B's 768-wide ones: 48 items) would otherwise leave most SMs idle.
+
+  rows_first (with summed False): the partials as [W, P, S, N, out], each tile stored
+  transposed, so that a reader of the live rows alone reads them contiguously (one token of a
+  decode step: 1 row of the 8 wgmma multiplies)."""
+  if rows_first and summed:
+    raise ValueError("rows_first partials are left to their reader to sum (summed=False)")
   per_slot_x = x.ndim == 3
   fp8_x = x.dtype == E4M3
   per_slot_fp8, shared_fp8 = fp8_x and per_slot_x, fp8_x and not per_slot_x
@@ -189,21 +195,30 @@ def slot_products(x, weights: tuple[Fp8Experts, ...], slot_expert_S, num_slots_1
       slot, split = slot_and_split(part)
       for j, total in enumerate(sums):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's previous store read it
-        o_smem[...] = total
+        columns = pl.ds(col * BLOCK, BLOCK)
+        if rows_first:  # 32-bit values store transposed from WGMMA's transposed layout only
+          o_smem.T[...] = plgpu.layout_cast(total, plgpu.Layout.WGMMA_TRANSPOSED)
+        else:
+          o_smem[...] = total
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[j, split, slot, pl.ds(col * BLOCK, BLOCK)])
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[j, split, slot, :, columns] if rows_first
+                                else out_ref.at[j, split, slot, columns])
 
     decode_gemm._slot_pipeline(
         num_slots=num_slots_ref[0] * splits, col_blocks=out // BLOCK, k_steps=k_steps,
         block_cols=BLOCK, tokens_pad=rows, dtype=jnp.float32, in_specs_for=in_specs_for,
         num_sums=num_weights, stages=stages, epilogue=epilogue, operands_of=None,
         async_mma=False, accumulate=accumulate,
-        out_smem=plgpu.SMEM((BLOCK, rows), jnp.float32,
-                            transforms=smem_transforms(rows, jnp.float32)),
+        out_smem=(plgpu.SMEM((rows, BLOCK), jnp.float32,
+                             transforms=smem_transforms(BLOCK, jnp.float32)) if rows_first
+                  else plgpu.SMEM((BLOCK, rows), jnp.float32,
+                                  transforms=smem_transforms(rows, jnp.float32))),
     )(*in_refs)
 
+  tile_shape = (rows, out) if rows_first else (out, rows)
   parts_WPSON = decode_gemm._kernel_call(
-      body, (num_weights, splits, num_slots_max, out, rows), jnp.float32, "fp8_experts_decode")(
+      body, (num_weights, splits, num_slots_max, *tile_shape), jnp.float32,
+      "fp8_experts_decode")(
           slot_expert_S, num_slots_1, x, *[w.w8 for w in weights], *scale_rows,
           *([act_lanes_X.astype(jnp.float32)] if shared_fp8 else []),
           *([act_lanes_SX.astype(jnp.float32)] if slot_lanes else []))

@@ -66,6 +66,10 @@ ACT_KERNEL = True
 # down kernel multiplies e4m3 by e4m3 with no widening of its tiles, as a dense FP8 MLP's
 # down_proj does.
 DOWN_E4M3 = True
+# The gate / up kernel's K-slice partials rows first ([2, P, S, N, F]) for the activation
+# kernel, which then reads the step's live rows only (one token: 1 of 8 rows); built, not yet
+# timed, so off.
+GATE_UP_ROWS_FIRST = False
 # Tokens (wgmma's N) up to which gate and up share one kernel: each adds a [128, N] float32 sum
 # and a step's products of the same size to a thread's registers.
 TWO_SUMS_MAX_ROWS = 32
@@ -158,16 +162,21 @@ def experts_fp8_decode(x_TD, topk_ids_TK, topk_weights_TK, w_gate: Fp8Experts,
   one_call = rows <= TWO_SUMS_MAX_ROWS
   if one_call and bfloat16 and ACT_KERNEL and expert_act.fits(ffn, rows):
     # The sums, the activation and its rounding in one kernel (expert_act says why).
+    rows_first = GATE_UP_ROWS_FIRST
+    layout = dict(rows_first=rows_first, live_rows=num_tokens if rows_first else None)
     parts_WPSFN = slot_products(x_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
                                 tiling.gate_up_blocks, tiling.num_stages,
-                                splits=gate_up_splits, summed=False, act_lanes_X=act_lanes_X)
+                                splits=gate_up_splits, summed=False, act_lanes_X=act_lanes_X,
+                                rows_first=rows_first)
     if DOWN_E4M3 and expert_act.e4m3_pays(gate_up_splits, ffn, rows):
-      act8_SNF, act_lanes_SX = expert_act.gate_up_act_e4m3(parts_WPSFN, plan.num_slots_1)
+      act8_SNF, act_lanes_SX = expert_act.gate_up_act_e4m3(parts_WPSFN, plan.num_slots_1,
+                                                           **layout)
       (down_SDN,) = slot_products(act8_SNF, (w_down,), plan.slot_expert_S, plan.num_slots_1,
                                   tiling.down_blocks, tiling.num_stages, splits=down_splits,
                                   act_lanes_SX=act_lanes_SX)
       return _combined(down_SDN, plan.weight_SR[:, :rows], plan, x_TD.dtype)
-    act_in_SNF, act_scale_SN = expert_act.gate_up_act(parts_WPSFN, plan.num_slots_1), 1.0
+    act_in_SNF = expert_act.gate_up_act(parts_WPSFN, plan.num_slots_1, **layout)
+    act_scale_SN = 1.0
   else:
     if one_call:
       gate_up = slot_products(x_ND, (w_gate, w_up), plan.slot_expert_S, plan.num_slots_1,
