@@ -9,23 +9,13 @@ in one jitted program (as a step's layers run them: one after another, inputs in
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jspec.pallas_kernels import expert_act
 
-
-def timed(fn, *args, repeats=20):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
+from fp8_matmul import timed  # this folder's: benchmarks run as scripts
 
 
 def main():
